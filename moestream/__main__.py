@@ -1,0 +1,3 @@
+from moestream.cli import main
+
+raise SystemExit(main())
