@@ -1,0 +1,59 @@
+"""Typed configuration read in one place: byte sizes ("4GiB"), the engine options, and a checkpoint's config.json.
+
+Owns parsing of user-facing sizes and the top-level `config.json` (including multimodal checkpoints whose text
+model sits under `text_config`). Family-specific fields are read by each family's own config dataclass.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from moestream.errors import CheckpointError, MoestreamError
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: str | int | float | None) -> int | None:
+    """'4GiB' -> 4294967296; ints pass through; None stays None (no limit)."""
+    if value is None or isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise MoestreamError(f"cannot parse byte size {value!r}: use e.g. 4GiB, 512MiB, 2GB or a plain integer")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+@dataclass
+class EngineOptions:
+    ram_budget: int | None = None  # bytes; None = no limit
+    device: str = "cpu"
+    cache_policy: str = "lru"
+    io_threads: int = 8
+    prefill_chunk: int = 512
+
+
+def read_model_config(root: str | Path) -> dict:
+    """The text model's config dict (unwrapping `text_config` of multimodal checkpoints)."""
+    path = Path(root) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{root}: no config.json (is this a Hugging Face checkpoint directory?)") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: malformed config.json: {e}") from None
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        raise CheckpointError(f"{path}: config.json has no model_type")
+    return cfg

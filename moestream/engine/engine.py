@@ -1,0 +1,206 @@
+"""The engine: opens a checkpoint under a RAM budget and runs steps over several sequences at once.
+
+Owns the open sequence (config -> family -> index -> budget check -> dense load), `step()` (one forward over a
+flat batch of sequences, each with its own state), and the single generation loop (`stream`) that the CLI, the
+server and batch mode share. Model math lives in models/, residency in experts/.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from moestream.config import EngineOptions, format_bytes, parse_bytes, read_model_config
+from moestream.engine.memory import MemoryAccountant
+from moestream.engine.sampling import SamplingParams, sample
+from moestream.engine.state import Batch, SeqState
+from moestream.errors import BudgetError, MoestreamError, RequestError
+from moestream.experts.dispatch import ExpertRunner
+from moestream.experts.store import ExpertStore, fp32_nbytes
+from moestream.models.base import DenseWeights, ExpertLayout, ModelContext
+from moestream.models.registry import family_for
+from moestream.weights.index import CheckpointIndex
+
+
+@dataclass
+class ModelPlan:
+    """What a checkpoint costs, computed from headers alone (used by open() and `moestream info`)."""
+
+    family: object
+    config: object
+    layout: ExpertLayout
+    store: ExpertStore
+    dense_names: list[str]
+    dense_bytes: int
+    expert_bytes: int  # all routed experts
+    max_expert_bytes: int
+    scratch_bytes: int
+
+
+def plan(path: str | Path, io_threads: int = 8) -> ModelPlan:
+    raw = read_model_config(path)
+    family = family_for(raw)
+    cfg = family.parse(raw)
+    index = CheckpointIndex.open(path)
+    names = {n[len(family.prefix):] for n in index.names() if family.wants(n)}
+    layout = family.experts(cfg, names)
+    store = ExpertStore(index, layout.parts, layout.num_experts, family.prefix, io_threads)
+    dense = [n for n in index.names() if family.wants(n) and not store.is_expert_tensor(n)]
+    dense_bytes = sum(index[n].nbytes for n in dense)
+    per_layer = [[store.expert_nbytes(l, e) for e in range(layout.num_experts)] for l in layout.moe_layers]
+    sizes = [b for row in per_layer for b in row]
+    scratch = 0
+    if layout.moe_layers:
+        scratch = sum(fp32_nbytes(loc) for loc in store.locate(layout.moe_layers[0], 0))
+    return ModelPlan(family, cfg, layout, store, dense, dense_bytes, sum(sizes), max(sizes, default=0), scratch)
+
+
+class Engine:
+    def __init__(self, path: Path, p: ModelPlan, memory: MemoryAccountant, model, runner: ExpertRunner,
+                 options: EngineOptions):
+        self.path, self.plan, self.memory, self.model, self.runner, self.options = path, p, memory, model, runner, options
+        self.vocab_size = model.vocab_size
+
+    @classmethod
+    def open(cls, path: str | Path, ram_budget: str | int | None = None, device: str = "cpu",
+             **options) -> "Engine":
+        if device != "cpu":
+            raise MoestreamError(f"device {device!r} is not supported yet; use device='cpu'")
+        opts = EngineOptions(ram_budget=parse_bytes(ram_budget), device=device, **options)
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        p = plan(path, opts.io_threads)
+        memory = MemoryAccountant(opts.ram_budget)
+        _check_budget(p, opts.ram_budget)
+        memory.scratch_bytes = p.scratch_bytes
+        runner = ExpertRunner(p.store, memory, opts.cache_policy)
+        weights = DenseWeights(p.store.index, p.family.prefix, memory)
+        model = p.family.build(p.config, ModelContext(weights, runner, memory))
+        return cls(Path(path), p, memory, model, runner, opts)
+
+    # ---- sequences and steps -------------------------------------------------------------------------
+    def new_sequence(self) -> SeqState:
+        return self.model.new_state()
+
+    def free(self, state: SeqState) -> None:
+        state.release()
+
+    @torch.inference_mode()
+    def step(self, items: list[tuple[SeqState, list[int]]], all_logits: bool = False) -> list[torch.Tensor]:
+        """Advance each sequence by its tokens in one forward pass. Returns per sequence the logits of its last
+        token [V] (or of all its tokens [n, V] with all_logits)."""
+        items = [(s, list(t)) for s, t in items if len(t) > 0]
+        if not items:
+            return []
+        tokens = torch.tensor([t for _, toks in items for t in toks], dtype=torch.long)
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
+            raise RequestError(f"token ids must be in [0, {self.vocab_size}); got {int(tokens.min())}..{int(tokens.max())}")
+        batch = Batch.build([(s, len(t)) for s, t in items])
+        if all_logits:
+            rows = torch.arange(tokens.shape[0])
+        else:
+            rows = torch.tensor([seg.start + seg.length - 1 for seg in batch.segments])
+        logits = self.model.forward(tokens, batch, rows)
+        for s, t in items:
+            s.pos += len(t)
+        if not all_logits:
+            return list(logits.unbind(0))
+        return [logits[seg.rows] for seg in batch.segments]
+
+    def prefill(self, state: SeqState, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Process a prompt in chunks of `prefill_chunk` tokens; returns the last (or all) logits."""
+        chunk = max(1, self.options.prefill_chunk)
+        outs = []
+        for i in range(0, len(token_ids), chunk):
+            (out,) = self.step([(state, token_ids[i:i + chunk])], all_logits=all_logits)
+            outs.append(out)
+        return torch.cat(outs) if all_logits else outs[-1]
+
+    # ---- the contract ----------------------------------------------------------------------------------
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """fp32 [len(token_ids), vocab] causal logits from a fresh state."""
+        if len(token_ids) == 0:
+            raise RequestError("logits() needs at least one token")
+        state = self.new_sequence()
+        try:
+            return self.prefill(state, list(token_ids), all_logits=True).float()
+        finally:
+            self.free(state)
+
+    def stream(self, token_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, seed: int | None = None, stop_token_ids: list[int] | None = None) -> Iterator[int]:
+        """Yield new tokens one at a time (the one generation loop). Stops at EOS/stop tokens (not yielded)."""
+        params = SamplingParams(temperature, top_p, top_k, seed).validate()
+        if len(token_ids) == 0:
+            raise RequestError("the prompt must contain at least one token")
+        if max_new_tokens < 0:
+            raise RequestError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        stops = set(stop_token_ids if stop_token_ids is not None else self.eos_token_ids)
+        gen = params.generator() if temperature > 0 else None
+        state = self.new_sequence()
+        try:
+            if max_new_tokens == 0:
+                return
+            logits = self.prefill(state, list(token_ids))
+            for i in range(max_new_tokens):
+                tok = sample(logits, params, gen)
+                if tok in stops:
+                    return
+                yield tok
+                if i + 1 < max_new_tokens:
+                    (logits,) = self.step([(state, [tok])])
+        finally:
+            self.free(state)
+
+    def generate(self, token_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None, stop_token_ids: list[int] | None = None) -> list[int]:
+        return list(self.stream(token_ids, max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids))
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        raw = getattr(self.plan.config, "raw", {}) or {}
+        eos = raw.get("eos_token_id")
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, list) else [int(eos)]
+
+    @property
+    def stats(self) -> dict:
+        c = self.runner.cache
+        return {
+            "bytes_read": self.plan.store.bytes_read,
+            "expert_hits": c.stats.hits,
+            "expert_misses": c.stats.misses,
+            "expert_evictions": c.stats.evictions,
+            "expert_hit_rate": c.stats.hits / max(1, c.stats.hits + c.stats.misses),
+            "peak_resident_bytes": self.memory.peak,
+            "resident_bytes": self.memory.resident(),
+            "dense_bytes": self.memory.dense_bytes,
+            "state_bytes": self.memory.state_bytes,
+            "cache_bytes": c.resident_bytes,
+            "scratch_bytes": self.memory.scratch_bytes,
+            "ram_budget_bytes": self.memory.budget if self.memory.limited else None,
+            "layer_hit_rates": c.stats.layer_hit_rates(),
+        }
+
+    def close(self) -> None:
+        self.plan.store.close()
+
+
+def _check_budget(p: ModelPlan, budget: int | None) -> None:
+    if budget is None:
+        return
+    if p.dense_bytes > budget:
+        raise BudgetError(
+            f"the dense weights need {format_bytes(p.dense_bytes)} ({p.dense_bytes} bytes) but --ram-budget is "
+            f"{format_bytes(budget)} ({budget} bytes); raise the budget (streaming dense weights is not supported yet)"
+        )
+    need = p.dense_bytes + p.scratch_bytes + p.max_expert_bytes
+    if need > budget:
+        raise BudgetError(
+            f"--ram-budget {format_bytes(budget)} ({budget} bytes) leaves no room for one expert: dense weights "
+            f"{format_bytes(p.dense_bytes)} + compute scratch {format_bytes(p.scratch_bytes)} + one expert "
+            f"{format_bytes(p.max_expert_bytes)} = {format_bytes(need)} ({need} bytes)"
+        )

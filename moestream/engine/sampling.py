@@ -1,0 +1,54 @@
+"""Token sampling as pure functions of logits and an explicit, seeded generator.
+
+Owns greedy, temperature, top-k and top-p (nucleus) selection and the validation of their parameters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moestream.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def validate(self) -> "SamplingParams":
+        if not (self.temperature >= 0):
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
+        return self
+
+    def generator(self) -> torch.Generator:
+        g = torch.Generator()
+        g.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+        return g
+
+
+def filtered_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Log-probabilities [V] after temperature, top-k and top-p (masked entries are -inf)."""
+    x = logits.float() / p.temperature
+    if p.top_k > 0 and p.top_k < x.shape[-1]:
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix reaching top_p
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return torch.log_softmax(x, dim=-1)
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    if p.temperature == 0:
+        return int(torch.argmax(logits).item())
+    probs = filtered_logprobs(logits, p).exp()
+    return int(torch.multinomial(probs, 1, generator=gen).item())

@@ -1,0 +1,88 @@
+"""Grouped-query softmax attention over a per-sequence KV cache (Mixtral, Qwen3-MoE, gpt-oss).
+
+Owns the cache layout ([L, Hkv, D] rows appended per step), causal and sliding-window masks and attention
+sinks. Projections, norms and rope are done by the caller; this module sees per-head q, k, v.
+"""
+from __future__ import annotations
+
+import torch
+
+from moestream.engine.state import GrowingBuffer, Segment
+
+
+class KVSlot:
+    def __init__(self, memory, hkv: int, dk: int, dv: int):
+        self.k = GrowingBuffer(memory, (hkv, dk), "KV cache")
+        self.v = GrowingBuffer(memory, (hkv, dv), "KV cache")
+
+
+def causal_mask(pos0: int, t: int, length: int, window: int | None = None) -> torch.Tensor:
+    """[t, length] bool: query i (absolute pos0 + i) may see key j."""
+    q = torch.arange(pos0, pos0 + t).unsqueeze(1)
+    k = torch.arange(length).unsqueeze(0)
+    allowed = k <= q
+    if window is not None:
+        allowed &= k > q - window
+    return allowed
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D], k [L, Hkv, D], v [L, Hkv, Dv], mask [T, L] -> [T, Hq, Dv], fp32 softmax."""
+    t, hq, _ = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qg = q.float().view(t, hkv, g, -1).permute(1, 2, 0, 3)  # [Hkv, G, T, D]
+    kk = k.float().permute(1, 2, 0)  # [Hkv, D, L]
+    scores = torch.matmul(qg, kk.unsqueeze(1)) * scale  # [Hkv, G, T, L]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(hkv, g, 1, 1).expand(hkv, g, t, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.float().permute(1, 0, 2).unsqueeze(1))  # [Hkv, G, T, Dv]
+    return out.permute(2, 0, 1, 3).reshape(t, hq, -1)
+
+
+def cached_attention(seg: Segment, slot: KVSlot, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Append this segment's k, v to the cache and attend its queries over the whole cache."""
+    keys = slot.k.append(k)
+    values = slot.v.append(v)
+    mask = causal_mask(seg.pos, q.shape[0], keys.shape[0], window)
+    return attend(q, keys, values, mask, scale, sinks)
+
+
+class GQAMixer:
+    """q/k/v/o projections (+ optional biases, per-head q/k RMSNorm, rope, window, sinks) over a KV cache."""
+
+    def __init__(self, w, p: str, heads: int, kv_heads: int, head_dim: int, rope, eps: float = 1e-6,
+                 qk_norm: bool = False, window: int | None = None, sinks: bool = False, scale: float | None = None):
+        self.q, self.k, self.v, self.o = (w.get(f"{p}.{n}_proj.weight") for n in "qkvo")
+        self.qb, self.kb, self.vb, self.ob = (w.maybe(f"{p}.{n}_proj.bias") for n in "qkvo")
+        self.q_norm = w.get(f"{p}.q_norm.weight") if qk_norm else None
+        self.k_norm = w.get(f"{p}.k_norm.weight") if qk_norm else None
+        self.sinks = w.get(f"{p}.sinks") if sinks else None
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.rope, self.eps, self.window = rope, eps, window
+        self.scale = scale if scale is not None else head_dim ** -0.5
+        self.memory = w.memory
+
+    def __call__(self, x: torch.Tensor, batch, index: int) -> torch.Tensor:
+        from moestream.models.blocks import linear, rms_norm
+
+        t = x.shape[0]
+        q = linear(x, self.q, self.qb).view(t, self.heads, self.head_dim)
+        k = linear(x, self.k, self.kb).view(t, self.kv_heads, self.head_dim)
+        v = linear(x, self.v, self.vb).view(t, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        cos, sin = self.rope.cos_sin(batch.positions)
+        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+        out = torch.empty(t, self.heads, self.head_dim)
+        for seg in batch.segments:
+            slot = seg.state.slot(index, lambda: KVSlot(self.memory, self.kv_heads, self.head_dim, self.head_dim))
+            r = seg.rows
+            out[r] = cached_attention(seg, slot, q[r], k[r], v[r], self.scale, self.window, self.sinks)
+        return linear(out.reshape(t, -1), self.o, self.ob)

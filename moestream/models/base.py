@@ -1,0 +1,124 @@
+"""What every family shares: the family descriptor, dense-weight loading, and the pre-norm decoder skeleton.
+
+Owns `Family` (how the registry and engine see a model type), `ExpertLayout` (where a family's routed experts
+live), `DenseWeights` (budget-accounted loading of non-expert tensors by Hugging Face name) and `DecoderModel`
+(embed -> layers -> norm -> head over a flat multi-sequence batch). Families subclass or compose these.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from moestream.engine.memory import MemoryAccountant
+from moestream.engine.state import Batch, SeqState
+from moestream.experts.dispatch import ExpertRunner
+from moestream.experts.store import PartSpec
+from moestream.models.blocks import embed, linear, rms_norm
+from moestream.weights.index import CheckpointIndex
+
+
+@dataclass
+class ExpertLayout:
+    parts: list[PartSpec]
+    num_experts: int
+    top_k: int
+    moe_layers: list[int]
+
+
+@dataclass
+class Family:
+    """A model type: parse its config, say where experts are, build the model."""
+
+    model_type: str
+    parse: Callable[[dict], Any]  # HF config dict -> family config dataclass
+    experts: Callable[[Any, set[str]], ExpertLayout]  # (config, tensor names without prefix)
+    build: Callable[[Any, "ModelContext"], "DecoderModel"]
+    prefix: str = ""  # tensor-name prefix of the language model (K3: "language_model.")
+    ignore: tuple[str, ...] = ()  # tensor-name prefixes never read (vision tower)
+
+    def wants(self, name: str) -> bool:
+        return name.startswith(self.prefix) and not name.startswith(self.ignore)
+
+
+class DenseWeights:
+    """Loads non-expert tensors by HF name (prefix added), counting their bytes against the budget."""
+
+    def __init__(self, index: CheckpointIndex, prefix: str, memory: MemoryAccountant):
+        self.index = index
+        self.prefix = prefix
+        self.memory = memory
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return self.prefix + name in self.index
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.loaded:
+            t = self.index.load(self.prefix + name)
+            self.memory.add_dense(t.numel() * t.element_size())
+            self.loaded[name] = t
+        return self.loaded[name]
+
+    def maybe(self, name: str) -> torch.Tensor | None:
+        return self.get(name) if name in self else None
+
+
+@dataclass
+class ModelContext:
+    weights: DenseWeights
+    experts: ExpertRunner
+    memory: MemoryAccountant
+
+
+@dataclass
+class Layer:
+    """One pre-norm decoder layer: h += mixer(norm(h)); h += ffn(norm(h))."""
+
+    mixer: Callable[[torch.Tensor, Batch, int], torch.Tensor]
+    ffn: Callable[[torch.Tensor], torch.Tensor]
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+
+    def __call__(self, h: torch.Tensor, batch: Batch, index: int) -> torch.Tensor:
+        h = h + self.mixer(rms_norm(h, self.in_norm, self.eps), batch, index)
+        return h + self.ffn(rms_norm(h, self.post_norm, self.eps))
+
+
+@dataclass
+class DecoderModel:
+    embed_tokens: torch.Tensor
+    layers: list[Any]
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+    eps: float
+    vocab_size: int
+    memory: MemoryAccountant
+    extra: dict = field(default_factory=dict)
+
+    def new_state(self) -> SeqState:
+        return SeqState(self.memory, len(self.layers))
+
+    def hidden(self, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
+        h = embed(tokens, self.embed_tokens)  # [T, H]
+        for i, layer in enumerate(self.layers):
+            h = layer(h, batch, i)
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return linear(rms_norm(h, self.norm, self.eps), self.lm_head)
+
+    def forward(self, tokens: torch.Tensor, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
+        """Logits [len(rows), V] for the requested rows of the flat batch."""
+        h = self.hidden(tokens, batch)
+        return self.head(h.index_select(0, rows))
+
+
+def standard_model(ctx: ModelContext, layers: list[Any], eps: float, vocab_size: int,
+                   tie: bool = False) -> DecoderModel:
+    w = ctx.weights
+    table = w.get("model.embed_tokens.weight")
+    head = table if tie or "lm_head.weight" not in w else w.get("lm_head.weight")
+    return DecoderModel(table, layers, w.get("model.norm.weight"), head, eps, vocab_size, ctx.memory)

@@ -1,0 +1,85 @@
+"""Building blocks shared by the model families: norms, projections, activations, routers, expert MLPs.
+
+Owns the math that several families share, in fp32 activations (weights are upcast per use, so a bf16
+checkpoint computes what its fp32 expansion computes). It does not know about checkpoints, caches or state.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] fp32 @ w[out, in]^T (+ b), fp32 out."""
+    if w.dtype != torch.float32:
+        w = w.float()
+    if b is not None and b.dtype != torch.float32:
+        b = b.float()
+    return F.linear(x, w, b)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """w * x / sqrt(mean(x^2) + eps), in fp32."""
+    x = x.float()
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y * w.float() if w is not None else y
+
+
+def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+    """Kimi K3's SiTU-GLU: [beta tanh(a/beta) sigma(a)] * [lb tanh(u/lb)], fp32."""
+    gate, up = gate.float(), up.float()
+    return (beta * torch.tanh(gate / beta) * torch.sigmoid(gate)) * (linear_beta * torch.tanh(up / linear_beta))
+
+
+def glu_mlp(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor, act=silu_glu):
+    """down(act(gate x, up x)), the dense / shared / per-expert MLP shape of most families."""
+    return linear(act(linear(x, gate_w), linear(x, up_w)), down_w)
+
+
+def expert_glu(act=silu_glu):
+    """An expert function over tensors named gate / up / down (or fused gate_up, gate rows first)."""
+
+    def fn(x: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        if "gate_up" in t:
+            gu = linear(x, t["gate_up"])
+            gate, up = gu.chunk(2, dim=-1)
+            return linear(act(gate, up), t["down"])
+        return glu_mlp(x, t["gate"], t["up"], t["down"], act)
+
+    return fn
+
+
+def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts in fp32, then top-k (Mixtral, Qwen3-MoE). Returns (ids, weights) [T, k]."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    w, ids = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return ids, w
+
+
+def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int, renormalize: bool, scale: float,
+                 n_group: int = 1, topk_group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3-style router: sigmoid scores, biased (group-limited) selection, unbiased weights."""
+    scores = torch.sigmoid(logits.float())  # [T, E]
+    choice = scores + bias.float() if bias is not None else scores
+    if n_group > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, n_group, e // n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, dim=-1).indices, 1.0)
+        mask = keep.unsqueeze(-1).expand_as(grouped).reshape(t, e)
+        choice = choice.masked_fill(mask == 0, float("-inf"))
+    ids = torch.topk(choice, k, dim=-1).indices
+    w = scores.gather(1, ids)
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return ids, w * scale
+
+
+def embed(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    return table.index_select(0, tokens).float()

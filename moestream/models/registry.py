@@ -1,0 +1,26 @@
+"""Family registry: Hugging Face `model_type` -> the module implementing it, imported lazily.
+
+Owns the list of supported families and the error for an unknown one. Each family module exposes
+`build(cfg: dict, ctx: ModelContext) -> DecoderModel` and `expert_parts(cfg) -> (parts, num_experts, moe_layers,
+top_k)` through its `FAMILY` object.
+"""
+from __future__ import annotations
+
+import importlib
+
+from moestream.errors import UnsupportedModelError
+
+FAMILIES: dict[str, str] = {
+    "qwen3_moe": "moestream.models.qwen3_moe",
+    "mixtral": "moestream.models.mixtral",
+    "kimi_linear": "moestream.models.kimi_linear",
+}
+
+
+def family_for(cfg: dict):
+    model_type = cfg.get("model_type")
+    if model_type not in FAMILIES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
+        )
+    return importlib.import_module(FAMILIES[model_type]).FAMILY

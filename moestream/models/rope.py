@@ -1,0 +1,94 @@
+"""Rotary position embeddings: inverse frequencies from a config's rope parameters, and their application.
+
+Owns rope variants (default, linear, yarn, llama3) and the two layouts (halves, as in Hugging Face's
+rotate_half, and interleaved pairs). It does not know about attention or caches.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Rope:
+    inv_freq: torch.Tensor  # [D/2] fp32
+    attention_factor: float = 1.0  # multiplies cos and sin (YaRN mscale)
+    interleaved: bool = False
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D]; cos/sin [T, D]."""
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        if self.interleaved:
+            t, h, d = x.shape
+            x = x.view(t, h, d // 2, 2).transpose(-1, -2).reshape(t, h, d)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+def rope_params(cfg: dict) -> dict:
+    """The rope dict of an HF config: `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta`."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    for k, v in scaling.items():
+        params.setdefault(k, v)
+    if "rope_type" not in params:
+        params["rope_type"] = params.get("type", "default")
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    return params
+
+
+def build_rope(cfg: dict, dim: int, interleaved: bool = False) -> Rope:
+    p = rope_params(cfg)
+    base = float(p["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = p["rope_type"]
+    if kind == "default":
+        return Rope(inv_freq, 1.0, interleaved)
+    if kind == "linear":
+        return Rope(inv_freq / float(p["factor"]), 1.0, interleaved)
+    if kind == "yarn":
+        return _yarn(p, cfg, dim, base, interleaved)
+    raise NotImplementedError(f"rope_type {kind!r} is not supported yet")
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(p: dict, cfg: dict, dim: int, base: float, interleaved: bool) -> Rope:
+    factor = float(p["factor"])
+    original = p.get("original_max_position_embeddings") or cfg.get("max_position_embeddings")
+    beta_fast, beta_slow = float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1)
+    mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        if mscale and mscale_all:
+            attention_factor = yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all)
+        else:
+            attention_factor = yarn_get_mscale(factor)
+
+    def correction_dim(rot: float) -> float:
+        return (dim * math.log(original / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return Rope(inv_freq, float(attention_factor), interleaved)
