@@ -290,7 +290,8 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path, ch
     """Train a byte-level BPE and write tokenizer.json + tokenizer_config.json (ChatML template by default)."""
     specials = list(dict.fromkeys([*SPECIAL_TOKENS, eos]))
     if vocab_size < 256 + len(specials):
-        raise ValueError(f"vocab_size {vocab_size} is below 256 byte tokens + {len(specials)} special tokens")
+        raise MoestreamError(f"vocab_size {vocab_size} is too small: use at least 256 byte tokens + "
+                             f"{len(specials)} special tokens")
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
@@ -309,12 +310,11 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path, ch
 
 
 def _python_sources(root: Path) -> Iterator[Path]:
+    """Depth-first, name-sorted walk that stops as soon as the caller has enough (no symlinks, no site-packages)."""
     for entry in sorted(root.iterdir()):
-        if entry.is_symlink():
-            continue
-        if entry.is_dir() and entry.name not in ("site-packages", "dist-packages", "__pycache__"):
+        if entry.is_dir() and not entry.is_symlink() and entry.name not in ("site-packages", "dist-packages"):
             yield from _python_sources(entry)
-        elif entry.suffix == ".py" and entry.is_file():
+        elif entry.suffix == ".py" and entry.is_file() and not entry.is_symlink():
             yield entry
 
 
