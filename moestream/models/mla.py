@@ -1,0 +1,154 @@
+"""Multi-head latent attention (MLA): DeepSeek-V2/V3, Kimi K2, Kimi Linear and Kimi K3.
+
+Owns the MLA projections (low-rank or direct q, the shared latent [c | k_r], per-head expansion through kv_b),
+optional rope on the 64-wide part (DeepSeek) or none (NoPE: Kimi Linear, K3), the optional sigmoid output gate
+(K3), and the decode cache, which keeps only [c (normed) | k_r (roped)] per token. Attention runs either on keys
+expanded through kv_b or in the absorbed form (q folded through kv_b's key half); both are exact up to rounding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moestream.engine.state import Batch, GrowingBuffer, Segment
+from moestream.errors import UnsupportedModelError
+from moestream.models.attention import causal_mask
+from moestream.models.blocks import linear, rms_norm
+from moestream.models.rope import Rope
+
+MODES = ("auto", "expand", "absorb")
+SCORE_BLOCK = 1 << 24  # max score elements (H * queries * keys) materialised at once: 64 MiB in fp32
+EXPAND_LIMIT = 1 << 24  # max expanded k/v elements (keys * H * (dn + dv)) before auto mode absorbs instead
+
+
+@dataclass
+class MLAOptions:
+    heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: a direct q_proj (Kimi Linear)
+    rope: Rope | None = None  # None: NoPE, the rope columns still score but are never rotated
+    scale: float | None = None  # softmax scale; default (nope + rope)^-0.5 (DeepSeek passes its mscale^2 one)
+    output_gate: bool = False  # K3: concat heads * sigmoid(g_proj x) before o_proj
+    latent_eps: float = 1e-6  # eps of q_a_layernorm and kv_a_layernorm
+    mode: str = "auto"  # "expand", "absorb", or "auto" (cheaper of the two per segment)
+
+    @classmethod
+    def from_hf(cls, c: dict, **overrides) -> "MLAOptions":
+        """The MLA shape fields of an HF config (DeepSeek / Kimi names and defaults); overrides win."""
+        opts = cls(heads=c["num_attention_heads"], kv_lora_rank=c.get("kv_lora_rank", 512),
+                   qk_nope_head_dim=c.get("qk_nope_head_dim", 128), qk_rope_head_dim=c.get("qk_rope_head_dim", 64),
+                   v_head_dim=c.get("v_head_dim") or 128, q_lora_rank=c.get("q_lora_rank"))
+        for k, v in overrides.items():
+            setattr(opts, k, v)
+        return opts
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+
+
+class MLASlot:
+    """One sequence's MLA cache for one layer: rows [c | k_r], kv_lora_rank + rope_dim fp32 numbers per token."""
+
+    def __init__(self, memory, width: int):
+        self.latents = GrowingBuffer(memory, (width,), "MLA latent cache")
+
+
+class MLAMixer:
+    """An MLA attention block built from HF tensor names under `prefix` (e.g. model.layers.3.self_attn)."""
+
+    def __init__(self, w, prefix: str, opt: MLAOptions):
+        if opt.mode not in MODES:
+            raise UnsupportedModelError(f"MLA mode {opt.mode!r} is not one of {MODES}")
+        p = prefix
+        self.opt, self.memory = opt, w.memory
+        if opt.q_lora_rank is None:
+            self.q_proj = w.get(f"{p}.q_proj.weight")
+        else:
+            self.q_a, self.q_a_bias = w.get(f"{p}.q_a_proj.weight"), w.maybe(f"{p}.q_a_proj.bias")
+            self.q_a_norm, self.q_b = w.get(f"{p}.q_a_layernorm.weight"), w.get(f"{p}.q_b_proj.weight")
+        self.kv_a, self.kv_a_bias = w.get(f"{p}.kv_a_proj_with_mqa.weight"), w.maybe(f"{p}.kv_a_proj_with_mqa.bias")
+        self.kv_a_norm, self.kv_b = w.get(f"{p}.kv_a_layernorm.weight"), w.get(f"{p}.kv_b_proj.weight")
+        self.g_proj = w.get(f"{p}.g_proj.weight") if opt.output_gate else None
+        self.o_proj, self.o_bias = w.get(f"{p}.o_proj.weight"), w.maybe(f"{p}.o_proj.bias")
+
+    def __call__(self, x: torch.Tensor, batch: Batch, index: int) -> torch.Tensor:
+        o = self.opt
+        t, r = x.shape[0], o.kv_lora_rank
+        q_nope, q_r = self._queries(x).split([o.qk_nope_head_dim, o.qk_rope_head_dim], dim=-1)  # [T, H, dn|dr]
+        ckr = linear(x, self.kv_a, self.kv_a_bias)  # [T, r + dr]
+        c, k_r = rms_norm(ckr[:, :r], self.kv_a_norm, o.latent_eps), ckr[:, r:]
+        if o.rope is not None:
+            cos, sin = o.rope.cos_sin(batch.positions)
+            q_r = o.rope.apply(q_r, cos, sin)
+            k_r = o.rope.apply(k_r.unsqueeze(1), cos, sin).squeeze(1)  # k_r is shared by all heads
+        latents = torch.cat([c, k_r], dim=-1)  # [T, r + dr]
+        kv_b = self.kv_b.float().view(o.heads, o.qk_nope_head_dim + o.v_head_dim, r)
+        w_uk, w_uv = kv_b[:, :o.qk_nope_head_dim], kv_b[:, o.qk_nope_head_dim:]  # [H, dn, r], [H, dv, r]
+        out = torch.empty(t, o.heads, o.v_head_dim)
+        for seg in batch.segments:
+            slot = seg.state.slot(index, lambda: MLASlot(self.memory, r + o.qk_rope_head_dim))
+            rows = seg.rows
+            cache = slot.latents.append(latents[rows])  # [L, r + dr]
+            out[rows] = self._attend(seg, q_nope[rows], q_r[rows], cache, w_uk, w_uv)
+        y = out.reshape(t, -1)
+        if self.g_proj is not None:
+            y = y * torch.sigmoid(linear(x, self.g_proj))
+        return linear(y, self.o_proj, self.o_bias)
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        o = self.opt
+        if o.q_lora_rank is None:
+            q = linear(x, self.q_proj)
+        else:
+            q = linear(rms_norm(linear(x, self.q_a, self.q_a_bias), self.q_a_norm, o.latent_eps), self.q_b)
+        return q.view(x.shape[0], o.heads, o.qk_nope_head_dim + o.qk_rope_head_dim)
+
+    def _attend(self, seg: Segment, q_nope: torch.Tensor, q_r: torch.Tensor, cache: torch.Tensor,
+                w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        """One segment's queries [n, H, *] over its whole cache [L, r + dr] -> [n, H, dv]."""
+        o = self.opt
+        c, k_r = cache[:, :o.kv_lora_rank], cache[:, o.kv_lora_rank:]
+        if self._absorb(q_nope.shape[0], cache.shape[0]):
+            q_c = torch.einsum("thd,hdr->htr", q_nope, w_uk)  # [H, n, r]: q_nope folded through kv_b
+            ctx = _causal_attention(q_c, q_r.transpose(0, 1), c.unsqueeze(0), k_r, c.unsqueeze(0), seg.pos,
+                                    o.softmax_scale)  # [H, n, r]: attention over the shared latent
+            return torch.einsum("htr,hvr->thv", ctx, w_uv)  # latent context through kv_b's value half
+        keys = torch.einsum("hdr,lr->hld", w_uk, c)  # [H, L, dn]
+        values = torch.einsum("hvr,lr->hlv", w_uv, c)  # [H, L, dv]
+        ctx = _causal_attention(q_nope.transpose(0, 1), q_r.transpose(0, 1), keys, k_r, values, seg.pos,
+                                o.softmax_scale)  # [H, n, dv]
+        return ctx.transpose(0, 1)
+
+    def _absorb(self, n: int, length: int) -> bool:
+        """Absorbed form when it costs fewer multiplies (decode) or expanded keys would be large (long cache)."""
+        o = self.opt
+        if o.mode != "auto":
+            return o.mode == "absorb"
+        r, dn, dr, dv = o.kv_lora_rank, o.qk_nope_head_dim, o.qk_rope_head_dim, o.v_head_dim
+        expand_cost = length * r * (dn + dv) + n * length * (dn + dr + dv)
+        absorb_cost = n * r * (dn + dv) + n * length * (2 * r + dr)
+        return absorb_cost <= expand_cost or length * o.heads * (dn + dv) > EXPAND_LIMIT
+
+
+def _causal_attention(q: torch.Tensor, q_r: torch.Tensor, keys: torch.Tensor, k_r: torch.Tensor,
+                      values: torch.Tensor, pos0: int, scale: float) -> torch.Tensor:
+    """softmax((q . keys + q_r . k_r) * scale) @ values, causal from absolute position pos0, in query blocks.
+
+    q [H, n, d], q_r [H, n, dr], keys [H or 1, L, d], k_r [L, dr], values [H or 1, L, dv] -> [H, n, dv].
+    """
+    h, n, _ = q.shape
+    length = keys.shape[1]
+    block = max(1, SCORE_BLOCK // max(1, h * length))
+    out = torch.empty(h, n, values.shape[-1])
+    for s in range(0, n, block):
+        e = min(n, s + block)
+        scores = torch.matmul(q[:, s:e], keys.transpose(-1, -2)) + torch.matmul(q_r[:, s:e], k_r.T)  # [H, b, L]
+        mask = causal_mask(pos0 + s, e - s, length)
+        probs = torch.softmax((scores * scale).masked_fill(~mask, float("-inf")), dim=-1)
+        out[:, s:e] = torch.matmul(probs, values)
+    return out
