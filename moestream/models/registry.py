@@ -14,6 +14,10 @@ FAMILIES: dict[str, str] = {
     "qwen3_moe": "moestream.models.qwen3_moe",
     "mixtral": "moestream.models.mixtral",
     "kimi_linear": "moestream.models.kimi_linear",
+    "gpt_oss": "moestream.models.gpt_oss",
+    "deepseek_v3": "moestream.models.deepseek_v3",
+    "kimi_k2": "moestream.models.deepseek_v3",
+    "kimi_k25": "moestream.models.deepseek_v3",
 }
 
 

@@ -1,0 +1,116 @@
+"""gpt-oss (`gpt_oss`): GQA with learned sinks, alternating sliding / full attention, YaRN rope, biased router,
+clamped interleaved SwiGLU experts with biases.
+
+Config, expert layout (the fused fp32/bf16 tensors `save_pretrained` writes, or the official MXFP4 blocks/scales)
+and model assembly. MXFP4 experts are computed from their packed bytes by kernels/quant.py; nothing is requantised.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moestream.errors import UnsupportedModelError
+from moestream.experts.store import PartSpec
+from moestream.models.attention import GQAMixer
+from moestream.models.base import ExpertLayout, Family, Layer, ModelContext, standard_model
+from moestream.models.blocks import linear
+from moestream.models.rope import build_rope
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+# What GptOssConfig fills in when a config.json leaves rope unspecified.
+DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+ALPHA, LIMIT = 1.702, 7.0
+
+
+@dataclass
+class GptOssConfig:
+    raw: dict
+    num_layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    eps: float
+    vocab_size: int
+    tie: bool
+    window: int | None
+    layer_types: list[str]
+
+    @classmethod
+    def from_hf(cls, c: dict) -> "GptOssConfig":
+        raw = dict(c)
+        raw.setdefault("rope_theta", 150000.0)
+        if not raw.get("rope_parameters") and not raw.get("rope_scaling"):
+            raw["rope_parameters"] = dict(DEFAULT_ROPE)
+        n, heads = c["num_hidden_layers"], c["num_attention_heads"]
+        types = c.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+        bad = sorted({t for t in types if t not in LAYER_TYPES})
+        if bad or len(types) != n:
+            raise UnsupportedModelError(f"gpt_oss layer_types must be {n} of {LAYER_TYPES}; got {bad or len(types)}")
+        return cls(raw, n, heads, c.get("num_key_value_heads") or heads,
+                   c.get("head_dim") or c["hidden_size"] // heads, c["num_local_experts"], c["num_experts_per_tok"],
+                   c.get("rms_norm_eps", 1e-5), c["vocab_size"], bool(c.get("tie_word_embeddings", False)),
+                   c.get("sliding_window"), list(types))
+
+
+def expert_layout(cfg: GptOssConfig, names: set[str]) -> ExpertLayout:
+    base = "model.layers.{layer}.mlp.experts."
+    if "model.layers.0.mlp.experts.gate_up_proj_blocks" in names:
+        kinds = ("blocks", "scales", "bias")  # official MXFP4: [E, out, in/32, 16] codes + [E, out, in/32] scales
+    else:
+        kinds = ("", "bias")  # save_pretrained: [E, in, out] fp32/bf16 (note: transposed vs nn.Linear)
+    parts = [PartSpec(f"{proj}_{k}" if k else proj, f"{base}{proj}_proj_{k}" if k else f"{base}{proj}_proj",
+                      fused=True) for proj in ("gate_up", "down") for k in kinds]
+    return ExpertLayout(parts, cfg.num_experts, cfg.top_k, list(range(cfg.num_layers)))
+
+
+def clamped_swiglu(u: torch.Tensor) -> torch.Tensor:
+    """u [T, 2I] with gate / linear interleaved -> [T, I]: gate*sigmoid(1.702 gate) * (clamp(linear) + 1)."""
+    gate, lin = u[..., ::2].clamp(max=LIMIT), u[..., 1::2].clamp(-LIMIT, LIMIT)
+    return gate * torch.sigmoid(gate * ALPHA) * (lin + 1)
+
+
+def _project(x: torch.Tensor, t: dict[str, torch.Tensor], proj: str) -> torch.Tensor:
+    """One expert projection plus its bias, from MXFP4 blocks or an [in, out] float matrix."""
+    if proj + "_blocks" in t:
+        from moestream.kernels.quant import mxfp4_linear
+
+        y = mxfp4_linear(x, t[proj + "_blocks"], t[proj + "_scales"])
+    else:
+        y = x @ t[proj].float()  # [T, in] @ [in, out]
+    return y + t[proj + "_bias"].float()
+
+
+def expert_fn(x: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    return _project(clamped_swiglu(_project(x, t, "gate_up")), t, "down")
+
+
+def build(cfg: GptOssConfig, ctx: ModelContext):
+    w = ctx.weights
+    rope = build_rope(cfg.raw, cfg.head_dim)
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        window = cfg.window if cfg.layer_types[i] == "sliding_attention" else None
+        mixer = GQAMixer(w, p + ".self_attn", cfg.heads, cfg.kv_heads, cfg.head_dim, rope, cfg.eps,
+                         window=window, sinks=True)
+        layers.append(Layer(mixer, _moe(cfg, ctx, i), w.get(p + ".input_layernorm.weight"),
+                            w.get(p + ".post_attention_layernorm.weight"), cfg.eps))
+    return standard_model(ctx, layers, cfg.eps, cfg.vocab_size, cfg.tie)
+
+
+def _moe(cfg: GptOssConfig, ctx: ModelContext, i: int):
+    gate_w = ctx.weights.get(f"model.layers.{i}.mlp.router.weight")
+    gate_b = ctx.weights.get(f"model.layers.{i}.mlp.router.bias")
+
+    def ffn(x: torch.Tensor) -> torch.Tensor:
+        top, ids = torch.topk(linear(x, gate_w, gate_b), cfg.top_k, dim=-1)  # [T, k]
+        return ctx.experts.run(i, x, ids, torch.softmax(top, dim=-1), expert_fn)
+
+    return ffn
+
+
+FAMILY = Family("gpt_oss", GptOssConfig.from_hf, expert_layout, build)
