@@ -1,0 +1,172 @@
+"""The demo model's training loop: AdamW with warmup + cosine, bias balancing, held-out evals, resumable state.
+
+Owns the run directory (train_state.pt, the tokenizer and encoded corpus, loss_curve.png, the exported model),
+the step (batch i is a pure function of (seed, i), so stopping and resuming reproduces the same run), periodic
+checkpoints and the progress bar. The model is model.py's; the checkpoint format is export.py's.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from moestream.train import data
+from moestream.train.model import DemoConfig, DemoK3
+from moestream.train.plot import line_chart
+
+STATE = "train_state.pt"
+
+
+@dataclass
+class TrainOptions:
+    out_dir: Path
+    steps: int = 3000
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    bias_rate: float = 1e-3  # correction-bias step per update (DeepSeek-V3 uses 1e-3)
+    seed: int = 0
+    text_bytes: int = 12_000_000
+    eval_every: int = 250
+    eval_windows: int = 64
+    checkpoint_seconds: float = 300.0
+    threads: int = 1
+    model: DemoConfig = field(default_factory=DemoConfig)
+
+
+@dataclass
+class RunState:
+    step: int = 0
+    losses: list = field(default_factory=list)  # (step, train loss)
+    evals: list = field(default_factory=list)  # (step, held-out loss)
+    usage: list = field(default_factory=list)  # per MoE layer: expert counts over the last eval interval
+    seconds: float = 0.0
+    tokens: int = 0
+
+
+def lr_at(opts: TrainOptions, step: int) -> float:
+    if step < opts.warmup:
+        return opts.lr * (step + 1) / opts.warmup
+    frac = (step - opts.warmup) / max(1, opts.steps - opts.warmup)
+    return opts.lr * (opts.min_lr_ratio + (1 - opts.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def make_optimizer(model: DemoK3, opts: TrainOptions) -> torch.optim.AdamW:
+    """Weight decay on matrices only; norms, AttnRes queries, decay parameters and convs are left alone."""
+    decay, plain = [], []
+    for name, p in model.named_parameters():
+        (decay if p.ndim >= 2 and "conv1d" not in name and "res_proj" not in name else plain).append(p)
+    groups = [{"params": decay, "weight_decay": opts.weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=opts.lr, betas=(0.9, 0.95), fused=True)
+
+
+def lm_loss(model: DemoK3, windows: torch.Tensor) -> torch.Tensor:
+    logits = model(windows[:, :-1])  # [B, T, V]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
+
+
+@torch.no_grad()
+def heldout_loss(model: DemoK3, windows: torch.Tensor, batch_size: int = 16) -> float:
+    """Mean token cross-entropy over the windows (router counts are restored: evals do not steer balancing)."""
+    saved = [m.counts.clone() for m in model.moe_layers()]
+    was_training = model.training
+    model.eval()
+    total, n = 0.0, 0
+    for i in range(0, windows.shape[0], batch_size):
+        w = windows[i:i + batch_size]
+        total += float(lm_loss(model, w)) * w[:, 1:].numel()
+        n += w[:, 1:].numel()
+    for m, c in zip(model.moe_layers(), saved):
+        m.counts.copy_(c)
+    model.train(was_training)
+    return total / n
+
+
+def save_state(path: Path, model: DemoK3, opt: torch.optim.Optimizer, run: RunState, opts: TrainOptions) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "run": asdict(run),
+                "options": {**asdict(opts), "out_dir": str(opts.out_dir)}}, tmp)
+    os.replace(tmp, path)  # a crash mid-write never leaves a half checkpoint
+
+
+def load_state(path: Path, model: DemoK3, opt: torch.optim.Optimizer) -> RunState:
+    saved = torch.load(path, weights_only=False)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    return RunState(**saved["run"])
+
+
+def train(opts: TrainOptions, progress: bool = True, stop_after: int | None = None) -> tuple[DemoK3, RunState, Path]:
+    """Run (or resume) training to opts.steps; `stop_after` ends early after that many steps of this call
+    (for tests and time slices). Returns the model, the run record and the tokenizer directory."""
+    torch.set_num_threads(opts.threads)
+    out = Path(opts.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    corpus, tok_dir = data.prepare(out, opts.text_bytes, opts.model.vocab_size)
+    heldout = data.heldout_windows(corpus.heldout, opts.seq_len, opts.eval_windows)
+    model = DemoK3(opts.model, seed=opts.seed)
+    opt = make_optimizer(model, opts)
+    run = load_state(out / STATE, model, opt) if (out / STATE).is_file() else RunState()
+    model.train()
+    last_save, end = time.time(), opts.steps if stop_after is None else min(opts.steps, run.step + stop_after)
+    bar = tqdm(total=opts.steps, initial=run.step, disable=not progress, file=sys.stderr, mininterval=10,
+               desc="train-demo", unit="step")
+    window = None
+    while run.step < end:
+        t0 = time.time()
+        loss, counts = train_step(model, opt, opts, corpus.train, run.step)
+        window = counts if window is None else [a + b for a, b in zip(window, counts)]
+        run.seconds += time.time() - t0
+        run.tokens += opts.batch_size * opts.seq_len
+        run.losses.append((run.step, loss))
+        run.step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{run.tokens / max(run.seconds, 1e-9):.0f}", refresh=False)
+        if run.step % opts.eval_every == 0 or run.step == opts.steps:
+            run.evals.append((run.step, heldout_loss(model, heldout)))
+            run.usage, window = [c.tolist() for c in window], None
+            bar.write(f"step {run.step}: train {smoothed(run.losses)[-1][1]:.3f}  held-out {run.evals[-1][1]:.3f}")
+            write_curve(run, out / "loss_curve.png")
+        if time.time() - last_save > opts.checkpoint_seconds or run.step == end:
+            save_state(out / STATE, model, opt, run, opts)
+            last_save = time.time()
+    bar.close()
+    return model, run, tok_dir
+
+
+def train_step(model: DemoK3, opt: torch.optim.Optimizer, opts: TrainOptions, tokens: torch.Tensor,
+               step: int) -> tuple[float, list[torch.Tensor]]:
+    for group in opt.param_groups:
+        group["lr"] = lr_at(opts, step)
+    loss = lm_loss(model, data.batch(tokens, step, opts.batch_size, opts.seq_len, opts.seed))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), opts.clip)
+    opt.step()
+    counts = model.update_bias(opts.bias_rate)  # after the step: the counts are this batch's routing
+    return float(loss), counts
+
+
+def smoothed(points: list, alpha: float = 0.02) -> list[tuple[float, float]]:
+    out, avg = [], None
+    for x, y in points:
+        avg = y if avg is None else (1 - alpha) * avg + alpha * y
+        out.append((x, avg))
+    return out
+
+
+def write_curve(run: RunState, path: Path) -> None:
+    """Blue: train loss (EMA); red: held-out loss."""
+    train_pts = smoothed(run.losses)[:: max(1, len(run.losses) // 400)]
+    line_chart([train_pts, list(run.evals)], path)
