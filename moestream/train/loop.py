@@ -155,7 +155,7 @@ def train_step(model: DemoK3, opt: torch.optim.Optimizer, opts: TrainOptions, to
     torch.nn.utils.clip_grad_norm_(model.parameters(), opts.clip)
     opt.step()
     counts = model.update_bias(opts.bias_rate)  # after the step: the counts are this batch's routing
-    return float(loss), counts
+    return float(loss.detach()), counts
 
 
 def smoothed(points: list, alpha: float = 0.02) -> list[tuple[float, float]]:
