@@ -192,3 +192,25 @@ def test_dims_roundtrip_and_png(tmp_path):
     line_chart([[(0, 5.0), (10, 3.0), (20, 2.5)], [(10, 3.2)]], tmp_path / "c.png", width=200, height=120)
     raw = (tmp_path / "c.png").read_bytes()
     assert raw[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", raw[16:24]) == (200, 120)
+
+
+def test_wsd_schedule_lets_a_run_change_its_length_before_the_decay(tmp_path):
+    from moestream.train.loop import lr_at
+
+    long, short = _options(tmp_path, steps=1000, decay_steps=100), _options(tmp_path, steps=500, decay_steps=100)
+    assert [lr_at(long, s) for s in range(400)] == [lr_at(short, s) for s in range(400)]
+    assert lr_at(short, 0) < lr_at(short, 100) == short.lr
+    assert lr_at(short, 499) == pytest.approx(short.lr * (short.min_lr_ratio + (1 - short.min_lr_ratio) / 100))
+
+
+def test_a_signal_stops_training_between_steps():
+    import os
+    import signal
+
+    from moestream.train.loop import StopRequest
+
+    before = signal.getsignal(signal.SIGTERM)
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested
+    assert signal.getsignal(signal.SIGTERM) == before

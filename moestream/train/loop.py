@@ -6,9 +6,10 @@ checkpoints and the progress bar. The model is model.py's; the checkpoint format
 """
 from __future__ import annotations
 
-import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from moestream.errors import MoestreamError
 from moestream.train import data
 from moestream.train.model import DemoConfig, DemoK3
 from moestream.train.plot import line_chart
@@ -33,6 +35,7 @@ class TrainOptions:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup: int = 100
+    decay_steps: int = 150  # warmup-stable-decay: the last decay_steps fall linearly to min_lr_ratio * lr
     weight_decay: float = 0.1
     clip: float = 1.0
     bias_rate: float = 1e-3  # correction-bias step per update (DeepSeek-V3 uses 1e-3)
@@ -56,10 +59,13 @@ class RunState:
 
 
 def lr_at(opts: TrainOptions, step: int) -> float:
+    """Warmup, then constant, then a linear decay over the last decay_steps. Until the decay starts the rate
+    does not depend on opts.steps, so a run resumed with a different --steps is the run launched with it."""
     if step < opts.warmup:
         return opts.lr * (step + 1) / opts.warmup
-    frac = (step - opts.warmup) / max(1, opts.steps - opts.warmup)
-    return opts.lr * (opts.min_lr_ratio + (1 - opts.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+    start = max(opts.warmup, opts.steps - opts.decay_steps)
+    frac = min(1.0, max(0.0, (step - start) / max(1, opts.steps - start)))
+    return opts.lr * (1 - (1 - opts.min_lr_ratio) * frac)
 
 
 def make_optimizer(model: DemoK3, opts: TrainOptions) -> torch.optim.AdamW:
@@ -123,26 +129,51 @@ def train(opts: TrainOptions, progress: bool = True, stop_after: int | None = No
     bar = tqdm(total=opts.steps, initial=run.step, disable=not progress, file=sys.stderr, mininterval=10,
                desc="train-demo", unit="step")
     window = None
-    while run.step < end:
-        t0 = time.time()
-        loss, counts = train_step(model, opt, opts, corpus.train, run.step)
-        window = counts if window is None else [a + b for a, b in zip(window, counts)]
-        run.seconds += time.time() - t0
-        run.tokens += opts.batch_size * opts.seq_len
-        run.losses.append((run.step, loss))
-        run.step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{run.tokens / max(run.seconds, 1e-9):.0f}", refresh=False)
-        if run.step % opts.eval_every == 0 or run.step == opts.steps:
-            run.evals.append((run.step, heldout_loss(model, heldout)))
-            run.usage, window = [c.tolist() for c in window], None
-            bar.write(f"step {run.step}: train {smoothed(run.losses)[-1][1]:.3f}  held-out {run.evals[-1][1]:.3f}")
-            write_curve(run, out / "loss_curve.png")
-        if time.time() - last_save > opts.checkpoint_seconds or run.step == end:
-            save_state(out / STATE, model, opt, run, opts)
-            last_save = time.time()
+    with StopRequest() as stop:
+        while run.step < end and not stop.requested:
+            t0 = time.time()
+            loss, counts = train_step(model, opt, opts, corpus.train, run.step)
+            window = counts if window is None else [a + b for a, b in zip(window, counts)]
+            run.seconds += time.time() - t0
+            run.tokens += opts.batch_size * opts.seq_len
+            run.losses.append((run.step, loss))
+            run.step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{run.tokens / max(run.seconds, 1e-9):.0f}", refresh=False)
+            if run.step % opts.eval_every == 0 or run.step == opts.steps:
+                run.evals.append((run.step, heldout_loss(model, heldout)))
+                run.usage, window = [c.tolist() for c in window], None
+                bar.write(f"step {run.step}: train {smoothed(run.losses)[-1][1]:.3f}  held-out {run.evals[-1][1]:.3f}")
+                write_curve(run, out / "loss_curve.png")
+            if time.time() - last_save > opts.checkpoint_seconds or run.step == end:
+                save_state(out / STATE, model, opt, run, opts)
+                last_save = time.time()
     bar.close()
+    if stop.requested:  # only between steps, so the saved state is consistent
+        save_state(out / STATE, model, opt, run, opts)
+        raise MoestreamError(f"stopped at step {run.step}; the state is saved in {out / STATE}: rerun the same "
+                             "command to resume")
     return model, run, tok_dir
+
+
+class StopRequest:
+    """Turns Ctrl-C / SIGTERM during training into a flag the loop checks between steps."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
 
 
 def train_step(model: DemoK3, opt: torch.optim.Optimizer, opts: TrainOptions, tokens: torch.Tensor,

@@ -91,6 +91,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seq-len", type=int, default=d.seq_len)
     p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--decay-steps", type=int, default=d.decay_steps, help="final steps of linear LR decay; "
+                   "before they start, resuming with another --steps reproduces a run launched with it")
     p.add_argument("--text-bytes", type=int, default=d.text_bytes, help="bytes of stdlib source to use")
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--seed", type=int, default=d.seed)
@@ -103,8 +105,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 
 def options_from_args(args: argparse.Namespace) -> TrainOptions:
     return TrainOptions(out_dir=args.out, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                        lr=args.lr, text_bytes=args.text_bytes, threads=args.threads, seed=args.seed,
-                        eval_every=args.eval_every, checkpoint_seconds=args.checkpoint_seconds,
+                        lr=args.lr, decay_steps=args.decay_steps, text_bytes=args.text_bytes, threads=args.threads,
+                        seed=args.seed, eval_every=args.eval_every, checkpoint_seconds=args.checkpoint_seconds,
                         model=dataclasses.replace(SIZES[args.size]))
 
 
