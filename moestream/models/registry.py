@@ -14,6 +14,7 @@ FAMILIES: dict[str, str] = {
     "qwen3_moe": "moestream.models.qwen3_moe",
     "mixtral": "moestream.models.mixtral",
     "kimi_linear": "moestream.models.kimi_linear",
+    "kimi_k3": "moestream.models.kimi_k3",
     "gpt_oss": "moestream.models.gpt_oss",
     "deepseek_v3": "moestream.models.deepseek_v3",
     "kimi_k2": "moestream.models.deepseek_v3",
