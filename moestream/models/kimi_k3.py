@@ -244,6 +244,7 @@ def k3_sizes_from_config(cfg: dict) -> dict:
         "num_tensors": len(dense) + n_experts * (6 if c.quantized else 3),
         "params": dense_params + n_experts * e_params,
         "active_params": dense_params - c.vocab_size * c.hidden_size + n_moe * c.top_k * e_params,
+        "embedding_params": c.vocab_size * c.hidden_size,  # excluded from active_params (a row lookup)
         "dense_params": dense_params, "dense_bytes": dense_bytes,
         "expert_params": n_experts * e_params, "expert_bytes": n_experts * e_bytes,
         "bytes_per_expert": e_bytes, "total_bytes": dense_bytes + n_experts * e_bytes,
