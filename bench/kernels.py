@@ -1,0 +1,120 @@
+"""Weight-kernel throughput: memory bandwidth, mxfp4_linear packed bytes/s, and bf16/fp32 GEMV streaming rates.
+
+Usage: python bench/kernels.py --rows 3072 --cols 3584 --tokens 1 8 [--chunks 64 128 256] [--baseline]
+Every weight is cycled through enough copies to exceed the last-level cache, so rates are streaming rates.
+Prints a table and then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+from moestream.kernels import quant
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=3072, help="output features (K3 w1/w3: 3072)")
+    parser.add_argument("--cols", type=int, default=3584, help="input features, a multiple of 32 (K3 w1/w3: 3584)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8], help="token counts T to measure")
+    parser.add_argument("--chunks", type=int, nargs="*", default=[], help="extra rows_per_chunk values to sweep")
+    parser.add_argument("--baseline", action="store_true", help="also time the naive table[packed] kernel")
+    parser.add_argument("--probe-mb", type=int, default=512, help="bandwidth probe size in MiB")
+    parser.add_argument("--footprint-mb", type=int, default=96, help="MiB cycled per kernel (beats the LLC)")
+    parser.add_argument("--seconds", type=float, default=0.3, help="minimum time per measurement")
+    return parser.parse_args()
+
+
+def copies_for(nbytes: int, footprint: int) -> int:
+    return max(1, math.ceil(footprint / nbytes))
+
+
+def clones(t: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """Distinct copies (separate memory) so that cycling through them streams from DRAM."""
+    return [t] + [t.clone() for _ in range(count - 1)]
+
+
+def rate(fn: Callable[[int], object], copies: int, seconds: float) -> float:
+    """Calls per second: best of 3 rounds, each cycling through the copies for at least `seconds` / 3."""
+    fn(0)
+    best, start = math.inf, time.perf_counter()
+    for _ in range(3):
+        calls, begin = 0, time.perf_counter()
+        while calls < min(copies, 8) or time.perf_counter() - begin < seconds / 3:
+            fn(calls % copies)
+            calls += 1
+        best = min(best, (time.perf_counter() - begin) / calls)
+    return 1.0 / best
+
+
+def lut_baseline(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, rows: int = 256) -> torch.Tensor:
+    """The first version: a 256-entry byte -> (even, odd) fp32 pair table, times the scale, then mm per chunk."""
+    byte = torch.arange(256)
+    pairs = torch.stack((quant.E2M1_VALUES[byte & 15], quant.E2M1_VALUES[byte >> 4]), dim=1)
+    mult = quant.e8m0_to_float(scales)
+    out = torch.empty(x.shape[0], packed.shape[0])
+    for r in range(0, packed.shape[0], rows):
+        n = min(rows, packed.shape[0] - r)
+        w = pairs[packed[r:r + n].long()].view(n, -1, 32) * mult[r:r + n].unsqueeze(-1)
+        torch.mm(x, w.view(n, -1).T, out=out[:, r:r + n])
+    return out
+
+
+def main() -> None:
+    args = parse_args()
+    rows, cols = args.rows, args.cols
+    footprint = args.footprint_mb << 20
+    results: list[dict] = []
+
+    bandwidth = quant.bandwidth_probe(args.probe_mb << 20)
+
+    g = torch.Generator().manual_seed(0)
+    n_mx = copies_for(rows * cols // 2 + rows * cols // 32, footprint)
+    packed = clones(torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g), n_mx)
+    scales = clones(torch.randint(118, 128, (rows, cols // 32), dtype=torch.uint8, generator=g), n_mx)
+    mx_bytes = packed[0].numel() + scales[0].numel()
+
+    print(f"memory read bandwidth: {bandwidth / 1e9:.2f} GB/s   weight {rows} x {cols}   "
+          f"threads {torch.get_num_threads()}")
+    print(f"{'kernel':<22}{'T':>4}{'chunk':>7}{'MB':>9}{'ms':>9}{'GB/s':>8}{'of bw':>8}", flush=True)
+
+    def record(kernel: str, tokens: int, nbytes: int, calls_per_s: float, **extra: object) -> None:
+        r = {"kernel": kernel, "tokens": tokens, "weight_bytes": nbytes, "ms": 1e3 / calls_per_s,
+             "GBps": nbytes * calls_per_s / 1e9, "of_bandwidth": nbytes * calls_per_s / bandwidth, **extra}
+        results.append(r)
+        print(f"{kernel:<22}{tokens:>4}{str(r.get('rows_per_chunk', '')):>7}{nbytes / 1e6:>9.2f}"
+              f"{r['ms']:>9.2f}{r['GBps']:>8.2f}{r['of_bandwidth']:>8.1%}", flush=True)
+
+    for tokens in args.tokens:
+        x = torch.randn(tokens, cols, generator=g)
+        for chunk in [None, *args.chunks]:
+            calls = rate(lambda i: quant.mxfp4_linear(x, packed[i], scales[i], rows_per_chunk=chunk), n_mx,
+                         args.seconds)
+            record("mxfp4_linear", tokens, mx_bytes, calls, rows_per_chunk=chunk or "auto")
+        if args.baseline:
+            record("mxfp4 lut baseline", tokens, mx_bytes,
+                   rate(lambda i: lut_baseline(x, packed[i], scales[i]), n_mx, args.seconds))
+    del packed, scales
+
+    for dtype in (torch.bfloat16, torch.float32):
+        nbytes = rows * cols * torch.tensor([], dtype=dtype).element_size()
+        n_w = copies_for(nbytes, footprint)
+        weights = clones(torch.randn(rows, cols, generator=g).to(dtype), n_w)
+        for tokens in args.tokens:
+            x = torch.randn(tokens, cols, generator=g).to(dtype)
+            calls = rate(lambda i: torch.mm(x, weights[i].T), n_w, args.seconds)
+            record(f"torch mm {str(dtype).removeprefix('torch.')}", tokens, nbytes, calls)
+        del weights
+
+    print(json.dumps({"bandwidth_Bps": bandwidth, "rows": rows, "cols": cols, "threads": torch.get_num_threads(),
+                      "results": results}))
+
+
+if __name__ == "__main__":
+    main()
