@@ -28,4 +28,6 @@ def family_for(cfg: dict):
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
         )
-    return importlib.import_module(FAMILIES[model_type]).FAMILY
+    module = importlib.import_module(FAMILIES[model_type])
+    # a module serving several model types (deepseek_v3: kimi_k2, kimi_k25) may name a Family per type
+    return getattr(module, "VARIANTS", {}).get(model_type, module.FAMILY)

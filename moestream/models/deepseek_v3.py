@@ -1,0 +1,231 @@
+"""DeepSeek-V3 / Kimi K2 / Kimi K2.5 (`deepseek_v3`, `kimi_k2`, `kimi_k25`): MLA with interleaved YaRN rope,
+group-limited sigmoid router with correction bias, first_k_dense_replace dense layers, shared experts.
+
+Config (K2.5's multimodal wrapper unwrapped: text model under `text_config`, tensors under `language_model.`,
+vision tower never read), expert layouts (per-expert float, HF-fused float, block-FP8, int4 pack-quantized) and
+model assembly. MLA lives in mla.py; the FP8 / int4 arithmetic in kernels/quant.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moestream.errors import UnsupportedModelError
+from moestream.experts.store import PartSpec
+from moestream.kernels.quant import FP8_BLOCK, dequant_fp8_block, fp8_block_linear, int4_linear
+from moestream.models.base import DenseWeights, ExpertLayout, Family, Layer, ModelContext, standard_model
+from moestream.models.blocks import expert_glu, glu_mlp, linear, sigmoid_topk
+from moestream.models.mla import MLAMixer, MLAOptions
+from moestream.models.rope import build_rope, rope_params, yarn_get_mscale
+
+PROJS = ("gate", "up", "down")
+EXPERTS = "model.layers.{layer}.mlp.experts."
+
+
+@dataclass
+class DeepseekV3Config:
+    raw: dict  # the text model's config (K2.5: text_config with the top level's token ids filled in)
+    hidden_size: int
+    moe_intermediate_size: int
+    num_layers: int
+    num_experts: int
+    top_k: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    moe_layers: list[int]
+    eps: float
+    vocab_size: int
+    tie: bool
+    fp8_block: tuple[int, int]  # block-FP8 tile (weight_block_size), used where weight_scale_inv tensors exist
+    int4_group: int  # compressed-tensors group size, used where weight_packed tensors exist
+
+    @classmethod
+    def from_hf(cls, c: dict) -> "DeepseekV3Config":
+        _check_supported(c)
+        n, first, freq = c["num_hidden_layers"], c.get("first_k_dense_replace") or 0, c.get("moe_layer_freq") or 1
+        experts = c.get("n_routed_experts") or 0
+        moe = [i for i in range(n) if experts and i >= first and i % freq == 0]
+        quant = c.get("quantization_config") or {}
+        return cls(c, c["hidden_size"], c["moe_intermediate_size"], n, experts, c["num_experts_per_tok"],
+                   c.get("n_group") or 1, c.get("topk_group") or 1, bool(c.get("norm_topk_prob", True)),
+                   float(c.get("routed_scaling_factor", 1.0)), moe, c.get("rms_norm_eps", 1e-6), c["vocab_size"],
+                   bool(c.get("tie_word_embeddings", False)), tuple(quant.get("weight_block_size") or FP8_BLOCK),
+                   _int4_group(quant))
+
+    @classmethod
+    def from_kimi_k25(cls, top: dict) -> "DeepseekV3Config":
+        """K2.5 keeps the text model under `text_config`; token ids and quantization may sit at the top."""
+        text = dict(top.get("text_config") or {})
+        if not text:
+            raise UnsupportedModelError("kimi_k25 config.json has no text_config")
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id", "quantization_config"):
+            if text.get(key) is None and top.get(key) is not None:
+                text[key] = top[key]
+        return cls.from_hf(text)
+
+
+def _check_supported(c: dict) -> None:
+    """V2-style routers share these field names but not the math; refuse them instead of computing wrong logits."""
+    if c.get("scoring_func", "sigmoid") != "sigmoid":
+        raise UnsupportedModelError(f"deepseek_v3 scoring_func {c['scoring_func']!r} is not supported (only sigmoid)")
+    if c.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise UnsupportedModelError(f"deepseek_v3 topk_method {c['topk_method']!r} is not supported (only noaux_tc)")
+    if c.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"deepseek_v3 hidden_act {c['hidden_act']!r} is not supported (only silu)")
+
+
+def _int4_group(quant: dict) -> int:
+    """group_size of a compressed-tensors config (K2.x: 32); 32 when the config does not say."""
+    for group in (quant.get("config_groups") or {}).values():
+        weights = (group or {}).get("weights") or {}
+        if weights.get("group_size"):
+            return int(weights["group_size"])
+    return 32
+
+
+# ---- experts ---------------------------------------------------------------------------------------------------
+
+
+def expert_layout(cfg: DeepseekV3Config, names: set[str]) -> ExpertLayout:
+    first = cfg.moe_layers[0] if cfg.moe_layers else 0
+    probe = EXPERTS.format(layer=first)
+    if probe + "gate_up_proj" in names:  # the transformers-internal fused layout: [E, 2I, H], gate rows first
+        parts = [PartSpec("gate_up", EXPERTS + "gate_up_proj", fused=True),
+                 PartSpec("down", EXPERTS + "down_proj", fused=True)]
+    else:
+        # int4's 8-byte weight_shape rides along (optional) so it is an expert tensor, not a dense one
+        suffixes = {"": ("weight",), "fp8": ("weight", "weight_scale_inv"),
+                    "int4": ("weight_packed", "weight_scale", "weight_shape")}
+        kind = _expert_format(probe + "0.gate_proj.", names)
+        parts = [PartSpec(f"{p}.{s}", EXPERTS + "{expert}." + f"{p}_proj.{s}", optional=s == "weight_shape")
+                 for p in PROJS for s in suffixes[kind]]
+    return ExpertLayout(parts, cfg.num_experts, cfg.top_k, cfg.moe_layers)
+
+
+def _expert_format(prefix: str, names: set[str]) -> str:
+    if prefix + "weight_packed" in names:
+        return "int4"
+    return "fp8" if prefix + "weight_scale_inv" in names else ""
+
+
+def expert_fn(cfg: DeepseekV3Config):
+    """SiLU-GLU over whichever stored form the expert's tensors have (the parts name it)."""
+    plain = expert_glu()
+    shapes = {"gate": (cfg.moe_intermediate_size, cfg.hidden_size), "up": (cfg.moe_intermediate_size, cfg.hidden_size),
+              "down": (cfg.hidden_size, cfg.moe_intermediate_size)}
+
+    def project(x: torch.Tensor, t: dict[str, torch.Tensor], p: str) -> torch.Tensor:
+        if p + ".weight_packed" in t:
+            shape = t.get(p + ".weight_shape", shapes[p])  # [out, in]: in may be padded in the packing
+            return int4_linear(x, t[p + ".weight_packed"], t[p + ".weight_scale"], cfg.int4_group, shape)
+        if p + ".weight_scale_inv" in t:
+            return fp8_block_linear(x, t[p + ".weight"], t[p + ".weight_scale_inv"], cfg.fp8_block)
+        return linear(x, t[p + ".weight"])
+
+    def fn(x: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        if "gate_up" in t:
+            return plain(x, t)
+        h = torch.nn.functional.silu(project(x, t, "gate")) * project(x, t, "up")
+        return project(h, t, "down")
+
+    return fn
+
+
+# ---- dense weights -------------------------------------------------------------------------------------------
+
+
+class BlockFp8Weight(torch.Tensor):
+    """A block-FP8 dense weight kept as its stored e4m3 bytes plus scale_inv (1 byte a weight in RAM, as stored).
+
+    Every consumer upcasts a weight per use with `.float()` (blocks.linear, mla.py), so that is where it is
+    dequantised, exactly, into fp32: the same per-use cost a bf16 weight pays. Torch ops on it are plain
+    (no subclass propagation); anything else than `.float()` sees raw unscaled codes, so reach values only that way.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    scale_inv: torch.Tensor
+    block: tuple[int, int]
+
+    @staticmethod
+    def wrap(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> "BlockFp8Weight":
+        out = weight.as_subclass(BlockFp8Weight)
+        out.scale_inv, out.block = scale_inv, block
+        return out
+
+    def float(self) -> torch.Tensor:  # type: ignore[override]
+        return dequant_fp8_block(self.as_subclass(torch.Tensor), self.scale_inv, self.block)
+
+
+class Fp8DenseWeights(DenseWeights):
+    """DenseWeights that pairs `X.weight` (float8_e4m3fn) with `X.weight_scale_inv` (DeepSeek-V3, Kimi K2)."""
+
+    def __init__(self, base: DenseWeights, block: tuple[int, int]):
+        super().__init__(base.index, base.prefix, base.memory)
+        self.block = block
+
+    def get(self, name: str) -> torch.Tensor:
+        t = super().get(name)
+        scale = name + "_scale_inv"
+        if t.dtype == torch.float8_e4m3fn and scale in self and not isinstance(t, BlockFp8Weight):
+            t = self.loaded[name] = BlockFp8Weight.wrap(t, super().get(scale), self.block)
+        return t
+
+
+# ---- model -----------------------------------------------------------------------------------------------------
+
+
+def softmax_scale(cfg: DeepseekV3Config) -> float:
+    """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (the reference's yarn_apply_mscale)."""
+    c = cfg.raw
+    scale = (c.get("qk_nope_head_dim", 128) + c.get("qk_rope_head_dim", 64)) ** -0.5
+    p = rope_params(c)
+    if p["rope_type"] != "default" and p.get("mscale_all_dim"):
+        m = yarn_get_mscale(float(p["factor"]), float(p["mscale_all_dim"]))
+        scale *= m * m
+    return scale
+
+
+def build(cfg: DeepseekV3Config, ctx: ModelContext):
+    w = Fp8DenseWeights(ctx.weights, cfg.fp8_block)
+    rope = build_rope(cfg.raw, cfg.raw.get("qk_rope_head_dim", 64), interleaved=cfg.raw.get("rope_interleave", True))
+    opts = MLAOptions.from_hf(cfg.raw, rope=rope, scale=softmax_scale(cfg))
+    fn = expert_fn(cfg)
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        ffn = _moe(cfg, ctx, w, i, fn) if i in cfg.moe_layers else _mlp(w, p + ".mlp")
+        layers.append(Layer(MLAMixer(w, p + ".self_attn", opts), ffn, w.get(p + ".input_layernorm.weight"),
+                            w.get(p + ".post_attention_layernorm.weight"), cfg.eps))
+    ctx = ModelContext(w, ctx.experts, ctx.memory)
+    return standard_model(ctx, layers, cfg.eps, cfg.vocab_size, cfg.tie)
+
+
+def _mlp(w: DenseWeights, p: str):
+    g, u, d = (w.get(f"{p}.{n}_proj.weight") for n in PROJS)
+    return lambda x: glu_mlp(x, g, u, d)
+
+
+def _moe(cfg: DeepseekV3Config, ctx: ModelContext, w: DenseWeights, i: int, fn):
+    p = f"model.layers.{i}.mlp"
+    gate, bias = w.get(p + ".gate.weight"), w.maybe(p + ".gate.e_score_correction_bias")
+    shared = _mlp(w, p + ".shared_experts") if f"{p}.shared_experts.gate_proj.weight" in w else None
+
+    def ffn(x: torch.Tensor) -> torch.Tensor:
+        ids, wts = sigmoid_topk(linear(x, gate), bias, cfg.top_k, cfg.norm_topk_prob, cfg.routed_scaling_factor,
+                                cfg.n_group, cfg.topk_group)
+        y = ctx.experts.run(i, x, ids, wts, fn)
+        return y + shared(x) if shared is not None else y
+
+    return ffn
+
+
+FAMILY = Family("deepseek_v3", DeepseekV3Config.from_hf, expert_layout, build)
+# K2.5 is a multimodal wrapper: same text model, tensors under `language_model.`, vision tower never read.
+VARIANTS = {
+    "kimi_k2": Family("kimi_k2", DeepseekV3Config.from_hf, expert_layout, build),
+    "kimi_k25": Family("kimi_k25", DeepseekV3Config.from_kimi_k25, expert_layout, build, prefix="language_model.",
+                       ignore=("vision_tower.", "mm_projector.", "multi_modal_projector.")),
+}
