@@ -18,7 +18,7 @@ from moestream.models.blocks import linear, rms_norm
 
 DECAYS = ("softplus", "lower_bound_sigmoid")
 GATES = ("low_rank", "full_rank")
-CHUNK_SCRATCH = 1 << 23  # max elements of the [heads, c, c, dk] decay tensor per head group: 32 MiB in fp32
+CHUNK_SCRATCH = 1 << 23  # max elements of the [heads, c, c, dk] decay scratch per head group: 32 MiB fp32
 
 
 @dataclass
@@ -169,11 +169,11 @@ def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
     G_i - G_start, so it is <= 0: nothing overflows however strong the decay (e^G_i * e^-G_j would)."""
     c = q.shape[1]
     G = g.cumsum(1)  # [H, c, dk]
-    lower = torch.ones(c, c, dtype=torch.bool).tril()  # j <= i
-    decay = (G.unsqueeze(2) - G.unsqueeze(1)).masked_fill(~lower[..., None], float("-inf")).exp()  # [H, i, j, dk]
-    kd = decay * k.unsqueeze(1)  # [H, i, j, dk]: k_j decayed from j to i
-    a_kk = (kd * k.unsqueeze(2)).sum(-1).tril(-1)  # [H, c, c]: k_i . (e^(G_i-G_j) k_j), j < i
-    a_qk = (kd * q.unsqueeze(2)).sum(-1)  # [H, c, c]: q_i . (e^(G_i-G_j) k_j), j <= i
+    upper = torch.ones(c, c, dtype=torch.bool).triu(1)  # j > i: no contribution
+    # the one [H, i, j, dk] scratch tensor, built in place: G_i - G_j -> e^(G_i - G_j) -> e^(G_i - G_j) k_j
+    kd = (G.unsqueeze(2) - G.unsqueeze(1)).masked_fill_(upper[..., None], float("-inf")).exp_().mul_(k.unsqueeze(1))
+    a_kk = torch.matmul(kd, k.unsqueeze(-1)).squeeze(-1).tril(-1)  # [H, c, c]: k_i . (e^(G_i-G_j) k_j), j < i
+    a_qk = torch.matmul(kd, q.unsqueeze(-1)).squeeze(-1)  # [H, c, c]: q_i . (e^(G_i-G_j) k_j), j <= i
     # the pre-update deltas u_i = beta_i (v_i - k_i^T S_{i-1}) solve a unit lower-triangular system
     lhs = torch.eye(c) + beta.unsqueeze(-1) * a_kk
     rhs = beta.unsqueeze(-1) * (v - torch.matmul(k * G.exp(), S))  # [H, c, dv]
