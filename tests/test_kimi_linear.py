@@ -203,3 +203,13 @@ def test_expert_layout_per_expert_and_fused():
     assert [(p.name, p.tensor, p.fused) for p in parts] == [
         ("gate_up", "model.layers.{layer}.mlp.experts.gate_up_proj", True),
         ("down", "model.layers.{layer}.mlp.experts.down_proj", True)]
+
+
+def test_config_errors_are_user_errors():
+    from moestream.errors import MoestreamError
+
+    with pytest.raises(CheckpointError, match="num_hidden_layers"):
+        KimiLinearConfig.from_hf({"vocab_size": 10})
+    with pytest.raises(MoestreamError, match="router"):
+        KimiLinearConfig.from_hf({"num_hidden_layers": 2, "vocab_size": 10, "num_attention_heads": 2,
+                                  "moe_router_activation_func": "softmax"})

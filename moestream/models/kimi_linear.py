@@ -45,6 +45,13 @@ class KimiLinearConfig:
 
     @classmethod
     def from_hf(cls, c: dict) -> "KimiLinearConfig":
+        try:
+            return cls._parse(c)
+        except KeyError as e:
+            raise CheckpointError(f"kimi_linear config.json lacks the field {e}") from None
+
+    @classmethod
+    def _parse(cls, c: dict) -> "KimiLinearConfig":
         if c.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"kimi_linear with hidden_act {c['hidden_act']!r} is not supported (silu)")
         router = c.get("moe_router_activation_func", "sigmoid")
