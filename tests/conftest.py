@@ -34,8 +34,10 @@ def reference_logits(model, ids: list[int]) -> torch.Tensor:
 
 def reference_greedy(model, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
+        x = torch.tensor([ids])
+        # explicit mask: without it transformers masks every prompt token equal to pad_token_id
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(ids):].tolist()
 
 
