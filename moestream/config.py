@@ -43,6 +43,7 @@ class EngineOptions:
     cache_policy: str = "lru"
     io_threads: int = 8
     prefill_chunk: int = 512
+    threads: int | None = None  # torch compute threads; None keeps torch's default (one per physical core)
 
 
 def read_model_config(root: str | Path) -> dict:

@@ -6,7 +6,6 @@ server and batch mode share. Model math lives in models/, residency in experts/.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -70,7 +69,8 @@ class Engine:
         if device != "cpu":
             raise MoestreamError(f"device {device!r} is not supported yet; use device='cpu'")
         opts = EngineOptions(ram_budget=parse_bytes(ram_budget), device=device, **options)
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        if opts.threads:
+            torch.set_num_threads(opts.threads)
         p = plan(path, opts.io_threads)
         memory = MemoryAccountant(opts.ram_budget)
         _check_budget(p, opts.ram_budget)
