@@ -1,0 +1,74 @@
+"""Helpers shared by the subcommands: the --ram-budget option, opening a model with a progress bar, paths.
+
+Owns how the CLI turns user strings into typed values (through moestream.config) and how it shows that a
+long open is still working. It does no model work of its own.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from tqdm import tqdm
+
+from moestream.config import parse_bytes
+from moestream.errors import MoestreamError
+
+PROGRESS_DELAY_S = 1.0  # show a bar only for work that takes longer than this
+
+
+def add_budget_arg(p: argparse.ArgumentParser, help_extra: str = "") -> None:
+    p.add_argument("--ram-budget", metavar="BYTES", default=None,
+                   help="RAM for everything the engine keeps resident: dense weights, KV cache, expert cache "
+                        "(e.g. 4GiB, 512MiB, 2GB)" + help_extra)
+
+
+def parse_budget(value: str | None) -> int | None:
+    budget = parse_bytes(value)
+    if budget is not None and budget <= 0:
+        raise MoestreamError(f"--ram-budget must be positive, got {value!r}")
+    return budget
+
+
+def model_dir(value: str) -> Path:
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise MoestreamError(f"{value}: no such model directory (pass a local checkpoint directory)")
+    return path
+
+
+@contextmanager
+def busy(desc: str) -> Iterator[None]:
+    """An elapsed-time bar on stderr for work with no natural progress count; silent if it ends within ~1 s."""
+    bar = tqdm(total=None, desc=desc, file=sys.stderr, delay=PROGRESS_DELAY_S, leave=False,
+               bar_format="{desc}: {elapsed}")
+    done, start = threading.Event(), time.monotonic()
+
+    def tick() -> None:
+        while not done.wait(0.25):
+            if time.monotonic() - start >= PROGRESS_DELAY_S:  # refresh() would draw at once, ignoring delay
+                bar.refresh()
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+        bar.close()
+
+
+def open_engine(path: Path, budget: int | None):
+    from moestream.engine.engine import Engine
+
+    with busy(f"opening {path.name}"):
+        return Engine.open(path, ram_budget=budget)
+
+
+def now() -> float:
+    return time.perf_counter()
