@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from moestream import __version__
@@ -64,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         print(file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # `moestream run ... | head`: the reader left; nothing more to say
-        sys.stderr.close()
+        # Point stdout at /dev/null so the interpreter's final flush does not complain a second time.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 
 

@@ -55,8 +55,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         tok = Tokenizer.load(path)
         print(f"prompt:  {DEMO_PROMPT}\n")
-        report = stream_text(engine, tok, encode_prompt(tok, DEMO_PROMPT, chat=True), Sampling(args.max_new, **DEMO_SAMPLING),
-                             sys.stdout)
+        ids = encode_prompt(tok, DEMO_PROMPT, chat=True)
+        report = stream_text(engine, tok, ids, Sampling(args.max_new, **DEMO_SAMPLING), sys.stdout)
         print()
         print_stats(report, sys.stdout)
     finally:
