@@ -2,7 +2,8 @@
 
 Usage: python bench/kernels.py --rows 3072 --cols 3584 --tokens 1 8 [--chunks 64 128 256] [--baseline]
 Every weight is cycled through enough copies to exceed the last-level cache, so rates are streaming rates.
-Prints a table and then one JSON line.
+Prints a table and then one JSON line. On a shared machine wall time mostly measures the other tenants:
+`--threads 1 --cpu-time` times the calling thread's CPU time instead.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--baseline", action="store_true", help="also time the naive table[packed] kernel")
     parser.add_argument("--probe-mb", type=int, default=512, help="bandwidth probe size in MiB")
     parser.add_argument("--footprint-mb", type=int, default=96, help="MiB cycled per kernel (beats the LLC)")
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
+    parser.add_argument("--cpu-time", action="store_true", help="time thread CPU time, not wall (use --threads 1)")
     parser.add_argument("--seconds", type=float, default=0.3, help="minimum time per measurement")
     return parser.parse_args()
 
@@ -40,16 +43,17 @@ def clones(t: torch.Tensor, count: int) -> list[torch.Tensor]:
     return [t] + [t.clone() for _ in range(count - 1)]
 
 
-def rate(fn: Callable[[int], object], copies: int, seconds: float) -> float:
+def rate(fn: Callable[[int], object], copies: int, seconds: float,
+         clock: Callable[[], float] = time.perf_counter) -> float:
     """Calls per second: best of 3 rounds, each cycling through the copies for at least `seconds` / 3."""
     fn(0)
-    best, start = math.inf, time.perf_counter()
+    best = math.inf
     for _ in range(3):
-        calls, begin = 0, time.perf_counter()
-        while calls < min(copies, 8) or time.perf_counter() - begin < seconds / 3:
+        calls, begin = 0, clock()
+        while calls < min(copies, 8) or clock() - begin < seconds / 3:
             fn(calls % copies)
             calls += 1
-        best = min(best, (time.perf_counter() - begin) / calls)
+        best = min(best, (clock() - begin) / calls)
     return 1.0 / best
 
 
@@ -68,6 +72,9 @@ def lut_baseline(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ro
 
 def main() -> None:
     args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     rows, cols = args.rows, args.cols
     footprint = args.footprint_mb << 20
     results: list[dict] = []
@@ -81,7 +88,7 @@ def main() -> None:
     mx_bytes = packed[0].numel() + scales[0].numel()
 
     print(f"memory read bandwidth: {bandwidth / 1e9:.2f} GB/s   weight {rows} x {cols}   "
-          f"threads {torch.get_num_threads()}")
+          f"threads {torch.get_num_threads()}   clock {'thread CPU' if args.cpu_time else 'wall'}")
     print(f"{'kernel':<22}{'T':>4}{'chunk':>7}{'MB':>9}{'ms':>9}{'GB/s':>8}{'of bw':>8}", flush=True)
 
     def record(kernel: str, tokens: int, nbytes: int, calls_per_s: float, **extra: object) -> None:
@@ -95,11 +102,11 @@ def main() -> None:
         x = torch.randn(tokens, cols, generator=g)
         for chunk in [None, *args.chunks]:
             calls = rate(lambda i: quant.mxfp4_linear(x, packed[i], scales[i], rows_per_chunk=chunk), n_mx,
-                         args.seconds)
+                         args.seconds, clock)
             record("mxfp4_linear", tokens, mx_bytes, calls, rows_per_chunk=chunk or "auto")
         if args.baseline:
             record("mxfp4 lut baseline", tokens, mx_bytes,
-                   rate(lambda i: lut_baseline(x, packed[i], scales[i]), n_mx, args.seconds))
+                   rate(lambda i: lut_baseline(x, packed[i], scales[i]), n_mx, args.seconds, clock))
     del packed, scales
 
     for dtype in (torch.bfloat16, torch.float32):
@@ -108,12 +115,12 @@ def main() -> None:
         weights = clones(torch.randn(rows, cols, generator=g).to(dtype), n_w)
         for tokens in args.tokens:
             x = torch.randn(tokens, cols, generator=g).to(dtype)
-            calls = rate(lambda i: torch.mm(x, weights[i].T), n_w, args.seconds)
+            calls = rate(lambda i: torch.mm(x, weights[i].T), n_w, args.seconds, clock)
             record(f"torch mm {str(dtype).removeprefix('torch.')}", tokens, nbytes, calls)
         del weights
 
     print(json.dumps({"bandwidth_Bps": bandwidth, "rows": rows, "cols": cols, "threads": torch.get_num_threads(),
-                      "results": results}))
+                      "clock": "thread_cpu" if args.cpu_time else "wall", "results": results}))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ _E2M1_MASK = -29184  # 0x8E00 as int16: fp16 sign bit + the two low exponent bit
 _E4M3_MASK = -16512  # 0xBF80 as int16: fp16 sign bit + low four exponent bits + top three mantissa bits
 # low nibble to bits 15..12 (x4096, wrapping), high nibble to bits 15..12 (x256: the low nibble then sits in
 # bits 11..8 and is shifted into bits that _E2M1_MASK clears)
-_NIBBLE_LIFT = torch.tensor([4096, 256], dtype=torch.int16).view(1, 1, 2, 1)
+_NIBBLE_LIFT = torch.tensor([4096, 256], dtype=torch.int16).view(1, 2, 1)
 _E4M3_LIFT = torch.tensor([128], dtype=torch.int16)  # sign-extended int8 -> int16, << 7
 
 
@@ -62,7 +62,7 @@ def _scratch_rows(scratch: Tensor | None, rows: int, in_features: int) -> Tensor
 def _flatten_x(x: Tensor, in_features: int) -> Tensor:
     if x.shape[-1] != in_features:
         raise ValueError(f"x has {x.shape[-1]} features, the weight expects {in_features}")
-    return x.reshape(-1, in_features).to(torch.float32)
+    return x.reshape(-1, in_features).to(torch.float32).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------------- MXFP4
@@ -118,25 +118,24 @@ def dequant_mxfp4(packed: Tensor, scales: Tensor, layout: str = "low_first", nam
 
 
 def _mxfp4_decode(packed: Tensor, mult: Tensor, bits: Tensor, out: Tensor) -> None:
-    """Decode packed rows [n, in/2] into out [n, nb, 2, 16] (per block: 16 low nibbles, then 16 high) times mult.
+    """Decode packed rows [n, in/2] into out [n, 2, in/2] (all low nibbles, then all high) times mult [n, nb].
 
     Each nibble s|e1 e0|m is moved to fp16 bits s..|e1 e0|m.. (sign to bit 15 by an arithmetic shift), which
     reads as E2M1 * 2^-14 including the 0.5 subnormal; mult = 2^(scale - 127 + 14) restores the value.
+    Two half planes (not [block, 2, 16]) because the widening multiply is ~10x faster on long rows.
     """
     n, half = packed.shape
-    nb = half // 16
-    torch.mul(packed.view(n, nb, 1, 16), _NIBBLE_LIFT, out=bits.view(n, nb, 2, 16))
+    torch.mul(packed.view(n, 1, half), _NIBBLE_LIFT, out=bits.view(n, 2, half))
     bits.bitwise_right_shift_(3).bitwise_and_(_E2M1_MASK)
-    torch.mul(bits.view(torch.float16).view(n, nb, 2, 16), mult.view(n, nb, 1, 1), out=out)
-
+    torch.mul(bits.view(torch.float16).view(n, 2, -1, 16), mult.view(n, 1, -1, 1), out=out.view(n, 2, -1, 16))
 
 
 def _mxfp4_permute_x(x: Tensor, layout: str) -> Tensor:
-    """Reorder x's inputs to match _mxfp4_decode's [block, nibble half, 16] column order."""
-    if layout == "gguf":
-        return x.contiguous()
+    """Reorder x's inputs to _mxfp4_decode's column order: [even-or-first-16 inputs, odd-or-last-16 inputs]."""
     tokens, in_features = x.shape
-    return x.view(tokens, in_features // 32, 16, 2).transpose(2, 3).reshape(tokens, in_features)
+    if layout == "gguf":  # block b's low nibbles are inputs 32b..32b+15, its high nibbles 32b+16..32b+31
+        return x.view(tokens, -1, 2, 16).transpose(1, 2).reshape(tokens, in_features)
+    return x.view(tokens, -1, 2).transpose(1, 2).reshape(tokens, in_features)
 
 
 def mxfp4_linear(x: Tensor, packed: Tensor, scales: Tensor, scratch: Tensor | None = None,
@@ -151,23 +150,32 @@ def mxfp4_linear(x: Tensor, packed: Tensor, scales: Tensor, scratch: Tensor | No
     out_features, in_features = packed.shape[0], packed.shape[1] * 2
     lead = x.shape[:-1]
     xp = _mxfp4_permute_x(_flatten_x(x, in_features), layout)
-    top = int(scales.max()) if scales.numel() else 0
-    if top == 255:
-        _check_scales(scales, name)
-    rescale = top > _F16_MAX_SCALE  # 2^(s-113) would overflow: multiply by 2^(s-127), then by 2^14
+    mult, rescale = _mxfp4_multipliers(scales, name)
     rows = _rows_per_chunk(rows_per_chunk, in_features, scratch)
     buf = _scratch_rows(scratch, rows, in_features)
     bits = torch.empty(rows, in_features, dtype=torch.int16)
     out = torch.empty(xp.shape[0], out_features, dtype=torch.float32)
     for r in range(0, out_features, rows):
         n = min(rows, out_features - r)
-        mult = e8m0_to_float(scales[r:r + n], shift=0 if rescale else _F16_SHIFT)
         w = buf[:n]
-        _mxfp4_decode(packed[r:r + n], mult, bits[:n], w.view(n, -1, 2, 16))
+        _mxfp4_decode(packed[r:r + n], mult[r:r + n], bits[:n], w)
         if rescale:
             w.mul_(2.0 ** _F16_SHIFT)
         torch.mm(xp, w.T, out=out[:, r:r + n])
     return out.view(*lead, out_features)
+
+
+def _mxfp4_multipliers(scales: Tensor, name: str) -> tuple[Tensor, bool]:
+    """Per-block multipliers for _mxfp4_decode's fp16 values: 2^(s - 127 + 14), built from fp32 exponent bits.
+
+    Where a scale byte above 240 would overflow that, returns 2^(s - 127) and rescale=True (then x 2^14).
+    """
+    top = int(scales.max()) if scales.numel() else 0
+    if top == 255:
+        _check_scales(scales, name)
+    if top > _F16_MAX_SCALE:
+        return e8m0_to_float(scales), True
+    return (torch.add(scales, _F16_SHIFT).to(torch.int32) << 23).view(torch.float32), False
 
 
 def quantize_mxfp4(w: Tensor) -> tuple[Tensor, Tensor]:
@@ -241,7 +249,6 @@ def _fp8_decode(weight: Tensor, bits: Tensor, out: Tensor) -> None:
     out.copy_(bits.view(torch.float16))
 
 
-
 def fp8_block_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, block: tuple[int, int] = FP8_BLOCK,
                      scratch: Tensor | None = None, rows_per_chunk: int | None = None) -> Tensor:
     """y = x @ W^T for block-FP8 W, chunk by chunk; the per-block scale is folded into x (float32 [..., out])."""
@@ -310,11 +317,14 @@ def dequant_int4_packed(packed: Tensor, scale: Tensor, group_size: int = 32,
 
 
 def _int4_decode(packed_bytes: Tensor, scale: Tensor, work: Tensor, out: Tensor) -> None:
-    """Bytes [n, ng, 1, gs/2] -> out [n, ng, 2, gs/2] (per group: low nibbles, then high) times scale."""
-    torch.bitwise_and(packed_bytes, 0x0F, out=work[:, :, :1])
-    torch.bitwise_right_shift(packed_bytes, 4, out=work[:, :, 1:])
-    work.sub_(8)
-    torch.mul(work.view(torch.int8), scale.unsqueeze(-1).unsqueeze(-1), out=out)
+    """Bytes [n, in/2] -> out [n, 2, in/2] (all low nibbles, then all high) as (nibble - 8) * group scale."""
+    n, half = packed_bytes.shape
+    torch.bitwise_and(packed_bytes, 0x0F, out=work[:, 0])
+    torch.bitwise_right_shift(packed_bytes, 4, out=work[:, 1])
+    work.sub_(8)  # uint8 wraps: reinterpreted as int8 below
+    groups = scale.shape[1]
+    torch.mul(work.view(torch.int8).view(n, 2, groups, -1), scale.view(n, 1, groups, 1),
+              out=out.view(n, 2, groups, -1))
 
 
 def int4_linear(x: Tensor, packed: Tensor, scale: Tensor, group_size: int = 32,
@@ -329,18 +339,17 @@ def int4_linear(x: Tensor, packed: Tensor, scale: Tensor, group_size: int = 32,
     if stored != scale.shape[1] * group_size or group_size % 2:  # ragged last group: use the reference
         return _int4_linear_reference(x2, packed, scale, group_size, in_features).view(*lead, out_features)
     x2 = torch.nn.functional.pad(x2, (0, stored - in_features))  # padding codes decode to -8: zero their inputs
-    xp = x2.view(-1, stored // group_size, group_size // 2, 2).transpose(2, 3).reshape(-1, stored)
+    xp = x2.view(-1, stored // 2, 2).transpose(1, 2).reshape(-1, stored)
     rows = _rows_per_chunk(rows_per_chunk, stored, scratch)
     buf = _scratch_rows(scratch, rows, stored)
-    work = torch.empty(rows, scale.shape[1], 2, group_size // 2, dtype=torch.uint8)
-    byte_view = packed.contiguous().view(torch.uint8).view(out_features, scale.shape[1], 1, group_size // 2)
+    work = torch.empty(rows, 2, stored // 2, dtype=torch.uint8)
+    byte_view = packed.contiguous().view(torch.uint8)  # little-endian: byte j holds elements 2j (low), 2j+1
     scale32 = scale.to(torch.float32)
     out = torch.empty(xp.shape[0], out_features, dtype=torch.float32)
     for r in range(0, out_features, rows):
         n = min(rows, out_features - r)
-        w = buf[:n]
-        _int4_decode(byte_view[r:r + n], scale32[r:r + n], work[:n], w.view(work[:n].shape))
-        torch.mm(xp, w.T, out=out[:, r:r + n])
+        _int4_decode(byte_view[r:r + n], scale32[r:r + n], work[:n], buf[:n])
+        torch.mm(xp, buf[:n].T, out=out[:, r:r + n])
     return out.view(*lead, out_features)
 
 
