@@ -5,7 +5,6 @@ gives it. It does no I/O and never imports torch: values are opaque objects with
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
@@ -38,39 +37,31 @@ class CacheStats:
         return out
 
 
-class LRUPolicy:
-    """Least recently used: evict the entry touched longest ago."""
+def make_policy(name: str) -> Any:
+    from moestream.experts.policies import POLICIES
 
-    name = "lru"
-
-    def __init__(self) -> None:
-        self._order: OrderedDict[Key, None] = OrderedDict()
-
-    def touch(self, key: Key) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
-
-    def remove(self, key: Key) -> None:
-        self._order.pop(key, None)
-
-    def victims(self):
-        return iter(list(self._order))
-
-
-POLICIES: dict[str, Callable[[], Any]] = {"lru": LRUPolicy}
+    if name not in POLICIES:
+        raise ValueError(f"unknown cache policy {name!r}; choose from {', '.join(POLICIES)}")
+    return POLICIES[name]()
 
 
 class ExpertCache:
-    """Maps key -> (value, nbytes). `capacity()` is asked on every insert, so it can shrink as other state grows."""
+    """Maps key -> (value, nbytes). `capacity()` is asked on every insert, so it can shrink as other state grows.
 
-    def __init__(self, capacity: Callable[[], int], policy: str = "lru"):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown cache policy {policy!r}; choose from {', '.join(POLICIES)}")
+    `reserve()` books room for a value still being read (its buffer already exists, so it counts as resident);
+    `put(..., reserved=True)` turns the booking into the entry. `on_evict(key, value)` lets the owner recycle
+    an evicted value's buffer.
+    """
+
+    def __init__(self, capacity: Callable[[], int], policy: str | Any = "lru",
+                 on_evict: Callable[[Key, Any], None] | None = None):
         self.capacity = capacity
-        self.policy = POLICIES[policy]()
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.on_evict = on_evict
         self._items: dict[Key, tuple[Any, int]] = {}
         self._pinned: set[Key] = set()
-        self.resident_bytes = 0
+        self.resident_bytes = 0  # entries plus reservations
+        self.reserved_bytes = 0
         self.stats = CacheStats()
 
     def __contains__(self, key: Key) -> bool:
@@ -99,8 +90,23 @@ class ExpertCache:
                 return True
         return self.resident_bytes + nbytes <= cap
 
-    def put(self, key: Key, value: Any, nbytes: int, keep: frozenset = frozenset()) -> bool:
-        """Insert if it fits after eviction; returns False (value not kept) otherwise."""
+    def reserve(self, nbytes: int, keep: frozenset = frozenset()) -> bool:
+        """Book `nbytes` (evicting as needed) for a value being read; False if it cannot fit."""
+        if not self.make_room(nbytes, keep):
+            return False
+        self.resident_bytes += nbytes
+        self.reserved_bytes += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        """Return a booking that will not become an entry (the read failed or was dropped)."""
+        self.resident_bytes -= nbytes
+        self.reserved_bytes -= nbytes
+
+    def put(self, key: Key, value: Any, nbytes: int, keep: frozenset = frozenset(), reserved: bool = False) -> bool:
+        """Insert if it fits after eviction; returns False (value not kept) otherwise. `reserved`: room was booked."""
+        if reserved:
+            self.release(nbytes)
         if key in self._items:
             self.policy.touch(key)
             return True
@@ -109,14 +115,16 @@ class ExpertCache:
         self._items[key] = (value, nbytes)
         self.resident_bytes += nbytes
         self.stats.bytes_inserted += nbytes
-        self.policy.touch(key)
+        self.policy.insert(key)
         return True
 
     def _evict(self, key: Key) -> None:
-        _, nbytes = self._items.pop(key)
+        value, nbytes = self._items.pop(key)
         self.resident_bytes -= nbytes
         self.policy.remove(key)
         self.stats.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(key, value)
 
     def pin(self, key: Key) -> None:
         self._pinned.add(key)

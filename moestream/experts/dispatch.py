@@ -1,12 +1,19 @@
 """Routed-expert execution: fetch the union of experts a layer step needs through the cache, run each once.
 
-Owns the order of work in one MoE layer step (cached experts first, then misses read in parallel waves that
-fit the budget), the combine in fp32, and the expert statistics. The family supplies the router output and a
-function computing one expert from its tensors; this module never parses weight names.
+Owns the order of work in one MoE layer step: reads for missing experts are queued first (as many as the budget
+has room for, the rest as room frees), resident experts compute while those reads are in flight, then each
+read expert computes as it lands; the lookahead prefetch for the next layer is queued behind this layer's
+reads. Also the fp32 combine, the expert statistics and the phase timings. The family supplies the router
+output and a function computing one expert from its tensors; this module never parses weight names.
 """
 from __future__ import annotations
 
-from typing import Callable
+import atexit
+import time
+import weakref
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -14,59 +21,248 @@ from moestream.config import format_bytes
 from moestream.engine.memory import MemoryAccountant
 from moestream.errors import BudgetError
 from moestream.experts.cache import ExpertCache
+from moestream.experts.policies import HeatPolicy, POLICIES, heat_path
+from moestream.experts.prefetch import Lookahead, RouterFn
 from moestream.experts.store import ExpertBlob, ExpertStore
 
 ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+Key = tuple[int, int]
+
+
+@dataclass
+class RunnerTimes:
+    """Seconds the calling thread spent, per phase, inside expert steps (wall clock, summed over steps)."""
+
+    io_wait_s: float = 0.0  # blocked on reads
+    expert_s: float = 0.0  # expert functions and the weighted combine
+    lookahead_s: float = 0.0  # next-layer router and queuing its reads
+    steps: int = 0
+    prefetch_reads: int = 0  # experts read ahead by the lookahead
+    prefetch_used: int = 0  # ... of which were routed to before being evicted
+    prefetch_joined: int = 0  # misses that joined a read the lookahead had already started
 
 
 class ExpertRunner:
-    def __init__(self, store: ExpertStore, memory: MemoryAccountant, policy: str = "lru"):
+    def __init__(self, store: ExpertStore, memory: MemoryAccountant, policy: str = "lru", lookahead: bool = True):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown cache policy {policy!r}; choose from {', '.join(POLICIES)}")
         self.store = store
         self.memory = memory
-        self.cache = ExpertCache(memory.cache_capacity, policy)
+        pol = HeatPolicy(heat_path(store.index.root)) if policy == "heat" else POLICIES[policy]()
+        self.cache = ExpertCache(memory.cache_capacity, pol, on_evict=self._on_evict)
         memory.cache = self.cache
+        self.lookahead = Lookahead(enabled=lookahead)
+        self.times = RunnerTimes()
+        self.upcast = Upcast()
+        self._inflight: dict[Key, tuple[Future, int]] = {}  # reads started, room reserved, not yet cached
+        self._fresh: set[Key] = set()  # read ahead and not yet used
+        if isinstance(pol, HeatPolicy):
+            atexit.register(_save_heat, weakref.ref(self))
 
+    # ---- configuration ---------------------------------------------------------------------------------
+    def register_router(self, layer: int, fn: RouterFn) -> None:
+        """Let the lookahead run `layer`'s router (x [T, H] -> ids [T, k]) on the previous MoE layer's input."""
+        self.lookahead.register(layer, fn)
+
+    def configure_pins(self, layer: int, share: float = 0.5) -> None:
+        """Heat policy only: keep the hottest experts, `share` of what the cache can hold, last in line."""
+        pol = self.cache.policy
+        if isinstance(pol, HeatPolicy):
+            per = self.store.resident_nbytes(layer, 0)
+            pol.set_pin_count(int(share * self.memory.cache_capacity() / max(1, per)))
+
+    # ---- one layer step --------------------------------------------------------------------------------
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fn: ExpertFn,
             out_dim: int | None = None) -> torch.Tensor:
         """x [T, H]; ids, weights [T, k]. Returns sum_j weights[t, j] * fn(x[t], expert ids[t, j]) as fp32 [T, D]."""
         out = torch.zeros(x.shape[0], out_dim or x.shape[1], dtype=torch.float32)
         uniq = torch.unique(ids).tolist()
+        if self.times.steps == 0:
+            self.configure_pins(layer)
+        self.times.steps += 1
+        self.lookahead.observe(layer, uniq)
+        self._harvest()
+        need = {(layer, e) for e in uniq}
         hits = [e for e in uniq if (layer, e) in self.cache]
-        misses = [e for e in uniq if (layer, e) not in self.cache]
+        waiting = [e for e in uniq if (layer, e) not in self.cache]
+        started = self._start(layer, waiting, need)
+        self._prefetch_next(layer, x, need)
+        t = time.perf_counter()
         for e in hits:
-            self.cache.stats.record(layer, True)
+            self._use(layer, e, hit=True)
             self._apply(out, x, ids, weights, e, self.cache.get((layer, e)), fn)
-        pending = list(misses)
-        while pending:
-            wave = self._next_wave(layer, pending)
-            blobs = self.store.read_many([(layer, e) for e in wave])
-            for e, blob in zip(wave, blobs):
-                self.cache.stats.record(layer, False)
-                self.cache.put((layer, e), blob, blob.nbytes, keep=frozenset((layer, p) for p in pending))
-                self.memory.observe()
-                self._apply(out, x, ids, weights, e, blob, fn)
-            pending = pending[len(wave):]
+            need.discard((layer, e))
+        self.times.expert_s += time.perf_counter() - t
+        self._drain(layer, out, x, ids, weights, fn, started, waiting, need)
+        self.store.reader.pool.trim()  # buffers evicted beyond what this step re-used: back to the OS
+        self.memory.observe()
         return out
 
-    def _next_wave(self, layer: int, pending: list[int]) -> list[int]:
-        """The longest prefix of `pending` whose bytes fit in the cache at once (at least one expert)."""
-        wave, total = [], 0
-        for e in pending:
-            nbytes = self.store.expert_nbytes(layer, e)
-            if wave and not self.cache.make_room(total + nbytes):
-                break
-            total += nbytes
-            wave.append(e)
-        if not self.cache.make_room(total):
-            raise BudgetError(
-                f"the RAM budget leaves {format_bytes(self.memory.cache_capacity())} for experts, less than one "
-                f"expert ({format_bytes(total)}): raise --ram-budget"
-            )
-        return wave
+    def _start(self, layer: int, experts: list[int], need: set[Key]) -> dict[Future, int]:
+        """Queue reads for `experts` while room can be reserved; returns future -> expert. Started experts are
+        removed from `experts` (the caller keeps the rest for later)."""
+        started: dict[Future, int] = {}
+        while experts:
+            e = experts[0]
+            key = (layer, e)
+            if key in self._inflight:  # the lookahead already started this read
+                self.times.prefetch_joined += 1
+                started[self._inflight[key][0]] = e
+            else:
+                nbytes = self.store.resident_nbytes(layer, e)
+                if not self.cache.reserve(nbytes, frozenset(need)):
+                    break
+                self._inflight[key] = (self.store.submit(layer, e), nbytes)
+                started[self._inflight[key][0]] = e
+            experts.pop(0)
+        return started
 
-    @staticmethod
-    def _apply(out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e: int,
+    def _drain(self, layer: int, out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+               fn: ExpertFn, started: dict[Future, int], waiting: list[int], need: set[Key]) -> None:
+        """Compute each read expert as it lands; start the rest of `waiting` as computed experts free room."""
+        while started or waiting:
+            if not started:
+                self.finish(need)  # read-ahead in flight holds room: land it so it becomes evictable
+                started = self._start(layer, waiting, need)
+                if not started:
+                    self._budget_error(self.store.resident_nbytes(layer, waiting[0]))
+            t = time.perf_counter()
+            done, _ = wait(list(started), return_when=FIRST_COMPLETED)
+            self.times.io_wait_s += time.perf_counter() - t
+            t = time.perf_counter()
+            for fut in done:
+                e = started.pop(fut)
+                blob = self._land((layer, e), need)
+                self._use(layer, e, hit=False)
+                self._apply(out, x, ids, weights, e, blob, fn)
+                need.discard((layer, e))
+            self.times.expert_s += time.perf_counter() - t
+            if waiting:
+                started.update(self._start(layer, waiting, need))
+
+    def _land(self, key: Key, need: set[Key]) -> ExpertBlob:
+        """A finished read becomes a cache entry (or, if the budget shrank meanwhile, is used once and dropped)."""
+        fut, nbytes = self._inflight.pop(key)
+        try:
+            blob = fut.result()
+        except BaseException:
+            self.cache.release(nbytes)
+            raise
+        if not self.cache.put(key, blob, nbytes, keep=frozenset(need), reserved=True):
+            self._fresh.discard(key)
+        return blob
+
+    def _harvest(self, need: set[Key] = frozenset()) -> None:
+        """Move finished lookahead reads into the cache (only this thread touches the cache)."""
+        for key in [k for k, (f, _) in self._inflight.items() if f.done()]:
+            try:
+                self._land(key, set(need))
+            except Exception:  # noqa: BLE001 - a failed read-ahead is retried as an ordinary miss
+                self._fresh.discard(key)
+
+    def _use(self, layer: int, e: int, hit: bool) -> None:
+        key = (layer, e)
+        if key in self._fresh:  # the cache did not hold it before the lookahead: a miss the prefetch covered
+            self._fresh.discard(key)
+            self.times.prefetch_used += 1
+            hit = False
+        self.cache.stats.record(layer, hit)
+
+    def _prefetch_next(self, layer: int, x: torch.Tensor, need: set[Key]) -> None:
+        if not self.lookahead.routers:
+            return
+        t = time.perf_counter()
+        pred = self.lookahead.predict(layer, x, self.store.num_experts)
+        if pred is not None:
+            nxt, experts = pred
+            for e in experts:
+                key = (nxt, e)
+                if key in self.cache or key in self._inflight:
+                    continue
+                nbytes = self.store.resident_nbytes(nxt, e)
+                if not self.cache.reserve(nbytes, frozenset(need)):
+                    break
+                self._inflight[key] = (self.store.submit(nxt, e), nbytes)
+                self._fresh.add(key)
+                self.times.prefetch_reads += 1
+        self.times.lookahead_s += time.perf_counter() - t
+
+    def _on_evict(self, key: Key, blob: ExpertBlob) -> None:
+        self._fresh.discard(key)
+        self.store.recycle(blob)
+
+    def _budget_error(self, nbytes: int) -> None:
+        raise BudgetError(
+            f"the RAM budget leaves {format_bytes(self.memory.cache_capacity())} for experts, less than one "
+            f"expert ({format_bytes(nbytes)}): raise --ram-budget"
+        )
+
+    def finish(self, need: set[Key] = frozenset()) -> None:
+        """Wait for read-ahead still in flight and cache it (so buffers are accounted, not orphaned)."""
+        wait([f for f, _ in self._inflight.values()])
+        self._harvest(need)
+
+    def save_heat(self) -> None:
+        if isinstance(self.cache.policy, HeatPolicy):
+            self.cache.policy.save()
+
+    def _apply(self, out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e: int,
                blob: ExpertBlob, fn: ExpertFn) -> None:
         rows, slots = torch.nonzero(ids == e, as_tuple=True)
-        y = fn(x[rows], blob.tensors()).float()  # [n, D]
+        y = fn(x[rows], self.upcast(blob.tensors())).float()  # [n, D]
         out.index_add_(0, rows, y * weights[rows, slots].unsqueeze(-1).float())
+
+
+class Upcast:
+    """Expands a bf16/f16 expert into one reused fp32 buffer (the accountant's compute scratch) as it computes.
+
+    `linear` upcasts per use anyway; doing it into the same buffer every time keeps those short-lived megabyte
+    allocations out of the malloc heap, where they fragment it and hold hundreds of MB of RSS beyond the
+    budget. Same fp32 values, so the same results. Each part is expanded when the expert function first asks
+    for it (right before its matmul, while the bytes are hot). Experts with any quantised part (uint8, int32,
+    fp8) pass through untouched: their kernels want the stored bytes.
+    """
+
+    def __init__(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.float32)
+
+    def __call__(self, tensors: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        if not all(t.dtype in _FLOATS for t in tensors.values()):
+            return tensors
+        need = sum(t.numel() for t in tensors.values() if t.dtype != torch.float32)
+        if need == 0:
+            return tensors
+        if self.buf.numel() < need:
+            self.buf = torch.empty(need, dtype=torch.float32)
+        return _Expanded(tensors, self.buf)
+
+
+class _Expanded(Mapping):
+    """A read-only view of an expert's tensors whose bf16/f16 parts expand into slices of `buf` on first use."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], buf: torch.Tensor):
+        self._src, self._buf, self._done = tensors, buf, {}
+        self._slots, off = {}, 0
+        for name, t in tensors.items():
+            if t.dtype != torch.float32:
+                self._slots[name] = off
+                off += t.numel()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        got = self._done.get(name)
+        if got is None:
+            t = self._src[name]
+            if name in self._slots:
+                off = self._slots[name]
+                t = self._buf[off:off + t.numel()].view(t.shape).copy_(t)
+            got = self._done[name] = t
+        return got
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._src)
+
+    def __len__(self) -> int:
+        return len(self._src)
+
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)

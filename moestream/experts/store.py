@@ -1,19 +1,21 @@
 """Expert store: where a routed expert's bytes live in the checkpoint and how to read them.
 
 Owns the mapping (layer, expert) -> byte ranges in the shards, for checkpoints that store one tensor per expert
-and for fused per-layer tensors (an expert is then a contiguous slice along dim 0), and the positioned reads
-that fill one buffer per expert. It does not decide residency (cache.py) or compute (kernels/).
+and for fused per-layer tensors (an expert is then a contiguous slice along dim 0), and each expert's read plan
+(reader.py does the aligned, coalesced, page-cache-free reads into one recycled buffer per expert). It does not
+decide residency (cache.py) or compute (kernels/).
 """
 from __future__ import annotations
 
 import re
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from moestream.errors import CheckpointError
-from moestream.weights.index import DTYPES, CheckpointIndex, bytes_to_tensor, read_range
+from moestream.experts.reader import ReadPlan, Reader, Span, plan_reads
+from moestream.weights.index import DTYPES, CheckpointIndex, bytes_to_tensor
 
 
 @dataclass(frozen=True)
@@ -45,9 +47,9 @@ class ExpertBlob:
 
     __slots__ = ("buf", "parts", "nbytes", "_views")
 
-    def __init__(self, buf: bytearray, parts: list[tuple[str, int, PartLocation]]):
-        self.buf = buf
-        self.parts = parts
+    def __init__(self, buf, parts: list[tuple[str, int, PartLocation]]):
+        self.buf = buf  # mmap (page-aligned, recycled on eviction) or bytearray
+        self.parts = parts  # (part name, offset in buf, location in the checkpoint)
         self.nbytes = len(buf)
         self._views: dict[str, torch.Tensor] | None = None
 
@@ -62,14 +64,19 @@ class ExpertBlob:
 
 class ExpertStore:
     def __init__(self, index: CheckpointIndex, parts: list[PartSpec], num_experts: int, prefix: str = "",
-                 io_threads: int = 8):
+                 io_threads: int = 8, direct_io: bool = True):
         self.index = index
         self.parts = parts
         self.prefix = prefix
         self.num_experts = num_experts
-        self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="moestream-io")
+        self.reader = Reader(io_threads, direct_io)
         self._loc_cache: dict[tuple[int, int], list[PartLocation]] = {}
-        self.bytes_read = 0
+        self._plans: dict[tuple[int, int], tuple[ReadPlan, list[tuple[str, int, PartLocation]]]] = {}
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes transferred from storage for experts (aligned runs, so slightly above the payload)."""
+        return self.reader.stats.bytes_read
 
     def is_expert_tensor(self, name: str) -> bool:
         return any(p.pattern(self.prefix).match(name) for p in self.parts)
@@ -97,41 +104,65 @@ class ExpertStore:
         stride = info.nbytes // self.num_experts
         return PartLocation(part.name, info.file, info.offset + expert * stride, stride, info.dtype, info.shape[1:])
 
+    def read_plan(self, layer: int, expert: int) -> tuple[ReadPlan, list[tuple[str, int, PartLocation]]]:
+        """The aligned, coalesced reads of one expert and where each part lands in its buffer (memoised)."""
+        key = (layer, expert)
+        got = self._plans.get(key)
+        if got is None:
+            locs = self.locate(layer, expert)
+            rp = plan_reads([Span(loc.file, loc.offset, loc.nbytes) for loc in locs])
+            got = self._plans[key] = (rp, [(loc.name, start, loc) for loc, start in zip(locs, rp.starts)])
+        return got
+
     def expert_nbytes(self, layer: int, expert: int) -> int:
+        """Bytes of one expert's tensors in the checkpoint."""
         return sum(loc.nbytes for loc in self.locate(layer, expert))
 
+    def resident_nbytes(self, layer: int, expert: int) -> int:
+        """What one expert costs in RAM: its buffer, including alignment padding and read-through holes."""
+        return self.read_plan(layer, expert)[0].nbytes
+
     def read(self, layer: int, expert: int) -> ExpertBlob:
-        """One expert into one buffer; ranges adjacent in the same file are read with one call."""
-        locs = self.locate(layer, expert)
-        buf = bytearray(sum(loc.nbytes for loc in locs))
-        parts, off = [], 0
-        for loc in locs:
-            parts.append((loc.name, off, loc))
-            off += loc.nbytes
-        for file, start, length, dst in _coalesce(parts):
-            read_range(file, start, length, memoryview(buf)[dst:dst + length])
-        self.bytes_read += len(buf)
+        """One expert into one aligned buffer, blocking."""
+        rp, parts = self.read_plan(layer, expert)
+        buf = self.reader.pool.take(rp.nbytes)
+        try:
+            self.reader.read_into(rp, buf)
+        except BaseException:
+            self.reader.pool.give(buf)
+            raise
         return ExpertBlob(buf, parts)
 
+    def submit(self, layer: int, expert: int) -> Future:
+        """Start reading one expert on the I/O pool; the future yields its ExpertBlob."""
+        rp, parts = self.read_plan(layer, expert)
+        return _then(self.reader.submit(rp), lambda buf: ExpertBlob(buf, parts))
+
     def read_many(self, keys: list[tuple[int, int]]) -> list[ExpertBlob]:
-        if len(keys) <= 1:
-            return [self.read(*k) for k in keys]
-        return list(self._pool.map(lambda k: self.read(*k), keys))
+        futures = [self.submit(*k) for k in keys]
+        return [f.result() for f in futures]
+
+    def recycle(self, blob: ExpertBlob) -> None:
+        """An evicted expert's buffer goes back to the pool; nothing may use its tensors afterwards."""
+        blob._views = None
+        self.reader.pool.give(blob.buf)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False)
+        self.reader.close()
 
 
-def _coalesce(parts: list[tuple[str, int, PartLocation]]) -> list[tuple[object, int, int, int]]:
-    """Merge parts that are adjacent both in the file and in the buffer into single reads."""
-    runs: list[list] = []
-    for _, dst, loc in parts:
-        if runs and runs[-1][0] == loc.file and runs[-1][1] + runs[-1][2] == loc.offset \
-                and runs[-1][3] + runs[-1][2] == dst:
-            runs[-1][2] += loc.nbytes
-        else:
-            runs.append([loc.file, loc.offset, loc.nbytes, dst])
-    return [tuple(r) for r in runs]
+def _then(fut: Future, fn) -> Future:
+    """A future of fn(fut.result()), resolved in the I/O thread that completes `fut`."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            out.set_result(fn(f.result()))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on `out`
+            out.set_exception(e)
+
+    fut.add_done_callback(done)
+    return out
 
 
 def fp32_nbytes(loc: PartLocation) -> int:

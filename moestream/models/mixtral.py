@@ -60,6 +60,8 @@ def build(cfg: MixtralConfig, ctx: ModelContext):
 def _moe(cfg: MixtralConfig, ctx: ModelContext, i: int):
     gate = ctx.weights.get(f"model.layers.{i}.block_sparse_moe.gate.weight")
     fn = expert_glu()
+    # lets the runner predict this layer's experts from the previous layer's input (lookahead prefetch)
+    ctx.experts.register_router(i, lambda x: softmax_topk(linear(x, gate), cfg.top_k, False)[0])
 
     def ffn(x):
         ids, wts = softmax_topk(linear(x, gate), cfg.top_k, True)

@@ -76,6 +76,8 @@ def _dense(w, p: str):
 def _moe(cfg: Qwen3MoeConfig, ctx: ModelContext, i: int):
     gate = ctx.weights.get(f"model.layers.{i}.mlp.gate.weight")
     fn = expert_glu()
+    # lets the runner predict this layer's experts from the previous layer's input (lookahead prefetch)
+    ctx.experts.register_router(i, lambda x: softmax_topk(linear(x, gate), cfg.top_k, False)[0])
 
     def ffn(x):
         ids, wts = softmax_topk(linear(x, gate), cfg.top_k, cfg.norm_topk_prob)

@@ -1,0 +1,419 @@
+"""`moestream bench MODEL`: prefill and decode speed under a RAM budget, against the disk's own bandwidth.
+
+Owns the benchmark run (optional cold page cache, a direct-I/O probe of the model's files, prefill, a decode
+loop with per-token records), the per-phase breakdown (waiting on I/O, expert compute, attention/mixer, other),
+the JSON report and an optional PNG of hit rate and tokens/s over the run. The engine is used as a library;
+nothing here changes how it computes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import random
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from moestream.config import format_bytes, parse_bytes
+from moestream.errors import MoestreamError
+
+PROBE_CHUNK = 4 << 20
+PROBE_SECONDS = 1.5
+
+
+@dataclass
+class BenchOptions:
+    ram_budget: int | None = None
+    prompt_len: int = 64
+    gen_len: int = 32
+    cold: bool = False
+    temperature: float = 0.0
+    seed: int = 0
+    threads: int | None = None  # torch compute threads (default: the engine's choice)
+    io_threads: int = 8
+    policy: str = "lru"
+    lookahead: bool = True
+    direct_io: bool = True
+    probe: bool = True
+    plot: Path | None = None
+
+
+@dataclass
+class TokenRecord:
+    seconds: float
+    bytes_read: int
+    hits: int
+    misses: int
+
+
+@dataclass
+class PhaseClock:
+    """Wall time in the attention/mixer of every layer (wrapped from outside; the model is not changed)."""
+
+    mixer_s: float = 0.0
+    wrapped: list = field(default_factory=list)
+
+    def wrap(self, model) -> bool:
+        layers = getattr(model, "layers", [])
+        for layer in layers:
+            fn = getattr(layer, "mixer", None)
+            if fn is None:
+                return False
+            self.wrapped.append((layer, fn))
+            layer.mixer = self._timed(fn)
+        return bool(layers)
+
+    def _timed(self, fn):
+        def run(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.mixer_s += time.perf_counter() - t
+        return run
+
+    def unwrap(self) -> None:
+        for layer, fn in self.wrapped:
+            layer.mixer = fn
+        self.wrapped.clear()
+
+
+# ---- page cache and disk probe -------------------------------------------------------------------------
+def model_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.is_file() and p.suffix == ".safetensors")
+
+
+def drop_page_cache(files: list[Path]) -> str:
+    """Evict the model's files from the OS page cache (always permitted for files we can open)."""
+    if not hasattr(os, "posix_fadvise"):
+        return "unsupported"
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "fadvise_dontneed"
+
+
+def probe_disk(files: list[Path], threads: int, seconds: float = PROBE_SECONDS, chunk: int = PROBE_CHUNK,
+               seed: int = 0) -> float:
+    """Bytes/s of random, aligned O_DIRECT reads of `chunk` bytes from the model's own files on `threads` threads
+    (buffered + page drop where O_DIRECT is refused). Reads never enter the page cache."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    sizes = [(f, f.stat().st_size) for f in files]
+    chunk = min(chunk, max((s for _, s in sizes), default=0) // 4096 * 4096)
+    sizes = [(f, s) for f, s in sizes if s >= chunk]
+    if chunk == 0:
+        return 0.0
+    rng = random.Random(seed)
+    fds = {f: _open_probe(f) for f, _ in sizes}
+    deadline = time.perf_counter() + seconds
+
+    def worker(_: int) -> int:
+        buf, got = mmap.mmap(-1, chunk), 0
+        while time.perf_counter() < deadline:
+            f, size = rng.choice(sizes)
+            fd, direct = fds[f]
+            off = rng.randrange(0, (size - chunk) // 4096 + 1) * 4096
+            got += os.preadv(fd, [buf], off)
+            if not direct:
+                os.posix_fadvise(fd, off, chunk, os.POSIX_FADV_DONTNEED)
+        return got
+
+    t = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(threads) as ex:
+            total = sum(ex.map(worker, range(threads)))
+    finally:
+        for fd, _ in fds.values():
+            os.close(fd)
+    return total / (time.perf_counter() - t)
+
+
+def _open_probe(f: Path) -> tuple[int, bool]:
+    try:
+        return os.open(f, os.O_RDONLY | getattr(os, "O_DIRECT", 0)), hasattr(os, "O_DIRECT")
+    except OSError:
+        return os.open(f, os.O_RDONLY), False
+
+
+def rss_now() -> int:
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * mmap.PAGESIZE
+    except OSError:
+        return 0
+
+
+def peak_rss() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+# ---- the run ---------------------------------------------------------------------------------------------
+def bench(path: str | Path, opts: BenchOptions) -> dict:
+    from moestream import Engine
+
+    path = Path(path)
+    files = model_files(path)
+    cold = drop_page_cache(files) if opts.cold else "warm"
+    disk_bw = probe_disk(files, opts.io_threads) if opts.probe else 0.0
+    base_rss = rss_now()
+    eng = Engine.open(path, ram_budget=opts.ram_budget, cache_policy=opts.policy, io_threads=opts.io_threads,
+                      threads=opts.threads)
+    try:
+        eng.runner.lookahead.enabled = opts.lookahead
+        eng.plan.store.reader.direct = opts.direct_io and eng.plan.store.reader.direct
+        report = _run(eng, opts)
+    finally:
+        eng.runner.finish()
+        eng.runner.save_heat()
+        eng.close()
+    report.update(_context(eng, opts, cold, disk_bw, base_rss))
+    finish_report(report)
+    if opts.plot is not None:
+        write_plot(report, opts.plot)
+    return report
+
+
+def _run(eng, opts: BenchOptions) -> dict:
+    gen = torch.Generator().manual_seed(opts.seed)
+    prompt = torch.randint(0, eng.vocab_size, (opts.prompt_len,), generator=gen).tolist()
+    clock = PhaseClock()
+    timed = clock.wrap(eng.model)
+    state = eng.new_sequence()
+    try:
+        t0 = time.perf_counter()
+        logits = eng.prefill(state, prompt)
+        tok = _pick(logits, opts.temperature, gen)
+        ttft = time.perf_counter() - t0
+        start = _snapshot(eng, clock)
+        records = []
+        for _ in range(opts.gen_len):
+            before = _counters(eng)
+            t = time.perf_counter()
+            (logits,) = eng.step([(state, [tok])])
+            tok = _pick(logits, opts.temperature, gen)
+            after = _counters(eng)
+            records.append(TokenRecord(time.perf_counter() - t, after[0] - before[0], after[1] - before[1],
+                                       after[2] - before[2]))
+        end = _snapshot(eng, clock)
+    finally:
+        clock.unwrap()
+        eng.free(state)
+    return _summarise(eng, opts, records, ttft, start, end, timed)
+
+
+def _pick(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> int:
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _counters(eng) -> tuple[int, int, int]:
+    s = eng.runner.cache.stats
+    return eng.plan.store.bytes_read, s.hits, s.misses
+
+
+def _snapshot(eng, clock: PhaseClock) -> dict:
+    t, io = eng.runner.times, eng.plan.store.reader.stats
+    return {"io_wait": t.io_wait_s, "expert": t.expert_s, "lookahead": t.lookahead_s, "mixer": clock.mixer_s,
+            "busy": io.busy_s, "bytes": io.bytes_read, "layer_hits": dict(eng.runner.cache.stats.layer_hits),
+            "layer_misses": dict(eng.runner.cache.stats.layer_misses), "prefetch_reads": t.prefetch_reads,
+            "prefetch_used": t.prefetch_used, "wall": time.perf_counter()}
+
+
+def _summarise(eng, opts: BenchOptions, records: list[TokenRecord], ttft: float, a: dict, b: dict,
+               timed: bool) -> dict:
+    n = max(1, len(records))
+    decode_s = sum(r.seconds for r in records) or 1e-9
+    hits, misses = sum(r.hits for r in records), sum(r.misses for r in records)
+    nbytes = b["bytes"] - a["bytes"]
+    d = {k: b[k] - a[k] for k in ("io_wait", "expert", "lookahead", "mixer", "busy")}
+    phases = {"io_wait_s": d["io_wait"], "expert_compute_s": d["expert"],
+              "attention_mixer_s": d["mixer"] if timed else None,
+              "other_s": decode_s - d["io_wait"] - d["expert"] - (d["mixer"] if timed else 0.0)}
+    layers = sorted(set(b["layer_hits"]) | set(b["layer_misses"]))
+    layer_rates = {}
+    for layer in layers:
+        h = b["layer_hits"].get(layer, 0) - a["layer_hits"].get(layer, 0)
+        m = b["layer_misses"].get(layer, 0) - a["layer_misses"].get(layer, 0)
+        layer_rates[str(layer)] = round(h / (h + m), 4) if h + m else None
+    return {
+        "decode_tokens_per_s": len(records) / decode_s,
+        "prefill_tokens_per_s": opts.prompt_len / ttft if ttft > 0 else 0.0,
+        "ttft_s": ttft,
+        "bytes_read_per_token": nbytes / n,
+        "expert_hit_rate": hits / max(1, hits + misses),
+        "read_bandwidth_bytes_per_s": nbytes / d["busy"] if d["busy"] > 0 else 0.0,
+        "decode_phases_s": phases,
+        "layer_hit_rates": layer_rates,
+        "prefetch": {"reads": b["prefetch_reads"] - a["prefetch_reads"],
+                     "used": b["prefetch_used"] - a["prefetch_used"], "gates": eng.runner.lookahead.report()},
+        "per_token": [{"s": round(r.seconds, 5), "bytes": r.bytes_read,
+                       "hit_rate": round(r.hits / max(1, r.hits + r.misses), 4)} for r in records],
+    }
+
+
+def _context(eng, opts: BenchOptions, cold: str, disk_bw: float, base_rss: int) -> dict:
+    s = eng.stats
+    out = {"model": str(eng.path), "ram_budget_bytes": s["ram_budget_bytes"], "peak_rss_bytes": peak_rss(),
+           "interpreter_rss_bytes": base_rss, "peak_accounted_bytes": s["peak_resident_bytes"],
+           "dense_bytes": s["dense_bytes"], "expert_bytes_total": eng.plan.expert_bytes,
+           "disk_bandwidth_bytes_per_s": disk_bw, "page_cache": cold, "policy": opts.policy,
+           "lookahead": opts.lookahead, "direct_io": eng.plan.store.reader.direct,
+           "compute_threads": torch.get_num_threads(), "io_threads": opts.io_threads,
+           "prompt_len": opts.prompt_len, "gen_len": opts.gen_len, "temperature": opts.temperature}
+    return out
+
+
+def finish_report(r: dict) -> dict:
+    """Derived figures: io_roofline_fraction = (bytes per token / disk bandwidth) / seconds per token."""
+    per_tok = 1.0 / r["decode_tokens_per_s"] if r["decode_tokens_per_s"] > 0 else 0.0
+    bw = r["disk_bandwidth_bytes_per_s"]
+    r["io_roofline_fraction"] = (r["bytes_read_per_token"] / bw) / per_tok if bw > 0 and per_tok > 0 else None
+    return r
+
+
+# ---- output ----------------------------------------------------------------------------------------------
+def format_report(r: dict) -> str:
+    ph, dec = r["decode_phases_s"], r["gen_len"] / max(r["decode_tokens_per_s"], 1e-12)
+    lines = [
+        f"model            {r['model']}",
+        f"ram budget       {_fmt(r['ram_budget_bytes'])}   experts {format_bytes(r['expert_bytes_total'])}   "
+        f"dense {format_bytes(r['dense_bytes'])}   page cache: {r['page_cache']}",
+        f"prefill          {r['prefill_tokens_per_s']:.2f} tok/s   ttft {r['ttft_s']:.3f} s ({r['prompt_len']} tokens)",
+        f"decode           {r['decode_tokens_per_s']:.3f} tok/s   ({r['gen_len']} tokens)",
+        f"expert hit rate  {r['expert_hit_rate']:.3f}   read {format_bytes(r['bytes_read_per_token'])}/token",
+        f"read bandwidth   {format_bytes(r['read_bandwidth_bytes_per_s'])}/s while reading;   disk probe "
+        f"{format_bytes(r['disk_bandwidth_bytes_per_s'])}/s (direct I/O)",
+        f"I/O roofline     {_pct(r['io_roofline_fraction'])} of decode time is the disk at full speed",
+        f"peak RSS         {format_bytes(r['peak_rss_bytes'])} (interpreter and libraries "
+        f"{format_bytes(r['interpreter_rss_bytes'])}; accounted peak {format_bytes(r['peak_accounted_bytes'])})",
+        "decode phases    " + "   ".join(f"{k[:-2].replace('_', ' ')} {_share(v, dec)}" for k, v in ph.items()),
+    ]
+    pf = r["prefetch"]
+    if pf["gates"]:
+        on = sum(1 for g in pf["gates"].values() if g["on"])
+        recall = sum(g["lifetime_recall"] for g in pf["gates"].values()) / len(pf["gates"])
+        lines.append(f"lookahead        {on}/{len(pf['gates'])} layers on, mean recall {recall:.2f}, "
+                     f"{pf['reads']} read ahead, {pf['used']} used")
+    return "\n".join(lines)
+
+
+def _fmt(n: int | None) -> str:
+    return "unlimited" if n is None else format_bytes(n)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def _share(v: float | None, total: float) -> str:
+    return "n/a" if v is None else f"{v:.2f}s ({100 * v / max(total, 1e-12):.0f}%)"
+
+
+def write_plot(r: dict, out: Path) -> None:
+    """Hit rate and tokens/s per decoded token. Uses matplotlib when installed, else a plain two-panel PNG."""
+    toks = r["per_token"]
+    hit = [t["hit_rate"] for t in toks]
+    tps = [1.0 / t["s"] if t["s"] > 0 else 0.0 for t in toks]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _plain_png(out, [hit, tps])
+        return
+    fig, (a, b) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    a.plot(hit), a.set_ylabel("expert hit rate"), a.set_ylim(0, 1)
+    b.plot(tps), b.set_ylabel("tokens/s"), b.set_xlabel("decoded token")
+    fig.suptitle(f"{Path(r['model']).name}, budget {_fmt(r['ram_budget_bytes'])}")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def _plain_png(out: Path, series: list[list[float]], w: int = 640, h: int = 200) -> None:
+    """Stacked line panels (black on white, each scaled 0..max), no text: a dependency-free fallback."""
+    import struct
+    import zlib
+
+    rows = [[255] * w for _ in range(h * len(series))]
+    for p, ys in enumerate(series):
+        top, top_y = p * h, max(max(ys, default=1.0), 1e-12)
+        for x in range(w):
+            rows[top + h - 1][x] = rows[top][x] = 128
+        prev = None
+        for i, y in enumerate(ys):
+            px = int(i * (w - 1) / max(1, len(ys) - 1))
+            py = top + h - 2 - int(y / top_y * (h - 4))
+            for yy in range(min(py, prev or py), max(py, prev or py) + 1):
+                rows[yy][px] = 0
+            prev = py
+    raw = b"".join(b"\x00" + bytes(r) for r in rows)
+    chunk = lambda t, d: struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))  # noqa: E731
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, len(rows), 8, 0, 0, 0, 0))
+    png += chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+    Path(out).write_bytes(png)
+
+
+# ---- command line ----------------------------------------------------------------------------------------
+def add_bench_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("bench", help="measure prefill/decode speed under a RAM budget against the disk's bandwidth",
+                       description=__doc__)
+    p.add_argument("model", help="checkpoint directory")
+    p.add_argument("--ram-budget", metavar="BYTES", default=None, help="RAM for everything resident (e.g. 4GiB)")
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (random ids; default 64)")
+    p.add_argument("--gen-len", type=int, default=32, help="decoded tokens (default 32)")
+    p.add_argument("--cold", action="store_true", help="evict the model's files from the page cache first")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); random-weight models loop on one token under greedy, so use 1.0 "
+                        "there for realistic routing")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch compute threads")
+    p.add_argument("--io-threads", type=int, default=8)
+    p.add_argument("--policy", default="lru", help="expert cache policy: lru, lfru, heat")
+    p.add_argument("--no-lookahead", action="store_true", help="never prefetch by router lookahead")
+    p.add_argument("--buffered-io", action="store_true", help="buffered reads + page drop instead of O_DIRECT")
+    p.add_argument("--no-probe", action="store_true", help="skip the direct-I/O disk bandwidth probe")
+    p.add_argument("--plot", type=Path, default=None, metavar="PNG", help="write hit rate and tokens/s per token")
+    p.add_argument("--json", action="store_true", help="print the JSON report instead of text")
+    p.set_defaults(func=run_bench)
+    return p
+
+
+def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    from moestream.experts.policies import POLICIES
+
+    budget = parse_bytes(args.ram_budget)
+    if budget is not None and budget <= 0:
+        raise MoestreamError(f"--ram-budget must be positive, got {args.ram_budget!r}")
+    if args.policy not in POLICIES:
+        raise MoestreamError(f"unknown --policy {args.policy!r}; choose from {', '.join(POLICIES)}")
+    if args.prompt_len < 1 or args.gen_len < 1:
+        raise MoestreamError("--prompt-len and --gen-len must be at least 1")
+    return BenchOptions(budget, args.prompt_len, args.gen_len, args.cold, args.temperature, args.seed,
+                        args.threads, args.io_threads, args.policy, not args.no_lookahead, not args.buffered_io,
+                        not args.no_probe, args.plot)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    path = Path(args.model).expanduser()
+    if not path.is_dir():
+        raise MoestreamError(f"{args.model}: no such model directory")
+    report = bench(path, options_from_args(args))
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(format_report(report))
+    return 0

@@ -1,0 +1,184 @@
+"""Eviction policies for the expert cache: LRU, frequency-weighted recency, and learned, persisted heat.
+
+A policy only orders keys for eviction: `insert` (new entry), `touch` (hit), `remove` (gone), `victims()` (best
+candidates first). It never sees bytes, I/O or torch. Keys are (layer, expert) tuples; `heat` persists its
+per-expert counts as JSON between runs and keeps the hottest experts (a fixed share of the cache) last in line.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import math
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Callable, Hashable, Iterator
+
+Key = Hashable
+
+
+class LRUPolicy:
+    """Least recently used: evict the entry touched longest ago."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Key, None] = OrderedDict()
+
+    def insert(self, key: Key) -> None:
+        self.touch(key)
+
+    def touch(self, key: Key) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        self._order.pop(key, None)
+
+    def victims(self) -> Iterator[Key]:
+        return iter(list(self._order))
+
+
+class FrequencyRecencyPolicy:
+    """Exponentially decayed access count: score = sum over accesses of 2^-(age / half_life), age in accesses.
+
+    Evicts the lowest score. Decay is global, so ordering by log(score) + t * ln2 / half_life (fixed between a
+    key's accesses) is the same as ordering by current score: a heap with lazy deletion gives O(log n) updates.
+    """
+
+    name = "lfru"
+
+    def __init__(self, half_life: float = 512.0) -> None:
+        self.rate = math.log(2) / half_life
+        self._t = 0
+        self._score: dict[Key, tuple[float, int]] = {}  # key -> (score at last access, time of last access)
+        self._heap: list[tuple[float, int, Key]] = []
+        self._seq = itertools.count()
+        self._prio: dict[Key, float] = {}
+
+    def _bump(self, key: Key, fresh: bool) -> None:
+        self._t += 1
+        old = None if fresh else self._score.get(key)
+        s = 1.0 if old is None else old[0] * math.exp(-self.rate * (self._t - old[1])) + 1.0
+        self._score[key] = (s, self._t)
+        prio = math.log(s) + self.rate * self._t
+        self._prio[key] = prio
+        heapq.heappush(self._heap, (prio, next(self._seq), key))
+        if len(self._heap) > 4 * len(self._prio) + 64:
+            self._compact()
+
+    def insert(self, key: Key) -> None:
+        # a re-read expert keeps part of its history: frequency across evictions is the point of the policy
+        self._bump(key, fresh=False)
+
+    def touch(self, key: Key) -> None:
+        self._bump(key, fresh=False)
+
+    def remove(self, key: Key) -> None:
+        self._prio.pop(key, None)
+
+    def victims(self) -> Iterator[Key]:
+        heap = list(self._heap)  # the caller evicts (removes) while iterating: pop from a copy
+        seen: set = set()
+        while heap:
+            prio, _, key = heapq.heappop(heap)
+            if self._prio.get(key) == prio and key not in seen:  # skip entries superseded by a later access
+                seen.add(key)
+                yield key
+
+    def _compact(self) -> None:
+        self._heap = [(p, next(self._seq), k) for k, p in self._prio.items()]
+        heapq.heapify(self._heap)
+        if len(self._score) > 8 * len(self._prio) + 4096:  # forget history of long-gone keys
+            self._score = {k: v for k, v in self._score.items() if k in self._prio}
+
+
+class HeatPolicy(FrequencyRecencyPolicy):
+    """Frequency-weighted recency plus a learned heat: lifetime access counts per expert, persisted across runs.
+
+    The `pinned` hottest experts (by heat from earlier runs, refreshed as this run learns) are evicted only after
+    every other entry: a soft pin, so a small budget can never deadlock on pins.
+    """
+
+    name = "heat"
+
+    def __init__(self, path: str | Path | None = None, half_life: float = 512.0, carry: float = 0.5) -> None:
+        super().__init__(half_life)
+        self.path = Path(path) if path is not None else None
+        self.carry = carry  # weight of earlier runs' heat when this run's counts are merged in
+        self.heat: dict[Key, float] = self._load()
+        self.counts: dict[Key, int] = {}
+        self.pin_count = 0
+        self._hot: frozenset = frozenset()
+        self._since_refresh = 0
+
+    def set_pin_count(self, n: int) -> None:
+        self.pin_count = max(0, n)
+        self._refresh_hot()
+
+    def hot(self) -> frozenset:
+        return self._hot
+
+    def _refresh_hot(self) -> None:
+        merged = dict(self.heat)
+        for k, c in self.counts.items():
+            merged[k] = merged.get(k, 0.0) * self.carry + c
+        ranked = sorted(merged, key=merged.get, reverse=True)
+        self._hot = frozenset(ranked[: self.pin_count])
+        self._since_refresh = 0
+
+    def _bump(self, key: Key, fresh: bool) -> None:
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self._since_refresh += 1
+        if self._since_refresh >= 4096:
+            self._refresh_hot()
+        super()._bump(key, fresh)
+
+    def victims(self) -> Iterator[Key]:
+        hot, warm = self._hot, []
+        for k in super().victims():
+            if k in hot:
+                warm.append(k)
+            else:
+                yield k
+        yield from warm
+
+    # ---- persistence -----------------------------------------------------------------------------------
+    def _load(self) -> dict[Key, float]:
+        if self.path is None or not self.path.exists():
+            return {}
+        try:
+            raw = json.loads(self.path.read_text())
+            return {(int(a), int(b)): float(v) for a, b, v in raw.get("heat", [])}
+        except (OSError, ValueError, TypeError):
+            return {}  # a damaged heat file only costs the warm start
+
+    def merged_heat(self) -> dict[Key, float]:
+        out = {k: v * self.carry for k, v in self.heat.items()}
+        for k, c in self.counts.items():
+            out[k] = out.get(k, 0.0) + c
+        return out
+
+    def save(self) -> None:
+        if self.path is None or not self.counts:
+            return
+        rows = [[k[0], k[1], round(v, 3)] for k, v in self.merged_heat().items() if isinstance(k, tuple)]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"version": 1, "heat": rows}))
+        os.replace(tmp, self.path)
+
+
+POLICIES: dict[str, Callable[[], object]] = {"lru": LRUPolicy, "lfru": FrequencyRecencyPolicy, "heat": HeatPolicy}
+DEFAULT_POLICY = "lru"
+
+
+def heat_path(model_root: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """Where the heat of a checkpoint lives: one JSON file per checkpoint directory under the user cache."""
+    import hashlib
+
+    root = Path(model_root).resolve()
+    digest = hashlib.sha1(str(root).encode()).hexdigest()[:16]
+    base = Path(cache_dir) if cache_dir else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "moestream" / "heat" / f"{root.name}-{digest}.json"

@@ -1,0 +1,90 @@
+"""Router lookahead: predict the next MoE layer's experts from this layer's input, behind a per-layer gate.
+
+Owns the registered routers (a family hands `layer -> fn(x) -> expert ids`), the predictions made one layer
+ahead, and the gate: every prediction is scored against what the layer really routed to (recall, an EMA), and
+a layer's prefetch is issued only while its recall pays. Predictions are always made (a router is one small
+GEMV), so a gate that switched off keeps measuring and can switch on again. No I/O here: dispatch.py reads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+RouterFn = Callable[[torch.Tensor], torch.Tensor]  # x [T, H] -> expert ids [T, k]
+
+
+@dataclass
+class Gate:
+    """Recall of one layer's lookahead: EMA of |predicted & routed| / |routed|, and lifetime totals."""
+
+    recall: float = 0.0
+    scored: int = 0
+    predicted: int = 0
+    correct: int = 0
+    routed: int = 0
+    issued_steps: int = 0
+
+    def score(self, predicted: set[int], routed: set[int], ema: float) -> None:
+        r = len(predicted & routed) / max(1, len(routed))
+        self.recall = r if self.scored == 0 else ema * self.recall + (1 - ema) * r
+        self.scored += 1
+        self.predicted += len(predicted)
+        self.correct += len(predicted & routed)
+        self.routed += len(routed)
+
+
+@dataclass
+class Lookahead:
+    """`threshold`: minimum recall EMA for a layer's prefetch to be issued; `warmup`: scored steps before the
+    gate may open; `max_share`: predictions naming more than this share of a layer's experts (large prefill
+    batches) are not prefetched, since they would flush the cache."""
+
+    threshold: float = 0.5
+    warmup: int = 4
+    ema: float = 0.8
+    max_share: float = 0.25
+    enabled: bool = True
+    routers: dict[int, RouterFn] = field(default_factory=dict)
+    gates: dict[int, Gate] = field(default_factory=dict)
+    _pending: dict[int, set[int]] = field(default_factory=dict)
+    _order: list[int] = field(default_factory=list)
+
+    def register(self, layer: int, fn: RouterFn) -> None:
+        self.routers[layer] = fn
+        self._order = sorted(self.routers)
+
+    def next_layer(self, layer: int) -> int | None:
+        for nxt in self._order:
+            if nxt > layer:
+                return nxt
+        return None
+
+    def observe(self, layer: int, routed: list[int]) -> None:
+        """Score the prediction made for `layer` (if any) against what it routed to."""
+        pred = self._pending.pop(layer, None)
+        if pred is not None:
+            self.gates.setdefault(layer, Gate()).score(pred, set(routed), self.ema)
+
+    def predict(self, layer: int, x: torch.Tensor, num_experts: int) -> tuple[int, list[int]] | None:
+        """Run the next MoE layer's router on `x` (this layer's MoE input). Returns (next layer, experts to
+        prefetch) when that layer's gate is open, else None (the prediction is still kept for scoring)."""
+        if not self.enabled:
+            return None
+        nxt = self.next_layer(layer)
+        if nxt is None:
+            return None
+        ids = self.routers[nxt](x)
+        pred = set(torch.unique(ids).tolist())
+        self._pending[nxt] = pred
+        gate = self.gates.setdefault(nxt, Gate())
+        if gate.scored < self.warmup or gate.recall < self.threshold or len(pred) > self.max_share * num_experts:
+            return None
+        gate.issued_steps += 1
+        return nxt, sorted(pred)
+
+    def report(self) -> dict[int, dict]:
+        return {layer: {"recall": round(g.recall, 3), "on": g.scored >= self.warmup and g.recall >= self.threshold,
+                        "issued_steps": g.issued_steps, "lifetime_recall": round(g.correct / max(1, g.routed), 3)}
+                for layer, g in sorted(self.gates.items())}

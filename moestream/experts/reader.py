@@ -1,0 +1,282 @@
+"""Reader: positioned reads of whole experts into page-aligned, recycled buffers from a thread pool.
+
+Owns the read plan of an expert (its parts sorted by file offset, neighbours coalesced across small holes, every
+range widened to 4 KiB so O_DIRECT accepts it), the open file descriptors (O_DIRECT where the filesystem allows,
+else buffered reads followed by POSIX_FADV_DONTNEED so expert bytes never stay in the page cache), the pool of
+buffers recycled from evicted experts, and I/O timing. It does not decide what to read (dispatch, prefetch) or
+what stays resident (cache).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from moestream.errors import CheckpointError
+
+ALIGN = 4096  # O_DIRECT needs block-aligned offsets, lengths and addresses; 4 KiB covers every common device
+GAP = 4096  # read through holes up to this size rather than issue a second request
+SMALL = 64  # buffered runs are packed at this alignment (cache line; every dtype's alignment)
+DIRECT_MIN = 32 * 1024  # runs below this are read buffered: widening them to 4 KiB would waste RAM
+
+
+def align_down(n: int) -> int:
+    return n - n % ALIGN
+
+
+def align_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Span:
+    """Bytes [offset, offset + nbytes) of `file` that belong in the buffer at `dst`."""
+
+    file: Path
+    offset: int
+    nbytes: int
+    dst: int = 0
+
+
+@dataclass(frozen=True)
+class Run:
+    """One read request: [start, start + length) of `file` into the buffer at `dst`. Direct runs are 4 KiB
+    aligned in file and buffer; buffered runs are exact and their pages are dropped after the read."""
+
+    file: Path
+    start: int
+    length: int
+    dst: int
+    direct: bool = True
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    runs: tuple[Run, ...]
+    starts: tuple[int, ...]  # where each input span's first byte lands in the buffer, in input order
+    nbytes: int  # buffer size: what the expert costs resident, alignment and read-through holes included
+
+
+def plan_reads(spans: Sequence[Span], gap: int = GAP) -> ReadPlan:
+    """Coalesce spans (any order, any files) into aligned runs; spans closer than `gap` share one run."""
+    order = sorted(range(len(spans)), key=lambda i: (str(spans[i].file), spans[i].offset))
+    groups: list[list[int]] = []
+    for i in order:
+        s = spans[i]
+        if groups:
+            last = spans[groups[-1][-1]]
+            if last.file == s.file and s.offset - (last.offset + last.nbytes) <= gap \
+                    and s.offset >= last.offset + last.nbytes:
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    runs: list[Run] = []
+    starts = [0] * len(spans)
+    # large runs first, 4 KiB aligned (O_DIRECT); small ones after them, packed exactly (buffered)
+    big = [g for g in groups if _extent(spans, g)[1] - _extent(spans, g)[0] >= DIRECT_MIN]
+    small = [g for g in groups if g not in big]
+    dst = 0
+    for g in big:
+        lo, hi = _extent(spans, g)
+        start, end = align_down(lo), align_up(hi)
+        runs.append(Run(spans[g[0]].file, start, end - start, dst, True))
+        for i in g:
+            starts[i] = dst + spans[i].offset - start
+        dst += end - start
+    for g in small:
+        lo, hi = _extent(spans, g)
+        runs.append(Run(spans[g[0]].file, lo, hi - lo, dst, False))
+        for i in g:
+            starts[i] = dst + spans[i].offset - lo
+        dst += -(-(hi - lo) // SMALL) * SMALL
+    return ReadPlan(tuple(runs), tuple(starts), dst)
+
+
+def _extent(spans: Sequence[Span], group: list[int]) -> tuple[int, int]:
+    return spans[group[0]].offset, spans[group[-1]].offset + spans[group[-1]].nbytes
+
+
+@dataclass
+class IOStats:
+    bytes_read: int = 0  # bytes transferred from storage (aligned runs)
+    requests: int = 0
+    busy_s: float = 0.0  # wall time with at least one read in flight
+    direct_files: int = 0
+    buffered_files: int = 0
+
+
+class BufferPool:
+    """Page-aligned anonymous buffers, recycled by size. Idle buffers are trimmed so they never outlive a step."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[mmap.mmap]] = {}
+        self._lock = threading.Lock()
+        self.idle_bytes = 0
+
+    def take(self, nbytes: int) -> mmap.mmap:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                self.idle_bytes -= nbytes
+                return free.pop()
+        # private: MAP_SHARED anonymous memory would be shmem, charged and reclaimed differently
+        return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+    def give(self, buf: object) -> None:
+        if not isinstance(buf, mmap.mmap):
+            return
+        with self._lock:
+            self._free.setdefault(len(buf), []).append(buf)
+            self.idle_bytes += len(buf)
+
+    def trim(self, keep_bytes: int = 0) -> None:
+        """Drop idle buffers beyond `keep_bytes` (their memory returns to the OS when the last view dies)."""
+        with self._lock:
+            for size in sorted(self._free, reverse=True):
+                lst = self._free[size]
+                while lst and self.idle_bytes > keep_bytes:
+                    lst.pop()
+                    self.idle_bytes -= size
+            self._free = {k: v for k, v in self._free.items() if v}
+
+
+class Reader:
+    """Thread-pooled positioned reads into aligned buffers; `direct=False` forces buffered reads + page drop."""
+
+    def __init__(self, threads: int = 8, direct: bool = True):
+        self.direct = direct and hasattr(os, "O_DIRECT")
+        self.pool = BufferPool()
+        self.stats = IOStats()
+        self._exec = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="moestream-io")
+        self._fds: dict[tuple[Path, bool], int] = {}
+        self._no_direct: set[Path] = set()
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._busy_since = 0.0
+
+    # ---- file descriptors ----------------------------------------------------------------------------
+    def _fd(self, path: Path, direct: bool) -> int:
+        key = (path, direct)
+        fd = self._fds.get(key)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(key)
+                if fd is None:
+                    fd = self._fds[key] = self._open(path, direct)
+        return fd
+
+    def _open(self, path: Path, direct: bool) -> int:
+        """An fd for `path`; with direct=True an OSError means 'no O_DIRECT here' and the caller falls back."""
+        try:
+            fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0))
+        except OSError as e:
+            if direct:
+                raise
+            raise CheckpointError(f"{path}: cannot open for reading: {e}") from None
+        if direct:
+            self.stats.direct_files += 1
+        else:
+            self.stats.buffered_files += 1
+        return fd
+
+    # ---- reads ----------------------------------------------------------------------------------------
+    def read_into(self, plan: ReadPlan, buf: mmap.mmap | bytearray) -> None:
+        """Blocking: every run of `plan` into `buf` (which must hold plan.nbytes)."""
+        self._begin()
+        try:
+            view = memoryview(buf)
+            for run in plan.runs:
+                self._read_run(run, view[run.dst:run.dst + run.length])
+        finally:
+            self._end(plan)
+
+    def _read_run(self, run: Run, view: memoryview) -> None:
+        use_direct = self.direct and run.direct and isinstance(view.obj, mmap.mmap) and run.file not in self._no_direct
+        if use_direct:
+            try:
+                self._pread(self._fd(run.file, True), run, view, direct=True)
+                return
+            except OSError:  # tmpfs and some network filesystems refuse O_DIRECT: buffered + page drop for good
+                self._no_direct.add(run.file)
+        self._pread(self._fd(run.file, False), run, view, direct=False)
+
+    @staticmethod
+    def _pread(fd: int, run: Run, view: memoryview, direct: bool) -> None:
+        done = 0
+        while done < run.length:
+            n = os.preadv(fd, [view[done:]], run.start + done)
+            if n == 0:  # end of file: the aligned tail past EOF is padding, nothing owed
+                break
+            done += n
+        if not direct and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, run.start, run.length, os.POSIX_FADV_DONTNEED)
+
+    def submit(self, plan: ReadPlan) -> Future:
+        """Read `plan` into a recycled (or fresh) aligned buffer on the pool; the future yields the buffer."""
+        buf = self.pool.take(plan.nbytes)
+        return self._exec.submit(self._read_owned, plan, buf)
+
+    def _read_owned(self, plan: ReadPlan, buf: mmap.mmap) -> mmap.mmap:
+        try:
+            self.read_into(plan, buf)
+        except BaseException:
+            self.pool.give(buf)
+            raise
+        return buf
+
+    def _begin(self) -> None:
+        with self._lock:
+            if self._inflight == 0:
+                self._busy_since = time.perf_counter()
+            self._inflight += 1
+
+    def _end(self, plan: ReadPlan) -> None:
+        with self._lock:
+            self._inflight -= 1
+            self.stats.bytes_read += plan.nbytes
+            self.stats.requests += len(plan.runs)
+            if self._inflight == 0:
+                self.stats.busy_s += time.perf_counter() - self._busy_since
+
+    def close(self) -> None:
+        self._exec.shutdown(wait=True)
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+def file_resident_pages(path: str | Path) -> tuple[int, int]:
+    """(resident, total) pages of `path` in the OS page cache, via mincore (Linux; (0, total) elsewhere)."""
+    import ctypes
+    import ctypes.util
+
+    size = os.path.getsize(path)
+    page = mmap.PAGESIZE
+    total = -(-size // page)
+    if size == 0:
+        return 0, 0
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return 0, total
+        try:
+            vec = ctypes.create_string_buffer(total)
+            if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+                return 0, total
+            return sum(b & 1 for b in vec.raw), total
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), size)
+    finally:
+        os.close(fd)

@@ -1,0 +1,68 @@
+"""`moestream bench` on a tiny checkpoint: the JSON report has every field issue #4 names, the numbers are
+consistent with each other, the phase breakdown adds up, and the plot is a PNG."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moestream.bench import BenchOptions, bench, format_report, probe_disk, model_files
+from moestream.cli import main
+from moestream.engine.engine import plan
+
+FIELDS = ("decode_tokens_per_s", "prefill_tokens_per_s", "ttft_s", "bytes_read_per_token", "expert_hit_rate",
+          "read_bandwidth_bytes_per_s", "disk_bandwidth_bytes_per_s", "io_roofline_fraction", "peak_rss_bytes",
+          "ram_budget_bytes")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import Qwen3MoeForCausalLM
+
+    from conftest import save_reference
+    from test_reader import _qwen_config
+
+    path = tmp_path_factory.mktemp("bench_qwen")
+    save_reference(Qwen3MoeForCausalLM, _qwen_config(), path)
+    return path
+
+
+def test_report_fields_and_consistency(tiny, tmp_path):
+    p = plan(tiny)
+    budget = p.dense_bytes + p.scratch_bytes + p.expert_bytes // 4 + 400_000
+    png = tmp_path / "run.png"
+    r = bench(tiny, BenchOptions(ram_budget=budget, prompt_len=8, gen_len=6, cold=True, temperature=1.0,
+                                 threads=1, io_threads=2, plot=png))
+    for f in FIELDS:
+        assert f in r, f
+    assert r["ram_budget_bytes"] == budget and r["gen_len"] == 6 and len(r["per_token"]) == 6
+    assert r["decode_tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0 and r["ttft_s"] > 0
+    assert 0.0 <= r["expert_hit_rate"] <= 1.0
+    assert r["disk_bandwidth_bytes_per_s"] > 0
+    per_tok = 1 / r["decode_tokens_per_s"]
+    want = r["bytes_read_per_token"] / r["disk_bandwidth_bytes_per_s"] / per_tok
+    assert r["io_roofline_fraction"] == pytest.approx(want)
+    ph = r["decode_phases_s"]
+    assert sum(v for v in ph.values()) == pytest.approx(6 * per_tok, rel=1e-6)
+    assert ph["attention_mixer_s"] is not None and ph["attention_mixer_s"] > 0
+    assert r["peak_accounted_bytes"] <= budget
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "decode phases" in format_report(r)
+    json.dumps(r)  # the report is plain JSON
+
+
+def test_cli_json(tiny, capsys):
+    rc = main(["bench", str(tiny), "--prompt-len", "4", "--gen-len", "2", "--json", "--no-probe", "--threads", "1",
+               "--temperature", "1"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["ram_budget_bytes"] is None and r["io_roofline_fraction"] is None  # no probe: no roofline
+
+
+def test_cli_rejects_bad_policy(tiny, capsys):
+    assert main(["bench", str(tiny), "--policy", "fifo", "--no-probe"]) == 2
+    assert "unknown --policy" in capsys.readouterr().err
+
+
+def test_probe_reads_model_files(tiny):
+    assert probe_disk(model_files(tiny), threads=2, seconds=0.2, chunk=64 * 1024) > 0
