@@ -1,0 +1,75 @@
+"""The OpenAI-compatible HTTP server (`moestream serve`): CLI glue only; see app.py, scheduler.py, protocol.py.
+
+Exposes `add_serve_parser(subparsers)` and `run_serve(args) -> int` for the CLI. The server needs the `server`
+extra (starlette via fastapi, uvicorn); it is imported lazily so the rest of moestream works without it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API",
+                              description="Serve MODEL over /v1/chat/completions, /v1/completions, /v1/models, "
+                                          "/health and /metrics, with continuous batching.")
+    p.add_argument("model", metavar="MODEL", help="checkpoint directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--ram-budget", default=None, help="RAM budget for everything resident, e.g. 8GiB (default: none)")
+    p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together per step (default 16)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait; more get 429 (default 64)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--prefix-cache", default=None,
+                   help="bytes of saved conversation state for prefix reuse, e.g. 512MiB; 0 disables "
+                        "(default: min(1GiB, budget/8)); counted in --ram-budget")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens prefilled per step so running streams keep decoding (default 256)")
+    p.add_argument("--max-body", default="8MiB", help="largest request body accepted; larger gets 413")
+    p.add_argument("--model-name", default=None, help="model id clients send (default: the directory name)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the forward pass (default: all cores); 1 is faster on a busy machine")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    for name in ("max_batch", "max_queue", "prefill_chunk", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be at least 1"
+    if not 0 < args.port < 65536:
+        return f"--port must be in 1..65535, got {args.port}"
+    return None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from moestream.errors import MoestreamError
+
+    problem = _check_args(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        import uvicorn
+
+        from moestream.server.app import ServerConfig, ServerState, create_app
+    except ImportError as e:
+        print(f"error: the server needs its extra dependencies ({e.name} is missing): "
+              "pip install 'moestream[server]'", file=sys.stderr)
+        return 2
+    cfg = ServerConfig(args.model, args.host, args.port, args.ram_budget, args.max_batch, args.max_queue,
+                       args.api_key, args.prefix_cache, args.prefill_chunk, args.max_body, args.model_name,
+                       threads=args.threads)
+    try:
+        srv = ServerState.open(cfg)
+    except MoestreamError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.host not in LOOPBACK and not args.api_key:
+        print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr)
+    print(f"serving {srv.model_id} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(create_app(srv), host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,297 @@
+"""The HTTP front end: Starlette routes that validate, translate to the scheduler, and stream back.
+
+Owns the routes (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics), the API key check, body
+limits, OpenAI-shaped errors, server-sent events and cancel-on-disconnect. Generation itself happens in the
+scheduler's thread; nothing here touches the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from moestream.config import parse_bytes, read_model_config
+from moestream.errors import MoestreamError
+from moestream.server.protocol import Formatter, Parsed, ProtocolError, error_body, parse_chat, parse_completion
+from moestream.server.scheduler import Delta, Done, Failed, QueueFull, Scheduler, SchedulerConfig, Ticket
+from moestream.tokenizer import Tokenizer
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass
+class ServerConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    ram_budget: str | int | None = None
+    max_batch: int = 16
+    max_queue: int = 64
+    api_key: str | None = None
+    prefix_cache: str | int | None = None  # bytes; None: min(1 GiB, budget / 8); 0 disables
+    prefill_chunk: int = 256
+    max_body: str | int = "8MiB"
+    model_name: str | None = None
+    retry_after_s: int = 1
+    threads: int | None = None  # torch CPU threads for the forward pass (default: the engine's choice)
+
+
+def default_prefix_cache(budget: int | None) -> int:
+    return min(1 << 30, budget // 8) if budget else 1 << 30
+
+
+class ServerState:
+    """Everything the handlers share: the scheduler, the tokenizer, and the served model's id and limits."""
+
+    def __init__(self, cfg: ServerConfig, engine, tokenizer: Tokenizer, scheduler: Scheduler):
+        self.cfg, self.engine, self.tokenizer, self.scheduler = cfg, engine, tokenizer, scheduler
+        self.model_id = cfg.model_name or Path(cfg.model).resolve().name
+        self.context = read_model_config(cfg.model).get("max_position_embeddings")
+        self.max_body = parse_bytes(cfg.max_body) or 0
+        self.created = int(time.time())
+
+    @classmethod
+    def open(cls, cfg: ServerConfig) -> "ServerState":
+        from moestream.engine.engine import Engine
+
+        budget = parse_bytes(cfg.ram_budget)
+        prefix = parse_bytes(cfg.prefix_cache) if cfg.prefix_cache is not None else default_prefix_cache(budget)
+        engine = Engine.open(cfg.model, ram_budget=budget)
+        if cfg.threads:
+            import torch
+
+            torch.set_num_threads(cfg.threads)  # after open(), which picks its own default
+        tokenizer = Tokenizer.load(cfg.model)
+        sched = Scheduler(engine, tokenizer, SchedulerConfig(cfg.max_batch, cfg.max_queue, cfg.prefill_chunk, prefix))
+        return cls(cfg, engine, tokenizer, sched)
+
+
+# ---- request plumbing ----------------------------------------------------------------------------------------
+def _error(e: ProtocolError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _api(handler: Handler, auth: bool = True) -> Handler:
+    """Wrap a route: API key check, and every failure turned into an OpenAI-shaped error response."""
+
+    async def wrapped(request: Request) -> Response:
+        try:
+            if auth:
+                _check_key(request)
+            return await handler(request)
+        except ProtocolError as e:
+            return _error(e)
+        except MoestreamError as e:  # tokenizer / chat template / request parameter problems
+            return _error(ProtocolError(400, str(e)))
+
+    return wrapped
+
+
+def _check_key(request: Request) -> None:
+    key = _srv(request).cfg.api_key
+    if key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise ProtocolError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _srv(request: Request) -> ServerState:
+    return request.app.state.srv
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise ProtocolError(413, f"the request body is {length} bytes; the limit is {limit}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ProtocolError(413, f"the request body exceeds the limit of {limit} bytes")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProtocolError(400, f"the request body is not valid JSON: {e}") from None
+
+
+async def _on_disconnect(request: Request, callback: Callable[[], None]) -> None:
+    """Calls `callback` when the client goes away (the body has been read, so the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            callback()
+            return
+
+
+# ---- generation -----------------------------------------------------------------------------------------------
+def _check_model(srv: ServerState, parsed: Parsed) -> None:
+    if parsed.model != srv.model_id:
+        raise ProtocolError(404, f"the model '{parsed.model}' does not exist; this server serves '{srv.model_id}'",
+                            "model", code="model_not_found")
+
+
+def _submit(srv: ServerState, parsed: Parsed, ids: list[int]) -> Ticket:
+    try:
+        return srv.scheduler.submit(parsed.request(ids, srv.context))
+    except QueueFull as e:
+        raise ProtocolError(429, f"the server is busy: {e}; retry later", err_type="rate_limit_error",
+                            code="queue_full", headers={"Retry-After": str(srv.cfg.retry_after_s)}) from None
+
+
+async def _generate(request: Request, parsed: Parsed, ids: list[int]) -> Response:
+    srv = _srv(request)
+    ticket = _submit(srv, parsed, ids)
+    fmt = Formatter(parsed)
+    if parsed.stream:
+        return StreamingResponse(_sse(request, ticket, fmt), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await _collect(request, ticket, fmt)
+
+
+def _data(body: dict | str) -> str:
+    return f"data: {body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def _sse(request: Request, ticket: Ticket, fmt: Formatter) -> AsyncIterator[str]:
+    sched = _srv(request).scheduler
+    watcher = asyncio.create_task(_on_disconnect(request, lambda: sched.cancel(ticket)))
+    try:
+        if fmt.chat:
+            yield _data(fmt.chunk("", [], None, first=True))
+        while True:
+            event = await ticket.next()
+            if isinstance(event, Delta):
+                yield _data(fmt.chunk(event.text, event.logprobs, None))
+                continue
+            if isinstance(event, Done):
+                yield _data(fmt.chunk(None, [], event.finish_reason))
+                if fmt.p.include_usage:
+                    yield _data(fmt.usage_chunk(event.usage))
+            elif isinstance(event, Failed):
+                yield _data(error_body(event.message, event.err_type))
+            break
+        yield _data("[DONE]")
+    finally:
+        watcher.cancel()
+        sched.cancel(ticket)  # a no-op when it finished; frees the state at once when the client went away
+
+
+async def _collect(request: Request, ticket: Ticket, fmt: Formatter) -> Response:
+    sched = _srv(request).scheduler
+    watcher = asyncio.create_task(_on_disconnect(request, lambda: sched.cancel(ticket)))
+    text, entries = [], []
+    try:
+        while True:
+            event = await ticket.next()
+            if isinstance(event, Delta):
+                text.append(event.text)
+                entries.extend(event.logprobs)
+            elif isinstance(event, Done):
+                return JSONResponse(fmt.final("".join(text), entries, event.finish_reason, event.usage))
+            else:
+                return _error(ProtocolError(event.status, event.message, err_type=event.err_type))
+    finally:
+        watcher.cancel()
+        sched.cancel(ticket)
+
+
+# ---- routes ---------------------------------------------------------------------------------------------------
+async def chat_completions(request: Request) -> Response:
+    srv = _srv(request)
+    parsed = parse_chat(await read_json(request, srv.max_body))
+    _check_model(srv, parsed)
+    ids = srv.tokenizer.encode(srv.tokenizer.apply_chat_template(parsed.prompt, add_generation_prompt=True))
+    return await _generate(request, parsed, ids)
+
+
+async def completions(request: Request) -> Response:
+    srv = _srv(request)
+    parsed = parse_completion(await read_json(request, srv.max_body))
+    _check_model(srv, parsed)
+    if isinstance(parsed.prompt, str):
+        ids = srv.tokenizer.encode(parsed.prompt)
+    else:
+        ids = list(parsed.prompt)
+        vocab = srv.engine.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ProtocolError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+    if not ids:
+        raise ProtocolError(400, "the prompt encodes to no tokens", "prompt")
+    return await _generate(request, parsed, ids)
+
+
+async def models(request: Request) -> Response:
+    srv = _srv(request)
+    return JSONResponse({"object": "list", "data": [{"id": srv.model_id, "object": "model", "created": srv.created,
+                                                     "owned_by": "moestream"}]})
+
+
+async def health(request: Request) -> Response:
+    if not _srv(request).scheduler.alive:
+        return JSONResponse({"status": "error", "detail": "the scheduler thread is not running"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+METRICS = [  # (name, type, help, snapshot key)
+    ("moestream_requests_total", "counter", "Requests admitted.", "requests"),
+    ("moestream_requests_failed_total", "counter", "Requests that ended in an error.", "failed"),
+    ("moestream_requests_cancelled_total", "counter", "Requests cancelled by a client disconnect.", "cancelled"),
+    ("moestream_tokens_generated_total", "counter", "Tokens generated.", "tokens_generated"),
+    ("moestream_prompt_tokens_total", "counter", "Prompt tokens received.", "prompt_tokens"),
+    ("moestream_prompt_tokens_reused_total", "counter", "Prompt tokens served from saved prefixes.",
+     "prompt_tokens_reused"),
+    ("moestream_engine_steps_total", "counter", "Engine steps (one forward over all active sequences).", "steps"),
+    ("moestream_tokens_per_second", "gauge", "Tokens generated per second over the last 10 s.", "tokens_per_second"),
+    ("moestream_expert_hit_rate", "gauge", "Routed-expert cache hit rate since start.", "expert_hit_rate"),
+    ("moestream_expert_hits_total", "counter", "Routed-expert lookups served from the cache.", "expert_hits"),
+    ("moestream_expert_misses_total", "counter", "Routed-expert lookups read from the checkpoint.", "expert_misses"),
+    ("moestream_expert_bytes_read_total", "counter", "Expert bytes read from the checkpoint.", "bytes_read"),
+    ("moestream_queue_depth", "gauge", "Requests waiting to be admitted.", "queue_depth"),
+    ("moestream_active_sequences", "gauge", "Sequences being prefilled or decoded.", "active_sequences"),
+    ("moestream_resident_bytes", "gauge", "Bytes resident under the RAM budget.", "resident_bytes"),
+    ("moestream_state_bytes", "gauge", "Bytes of sequence state (KV caches, saved prefixes).", "state_bytes"),
+    ("moestream_prefix_cache_bytes", "gauge", "Bytes held by saved prefixes.", "prefix_cache_bytes"),
+]
+
+
+async def metrics(request: Request) -> Response:
+    snap = _srv(request).scheduler.snapshot()
+    lines = []
+    for name, kind, help_text, key in METRICS:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {float(snap.get(key) or 0):g}"]
+    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+async def _not_found(request: Request, exc: HTTPException) -> Response:
+    return _error(ProtocolError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
+
+
+def create_app(srv: ServerState) -> Starlette:
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        srv.scheduler.start()
+        yield
+        srv.scheduler.stop()
+
+    routes = [Route("/v1/chat/completions", _api(chat_completions), methods=["POST"]),
+              Route("/v1/completions", _api(completions), methods=["POST"]),
+              Route("/v1/models", _api(models), methods=["GET"]),
+              Route("/metrics", _api(metrics), methods=["GET"]),
+              Route("/health", _api(health, auth=False), methods=["GET"])]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _not_found, 405: _not_found})
+    app.state.srv = srv
+    return app

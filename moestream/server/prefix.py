@@ -1,0 +1,213 @@
+"""Prefix reuse: saved sequence states keyed by the tokens they hold, cloned into new requests that extend them.
+
+Owns `clone_state` (a deep copy of a `SeqState`, every byte re-accounted in the budget, optionally cut back to a
+shorter prefix when the state is only KV rows), `PrefixCache` (LRU under a byte limit) and `step_growth`, the
+bytes a step will add to the states it advances (so saved prefixes can be evicted before the budget runs out).
+"""
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from typing import Any, Callable
+
+from moestream.engine.memory import MemoryAccountant
+from moestream.engine.state import GROW_TOKENS, GrowingBuffer, SeqState
+
+
+def _is_tensor(x: Any) -> bool:
+    return hasattr(x, "clone") and hasattr(x, "numel")  # a torch.Tensor, without importing torch here
+
+
+def _walk(slot: Any, on_buffer: Callable[[GrowingBuffer], Any], on_tensor: Callable[[Any], Any]) -> Any:
+    """Rebuild a per-layer slot, mapping its GrowingBuffers and tensors; immutable values are shared."""
+    if isinstance(slot, GrowingBuffer):
+        return on_buffer(slot)
+    if _is_tensor(slot):
+        return on_tensor(slot)
+    if isinstance(slot, list):
+        return [_walk(s, on_buffer, on_tensor) for s in slot]
+    if isinstance(slot, tuple):
+        return tuple(_walk(s, on_buffer, on_tensor) for s in slot)
+    if isinstance(slot, dict):
+        return {k: _walk(v, on_buffer, on_tensor) for k, v in slot.items()}
+    if slot is None or isinstance(slot, (bool, int, float, str, bytes, MemoryAccountant, type)):
+        return slot
+    if hasattr(slot, "__dict__"):
+        new = copy.copy(slot)
+        for k, v in vars(slot).items():
+            setattr(new, k, _walk(v, on_buffer, on_tensor))
+        return new
+    raise TypeError(f"cannot clone sequence state holding a {type(slot).__name__}")  # never share mutable state
+
+
+def _leaves(slot: Any) -> list[Any]:
+    """The GrowingBuffers and tensors inside a slot, in order, without copying anything."""
+    if isinstance(slot, GrowingBuffer) or _is_tensor(slot):
+        return [slot]
+    if isinstance(slot, (list, tuple)):
+        return [x for s in slot for x in _leaves(s)]
+    if isinstance(slot, dict):
+        return [x for s in slot.values() for x in _leaves(s)]
+    if hasattr(slot, "__dict__") and not isinstance(slot, (MemoryAccountant, type)):
+        return [x for s in vars(slot).values() for x in _leaves(s)]
+    return []
+
+
+def buffers(state: SeqState) -> list[GrowingBuffer]:
+    return [x for x in _leaves(state.layers) if isinstance(x, GrowingBuffer)]
+
+
+def truncatable(state: SeqState) -> bool:
+    """Only KV rows (no recurrent matrices, no fixed state) can be cut back to a shorter prefix."""
+    leaves = _leaves(state.layers)
+    return (state.fixed_bytes == 0 and all(isinstance(x, GrowingBuffer) for x in leaves)
+            and all(b.length == state.pos for b in leaves))
+
+
+def _row_bytes(b: GrowingBuffer) -> int:
+    row = 1
+    for d in b.row_shape:
+        row *= d
+    return row * b.data.element_size()
+
+
+def state_bytes(state: SeqState) -> int:
+    return sum(b.nbytes for b in buffers(state)) + state.fixed_bytes
+
+
+def clone_state(state: SeqState, upto: int | None = None) -> SeqState:
+    """A deep copy holding the first `upto` tokens (default all). BudgetError if the budget cannot hold it."""
+    n = state.pos if upto is None else upto
+    if n != state.pos and not truncatable(state):
+        raise ValueError("only a KV-only state can be cloned at a shorter length")
+    keep = (lambda b: b.length) if upto is None else (lambda b: n)  # rows to copy from each buffer
+    total = sum(_row_bytes(b) * keep(b) for b in buffers(state)) + state.fixed_bytes
+    state.memory.grow_state(total, "a reused prefix")
+
+    def copy_buffer(b: GrowingBuffer) -> GrowingBuffer:
+        new = GrowingBuffer(b.memory, b.row_shape, b.what, b.dtype)
+        new.data = b.data[:keep(b)].clone()
+        new.length = keep(b)
+        return new
+
+    try:
+        layers = _walk(state.layers, copy_buffer, lambda t: t.clone())
+    except BaseException:
+        state.memory.release_state(total)
+        raise
+    return SeqState(state.memory, state.num_layers, pos=n, layers=layers, fixed_bytes=state.fixed_bytes)
+
+
+def compact(state: SeqState) -> None:
+    """Drop the spare rows GrowingBuffers keep for appends (a saved state no longer grows)."""
+    for b in buffers(state):
+        spare = b.nbytes - b.length * _row_bytes(b)
+        if spare > 0:
+            b.data = b.data[:b.length].clone()
+            b.memory.release_state(spare)
+
+
+def _buffer_growth(b: GrowingBuffer, n: int) -> int:
+    """Bytes GrowingBuffer.append will account when `n` rows are appended (mirrors its growth rule)."""
+    need, cap = b.length + n, b.data.shape[0]
+    if need <= cap:
+        return 0
+    new_cap = max(need, cap + GROW_TOKENS, cap * 5 // 4)
+    return (new_cap - cap) * _row_bytes(b)
+
+
+class StateProfile:
+    """What a fresh sequence's state will look like, learned from the first sequence that has state."""
+
+    def __init__(self) -> None:
+        self.row_bytes: list[int] | None = None
+        self.fixed = 0
+
+    def learn(self, state: SeqState) -> None:
+        if self.row_bytes is None and state.pos > 0:
+            bufs = buffers(state)
+            self.row_bytes = [_row_bytes(b) for b in bufs]
+            self.fixed = state.fixed_bytes
+
+    def growth(self, state: SeqState, n: int) -> int:
+        if state.pos > 0:
+            return sum(_buffer_growth(b, n) for b in buffers(state))
+        if self.row_bytes is None:
+            return 0  # nothing learned yet: no state exists, so nothing saved can be evicted either
+        return sum(r * max(n, GROW_TOKENS) for r in self.row_bytes) + self.fixed
+
+
+def _common_prefix(a: list[int], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefixCache:
+    """Saved states keyed by the exact tokens they hold, evicted least recently used beyond `limit` bytes."""
+
+    def __init__(self, limit: int, min_reuse: int = 1):
+        self.limit = limit
+        self.min_reuse = min_reuse
+        self.entries: OrderedDict[tuple[int, ...], tuple[SeqState, int]] = OrderedDict()
+        self.bytes = 0
+        self.hits = 0
+        self.reused_tokens = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def _usable(self, key: tuple[int, ...], state: SeqState, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` this entry can supply (at least one token is left to compute)."""
+        n = _common_prefix(tokens, key)
+        n = min(n, len(tokens) - 1)
+        if n < len(key) and not truncatable(state):
+            return 0
+        return n
+
+    def lookup(self, tokens: list[int]) -> tuple[SeqState, int] | None:
+        """A clone of the saved state sharing the longest prefix with `tokens`, or None."""
+        best, best_n = None, 0
+        for key, (state, _) in self.entries.items():
+            n = self._usable(key, state, tokens)
+            if n > best_n:
+                best, best_n = key, n
+        if best is None or best_n < self.min_reuse:
+            return None
+        self.entries.move_to_end(best)
+        state = self.entries[best][0]
+        clone = clone_state(state, best_n)
+        self.hits += 1
+        self.reused_tokens += best_n
+        return clone, best_n
+
+    def save(self, tokens: list[int], state: SeqState) -> None:
+        """Take ownership of `state` (holding exactly `tokens`); frees it when it cannot be kept."""
+        key = tuple(tokens)
+        compact(state)
+        nbytes = state_bytes(state)
+        if key in self.entries or nbytes > self.limit or not key:
+            state.release()
+            if key in self.entries:
+                self.entries.move_to_end(key)
+            return
+        self.entries[key] = (state, nbytes)
+        self.bytes += nbytes
+        while self.bytes > self.limit:
+            self.evict_one()
+
+    def evict_one(self) -> bool:
+        if not self.entries:
+            return False
+        _, (state, nbytes) = self.entries.popitem(last=False)
+        state.release()
+        self.bytes -= nbytes
+        self.evictions += 1
+        return True
+
+    def clear(self) -> None:
+        while self.evict_one():
+            pass

@@ -1,0 +1,372 @@
+"""Continuous batching: one thread owns the engine; requests come in through a queue, tokens go out through theirs.
+
+Each iteration admits waiting requests, gives prefilling requests at most `prefill_chunk` prompt tokens in total,
+advances every active sequence in one `engine.step` (a layer reads the union of their experts once), then samples
+per request, detokenizes, matches stop strings and hands events to the request's asyncio queue. It never imports
+torch: logits are used only through their own methods. Prefix reuse and cloning live in prefix.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from moestream.engine.sampling import SamplingParams, sample
+from moestream.errors import BudgetError, MoestreamError
+from moestream.server.prefix import PrefixCache, StateProfile
+from moestream.server.protocol import GenRequest, StopMatcher, TokenLogprob, Usage
+from moestream.tokenizer import StreamDecoder, Tokenizer
+
+
+@dataclass
+class SchedulerConfig:
+    max_batch: int = 16
+    max_queue: int = 64
+    prefill_chunk: int = 256  # prompt tokens per iteration, across all prefilling requests
+    prefix_cache_bytes: int = 0  # 0 disables prefix reuse
+    rate_window_s: float = 10.0
+
+
+@dataclass
+class Delta:
+    text: str
+    logprobs: list[TokenLogprob]
+
+
+@dataclass
+class Done:
+    finish_reason: str  # "stop" | "length"
+    usage: Usage
+
+
+@dataclass
+class Failed:
+    status: int
+    message: str
+    err_type: str = "server_error"
+
+
+class QueueFull(MoestreamError):
+    """More requests are waiting than --max-queue allows."""
+
+
+class Ticket:
+    """The handler's side of one request: an asyncio queue of Delta / Done / Failed events."""
+
+    _ids = itertools.count()
+
+    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop):
+        self.id = next(self._ids)
+        self.req = req
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def put(self, event: Any) -> None:
+        """Called from the scheduler thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
+            pass
+
+    async def next(self) -> Any:
+        event = await self.events.get()
+        if not isinstance(event, Delta):
+            self.finished = True
+        return event
+
+
+@dataclass
+class _Seq:
+    """One admitted request while it runs (scheduler thread only)."""
+
+    ticket: Ticket
+    state: Any
+    todo: list[int]  # prompt tokens not yet fed
+    fed: list[int]  # tokens the state holds
+    reused: int
+    decoder: StreamDecoder
+    matcher: StopMatcher
+    gen: Any = None  # torch.Generator when sampling
+    next_token: int | None = None
+    generated: int = 0
+    held: list[TokenLogprob] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, engine, tokenizer: Tokenizer, cfg: SchedulerConfig):
+        self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
+        self.eos = set(tokenizer.eos_token_ids) | set(engine.eos_token_ids)
+        self.prefix = PrefixCache(cfg.prefix_cache_bytes) if cfg.prefix_cache_bytes > 0 else None
+        self.profile = StateProfile()
+        # State never squeezes the expert cache below one expert: a layer step could not run at all.
+        self.expert_reserve = engine.plan.max_expert_bytes
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.waiting: deque[Ticket] = deque()
+        self.active: list[_Seq] = []
+        self._queued = 0
+        self._lock = threading.Lock()
+        self._stop = False
+        self._rate: deque[tuple[float, int]] = deque()
+        self.counters = dict(requests=0, tokens_generated=0, prompt_tokens=0, prompt_tokens_reused=0, failed=0,
+                             cancelled=0, steps=0)
+        self.engine_stats: dict = {}
+        self.thread = threading.Thread(target=self._run, name="moestream-scheduler", daemon=True)
+
+    # ---- the handlers' side (event loop thread) -------------------------------------------------------------
+    def start(self) -> "Scheduler":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop = True
+        self.inbox.put(("wake", None))
+        self.thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def submit(self, req: GenRequest) -> Ticket:
+        ticket = Ticket(req, asyncio.get_running_loop())
+        with self._lock:
+            if self._queued >= self.cfg.max_queue:
+                raise QueueFull(f"{self._queued} requests are already waiting (--max-queue {self.cfg.max_queue})")
+            self._queued += 1
+        self.inbox.put(("submit", ticket))
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        if not ticket.finished:
+            self.inbox.put(("cancel", ticket.id))
+
+    def snapshot(self) -> dict:
+        """Plain numbers for /metrics (refreshed by the scheduler thread after every step)."""
+        now = time.monotonic()
+        recent = [(t, n) for t, n in list(self._rate) if now - t <= self.cfg.rate_window_s]
+        span = max(1e-9, now - recent[0][0]) if recent else 1.0
+        return {**self.counters, **self.engine_stats, "queue_depth": self._queued, "active_sequences": len(self.active),
+                "tokens_per_second": sum(n for _, n in recent) / span if len(recent) > 1 else 0.0,
+                "prefix_cache_bytes": self.prefix.bytes if self.prefix else 0,
+                "prefix_cache_entries": len(self.prefix) if self.prefix else 0}
+
+    # ---- the owner thread ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                self._iterate()
+            except Exception as e:  # never let one bad iteration kill the server: fail what was running
+                for seq in list(self.active):
+                    self._fail(seq, 500, f"internal error: {type(e).__name__}: {e}")
+        for seq in list(self.active):
+            self._fail(seq, 503, "the server is shutting down")
+        for ticket in self.waiting:
+            ticket.put(Failed(503, "the server is shutting down"))
+        if self.prefix:
+            self.prefix.clear()
+
+    def _iterate(self) -> None:
+        try:
+            self._drain(block=not self.active and not self.waiting)
+            self._admit()
+            if self.active:
+                self._step()
+        finally:
+            self.engine_stats = {k: v for k, v in self.engine.stats.items() if not isinstance(v, dict)}
+
+    def _step(self) -> None:
+        items = self._plan()
+        items = self._make_room(items)
+        if not items:
+            return
+        try:
+            logits = self.engine.step([(seq.state, toks) for seq, toks in items])
+        except Exception as e:
+            status = 507 if isinstance(e, BudgetError) else 500
+            for seq, _ in items:
+                self._fail(seq, status, f"{type(e).__name__}: {e}")
+            return
+        self.counters["steps"] += 1
+        produced = 0
+        for (seq, toks), lg in zip(items, logits):
+            seq.fed.extend(toks)
+            self.profile.learn(seq.state)
+            if not seq.todo:
+                try:
+                    produced += self._advance(seq, lg)
+                except Exception as e:  # one request's failure (sampling, decoding) must not end the others
+                    self._fail(seq, 500, f"internal error: {type(e).__name__}: {e}")
+        self._rate.append((time.monotonic(), produced))
+        while self._rate and time.monotonic() - self._rate[0][0] > self.cfg.rate_window_s:
+            self._rate.popleft()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            while True:
+                kind, arg = cmd
+                if kind == "submit":
+                    self.waiting.append(arg)
+                elif kind == "cancel":
+                    self._cancel(arg)
+                cmd = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _cancel(self, ticket_id: int) -> None:
+        """Drop a request and free its state now; its handler (if still waiting) gets a 499."""
+        for ticket in list(self.waiting):
+            if ticket.id == ticket_id:
+                self.waiting.remove(ticket)
+                self._dequeued()
+                self.counters["cancelled"] += 1
+                ticket.put(Failed(499, "the request was cancelled"))
+        for seq in list(self.active):
+            if seq.ticket.id == ticket_id:
+                self.active.remove(seq)
+                self.engine.free(seq.state)
+                self.counters["cancelled"] += 1
+                seq.ticket.put(Failed(499, "the request was cancelled"))
+
+    def _dequeued(self) -> None:
+        with self._lock:
+            self._queued -= 1
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.active) < self.cfg.max_batch:
+            ticket = self.waiting.popleft()
+            self._dequeued()
+            try:
+                self.active.append(self._start(ticket))
+            except Exception as e:
+                self.counters["failed"] += 1
+                status = 507 if isinstance(e, BudgetError) else 500
+                ticket.put(Failed(status, f"{type(e).__name__}: {e}"))
+
+    def _start(self, ticket: Ticket) -> _Seq:
+        req = ticket.req
+        state, reused = None, 0
+        if self.prefix is not None:
+            found = self._lookup(req.prompt_ids)
+            if found is not None:
+                state, reused = found
+        if state is None:
+            state = self.engine.new_sequence()
+        params = SamplingParams(req.temperature, req.top_p, 0, req.seed).validate()
+        self.counters["requests"] += 1
+        self.counters["prompt_tokens"] += len(req.prompt_ids)
+        self.counters["prompt_tokens_reused"] += reused
+        return _Seq(ticket, state, list(req.prompt_ids[reused:]), list(req.prompt_ids[:reused]), reused,
+                    StreamDecoder(self.tokenizer, skip_special_tokens=True), StopMatcher(req.stop),
+                    gen=params.generator() if req.temperature > 0 else None)
+
+    def _lookup(self, tokens: list[int]):
+        while True:
+            try:
+                return self.prefix.lookup(tokens)
+            except BudgetError:
+                if not self.prefix.evict_one():  # make room by dropping the least recently used prefix
+                    return None
+            except TypeError:  # this family's state cannot be cloned: serve without prefix reuse from now on
+                self.prefix.clear()
+                self.prefix = None
+                return None
+
+    def _plan(self) -> list[tuple[_Seq, list[int]]]:
+        """Decoding sequences advance by one token; prefilling ones share `prefill_chunk` prompt tokens (FIFO)."""
+        items, budget = [], max(1, self.cfg.prefill_chunk)
+        for seq in self.active:
+            if not seq.todo:
+                items.append((seq, [seq.next_token]))
+            elif budget > 0:
+                take = seq.todo[:budget]
+                seq.todo = seq.todo[len(take):]
+                budget -= len(take)
+                items.append((seq, take))
+        return items
+
+    def _make_room(self, items: list[tuple[_Seq, list[int]]]) -> list[tuple[_Seq, list[int]]]:
+        """Evict saved prefixes, then fail the newest requests, until the step's state growth fits the budget
+        with `expert_reserve` left for the expert cache."""
+        mem = self.engine.memory
+        if not mem.limited:
+            return items
+        while items:
+            need = sum(self.profile.growth(seq.state, len(toks)) for seq, toks in items)
+            room = mem.budget - mem.dense_bytes - mem.scratch_bytes - mem.state_bytes - self.expert_reserve
+            if need == 0 or need <= room:
+                return items
+            if self.prefix is not None and self.prefix.evict_one():
+                continue
+            seq, _ = items.pop()
+            self._fail(seq, 507, f"the RAM budget has no room for this sequence's state ({need} bytes needed, "
+                                 f"{room} free): raise --ram-budget, lower --max-batch or shorten the prompt")
+        return items
+
+    # ---- per-request output ---------------------------------------------------------------------------------
+    def _advance(self, seq: _Seq, logits) -> int:
+        """Sample the next token of `seq`, emit its text, and finish the request when it is done."""
+        req = seq.ticket.req
+        tok = sample(logits, SamplingParams(req.temperature, req.top_p, 0, req.seed), seq.gen)
+        seq.generated += 1
+        self.counters["tokens_generated"] += 1
+        if tok in self.eos:
+            self._emit(seq, self._tail(seq))
+            self._finish(seq, "stop")
+            return 1
+        if req.logprobs:
+            seq.held.append(self._logprob(logits, tok, req.top_logprobs))
+        text, hit = seq.matcher.feed(seq.decoder.push(tok))
+        if hit:
+            self._emit(seq, text)
+            self._finish(seq, "stop")
+        elif seq.generated >= req.max_tokens:
+            self._emit(seq, text + self._tail(seq))
+            self._finish(seq, "length")
+        else:
+            if text:
+                self._emit(seq, text)
+            seq.next_token = tok
+        return 1
+
+    @staticmethod
+    def _tail(seq: _Seq) -> str:
+        """Text still held back (incomplete UTF-8, a possible stop prefix) once no more tokens will come."""
+        text, hit = seq.matcher.feed(seq.decoder.flush())
+        return text if hit else text + seq.matcher.flush()
+
+    def _logprob(self, logits, tok: int, top: int) -> TokenLogprob:
+        lp = logits.float().log_softmax(-1)  # [V] from the raw fp32 logits: temperature and top_p not applied
+        best = []
+        if top > 0:
+            vals, ids = lp.topk(top)
+            best = [(self.tokenizer.decode([i]), v) for v, i in zip(vals.tolist(), ids.tolist())]
+        return TokenLogprob(self.tokenizer.decode([tok]), float(lp[tok]), best)
+
+    def _emit(self, seq: _Seq, text: str) -> None:
+        if text or seq.held:
+            seq.ticket.put(Delta(text, seq.held))
+            seq.held = []
+
+    def _finish(self, seq: _Seq, reason: str) -> None:
+        self._emit(seq, "")
+        self.active.remove(seq)
+        seq.ticket.put(Done(reason, Usage(len(seq.ticket.req.prompt_ids), seq.generated, seq.reused)))
+        if self.prefix is not None:
+            self.prefix.save(seq.fed, seq.state)  # keeps it for a later request extending these tokens, or frees it
+        else:
+            self.engine.free(seq.state)
+
+    def _fail(self, seq: _Seq, status: int, message: str) -> None:
+        if seq in self.active:
+            self.active.remove(seq)
+        self.counters["failed"] += 1
+        try:
+            self.engine.free(seq.state)
+        finally:
+            seq.ticket.put(Failed(status, message))
