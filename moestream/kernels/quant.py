@@ -20,8 +20,9 @@ E2M1_VALUES = torch.tensor(
 )
 MXFP4_BLOCK = 32
 FP8_BLOCK = (128, 128)
-# fp32 scratch per *_linear call (bench/kernels.py: 1-2 MiB is the sweet spot on a 1 MiB-L2 core pair).
-SCRATCH_BYTES = 2 << 20
+# fp32 scratch per *_linear call: 96..146 rows of 3584 (1.3..2 MiB) time the same, 192+ rows are slower
+# (bench/kernels.py --chunks, 1 MiB L2 per core)
+SCRATCH_BYTES = 3 << 19
 
 _F16_SHIFT = 14  # MXFP4 codes decode to E2M1 * 2^-14 as fp16 bit patterns (see _mxfp4_decode)
 _F16_MAX_SCALE = 254 - _F16_SHIFT  # largest scale byte whose 2^(s - 127 + 14) is finite in fp32
