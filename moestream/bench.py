@@ -38,7 +38,7 @@ class BenchOptions:
     threads: int | None = None  # torch compute threads (default: the engine's choice)
     io_threads: int = 8
     policy: str = "lru"
-    lookahead: bool = True
+    lookahead: bool = False
     direct_io: bool = True
     probe: bool = True
     plot: Path | None = None
@@ -383,7 +383,8 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch compute threads")
     p.add_argument("--io-threads", type=int, default=8)
     p.add_argument("--policy", default="lru", help="expert cache policy: lru, lfru, heat")
-    p.add_argument("--no-lookahead", action="store_true", help="never prefetch by router lookahead")
+    p.add_argument("--lookahead", action="store_true",
+                   help="prefetch the next layer's experts by router lookahead (behind a per-layer recall gate)")
     p.add_argument("--buffered-io", action="store_true", help="buffered reads + page drop instead of O_DIRECT")
     p.add_argument("--no-probe", action="store_true", help="skip the direct-I/O disk bandwidth probe")
     p.add_argument("--plot", type=Path, default=None, metavar="PNG", help="write hit rate and tokens/s per token")
@@ -403,7 +404,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     if args.prompt_len < 1 or args.gen_len < 1:
         raise MoestreamError("--prompt-len and --gen-len must be at least 1")
     return BenchOptions(budget, args.prompt_len, args.gen_len, args.cold, args.temperature, args.seed,
-                        args.threads, args.io_threads, args.policy, not args.no_lookahead, not args.buffered_io,
+                        args.threads, args.io_threads, args.policy, args.lookahead, not args.buffered_io,
                         not args.no_probe, args.plot)
 
 

@@ -152,8 +152,9 @@ def test_store_reads_each_expert_with_one_request(hub_ckpt):
         store.close()
 
 
-def _greedy(path, budget, n=12, **opts):
+def _greedy(path, budget, n=12, lookahead=False, **opts):
     eng = Engine.open(path, ram_budget=budget, **opts)
+    eng.runner.lookahead.enabled = lookahead
     try:
         ids = prompt_ids(VOCAB, 20)
         logits = eng.logits(ids)
@@ -168,7 +169,7 @@ def test_streaming_with_overlap_and_lookahead_matches_resident(hub_ckpt):
     p = plan(path)
     budget = p.dense_bytes + p.scratch_bytes + p.expert_bytes // 4
     full_logits, full_out, _, _ = _greedy(path, None)
-    logits, out, stats, eng = _greedy(path, budget)
+    logits, out, stats, eng = _greedy(path, budget, lookahead=True)
     # same fp32 computation; only the order in which experts add into the output differs (hits, then arrivals)
     assert (logits - full_logits).abs().max() <= 1e-5 * full_logits.abs().max()
     assert out == full_out

@@ -43,7 +43,8 @@ class RunnerTimes:
 
 
 class ExpertRunner:
-    def __init__(self, store: ExpertStore, memory: MemoryAccountant, policy: str = "lru", lookahead: bool = True):
+    # lookahead is off by default: on a CPU-bound 2-core box it read 25% more bytes for a net 15% loss (docs/performance.md)
+    def __init__(self, store: ExpertStore, memory: MemoryAccountant, policy: str = "lru", lookahead: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}; choose from {', '.join(POLICIES)}")
         self.store = store
@@ -266,3 +267,9 @@ class _Expanded(Mapping):
 
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _save_heat(ref: "weakref.ref[ExpertRunner]") -> None:
+    runner = ref()
+    if runner is not None:
+        runner.save_heat()
