@@ -66,6 +66,8 @@ class ModelInfo:
     expert_bytes_per_token_cold: int  # sum over MoE layers of top_k * expert bytes
     scratch_bytes: int
     min_ram_budget: int
+    total_bytes: int = 0  # dense + routed experts, on disk (text model only)
+    config_only: bool = False  # sized from config.json through the family's tensor inventory (no shards present)
     budget: BudgetFit | None = None
 
     def to_json(self) -> dict:
@@ -103,6 +105,8 @@ def _build(path: str | Path, p: ModelPlan, ram_budget: int | None) -> ModelInfo:
         round(total - expert_total - embedding + active_experts), embedding, total - expert_total, expert_total,
         p.dense_bytes,
         sum(per_layer), sum(per_layer) / max(1, n_experts), round(cold), p.scratch_bytes, min_budget)
+    info.total_bytes = info.dense_bytes + info.expert_bytes
+    info.config_only = index.virtual
     if ram_budget is not None:
         info.budget = _fit(info, ram_budget, n_experts, p.expert_bytes / max(1, n_experts))
     return info

@@ -47,7 +47,9 @@ def render(i: ModelInfo) -> str:
         f"({i.num_experts * moe} in all, {format_bytes(i.bytes_per_expert)} each)",
         f"parameters:   {human_count(i.total_params)} total, {human_count(i.active_params)} active per token "
         f"({i.total_params} / {i.active_params})",
-        f"dense bytes:  {format_bytes(i.dense_bytes)} ({i.dense_bytes}), kept resident",
+        f"weights:      {format_bytes(i.total_bytes)} ({i.total_bytes})"
+        + ("  [sized from config.json alone: no shards here]" if i.config_only else ""),
+        f"dense bytes:  {format_bytes(i.dense_bytes)} ({i.dense_bytes})",
         f"expert bytes: {format_bytes(i.expert_bytes)} ({i.expert_bytes}), paged on demand",
         f"cold read:    {format_bytes(i.expert_bytes_per_token_cold)} of experts per token with an empty cache "
         f"({moe} layers x {i.top_k} experts)",

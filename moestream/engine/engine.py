@@ -16,7 +16,7 @@ from moestream.config import EngineOptions, format_bytes, parse_bytes, read_mode
 from moestream.engine.memory import MemoryAccountant
 from moestream.engine.sampling import SamplingParams, sample
 from moestream.engine.state import Batch, SeqState
-from moestream.errors import BudgetError, MoestreamError, RequestError
+from moestream.errors import BudgetError, CheckpointError, MoestreamError, RequestError
 from moestream.experts.dispatch import ExpertRunner
 from moestream.experts.store import ExpertStore, fp32_nbytes
 from moestream.models.base import DenseWeights, ExpertLayout, ModelContext
@@ -43,7 +43,7 @@ def plan(path: str | Path, io_threads: int = 8) -> ModelPlan:
     raw = read_model_config(path)
     family = family_for(raw)
     cfg = family.parse(raw)
-    index = CheckpointIndex.open(path)
+    index = _open_index(path, family, cfg)
     names = {n[len(family.prefix):] for n in index.names() if family.wants(n)}
     layout = family.experts(cfg, names)
     store = ExpertStore(index, layout.parts, layout.num_experts, family.prefix, io_threads)
@@ -55,6 +55,12 @@ def plan(path: str | Path, io_threads: int = 8) -> ModelPlan:
     if layout.moe_layers:
         scratch = sum(fp32_nbytes(loc) for loc in store.locate(layout.moe_layers[0], 0))
     return ModelPlan(family, cfg, layout, store, dense, dense_bytes, sum(sizes), max(sizes, default=0), scratch)
+
+
+def _open_index(path: str | Path, family, cfg) -> CheckpointIndex:
+    if family.inventory is not None and Path(path).is_dir() and not CheckpointIndex.has_weights(path):
+        return CheckpointIndex.virtual_from(path, family.inventory(cfg))
+    return CheckpointIndex.open(path)
 
 
 class Engine:
@@ -72,6 +78,9 @@ class Engine:
         if opts.threads:
             torch.set_num_threads(opts.threads)
         p = plan(path, opts.io_threads)
+        if p.store.index.virtual:
+            raise CheckpointError(f"{path}: holds config.json but no safetensors weights: `moestream info` can size "
+                                  "it, running it needs the shards")
         memory = MemoryAccountant(opts.ram_budget)
         _check_budget(p, opts.ram_budget)
         memory.scratch_bytes = p.scratch_bytes

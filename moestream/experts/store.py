@@ -71,6 +71,7 @@ class ExpertStore:
         self.num_experts = num_experts
         self.reader = Reader(io_threads, direct_io)
         self._loc_cache: dict[tuple[int, int], list[PartLocation]] = {}
+        self._expert_re = re.compile("|".join(f"(?:{p.pattern(prefix).pattern})" for p in parts) or "(?!)")
         self._plans: dict[tuple[int, int], tuple[ReadPlan, list[tuple[str, int, PartLocation]]]] = {}
 
     @property
@@ -79,7 +80,7 @@ class ExpertStore:
         return self.reader.stats.bytes_read
 
     def is_expert_tensor(self, name: str) -> bool:
-        return any(p.pattern(self.prefix).match(name) for p in self.parts)
+        return self._expert_re.match(name) is not None
 
     def locate(self, layer: int, expert: int) -> list[PartLocation]:
         key = (layer, expert)

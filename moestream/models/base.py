@@ -37,6 +37,9 @@ class Family:
     build: Callable[[Any, "ModelContext"], "DecoderModel"]
     prefix: str = ""  # tensor-name prefix of the language model (K3: "language_model.")
     ignore: tuple[str, ...] = ()  # tensor-name prefixes never read (vision tower)
+    # config -> every tensor name (with prefix) -> (shape, safetensors dtype); lets `info` size a directory that
+    # holds only config.json
+    inventory: Callable[[Any], dict[str, tuple[tuple[int, ...], str]]] | None = None
 
     def wants(self, name: str) -> bool:
         return name.startswith(self.prefix) and not name.startswith(self.ignore)

@@ -223,6 +223,17 @@ def _inventory_totals(inv: Inventory) -> tuple[int, int]:
     return params, nbytes
 
 
+def inventory(cfg: KimiK3Config) -> Inventory:
+    """Every text-model tensor of the checkpoint, with the `language_model.` prefix (vision tower excluded)."""
+    out: Inventory = dict(top_tensors(cfg))
+    for layer in range(cfg.num_layers):
+        out.update(layer_dense_tensors(cfg, layer))
+        if layer in cfg.moe_layers:
+            for e in range(cfg.num_experts):
+                out.update(expert_tensors(cfg, layer, e))
+    return {PREFIX + name: v for name, v in out.items()}
+
+
 def k3_sizes_from_config(cfg: dict) -> dict:
     """Exact sizes of a K3 checkpoint from its config.json alone (top-level or text_config dict).
 
@@ -298,4 +309,5 @@ def _ffn(cfg: KimiK3Config, ctx: ModelContext, layer: int, act):
     return lambda x: glu_mlp(x, g, u, d, act)
 
 
-FAMILY = Family("kimi_k3", KimiK3Config.from_hf, expert_layout, build, prefix=PREFIX, ignore=VISION)
+FAMILY = Family("kimi_k3", KimiK3Config.from_hf, expert_layout, build, prefix=PREFIX, ignore=VISION,
+                inventory=inventory)

@@ -94,9 +94,28 @@ def _tensor_info(path: Path, name: str, meta: dict, base: int, size: int) -> Ten
 class CheckpointIndex:
     """All tensors of a checkpoint directory (single file or shards with model.safetensors.index.json)."""
 
-    def __init__(self, root: Path, tensors: dict[str, TensorInfo]):
+    def __init__(self, root: Path, tensors: dict[str, TensorInfo], virtual: bool = False):
         self.root = root
         self.tensors = tensors
+        self.virtual = virtual  # built from a family's inventory: sizes only, no data to read
+
+    @classmethod
+    def virtual_from(cls, root: str | Path, inventory: dict[str, tuple[tuple[int, ...], str]]) -> "CheckpointIndex":
+        """An index of the tensors a config implies (for `info` on a directory holding only config.json)."""
+        tensors, offset, where = {}, 0, Path(root) / "(config only)"
+        for name, (shape, dtype) in inventory.items():
+            numel = 1
+            for s in shape:
+                numel *= s
+            nbytes = numel * DTYPES[dtype][1]
+            tensors[name] = TensorInfo(name, where, offset, nbytes, dtype, tuple(shape))
+            offset += nbytes
+        return cls(Path(root), tensors, virtual=True)
+
+    @staticmethod
+    def has_weights(root: str | Path) -> bool:
+        root = Path(root)
+        return (root / "model.safetensors.index.json").exists() or any(root.glob("*.safetensors"))
 
     @classmethod
     def open(cls, root: str | Path) -> "CheckpointIndex":
