@@ -41,24 +41,33 @@ class LRUPolicy:
 
 
 class FrequencyRecencyPolicy:
-    """Exponentially decayed access count: score = sum over accesses of 2^-(age / half_life), age in accesses.
+    """Exponentially decayed access count: score = sum over accesses of 2^-(age / half_life).
 
-    Evicts the lowest score. Decay is global, so ordering by log(score) + t * ln2 / half_life (fixed between a
-    key's accesses) is the same as ordering by current score: a heap with lazy deletion gives O(log n) updates.
+    Age is counted in engine steps for (layer, expert) keys (a step starts when the layer index goes down, so a
+    decoded token is one step whatever the model's depth and top-k) and in accesses for any other key. Evicts
+    the lowest score. Decay is global, so ordering by log(score) + t * ln2 / half_life (fixed between a key's
+    accesses) is the same as ordering by current score: a heap with lazy deletion gives O(log n) updates.
     """
 
     name = "lfru"
 
-    def __init__(self, half_life: float = 512.0) -> None:
+    def __init__(self, half_life: float = 16.0) -> None:
         self.rate = math.log(2) / half_life
         self._t = 0
+        self._last_layer: int | None = None
         self._score: dict[Key, tuple[float, int]] = {}  # key -> (score at last access, time of last access)
         self._heap: list[tuple[float, int, Key]] = []
         self._seq = itertools.count()
         self._prio: dict[Key, float] = {}
 
+    def _tick(self, key: Key) -> None:
+        layer = key[0] if isinstance(key, tuple) and key and isinstance(key[0], int) else None
+        if layer is None or self._last_layer is None or layer < self._last_layer:
+            self._t += 1
+        self._last_layer = layer
+
     def _bump(self, key: Key, fresh: bool) -> None:
-        self._t += 1
+        self._tick(key)
         old = None if fresh else self._score.get(key)
         s = 1.0 if old is None else old[0] * math.exp(-self.rate * (self._t - old[1])) + 1.0
         self._score[key] = (s, self._t)
@@ -103,7 +112,7 @@ class HeatPolicy(FrequencyRecencyPolicy):
 
     name = "heat"
 
-    def __init__(self, path: str | Path | None = None, half_life: float = 512.0, carry: float = 0.5) -> None:
+    def __init__(self, path: str | Path | None = None, half_life: float = 16.0, carry: float = 0.5) -> None:
         super().__init__(half_life)
         self.path = Path(path) if path is not None else None
         self.carry = carry  # weight of earlier runs' heat when this run's counts are merged in

@@ -1,0 +1,327 @@
+"""moestream vs llama.cpp (llama-cpp-python) on the same synthetic qwen3_moe, bf16 experts in both, under the same
+cgroup v1 memory cap (RSS plus page cache charged to the group), cold page cache, same prompt.
+
+    python bench/vs_llamacpp.py convert MODEL OUT.gguf      # GGUF written with the `gguf` package (bf16 weights)
+    python bench/vs_llamacpp.py run MODEL OUT.gguf --cap 1.5GiB [--rounds 2] [--mode greedy|forced]
+
+`forced` feeds both engines the same fixed token stream one token per step (identical routing, so identical
+expert traffic); `greedy` lets each pick argmax (a random-weight model soon repeats one token, which makes the
+routing static and flatters every cache). Each engine runs in a fresh child process placed in its own memory
+cgroup; the parent reads the group's peak charge (memory.max_usage_in_bytes) and prints one JSON line per run
+and a summary. Needs root for cgroup v1; without it, runs uncapped and says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CGROOT = Path("/sys/fs/cgroup/memory")
+
+
+# ---- GGUF conversion ---------------------------------------------------------------------------------------
+def convert(model: Path, out: Path) -> None:
+    """Write MODEL (qwen3_moe safetensors, Hub or fused layout) as a qwen3moe GGUF, streaming one tensor at a time."""
+    import gguf
+    import numpy as np
+    import torch
+
+    from moestream.weights.index import CheckpointIndex
+
+    cfg = json.loads((model / "config.json").read_text())
+    index = CheckpointIndex.open(model)
+    plan = list(_gguf_tensors(cfg, index))
+    w = gguf.GGUFWriter(str(out), "qwen3moe")
+    _write_kv(w, cfg, model)
+    for name, shape, f32, _ in plan:
+        dt = gguf.GGMLQuantizationType.F32 if f32 else gguf.GGMLQuantizationType.BF16
+        nbytes = int(np.prod(shape)) * (4 if f32 else 2)
+        w.add_tensor_info(name, shape, np.dtype(np.float32 if f32 else np.uint16), nbytes, raw_dtype=dt)
+    w.write_header_to_file(out)
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, shape, f32, load in plan:
+        t = load()
+        arr = t.float().numpy() if f32 else t.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+        w.write_tensor_data(arr.reshape(shape))
+    w.close()
+
+
+def _gguf_tensors(cfg: dict, index):
+    """(gguf name, numpy-order shape, stored as f32?, loader) in file order; experts stacked per layer."""
+    import torch
+
+    h, e = cfg["hidden_size"], cfg.get("num_experts", cfg.get("num_local_experts"))
+    inter = cfg["moe_intermediate_size"]
+    ld = index.load
+    yield "token_embd.weight", (cfg["vocab_size"], h), False, lambda: ld("model.embed_tokens.weight")
+    for i in range(cfg["num_hidden_layers"]):
+        p, b = f"model.layers.{i}", f"blk.{i}"
+        a = f"{p}.self_attn"
+        for src, dst, f32 in (("input_layernorm", "attn_norm", True), ("post_attention_layernorm", "ffn_norm", True)):
+            yield f"{b}.{dst}.weight", (h,), f32, (lambda n=f"{p}.{src}.weight": ld(n))
+        for src, dst in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
+            info = index[f"{a}.{src}.weight"]
+            yield f"{b}.{dst}.weight", info.shape, False, (lambda n=info.name: ld(n))
+        for src, dst in (("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm")):
+            info = index[f"{a}.{src}.weight"]
+            yield f"{b}.{dst}.weight", info.shape, True, (lambda n=info.name: ld(n))
+        yield f"{b}.ffn_gate_inp.weight", (e, h), True, (lambda n=f"{p}.mlp.gate.weight": ld(n))
+        fused = f"{p}.mlp.experts.gate_up_proj" in index
+        for part, shape in (("gate", (e, inter, h)), ("up", (e, inter, h)), ("down", (e, h, inter))):
+            yield f"{b}.ffn_{part}_exps.weight", shape, False, (
+                lambda p=p, part=part: _experts(index, p, part, e, fused))
+    yield "output_norm.weight", (h,), True, lambda: ld("model.norm.weight")
+    head = "lm_head.weight" if "lm_head.weight" in index else "model.embed_tokens.weight"
+    yield "output.weight", (cfg["vocab_size"], h), False, lambda: ld(head)
+
+
+def _experts(index, p: str, part: str, e: int, fused: bool):
+    import torch
+
+    if not fused:
+        return torch.stack([index.load(f"{p}.mlp.experts.{j}.{part}_proj.weight") for j in range(e)])
+    if part == "down":
+        return index.load(f"{p}.mlp.experts.down_proj")
+    gate, up = index.load(f"{p}.mlp.experts.gate_up_proj").chunk(2, dim=1)
+    return (gate if part == "gate" else up).contiguous()
+
+
+def _write_kv(w, cfg: dict, model: Path) -> None:
+    import gguf
+
+    w.add_name(model.name)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg.get("max_position_embeddings", 4096))
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg.get("intermediate_size", cfg["moe_intermediate_size"]))
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
+    w.add_rope_freq_base(float(theta))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_count(cfg.get("num_experts", cfg.get("num_local_experts")))
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    _write_vocab(w, cfg, model)
+
+
+def _write_vocab(w, cfg: dict, model: Path) -> None:
+    """GPT-2 style BPE from tokenizer.json (or a placeholder byte vocab when the checkpoint has none)."""
+    n = cfg["vocab_size"]
+    tok_file = model / "tokenizer.json"
+    tokens, merges, special = [f"<t{i}>" for i in range(n)], [], set()
+    if tok_file.exists():
+        tj = json.loads(tok_file.read_text())
+        for piece, i in tj["model"]["vocab"].items():
+            if i < n:
+                tokens[i] = piece
+        for t in tj.get("added_tokens", []):
+            if t["id"] < n:
+                tokens[t["id"]], _ = t["content"], special.add(t["id"])
+        merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"].get("merges", [])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in special else 1 for i in range(n)])
+    if merges:
+        w.add_token_merges(merges)
+    if cfg.get("bos_token_id") is not None:
+        w.add_bos_token_id(cfg["bos_token_id"])
+    if cfg.get("eos_token_id") is not None:
+        eos = cfg["eos_token_id"]
+        w.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
+
+
+# ---- the two workloads (run in child processes) ------------------------------------------------------------
+def _read_io() -> int:
+    """Bytes this process caused to be fetched from storage (page-fault readahead and O_DIRECT included)."""
+    with open("/proc/self/io") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("read_bytes:"))
+
+
+def _stream(args: argparse.Namespace, vocab: int) -> tuple[list[int], list[int]]:
+    import random
+
+    rng = random.Random(args.seed)
+    prompt = [rng.randrange(3, vocab) for _ in range(args.prompt_len)]
+    forced = [rng.randrange(3, vocab) for _ in range(args.gen_len)]
+    return prompt, forced
+
+
+def child_moestream(args: argparse.Namespace) -> dict:
+    import torch
+
+    from moestream import Engine
+
+    eng = Engine.open(args.model, ram_budget=args.budget, threads=args.threads)
+    prompt, forced = _stream(args, eng.vocab_size)
+    st = eng.new_sequence()
+    t0 = time.perf_counter()
+    logits = eng.prefill(st, prompt)
+    ttft, io0, out = time.perf_counter() - t0, _read_io(), []
+    t1 = time.perf_counter()
+    for i in range(args.gen_len):
+        tok = int(torch.argmax(logits)) if args.mode == "greedy" else forced[i]
+        out.append(tok)
+        (logits,) = eng.step([(st, [tok])])
+    dt = time.perf_counter() - t1
+    return _result("moestream", args, dt, ttft, _read_io() - io0, out, eng.stats["expert_hit_rate"])
+
+
+def child_llama(args: argparse.Namespace) -> dict:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(args.gguf), n_ctx=args.prompt_len + args.gen_len + 8, n_threads=args.threads,
+                n_threads_batch=args.threads, n_batch=max(8, args.prompt_len), use_mmap=True, verbose=False)
+    prompt, forced = _stream(args, llm.n_vocab())
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    ttft, io0, out = time.perf_counter() - t0, _read_io(), []
+    t1 = time.perf_counter()
+    for i in range(args.gen_len):
+        tok = int(llm.sample(temp=0.0)) if args.mode == "greedy" else forced[i]
+        out.append(tok)
+        llm.eval([tok])
+    dt = time.perf_counter() - t1
+    return _result("llama.cpp", args, dt, ttft, _read_io() - io0, out, None)
+
+
+def _result(engine: str, args, dt: float, ttft: float, nbytes: int, out: list[int], hit) -> dict:
+    import resource
+
+    return {"engine": engine, "decode_tokens_per_s": args.gen_len / dt, "ttft_s": ttft,
+            "bytes_read_per_token": nbytes / args.gen_len, "expert_hit_rate": hit,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "tokens": out[:8]}
+
+
+# ---- cgroup v1 orchestration -------------------------------------------------------------------------------
+def drop_cache(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run_capped(cmd: list[str], cap: int | None, name: str) -> tuple[dict, dict]:
+    """Run `cmd` in a fresh memory cgroup limited to `cap` bytes; returns (its JSON line, cgroup figures)."""
+    group = CGROOT / f"moestream-bench-{name}-{os.getpid()}"
+    capped = cap is not None and CGROOT.is_dir() and os.access(CGROOT, os.W_OK)
+    if capped:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(cap))
+        (group / "memory.swappiness").write_text("0")
+    tasks = str(group / "cgroup.procs")
+
+    def enter() -> None:
+        if capped:
+            with open(tasks, "w") as fh:
+                fh.write(str(os.getpid()))
+
+    try:
+        proc = subprocess.run(cmd, preexec_fn=enter, capture_output=True, text=True)
+        info = {"capped": capped, "cap_bytes": cap, "returncode": proc.returncode}
+        if capped:
+            info["cgroup_peak_bytes"] = int((group / "memory.max_usage_in_bytes").read_text())
+            info["cgroup_failcnt"] = int((group / "memory.failcnt").read_text())
+            oom = dict(line.split() for line in (group / "memory.oom_control").read_text().splitlines())
+            info["oom_kills"] = int(oom.get("oom_kill", 0))
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            return {"error": proc.stderr[-2000:]}, info
+        return json.loads(lines[-1]), info
+    finally:
+        if capped:
+            for _ in range(50):
+                try:
+                    group.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moestream.config import parse_bytes
+    from moestream.engine.engine import plan
+
+    cap = parse_bytes(args.cap)
+    p = plan(args.model)
+    budget = args.budget or (cap - parse_bytes(args.overhead))
+    print(json.dumps({"experts_bytes": p.expert_bytes, "cap_bytes": cap, "moestream_ram_budget": budget,
+                      "oversubscription": p.expert_bytes / cap, "mode": args.mode, "threads": args.threads}))
+    files = sorted(Path(args.model).glob("*.safetensors")) + [Path(args.gguf)]
+    common = ["--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--threads", str(args.threads),
+              "--mode", args.mode, "--seed", str(args.seed)]
+    me = [sys.executable, os.path.abspath(__file__)]
+    results: dict[str, list[dict]] = {"moestream": [], "llama.cpp": []}
+    for rnd in range(args.rounds):
+        for engine in ("moestream", "llama.cpp"):
+            drop_cache(files)
+            sub = ["child-moestream", args.model, "--budget", str(budget)] if engine == "moestream" else \
+                ["child-llama", args.model, "--gguf", str(args.gguf)]
+            r, info = run_capped(me + sub + common, cap, engine.replace(".", ""))
+            row = {**r, **info, "round": rnd}
+            print(json.dumps(row), flush=True)
+            results[engine].append(row)
+    print(json.dumps(_summary(results, cap)))
+    return 0
+
+
+def _summary(results: dict[str, list[dict]], cap: int) -> dict:
+    def med(engine: str, key: str):
+        vals = sorted(r[key] for r in results[engine] if key in r)
+        return vals[len(vals) // 2] if vals else None
+
+    ms, lc = med("moestream", "decode_tokens_per_s"), med("llama.cpp", "decode_tokens_per_s")
+    return {"summary": True, "moestream_decode_tokens_per_s": ms, "llamacpp_decode_tokens_per_s": lc,
+            "ratio": ms / lc if ms and lc else None,
+            "moestream_bytes_read_per_token": med("moestream", "bytes_read_per_token"),
+            "llamacpp_bytes_read_per_token": med("llama.cpp", "bytes_read_per_token"),
+            "moestream_cgroup_peak_bytes": max((r.get("cgroup_peak_bytes", 0) for r in results["moestream"]),
+                                               default=None),
+            "llamacpp_cgroup_peak_bytes": max((r.get("cgroup_peak_bytes", 0) for r in results["llama.cpp"]),
+                                              default=None), "cap_bytes": cap}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("convert")
+    c.add_argument("model", type=Path)
+    c.add_argument("out", type=Path)
+    for name in ("run", "child-moestream", "child-llama"):
+        r = sub.add_parser(name)
+        r.add_argument("model", type=Path)
+        r.add_argument("gguf", type=Path, nargs="?" if name != "run" else None)
+        r.add_argument("--gguf", dest="gguf_opt", type=Path, default=None)
+        r.add_argument("--cap", default="1.5GiB")
+        r.add_argument("--overhead", default="330MiB", help="cap minus this is moestream's --ram-budget")
+        r.add_argument("--budget", type=int, default=None)
+        r.add_argument("--prompt-len", type=int, default=16)
+        r.add_argument("--gen-len", type=int, default=16)
+        r.add_argument("--threads", type=int, default=1)
+        r.add_argument("--mode", choices=("forced", "greedy"), default="forced")
+        r.add_argument("--seed", type=int, default=0)
+        r.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args(argv)
+    if args.cmd == "convert":
+        convert(args.model, args.out)
+        return 0
+    args.gguf = args.gguf_opt or args.gguf
+    if args.cmd == "run":
+        return run(args)
+    print(json.dumps(child_moestream(args) if args.cmd == "child-moestream" else child_llama(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
