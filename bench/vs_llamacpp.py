@@ -203,15 +203,6 @@ def _result(engine: str, args, dt: float, ttft: float, nbytes: int, out: list[in
 
 
 # ---- cgroup v1 orchestration -------------------------------------------------------------------------------
-def drop_cache(paths: list[Path]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def run_capped(cmd: list[str], cap: int | None, name: str) -> tuple[dict, dict]:
     """Run `cmd` in a fresh memory cgroup limited to `cap` bytes; returns (its JSON line, cgroup figures)."""
     group = CGROOT / f"moestream-bench-{name}-{os.getpid()}"
@@ -250,6 +241,7 @@ def run_capped(cmd: list[str], cap: int | None, name: str) -> tuple[dict, dict]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moestream.bench import drop_page_cache
     from moestream.config import parse_bytes
     from moestream.engine.engine import plan
 
@@ -265,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, list[dict]] = {"moestream": [], "llama.cpp": []}
     for rnd in range(args.rounds):
         for engine in ("moestream", "llama.cpp"):
-            drop_cache(files)
+            drop_page_cache(files)
             sub = ["child-moestream", args.model, "--budget", str(budget)] if engine == "moestream" else \
                 ["child-llama", args.model, "--gguf", str(args.gguf)]
             r, info = run_capped(me + sub + common, cap, engine.replace(".", ""))

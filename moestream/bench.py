@@ -37,7 +37,7 @@ class BenchOptions:
     seed: int = 0
     threads: int | None = None  # torch compute threads (default: the engine's choice)
     io_threads: int = 8
-    policy: str = "lru"
+    policy: str = "lfru"
     lookahead: bool = False
     direct_io: bool = True
     probe: bool = True
@@ -266,14 +266,13 @@ def _summarise(eng, opts: BenchOptions, records: list[TokenRecord], ttft: float,
 
 def _context(eng, opts: BenchOptions, cold: str, disk_bw: float, base_rss: int) -> dict:
     s = eng.stats
-    out = {"model": str(eng.path), "ram_budget_bytes": s["ram_budget_bytes"], "peak_rss_bytes": peak_rss(),
+    return {"model": str(eng.path), "ram_budget_bytes": s["ram_budget_bytes"], "peak_rss_bytes": peak_rss(),
            "interpreter_rss_bytes": base_rss, "peak_accounted_bytes": s["peak_resident_bytes"],
            "dense_bytes": s["dense_bytes"], "expert_bytes_total": eng.plan.expert_bytes,
            "disk_bandwidth_bytes_per_s": disk_bw, "page_cache": cold, "policy": opts.policy,
            "lookahead": opts.lookahead, "direct_io": eng.plan.store.reader.direct,
            "compute_threads": torch.get_num_threads(), "io_threads": opts.io_threads,
            "prompt_len": opts.prompt_len, "gen_len": opts.gen_len, "temperature": opts.temperature}
-    return out
 
 
 def finish_report(r: dict) -> dict:
@@ -382,7 +381,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch compute threads")
     p.add_argument("--io-threads", type=int, default=8)
-    p.add_argument("--policy", default="lru", help="expert cache policy: lru, lfru, heat")
+    p.add_argument("--policy", default="lfru", help="expert cache policy: lfru (default), lru, heat")
     p.add_argument("--lookahead", action="store_true",
                    help="prefetch the next layer's experts by router lookahead (behind a per-layer recall gate)")
     p.add_argument("--buffered-io", action="store_true", help="buffered reads + page drop instead of O_DIRECT")

@@ -40,7 +40,7 @@ def format_bytes(n: float) -> str:
 class EngineOptions:
     ram_budget: int | None = None  # bytes; None = no limit
     device: str = "cpu"
-    cache_policy: str = "lru"
+    cache_policy: str = "lfru"  # chosen by measurement: docs/performance.md
     io_threads: int = 8
     prefill_chunk: int = 512
     threads: int | None = None  # torch compute threads; None keeps torch's default (one per physical core)

@@ -44,7 +44,7 @@ class RunnerTimes:
 
 class ExpertRunner:
     # lookahead is off by default: on a CPU-bound 2-core box it read 25% more bytes for a net 15% loss (docs/performance.md)
-    def __init__(self, store: ExpertStore, memory: MemoryAccountant, policy: str = "lru", lookahead: bool = False):
+    def __init__(self, store: ExpertStore, memory: MemoryAccountant, policy: str = "lfru", lookahead: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}; choose from {', '.join(POLICIES)}")
         self.store = store
@@ -65,7 +65,7 @@ class ExpertRunner:
         """Let the lookahead run `layer`'s router (x [T, H] -> ids [T, k]) on the previous MoE layer's input."""
         self.lookahead.register(layer, fn)
 
-    def configure_pins(self, layer: int, share: float = 0.5) -> None:
+    def configure_pins(self, layer: int, share: float = 0.25) -> None:
         """Heat policy only: keep the hottest experts, `share` of what the cache can hold, last in line."""
         pol = self.cache.policy
         if isinstance(pol, HeatPolicy):

@@ -180,7 +180,7 @@ class HeatPolicy(FrequencyRecencyPolicy):
 
 
 POLICIES: dict[str, Callable[[], object]] = {"lru": LRUPolicy, "lfru": FrequencyRecencyPolicy, "heat": HeatPolicy}
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "lfru"
 
 
 def heat_path(model_root: str | Path, cache_dir: str | Path | None = None) -> Path:
