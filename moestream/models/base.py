@@ -15,7 +15,7 @@ from moestream.engine.memory import MemoryAccountant
 from moestream.engine.state import Batch, SeqState
 from moestream.experts.dispatch import ExpertRunner
 from moestream.experts.store import PartSpec
-from moestream.models.blocks import embed, linear, rms_norm
+from moestream.models.blocks import embed, glu_mlp, linear, rms_norm, sigmoid_topk, silu_glu
 from moestream.weights.index import CheckpointIndex
 
 
@@ -125,3 +125,23 @@ def standard_model(ctx: ModelContext, layers: list[Any], eps: float, vocab_size:
     table = w.get("model.embed_tokens.weight")
     head = table if tie or "lm_head.weight" not in w else w.get("lm_head.weight")
     return DecoderModel(table, layers, w.get("model.norm.weight"), head, eps, vocab_size, ctx.memory)
+
+
+def dense_glu(w: DenseWeights, p: str, act=silu_glu) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The dense (or shared-expert) GLU MLP whose tensors are `{p}.{gate,up,down}_proj.weight`."""
+    g, u, d = (w.get(f"{p}.{n}_proj.weight") for n in ("gate", "up", "down"))
+    return lambda x: glu_mlp(x, g, u, d, act)
+
+
+def sigmoid_moe(ctx: ModelContext, layer: int, p: str, fn, top_k: int, renormalize: bool, scale: float,
+                n_group: int = 1, topk_group: int = 1, shared=None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """DeepSeek-V3 / Kimi Linear MoE at `p`: sigmoid router (the correction bias only selects), routed experts
+    through the runner, plus the shared MLP on the full-width input when there is one."""
+    gate, bias = ctx.weights.get(f"{p}.gate.weight"), ctx.weights.maybe(f"{p}.gate.e_score_correction_bias")
+
+    def ffn(x: torch.Tensor) -> torch.Tensor:
+        ids, wts = sigmoid_topk(linear(x, gate), bias, top_k, renormalize, scale, n_group, topk_group)
+        y = ctx.experts.run(layer, x, ids, wts, fn)
+        return y + shared(x) if shared is not None else y
+
+    return ffn

@@ -14,8 +14,9 @@ import torch
 from moestream.errors import UnsupportedModelError
 from moestream.experts.store import PartSpec
 from moestream.kernels.quant import FP8_BLOCK, dequant_fp8_block, fp8_block_linear, int4_linear
-from moestream.models.base import DenseWeights, ExpertLayout, Family, Layer, ModelContext, standard_model
-from moestream.models.blocks import expert_glu, glu_mlp, linear, sigmoid_topk
+from moestream.models.base import (DenseWeights, ExpertLayout, Family, Layer, ModelContext, dense_glu, sigmoid_moe,
+                                   standard_model)
+from moestream.models.blocks import expert_glu, linear
 from moestream.models.mla import MLAMixer, MLAOptions
 from moestream.models.rope import build_rope, rope_params, yarn_get_mscale
 
@@ -196,30 +197,18 @@ def build(cfg: DeepseekV3Config, ctx: ModelContext):
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}"
-        ffn = _moe(cfg, ctx, w, i, fn) if i in cfg.moe_layers else _mlp(w, p + ".mlp")
+        ffn = _moe(cfg, ctx, w, i, fn) if i in cfg.moe_layers else dense_glu(w, p + ".mlp")
         layers.append(Layer(MLAMixer(w, p + ".self_attn", opts), ffn, w.get(p + ".input_layernorm.weight"),
                             w.get(p + ".post_attention_layernorm.weight"), cfg.eps))
     ctx = ModelContext(w, ctx.experts, ctx.memory)
     return standard_model(ctx, layers, cfg.eps, cfg.vocab_size, cfg.tie)
 
 
-def _mlp(w: DenseWeights, p: str):
-    g, u, d = (w.get(f"{p}.{n}_proj.weight") for n in PROJS)
-    return lambda x: glu_mlp(x, g, u, d)
-
-
 def _moe(cfg: DeepseekV3Config, ctx: ModelContext, w: DenseWeights, i: int, fn):
     p = f"model.layers.{i}.mlp"
-    gate, bias = w.get(p + ".gate.weight"), w.maybe(p + ".gate.e_score_correction_bias")
-    shared = _mlp(w, p + ".shared_experts") if f"{p}.shared_experts.gate_proj.weight" in w else None
-
-    def ffn(x: torch.Tensor) -> torch.Tensor:
-        ids, wts = sigmoid_topk(linear(x, gate), bias, cfg.top_k, cfg.norm_topk_prob, cfg.routed_scaling_factor,
-                                cfg.n_group, cfg.topk_group)
-        y = ctx.experts.run(i, x, ids, wts, fn)
-        return y + shared(x) if shared is not None else y
-
-    return ffn
+    shared = dense_glu(w, p + ".shared_experts") if f"{p}.shared_experts.gate_proj.weight" in w else None
+    return sigmoid_moe(ctx, i, p, fn, cfg.top_k, cfg.norm_topk_prob, cfg.routed_scaling_factor, cfg.n_group,
+                       cfg.topk_group, shared)
 
 
 FAMILY = Family("deepseek_v3", DeepseekV3Config.from_hf, expert_layout, build)

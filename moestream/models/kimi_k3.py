@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from moestream.errors import UnsupportedModelError
 from moestream.experts.store import PartSpec
 from moestream.models.attnres import K3Layer, K3Model, fold_query, seals_at
-from moestream.models.base import ExpertLayout, Family, ModelContext
-from moestream.models.blocks import glu_mlp
+from moestream.models.base import ExpertLayout, Family, ModelContext, dense_glu
 from moestream.models.kda import KDAMixer, KDAOptions
 from moestream.models.latent_moe import LatentMoE, make_act
 from moestream.models.mla import MLAMixer, MLAOptions
@@ -305,8 +304,7 @@ def build(cfg: KimiK3Config, ctx: ModelContext) -> K3Model:
 def _ffn(cfg: KimiK3Config, ctx: ModelContext, layer: int, act):
     if layer >= cfg.first_dense:
         return LatentMoE(ctx, layer, cfg.top_k, cfg.scaling, cfg.latent_norm, cfg.eps, act, cfg.quantized)
-    g, u, d = (ctx.weights.get(f"model.layers.{layer}.mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
-    return lambda x: glu_mlp(x, g, u, d, act)
+    return dense_glu(ctx.weights, f"model.layers.{layer}.mlp", act)
 
 
 FAMILY = Family("kimi_k3", KimiK3Config.from_hf, expert_layout, build, prefix=PREFIX, ignore=VISION,

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from moestream.errors import CheckpointError, UnsupportedModelError
 from moestream.experts.store import PartSpec
-from moestream.models.base import ExpertLayout, Family, Layer, ModelContext, standard_model
-from moestream.models.blocks import expert_glu, glu_mlp, linear, sigmoid_topk
+from moestream.models.base import ExpertLayout, Family, Layer, ModelContext, dense_glu, sigmoid_moe, standard_model
+from moestream.models.blocks import expert_glu
 from moestream.models.kda import KDAMixer, KDAOptions
 from moestream.models.mla import MLAMixer, MLAOptions
 
@@ -135,31 +135,16 @@ def build(cfg: KimiLinearConfig, ctx: ModelContext):
         if i in cfg.moe_layers:
             ffn = _moe(cfg, ctx, i, f"{p}.{ffn_module(w, i, 'gate.weight')}")
         else:
-            ffn = _dense(w, f"{p}.{ffn_module(w, i, 'gate_proj.weight')}")
+            ffn = dense_glu(w, f"{p}.{ffn_module(w, i, 'gate_proj.weight')}")
         layers.append(Layer(mixer, ffn, w.get(p + ".input_layernorm.weight"),
                             w.get(p + ".post_attention_layernorm.weight"), cfg.eps))
     return standard_model(ctx, layers, cfg.eps, cfg.vocab_size, cfg.tie)
 
 
-def _dense(w, p: str):
-    g, u, d = (w.get(f"{p}.{n}_proj.weight") for n in ("gate", "up", "down"))
-    return lambda x: glu_mlp(x, g, u, d)
-
-
 def _moe(cfg: KimiLinearConfig, ctx: ModelContext, i: int, p: str):
-    w = ctx.weights
-    gate, bias = w.get(f"{p}.gate.weight"), w.maybe(f"{p}.gate.e_score_correction_bias")
-    shared = _dense(w, p + ".shared_experts") if cfg.shared_experts else None
-    fn = expert_glu()
-
-    def ffn(x):
-        # sigmoid scores; the correction bias only selects, the unbiased scores weigh (x routed_scaling_factor)
-        ids, wts = sigmoid_topk(linear(x, gate), bias, cfg.top_k, cfg.renormalize, cfg.scaling,
-                                cfg.n_group, cfg.topk_group)
-        y = ctx.experts.run(i, x, ids, wts, fn)
-        return y + shared(x) if shared is not None else y
-
-    return ffn
+    shared = dense_glu(ctx.weights, p + ".shared_experts") if cfg.shared_experts else None
+    return sigmoid_moe(ctx, i, p, expert_glu(), cfg.top_k, cfg.renormalize, cfg.scaling, cfg.n_group,
+                       cfg.topk_group, shared)
 
 
 FAMILY = Family("kimi_linear", KimiLinearConfig.from_hf, expert_layout, build)

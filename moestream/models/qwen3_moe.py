@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from moestream.errors import UnsupportedModelError
 from moestream.experts.store import PartSpec
 from moestream.models.attention import GQAMixer
-from moestream.models.base import ExpertLayout, Family, Layer, ModelContext, standard_model
-from moestream.models.blocks import expert_glu, glu_mlp, linear, softmax_topk
+from moestream.models.base import ExpertLayout, Family, Layer, ModelContext, dense_glu, standard_model
+from moestream.models.blocks import expert_glu, linear, softmax_topk
 from moestream.models.rope import build_rope
 
 
@@ -62,15 +62,10 @@ def build(cfg: Qwen3MoeConfig, ctx: ModelContext):
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}"
         mixer = GQAMixer(w, p + ".self_attn", cfg.heads, cfg.kv_heads, cfg.head_dim, rope, cfg.eps, qk_norm=True)
-        ffn = _moe(cfg, ctx, i) if i in cfg.moe_layers else _dense(w, p + ".mlp")
+        ffn = _moe(cfg, ctx, i) if i in cfg.moe_layers else dense_glu(w, p + ".mlp")
         layers.append(Layer(mixer, ffn, w.get(p + ".input_layernorm.weight"),
                             w.get(p + ".post_attention_layernorm.weight"), cfg.eps))
     return standard_model(ctx, layers, cfg.eps, cfg.vocab_size, cfg.tie)
-
-
-def _dense(w, p: str):
-    g, u, d = (w.get(f"{p}.{n}_proj.weight") for n in ("gate", "up", "down"))
-    return lambda x: glu_mlp(x, g, u, d)
 
 
 def _moe(cfg: Qwen3MoeConfig, ctx: ModelContext, i: int):
