@@ -43,7 +43,8 @@ class RunnerTimes:
 
 
 class ExpertRunner:
-    # lookahead is off by default: on a CPU-bound 2-core box it read 25% more bytes for a net 15% loss (docs/performance.md)
+    # lookahead is off by default: on the compute-bound 2-core box it read 33-40% more bytes for no net gain
+    # (docs/performance.md)
     def __init__(self, store: ExpertStore, memory: MemoryAccountant, policy: str = "lfru", lookahead: bool = False):
         if policy not in POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}; choose from {', '.join(POLICIES)}")
