@@ -19,6 +19,8 @@ from moestream.engine.state import Batch, SeqState
 from moestream.errors import BudgetError, CheckpointError, MoestreamError, RequestError
 from moestream.experts.dispatch import ExpertRunner
 from moestream.experts.store import ExpertStore, fp32_nbytes
+from moestream.kernels.quant import SCRATCH_BYTES as QUANT_SCRATCH_BYTES
+from moestream.models.blocks import UPCAST_CHUNK_BYTES
 from moestream.models.base import DenseWeights, ExpertLayout, ModelContext
 from moestream.models.registry import family_for
 from moestream.weights.index import CheckpointIndex
@@ -51,10 +53,21 @@ def plan(path: str | Path, io_threads: int = 8) -> ModelPlan:
     dense_bytes = sum(index[n].nbytes for n in dense)
     per_layer = [[store.expert_nbytes(l, e) for e in range(layout.num_experts)] for l in layout.moe_layers]
     sizes = [b for row in per_layer for b in row]
-    scratch = 0
-    if layout.moe_layers:
-        scratch = sum(fp32_nbytes(loc) for loc in store.locate(layout.moe_layers[0], 0))
+    scratch = _scratch_bytes(index, dense, store, layout)
     return ModelPlan(family, cfg, layout, store, dense, dense_bytes, sum(sizes), max(sizes, default=0), scratch)
+
+
+def _scratch_bytes(index: CheckpointIndex, dense: list[str], store: ExpertStore, layout: ExpertLayout) -> int:
+    """Fixed compute scratch counted in the budget: one expert expanded to fp32, the slab that upcasts a
+    half-precision dense weight (blocks.linear), and the packed-expert decode slab (kernels.quant)."""
+    half = [index[n].nbytes * 2 for n in dense if index[n].dtype in ("BF16", "F16")]
+    scratch = min(UPCAST_CHUNK_BYTES, max(half, default=0))
+    if layout.moe_layers:
+        locs = store.locate(layout.moe_layers[0], 0)
+        scratch += sum(fp32_nbytes(loc) for loc in locs)
+        if any(loc.dtype in ("U8", "I32", "F8_E4M3") for loc in locs):
+            scratch += QUANT_SCRATCH_BYTES
+    return scratch
 
 
 def _open_index(path: str | Path, family, cfg) -> CheckpointIndex:

@@ -9,13 +9,34 @@ import torch
 import torch.nn.functional as F
 
 
+UPCAST_CHUNK_BYTES = 16 << 20  # fp32 scratch for one slab of upcast weight rows (counted in the engine's scratch)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] fp32 @ w[out, in]^T (+ b), fp32 out."""
-    if w.dtype != torch.float32:
-        w = w.float()
+    """x [T, in] fp32 @ w[out, in]^T (+ b), fp32 out.
+
+    A half-precision weight larger than the slab is upcast slab by slab into a bounded scratch, never as a whole
+    fp32 copy: a whole copy of K3's lm_head would be a 4.7 GiB temporary outside the RAM budget.
+    """
     if b is not None and b.dtype != torch.float32:
         b = b.float()
-    return F.linear(x, w, b)
+    if w.dtype == torch.float32:
+        return F.linear(x, w, b)
+    rows = max(1, UPCAST_CHUNK_BYTES // (4 * w.shape[-1]))
+    if w.shape[0] <= rows or type(w) is not torch.Tensor or w.dim() != 2:
+        return F.linear(x, w.float(), b)
+    xt = x.reshape(-1, x.shape[-1]).T  # [in, T]
+    out_t = torch.empty(w.shape[0], xt.shape[1], dtype=torch.float32)  # [out, T]: slabs fill contiguous rows
+    scratch = torch.empty(rows, w.shape[1], dtype=torch.float32)
+    for r in range(0, w.shape[0], rows):
+        n = min(rows, w.shape[0] - r)
+        slab = scratch[:n]
+        slab.copy_(w[r:r + n])
+        torch.mm(slab, xt, out=out_t[r:r + n])
+    out = out_t.T
+    if b is not None:
+        out = out + b
+    return out.reshape(*x.shape[:-1], w.shape[0])
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
