@@ -214,3 +214,24 @@ def test_a_signal_stops_training_between_steps():
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.requested
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_the_shipped_demo_model_streams_under_a_budget_below_its_experts():
+    Engine = _engine_or_skip()
+    from moestream.demo_model import PROMPTS, path
+    from moestream.engine.engine import plan
+    from moestream.tokenizer import Tokenizer
+
+    try:
+        root = path()
+    except Exception:
+        pytest.skip("the demo checkpoint is not built into this tree")
+    p = plan(root)
+    assert p.layout.num_experts >= 64 and len(p.layout.moe_layers) >= 7 and p.layout.top_k > 1
+    budget = p.dense_bytes + p.scratch_bytes + p.expert_bytes // 4
+    eng = Engine.open(root, ram_budget=budget)
+    tok = Tokenizer.load(root)
+    out = eng.generate(tok.encode(PROMPTS[0]), 12, stop_token_ids=[])
+    s = eng.stats
+    assert len(out) == 12 and s["expert_evictions"] > 0 and s["peak_resident_bytes"] <= budget
+    assert sum(f.stat().st_size for f in root.iterdir()) < 40 * 2**20

@@ -189,7 +189,7 @@ def train_step(model: DemoK3, opt: torch.optim.Optimizer, opts: TrainOptions, to
     return float(loss.detach()), counts
 
 
-def smoothed(points: list, alpha: float = 0.02) -> list[tuple[float, float]]:
+def smoothed(points: list, alpha: float = 0.1) -> list[tuple[float, float]]:
     out, avg = [], None
     for x, y in points:
         avg = y if avg is None else (1 - alpha) * avg + alpha * y

@@ -29,7 +29,7 @@ SIZES = {
 }
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n", "import os\n\n\ndef list_files(path):\n",
            "    def __repr__(self):\n"]
-FINAL_EVAL_WINDOWS = 256
+FINAL_EVAL_WINDOWS = 128
 
 
 @torch.no_grad()
