@@ -165,9 +165,13 @@ def optimal(accesses: list[list[Key]], capacity: int) -> float:
     return hits / max(1, len(flat))
 
 
-def policy_table(trace: Trace, sizes: list[int], half_life: float = 512.0) -> list[dict]:
-    """Hit rates on the second half of the prompts; `heat` learns its per-expert heat from the first half
-    (with one prompt, from the same prompt), as the persisted heat of earlier runs would give it."""
+PIN_SHARE = 0.25  # share of the cache the engine pins for `heat` (ExpertRunner.configure_pins)
+
+
+def policy_table(trace: Trace, sizes: list[int]) -> list[dict]:
+    """Hit rates on the second half of the prompts, each policy with the engine's defaults; `heat` learns its
+    per-expert heat from the first half (with one prompt, from the same prompt), as the persisted heat of
+    earlier runs would give it."""
     from moestream.experts.policies import POLICIES, HeatPolicy
 
     n = len(trace.prompts)
@@ -180,10 +184,10 @@ def policy_table(trace: Trace, sizes: list[int], half_life: float = 512.0) -> li
     for size in sizes:
         row = {"experts": size}
         for name in POLICIES:
-            pol = POLICIES[name]() if name != "heat" else HeatPolicy(None, half_life)
+            pol = POLICIES[name]() if name != "heat" else HeatPolicy(None)
             if isinstance(pol, HeatPolicy):
                 pol.heat = dict(heat)
-                pol.set_pin_count(size // 2)  # the engine's default share of the cache
+                pol.set_pin_count(int(PIN_SHARE * size))
             row[name] = replay(accesses, size, pol)
         row["optimal"] = optimal(accesses, size)
         rows.append(row)
