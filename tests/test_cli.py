@@ -151,10 +151,20 @@ def test_synth_then_demo_on_it(env, tmp_path):
     out = cli(env, "synth", "mixtral", tmp_path / "m", "--preset", "tiny", "--seed", "1")
     assert out.returncode == 0, out.stderr
     assert "4 shards" in out.stdout
-    out = cli(env, "demo", "--dir", tmp_path / "m", "--max-new", "6")
+    out = cli(env, "demo", "--synthetic", "mixtral", "--dir", tmp_path / "m", "--max-new", "6")
     assert out.returncode == 0, out.stderr
     assert "random-weight model: its text is noise; the stats are what matter" in out.stdout
     assert "tokens/s" in out.stdout and "prompt:" in out.stdout
+
+
+def test_default_demo_runs_the_shipped_trained_model(env):
+    out = cli(env, "demo", "--max-new", "8")
+    assert out.returncode == 0, out.stderr
+    assert "Kimi K3 architecture" in out.stdout and "def fibonacci(n):" in out.stdout
+    peak, budget = map(int, re.search(r"\((\d+) of (\d+) bytes", out.stdout).groups())
+    assert 0 < peak <= budget
+    assert re.search(r"cold-cache minimum \(moestream info\): .* \((\d+) bytes\)", out.stdout)
+    assert "noise" not in out.stdout
 
 
 def test_keyboard_interrupt_exits_130(monkeypatch, capsys):
