@@ -25,7 +25,7 @@ demo: venv
 	$(BIN)/moestream demo
 
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest
 
 clean-venv:
 	rm -rf $(VENV)
