@@ -15,7 +15,8 @@ from moestream.engine.memory import MemoryAccountant
 from moestream.engine.state import Batch, SeqState
 from moestream.experts.dispatch import ExpertRunner
 from moestream.experts.store import PartSpec
-from moestream.models.blocks import embed, glu_mlp, linear, rms_norm, sigmoid_topk, silu_glu
+from moestream.models.blocks import (embed, expert_glu, glu_mlp, linear, rms_norm, sigmoid_topk, silu_glu,
+                                     softmax_topk)
 from moestream.weights.index import CheckpointIndex
 
 
@@ -143,5 +144,20 @@ def sigmoid_moe(ctx: ModelContext, layer: int, p: str, fn, top_k: int, renormali
         ids, wts = sigmoid_topk(linear(x, gate), bias, top_k, renormalize, scale, n_group, topk_group)
         y = ctx.experts.run(layer, x, ids, wts, fn)
         return y + shared(x) if shared is not None else y
+
+    return ffn
+
+
+def softmax_moe(ctx: ModelContext, layer: int, p: str, top_k: int,
+                renormalize: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Mixtral / Qwen3-MoE MoE at `p`: softmax router over all experts in fp32, top-k, SiLU-GLU experts."""
+    gate = ctx.weights.get(f"{p}.gate.weight")
+    fn = expert_glu()
+    # lets the runner predict this layer's experts from the previous layer's input (lookahead prefetch)
+    ctx.experts.register_router(layer, lambda x: softmax_topk(linear(x, gate), top_k, False)[0])
+
+    def ffn(x: torch.Tensor) -> torch.Tensor:
+        ids, wts = softmax_topk(linear(x, gate), top_k, renormalize)
+        return ctx.experts.run(layer, x, ids, wts, fn)
 
     return ffn

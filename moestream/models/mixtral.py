@@ -8,8 +8,7 @@ from dataclasses import dataclass
 
 from moestream.experts.store import PartSpec
 from moestream.models.attention import GQAMixer
-from moestream.models.base import ExpertLayout, Family, Layer, ModelContext, standard_model
-from moestream.models.blocks import expert_glu, linear, softmax_topk
+from moestream.models.base import ExpertLayout, Family, Layer, ModelContext, softmax_moe, standard_model
 from moestream.models.rope import build_rope
 
 
@@ -58,16 +57,7 @@ def build(cfg: MixtralConfig, ctx: ModelContext):
 
 
 def _moe(cfg: MixtralConfig, ctx: ModelContext, i: int):
-    gate = ctx.weights.get(f"model.layers.{i}.block_sparse_moe.gate.weight")
-    fn = expert_glu()
-    # lets the runner predict this layer's experts from the previous layer's input (lookahead prefetch)
-    ctx.experts.register_router(i, lambda x: softmax_topk(linear(x, gate), cfg.top_k, False)[0])
-
-    def ffn(x):
-        ids, wts = softmax_topk(linear(x, gate), cfg.top_k, True)
-        return ctx.experts.run(i, x, ids, wts, fn)
-
-    return ffn
+    return softmax_moe(ctx, i, f"model.layers.{i}.block_sparse_moe", cfg.top_k, True)
 
 
 FAMILY = Family("mixtral", MixtralConfig.from_hf, expert_layout, build)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from moestream.errors import UnsupportedModelError
 from moestream.experts.store import PartSpec
 from moestream.models.attention import GQAMixer
-from moestream.models.base import ExpertLayout, Family, Layer, ModelContext, dense_glu, standard_model
-from moestream.models.blocks import expert_glu, linear, softmax_topk
+from moestream.models.base import (ExpertLayout, Family, Layer, ModelContext, dense_glu, softmax_moe,
+                                   standard_model)
 from moestream.models.rope import build_rope
 
 
@@ -69,16 +69,7 @@ def build(cfg: Qwen3MoeConfig, ctx: ModelContext):
 
 
 def _moe(cfg: Qwen3MoeConfig, ctx: ModelContext, i: int):
-    gate = ctx.weights.get(f"model.layers.{i}.mlp.gate.weight")
-    fn = expert_glu()
-    # lets the runner predict this layer's experts from the previous layer's input (lookahead prefetch)
-    ctx.experts.register_router(i, lambda x: softmax_topk(linear(x, gate), cfg.top_k, False)[0])
-
-    def ffn(x):
-        ids, wts = softmax_topk(linear(x, gate), cfg.top_k, cfg.norm_topk_prob)
-        return ctx.experts.run(i, x, ids, wts, fn)
-
-    return ffn
+    return softmax_moe(ctx, i, f"model.layers.{i}.mlp", cfg.top_k, cfg.norm_topk_prob)
 
 
 FAMILY = Family("qwen3_moe", Qwen3MoeConfig.from_hf, expert_layout, build)
