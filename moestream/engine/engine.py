@@ -21,6 +21,7 @@ from moestream.experts.dispatch import ExpertRunner
 from moestream.experts.store import ExpertStore, fp32_nbytes
 from moestream.kernels.quant import SCRATCH_BYTES as QUANT_SCRATCH_BYTES
 from moestream.models.blocks import UPCAST_CHUNK_BYTES
+from moestream.models.latent_moe import GROUP_DECODE_BYTES
 from moestream.models.base import DenseWeights, ExpertLayout, ModelContext
 from moestream.models.registry import family_for
 from moestream.weights.index import CheckpointIndex
@@ -59,14 +60,15 @@ def plan(path: str | Path, io_threads: int = 8) -> ModelPlan:
 
 def _scratch_bytes(index: CheckpointIndex, dense: list[str], store: ExpertStore, layout: ExpertLayout) -> int:
     """Fixed compute scratch counted in the budget: one expert expanded to fp32, the slab that upcasts a
-    half-precision dense weight (blocks.linear), and the packed-expert decode slab (kernels.quant)."""
+    half-precision dense weight (blocks.linear), and the packed-expert decode slabs (kernels.quant, and the
+    grouped decode of several resident experts in latent_moe)."""
     half = [index[n].nbytes * 2 for n in dense if index[n].dtype in ("BF16", "F16")]
     scratch = min(UPCAST_CHUNK_BYTES, max(half, default=0))
     if layout.moe_layers:
         locs = store.locate(layout.moe_layers[0], 0)
         scratch += sum(fp32_nbytes(loc) for loc in locs)
         if any(loc.dtype in ("U8", "I32", "F8_E4M3") for loc in locs):
-            scratch += QUANT_SCRATCH_BYTES
+            scratch += QUANT_SCRATCH_BYTES + GROUP_DECODE_BYTES
     return scratch
 
 

@@ -26,6 +26,10 @@ from moestream.experts.prefetch import Lookahead, RouterFn
 from moestream.experts.store import ExpertBlob, ExpertStore
 
 ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+# Several resident experts at once: (x, ids, weights, experts, their tensors, out) -> False when it declines.
+# It must add exactly what _apply would add for each expert (sum of weights x expert output over its rows).
+GroupFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[dict[str, torch.Tensor]],
+                    torch.Tensor], bool]
 Key = tuple[int, int]
 
 
@@ -75,8 +79,11 @@ class ExpertRunner:
 
     # ---- one layer step --------------------------------------------------------------------------------
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fn: ExpertFn,
-            out_dim: int | None = None) -> torch.Tensor:
-        """x [T, H]; ids, weights [T, k]. Returns sum_j weights[t, j] * fn(x[t], expert ids[t, j]) as fp32 [T, D]."""
+            out_dim: int | None = None, group: GroupFn | None = None) -> torch.Tensor:
+        """x [T, H]; ids, weights [T, k]. Returns sum_j weights[t, j] * fn(x[t], expert ids[t, j]) as fp32 [T, D].
+
+        With `group`, the experts already resident are computed by one grouped call (fewer, larger kernels:
+        what lets a batch of sequences share a layer step); experts still being read go one by one."""
         out = torch.zeros(x.shape[0], out_dim or x.shape[1], dtype=torch.float32)
         uniq = torch.unique(ids).tolist()
         if self.times.steps == 0:
@@ -90,9 +97,13 @@ class ExpertRunner:
         started = self._start(layer, waiting, need)
         self._prefetch_next(layer, x, need)
         t = time.perf_counter()
-        for e in hits:
+        blobs = [self.cache.get((layer, e)) for e in hits]
+        grouped = group is not None and len(hits) > 1 and group(x, ids, weights, hits,
+                                                                [b.tensors() for b in blobs], out)
+        for e, blob in zip(hits, blobs):
             self._use(layer, e, hit=True)
-            self._apply(out, x, ids, weights, e, self.cache.get((layer, e)), fn)
+            if not grouped:
+                self._apply(out, x, ids, weights, e, blob, fn)
             need.discard((layer, e))
         self.times.expert_s += time.perf_counter() - t
         self._drain(layer, out, x, ids, weights, fn, started, waiting, need)

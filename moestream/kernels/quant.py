@@ -166,6 +166,23 @@ def mxfp4_linear(x: Tensor, packed: Tensor, scales: Tensor, scratch: Tensor | No
     return out.view(*lead, out_features)
 
 
+def mxfp4_decode_planes(packed: Tensor, scales: Tensor, name: str = "") -> Tensor:
+    """fp32 [out, in] of a compressed-tensors MXFP4 weight, its columns in the fast kernel's half-plane order:
+    multiply by `mxfp4_permute_input(x)`. Exact; used to decode several experts with one call."""
+    mult, rescale = _mxfp4_multipliers(scales, name)
+    n, half = packed.shape
+    out = torch.empty(n, 2 * half, dtype=torch.float32)
+    _mxfp4_decode(packed, mult, torch.empty(n, 2 * half, dtype=torch.int16), out)
+    if rescale:
+        out.mul_(2.0 ** _F16_SHIFT)
+    return out
+
+
+def mxfp4_permute_input(x: Tensor) -> Tensor:
+    """x [T, in] reordered to match `mxfp4_decode_planes` columns."""
+    return _mxfp4_permute_x(x, "low_first")
+
+
 def _mxfp4_multipliers(scales: Tensor, name: str) -> tuple[Tensor, bool]:
     """Per-block multipliers for _mxfp4_decode's fp16 values: 2^(s - 127 + 14), built from fp32 exponent bits.
 

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from moestream.kernels.quant import mxfp4_linear
+from moestream.kernels.quant import mxfp4_decode_planes, mxfp4_linear, mxfp4_permute_input
 from moestream.models.blocks import glu_mlp, linear, rms_norm, sigmoid_topk, situ_glu
 
 Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -40,6 +40,39 @@ def mxfp4_expert(act: Act) -> Callable[[torch.Tensor, dict[str, torch.Tensor]], 
     return fn
 
 
+GROUP_DECODE_BYTES = 4 << 20  # fp32 scratch for decoding several experts at once (counted in the budget)
+
+
+def mxfp4_group(act: Act):
+    """Several resident MXFP4 experts in one go: their packed w1/w3 and w2 are decoded together (in groups that fit
+    GROUP_DECODE_BYTES), then each expert's rows multiply its slice. Declines experts too big for the scratch."""
+
+    def run(z, ids, weights, experts, tensors, out) -> bool:
+        t0 = tensors[0]
+        inter, latent = t0["w1_packed"].shape[0], t0["w1_packed"].shape[1] * 2
+        per = 3 * inter * latent * 4
+        if per > GROUP_DECODE_BYTES:
+            return False
+        size = GROUP_DECODE_BYTES // per
+        zp = mxfp4_permute_input(z)
+        for c in range(0, len(experts), size):
+            ts, es = tensors[c:c + size], experts[c:c + size]
+            # columns come out in the kernel's half-plane order, so inputs are permuted to match
+            w13 = mxfp4_decode_planes(torch.cat([t[k] for t in ts for k in ("w1_packed", "w3_packed")]),
+                                      torch.cat([t[k] for t in ts for k in ("w1_scale", "w3_scale")]))
+            w2 = mxfp4_decode_planes(torch.cat([t["w2_packed"] for t in ts]), torch.cat([t["w2_scale"] for t in ts]))
+            w13, w2 = w13.view(len(ts), 2, inter, latent), w2.view(len(ts), latent, inter)
+            for j, e in enumerate(es):
+                rows, slots = torch.nonzero(ids == e, as_tuple=True)
+                zr = zp[rows]  # [n, latent], permuted
+                h = act(zr @ w13[j, 0].T, zr @ w13[j, 1].T)  # [n, inter]
+                y = mxfp4_permute_input(h) @ w2[j].T  # [n, latent]
+                out.index_add_(0, rows, y * weights[rows, slots].unsqueeze(-1).float())
+        return True
+
+    return run
+
+
 def dense_expert(act: Act) -> Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]:
     return lambda z, t: glu_mlp(z, t["w1"], t["w3"], t["w2"], act)
 
@@ -58,11 +91,13 @@ class LatentMoE:
         self.shared = [w.get(n) for n in names] if names[0] in w else None
         self.act = act
         self.fn = mxfp4_expert(act) if quantized else dense_expert(act)
+        self.group = mxfp4_group(act) if quantized else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = route(linear(x, self.gate), self.bias, self.top_k, self.scale)  # [T, k] each
         z = linear(x, self.down)  # [T, latent]
-        y = self.runner.run(self.layer, z, ids, weights, self.fn, out_dim=self.down.shape[0])  # [T, latent]
+        y = self.runner.run(self.layer, z, ids, weights, self.fn, out_dim=self.down.shape[0],
+                            group=self.group)  # [T, latent]
         if self.norm is not None:
             y = latent_norm(y, self.norm, self.eps)
         y = linear(y, self.up)  # [T, H]
