@@ -41,6 +41,22 @@ def mxfp4_expert(act: Act) -> Callable[[torch.Tensor, dict[str, torch.Tensor]], 
 
 
 GROUP_DECODE_BYTES = 4 << 20  # fp32 scratch for decoding several experts at once (counted in the budget)
+DENSE_GROUP_MAX_ROWS = 16  # up to this many rows (decode batches), every row goes through every grouped expert
+
+
+def _all_rows(zp, ids, weights, experts, w13, w2, act, out) -> None:
+    """Decode-sized steps: all rows through all of the group's experts in a few batched ops (a handful of kernel
+    calls instead of several per expert), then each row keeps its routed experts' outputs by weight (0 else).
+    SiTU is bounded, so unrouted products are finite and their zero weight removes them exactly."""
+    t, n = zp.shape[0], len(experts)
+    inter = w13.shape[2]
+    g = (zp @ w13.view(n * 2 * inter, -1).T).view(t, n, 2, inter)
+    h = act(g[:, :, 0], g[:, :, 1])  # [T, n, inter]
+    hp = mxfp4_permute_input(h.reshape(t * n, inter)).view(t, n, inter).transpose(0, 1)  # [n, T, inter]
+    y = torch.bmm(hp, w2.transpose(1, 2))  # [n, T, latent]
+    match = ids.unsqueeze(-1) == torch.tensor(experts).view(1, 1, n)  # [T, k, n]
+    mix = (weights.float().unsqueeze(-1) * match).sum(1)  # [T, n]
+    out += torch.einsum("tn,ntl->tl", mix, y)
 
 
 def mxfp4_group(act: Act):
@@ -62,6 +78,9 @@ def mxfp4_group(act: Act):
                                       torch.cat([t[k] for t in ts for k in ("w1_scale", "w3_scale")]))
             w2 = mxfp4_decode_planes(torch.cat([t["w2_packed"] for t in ts]), torch.cat([t["w2_scale"] for t in ts]))
             w13, w2 = w13.view(len(ts), 2, inter, latent), w2.view(len(ts), latent, inter)
+            if z.shape[0] <= DENSE_GROUP_MAX_ROWS:
+                _all_rows(zp, ids, weights, es, w13, w2, act, out)
+                continue
             for j, e in enumerate(es):
                 rows, slots = torch.nonzero(ids == e, as_tuple=True)
                 zr = zp[rows]  # [n, latent], permuted
