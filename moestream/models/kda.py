@@ -87,7 +87,12 @@ class KDAMixer:
         g = self.decay(x)  # [T, H, dk] log-decay per step, <= 0
         beta = torch.sigmoid(linear(x, self.b_proj))  # [T, H]
         out = torch.empty(t, o.heads, o.head_dim)
+        decoding = [seg for seg in batch.segments if seg.length == 1]
+        if len(decoding) > 1:  # several sequences one token each: one batched recurrence step
+            self._decode_batch(decoding, raw, g, beta, out, index)
         for seg in batch.segments:
+            if len(decoding) > 1 and seg.length == 1:
+                continue
             st = seg.state.slot(index, lambda s=seg.state: KDAState(o, s))
             r = seg.rows
             q, k, v = (self._short_conv(raw[i][r], i, st.conv[i]) for i in range(3))
@@ -101,6 +106,30 @@ class KDAMixer:
             st.S.copy_(S)
         y = rms_norm(out, self.o_norm, o.eps) * torch.sigmoid(self._gate(x))  # [T, H, dv]
         return linear(y.reshape(t, -1), self.o_proj)
+
+    def _decode_batch(self, segs: list, raw: list[torch.Tensor], g: torch.Tensor, beta: torch.Tensor,
+                      out: torch.Tensor, index: int) -> None:
+        """One decode token for each of B sequences at once: their states are stacked and the B x H heads go
+        through one recurrence step (the same arithmetic per head as one sequence at a time)."""
+        o = self.opt
+        b, h, d = len(segs), o.heads, o.head_dim
+        states = [seg.state.slot(index, lambda s=seg.state: KDAState(o, s)) for seg in segs]
+        rows = torch.tensor([seg.start for seg in segs])
+        streams = []
+        for i in range(3):
+            seq = torch.cat([torch.stack([st.conv[i] for st in states]), raw[i][rows].unsqueeze(1)], dim=1)  # [B, K, C]
+            taps = self.conv[i].float().squeeze(1)  # [C, K]
+            streams.append(F.silu((seq * taps.T).sum(1)).view(b, h, d))
+            for j, st in enumerate(states):
+                st.conv[i].copy_(seq[j, 1:])
+        q = l2norm(streams[0], o.l2_eps) * d ** -0.5
+        k = l2norm(streams[1], o.l2_eps)
+        S = torch.stack([st.S for st in states]).view(b * h, d, -1)  # [B*H, dk, dv]
+        y, S = kda_recurrent(q.view(1, b * h, d), k.view(1, b * h, d), streams[2].view(1, b * h, d),
+                             g[rows].view(1, b * h, d), beta[rows].view(1, b * h), S)
+        out[rows] = y.view(b, h, -1)
+        for j, st in enumerate(states):
+            st.S.copy_(S.view(b, h, d, -1)[j])
 
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """Per-step log-decay g [T, H, dk] in fp32."""
