@@ -10,6 +10,12 @@ import torch
 from moestream.engine.state import GrowingBuffer, Segment
 
 
+def gqa_dims(c: dict) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of an HF GQA config; missing KV heads / head_dim take HF's defaults."""
+    heads = c["num_attention_heads"]
+    return heads, c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads
+
+
 class KVSlot:
     def __init__(self, memory, hkv: int, dk: int, dv: int):
         self.k = GrowingBuffer(memory, (hkv, dk), "KV cache")

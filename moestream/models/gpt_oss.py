@@ -12,7 +12,7 @@ import torch
 
 from moestream.errors import UnsupportedModelError
 from moestream.experts.store import PartSpec
-from moestream.models.attention import GQAMixer
+from moestream.models.attention import GQAMixer, gqa_dims
 from moestream.models.base import ExpertLayout, Family, Layer, ModelContext, standard_model
 from moestream.models.blocks import linear
 from moestream.models.rope import build_rope
@@ -45,13 +45,12 @@ class GptOssConfig:
         raw.setdefault("rope_theta", 150000.0)
         if not raw.get("rope_parameters") and not raw.get("rope_scaling"):
             raw["rope_parameters"] = dict(DEFAULT_ROPE)
-        n, heads = c["num_hidden_layers"], c["num_attention_heads"]
+        n = c["num_hidden_layers"]
         types = c.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
         bad = sorted({t for t in types if t not in LAYER_TYPES})
         if bad or len(types) != n:
             raise UnsupportedModelError(f"gpt_oss layer_types must be {n} of {LAYER_TYPES}; got {bad or len(types)}")
-        return cls(raw, n, heads, c.get("num_key_value_heads") or heads,
-                   c.get("head_dim") or c["hidden_size"] // heads, c["num_local_experts"], c["num_experts_per_tok"],
+        return cls(raw, n, *gqa_dims(c), c["num_local_experts"], c["num_experts_per_tok"],
                    c.get("rms_norm_eps", 1e-5), c["vocab_size"], bool(c.get("tie_word_embeddings", False)),
                    c.get("sliding_window"), list(types))
 

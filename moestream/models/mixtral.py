@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moestream.experts.store import PartSpec
-from moestream.models.attention import GQAMixer
+from moestream.models.attention import GQAMixer, gqa_dims
 from moestream.models.base import ExpertLayout, Family, Layer, ModelContext, softmax_moe, standard_model
 from moestream.models.rope import build_rope
 
@@ -28,9 +28,7 @@ class MixtralConfig:
 
     @classmethod
     def from_hf(cls, c: dict) -> "MixtralConfig":
-        heads = c["num_attention_heads"]
-        return cls(c, c["num_hidden_layers"], heads, c.get("num_key_value_heads") or heads,
-                   c.get("head_dim") or c["hidden_size"] // heads, c["num_local_experts"], c["num_experts_per_tok"],
+        return cls(c, c["num_hidden_layers"], *gqa_dims(c), c["num_local_experts"], c["num_experts_per_tok"],
                    c.get("rms_norm_eps", 1e-5), c["vocab_size"], bool(c.get("tie_word_embeddings", False)),
                    c.get("sliding_window"))
 

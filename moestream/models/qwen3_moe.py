@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from moestream.errors import UnsupportedModelError
 from moestream.experts.store import PartSpec
-from moestream.models.attention import GQAMixer
+from moestream.models.attention import GQAMixer, gqa_dims
 from moestream.models.base import (ExpertLayout, Family, Layer, ModelContext, dense_glu, softmax_moe,
                                    standard_model)
 from moestream.models.rope import build_rope
@@ -38,9 +38,7 @@ class Qwen3MoeConfig:
         experts = c.get("num_experts", c.get("num_local_experts", 0))
         step, dense_only = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or [])
         moe = [i for i in range(n) if i not in dense_only and experts > 0 and (i + 1) % step == 0]
-        heads = c["num_attention_heads"]
-        return cls(c, c["hidden_size"], n, heads, c.get("num_key_value_heads") or heads,
-                   c.get("head_dim") or c["hidden_size"] // heads, experts, c["num_experts_per_tok"],
+        return cls(c, c["hidden_size"], n, *gqa_dims(c), experts, c["num_experts_per_tok"],
                    bool(c.get("norm_topk_prob", False)), c.get("rms_norm_eps", 1e-6), c["vocab_size"],
                    bool(c.get("tie_word_embeddings", False)), moe)
 

@@ -131,19 +131,26 @@ def qwen3_moe_config(p: Preset, ids: SpecialIds) -> dict:
     return c
 
 
-def qwen3_moe_tensors(c: dict) -> Iterator[TensorSpec]:
-    h, inter, e = c["hidden_size"], c["moe_intermediate_size"], c["num_local_experts"]
+def _gqa_moe_tensors(c: dict, moe: str, projs: tuple[str, str, str], inter: int,
+                     qk_norm: bool) -> Iterator[TensorSpec]:
+    """Every tensor of a GQA + routed-MoE decoder (Qwen3-MoE, Mixtral): `moe` is the MoE module's name,
+    `projs` the expert's gate / up / down tensor names."""
+    h, e = c["hidden_size"], c["num_local_experts"]
     first, last = _ends(c)
     yield from first
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}"
         yield TensorSpec(f"{p}.input_layernorm.weight", (h,), "ones")
-        yield from _gqa(f"{p}.self_attn", c, qk_norm=True)
+        yield from _gqa(f"{p}.self_attn", c, qk_norm=qk_norm)
         yield TensorSpec(f"{p}.post_attention_layernorm.weight", (h,), "ones")
-        yield TensorSpec(f"{p}.mlp.gate.weight", (e, h), "router")
+        yield TensorSpec(f"{p}.{moe}.gate.weight", (e, h), "router")
         for j in range(e):
-            yield from _glu(f"{p}.mlp.experts.{j}", ("gate_proj", "up_proj", "down_proj"), h, inter)
+            yield from _glu(f"{p}.{moe}.experts.{j}", projs, h, inter)
     yield from last
+
+
+def qwen3_moe_tensors(c: dict) -> Iterator[TensorSpec]:
+    return _gqa_moe_tensors(c, "mlp", ("gate_proj", "up_proj", "down_proj"), c["moe_intermediate_size"], True)
 
 
 # ---- mixtral ------------------------------------------------------------------------------------------------
@@ -159,18 +166,7 @@ def mixtral_config(p: Preset, ids: SpecialIds) -> dict:
 
 
 def mixtral_tensors(c: dict) -> Iterator[TensorSpec]:
-    h, inter, e = c["hidden_size"], c["intermediate_size"], c["num_local_experts"]
-    first, last = _ends(c)
-    yield from first
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        yield TensorSpec(f"{p}.input_layernorm.weight", (h,), "ones")
-        yield from _gqa(f"{p}.self_attn", c, qk_norm=False)
-        yield TensorSpec(f"{p}.post_attention_layernorm.weight", (h,), "ones")
-        yield TensorSpec(f"{p}.block_sparse_moe.gate.weight", (e, h), "router")
-        for j in range(e):
-            yield from _glu(f"{p}.block_sparse_moe.experts.{j}", ("w1", "w3", "w2"), h, inter)
-    yield from last
+    return _gqa_moe_tensors(c, "block_sparse_moe", ("w1", "w3", "w2"), c["intermediate_size"], False)
 
 
 # ---- kimi_linear ------------------------------------------------------------------------------------------
