@@ -9,6 +9,24 @@ import torch
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+class FakeWeights:
+    """A dict of tensors standing in for DenseWeights, to build one mixer without a checkpoint."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        from moestream.engine.memory import MemoryAccountant
+
+        self.t, self.memory = tensors, MemoryAccountant(None)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.t
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.t[name]
+
+    def maybe(self, name: str):
+        return self.t.get(name)
+
+
 def save_reference(model_cls, config, path, seed: int = 0):
     """Build a tiny random transformers model in fp32, save it with save_pretrained, return it in eval mode."""
     torch.manual_seed(seed)

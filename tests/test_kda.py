@@ -6,6 +6,7 @@ import importlib.util
 import pytest
 import torch
 
+from conftest import FakeWeights
 from moestream.engine.memory import MemoryAccountant
 from moestream.engine.state import Batch, SeqState
 from moestream.models.kda import KDAMixer, KDAOptions, kda_chunked, kda_recurrent, l2norm
@@ -69,20 +70,6 @@ def test_matches_transformers_kernels_fallback():
                                                 beta[None, :1], ref_s[0][None] * 0, True, True)
     o1, _ = kda_recurrent(qn[:1], kn[:1], v[:1], g[:1], beta[:1], torch.zeros(3, 16, 16))
     assert rel_rmse(o1, ref1[0]) < 1e-5
-
-
-class FakeWeights:
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.t, self.memory = tensors, MemoryAccountant(None)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.t
-
-    def get(self, name: str) -> torch.Tensor:
-        return self.t[name]
-
-    def maybe(self, name: str):
-        return self.t.get(name)
 
 
 def kda_weights(hidden: int, opt: KDAOptions, seed: int = 0, a_log_pad: int = 0) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from conftest import max_rel_diff, prompt_ids
+from conftest import FakeWeights, max_rel_diff, prompt_ids
 from moestream import Engine
 from moestream.engine.memory import MemoryAccountant
 from moestream.engine.state import Batch, SeqState
@@ -123,20 +123,6 @@ def test_checkpoint_style_config_names():
     assert (cfg.num_experts, cfg.top_k, cfg.renormalize, cfg.shared_experts, cfg.scaling) == (16, 4, False, 2, 1.5)
     assert cfg.moe_layers == [2, 3] and cfg.kda.conv_kernel == 3 and cfg.kda.decay == "softplus"
     assert cfg.mla.rope is None and cfg.mla.q_lora_rank is None
-
-
-class FakeWeights:
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.t, self.memory = tensors, MemoryAccountant(None)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.t
-
-    def get(self, name: str) -> torch.Tensor:
-        return self.t[name]
-
-    def maybe(self, name: str):
-        return self.t.get(name)
 
 
 def _hf_attention(kind: str):

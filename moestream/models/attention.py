@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from moestream.engine.state import GrowingBuffer, Segment
+from moestream.models.blocks import linear, rms_norm
 
 
 def gqa_dims(c: dict) -> tuple[int, int, int]:
@@ -76,8 +77,6 @@ class GQAMixer:
         self.memory = w.memory
 
     def __call__(self, x: torch.Tensor, batch, index: int) -> torch.Tensor:
-        from moestream.models.blocks import linear, rms_norm
-
         t = x.shape[0]
         q = linear(x, self.q, self.qb).view(t, self.heads, self.head_dim)
         k = linear(x, self.k, self.kb).view(t, self.kv_heads, self.head_dim)

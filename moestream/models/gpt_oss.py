@@ -12,6 +12,7 @@ import torch
 
 from moestream.errors import UnsupportedModelError
 from moestream.experts.store import PartSpec
+from moestream.kernels.quant import mxfp4_linear
 from moestream.models.attention import GQAMixer, gqa_dims
 from moestream.models.base import ExpertLayout, Family, Layer, ModelContext, standard_model
 from moestream.models.blocks import linear
@@ -75,8 +76,6 @@ def clamped_swiglu(u: torch.Tensor) -> torch.Tensor:
 def _project(x: torch.Tensor, t: dict[str, torch.Tensor], proj: str) -> torch.Tensor:
     """One expert projection plus its bias, from MXFP4 blocks or an [in, out] float matrix."""
     if proj + "_blocks" in t:
-        from moestream.kernels.quant import mxfp4_linear
-
         y = mxfp4_linear(x, t[proj + "_blocks"], t[proj + "_scales"])
     else:
         y = x @ t[proj].float()  # [T, in] @ [in, out]
