@@ -16,7 +16,6 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
-    bytes_inserted: int = 0
     layer_hits: dict[int, int] = field(default_factory=dict)
     layer_misses: dict[int, int] = field(default_factory=dict)
 
@@ -114,7 +113,6 @@ class ExpertCache:
             return False
         self._items[key] = (value, nbytes)
         self.resident_bytes += nbytes
-        self.stats.bytes_inserted += nbytes
         self.policy.insert(key)
         return True
 
@@ -128,9 +126,6 @@ class ExpertCache:
 
     def pin(self, key: Key) -> None:
         self._pinned.add(key)
-
-    def unpin(self, key: Key) -> None:
-        self._pinned.discard(key)
 
     def shrink_to_capacity(self) -> None:
         self.make_room(0)
