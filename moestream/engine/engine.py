@@ -19,9 +19,8 @@ from moestream.engine.state import Batch, SeqState
 from moestream.errors import BudgetError, CheckpointError, MoestreamError, RequestError
 from moestream.experts.dispatch import ExpertRunner
 from moestream.experts.store import ExpertStore, fp32_nbytes
-from moestream.kernels.quant import SCRATCH_BYTES as QUANT_SCRATCH_BYTES
+from moestream.kernels.quant import GROUP_DECODE_BYTES, SCRATCH_BYTES as QUANT_SCRATCH_BYTES
 from moestream.models.blocks import UPCAST_CHUNK_BYTES
-from moestream.models.latent_moe import GROUP_DECODE_BYTES
 from moestream.models.base import DenseWeights, ExpertLayout, ModelContext
 from moestream.models.registry import family_for
 from moestream.weights.index import CheckpointIndex
@@ -81,7 +80,8 @@ def _open_index(path: str | Path, family, cfg) -> CheckpointIndex:
 class Engine:
     def __init__(self, path: Path, p: ModelPlan, memory: MemoryAccountant, model, runner: ExpertRunner,
                  options: EngineOptions):
-        self.path, self.plan, self.memory, self.model, self.runner, self.options = path, p, memory, model, runner, options
+        self.path, self.plan, self.memory, self.model = path, p, memory, model
+        self.runner, self.options = runner, options
         self.vocab_size = model.vocab_size
 
     @classmethod
@@ -120,7 +120,8 @@ class Engine:
             return []
         tokens = torch.tensor([t for _, toks in items for t in toks], dtype=torch.long)
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
-            raise RequestError(f"token ids must be in [0, {self.vocab_size}); got {int(tokens.min())}..{int(tokens.max())}")
+            raise RequestError(f"token ids must be in [0, {self.vocab_size}); "
+                               f"got {int(tokens.min())}..{int(tokens.max())}")
         batch = Batch.build([(s, len(t)) for s, t in items])
         if all_logits:
             rows = torch.arange(tokens.shape[0])

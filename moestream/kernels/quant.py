@@ -166,6 +166,9 @@ def mxfp4_linear(x: Tensor, packed: Tensor, scales: Tensor, scratch: Tensor | No
     return out.view(*lead, out_features)
 
 
+GROUP_DECODE_BYTES = 4 << 20  # fp32 scratch for decoding several resident experts at once (counted in the budget)
+
+
 def mxfp4_decode_planes(packed: Tensor, scales: Tensor, name: str = "") -> Tensor:
     """fp32 [out, in] of a compressed-tensors MXFP4 weight, its columns in the fast kernel's half-plane order:
     multiply by `mxfp4_permute_input(x)`. Exact; used to decode several experts with one call."""

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from moestream.kernels.quant import mxfp4_decode_planes, mxfp4_linear, mxfp4_permute_input
+from moestream.kernels.quant import GROUP_DECODE_BYTES, mxfp4_decode_planes, mxfp4_linear, mxfp4_permute_input
 from moestream.models.blocks import glu_mlp, linear, rms_norm, sigmoid_topk, situ_glu
 
 Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -40,7 +40,6 @@ def mxfp4_expert(act: Act) -> Callable[[torch.Tensor, dict[str, torch.Tensor]], 
     return fn
 
 
-GROUP_DECODE_BYTES = 4 << 20  # fp32 scratch for decoding several experts at once (counted in the budget)
 DENSE_GROUP_MAX_ROWS = 16  # up to this many rows (decode batches), every row goes through every grouped expert
 
 
