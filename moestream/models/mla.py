@@ -20,6 +20,7 @@ from moestream.models.rope import Rope
 MODES = ("auto", "expand", "absorb")
 SCORE_BLOCK = 1 << 24  # max score elements (H * queries * keys) materialised at once: 64 MiB in fp32
 EXPAND_LIMIT = 1 << 24  # max expanded k/v elements (keys * H * (dn + dv)) before auto mode absorbs instead
+BATCH_PAD_LIMIT = 1 << 22  # max padded latent elements (sequences * longest cache * width) for batched decode
 
 
 @dataclass
@@ -89,12 +90,16 @@ class MLAMixer:
         latents = torch.cat([c, k_r], dim=-1)  # [T, r + dr]
         kv_b = self.kv_b.float().view(o.heads, o.qk_nope_head_dim + o.v_head_dim, r)
         w_uk, w_uv = kv_b[:, :o.qk_nope_head_dim], kv_b[:, o.qk_nope_head_dim:]  # [H, dn, r], [H, dv, r]
-        out = torch.empty(t, o.heads, o.v_head_dim)
+        caches = []
         for seg in batch.segments:
             slot = seg.state.slot(index, lambda: MLASlot(self.memory, r + o.qk_rope_head_dim))
-            rows = seg.rows
-            cache = slot.latents.append(latents[rows])  # [L, r + dr]
-            out[rows] = self._attend(seg, q_nope[rows], q_r[rows], cache, w_uk, w_uv)
+            caches.append(slot.latents.append(latents[seg.rows]))  # [L, r + dr]
+        if self._batched_decode(batch, caches):
+            out = self._decode_batch(q_nope, q_r, caches, w_uk, w_uv)
+        else:
+            out = torch.empty(t, o.heads, o.v_head_dim)
+            for seg, cache in zip(batch.segments, caches):
+                out[seg.rows] = self._attend(seg, q_nope[seg.rows], q_r[seg.rows], cache, w_uk, w_uv)
         y = out.reshape(t, -1)
         if self.g_proj is not None:
             y = y * torch.sigmoid(linear(x, self.g_proj))
@@ -123,6 +128,30 @@ class MLAMixer:
         ctx = _causal_attention(q_nope.transpose(0, 1), q_r.transpose(0, 1), keys, k_r, values, seg.pos,
                                 o.softmax_scale)  # [H, n, dv]
         return ctx.transpose(0, 1)
+
+    def _batched_decode(self, batch: Batch, caches: list[torch.Tensor]) -> bool:
+        """Several sequences with one new token each (a decode step) and short enough caches go through one
+        padded, absorbed attention instead of one small attention per sequence."""
+        if len(caches) < 2 or any(seg.length != 1 for seg in batch.segments):
+            return False
+        longest = max(c.shape[0] for c in caches)
+        return self._absorb(1, longest) and len(caches) * longest * caches[0].shape[1] <= BATCH_PAD_LIMIT
+
+    def _decode_batch(self, q_nope: torch.Tensor, q_r: torch.Tensor, caches: list[torch.Tensor],
+                      w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        """B single-token queries [B, H, *] over their own caches, padded to the longest: -> [B, H, dv].
+
+        Row b attends to the first len(caches[b]) latents (its whole cache: the new token is the last one), so
+        the causal mask is only the padding mask; padded keys get probability exactly 0."""
+        o = self.opt
+        lens = torch.tensor([c.shape[0] for c in caches])
+        padded = torch.nn.utils.rnn.pad_sequence(caches, batch_first=True)  # [B, Lmax, r + dr]
+        q = torch.cat([torch.einsum("bhd,hdr->bhr", q_nope, w_uk), q_r], dim=-1)  # [B, H, r + dr]
+        scores = torch.bmm(q, padded.transpose(1, 2)) * o.softmax_scale  # [B, H, Lmax]
+        pad = torch.arange(padded.shape[1]).unsqueeze(0) >= lens.unsqueeze(1)  # [B, Lmax]
+        probs = torch.softmax(scores.masked_fill(pad.unsqueeze(1), float("-inf")), dim=-1)
+        ctx = torch.bmm(probs, padded[:, :, :o.kv_lora_rank])  # [B, H, r]
+        return torch.einsum("bhr,hvr->bhv", ctx, w_uv)
 
     def _absorb(self, n: int, length: int) -> bool:
         """Absorbed form when it costs fewer multiplies (decode) or expanded keys would be large (long cache)."""
