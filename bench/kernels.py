@@ -1,6 +1,9 @@
 """Weight-kernel throughput: memory bandwidth, mxfp4_linear packed bytes/s, and bf16/fp32 GEMV streaming rates.
 
 Usage: python bench/kernels.py --rows 3072 --cols 3584 --tokens 1 8 [--chunks 64 128 256] [--baseline]
+       python bench/kernels.py --native [--shapes 768x2048 2048x768 3072x3584] [--tokens 1 8] [--thread-counts 1 2]
+--native prints the native kernels (moestream.kernels.cpu) and the torch paths side by side, each shape, token
+count and thread count measured back to back in one process (torch.set_num_threads and cpu.set_threads alike).
 Every weight is cycled through enough copies to exceed the last-level cache, so rates are streaming rates.
 Prints a table and then one JSON line. On a shared machine wall time mostly measures the other tenants:
 `--threads 1 --cpu-time` times the calling thread's CPU time instead.
@@ -16,7 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from moestream.kernels import quant
+from moestream.kernels import cpu, quant
+from moestream.models import blocks
 
 
 def parse_args() -> argparse.Namespace:
@@ -31,6 +35,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
     parser.add_argument("--cpu-time", action="store_true", help="time thread CPU time, not wall (use --threads 1)")
     parser.add_argument("--seconds", type=float, default=0.3, help="minimum time per measurement")
+    parser.add_argument("--native", action="store_true", help="native vs torch table instead (see --shapes)")
+    parser.add_argument("--shapes", nargs="+", default=["768x2048", "2048x768", "128x128", "3072x3584"],
+                        help="ROWSxCOLS weights for --native (demo model experts: 128x128)")
+    parser.add_argument("--thread-counts", type=int, nargs="+", default=[1, 2], help="threads for --native")
+    parser.add_argument("--formats", nargs="+", default=["bf16", "mxfp4"], help="weight formats for --native")
     return parser.parse_args()
 
 
@@ -70,8 +79,61 @@ def lut_baseline(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ro
     return out
 
 
+def native_table(args: argparse.Namespace) -> None:
+    """Native vs torch, GB/s of stored weight bytes, for each shape x format x T x threads."""
+    if not cpu.available():
+        raise SystemExit(cpu.reason())
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    footprint = args.footprint_mb << 20
+    g = torch.Generator().manual_seed(0)
+    results = []
+    print(f"native kernels: simd {cpu.simd()}   clock {'thread CPU' if args.cpu_time else 'wall'}   "
+          f"(GB/s of stored weight bytes; each pair measured back to back)")
+    print(f"{'format':<7}{'shape':>11}{'T':>4}{'thr':>4}{'native ms':>11}{'GB/s':>7}{'torch ms':>10}{'GB/s':>7}"
+          f"{'speedup':>9}", flush=True)
+    for shape in args.shapes:
+        rows, cols = (int(v) for v in shape.split("x"))
+        for fmt in args.formats:
+            if fmt == "bf16":
+                nbytes = rows * cols * 2
+                n = copies_for(nbytes, footprint)
+                ws = clones(torch.randn(rows, cols, generator=g).bfloat16(), n)
+                native = lambda x, i: cpu.linear_bf16(x, ws[i])  # noqa: E731
+
+                def torch_path(x, i):
+                    with cpu.disabled():
+                        return blocks.linear(x, ws[i])
+            else:
+                nbytes = rows * cols // 2 + rows * cols // 32
+                n = copies_for(nbytes, footprint)
+                ps = clones(torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g), n)
+                ss = clones(torch.randint(118, 128, (rows, cols // 32), dtype=torch.uint8, generator=g), n)
+                native = lambda x, i: quant.mxfp4_linear(x, ps[i], ss[i])  # noqa: E731
+
+                def torch_path(x, i):
+                    with cpu.disabled():
+                        return quant.mxfp4_linear(x, ps[i], ss[i])
+            for tokens in args.tokens:
+                x = torch.randn(tokens, cols, generator=g)
+                for threads in args.thread_counts:
+                    torch.set_num_threads(threads)
+                    cpu.set_threads(threads)
+                    a = rate(lambda i: native(x, i), n, args.seconds, clock)
+                    b = rate(lambda i: torch_path(x, i), n, args.seconds, clock)
+                    r = {"format": fmt, "rows": rows, "cols": cols, "tokens": tokens, "threads": threads,
+                         "native_ms": 1e3 / a, "native_GBps": nbytes * a / 1e9, "torch_ms": 1e3 / b,
+                         "torch_GBps": nbytes * b / 1e9}
+                    results.append(r)
+                    print(f"{fmt:<7}{shape:>11}{tokens:>4}{threads:>4}{r['native_ms']:>11.3f}{r['native_GBps']:>7.2f}"
+                          f"{r['torch_ms']:>10.3f}{r['torch_GBps']:>7.2f}{a / b:>8.2f}x", flush=True)
+    print(json.dumps({"native": results}))
+
+
 def main() -> None:
     args = parse_args()
+    if args.native:
+        native_table(args)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = time.thread_time if args.cpu_time else time.perf_counter

@@ -25,6 +25,7 @@ from moestream.experts.cache import ExpertCache
 from moestream.experts.policies import HeatPolicy, POLICIES, heat_path
 from moestream.experts.prefetch import Lookahead, RouterFn
 from moestream.experts.store import ExpertBlob, ExpertStore
+from moestream.models.blocks import bf16_native
 
 ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 # Several resident experts at once: (x, ids, weights, experts, their tensors, out) -> False when it declines.
@@ -224,7 +225,7 @@ class ExpertRunner:
     def _apply(self, out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e: int,
                blob: ExpertBlob, fn: ExpertFn) -> None:
         rows, slots = torch.nonzero(ids == e, as_tuple=True)
-        y = fn(x[rows], self.upcast(blob.tensors())).float()  # [n, D]
+        y = fn(x[rows], self.upcast(blob.tensors(), rows.numel())).float()  # [n, D]
         out.index_add_(0, rows, y * weights[rows, slots].unsqueeze(-1).float())
 
 
@@ -235,14 +236,20 @@ class Upcast:
     allocations out of the malloc heap, where they fragment it and hold hundreds of MB of RSS beyond the
     budget. Same fp32 values, so the same results. Each part is expanded when the expert function first asks
     for it (right before its matmul, while the bytes are hot). Experts with any quantised part (uint8, int32,
-    fp8) pass through untouched: their kernels want the stored bytes.
+    fp8) pass through untouched: their kernels want the stored bytes. So do bf16 experts that `linear`'s native
+    kernel will take for `tokens` rows (it reads the bf16 bytes directly: expanding them would cost the upcast
+    it saves).
     """
 
     def __init__(self) -> None:
         self.buf = torch.empty(0, dtype=torch.float32)
 
-    def __call__(self, tensors: dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    def __call__(self, tensors: dict[str, torch.Tensor], tokens: int | None = None) -> Mapping[str, torch.Tensor]:
         if not all(t.dtype in _FLOATS for t in tensors.values()):
+            return tensors
+        half = [t for t in tensors.values() if t.dtype != torch.float32]
+        if tokens is not None and half and all(t.dim() != 2 or bf16_native(t, tokens=tokens) for t in half) \
+                and any(t.dim() == 2 for t in half):
             return tensors
         need = sum(t.numel() for t in tensors.values() if t.dtype != torch.float32)
         if need == 0:

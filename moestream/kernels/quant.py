@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from moestream.errors import CheckpointError
+from moestream.kernels import cpu
 
 E2M1_VALUES = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32
@@ -139,18 +140,41 @@ def _mxfp4_permute_x(x: Tensor, layout: str) -> Tensor:
     return x.view(tokens, -1, 2).transpose(1, 2).reshape(tokens, in_features)
 
 
-def mxfp4_linear(x: Tensor, packed: Tensor, scales: Tensor, scratch: Tensor | None = None,
-                 rows_per_chunk: int | None = None, layout: str = "low_first", name: str = "") -> Tensor:
-    """y = x @ W^T for MXFP4 W, decoding rows_per_chunk rows at a time into an fp32 scratch (float32 [..., out]).
+def mxfp4_native(tokens: int) -> bool:
+    """Whether mxfp4_linear takes the native kernel (moestream.kernels.cpu) for `tokens` activation rows."""
+    return tokens <= cpu.MAX_TOKENS_MXFP4 and cpu.available()
 
-    rows_per_chunk None fits the chunk in SCRATCH_BYTES (or in `scratch`, a reusable flat float32 buffer).
+
+def check_mxfp4_scales(scales: Tensor, name: str = "") -> None:
+    """Raise the 0xFF scale error (see _check_scales); a memchr when the native library is loaded."""
+    if cpu.available() and scales.is_contiguous():
+        if cpu.find_byte(scales, 255) >= 0:
+            _check_scales(scales, name)
+    else:
+        _check_scales(scales, name)
+
+
+def mxfp4_linear(x: Tensor, packed: Tensor, scales: Tensor, scratch: Tensor | None = None,
+                 rows_per_chunk: int | None = None, layout: str = "low_first", name: str = "",
+                 native: bool = True) -> Tensor:
+    """y = x @ W^T for MXFP4 W (float32 [..., out]).
+
+    Up to cpu.MAX_TOKENS_MXFP4 rows the native kernel decodes in registers (when available and `native`);
+    otherwise rows_per_chunk rows at a time are decoded into an fp32 scratch and multiplied by torch.mm
+    (rows_per_chunk None fits the chunk in SCRATCH_BYTES, or in `scratch`, a reusable flat float32 buffer).
     Equal to x @ dequant_mxfp4(packed, scales).T up to fp32 summation order.
     """
     _check_layout(layout)
     packed, scales = _mxfp4_operands(packed, scales, name)
     out_features, in_features = packed.shape[0], packed.shape[1] * 2
     lead = x.shape[:-1]
-    xp = _mxfp4_permute_x(_flatten_x(x, in_features), layout)
+    x2 = _flatten_x(x, in_features)
+    if native and mxfp4_native(x2.shape[0]):
+        if scratch is not None:
+            _rows_per_chunk(rows_per_chunk, in_features, scratch)  # a bad scratch fails either way
+        check_mxfp4_scales(scales, name)  # before the call: the kernel assumes no 0xFF byte
+        return cpu.linear_mxfp4(x2, packed, scales, layout).view(*lead, out_features)
+    xp = _mxfp4_permute_x(x2, layout)
     mult, rescale = _mxfp4_multipliers(scales, name)
     rows = _rows_per_chunk(rows_per_chunk, in_features, scratch)
     buf = _scratch_rows(scratch, rows, in_features)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moestream.kernels import cpu
+
 
 UPCAST_CHUNK_BYTES = 16 << 20  # fp32 scratch for one slab of upcast weight rows (counted in the engine's scratch)
 
@@ -15,11 +17,15 @@ UPCAST_CHUNK_BYTES = 16 << 20  # fp32 scratch for one slab of upcast weight rows
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] fp32 @ w[out, in]^T (+ b), fp32 out.
 
-    A half-precision weight larger than the slab is upcast slab by slab into a bounded scratch, never as a whole
-    fp32 copy: a whole copy of K3's lm_head would be a 4.7 GiB temporary outside the RAM budget.
+    A 2-D bf16 weight with at most cpu.MAX_TOKENS_BF16 rows of x goes to the native kernel (no upcast at all).
+    Otherwise a half-precision weight larger than the slab is upcast slab by slab into a bounded scratch, never as
+    a whole fp32 copy: a whole copy of K3's lm_head would be a 4.7 GiB temporary outside the RAM budget.
     """
     if b is not None and b.dtype != torch.float32:
         b = b.float()
+    if bf16_native(w, x):
+        y = cpu.linear_bf16(x, w)
+        return y if b is None else y + b
     if w.dtype == torch.float32:
         return F.linear(x, w, b)
     rows = max(1, UPCAST_CHUNK_BYTES // (4 * w.shape[-1]))
@@ -37,6 +43,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if b is not None:
         out = out + b
     return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+def bf16_native(w: torch.Tensor, x: torch.Tensor | None = None, tokens: int | None = None) -> bool:
+    """Whether `linear` computes x @ w^T with the native bf16 kernel (x, or just its row count `tokens`)."""
+    if w.dtype != torch.bfloat16 or w.dim() != 2 or type(w) is not torch.Tensor:
+        return False
+    if x is not None:
+        if x.requires_grad:
+            return False
+        tokens = x.numel() // max(1, x.shape[-1])
+    return tokens is not None and tokens <= cpu.MAX_TOKENS_BF16 and cpu.available()
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:

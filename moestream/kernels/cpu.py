@@ -1,0 +1,251 @@
+"""Native CPU kernels for small-batch matmuls straight from stored weights: bf16 and MXFP4 times fp32 activations.
+
+`_cpu.c` is compiled at first use with the system gcc (-O3 -march=native), cached under
+$XDG_CACHE_HOME/moestream/kernels/ keyed by a hash of the source, the flags and the CPU (built to a temporary file
+and renamed, so concurrent builds are safe), and loaded with ctypes, which releases the GIL during each call.
+Without gcc, when the build fails, or with MOESTREAM_NATIVE=0, `available()` is False, `reason()` says why in one
+line, and the callers (blocks.linear, quant.mxfp4_linear, latent_moe) keep their torch paths, which compute the
+same values up to fp32 summation order. MOESTREAM_NATIVE_THREADS sets the threads per call (default below).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+# Up to this many activation rows the native kernels beat upcast/decode + torch.mm (bench/kernels.py,
+# docs/performance.md); above it the torch paths are compute-efficient and are kept.
+MAX_TOKENS_BF16 = 16
+MAX_TOKENS_MXFP4 = 64
+# Threads per call (the caller included). Two threads won on expert-sized matrices in bench/kernels.py; small
+# matrices stay on one (below MIN_ROWS_PER_THREAD rows per thread the wake-up costs more than it saves).
+DEFAULT_THREADS = 1
+MIN_ROWS_PER_THREAD = 256
+
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
+_ABI = 3
+_SOURCE = Path(__file__).with_name("_cpu.c")
+_LAYOUTS = {"low_first": 0, "gguf": 1}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_why = ""
+_loaded = False
+_forced_off = 0
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    from moestream.synth import default_cache_dir
+    return default_cache_dir() / "kernels"
+
+
+def library_path() -> Path:
+    """Where the compiled library for this source, these flags and this CPU lives (built or not)."""
+    key = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode(), _cpu_flags().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return _cache_dir() / f"moestream_cpu-{key.hexdigest()[:16]}.so"
+
+
+def _build(target: Path) -> None:
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        raise RuntimeError("gcc not found on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([gcc, *FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["no output"])[0]
+            raise RuntimeError(f"gcc failed ({done.returncode}): {first}")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, target)  # atomic: a concurrent builder's identical file is replaced whole
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    lib.ms_abi.restype = ctypes.c_int
+    lib.ms_simd.restype = ctypes.c_int
+    lib.ms_find_byte.argtypes = [p, i64, ctypes.c_int]
+    lib.ms_find_byte.restype = i64
+    lib.ms_linear_bf16.argtypes = [p, i64, i64, p, i64, p, i64]
+    lib.ms_linear_bf16.restype = ctypes.c_int
+    lib.ms_linear_mxfp4.argtypes = [i64, p, p, p, p, p, i64, i64, ctypes.c_int, i64]
+    lib.ms_linear_mxfp4.restype = ctypes.c_int
+    lib.ms_set_threads.argtypes = [ctypes.c_int]
+    lib.ms_get_threads.restype = ctypes.c_int
+    lib.ms_set_spin.argtypes = [ctypes.c_int]
+
+
+def _load() -> None:
+    global _lib, _why, _loaded
+    with _lock:
+        if _loaded:
+            return
+        try:
+            if os.environ.get("MOESTREAM_NATIVE", "1") == "0":
+                raise RuntimeError("disabled by MOESTREAM_NATIVE=0")
+            path = library_path()
+            if not path.exists():
+                _build(path)
+            lib = ctypes.CDLL(str(path))
+            _declare(lib)
+            if lib.ms_abi() != _ABI:
+                raise RuntimeError(f"{path.name} has ABI {lib.ms_abi()}, want {_ABI}")
+            lib.ms_set_threads(int(os.environ.get("MOESTREAM_NATIVE_THREADS") or DEFAULT_THREADS))
+            _lib, _why = lib, ""
+        except Exception as exc:  # any failure means: use the torch paths
+            _lib, _why = None, f"native kernels off: {exc}".splitlines()[0]
+        _loaded = True
+
+
+def lib() -> ctypes.CDLL | None:
+    """The loaded library, or None when the torch paths must be used."""
+    if not _loaded:
+        _load()
+    return None if _forced_off else _lib
+
+
+def available() -> bool:
+    return lib() is not None
+
+
+def reason() -> str:
+    """One line: why the native kernels are not in use ('' when they are)."""
+    if not _loaded:
+        _load()
+    if _forced_off:
+        return "native kernels off: disabled by moestream.kernels.cpu.disabled()"
+    return _why
+
+
+def reset() -> None:
+    """Forget the load result (re-reads MOESTREAM_NATIVE and MOESTREAM_NATIVE_THREADS at the next use)."""
+    global _loaded, _lib, _why
+    with _lock:
+        _loaded, _lib, _why = False, None, ""
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block every caller takes its torch path (for tests and A/B measurements)."""
+    global _forced_off
+    _forced_off += 1
+    try:
+        yield
+    finally:
+        _forced_off -= 1
+
+
+def set_threads(n: int) -> None:
+    """Threads per call, the caller included (a small persistent pool; 1 = the calling thread alone)."""
+    if (handle := lib()) is not None:
+        handle.ms_set_threads(int(n))
+
+
+def threads() -> int:
+    handle = lib()
+    return handle.ms_get_threads() if handle is not None else 0
+
+
+def simd() -> bool:
+    """Whether the library was built with its AVX-512 kernels (else its portable scalar code)."""
+    handle = lib()
+    return bool(handle is not None and handle.ms_simd())
+
+
+def _rows(x: Tensor, in_features: int) -> Tensor:
+    if x.shape[-1] != in_features:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight expects {in_features}")
+    tokens = math.prod(x.shape[:-1])
+    return x.reshape(tokens, in_features).to(torch.float32).contiguous()
+
+
+def linear_bf16(x: Tensor, w: Tensor, min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> Tensor:
+    """x [..., K] @ w[N, K]^T for a bf16 w, fp32 accumulate, float32 [..., N]. Needs available()."""
+    handle = lib()
+    if handle is None:
+        raise RuntimeError(reason())
+    if w.dtype != torch.bfloat16 or w.dim() != 2:
+        raise ValueError(f"linear_bf16 wants a 2-D bfloat16 weight, got {tuple(w.shape)} {w.dtype}")
+    n, k = w.shape
+    x2 = _rows(x, k)
+    w = w.contiguous()
+    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    handle.ms_linear_bf16(x2.data_ptr(), x2.shape[0], k, w.data_ptr(), n, out.data_ptr(), min_rows_per_thread)
+    return out.view(*x.shape[:-1], n)
+
+
+def find_byte(t: Tensor, value: int) -> int:
+    """Flat index of the first byte equal to value in a contiguous uint8 tensor, or -1 (a memchr)."""
+    handle = lib()
+    if handle is None:
+        raise RuntimeError(reason())
+    return int(handle.ms_find_byte(t.data_ptr(), t.numel(), value))
+
+
+def _addresses(values: Sequence[int]) -> ctypes.Array:
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def linear_mxfp4_many(xs: Sequence[Tensor], weights: Sequence[tuple[Tensor, Tensor]], layout: str = "low_first",
+                      min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> list[Tensor]:
+    """[x_e @ W_e^T] for MXFP4 weights W_e = (packed uint8 [N, K/2], scales uint8 [N, K/32]) of one shape, in
+    one native call; x_e float32 [T_e, K]. The caller has checked the operands (quant._mxfp4_operands) and that
+    no scale byte is 255. Consecutive entries passing the same x tensor share its reordering."""
+    handle = lib()
+    if handle is None:
+        raise RuntimeError(reason())
+    n, k = weights[0][0].shape[0], weights[0][0].shape[1] * 2
+    rows = [x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous() for x in xs]
+    for x in rows:
+        if x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"x has shape {tuple(x.shape)}, the weights expect [T, {k}]")
+    for p, s in weights:
+        if p.shape != (n, k // 2) or s.shape != (n, k // 32) or not (p.is_contiguous() and s.is_contiguous()):
+            raise ValueError("linear_mxfp4_many wants contiguous weights of one shape")
+    outs = [torch.empty(x.shape[0], n, dtype=torch.float32) for x in rows]
+    count = len(rows)
+    code = handle.ms_linear_mxfp4(count, _addresses([x.data_ptr() for x in rows]),
+                                  _addresses([x.shape[0] for x in rows]),
+                                  _addresses([p.data_ptr() for p, _ in weights]),
+                                  _addresses([s.data_ptr() for _, s in weights]),
+                                  _addresses([o.data_ptr() for o in outs]), n, k, _LAYOUTS[layout],
+                                  min_rows_per_thread)
+    if code != 0:
+        raise MemoryError("native MXFP4 kernel could not allocate its input scratch")
+    return outs
+
+
+def linear_mxfp4(x: Tensor, packed: Tensor, scales: Tensor, layout: str = "low_first",
+                 min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> Tensor:
+    """x [T, K] @ W^T for one checked MXFP4 weight (see linear_mxfp4_many), float32 [T, N]."""
+    return linear_mxfp4_many([x], [(packed, scales)], layout, min_rows_per_thread)[0]

@@ -1,0 +1,285 @@
+"""Native CPU kernels (moestream.kernels.cpu): bf16 and MXFP4 matmuls match a float64 reference of the expanded
+weights, the torch fallback gives the same answers, the build is cached and fails soft, callers route correctly."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from moestream.errors import CheckpointError
+from moestream.experts.dispatch import Upcast
+from moestream.kernels import cpu, quant as q
+from moestream.models import blocks
+
+native = pytest.mark.skipif(not cpu.available(), reason=f"no native kernels here ({cpu.reason()})")
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """A private kernel cache; the module's load state is restored afterwards."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cpu.reset()
+    yield tmp_path / "cache" / "moestream" / "kernels"
+    monkeypatch.undo()
+    cpu.reset()
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _assert_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rtol: float = 1e-5) -> None:
+    """Against float64 x @ w^T: each output within rtol of sum_k |x_k w_k| (covers cancellation)."""
+    x64, w64 = x.double().reshape(-1, x.shape[-1]), w.double()
+    want = x64 @ w64.T
+    bound = x64.abs() @ w64.abs().T
+    got = got.reshape(want.shape).double()
+    assert got.shape == want.shape
+    err = (got - want).abs()
+    assert bool((err <= rtol * bound + 1e-30).all()), f"max rel err {float((err / bound.clamp_min(1e-30)).max())}"
+
+
+def _mxfp4(rows: int, cols: int, seed: int, low: int = 110, high: int = 140):
+    g = _gen(seed)
+    return (torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g),
+            torch.randint(low, high, (rows, cols // 32), dtype=torch.uint8, generator=g))
+
+
+# ---------------------------------------------------------------------------------------------------- bf16
+
+
+@native
+@pytest.mark.parametrize("k", [1, 15, 16, 17, 33, 2048 + 8])
+@pytest.mark.parametrize("n", [1, 7, 33])
+def test_bf16_matches_float64(k, n):
+    w = torch.randn(n, k, generator=_gen(k * 100 + n)).bfloat16()
+    for t in range(1, 18):
+        x = torch.randn(t, k, generator=_gen(t))
+        _assert_close(cpu.linear_bf16(x, w), x, w.float())
+
+
+@native
+def test_bf16_non_contiguous_and_leading_dims():
+    w = torch.randn(9, 40, generator=_gen(1)).bfloat16()
+    x = torch.randn(2, 3, 80, generator=_gen(2))[..., ::2]  # strided rows
+    assert not x.is_contiguous()
+    y = cpu.linear_bf16(x, w)
+    assert y.shape == (2, 3, 9)
+    _assert_close(y, x, w.float())
+    wt = torch.randn(40, 9, generator=_gen(3)).bfloat16().T  # a transposed (non-contiguous) weight
+    _assert_close(cpu.linear_bf16(x, wt), x, wt.float())
+
+
+@native
+def test_bf16_empty_and_zero_inner():
+    assert cpu.linear_bf16(torch.randn(0, 8), torch.ones(3, 8, dtype=torch.bfloat16)).shape == (0, 3)
+    assert torch.equal(cpu.linear_bf16(torch.randn(2, 0), torch.ones(3, 0, dtype=torch.bfloat16)), torch.zeros(2, 3))
+
+
+def test_blocks_linear_native_and_fallback_agree():
+    w = torch.randn(300, 130, generator=_gen(4)).bfloat16()
+    b = torch.randn(300, generator=_gen(5)).bfloat16()
+    for t in (1, 5, 16, 17, 40):
+        x = torch.randn(t, 130, generator=_gen(t))
+        auto = blocks.linear(x, w, b)
+        with cpu.disabled():
+            assert not blocks.bf16_native(w, x)
+            fallback = blocks.linear(x, w, b)
+        _assert_close(auto - b.float(), x, w.float(), rtol=2e-5)
+        _assert_close(fallback - b.float(), x, w.float(), rtol=2e-5)
+        assert blocks.bf16_native(w, x) == (cpu.available() and t <= cpu.MAX_TOKENS_BF16)
+
+
+# --------------------------------------------------------------------------------------------------- MXFP4
+
+
+@native
+@pytest.mark.parametrize("layout", ["low_first", "gguf"])
+@pytest.mark.parametrize("k", [32, 96, 128, 2048 + 32])
+@pytest.mark.parametrize("n", [1, 5, 33])
+def test_mxfp4_matches_float64(layout, k, n):
+    packed, scales = _mxfp4(n, k, seed=k + n)
+    w = q.dequant_mxfp4(packed, scales, layout)
+    for t in range(1, 18):
+        x = torch.randn(t, k, generator=_gen(t))
+        _assert_close(cpu.linear_mxfp4(x, packed, scales, layout), x, w)
+        if t in (1, 17):
+            _assert_close(q.mxfp4_linear(x, packed, scales, layout=layout), x, w)
+
+
+@native
+def test_mxfp4_non_contiguous_x_and_many():
+    packed, scales = _mxfp4(6, 64, seed=1)
+    other = _mxfp4(6, 64, seed=2)
+    w, w2 = q.dequant_mxfp4(packed, scales), q.dequant_mxfp4(*other)
+    x = torch.randn(3, 128, generator=_gen(3))[:, ::2]
+    _assert_close(q.mxfp4_linear(x, packed, scales), x, w)
+    x1 = torch.randn(4, 64, generator=_gen(4))
+    a, b, c = cpu.linear_mxfp4_many([x1, x1, torch.zeros(0, 64)], [(packed, scales), other, other])
+    _assert_close(a, x1, w)
+    _assert_close(b, x1, w2)
+    assert c.shape == (0, 6)
+
+
+@native
+@pytest.mark.parametrize("layout", ["low_first", "gguf"])
+def test_mxfp4_all_nibble_codes_both_positions(layout):
+    codes = torch.arange(16, dtype=torch.uint8)
+    rows = []
+    for position in (0, 1):  # code in the low nibble, then in the high nibble, the other nibble all 16 codes
+        for c in range(16):
+            byte = (codes << 4) | c if position == 0 else (torch.full_like(codes, c) << 4) | codes
+            rows.append(byte)
+    packed = torch.stack(rows)  # [32, 16]: one block per row
+    scales = torch.full((32, 1), 127, dtype=torch.uint8)
+    w = q.dequant_mxfp4(packed, scales, layout)
+    eye = torch.eye(32)  # one-hot inputs: each output is a single exact product
+    got = cpu.linear_mxfp4(eye, packed, scales, layout)
+    assert torch.equal(got.T, w)
+    assert sorted(set(w.flatten().tolist())) == sorted(set(q.E2M1_VALUES.tolist()))
+
+
+@native
+@pytest.mark.parametrize("layout", ["low_first", "gguf"])
+def test_mxfp4_every_scale_byte(layout):
+    packed = _mxfp4(255, 64, seed=7)[0]
+    s = torch.arange(255, dtype=torch.uint8)
+    scales = torch.stack([s, s.flip(0)], dim=1)  # every byte 0..254 in both blocks
+    w = q.dequant_mxfp4(packed, scales, layout)
+    finite = torch.isfinite(w).all(1)  # 2^127 * 2 and more overflow fp32 in the reference already
+    x = torch.randn(3, 64, generator=_gen(8))
+    for x_scale, rows in ((2.0 ** -120, finite & (w.abs().amax(1) > 2.0 ** 60)), (2.0 ** 120, w.abs().amax(1) < 2.0)):
+        xs = x * x_scale
+        got = q.mxfp4_linear(xs, packed, scales, layout=layout)
+        _assert_close(got[:, rows], xs, w[rows])
+    assert int(finite.sum()) >= 250
+
+
+@native
+def test_mxfp4_scale_255_raises_like_torch_path():
+    packed, scales = _mxfp4(4, 64, seed=9)
+    scales[2, 1] = 255
+    x = torch.randn(1, 64)
+    with pytest.raises(CheckpointError) as native_err:
+        q.mxfp4_linear(x, packed, scales, name="w")
+    with pytest.raises(CheckpointError) as torch_err:
+        q.mxfp4_linear(x, packed, scales, name="w", native=False)
+    assert str(native_err.value) == str(torch_err.value)
+    assert "row 2, block 1" in str(native_err.value)
+
+
+def test_mxfp4_native_and_fallback_agree():
+    packed, scales = _mxfp4(70, 96, seed=10)
+    for t in (1, 8, 16, 70):
+        x = torch.randn(t, 96, generator=_gen(t))
+        auto = q.mxfp4_linear(x, packed, scales)
+        with cpu.disabled():
+            assert not q.mxfp4_native(t)
+            fallback = q.mxfp4_linear(x, packed, scales)
+        plain = q.mxfp4_linear(x, packed, scales, native=False)
+        w = q.dequant_mxfp4(packed, scales)
+        _assert_close(auto, x, w)
+        _assert_close(fallback, x, w)
+        assert torch.equal(fallback, plain)
+
+
+# ---------------------------------------------------------------------------------------------- build, env
+
+
+def test_env_var_turns_native_off(fresh_cache, monkeypatch):
+    monkeypatch.setenv("MOESTREAM_NATIVE", "0")
+    cpu.reset()
+    assert not cpu.available()
+    assert "MOESTREAM_NATIVE=0" in cpu.reason()
+    w = torch.randn(5, 40, generator=_gen(11)).bfloat16()
+    x = torch.randn(2, 40)
+    _assert_close(blocks.linear(x, w), x, w.float())
+    packed, scales = _mxfp4(5, 64, seed=12)
+    x = torch.randn(2, 64)
+    _assert_close(q.mxfp4_linear(x, packed, scales), x, q.dequant_mxfp4(packed, scales))
+    assert not fresh_cache.exists()  # nothing was built
+
+
+def test_missing_gcc_falls_back(fresh_cache, monkeypatch):
+    monkeypatch.setattr(cpu.shutil, "which", lambda name: None)
+    assert not cpu.available()
+    assert cpu.reason().startswith("native kernels off:") and "gcc" in cpu.reason()
+    assert "\n" not in cpu.reason()
+    w = torch.randn(5, 40, generator=_gen(13)).bfloat16()
+    x = torch.randn(2, 40)
+    _assert_close(blocks.linear(x, w), x, w.float())
+
+
+def test_failed_build_falls_back(fresh_cache, monkeypatch):
+    monkeypatch.setattr(cpu, "FLAGS", ("-O2", "-fPIC", "-shared", "-no-such-flag-xyz"))
+    if cpu.shutil.which("gcc") is None:
+        pytest.skip("no gcc here")
+    assert not cpu.available()
+    assert "gcc failed" in cpu.reason()
+    assert not list(fresh_cache.glob("*.so")) and not list(fresh_cache.glob("*.tmp"))
+
+
+def test_portable_build_is_cached_and_correct(fresh_cache, monkeypatch):
+    """The scalar code (no -march=native): built once into the cache dir, then loaded from there."""
+    if cpu.shutil.which("gcc") is None:
+        pytest.skip("no gcc here")
+    monkeypatch.setattr(cpu, "FLAGS", ("-O2", "-fPIC", "-shared", "-pthread"))
+    assert cpu.available(), cpu.reason()
+    assert not cpu.simd()
+    built = cpu.library_path()
+    assert built.parent == fresh_cache and built.exists()
+    stamp = built.stat().st_mtime_ns
+    cpu.reset()
+    assert cpu.available() and built.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    w = torch.randn(7, 33, generator=_gen(14)).bfloat16()
+    for t in (1, 9):
+        x = torch.randn(t, 33, generator=_gen(t))
+        _assert_close(cpu.linear_bf16(x, w), x, w.float())
+    for layout in ("low_first", "gguf"):
+        packed, scales = _mxfp4(5, 64, seed=15)
+        x = torch.randn(3, 64)
+        _assert_close(cpu.linear_mxfp4(x, packed, scales, layout), x, q.dequant_mxfp4(packed, scales, layout))
+
+
+def test_cache_key_depends_on_flags(monkeypatch):
+    a = cpu.library_path()
+    monkeypatch.setattr(cpu, "FLAGS", ("-O2",))
+    assert cpu.library_path() != a and cpu.library_path().parent == a.parent
+
+
+@native
+def test_threads_give_the_same_answers():
+    w = torch.randn(1001, 64, generator=_gen(16)).bfloat16()
+    packed, scales = _mxfp4(1001, 64, seed=17)
+    x = torch.randn(3, 64)
+    before = cpu.threads()
+    try:
+        cpu.set_threads(1)
+        one = cpu.linear_bf16(x, w, min_rows_per_thread=1), cpu.linear_mxfp4(x, packed, scales, min_rows_per_thread=1)
+        cpu.set_threads(2)
+        assert cpu.threads() == 2
+        two = cpu.linear_bf16(x, w, min_rows_per_thread=1), cpu.linear_mxfp4(x, packed, scales, min_rows_per_thread=1)
+    finally:
+        cpu.set_threads(before)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+# ------------------------------------------------------------------------------------------------- callers
+
+
+def test_upcast_skips_bf16_experts_the_native_kernel_takes():
+    tensors = {"gate": torch.randn(8, 16).bfloat16(), "down": torch.randn(16, 8).bfloat16()}
+    up = Upcast()
+    small = up(tensors, tokens=1)
+    big = up(tensors, tokens=cpu.MAX_TOKENS_BF16 + 1)
+    assert big["gate"].dtype == torch.float32
+    if cpu.available():
+        assert small is tensors
+    else:
+        assert small["gate"].dtype == torch.float32
+    with cpu.disabled():
+        assert up(tensors, tokens=1)["down"].dtype == torch.float32
+    f16 = {"gate": torch.randn(8, 16).half()}
+    assert up(f16, tokens=1)["gate"].dtype == torch.float32  # no native f16 kernel: expanded as before
+    assert math.isclose(float(up(tensors)["gate"][0, 0]), float(tensors["gate"][0, 0]))
