@@ -23,6 +23,7 @@ EXTRA_COMMANDS: list[tuple[str, str]] = [
     ("moestream.trace", "add_trace_parser"),
     ("moestream.server", "add_serve_parser"),
     ("moestream.train", "add_train_parser"),
+    ("moestream.cli.pack", "add_pack_parser"),
 ]
 
 

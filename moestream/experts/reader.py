@@ -104,7 +104,8 @@ def _extent(spans: Sequence[Span], group: list[int]) -> tuple[int, int]:
 @dataclass
 class IOStats:
     bytes_read: int = 0  # bytes transferred from storage (aligned runs)
-    requests: int = 0
+    requests: int = 0  # runs read (one per contiguous range; a packed expert is one)
+    preads: int = 0  # preadv system calls issued for them (more than requests only on short reads)
     busy_s: float = 0.0  # wall time with at least one read in flight
     direct_files: int = 0
     buffered_files: int = 0
@@ -188,33 +189,36 @@ class Reader:
     def read_into(self, plan: ReadPlan, buf: mmap.mmap | bytearray) -> None:
         """Blocking: every run of `plan` into `buf` (which must hold plan.nbytes)."""
         self._begin()
+        calls = 0
         try:
             view = memoryview(buf)
             for run in plan.runs:
-                self._read_run(run, view[run.dst:run.dst + run.length])
+                calls += self._read_run(run, view[run.dst:run.dst + run.length])
         finally:
-            self._end(plan)
+            self._end(plan, calls)
 
-    def _read_run(self, run: Run, view: memoryview) -> None:
+    def _read_run(self, run: Run, view: memoryview) -> int:
+        """Read one run; returns the number of preadv calls it took."""
         use_direct = self.direct and run.direct and isinstance(view.obj, mmap.mmap) and run.file not in self._no_direct
         if use_direct:
             try:
-                self._pread(self._fd(run.file, True), run, view, direct=True)
-                return
+                return self._pread(self._fd(run.file, True), run, view, direct=True)
             except OSError:  # tmpfs and some network filesystems refuse O_DIRECT: buffered + page drop for good
                 self._no_direct.add(run.file)
-        self._pread(self._fd(run.file, False), run, view, direct=False)
+        return self._pread(self._fd(run.file, False), run, view, direct=False)
 
     @staticmethod
-    def _pread(fd: int, run: Run, view: memoryview, direct: bool) -> None:
-        done = 0
+    def _pread(fd: int, run: Run, view: memoryview, direct: bool) -> int:
+        done = calls = 0
         while done < run.length:
             n = os.preadv(fd, [view[done:]], run.start + done)
+            calls += 1
             if n == 0:  # end of file: the aligned tail past EOF is padding, nothing owed
                 break
             done += n
         if not direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, run.start, run.length, os.POSIX_FADV_DONTNEED)
+        return calls
 
     def submit(self, plan: ReadPlan) -> Future:
         """Read `plan` into a recycled (or fresh) aligned buffer on the pool; the future yields the buffer."""
@@ -235,11 +239,12 @@ class Reader:
                 self._busy_since = time.perf_counter()
             self._inflight += 1
 
-    def _end(self, plan: ReadPlan) -> None:
+    def _end(self, plan: ReadPlan, calls: int = 0) -> None:
         with self._lock:
             self._inflight -= 1
             self.stats.bytes_read += plan.nbytes
             self.stats.requests += len(plan.runs)
+            self.stats.preads += calls
             if self._inflight == 0:
                 self.stats.busy_s += time.perf_counter() - self._busy_since
 

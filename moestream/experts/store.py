@@ -2,12 +2,17 @@
 
 Owns the mapping (layer, expert) -> byte ranges in the shards, for checkpoints that store one tensor per expert
 and for fused per-layer tensors (an expert is then a contiguous slice along dim 0), and each expert's read plan
-(reader.py does the aligned, coalesced, page-cache-free reads into one recycled buffer per expert). It does not
-decide residency (cache.py) or compute (kernels/).
+(reader.py does the aligned, coalesced, page-cache-free reads into one recycled buffer per expert). In a packed
+checkpoint (`moestream pack`, docs/pack.md) an expert is one aligned range: one read, and its crc32 is checked
+on every read (a mismatch raises CheckpointError). It does not decide residency (cache.py) or compute (kernels/).
 """
 from __future__ import annotations
 
+import os
 import re
+import threading
+import time
+import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -15,7 +20,12 @@ import torch
 
 from moestream.errors import CheckpointError
 from moestream.experts.reader import ReadPlan, Reader, Span, plan_reads
-from moestream.weights.index import DTYPES, CheckpointIndex, bytes_to_tensor
+from moestream.weights.index import DTYPES, CheckpointIndex, PackedExpert, bytes_to_tensor
+
+
+def verify_default() -> bool:
+    """Checksums of packed experts are verified on every read unless MOESTREAM_VERIFY=0."""
+    return os.environ.get("MOESTREAM_VERIFY", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,15 @@ class PartLocation:
     nbytes: int
     dtype: str
     shape: tuple[int, ...]
+    group: int = -1  # packed checkpoints: the checksummed expert range (CheckpointIndex.packed) holding it
+
+
+@dataclass(frozen=True)
+class Check:
+    """A packed expert's checksum: bytes [start, start + packed.nbytes) of the read buffer."""
+
+    start: int
+    packed: PackedExpert
 
 
 class ExpertBlob:
@@ -64,8 +83,9 @@ class ExpertBlob:
 
 class ExpertStore:
     def __init__(self, index: CheckpointIndex, parts: list[PartSpec], num_experts: int, prefix: str = "",
-                 io_threads: int = 8, direct_io: bool = True):
+                 io_threads: int = 8, direct_io: bool = True, verify: bool | None = None):
         self.index = index
+        self.verify = verify_default() if verify is None else verify
         self.parts = parts
         self.prefix = prefix
         self.num_experts = num_experts
@@ -73,6 +93,10 @@ class ExpertStore:
         self._loc_cache: dict[tuple[int, int], list[PartLocation]] = {}
         self._expert_re = re.compile("|".join(f"(?:{p.pattern(prefix).pattern})" for p in parts) or "(?!)")
         self._plans: dict[tuple[int, int], tuple[ReadPlan, list[tuple[str, int, PartLocation]]]] = {}
+        self._checks: dict[tuple[int, int], Check] = {}
+        self.checksum_bytes = 0  # bytes of packed experts verified (and the time spent doing it)
+        self.checksum_s = 0.0
+        self._check_lock = threading.Lock()
 
     @property
     def bytes_read(self) -> int:
@@ -97,23 +121,65 @@ class ExpertStore:
                 return None
             raise CheckpointError(f"{self.index.root}: expert tensor {name!r} is missing")
         info = self.index[name]
-        if not part.fused:
-            return PartLocation(part.name, info.file, info.offset, info.nbytes, info.dtype, info.shape)
-        if not info.shape or info.shape[0] != self.num_experts:
+        if part.fused and (not info.shape or info.shape[0] != self.num_experts):
             raise CheckpointError(f"{name}: fused expert tensor has shape {list(info.shape)}, "
                                   f"expected {self.num_experts} experts along dim 0")
+        pieces = self.index.pieces.get(name)
+        if pieces is not None:  # packed: the expert's slice is a piece of one checksummed range
+            pc = pieces[expert if part.fused else 0]
+            return PartLocation(part.name, pc.file, pc.offset, pc.nbytes, info.dtype,
+                                info.shape[1:] if part.fused else info.shape, pc.group)
+        if not part.fused:
+            return PartLocation(part.name, info.file, info.offset, info.nbytes, info.dtype, info.shape)
         stride = info.nbytes // self.num_experts
         return PartLocation(part.name, info.file, info.offset + expert * stride, stride, info.dtype, info.shape[1:])
 
+    def named_parts(self, layer: int, expert: int) -> list[tuple[str, bool, PartLocation]]:
+        """(checkpoint tensor name, fused, location) of each part of one expert (what `moestream pack` copies)."""
+        out = []
+        for p in self.parts:
+            loc = self._locate_part(p, layer, expert)
+            if loc is not None:
+                out.append((self.prefix + p.tensor.format(layer=layer, expert=expert), p.fused, loc))
+        return out
+
     def read_plan(self, layer: int, expert: int) -> tuple[ReadPlan, list[tuple[str, int, PartLocation]]]:
-        """The aligned, coalesced reads of one expert and where each part lands in its buffer (memoised)."""
+        """The aligned, coalesced reads of one expert and where each part lands in its buffer (memoised). A packed
+        expert is a single span (one read) whose checksum is remembered for `read` / `submit`."""
         key = (layer, expert)
         got = self._plans.get(key)
         if got is None:
             locs = self.locate(layer, expert)
-            rp = plan_reads([Span(loc.file, loc.offset, loc.nbytes) for loc in locs])
-            got = self._plans[key] = (rp, [(loc.name, start, loc) for loc, start in zip(locs, rp.starts)])
+            groups = {loc.group for loc in locs}
+            if locs and len(groups) == 1 and -1 not in groups:
+                pe = self.index.packed[locs[0].group]
+                rp = plan_reads([Span(pe.file, pe.offset, pe.nbytes)])
+                base = rp.starts[0]
+                self._checks[key] = Check(base, pe)
+                got = (rp, [(loc.name, base + loc.offset - pe.offset, loc) for loc in locs])
+            else:
+                rp = plan_reads([Span(loc.file, loc.offset, loc.nbytes) for loc in locs])
+                got = (rp, [(loc.name, start, loc) for loc, start in zip(locs, rp.starts)])
+            self._plans[key] = got
         return got
+
+    def _checked(self, key: tuple[int, int], buf, parts) -> ExpertBlob:
+        """The blob of a finished read, after its crc32 (packed experts, unless verification is off)."""
+        check = self._checks.get(key)
+        if check is not None and self.verify:
+            pe = check.packed
+            t = time.perf_counter()
+            got = zlib.crc32(memoryview(buf)[check.start:check.start + pe.nbytes])  # releases the GIL
+            with self._check_lock:
+                self.checksum_s += time.perf_counter() - t
+                self.checksum_bytes += pe.nbytes
+            if got != pe.crc32:
+                self.reader.pool.give(buf)
+                raise CheckpointError(
+                    f"{pe.file}: layer {key[0]} expert {key[1]} fails its checksum (crc32 {got:08x}, manifest "
+                    f"{pe.crc32:08x}, {pe.nbytes} bytes at offset {pe.offset}): the packed checkpoint is damaged; "
+                    f"`moestream pack --verify DIR` lists every bad expert, pack the original again")
+        return ExpertBlob(buf, parts)
 
     def expert_nbytes(self, layer: int, expert: int) -> int:
         """Bytes of one expert's tensors in the checkpoint."""
@@ -132,12 +198,12 @@ class ExpertStore:
         except BaseException:
             self.reader.pool.give(buf)
             raise
-        return ExpertBlob(buf, parts)
+        return self._checked((layer, expert), buf, parts)
 
     def submit(self, layer: int, expert: int) -> Future:
         """Start reading one expert on the I/O pool; the future yields its ExpertBlob."""
         rp, parts = self.read_plan(layer, expert)
-        return _then(self.reader.submit(rp), lambda buf: ExpertBlob(buf, parts))
+        return _then(self.reader.submit(rp), lambda buf: self._checked((layer, expert), buf, parts))
 
     def read_many(self, keys: list[tuple[int, int]]) -> list[ExpertBlob]:
         futures = [self.submit(*k) for k in keys]

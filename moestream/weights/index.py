@@ -1,14 +1,18 @@
 """Checkpoint index: reads safetensors headers (never tensor data) into name -> (file, offset, length, dtype, shape).
 
 Owns header parsing and validation (truncated or corrupt shards are caught here, at open) and the positioned
-read of one tensor into a torch tensor. It does not cache anything and does not know about experts or models.
-Peak memory: the JSON headers only.
+read of one tensor into a torch tensor. A directory written by `moestream pack` (a `moestream-pack.json`
+manifest, docs/pack.md) opens here too: its dense shards are ordinary safetensors, and each expert tensor keeps
+its original name, dtype and shape but lives as pieces (`pieces`), one per expert, inside checksummed contiguous
+ranges (`packed`). It does not cache anything and does not know about experts or models.
+Peak memory: the JSON headers (and the pack manifest) only.
 """
 from __future__ import annotations
 
 import json
 import os
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +36,8 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "BOOL": (torch.bool, 1),
 }
 MAX_HEADER = 100 * 1024 * 1024
+PACK_MANIFEST = "moestream-pack.json"  # marks a directory written by `moestream pack`
+PACK_FORMAT, PACK_VERSION = "moestream-pack", 1
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,28 @@ class TensorInfo:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype][0]
+
+
+@dataclass(frozen=True)
+class PackedExpert:
+    """One expert of a packed checkpoint: `nbytes` contiguous bytes at a 4 KiB-aligned `offset`, with a crc32."""
+
+    layer: int
+    expert: int
+    file: Path
+    offset: int
+    nbytes: int
+    crc32: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where one expert's slice of a packed tensor lives; `group` indexes CheckpointIndex.packed."""
+
+    file: Path
+    offset: int
+    nbytes: int
+    group: int
 
 
 def _read_header(path: Path) -> dict[str, TensorInfo]:
@@ -94,10 +122,17 @@ def _tensor_info(path: Path, name: str, meta: dict, base: int, size: int) -> Ten
 class CheckpointIndex:
     """All tensors of a checkpoint directory (single file or shards with model.safetensors.index.json)."""
 
-    def __init__(self, root: Path, tensors: dict[str, TensorInfo], virtual: bool = False):
+    def __init__(self, root: Path, tensors: dict[str, TensorInfo], virtual: bool = False,
+                 packed: list[PackedExpert] | None = None, pieces: dict[str, tuple[Piece, ...]] | None = None,
+                 crcs: dict[str, int] | None = None):
         self.root = root
         self.tensors = tensors
         self.virtual = virtual  # built from a family's inventory: sizes only, no data to read
+        # packed checkpoints only: the checksummed expert ranges, each packed tensor's pieces along dim 0 (one
+        # piece for a per-expert tensor), and the crc32 of every dense tensor
+        self.packed: list[PackedExpert] = packed or []
+        self.pieces: dict[str, tuple[Piece, ...]] = pieces or {}
+        self.crcs: dict[str, int] = crcs or {}
 
     @classmethod
     def virtual_from(cls, root: str | Path, inventory: dict[str, tuple[tuple[int, ...], str]]) -> "CheckpointIndex":
@@ -115,13 +150,16 @@ class CheckpointIndex:
     @staticmethod
     def has_weights(root: str | Path) -> bool:
         root = Path(root)
-        return (root / "model.safetensors.index.json").exists() or any(root.glob("*.safetensors"))
+        return (root / "model.safetensors.index.json").exists() or (root / PACK_MANIFEST).exists() \
+            or any(root.glob("*.safetensors"))
 
     @classmethod
     def open(cls, root: str | Path) -> "CheckpointIndex":
         root = Path(root)
         if not root.is_dir():
             raise CheckpointError(f"{root}: not a checkpoint directory")
+        if (root / PACK_MANIFEST).exists():
+            return _open_packed(cls, root)
         files = _shard_files(root)
         tensors: dict[str, TensorInfo] = {}
         for f in files:
@@ -141,9 +179,21 @@ class CheckpointIndex:
         return list(self.tensors)
 
     def load(self, name: str) -> torch.Tensor:
-        """Read one whole tensor with a positioned read (the OS page cache is dropped afterwards)."""
+        """Read one whole tensor with a positioned read (the OS page cache is dropped afterwards). A packed
+        expert tensor is gathered from its pieces; a packed dense tensor is checked against its crc32."""
         info = self[name]
-        buf = read_range(info.file, info.offset, info.nbytes)
+        pieces = self.pieces.get(name)
+        if pieces is not None:
+            buf, at = bytearray(info.nbytes), 0
+            for piece in pieces:
+                read_range(piece.file, piece.offset, piece.nbytes, memoryview(buf)[at:at + piece.nbytes])
+                at += piece.nbytes
+        else:
+            buf = read_range(info.file, info.offset, info.nbytes)
+            want = self.crcs.get(name)
+            if want is not None and zlib.crc32(buf) != want:
+                raise CheckpointError(f"{info.file}: tensor {name!r} fails its checksum (crc32 {zlib.crc32(buf):08x}, "
+                                      f"manifest {want:08x}): the packed checkpoint is damaged; pack it again")
         return bytes_to_tensor(buf, info.dtype, info.shape)
 
 
@@ -163,6 +213,84 @@ def _shard_files(root: Path) -> list[Path]:
     if not files:
         raise CheckpointError(f"{root}: no *.safetensors files found")
     return files
+
+
+def _open_packed(cls, root: Path) -> CheckpointIndex:
+    """A directory written by `moestream pack`: dense tensors from ordinary safetensors shards, expert tensors
+    from the manifest (same names, dtypes and shapes as the source), every range checked against file sizes."""
+    path = root / PACK_MANIFEST
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read the pack manifest: {e}") from None
+    if not isinstance(m, dict) or m.get("format") != PACK_FORMAT:
+        raise CheckpointError(f"{path}: not a moestream pack manifest")
+    if m.get("version") != PACK_VERSION:
+        raise CheckpointError(f"{path}: pack format version {m.get('version')!r} is not supported (this moestream "
+                              f"reads version {PACK_VERSION}); pack the original checkpoint again")
+    try:
+        return _packed_index(cls, root, m)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path}: malformed pack manifest ({type(e).__name__}: {e})") from None
+
+
+def _packed_index(cls, root: Path, m: dict) -> CheckpointIndex:
+    tensors: dict[str, TensorInfo] = {}
+    for name in m["dense_files"]:
+        f = root / name
+        if not f.exists():
+            raise CheckpointError(f"{root}: dense shard {name} named in {PACK_MANIFEST} is missing")
+        tensors.update(_read_header(f))
+    crcs = {str(k): int(v) for k, v in m.get("dense_crc32", {}).items()}
+    sizes: dict[str, int] = {}
+    for name in m["expert_files"]:
+        f = root / name
+        if not f.exists():
+            raise CheckpointError(f"{root}: expert file {name} named in {PACK_MANIFEST} is missing")
+        sizes[name] = f.stat().st_size
+    align = int(m.get("align", 4096))
+    meta = {name: (str(t["dtype"]), tuple(int(s) for s in t["shape"]), bool(t["fused"]))
+            for name, t in m["tensors"].items()}
+    packed: list[PackedExpert] = []
+    slots: dict[str, dict[int, Piece]] = {name: {} for name in meta}
+    for rec in m["experts"]:
+        fname, off, n = str(rec["file"]), int(rec["offset"]), int(rec["length"])
+        where = f"{root / fname}: layer {rec['layer']} expert {rec['expert']}"
+        if fname not in sizes:
+            raise CheckpointError(f"{where}: file is not listed in {PACK_MANIFEST}")
+        if off % align or off < 0:
+            raise CheckpointError(f"{where}: offset {off} is not {align}-byte aligned")
+        if off + n > sizes[fname]:
+            raise CheckpointError(f"{where}: truncated: the expert ends at byte {off + n} but the file has "
+                                  f"{sizes[fname]} bytes")
+        group = len(packed)
+        packed.append(PackedExpert(int(rec["layer"]), int(rec["expert"]), root / fname, off, n, int(rec["crc32"])))
+        for part in rec["parts"]:
+            tname, at, nb = str(part["tensor"]), int(part["offset"]), int(part["nbytes"])
+            if tname not in meta or at < 0 or at + nb > n:
+                raise CheckpointError(f"{where}: part {tname!r} lies outside the expert or names an unknown tensor")
+            slot = 0 if part.get("index") is None else int(part["index"])
+            if slot in slots[tname]:
+                raise CheckpointError(f"{where}: tensor {tname!r} slice {slot} is packed twice")
+            slots[tname][slot] = Piece(root / fname, off + at, nb, group)
+    pieces: dict[str, tuple[Piece, ...]] = {}
+    for name, (dtype, shape, fused) in meta.items():
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * DTYPES[dtype][1] if dtype in DTYPES else -1
+        count = shape[0] if fused and shape else 1
+        got = slots[name]
+        if dtype not in DTYPES or sorted(got) != list(range(count)) \
+                or sum(p.nbytes for p in got.values()) != nbytes or len({p.nbytes for p in got.values()}) > 1:
+            raise CheckpointError(f"{root}: packed tensor {name!r} ({dtype}{list(shape)}) is not fully described "
+                                  f"by its {len(got)} pieces in {PACK_MANIFEST}")
+        if name in tensors:
+            raise CheckpointError(f"{root}: tensor {name!r} is both dense and packed")
+        pieces[name] = tuple(got[i] for i in range(count))
+        first = pieces[name][0]
+        tensors[name] = TensorInfo(name, first.file, first.offset, nbytes, dtype, shape)
+    return cls(root, tensors, packed=packed, pieces=pieces, crcs=crcs)
 
 
 def bytes_to_tensor(buf: bytearray | memoryview, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -1,0 +1,398 @@
+"""`moestream pack`: re-lay a checkpoint so every routed expert is one contiguous, 4 KiB-aligned, checksummed range.
+
+Owns the packed layout (docs/pack.md): dense tensors in ordinary safetensors shards, experts in a few
+`model-experts-*.safetensors` files (each a valid safetensors file whose single U8 blob holds the experts), and
+the `moestream-pack.json` manifest: per (layer, expert) the file, offset, length and crc32, and each part's
+original tensor name, slice, dtype, shape and offset within the expert. Fused [E, ...] tensors are split per
+expert; the index (weights/index.py) presents them under their original names again, so families see the same
+checkpoint. Packing streams chunk by chunk (memory stays at one copy buffer whatever the checkpoint size), writes
+into a temporary directory beside DST and renames it into place, and copies every non-weight file as bytes
+(no Python from the checkpoint is executed). `verify` re-reads a packed directory and checks every checksum.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from moestream.errors import CheckpointError, MoestreamError
+from moestream.weights.index import DTYPES, PACK_FORMAT, PACK_MANIFEST, PACK_VERSION, CheckpointIndex, TensorInfo
+
+ALIGN = 4096  # every expert starts on a 4 KiB boundary (O_DIRECT reads it whole, no widening on the left)
+PART_ALIGN = 64  # a part keeps the offset modulo 64 it had in the original's read buffer (see _lay_out)
+CHUNK = 8 << 20  # copy buffer: the packer's only sizeable allocation
+DENSE_SHARD_BYTES = 4 << 30
+EXPERT_FILE_BYTES = 32 << 30
+EXPERT_BLOB = "packed_experts"  # the one U8 tensor an expert file declares, so the file is valid safetensors
+HEADER_BYTES = ALIGN  # an expert file's safetensors header, padded so the blob (and byte 4096) starts the data
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+
+Progress = Callable[[int], None]
+
+
+def _up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+@dataclass
+class PartPlan:
+    tensor: str
+    index: int | None  # slice along dim 0 of a fused tensor; None for a per-expert tensor
+    src: TensorInfo  # the source bytes of this part (file, offset, nbytes; dtype and shape of the slice)
+    phase: int = 0  # where the part started, modulo PART_ALIGN, in the buffer the original's reader fills
+    offset: int = 0  # within the expert
+
+
+@dataclass
+class ExpertPlan:
+    layer: int
+    expert: int
+    parts: list[PartPlan]
+    file: int = 0
+    offset: int = 0
+    length: int = 0
+    crc32: int = 0
+
+
+@dataclass
+class PackPlan:
+    experts: list[ExpertPlan]
+    tensors: dict[str, tuple[str, tuple[int, ...], bool]]  # packed tensor -> (dtype, shape, fused)
+    dense_shards: list[list[TensorInfo]]
+    expert_file_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(t.nbytes for s in self.dense_shards for t in s) + sum(
+            p.src.nbytes for e in self.experts for p in e.parts)
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(t.nbytes for s in self.dense_shards for t in s) + sum(self.expert_file_sizes) + (1 << 20)
+
+
+@dataclass
+class PackSummary:
+    path: str
+    experts: int
+    expert_files: int
+    dense_files: int
+    dense_bytes: int
+    expert_bytes: int  # payload of the experts (what the source held)
+    disk_bytes: int  # every file written, alignment padding included
+    verified: bool = False
+
+
+def dense_name(i: int, n: int) -> str:
+    return f"model-dense-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def expert_name(i: int, n: int) -> str:
+    return f"model-experts-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+# ---- planning (headers only) ------------------------------------------------------------------------------
+def plan_pack(src: str | Path, dense_shard_bytes: int = DENSE_SHARD_BYTES,
+              expert_file_bytes: int = EXPERT_FILE_BYTES) -> tuple[PackPlan, CheckpointIndex]:
+    """Where every byte of `src` goes, from its config and headers (nothing is read or written)."""
+    from moestream.engine.engine import plan  # the family's expert layout, exactly as the engine sees it
+
+    p = plan(src, io_threads=1)
+    try:
+        index, store, layout = p.store.index, p.store, p.layout
+        if index.virtual:
+            raise CheckpointError(f"{src}: holds config.json but no safetensors weights; nothing to pack")
+        experts: list[ExpertPlan] = []
+        packed: dict[str, tuple[str, tuple[int, ...], bool]] = {}
+        for layer in layout.moe_layers:
+            for e in range(layout.num_experts):
+                parts = []
+                starts = [start for _, start, _ in store.read_plan(layer, e)[1]]
+                for (name, fused, loc), start in zip(store.named_parts(layer, e), starts):
+                    info = index[name]
+                    packed[name] = (info.dtype, info.shape, fused)
+                    parts.append(PartPlan(name, e if fused else None,
+                                          TensorInfo(name, loc.file, loc.offset, loc.nbytes, loc.dtype, loc.shape),
+                                          start % PART_ALIGN))
+                if parts:
+                    experts.append(ExpertPlan(layer, e, parts))
+    finally:
+        p.store.close()
+    dense = sorted((index[n] for n in index.names() if n not in packed), key=lambda t: (str(t.file), t.offset))
+    shards: list[list[TensorInfo]] = [[]]
+    size = 0
+    for t in dense:
+        if shards[-1] and size + t.nbytes > dense_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    pp = PackPlan(experts, packed, shards if dense else [])
+    _lay_out(pp, expert_file_bytes)
+    return pp, index
+
+
+def _lay_out(pp: PackPlan, expert_file_bytes: int) -> None:
+    """Offsets of every expert (4 KiB aligned, in layer/expert order) and of its parts; files split at
+    `expert_file_bytes` between experts.
+
+    Parts follow each other with under 64 bytes between them, each at the offset modulo 64 it had in the buffer
+    the original checkpoint is read into. BLAS kernels pick their code path by operand alignment (a 1-row
+    matrix-vector product sums in a different order for a 16-byte-aligned weight than for an 8-byte-aligned
+    one), so this is what keeps a packed model's logits bit-identical to the original's."""
+    pos, sizes = HEADER_BYTES, []
+    for ex in pp.experts:
+        length = 0
+        for part in ex.parts:
+            part.offset = length + (part.phase - length) % PART_ALIGN
+            length = part.offset + part.src.nbytes
+        ex.length = length
+        if pos > HEADER_BYTES and pos + length > expert_file_bytes:
+            sizes.append(pos)
+            pos = HEADER_BYTES
+        ex.file, ex.offset = len(sizes), pos
+        pos = _up(pos + length, ALIGN)
+    if pp.experts:
+        sizes.append(pos)
+    pp.expert_file_sizes = sizes
+
+
+# ---- writing ----------------------------------------------------------------------------------------------
+class _Source:
+    """Positioned reads from the source shards into one reused buffer; pages are dropped after each chunk."""
+
+    def __init__(self) -> None:
+        self.fds: dict[Path, int] = {}
+        self.buf = bytearray(CHUNK)
+
+    def chunks(self, t: TensorInfo):
+        """Yield memoryviews over consecutive chunks of the tensor's bytes (valid until the next chunk)."""
+        fd = self.fds.get(t.file)
+        if fd is None:
+            try:
+                fd = self.fds[t.file] = os.open(t.file, os.O_RDONLY)
+            except OSError as e:
+                raise CheckpointError(f"{t.file}: cannot open the source shard: {e}") from None
+        done, view = 0, memoryview(self.buf)
+        while done < t.nbytes:
+            want = min(CHUNK, t.nbytes - done)
+            got = 0
+            while got < want:
+                try:
+                    n = os.preadv(fd, [view[got:want]], t.offset + done + got)
+                except OSError as e:
+                    raise CheckpointError(f"{t.file}: read error in tensor {t.name!r}: {e}") from None
+                if n <= 0:
+                    raise CheckpointError(f"{t.file}: truncated: tensor {t.name!r} ends at byte "
+                                          f"{t.offset + t.nbytes} but the file ends at {t.offset + done + got}")
+                got += n
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, t.offset + done, want, os.POSIX_FADV_DONTNEED)
+            yield view[:want]
+            done += want
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _safetensors_header(entries: dict, metadata: dict, pad_to: int | None = None) -> bytes:
+    body = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
+    total = pad_to - 8 if pad_to is not None else _up(len(body), 8)
+    if len(body) > total:
+        raise MoestreamError("internal: safetensors header does not fit its reserved space")
+    body += b" " * (total - len(body))
+    return len(body).to_bytes(8, "little") + body
+
+
+def _write_dense(path: Path, tensors: list[TensorInfo], src: _Source, progress: Progress) -> dict[str, int]:
+    entries, at = {}, 0
+    for t in tensors:
+        entries[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [at, at + t.nbytes]}
+        at += t.nbytes
+    crcs = {}
+    with open(path, "wb") as f:
+        f.write(_safetensors_header(entries, {"format": "pt", "packed_by": "moestream"}))
+        for t in tensors:
+            crc = 0
+            for chunk in src.chunks(t):
+                crc = zlib.crc32(chunk, crc)
+                f.write(chunk)
+                progress(len(chunk))
+            crcs[t.name] = crc
+        f.flush()
+        os.fsync(f.fileno())
+    return crcs
+
+
+def _write_experts(path: Path, experts: list[ExpertPlan], size: int, src: _Source, progress: Progress) -> None:
+    zeros = bytes(ALIGN)
+    with open(path, "wb") as f:
+        f.write(bytes(HEADER_BYTES))  # the header goes in last, once the blob's size is known
+        pos = HEADER_BYTES
+        for ex in experts:
+            f.write(zeros[:ex.offset - pos])
+            crc, at = 0, 0
+            for part in ex.parts:
+                pad = zeros[:part.offset - at]
+                crc = zlib.crc32(pad, crc)
+                f.write(pad)
+                for chunk in src.chunks(part.src):
+                    crc = zlib.crc32(chunk, crc)
+                    f.write(chunk)
+                    progress(len(chunk))
+                at = part.offset + part.src.nbytes
+            ex.crc32 = crc
+            pos = ex.offset + ex.length
+        f.write(zeros[:size - pos])
+        blob = size - HEADER_BYTES
+        f.seek(0)
+        f.write(_safetensors_header({EXPERT_BLOB: {"dtype": "U8", "shape": [blob], "data_offsets": [0, blob]}},
+                                    {"format": "moestream-packed-experts", "manifest": PACK_MANIFEST}, HEADER_BYTES))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _copy_other_files(src: Path, tmp: Path, skip: set[str]) -> list[str]:
+    """Config, tokenizer, chat template, generation config, README...: every file but weights, copied as bytes."""
+    copied = []
+    for root, dirs, files in os.walk(src):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        rel = Path(root).relative_to(src)
+        for name in sorted(files):
+            rp = rel / name
+            if name.startswith(".") or name.endswith(WEIGHT_SUFFIXES) or name == "model.safetensors.index.json" \
+                    or str(rp) in skip:
+                continue
+            full = Path(root) / name
+            if not full.is_file():  # dangling link, socket...
+                continue
+            (tmp / rel).mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(full, tmp / rp)
+            copied.append(str(rp))
+    return copied
+
+
+def pack(src: str | Path, dst: str | Path, verify: bool = False, progress: Progress | None = None,
+         total: Callable[[int], None] | None = None, dense_shard_bytes: int = DENSE_SHARD_BYTES,
+         expert_file_bytes: int = EXPERT_FILE_BYTES) -> PackSummary:
+    """Write the packed form of checkpoint `src` to the new directory `dst` (atomically). `total(n)` is told the
+    payload bytes first, then `progress(k)` after every copied chunk."""
+    src, dst = Path(src), Path(dst)
+    if dst.exists() or dst.is_symlink():
+        raise MoestreamError(f"{dst}: already exists; `moestream pack` never overwrites, choose a new directory")
+    if not src.is_dir():
+        raise CheckpointError(f"{src}: not a checkpoint directory")
+    if dst.resolve().is_relative_to(src.resolve()):
+        raise MoestreamError(f"{dst}: must not lie inside the source checkpoint {src}")
+    pp, index = plan_pack(src, dense_shard_bytes, expert_file_bytes)
+    parent = dst.parent if str(dst.parent) else Path(".")
+    parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(parent).free
+    if pp.disk_bytes > free:
+        raise MoestreamError(f"{parent}: {pp.disk_bytes} bytes needed for the packed checkpoint, {free} free")
+    progress = progress or (lambda n: None)
+    if total is not None:
+        total(pp.payload_bytes)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.packing-", dir=parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; DST gets the permissions a mkdir would give
+    source = _Source()
+    try:
+        skip = set()
+        if index.packed:  # re-packing a packed checkpoint: its manifest is replaced, not copied
+            skip.add(PACK_MANIFEST)
+        _copy_other_files(src, tmp, skip)
+        n_dense, n_exp = len(pp.dense_shards), len(pp.expert_file_sizes)
+        crcs: dict[str, int] = {}
+        for i, shard in enumerate(pp.dense_shards):
+            crcs.update(_write_dense(tmp / dense_name(i, n_dense), shard, source, progress))
+        for i, size in enumerate(pp.expert_file_sizes):
+            _write_experts(tmp / expert_name(i, n_exp), [e for e in pp.experts if e.file == i], size, source, progress)
+        manifest = _manifest(pp, crcs)
+        (tmp / PACK_MANIFEST).write_text(json.dumps(manifest, separators=(",", ":")))
+        if dst.exists():
+            raise MoestreamError(f"{dst}: appeared while packing; not overwritten (the packed copy was discarded)")
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        source.close()
+    summary = PackSummary(str(dst), len(pp.experts), len(pp.expert_file_sizes), len(pp.dense_shards),
+                          sum(t.nbytes for s in pp.dense_shards for t in s),
+                          sum(p.src.nbytes for e in pp.experts for p in e.parts),
+                          sum(f.stat().st_size for f in dst.rglob("*") if f.is_file()))
+    if verify:
+        verify_pack(dst)
+        summary.verified = True
+    return summary
+
+
+def _manifest(pp: PackPlan, crcs: dict[str, int]) -> dict:
+    n_dense, n_exp = len(pp.dense_shards), len(pp.expert_file_sizes)
+    return {
+        "format": PACK_FORMAT, "version": PACK_VERSION, "align": ALIGN, "checksum": "crc32",
+        "dense_files": [dense_name(i, n_dense) for i in range(n_dense)],
+        "expert_files": [expert_name(i, n_exp) for i in range(n_exp)],
+        "dense_crc32": crcs,
+        "tensors": {name: {"dtype": d, "shape": list(s), "fused": f} for name, (d, s, f) in pp.tensors.items()},
+        "experts": [{"layer": e.layer, "expert": e.expert, "file": expert_name(e.file, n_exp), "offset": e.offset,
+                     "length": e.length, "crc32": e.crc32,
+                     "parts": [{"tensor": p.tensor, "index": p.index, "dtype": p.src.dtype, "shape": list(p.src.shape),
+                                "offset": p.offset, "nbytes": p.src.nbytes} for p in e.parts]}
+                    for e in pp.experts],
+    }
+
+
+# ---- verification ------------------------------------------------------------------------------------------
+def verify_pack(path: str | Path, progress: Progress | None = None,
+                total: Callable[[int], None] | None = None) -> int:
+    """Re-read every expert and dense tensor of a packed directory from disk and check its crc32. Returns the
+    number of ranges checked; raises CheckpointError listing the damaged ones."""
+    path = Path(path)
+    if not (path / PACK_MANIFEST).exists():
+        raise CheckpointError(f"{path}: not a packed checkpoint (no {PACK_MANIFEST}); nothing to verify")
+    index = CheckpointIndex.open(path)
+    ranges = [(f"layer {pe.layer} expert {pe.expert}", TensorInfo("", pe.file, pe.offset, pe.nbytes, "U8",
+                                                                    (pe.nbytes,)), pe.crc32) for pe in index.packed]
+    ranges += [(f"dense tensor {n!r}", index[n], c) for n, c in index.crcs.items() if n in index]
+    missing = [n for n in index.tensors if n not in index.pieces and n not in index.crcs]
+    if total is not None:
+        total(sum(t.nbytes for _, t, _ in ranges))
+    progress = progress or (lambda n: None)
+    src, bad = _Source(), []
+    try:
+        for f in {t.file for _, t, _ in ranges}:  # read the disk, not pages left by the writer
+            _drop(f)
+        for what, t, want in ranges:
+            crc = 0
+            for chunk in src.chunks(t):
+                crc = zlib.crc32(chunk, crc)
+                progress(len(chunk))
+            if crc != want:
+                bad.append(f"{what} ({t.file.name}, crc32 {crc:08x} != {want:08x})")
+    finally:
+        src.close()
+    if missing:
+        bad.append(f"{len(missing)} tensors have no checksum in the manifest (first: {missing[0]!r})")
+    if bad:
+        shown = "; ".join(bad[:8]) + (f"; and {len(bad) - 8} more" if len(bad) > 8 else "")
+        raise CheckpointError(f"{path}: {len(bad)} of {len(ranges)} checksummed ranges are damaged: {shown}")
+    return len(ranges)
+
+
+def _drop(f: Path) -> None:
+    if hasattr(os, "posix_fadvise"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
