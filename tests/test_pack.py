@@ -77,11 +77,12 @@ def qwen_pair(tmp_path_factory):
     return src, dst
 
 
-def _budget(path: Path, ids: list[int], n_gen: int, fraction: float = 0.3) -> int:
-    """Dense + scratch + the sequence's state (measured unbudgeted) + `fraction` of the experts: forces evictions."""
+def _budget(path: Path, fraction: float = 0.3) -> int:
+    """Dense + scratch + one short sequence's state + `fraction` of the experts: forces evictions. (State grows
+    in steps of GROW_TOKENS = 256 tokens, so one token's state is that of any sequence up to 256.)"""
     eng = Engine.open(path)
     st = eng.new_sequence()
-    eng.step([(st, ids + [3] * n_gen)])
+    eng.step([(st, [3])])
     state = eng.memory.state_bytes
     eng.free(st)
     p = plan(path)
@@ -98,7 +99,8 @@ def test_same_tensors_logits_and_tokens(packed):
     for n in a.names()[:40]:
         assert torch.equal(a.load(n), b.load(n)), n
     vocab = Engine.open(src).vocab_size
-    ids = prompt_ids(min(vocab, VOCAB), 40)
+    k3 = "kimi_k3" in str(src)  # the slowest family on CPU: fewer tokens
+    ids, n_gen = prompt_ids(min(vocab, VOCAB), 12 if k3 else 32), 6 if k3 else 12
     # bit-identical once the experts are resident; a cold pass adds expert outputs in the order their reads
     # finish (dispatch), so it may differ in the last bit between any two runs, packed or not
     cold, warm = {}, {}
@@ -110,8 +112,8 @@ def test_same_tensors_logits_and_tokens(packed):
     assert max_rel_diff(cold[dst], cold[src]) < 1e-4  # the run-to-run spread of a cold pass, packed or not
     got = {}
     for path in (src, dst):
-        eng = Engine.open(path, ram_budget=_budget(path, ids, 16))
-        got[path] = eng.generate(ids, 16, stop_token_ids=[])
+        eng = Engine.open(path, ram_budget=_budget(path))
+        got[path] = eng.generate(ids, n_gen, stop_token_ids=[])
         assert eng.stats["expert_evictions"] > 0, "the budget was meant to force evictions"
     assert got[src] == got[dst]
 
