@@ -14,6 +14,7 @@ import torch
 
 from moestream.config import EngineOptions, format_bytes, parse_bytes, read_model_config
 from moestream.engine.memory import MemoryAccountant
+from moestream.engine.residency import DenseStreamer, ResidencyPlan, plan_residency
 from moestream.engine.sampling import SamplingParams, sample
 from moestream.engine.state import Batch, SeqState
 from moestream.errors import BudgetError, CheckpointError, MoestreamError, RequestError
@@ -83,10 +84,13 @@ class Engine:
         self.path, self.plan, self.memory, self.model = path, p, memory, model
         self.runner, self.options = runner, options
         self.vocab_size = model.vocab_size
+        self.residency: ResidencyPlan | None = None  # what stays resident and what streams (set by open)
 
     @classmethod
     def open(cls, path: str | Path, ram_budget: str | int | None = None, device: str = "cpu",
-             **options) -> "Engine":
+             state_room: str | int | None = None, **options) -> "Engine":
+        """Open a checkpoint under `ram_budget`. The residency plan keeps `state_room` bytes of the budget for KV
+        caches and recurrent state when it decides which dense weights stream (default: none set aside)."""
         if device != "cpu":
             raise MoestreamError(f"device {device!r} is not supported yet; use device='cpu'")
         opts = EngineOptions(ram_budget=parse_bytes(ram_budget), device=device, **options)
@@ -97,12 +101,19 @@ class Engine:
             raise CheckpointError(f"{path}: holds config.json but no safetensors weights: `moestream info` can size "
                                   "it, running it needs the shards")
         memory = MemoryAccountant(opts.ram_budget)
-        _check_budget(p, opts.ram_budget)
+        residency = plan_residency(p, opts.ram_budget, parse_bytes(state_room) or 0)  # BudgetError when even streaming cannot fit
         memory.scratch_bytes = p.scratch_bytes
+        memory.stream_reserve = residency.stream_buffer_bytes
+        if residency.streams:
+            memory.streamer = DenseStreamer(p.store.index, p.family.prefix, memory, residency)
         runner = ExpertRunner(p.store, memory, opts.cache_policy)
         weights = DenseWeights(p.store.index, p.family.prefix, memory)
         model = p.family.build(p.config, ModelContext(weights, runner, memory))
-        return cls(Path(path), p, memory, model, runner, opts)
+        model.residency = memory.streamer
+        _check_built(p, memory)
+        eng = cls(Path(path), p, memory, model, runner, opts)
+        eng.residency = residency
+        return eng
 
     # ---- sequences and steps -------------------------------------------------------------------------
     def new_sequence(self) -> SeqState:
@@ -206,26 +217,28 @@ class Engine:
             "state_bytes": self.memory.state_bytes,
             "cache_bytes": c.resident_bytes,
             "scratch_bytes": self.memory.scratch_bytes,
+            "dense_streamed_layers": len(self.residency.streamed_layers) if self.residency else 0,
+            "dense_stream_reserve_bytes": self.memory.stream_reserve,
+            "dense_stream_bytes_read": self.memory.streamer.bytes_read if self.memory.streamer else 0,
             "ram_budget_bytes": self.memory.budget if self.memory.limited else None,
             "layer_hit_rates": c.stats.layer_hit_rates(),
         }
 
     def close(self) -> None:
+        if self.memory.streamer is not None:
+            self.memory.streamer.close()
         self.plan.store.close()
 
 
-def _check_budget(p: ModelPlan, budget: int | None) -> None:
-    if budget is None:
+def _check_built(p: ModelPlan, memory: MemoryAccountant) -> None:
+    """After the build: what the family actually keeps (including tensors it derives) leaves room for an expert."""
+    if not memory.limited:
         return
-    if p.dense_bytes > budget:
+    need = memory.dense_bytes + memory.stream_reserve + memory.scratch_bytes + p.max_expert_bytes
+    if need > memory.budget:
         raise BudgetError(
-            f"the dense weights need {format_bytes(p.dense_bytes)} ({p.dense_bytes} bytes) but --ram-budget is "
-            f"{format_bytes(budget)} ({budget} bytes); raise the budget (streaming dense weights is not supported yet)"
-        )
-    need = p.dense_bytes + p.scratch_bytes + p.max_expert_bytes
-    if need > budget:
-        raise BudgetError(
-            f"--ram-budget {format_bytes(budget)} ({budget} bytes) leaves no room for one expert: dense weights "
-            f"{format_bytes(p.dense_bytes)} + compute scratch {format_bytes(p.scratch_bytes)} + one expert "
-            f"{format_bytes(p.max_expert_bytes)} = {format_bytes(need)} ({need} bytes)"
-        )
+            f"--ram-budget {format_bytes(memory.budget)} ({memory.budget} bytes) leaves no room for one expert: "
+            f"resident dense weights {format_bytes(memory.dense_bytes)} + dense stream buffers "
+            f"{format_bytes(memory.stream_reserve)} + compute scratch {format_bytes(memory.scratch_bytes)} + one "
+            f"expert {format_bytes(p.max_expert_bytes)} = {format_bytes(need)} ({need} bytes); the dense weights are "
+            f"{format_bytes(p.dense_bytes)} ({p.dense_bytes} bytes)")

@@ -1,8 +1,9 @@
 """Memory accountant: one RAM budget for everything the engine keeps resident.
 
-Owns the byte counts of dense weights, per-sequence state (KV cache, recurrent state), the expert cache and a
-fixed compute scratch allowance, and the peak of their sum. It gives the expert cache its capacity (whatever
-the budget leaves) and makes the cache shrink when state grows. It allocates nothing itself.
+Owns the byte counts of resident dense weights, streamed dense weights in RAM right now (inside a reserve the
+residency plan sets aside for its double buffers), per-sequence state (KV cache, recurrent state), the expert
+cache and a fixed compute scratch allowance, and the peak of their sum. It gives the expert cache its capacity
+(whatever the budget leaves) and makes the cache shrink when state grows. It allocates nothing itself.
 """
 from __future__ import annotations
 
@@ -20,15 +21,21 @@ class MemoryAccountant:
         self.dense_bytes = 0
         self.state_bytes = 0
         self.scratch_bytes = 0
+        self.stream_reserve = 0  # the residency plan's stream buffers: never given to the expert cache
+        self.stream_bytes = 0  # streamed dense bytes in RAM right now (at most stream_reserve)
+        self.streamer = None  # the engine's DenseStreamer when some dense weights stream (DenseWeights asks it)
         self.cache: ExpertCache | None = None
         self.peak = 0
 
     def cache_capacity(self) -> int:
-        return max(0, self.budget - self.dense_bytes - self.state_bytes - self.scratch_bytes)
+        return max(0, self.budget - self._fixed() - self.state_bytes)
+
+    def _fixed(self) -> int:
+        return self.dense_bytes + self.scratch_bytes + self.stream_reserve
 
     def resident(self) -> int:
         cached = self.cache.resident_bytes if self.cache is not None else 0
-        return self.dense_bytes + self.state_bytes + self.scratch_bytes + cached
+        return self.dense_bytes + self.state_bytes + self.scratch_bytes + self.stream_bytes + cached
 
     def observe(self) -> None:
         r = self.resident()
@@ -39,13 +46,25 @@ class MemoryAccountant:
         self.dense_bytes += nbytes
         self.observe()
 
+    def add_stream(self, nbytes: int) -> None:
+        """A streamed dense read is starting: its bytes count until `release_stream`."""
+        self.stream_bytes += nbytes
+        if self.limited and self.stream_bytes > self.stream_reserve:
+            raise BudgetError(f"internal: streamed dense weights in RAM ({self.stream_bytes} bytes) exceed the "
+                              f"reserve the residency plan set aside ({self.stream_reserve} bytes)")
+        self.observe()
+
+    def release_stream(self, nbytes: int) -> None:
+        self.stream_bytes -= nbytes
+
     def grow_state(self, nbytes: int, what: str = "sequence state") -> None:
         """Account `nbytes` more of state, evicting experts to make room; BudgetError if it cannot fit."""
         if nbytes > 0 and self.limited:
-            if self.dense_bytes + self.state_bytes + self.scratch_bytes + nbytes > self.budget:
+            if self._fixed() + self.state_bytes + nbytes > self.budget:
                 raise BudgetError(
                     f"{what} needs {format_bytes(nbytes)} more, but the RAM budget of {format_bytes(self.budget)} "
-                    f"is taken by dense weights ({format_bytes(self.dense_bytes)}) and existing state "
+                    f"is taken by dense weights ({format_bytes(self.dense_bytes)} resident, "
+                    f"{format_bytes(self.stream_reserve)} of stream buffers) and existing state "
                     f"({format_bytes(self.state_bytes)}): raise --ram-budget or shorten the context"
                 )
             self.state_bytes += nbytes

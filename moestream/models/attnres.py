@@ -13,7 +13,7 @@ import torch
 
 from moestream.engine.state import Batch
 from moestream.models.base import DecoderModel
-from moestream.models.blocks import embed, rms_norm
+from moestream.models.blocks import rms_norm
 
 
 def fold_query(norm_w: torch.Tensor, proj_w: torch.Tensor) -> torch.Tensor:
@@ -71,14 +71,16 @@ class K3Model(DecoderModel):
 
     def hidden(self, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
         """The output AttnRes read [T, H]; head() then applies model.norm and lm_head."""
-        P = embed(tokens, self.embed_tokens)  # [T, H]
+        P = self.embed(tokens)  # [T, H]
         R: list[torch.Tensor] = []
         # the sealed snapshots are transient per step, but at prefill they are large: count them while alive
         nbytes = sum(1 for layer in self.layers if layer.seals) * P.numel() * 4
         self.memory.grow_state(nbytes, "AttnRes block snapshots")
         try:
             for i, layer in enumerate(self.layers):
+                self.enter_layer(i)
                 P = layer(P, R, batch, i)
+                self.leave_layer(i)
             return attn_res_read(R + [P], self.out_query, self.eps)
         finally:
             self.memory.release_state(nbytes)

@@ -47,7 +47,10 @@ class Family:
 
 
 class DenseWeights:
-    """Loads non-expert tensors by HF name (prefix added), counting their bytes against the budget."""
+    """Loads non-expert tensors by HF name (prefix added), counting their bytes against the budget.
+
+    A tensor the residency plan streams is not loaded: the engine's DenseStreamer (`memory.streamer`) hands out a
+    placeholder whose storage it fills before that tensor's layer runs and empties after."""
 
     def __init__(self, index: CheckpointIndex, prefix: str, memory: MemoryAccountant):
         self.index = index
@@ -60,6 +63,10 @@ class DenseWeights:
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.loaded:
+            streamer = self.memory.streamer
+            if streamer is not None and streamer.streams(name):
+                self.loaded[name] = streamer.tensor(name)
+                return self.loaded[name]
             t = self.index.load(self.prefix + name)
             self.memory.add_dense(t.numel() * t.element_size())
             self.loaded[name] = t
@@ -101,18 +108,40 @@ class DecoderModel:
     vocab_size: int
     memory: MemoryAccountant
     extra: dict = field(default_factory=dict)
+    residency = None  # the engine's DenseStreamer when some dense weights stream (not a dataclass field)
 
     def new_state(self) -> SeqState:
         return SeqState(self.memory, len(self.layers))
 
     def hidden(self, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
-        h = embed(tokens, self.embed_tokens)  # [T, H]
+        h = self.embed(tokens)  # [T, H]
         for i, layer in enumerate(self.layers):
+            self.enter_layer(i)
             h = layer(h, batch, i)
+            self.leave_layer(i)
         return h
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """fp32 [T, H] rows of the embedding table (read from disk when the table is not resident)."""
+        if self.residency is not None and self.residency.plan.embed_streamed:
+            return self.residency.embed(tokens)
+        return embed(tokens, self.embed_tokens)
+
+    def enter_layer(self, i: int) -> None:
+        """Called by every decoder loop before layer i: a streamed layer's weights are read in (next one ahead)."""
+        if self.residency is not None:
+            self.residency.enter(i)
+
+    def leave_layer(self, i: int) -> None:
+        """Called after layer i: a streamed layer's weights are given back."""
+        if self.residency is not None:
+            self.residency.leave(i)
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(rms_norm(h, self.norm, self.eps), self.lm_head)
+        x = rms_norm(h, self.norm, self.eps)
+        if self.residency is not None and self.residency.plan.head_streamed:
+            return self.residency.head(x)
+        return linear(x, self.lm_head)
 
     def forward(self, tokens: torch.Tensor, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
         """Logits [len(rows), V] for the requested rows of the flat batch."""

@@ -1,0 +1,448 @@
+"""Dense-weight residency: which dense weights stay resident under the RAM budget, and streaming the others.
+
+Owns `plan_residency` (from a `ModelPlan` and a budget: which decoder layers keep their large matrices resident,
+whether the embedding is read row by row from disk and the lm_head in slabs, the stream buffers that costs, what
+is left for the expert cache; BudgetError naming the numbers when even streaming everything cannot fit) and
+`DenseStreamer`, which carries that plan out: it hands the model placeholder tensors whose storage is filled
+just before their layer runs and emptied right after, while a background thread reads the next streamed layer.
+Small tensors (norms, biases, routers, vectors) are always resident: they are used every token and cost little.
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from moestream.config import format_bytes
+from moestream.errors import BudgetError
+from moestream.models.blocks import UPCAST_CHUNK_BYTES, linear
+from moestream.weights.index import CheckpointIndex, TensorInfo, read_range
+
+EMBED = "model.embed_tokens.weight"
+HEAD = "lm_head.weight"
+HEAD_SLAB_BYTES = 64 << 20  # one lm_head slab read while the previous one computes (two are in RAM at once)
+EMBED_ROWS_BYTES = 4 << 20  # the most embedding rows read in one go when the table is not resident
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_ROUTERS = (".gate.weight", ".router.weight")  # run by the expert lookahead one layer early: never streamed
+
+
+def layer_of(name: str) -> int | None:
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
+def streamable(name: str, info: TensorInfo) -> bool:
+    """A layer tensor that may stream: a real matrix (both sides > 1) that is not a router."""
+    return len(info.shape) == 2 and min(info.shape) > 1 and not name.endswith(_ROUTERS)
+
+
+def head_slabs(rows: int, cols: int, row_bytes: int) -> list[tuple[int, int]]:
+    """(start, count) slabs of lm_head rows. Each slab is a whole number of `blocks.linear`'s upcast chunks and
+    the last one is larger than one chunk, so a slab's `linear` runs the very chunks the resident head would."""
+    chunk = max(1, UPCAST_CHUNK_BYTES // (4 * cols))
+    per = max(1, HEAD_SLAB_BYTES // max(1, row_bytes))
+    if per >= chunk:
+        per -= per % chunk
+    slabs = [(s, min(per, rows - s)) for s in range(0, rows, per)]
+    if len(slabs) > 1 and rows > chunk and slabs[-1][1] <= chunk:
+        (s, n), (_, m) = slabs[-2], slabs.pop()
+        slabs[-1] = (s, n + m)
+    return slabs
+
+
+@dataclass
+class LayerResidency:
+    layer: int
+    bytes: int  # its streamable matrices (the layer's small tensors are counted in pinned_bytes)
+    streamed: bool
+
+
+@dataclass
+class ResidencyPlan:
+    """What stays resident and what streams under one budget (printed by `moestream info --ram-budget`)."""
+
+    ram_budget: int | None
+    dense_bytes: int  # every dense tensor of the checkpoint
+    pinned_bytes: int  # norms, biases, routers, vectors and other small tensors: always resident
+    embed_bytes: int  # the input embedding table (0 when there is none by that name)
+    head_bytes: int  # the lm_head (0 when tied to the embedding: the table serves both)
+    tied: bool
+    embed_streamed: bool  # rows of the step's tokens are read from disk
+    head_streamed: bool  # read in slabs, the next slab in flight while one computes
+    layers: list[LayerResidency]
+    scratch_bytes: int
+    min_cache_bytes: int  # the expert cache the plan keeps at least (top_k experts, or one if tight)
+    state_room_bytes: int  # kept for KV caches and recurrent state on top of that (they grow into the cache)
+    head_slab_bytes: int = 0  # the largest lm_head slab (two are in RAM while streaming)
+    embed_rows_bytes: int = 0  # the row buffer of a streamed embedding
+    layer_buffer_bytes: int = 0  # two of the largest streamed layers: the current one and the next in flight
+    stream_buffer_bytes: int = 0  # every stream buffer together (reserved out of the budget)
+    resident_dense_bytes: int = 0
+    streamed_bytes_per_step: int = 0  # dense bytes read from disk each forward step
+    cache_bytes: int | None = None  # what the budget leaves for experts (KV and state grow into it)
+    min_ram_budget: int = 0  # the smallest budget any plan fits (every layer streamed, one expert cached)
+    all_resident_budget: int = 0  # the smallest budget keeping every dense weight resident (top_k experts cached)
+    layer_streamed: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self.layer_streamed = {lr.layer: lr.streamed for lr in self.layers}
+
+    @property
+    def streamed_layers(self) -> list[int]:
+        return [lr.layer for lr in self.layers if lr.streamed]
+
+    @property
+    def streams(self) -> bool:
+        return self.embed_streamed or self.head_streamed or any(lr.streamed for lr in self.layers)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out.pop("layer_streamed")
+        out["layers"] = [[lr.layer, lr.bytes, lr.streamed] for lr in self.layers]
+        out["streamed_layers"] = self.streamed_layers
+        return out
+
+
+@dataclass
+class _Parts:
+    """The dense tensors of a plan sorted into what the planner decides about."""
+
+    pinned: int
+    embed: int
+    head: int
+    tied: bool
+    layers: dict[int, int]  # layer -> streamable bytes
+    head_slab: int
+    embed_rows: int
+    one_expert: int
+    top_k_experts: int
+
+
+def _parts(p) -> _Parts:
+    index, prefix = p.store.index, p.family.prefix
+    pinned, embed, head, layers = 0, 0, 0, {}
+    head_info = None
+    for full in p.dense_names:
+        name, info = full[len(prefix):], index[full]
+        layer = layer_of(name)
+        if name == EMBED:
+            embed = info.nbytes
+        elif name == HEAD:
+            head, head_info = info.nbytes, info
+        elif layer is not None and streamable(name, info):
+            layers[layer] = layers.get(layer, 0) + info.nbytes
+        else:
+            pinned += info.nbytes
+        if layer is not None:
+            layers.setdefault(layer, 0)
+    tied = embed > 0 and (head == 0 or bool(getattr(p.config, "tie", False)))
+    if tied:  # the table serves as the head (a stored lm_head, if any, is never read: left pinned, to be safe)
+        pinned, head, head_info = pinned + head, 0, index[prefix + EMBED]
+    head_slab = 0
+    if head_info is not None and len(head_info.shape) == 2:
+        rows, cols = head_info.shape
+        row_bytes = head_info.nbytes // max(1, rows)
+        head_slab = max(n for _, n in head_slabs(rows, cols, row_bytes)) * row_bytes
+    embed_rows = min(embed, EMBED_ROWS_BYTES)
+    k = max(1, min(p.layout.top_k, p.layout.num_experts))
+    return _Parts(pinned, embed, head, tied, dict(sorted(layers.items())), head_slab, embed_rows,
+                  p.max_expert_bytes, k * p.max_expert_bytes)
+
+
+def _choose(parts: _Parts, avail: int, cache: int, head_ok: bool, embed_ok: bool):
+    """The plan streaming the fewest bytes per step that leaves `cache` for experts out of `avail` (budget less
+    scratch and pinned); None when nothing fits. Returns (streamed layers, embed streamed, head streamed)."""
+    best = None
+    sizes = sorted({b for b in parts.layers.values() if b > 0})
+    table = parts.head if not parts.tied else parts.embed
+    for head_s in ([False, True] if head_ok else [False]):
+        for embed_s in ([False, True] if embed_ok and not parts.tied else [False]):
+            fixed = cache
+            fixed += 2 * parts.head_slab if head_s else table
+            if not parts.tied:
+                fixed += parts.embed_rows if embed_s else parts.embed
+            elif head_s:
+                fixed += parts.embed_rows  # a tied table streamed serves the embedding by rows too
+            for cap in [0] + sizes:
+                streamed = _stream_under(parts.layers, cap, avail - fixed)
+                if streamed is None:
+                    continue
+                cost = sum(parts.layers[l] for l in streamed) + (table if head_s else 0)
+                key = (cost, embed_s, len(streamed))
+                if best is None or key < best[0]:
+                    best = (key, streamed, embed_s or (parts.tied and head_s), head_s)
+    return None if best is None else best[1:]
+
+
+def _stream_under(layers: dict[int, int], cap: int, room: int) -> list[int] | None:
+    """Layers to stream so that resident layers plus a double buffer of `cap` fit `room`, streaming only layers of
+    at most `cap` bytes, the largest first, spread evenly over the stack within a size; None if impossible."""
+    total = sum(layers.values())
+    if cap == 0:
+        return [] if total <= room else None
+    deficit = total + 2 * cap - room
+    if deficit <= 0:
+        return None  # fits without streaming: the cap 0 candidate covers it
+    chosen: list[int] = []
+    for size in sorted({b for b in layers.values() if 0 < b <= cap}, reverse=True):
+        group = [l for l, b in layers.items() if b == size]
+        need = min(len(group), -(-deficit // size))
+        chosen += [group[(i * len(group)) // need] for i in range(need)]  # every len/need-th layer
+        deficit -= need * size
+        if deficit <= 0:
+            return sorted(chosen)
+    return None
+
+
+def plan_residency(p, budget: int | None, state_room: int = 0) -> ResidencyPlan:
+    """Decide what stays resident under `budget` (None: everything), keeping `state_room` bytes for KV caches and
+    recurrent state on top of the minimum expert cache (state grows into the cache's room). BudgetError when
+    nothing fits."""
+    parts = _parts(p)
+    table = parts.head if not parts.tied else parts.embed
+    layer_total = sum(parts.layers.values())
+    embed_own = parts.embed if not parts.tied else 0
+    all_resident = (p.scratch_bytes + parts.pinned + layer_total + table + embed_own + parts.top_k_experts
+                    + state_room)
+    head_ok = table > 2 * parts.head_slab > 0
+    embed_ok = parts.embed > parts.embed_rows
+    biggest = max(parts.layers.values(), default=0)
+    floor = p.scratch_bytes + parts.pinned + 2 * biggest + parts.one_expert + state_room
+    floor += min(table, 2 * parts.head_slab) if head_ok else table
+    if not parts.tied:
+        floor += min(parts.embed, parts.embed_rows)
+    elif head_ok:
+        floor += parts.embed_rows
+    choice, cache_min = ([], False, False), parts.top_k_experts
+    if budget is not None:
+        avail = budget - p.scratch_bytes - parts.pinned
+        choice = _choose(parts, avail, parts.top_k_experts + state_room, head_ok, embed_ok)
+        if choice is None:
+            cache_min = parts.one_expert
+            choice = _choose(parts, avail, parts.one_expert + state_room, head_ok, embed_ok)
+        if choice is None:
+            raise BudgetError(_too_small(p, parts, budget, floor, state_room))
+    streamed, embed_s, head_s = choice
+    layers = [LayerResidency(l, b, l in streamed) for l, b in parts.layers.items()]
+    out = ResidencyPlan(budget, p.dense_bytes, parts.pinned, parts.embed, parts.head, parts.tied, embed_s, head_s,
+                        layers, p.scratch_bytes, cache_min, state_room, min_ram_budget=floor,
+                        all_resident_budget=all_resident)
+    out.head_slab_bytes = parts.head_slab if head_s else 0
+    out.embed_rows_bytes = parts.embed_rows if embed_s else 0
+    out.layer_buffer_bytes = 2 * max((parts.layers[l] for l in streamed), default=0)
+    out.stream_buffer_bytes = out.layer_buffer_bytes + 2 * out.head_slab_bytes + out.embed_rows_bytes
+    out.resident_dense_bytes = (parts.pinned + sum(b for l, b in parts.layers.items() if l not in streamed)
+                                + (0 if head_s else table) + (0 if embed_s or parts.tied else parts.embed))
+    out.streamed_bytes_per_step = sum(parts.layers[l] for l in streamed) + (table if head_s else 0)
+    if budget is not None:
+        out.cache_bytes = budget - out.resident_dense_bytes - out.stream_buffer_bytes - p.scratch_bytes
+    return out
+
+
+def _too_small(p, parts: _Parts, budget: int, floor: int, state_room: int) -> str:
+    biggest = max(parts.layers.values(), default=0)
+    return (f"--ram-budget {format_bytes(budget)} ({budget} bytes) is too small even with every dense layer "
+            f"streamed: the dense weights are {format_bytes(p.dense_bytes)} ({p.dense_bytes} bytes); streaming "
+            f"them still needs {format_bytes(floor)} ({floor} bytes) = small always-resident tensors "
+            f"{format_bytes(parts.pinned)} + two of the largest layer {format_bytes(2 * biggest)} + embedding/"
+            f"head buffers + compute scratch {format_bytes(p.scratch_bytes)} + one expert "
+            f"{format_bytes(parts.one_expert)}" + (f" + state room {format_bytes(state_room)}" if state_room else "")
+            + f"; raise the budget to at least {floor} bytes")
+
+
+# ---- streaming ----------------------------------------------------------------------------------------------
+def _buffer(storage) -> ctypes.Array:
+    """A writable bytes view of a CPU storage (for positioned reads straight into it)."""
+    return (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
+
+
+def _empty_placeholder(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of `shape` whose storage holds no bytes until its layer is read (pages are never touched)."""
+    t = torch.empty(shape, dtype=dtype)
+    t.untyped_storage().resize_(0)
+    return t
+
+
+class DenseStreamer:
+    """Runs a ResidencyPlan: placeholder tensors for streamed layers, filled before and emptied after each use.
+
+    The decoder loops call `enter(l)` before layer l and `leave(l)` after it. At `enter(l)` layer l is made present
+    (waiting for its read) and the read of the next streamed layer (in loop order, wrapping to the next step) is
+    started on a background thread, so at most two streamed layers are in RAM: the current one and the next.
+    Their bytes are counted by the accountant (`add_stream`), inside the reserve the plan set aside.
+    """
+
+    def __init__(self, index: CheckpointIndex, prefix: str, memory, plan: ResidencyPlan):
+        self.index, self.prefix, self.memory, self.plan = index, prefix, memory, plan
+        self.order = plan.streamed_layers
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.by_layer: dict[int, list[tuple[torch.Tensor, TensorInfo]]] = {l: [] for l in self.order}
+        self.present: set[int] = set()
+        self.pending: dict[int, Future] = {}
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="moestream-dense")
+        self.bytes_read = 0
+        self.layer_bytes = {lr.layer: lr.bytes for lr in plan.layers}
+        self._table = None
+
+    # -- what the model's weights ask -------------------------------------------------------------------------
+    def streams(self, name: str) -> bool:
+        if name == EMBED:
+            return self.plan.embed_streamed
+        if name == HEAD:
+            return self.plan.head_streamed
+        layer = layer_of(name)
+        return (layer is not None and self.plan.layer_streamed.get(layer, False)
+                and streamable(name, self.index[self.prefix + name]))
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The one placeholder for a streamed tensor (empty storage until its layer is entered)."""
+        if name not in self.tensors:
+            info = self.index[self.prefix + name]
+            t = _empty_placeholder(info.shape, info.torch_dtype)
+            self.tensors[name] = t
+            layer = layer_of(name)
+            if layer in self.by_layer and name not in (EMBED, HEAD):
+                self.by_layer[layer].append((t, info))
+        return self.tensors[name]
+
+    # -- layers -------------------------------------------------------------------------------------------------
+    def _next(self, layer: int) -> int | None:
+        """The first streamed layer after `layer` in loop order (wrapping to the next step)."""
+        for l in self.order:
+            if l > layer:
+                return l
+        return self.order[0] if self.order else None
+
+    def _start(self, layer: int) -> None:
+        if layer in self.present or layer in self.pending or not self.by_layer.get(layer):
+            return
+        nbytes = sum(info.nbytes for _, info in self.by_layer[layer])
+        self.memory.add_stream(nbytes)
+        self.pending[layer] = self.pool.submit(self._read, self.by_layer[layer])
+
+    def _read(self, items: list[tuple[torch.Tensor, TensorInfo]]) -> None:
+        for t, info in items:
+            storage = t.untyped_storage()
+            storage.resize_(info.nbytes)
+            read_range(info.file, info.offset, info.nbytes, out=_buffer(storage))
+
+    def _wait(self, layer: int) -> None:
+        fut = self.pending.pop(layer, None)
+        if fut is not None:
+            try:
+                fut.result()
+            except BaseException:
+                self._drop(layer)
+                raise
+            self.present.add(layer)
+            self.bytes_read += sum(info.nbytes for _, info in self.by_layer[layer])
+
+    def _drop(self, layer: int) -> None:
+        nbytes = 0
+        for t, info in self.by_layer[layer]:
+            t.untyped_storage().resize_(0)
+            nbytes += info.nbytes
+        self.present.discard(layer)
+        self.memory.release_stream(nbytes)
+
+    def enter(self, layer: int) -> None:
+        """Before layer `layer` runs: its streamed weights present, the next streamed layer's read started."""
+        nxt = self._next(layer)
+        want = [l for l in dict.fromkeys([layer if layer in self.by_layer else None, nxt]) if l is not None]
+        for other in list(self.present) + list(self.pending):  # after an interrupted step: back to two at most
+            if other not in want:
+                self._wait(other)
+                if other in self.present:
+                    self._drop(other)
+        for l in want:  # one reader thread: this layer's read (if any) is queued before the next one's
+            self._start(l)
+        if layer in self.by_layer:
+            self._wait(layer)
+
+    def leave(self, layer: int) -> None:
+        if layer in self.present:
+            self._drop(layer)
+            if self._next(layer) == layer:
+                self._start(layer)  # the only streamed layer: read it again for the next step
+
+    # -- embedding and head --------------------------------------------------------------------------------------
+    def _table_info(self, name: str) -> TensorInfo:
+        return self.index[self.prefix + name]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`blocks.embed` without the table: the rows of the step's distinct tokens read from disk, fp32 [T, H]."""
+        info = self._table_info(EMBED)
+        vocab, hidden = info.shape
+        row = info.nbytes // vocab
+        ids, inverse = torch.unique(tokens, return_inverse=True)
+        out = torch.empty(tokens.shape[0], hidden, dtype=torch.float32)
+        per = max(1, EMBED_ROWS_BYTES // row)
+        for s in range(0, ids.shape[0], per):
+            chunk = ids[s:s + per].tolist()
+            rows = torch.empty(len(chunk), hidden, dtype=info.torch_dtype)
+            self.memory.add_stream(rows.numel() * rows.element_size())
+            try:
+                buf = _buffer(rows.untyped_storage())
+                i = 0
+                while i < len(chunk):  # one read per run of consecutive token ids
+                    j = i + 1
+                    while j < len(chunk) and chunk[j] == chunk[j - 1] + 1:
+                        j += 1
+                    view = (ctypes.c_char * ((j - i) * row)).from_buffer(buf, i * row)
+                    read_range(info.file, info.offset + chunk[i] * row, (j - i) * row, out=view)
+                    i = j
+                self.bytes_read += len(chunk) * row
+                sel = (inverse >= s) & (inverse < s + len(chunk))
+                out[sel] = rows.index_select(0, inverse[sel] - s).float()
+            finally:
+                self.memory.release_stream(rows.numel() * rows.element_size())
+        return out
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """`linear(x, lm_head)` [T, V] with the head read slab by slab, the next slab in flight."""
+        info = self._table_info(HEAD if not self.plan.tied else EMBED)
+        vocab, hidden = info.shape
+        row = info.nbytes // vocab
+        slabs = head_slabs(vocab, hidden, row)
+        out = torch.empty(x.shape[0], vocab, dtype=torch.float32)
+
+        def read(start: int, n: int) -> torch.Tensor:
+            t = torch.empty(n, hidden, dtype=info.torch_dtype)
+            read_range(info.file, info.offset + start * row, n * row, out=_buffer(t.untyped_storage()))
+            return t
+
+        inflight: list[tuple[Future, int]] = []  # (read, bytes) of the slab in flight
+
+        def submit(i: int) -> None:
+            nbytes = slabs[i][1] * row
+            self.memory.add_stream(nbytes)
+            inflight.append((self.pool.submit(read, *slabs[i]), nbytes))
+
+        submit(0)
+        try:
+            for i, (start, n) in enumerate(slabs):
+                fut, nbytes = inflight[0]
+                slab = fut.result()
+                inflight.pop(0)
+                self.bytes_read += nbytes
+                try:
+                    if i + 1 < len(slabs):
+                        submit(i + 1)
+                    out[:, start:start + n] = linear(x, slab)
+                finally:
+                    del slab
+                    self.memory.release_stream(nbytes)
+        finally:
+            for fut, nbytes in inflight:  # after an error: wait for the read in flight, give its bytes back
+                try:
+                    fut.result()
+                except BaseException:
+                    pass
+                self.memory.release_stream(nbytes)
+        return out
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
