@@ -1,7 +1,8 @@
 """What a checkpoint costs, from its safetensors headers alone (no tensor data is read).
 
 Owns the size report behind `moestream info`: total and active parameters, bytes of dense weights and of routed
-experts, the expert bytes one token reads with a cold cache, and how many experts a RAM budget can cache. Counting
+experts, the expert bytes one token reads with a cold cache, and under a RAM budget the residency plan (which
+dense layers stay resident, which stream) and how many experts the rest can cache. Counting
 rules for packed formats: a uint8 `*_packed` / `*_blocks` byte holds 2 weights (MXFP4 / int4), an int32
 `*_packed` word holds 8 (int4); scale, zero-point and shape tensors of quantised weights are not parameters.
 """
@@ -12,6 +13,8 @@ from pathlib import Path
 
 from moestream.config import read_model_config
 from moestream.engine.engine import ModelPlan, plan
+from moestream.engine.residency import ResidencyPlan, plan_residency
+from moestream.errors import BudgetError
 from moestream.weights.index import TensorInfo
 
 _NOT_PARAMS = ("scale", "scales", "scale_inv", "zero_point", "weight_shape")
@@ -34,12 +37,13 @@ def tensor_params(info: TensorInfo) -> int:
 @dataclass
 class BudgetFit:
     ram_budget: int
-    min_ram_budget: int  # dense + compute scratch + one expert: below this the engine refuses to open
+    min_ram_budget: int  # every dense layer streamed + compute scratch + one expert: below this open() refuses
     cache_bytes: int  # what the budget leaves for experts (KV / recurrent state grows into it with context)
     resident_bytes_per_expert: float  # an expert's buffer in the cache (payload plus read alignment)
     experts_fit: int
     experts_total: int
     fraction: float  # experts_fit / experts_total
+    residency: ResidencyPlan | None = None  # what stays resident and what streams (None: the budget is too small)
 
     @property
     def fits(self) -> bool:
@@ -65,7 +69,8 @@ class ModelInfo:
     bytes_per_expert: float  # on disk, mean over all routed experts
     expert_bytes_per_token_cold: int  # sum over MoE layers of top_k * expert bytes
     scratch_bytes: int
-    min_ram_budget: int
+    min_ram_budget: int  # the smallest budget the engine opens with (dense layers streamed)
+    all_resident_budget: int = 0  # the smallest budget keeping every dense weight resident (top_k experts cached)
     total_bytes: int = 0  # dense + routed experts, on disk (text model only)
     config_only: bool = False  # sized from config.json through the family's tensor inventory (no shards present)
     budget: BudgetFit | None = None
@@ -74,6 +79,8 @@ class ModelInfo:
         out = asdict(self)
         if self.budget is not None:
             out["budget"]["fits"] = self.budget.fits
+            r = self.budget.residency
+            out["budget"]["residency"] = r.to_json() if r is not None else None
         return out
 
 
@@ -98,17 +105,19 @@ def _build(path: str | Path, p: ModelPlan, ram_budget: int | None) -> ModelInfo:
     per_layer = [_layer_expert_bytes(p, layer) for layer in layout.moe_layers]
     cold = sum(layout.top_k * b / e for b in per_layer)
     n_experts = layout.num_experts * len(layout.moe_layers)
-    min_budget = p.dense_bytes + p.scratch_bytes + p.max_expert_bytes
+    unlimited = plan_residency(p, None)
+    min_budget = unlimited.min_ram_budget
     info = ModelInfo(
         str(path), raw.get("model_type", "?"), int(text.get("num_hidden_layers", 0)),
         int(text.get("hidden_size", 0)), layout.num_experts, layout.top_k, list(layout.moe_layers), total,
         round(total - expert_total - embedding + active_experts), embedding, total - expert_total, expert_total,
         p.dense_bytes,
         sum(per_layer), sum(per_layer) / max(1, n_experts), round(cold), p.scratch_bytes, min_budget)
+    info.all_resident_budget = unlimited.all_resident_budget
     info.total_bytes = info.dense_bytes + info.expert_bytes
     info.config_only = index.virtual
     if ram_budget is not None:
-        info.budget = _fit(info, ram_budget, n_experts, p.expert_bytes / max(1, n_experts))
+        info.budget = _fit(info, p, ram_budget, n_experts, p.expert_bytes / max(1, n_experts))
     return info
 
 
@@ -141,8 +150,12 @@ def _layer_expert_bytes(p: ModelPlan, layer: int) -> int:
     return sum(loc.nbytes for e in range(p.layout.num_experts) for loc in p.store.locate(layer, e))
 
 
-def _fit(info: ModelInfo, budget: int, n_experts: int, resident_per_expert: float) -> BudgetFit:
-    cache = max(0, budget - info.dense_bytes - info.scratch_bytes)
+def _fit(info: ModelInfo, p: ModelPlan, budget: int, n_experts: int, resident_per_expert: float) -> BudgetFit:
+    try:
+        residency = plan_residency(p, budget)
+    except BudgetError:
+        residency = None
+    cache = max(0, residency.cache_bytes) if residency is not None else 0
     fit = min(n_experts, int(cache // resident_per_expert)) if resident_per_expert > 0 else 0
     return BudgetFit(budget, info.min_ram_budget, cache, resident_per_expert, fit, n_experts,
-                     fit / max(1, n_experts))
+                     fit / max(1, n_experts), residency)

@@ -10,6 +10,7 @@ import sys
 
 from moestream.cli.common import add_budget_arg, model_dir, parse_budget
 from moestream.config import format_bytes
+from moestream.engine.residency import ResidencyPlan
 from moestream.info import BudgetFit, ModelInfo, model_info
 
 
@@ -18,7 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Report a checkpoint's architecture, parameters and bytes from its headers.")
     p.add_argument("model", help="checkpoint directory")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    add_budget_arg(p, "; also report how many experts this budget can cache")
+    add_budget_arg(p, "; also print the residency plan (which dense layers stay resident, which stream) and how "
+                      "many experts the rest can cache")
     p.set_defaults(func=cmd_info)
 
 
@@ -53,11 +55,44 @@ def render(i: ModelInfo) -> str:
         f"expert bytes: {format_bytes(i.expert_bytes)} ({i.expert_bytes}), paged on demand",
         f"cold read:    {format_bytes(i.expert_bytes_per_token_cold)} of experts per token with an empty cache "
         f"({moe} layers x {i.top_k} experts)",
-        f"min budget:   {format_bytes(i.min_ram_budget)} (dense + compute scratch + one expert)",
+        f"min budget:   {format_bytes(i.min_ram_budget)} ({i.min_ram_budget}) streaming the dense layers; "
+        f"{format_bytes(i.all_resident_budget)} keeps every dense weight resident",
     ]
     if i.budget is not None:
         lines.append(_budget_line(i.budget))
+        if i.budget.residency is not None:
+            lines += _residency_lines(i.budget.residency)
     return "\n".join(lines) + "\n"
+
+
+def _residency_lines(r: ResidencyPlan) -> list[str]:
+    streamed = r.streamed_layers
+    n = len(r.layers)
+    lines = [f"residency:    {n - len(streamed)} of {n} layers resident ({format_bytes(r.resident_dense_bytes)} "
+             f"of {format_bytes(r.dense_bytes)} dense resident)"]
+    if streamed:
+        lines.append(f"  streamed:   layers {_ranges(streamed)}: {format_bytes(r.streamed_bytes_per_step)} read per "
+                     f"step, two layers in RAM at once ({format_bytes(r.layer_buffer_bytes)})")
+    if r.embed_streamed:
+        lines.append("  embedding:  not resident: the rows of each step's tokens are read from disk")
+    if r.head_streamed:
+        lines.append(f"  lm_head:    not resident: read in slabs of {format_bytes(r.head_slab_bytes)}, the next in "
+                     f"flight ({format_bytes(r.head_bytes or r.embed_bytes)} per step)")
+    lines.append(f"  kept:       {format_bytes(r.pinned_bytes)} of norms, routers and other small tensors always; "
+                 f"expert cache at least {format_bytes(r.min_cache_bytes)}")
+    return lines
+
+
+def _ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    out, start = [], None
+    for i, x in enumerate(ids):
+        if start is None:
+            start = x
+        if i + 1 == len(ids) or ids[i + 1] != x + 1:
+            out.append(f"{start}-{x}" if x > start else f"{x}")
+            start = None
+    return ", ".join(out)
 
 
 def _budget_line(b: BudgetFit) -> str:

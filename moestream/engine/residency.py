@@ -177,6 +177,13 @@ def _choose(parts: _Parts, avail: int, cache: int, head_ok: bool, embed_ok: bool
     return None if best is None else best[1:]
 
 
+def _least_layer_bytes(layers: dict[int, int]) -> int:
+    """The fewest bytes the layers can hold in RAM: for some cap, every layer up to it streams through a double
+    buffer of the cap and the larger ones stay resident."""
+    sizes = sorted({b for b in layers.values() if b > 0})
+    return min([sum(layers.values())] + [sum(b for b in layers.values() if b > c) + 2 * c for c in sizes])
+
+
 def _stream_under(layers: dict[int, int], cap: int, room: int) -> list[int] | None:
     """Layers to stream so that resident layers plus a double buffer of `cap` fit `room`, streaming only layers of
     at most `cap` bytes, the largest first, spread evenly over the stack within a size; None if impossible."""
@@ -209,8 +216,7 @@ def plan_residency(p, budget: int | None, state_room: int = 0) -> ResidencyPlan:
                     + state_room)
     head_ok = table > 2 * parts.head_slab > 0
     embed_ok = parts.embed > parts.embed_rows
-    biggest = max(parts.layers.values(), default=0)
-    floor = p.scratch_bytes + parts.pinned + 2 * biggest + parts.one_expert + state_room
+    floor = p.scratch_bytes + parts.pinned + _least_layer_bytes(parts.layers) + parts.one_expert + state_room
     floor += min(table, 2 * parts.head_slab) if head_ok else table
     if not parts.tied:
         floor += min(parts.embed, parts.embed_rows)
@@ -247,7 +253,8 @@ def _too_small(p, parts: _Parts, budget: int, floor: int, state_room: int) -> st
     return (f"--ram-budget {format_bytes(budget)} ({budget} bytes) is too small even with every dense layer "
             f"streamed: the dense weights are {format_bytes(p.dense_bytes)} ({p.dense_bytes} bytes); streaming "
             f"them still needs {format_bytes(floor)} ({floor} bytes) = small always-resident tensors "
-            f"{format_bytes(parts.pinned)} + two of the largest layer {format_bytes(2 * biggest)} + embedding/"
+            f"{format_bytes(parts.pinned)} + layers and their double buffer "
+            f"{format_bytes(_least_layer_bytes(parts.layers))} (the largest layer is {format_bytes(biggest)}) + embedding/"
             f"head buffers + compute scratch {format_bytes(p.scratch_bytes)} + one expert "
             f"{format_bytes(parts.one_expert)}" + (f" + state room {format_bytes(state_room)}" if state_room else "")
             + f"; raise the budget to at least {floor} bytes")
