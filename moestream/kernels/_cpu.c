@@ -24,13 +24,13 @@
 #define MS_AVX512 0
 #endif
 
-#define MS_ABI 3
+#define MS_ABI 5
 #define TILE_T 8   /* tokens per register tile */
 #define MAX_THREADS 8
 
 #define INLINE static inline __attribute__((always_inline))
 
-static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+static const float E2M1[16] __attribute__((unused)) = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 /* 2^(s - 127) for an E8M0 byte, exact (s = 0 is the subnormal 2^-127; 255 never reaches here). */
@@ -57,43 +57,49 @@ int64_t ms_find_byte(const uint8_t *p, int64_t n, int value) {
 /* ------------------------------------------------------------------------------------------------ bf16 */
 
 #if MS_AVX512
-INLINE __m512 bf16x16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-INLINE __m512 bf16x16_mask(const uint16_t *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+/* x is reordered per 32 inputs: the 16 even inputs, then the 16 odd ones (zero padded to a multiple of 32), so a
+ * 64-byte load of 32 bf16 weights splits into two fp32 vectors with a shift and a mask, no shuffles. */
+static int64_t bf16_stride(int64_t K) { return (K + 31) / 32 * 32; }
+
+static void bf16_prepare(const float *x, int64_t T, int64_t K, float *xp) {
+    const int64_t Kp = bf16_stride(K);
+    for (int64_t t = 0; t < T; t++) {
+        const float *src = x + t * K;
+        float *dst = xp + t * Kp;
+        for (int64_t c = 0; c < Kp; c += 32)
+            for (int i = 0; i < 32; i++) {
+                int64_t k = c + (i < 16 ? 2 * i : 2 * (i - 16) + 1);
+                dst[c + i] = k < K ? src[k] : 0.0f;
+            }
+    }
 }
 
 /* R weight rows (stride K) times TT tokens (stride ldx) -> out[t * ldo + r]. */
 INLINE void bf16_tile(const float *x, int64_t ldx, const uint16_t *w, int64_t K, float *out, int64_t ldo,
                       const int R, const int TT) {
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
     __m512 acc[4][TILE_T];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
         for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        __m512 wv[4];
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512 even[4], odd[4];
+        __mmask32 m = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) wv[r] = bf16x16(w + r * K + k);
-#pragma GCC unroll 8
-        for (int t = 0; t < TT; t++) {
-            __m512 xv = _mm512_loadu_ps(x + t * ldx + k);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
+        for (int r = 0; r < R; r++) {
+            __m512i v = _mm512_maskz_loadu_epi16(m, w + r * K + k);
+            even[r] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            odd[r] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
         }
-    }
-    if (k < K) {
-        __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
-        __m512 wv[4];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) wv[r] = bf16x16_mask(w + r * K + k, m);
 #pragma GCC unroll 8
         for (int t = 0; t < TT; t++) {
-            __m512 xv = _mm512_maskz_loadu_ps(m, x + t * ldx + k);
+            __m512 x0 = _mm512_loadu_ps(x + t * ldx + k), x1 = _mm512_loadu_ps(x + t * ldx + k + 16);
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
+            for (int r = 0; r < R; r++) {
+                acc[r][t] = _mm512_fmadd_ps(even[r], x0, acc[r][t]);
+                acc[r][t] = _mm512_fmadd_ps(odd[r], x1, acc[r][t]);
+            }
         }
     }
 #pragma GCC unroll 4
@@ -115,6 +121,12 @@ static void bf16_block(const float *x, int64_t ldx, int tt, const uint16_t *w, i
     else { BF16_SWITCH(1) }
 }
 #else
+static int64_t bf16_stride(int64_t K) { return K; }
+
+static void bf16_prepare(const float *x, int64_t T, int64_t K, float *xp) {
+    memcpy(xp, x, sizeof(float) * (size_t)(T * K));
+}
+
 static void bf16_block(const float *x, int64_t ldx, int tt, const uint16_t *w, int64_t K, float *out, int64_t ldo,
                        int rows) {
     for (int r = 0; r < rows; r++)
@@ -129,9 +141,9 @@ static void bf16_block(const float *x, int64_t ldx, int tt, const uint16_t *w, i
 /* rows per register block for a token tile of tt: 16 accumulators at most */
 static int rows_for(int tt) { return tt <= 4 ? 4 : 2; }
 
-/* rows [n0, n1) of every token */
-static void bf16_rows(const float *x, int64_t T, int64_t K, const uint16_t *w, int64_t n0, int64_t n1, float *out,
-                      int64_t N) {
+/* rows [n0, n1) of every token; x prepared (row stride ldx) */
+static void bf16_rows(const float *x, int64_t ldx, int64_t T, int64_t K, const uint16_t *w, int64_t n0, int64_t n1,
+                      float *out, int64_t N) {
     int64_t n = n0;
     while (n < n1) {
         int64_t left = n1 - n;
@@ -142,7 +154,7 @@ static void bf16_rows(const float *x, int64_t T, int64_t K, const uint16_t *w, i
             int tt = (int)(T - t0 < TILE_T ? T - t0 : TILE_T);
             int r = rows_for(tt) < step ? rows_for(tt) : step;
             for (int done = 0; done < step; done += r)
-                bf16_block(x + t0 * K, K, tt, w + (n + done) * K, K, out + t0 * N + n + done, N, r);
+                bf16_block(x + t0 * ldx, ldx, tt, w + (n + done) * K, K, out + t0 * N + n + done, N, r);
         }
         n += step;
     }
@@ -150,111 +162,154 @@ static void bf16_rows(const float *x, int64_t T, int64_t K, const uint16_t *w, i
 
 /* ----------------------------------------------------------------------------------------------- MXFP4 */
 
-/* x rows of K inputs reordered so that each block of 32 lists its 16 low-nibble inputs, then its 16 high-nibble
- * inputs (the gguf order already is that). */
-static void permute_low_first(const float *x, int64_t T, int64_t K, float *xp) {
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t b = 0; b < K; b += 32) {
-            const float *src = x + t * K + b;
-            float *dst = xp + t * K + b;
-            for (int j = 0; j < 16; j++) {
-                dst[j] = src[2 * j];
-                dst[16 + j] = src[2 * j + 1];
-            }
-        }
-}
+/* index of the input that nibble `hi` of byte j of a block holds */
+static int mx_input(int layout, int j, int hi) { return layout == 0 ? 2 * j + hi : j + 16 * hi; }
 
 #if MS_AVX512
-static float SCALE[256];
-__attribute__((constructor)) static void init_scales(void) {
-    for (int s = 0; s < 256; s++) SCALE[s] = e8m0((uint8_t)s);
+/* Four blocks (64 packed bytes, one per 128-bit lane) decode at a time: two in-lane byte lookups give each code's
+ * bf16 bytes (E2M1 values are exact in bf16), byte unpacks make bf16 words, a shift and a mask make fp32. x is
+ * reordered once per call to the order that yields (zero padded to whole groups of four blocks). */
+#define MX_GROUP 128
+
+static int64_t mx_stride(int64_t K) { return (K / 32 + 3) / 4 * MX_GROUP; }
+
+static void mx_prepare(const float *x, int64_t T, int64_t K, int layout, float *xp) {
+    int order[MX_GROUP]; /* position in the decoded group -> input offset within the group */
+    for (int i = 0; i < 8; i++)         /* vector i: 0..3 from low nibbles, 4..7 from high */
+        for (int b = 0; b < 4; b++)     /* lane = block */
+            for (int d = 0; d < 4; d++) { /* element in the lane */
+                int v = i & 3, j = (v >> 1) * 8 + (v & 1) + 2 * d;
+                order[i * 16 + b * 4 + d] = b * 32 + mx_input(layout, j, i >= 4);
+            }
+    const int64_t Kp = mx_stride(K);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t g = 0; g < Kp; g += MX_GROUP)
+            for (int i = 0; i < MX_GROUP; i++) {
+                int64_t k = g + order[i];
+                xp[t * Kp + g + i] = k < K ? x[t * K + k] : 0.0f;
+            }
 }
 
 INLINE void mx_tile(const float *xp, int64_t ldx, const uint8_t *p, const uint8_t *s, int64_t K, float *out,
-                    int64_t ldo, const int R, const int TT) {
-    const __m512 table = _mm512_loadu_ps(E2M1);
-    const int64_t half = K / 2, nb = K / 32;
-    __m512 acc[4][TILE_T];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
+                    int64_t ldo, const int TT) {
+    const __m512i hb = _mm512_broadcast_i32x4(_mm_setr_epi8(0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
+        (char)0x80, (char)0xBF, (char)0xBF, (char)0xBF, (char)0xC0, (char)0xC0, (char)0xC0, (char)0xC0));
+    const __m512i sb = _mm512_broadcast_i32x4(_mm_setr_epi8(0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40,
+        (char)0x80, (char)0xC0, 0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0));
+    const __m512i nib = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512i lane_byte = _mm512_set_epi32(
+        (int)0x80808003u, (int)0x80808003u, (int)0x80808003u, (int)0x80808003u, (int)0x80808002u, (int)0x80808002u,
+        (int)0x80808002u, (int)0x80808002u, (int)0x80808001u, (int)0x80808001u, (int)0x80808001u, (int)0x80808001u,
+        (int)0x80808000u, (int)0x80808000u, (int)0x80808000u, (int)0x80808000u);
+    const __m512i tiny = _mm512_set1_epi32(1 << 22); /* scale byte 0: 2^-127, a subnormal */
+    const int64_t nb = K / 32;
+    __m512 acc[TILE_T];
 #pragma GCC unroll 8
-        for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m512 lo[4], hi[4];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + r * half + b * 16)));
-            __m512 tab = _mm512_mul_ps(table, _mm512_set1_ps(SCALE[s[r * nb + b]]));
-            lo[r] = _mm512_permutexvar_ps(v, tab); /* the permute reads the low 4 bits of each lane */
-            hi[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tab);
+    for (int t = 0; t < TT; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0, g = 0; b < nb; b += 4, g += MX_GROUP) {
+        int64_t rem = nb - b;
+        __m512i v;
+        uint32_t sc = 0;
+        if (rem >= 4) {
+            v = _mm512_loadu_si512((const void *)(p + b * 16));
+            memcpy(&sc, s + b, 4);
+        } else {
+            v = _mm512_maskz_loadu_epi8((__mmask64)((1ull << (16 * rem)) - 1), p + b * 16);
+            for (int64_t i = 0; i < rem; i++) sc |= (uint32_t)s[b + i] << (8 * i);
         }
-#pragma GCC unroll 8
-        for (int t = 0; t < TT; t++) {
-            __m512 x0 = _mm512_loadu_ps(xp + t * ldx + b * 32);
-            __m512 x1 = _mm512_loadu_ps(xp + t * ldx + b * 32 + 16);
+        __m512i bits = _mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32((int)sc), lane_byte), 23);
+        __m512 scale = _mm512_castsi512_ps(_mm512_max_epi32(bits, tiny));
+        __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        __m512i w[8];
+        __m512i h = _mm512_shuffle_epi8(hb, lo), l = _mm512_shuffle_epi8(sb, lo);
+        w[0] = _mm512_unpacklo_epi8(l, h);
+        w[2] = _mm512_unpackhi_epi8(l, h);
+        h = _mm512_shuffle_epi8(hb, hi);
+        l = _mm512_shuffle_epi8(sb, hi);
+        w[4] = _mm512_unpacklo_epi8(l, h);
+        w[6] = _mm512_unpackhi_epi8(l, h);
+        __m512 f[8];
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                acc[r][t] = _mm512_fmadd_ps(lo[r], x0, acc[r][t]);
-                acc[r][t] = _mm512_fmadd_ps(hi[r], x1, acc[r][t]);
+        for (int i = 0; i < 8; i += 2) {
+            f[i] = _mm512_castsi512_ps(_mm512_slli_epi32(w[i], 16));
+            f[i + 1] = _mm512_castsi512_ps(_mm512_and_si512(w[i], high));
+        }
+        if (TT >= 3) { /* scale the weights once for all tokens */
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) f[i] = _mm512_mul_ps(f[i], scale);
+#pragma GCC unroll 8
+            for (int t = 0; t < TT; t++) {
+                const float *xt = xp + t * ldx + g;
+#pragma GCC unroll 8
+                for (int i = 0; i < 8; i++) acc[t] = _mm512_fmadd_ps(f[i], _mm512_loadu_ps(xt + 16 * i), acc[t]);
+            }
+        } else { /* few tokens: scale each token's partial sums */
+#pragma GCC unroll 2
+            for (int t = 0; t < TT; t++) {
+                const float *xt = xp + t * ldx + g;
+                __m512 p0 = _mm512_mul_ps(f[0], _mm512_loadu_ps(xt));
+                __m512 p1 = _mm512_mul_ps(f[1], _mm512_loadu_ps(xt + 16));
+#pragma GCC unroll 3
+                for (int i = 2; i < 8; i += 2) {
+                    p0 = _mm512_fmadd_ps(f[i], _mm512_loadu_ps(xt + 16 * i), p0);
+                    p1 = _mm512_fmadd_ps(f[i + 1], _mm512_loadu_ps(xt + 16 * i + 16), p1);
+                }
+                acc[t] = _mm512_fmadd_ps(_mm512_add_ps(p0, p1), scale, acc[t]);
             }
         }
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-        for (int t = 0; t < TT; t++) out[t * ldo + r] = _mm512_reduce_add_ps(acc[r][t]);
+    for (int t = 0; t < TT; t++) out[t * ldo] = _mm512_reduce_add_ps(acc[t]);
 }
 
-#define MX_CASE(R, TT) \
-    case TT: mx_tile(xp, ldx, p, s, K, out, ldo, R, TT); break;
-#define MX_SWITCH(R)                                                                                \
-    switch (tt) { MX_CASE(R, 1) MX_CASE(R, 2) MX_CASE(R, 3) MX_CASE(R, 4) MX_CASE(R, 5) MX_CASE(R, 6) \
-                  MX_CASE(R, 7) MX_CASE(R, 8) }
+#define MX_CASE(TT) \
+    case TT: mx_tile(xp, ldx, p, s, K, out, ldo, TT); break;
 
-static void mx_block(const float *xp, int64_t ldx, int tt, const uint8_t *p, const uint8_t *s, int64_t K,
-                     float *out, int64_t ldo, int rows) {
-    if (rows == 4) { MX_SWITCH(4) }
-    else if (rows == 2) { MX_SWITCH(2) }
-    else { MX_SWITCH(1) }
+static void mx_row(const float *xp, int64_t ldx, int tt, const uint8_t *p, const uint8_t *s, int64_t K, float *out,
+                   int64_t ldo) {
+    switch (tt) { MX_CASE(1) MX_CASE(2) MX_CASE(3) MX_CASE(4) MX_CASE(5) MX_CASE(6) MX_CASE(7) MX_CASE(8) }
 }
 #else
-static void mx_block(const float *xp, int64_t ldx, int tt, const uint8_t *p, const uint8_t *s, int64_t K,
-                     float *out, int64_t ldo, int rows) {
-    const int64_t half = K / 2, nb = K / 32;
-    for (int r = 0; r < rows; r++)
-        for (int t = 0; t < tt; t++) {
-            float acc = 0.0f;
-            for (int64_t b = 0; b < nb; b++) {
-                float scale = e8m0(s[r * nb + b]);
-                const uint8_t *q = p + r * half + b * 16;
-                const float *xb = xp + t * ldx + b * 32;
-                for (int j = 0; j < 16; j++) {
-                    acc += (E2M1[q[j] & 15] * scale) * xb[j];
-                    acc += (E2M1[q[j] >> 4] * scale) * xb[16 + j];
-                }
+/* x reordered so that each block of 32 lists the inputs of its bytes' low nibbles, then of their high nibbles */
+static int64_t mx_stride(int64_t K) { return K; }
+
+static void mx_prepare(const float *x, int64_t T, int64_t K, int layout, float *xp) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t b = 0; b < K; b += 32)
+            for (int j = 0; j < 16; j++) {
+                xp[t * K + b + j] = x[t * K + b + mx_input(layout, j, 0)];
+                xp[t * K + b + 16 + j] = x[t * K + b + mx_input(layout, j, 1)];
             }
-            out[t * ldo + r] = acc;
+}
+
+static void mx_row(const float *xp, int64_t ldx, int tt, const uint8_t *p, const uint8_t *s, int64_t K, float *out,
+                   int64_t ldo) {
+    const int64_t nb = K / 32;
+    for (int t = 0; t < tt; t++) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            float scale = e8m0(s[b]);
+            const uint8_t *q = p + b * 16;
+            const float *xb = xp + t * ldx + b * 32;
+            for (int j = 0; j < 16; j++) {
+                acc += (E2M1[q[j] & 15] * scale) * xb[j];
+                acc += (E2M1[q[j] >> 4] * scale) * xb[16 + j];
+            }
         }
+        out[t * ldo] = acc;
+    }
 }
 #endif
 
-static void mx_rows(const float *xp, int64_t T, int64_t K, const uint8_t *p, const uint8_t *s, int64_t n0,
-                    int64_t n1, float *out, int64_t N) {
+/* rows [n0, n1) of every token; x prepared (row stride ldx) */
+static void mx_rows(const float *xp, int64_t ldx, int64_t T, int64_t K, const uint8_t *p, const uint8_t *s,
+                    int64_t n0, int64_t n1, float *out, int64_t N) {
     const int64_t half = K / 2, nb = K / 32;
-    int64_t n = n0;
-    while (n < n1) {
-        int64_t left = n1 - n;
-        int step = rows_for(T < TILE_T ? (int)T : TILE_T);
-        if (left < step) step = left >= 2 ? 2 : 1;
+    for (int64_t n = n0; n < n1; n++)
         for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
             int tt = (int)(T - t0 < TILE_T ? T - t0 : TILE_T);
-            int r = rows_for(tt) < step ? rows_for(tt) : step;
-            for (int done = 0; done < step; done += r)
-                mx_block(xp + t0 * K, K, tt, p + (n + done) * half, s + (n + done) * nb, K,
-                         out + t0 * N + n + done, N, r);
+            mx_row(xp + t0 * ldx, ldx, tt, p + n * half, s + n * nb, K, out + t0 * N + n, N);
         }
-        n += step;
-    }
 }
 
 /* ------------------------------------------------------------------------------------------ thread pool */
@@ -376,18 +431,18 @@ static void split(int64_t N, int part, int parts, int64_t *n0, int64_t *n1) {
 /* ------------------------------------------------------------------------------------------- entry points */
 
 typedef struct {
-    const float *x; int64_t T, K; const uint16_t *w; int64_t N; float *out;
+    const float *x; int64_t ldx, T, K; const uint16_t *w; int64_t N; float *out;
 } bf16_job;
 
 static void bf16_part(void *arg, int part, int parts) {
     bf16_job *j = arg;
     int64_t n0, n1;
     split(j->N, part, parts, &n0, &n1);
-    bf16_rows(j->x, j->T, j->K, j->w, n0, n1, j->out, j->N);
+    bf16_rows(j->x, j->ldx, j->T, j->K, j->w, n0, n1, j->out, j->N);
 }
 
 /* out[T, N] = x[T, K] (contiguous fp32) @ w[N, K]^T (contiguous bf16); work splits over ms_set_threads threads
- * when there are at least `min_rows_per_thread` rows per thread. */
+ * when there are at least `min_rows_per_thread` rows per thread. Returns 0, or -1 when out of memory. */
 int ms_linear_bf16(const float *x, int64_t T, int64_t K, const uint16_t *w, int64_t N, float *out,
                    int64_t min_rows_per_thread) {
     if (T <= 0 || N <= 0) return 0;
@@ -395,15 +450,20 @@ int ms_linear_bf16(const float *x, int64_t T, int64_t K, const uint16_t *w, int6
         memset(out, 0, sizeof(float) * (size_t)(T * N));
         return 0;
     }
-    bf16_job j = {x, T, K, w, N, out};
+    const int64_t ldx = bf16_stride(K);
+    float *xp = malloc(sizeof(float) * (size_t)(T * ldx));
+    if (!xp) return -1;
+    bf16_prepare(x, T, K, xp);
+    bf16_job j = {xp, ldx, T, K, w, N, out};
     int parts = pool_parts;
     while (parts > 1 && N / parts < min_rows_per_thread) parts--;
     pool_run(bf16_part, &j, parts);
+    free(xp);
     return 0;
 }
 
 typedef struct {
-    int64_t E, N, K;
+    int64_t E, N, K, ldx;
     const float **x; const int64_t *T; const uint8_t **p; const uint8_t **s; float **out;
 } mx_job;
 
@@ -412,38 +472,45 @@ static void mx_part(void *arg, int part, int parts) {
     int64_t n0, n1;
     split(j->N, part, parts, &n0, &n1);
     for (int64_t e = 0; e < j->E; e++)
-        if (j->T[e] > 0) mx_rows(j->x[e], j->T[e], j->K, j->p[e], j->s[e], n0, n1, j->out[e], j->N);
+        if (j->T[e] > 0) mx_rows(j->x[e], j->ldx, j->T[e], j->K, j->p[e], j->s[e], n0, n1, j->out[e], j->N);
 }
 
 /* For e < E: out[e][T[e], N] = x[e][T[e], K] @ W_e^T, W_e the MXFP4 weight (p[e], s[e]) of N rows; K % 32 == 0.
- * All pointer arrays are int64 addresses. Returns 0, or -1 when out of memory. */
+ * All pointer arrays are int64 addresses. With check255, first looks for a 0xFF scale byte (NaN in E8M0) in every
+ * entry's scales and returns 1 + the first such entry without computing anything. Returns 0, or -1 when out of
+ * memory. */
 int ms_linear_mxfp4(int64_t E, const int64_t *xs, const int64_t *Ts, const int64_t *ps, const int64_t *ss,
-                    const int64_t *outs, int64_t N, int64_t K, int layout, int64_t min_rows_per_thread) {
+                    const int64_t *outs, int64_t N, int64_t K, int layout, int64_t min_rows_per_thread,
+                    int check255) {
     if (E <= 0 || N <= 0) return 0;
-    int64_t total = 0;
-    for (int64_t e = 0; e < E; e++) total += Ts[e] > 0 ? Ts[e] : 0;
+    if (check255)
+        for (int64_t e = 0; e < E; e++)
+            if ((e == 0 || ss[e] != ss[e - 1]) && ms_find_byte((const uint8_t *)(intptr_t)ss[e], N * (K / 32), 255) >= 0)
+                return (int)(1 + e);
     if (K <= 0) {
         for (int64_t e = 0; e < E; e++)
             if (Ts[e] > 0) memset((void *)(intptr_t)outs[e], 0, sizeof(float) * (size_t)(Ts[e] * N));
         return 0;
     }
-    void *mem = malloc((size_t)E * 2 * sizeof(void *) + (layout == 0 ? sizeof(float) * (size_t)(total * K) : 0) + 64);
+    const int64_t ldx = mx_stride(K);
+    int64_t total = 0;
+    for (int64_t e = 0; e < E; e++) total += Ts[e] > 0 ? Ts[e] : 0;
+    void *mem = malloc((size_t)E * sizeof(void *) + sizeof(float) * (size_t)(total * ldx) + 64);
     if (!mem) return -1;
     const float **x = mem;
-    float *xp = (float *)((char *)mem + (size_t)E * 2 * sizeof(void *));
+    float *xp = (float *)(((uintptr_t)mem + (size_t)E * sizeof(void *) + 63) & ~(uintptr_t)63);
     for (int64_t e = 0; e < E; e++) {
-        const float *src = (const float *)(intptr_t)xs[e];
-        if (layout != 0 || Ts[e] <= 0) {
-            x[e] = src;
+        if (Ts[e] <= 0) {
+            x[e] = NULL;
         } else if (e > 0 && xs[e] == xs[e - 1] && Ts[e] == Ts[e - 1]) {
-            x[e] = x[e - 1]; /* the same input for several weights: permuted once */
+            x[e] = x[e - 1]; /* the same input for several weights: prepared once */
         } else {
-            permute_low_first(src, Ts[e], K, xp);
+            mx_prepare((const float *)(intptr_t)xs[e], Ts[e], K, layout, xp);
             x[e] = xp;
-            xp += Ts[e] * K;
+            xp += Ts[e] * ldx;
         }
     }
-    mx_job j = {E, N, K, x, Ts, (const uint8_t **)ps, (const uint8_t **)ss, (float **)outs};
+    mx_job j = {E, N, K, ldx, x, Ts, (const uint8_t **)ps, (const uint8_t **)ss, (float **)outs};
     int parts = pool_parts;
     while (parts > 1 && N / parts < min_rows_per_thread) parts--;
     pool_run(mx_part, &j, parts);

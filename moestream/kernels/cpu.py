@@ -35,7 +35,7 @@ DEFAULT_THREADS = 1
 MIN_ROWS_PER_THREAD = 256
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
-_ABI = 3
+_ABI = 5
 _SOURCE = Path(__file__).with_name("_cpu.c")
 _LAYOUTS = {"low_first": 0, "gguf": 1}
 
@@ -98,7 +98,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_find_byte.restype = i64
     lib.ms_linear_bf16.argtypes = [p, i64, i64, p, i64, p, i64]
     lib.ms_linear_bf16.restype = ctypes.c_int
-    lib.ms_linear_mxfp4.argtypes = [i64, p, p, p, p, p, i64, i64, ctypes.c_int, i64]
+    lib.ms_linear_mxfp4.argtypes = [i64, p, p, p, p, p, i64, i64, ctypes.c_int, i64, ctypes.c_int]
     lib.ms_linear_mxfp4.restype = ctypes.c_int
     lib.ms_set_threads.argtypes = [ctypes.c_int]
     lib.ms_get_threads.restype = ctypes.c_int
@@ -197,11 +197,13 @@ def linear_bf16(x: Tensor, w: Tensor, min_rows_per_thread: int = MIN_ROWS_PER_TH
     if w.dtype != torch.bfloat16 or w.dim() != 2:
         raise ValueError(f"linear_bf16 wants a 2-D bfloat16 weight, got {tuple(w.shape)} {w.dtype}")
     n, k = w.shape
-    x2 = _rows(x, k)
-    w = w.contiguous()
+    x2 = x if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == k else _rows(x, k)
+    if not w.is_contiguous():
+        w = w.contiguous()
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    handle.ms_linear_bf16(x2.data_ptr(), x2.shape[0], k, w.data_ptr(), n, out.data_ptr(), min_rows_per_thread)
-    return out.view(*x.shape[:-1], n)
+    if handle.ms_linear_bf16(x2.data_ptr(), x2.shape[0], k, w.data_ptr(), n, out.data_ptr(), min_rows_per_thread):
+        raise MemoryError("native bf16 kernel could not allocate its input scratch")
+    return out if x2 is x else out.view(*x.shape[:-1], n)
 
 
 def find_byte(t: Tensor, value: int) -> int:
@@ -239,7 +241,7 @@ def linear_mxfp4_many(xs: Sequence[Tensor], weights: Sequence[tuple[Tensor, Tens
                                   _addresses([p.data_ptr() for p, _ in weights]),
                                   _addresses([s.data_ptr() for _, s in weights]),
                                   _addresses([o.data_ptr() for o in outs]), n, k, _LAYOUTS[layout],
-                                  min_rows_per_thread)
+                                  min_rows_per_thread, 0)
     if code != 0:
         raise MemoryError("native MXFP4 kernel could not allocate its input scratch")
     return outs
@@ -247,5 +249,35 @@ def linear_mxfp4_many(xs: Sequence[Tensor], weights: Sequence[tuple[Tensor, Tens
 
 def linear_mxfp4(x: Tensor, packed: Tensor, scales: Tensor, layout: str = "low_first",
                  min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> Tensor:
-    """x [T, K] @ W^T for one checked MXFP4 weight (see linear_mxfp4_many), float32 [T, N]."""
-    return linear_mxfp4_many([x], [(packed, scales)], layout, min_rows_per_thread)[0]
+    """x [T, K] @ W^T for one checked, contiguous MXFP4 weight (see linear_mxfp4_many), float32 [T, N]."""
+    handle = lib()
+    if handle is None:
+        raise RuntimeError(reason())
+    n, k = packed.shape[0], packed.shape[1] * 2
+    x2 = x if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == k else _rows(x, k)
+    if not (packed.is_contiguous() and scales.is_contiguous()) or scales.shape != (n, k // 32):
+        raise ValueError("linear_mxfp4 wants contiguous packed [N, K/2] and scales [N, K/32]")
+    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    one = ctypes.c_int64
+    if handle.ms_linear_mxfp4(1, ctypes.byref(one(x2.data_ptr())), ctypes.byref(one(x2.shape[0])),
+                              ctypes.byref(one(packed.data_ptr())), ctypes.byref(one(scales.data_ptr())),
+                              ctypes.byref(one(out.data_ptr())), n, k, _LAYOUTS[layout], min_rows_per_thread, 0):
+        raise MemoryError("native MXFP4 kernel could not allocate its input scratch")
+    return out
+
+
+def linear_mxfp4_ptrs(xs: Sequence[int], tokens: Sequence[int], packed: Sequence[int], scales: Sequence[int],
+                      outs: Sequence[int], n: int, k: int, layout: str = "low_first",
+                      min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> int:
+    """The raw batched call: for each entry e, outs[e] [tokens[e], n] = xs[e] [tokens[e], k] @ W_e^T, every
+    argument a data_ptr (contiguous float32 x and out, packed uint8 [n, k/2], scales uint8 [n, k/32]). The
+    caller keeps the tensors alive. Looks for 0xFF scale bytes first: returns -1 when all is done, else the index
+    of the first entry with one (nothing computed; raise with quant's error)."""
+    handle = lib()
+    if handle is None:
+        raise RuntimeError(reason())
+    code = handle.ms_linear_mxfp4(len(xs), _addresses(xs), _addresses(tokens), _addresses(packed),
+                                  _addresses(scales), _addresses(outs), n, k, _LAYOUTS[layout], min_rows_per_thread, 1)
+    if code < 0:
+        raise MemoryError("native MXFP4 kernel could not allocate its input scratch")
+    return code - 1

@@ -10,7 +10,9 @@ from typing import Callable
 
 import torch
 
-from moestream.kernels.quant import GROUP_DECODE_BYTES, mxfp4_decode_planes, mxfp4_linear, mxfp4_permute_input
+from moestream.kernels import cpu
+from moestream.kernels.quant import (GROUP_DECODE_BYTES, check_mxfp4_scales, mxfp4_decode_planes, mxfp4_linear,
+                                     mxfp4_permute_input)
 from moestream.models.blocks import glu_mlp, linear, rms_norm, sigmoid_topk, situ_glu
 
 Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -58,11 +60,71 @@ def _all_rows(zp, ids, weights, experts, w13, w2, act, out) -> None:
     out += torch.einsum("tn,ntl->tl", mix, y)
 
 
+def _native_group(z, ids, weights, experts, tensors, act, out) -> None:
+    """Each row through its routed experts only, all of the group's experts in two native calls (w1 and w3 of
+    every expert, then w2 of every expert) straight from the packed bytes: rows are sorted by expert so that each
+    expert's rows are one contiguous slice."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    sorted_ids = flat[order].tolist()
+    slot = {e: j for j, e in enumerate(experts)}
+    pick, spans = [], []  # positions in `order` of the group's experts; (expert slot, first row, rows)
+    i, total = 0, len(sorted_ids)
+    while i < total:
+        e, start = sorted_ids[i], i
+        while i < total and sorted_ids[i] == e:
+            i += 1
+        if e in slot:
+            spans.append((slot[e], len(pick), i - start))
+            pick.extend(range(start, i))
+    sel = order[torch.tensor(pick, dtype=torch.long)]
+    rows = sel // k
+    zr = z.index_select(0, rows).float().contiguous()  # [R, latent], grouped by expert
+    t0 = tensors[0]
+    inter, latent = t0["w1_packed"].shape[0], t0["w1_packed"].shape[1] * 2
+    parts = [{n: t[n] if t[n].is_contiguous() else t[n].contiguous() for n in _PARTS} for t in tensors]
+    gate_up = torch.empty(2, len(pick), inter, dtype=torch.float32)
+    y = torch.empty(len(pick), latent, dtype=torch.float32)
+    zp, gp, up, yp = zr.data_ptr(), gate_up[0].data_ptr(), gate_up[1].data_ptr(), y.data_ptr()
+    xs, ts, ps, ss, outs, who = [], [], [], [], [], []
+    for j, start, count in spans:
+        for w, base in (("w1", gp), ("w3", up)):
+            xs.append(zp + start * latent * 4)
+            ts.append(count)
+            ps.append(parts[j][f"{w}_packed"].data_ptr())
+            ss.append(parts[j][f"{w}_scale"].data_ptr())
+            outs.append(base + start * inter * 4)
+            who.append(parts[j][f"{w}_scale"])
+    bad = cpu.linear_mxfp4_ptrs(xs, ts, ps, ss, outs, inter, latent)
+    if bad >= 0:
+        check_mxfp4_scales(who[bad])  # raises the 0xFF scale error
+    h = act(gate_up[0], gate_up[1]).float().contiguous()  # [R, inter]
+    hp = h.data_ptr()
+    xs = [hp + start * inter * 4 for _, start, _ in spans]
+    outs = [yp + start * latent * 4 for _, start, _ in spans]
+    ps = [parts[j]["w2_packed"].data_ptr() for j, _, _ in spans]
+    ss = [parts[j]["w2_scale"].data_ptr() for j, _, _ in spans]
+    bad = cpu.linear_mxfp4_ptrs(xs, [c for _, _, c in spans], ps, ss, outs, latent, inter)
+    if bad >= 0:
+        check_mxfp4_scales(parts[spans[bad][0]]["w2_scale"])
+    out.index_add_(0, rows, y * weights.reshape(-1)[sel].float().unsqueeze(-1))
+
+
+_PARTS = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")
+NATIVE_GROUP_MAX_ROWS = 64  # up to this many rows per step the grouped experts use the native kernels (if available)
+
+
 def mxfp4_group(act: Act):
-    """Several resident MXFP4 experts in one go: their packed w1/w3 and w2 are decoded together (in groups that fit
-    GROUP_DECODE_BYTES), then each expert's rows multiply its slice. Declines experts too big for the scratch."""
+    """Several resident MXFP4 experts in one go. With the native kernels (small steps): each row through its routed
+    experts, two native calls for the whole group. Otherwise their packed w1/w3 and w2 are decoded together (in
+    groups that fit GROUP_DECODE_BYTES), then each expert's rows multiply its slice. Declines experts too big for
+    the scratch."""
 
     def run(z, ids, weights, experts, tensors, out) -> bool:
+        if z.shape[0] <= NATIVE_GROUP_MAX_ROWS and cpu.available():
+            _native_group(z, ids, weights, experts, tensors, act, out)
+            return True
         t0 = tensors[0]
         inter, latent = t0["w1_packed"].shape[0], t0["w1_packed"].shape[1] * 2
         per = 3 * inter * latent * 4
