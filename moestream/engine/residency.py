@@ -10,6 +10,7 @@ Small tensors (norms, biases, routers, vectors) are always resident: they are us
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -17,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from moestream.config import format_bytes
-from moestream.errors import BudgetError
+from moestream.errors import BudgetError, CheckpointError
 from moestream.models.blocks import UPCAST_CHUNK_BYTES, linear
 from moestream.weights.index import CheckpointIndex, TensorInfo, read_range
 
@@ -27,6 +28,9 @@ HEAD_SLAB_BYTES = 64 << 20  # one lm_head slab read while the previous one compu
 EMBED_ROWS_BYTES = 4 << 20  # the most embedding rows read in one go when the table is not resident
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _ROUTERS = (".gate.weight", ".router.weight")  # run by the expert lookahead one layer early: never streamed
+GAP_BYTES = 256 << 10  # tensors of a layer closer than this in a shard are read in one call (the gap is discarded)
+READ_BYTES = 4 << 20  # one read in flight on a reader thread
+READ_THREADS = 4
 
 
 def layer_of(name: str) -> int | None:
@@ -266,6 +270,57 @@ def _buffer(storage) -> ctypes.Array:
     return (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
 
 
+def _runs(items: list[tuple[torch.Tensor, TensorInfo]]) -> list[list[tuple[torch.Tensor, TensorInfo]]]:
+    """Tensors grouped into runs: same shard, in offset order, gaps under GAP_BYTES."""
+    runs: list[list[tuple[torch.Tensor, TensorInfo]]] = []
+    for t, info in sorted(items, key=lambda ti: (str(ti[1].file), ti[1].offset)):
+        last = runs[-1][-1][1] if runs else None
+        if (last is not None and last.file == info.file and last.offset + last.nbytes <= info.offset
+                <= last.offset + last.nbytes + GAP_BYTES):
+            runs[-1].append((t, info))
+        else:
+            runs.append([(t, info)])
+    return runs
+
+
+def _pieces(offset: int, views: list[memoryview], size: int) -> list[tuple[int, list[memoryview]]]:
+    """Consecutive byte views starting at `offset` cut into (offset, views) pieces of about `size` bytes."""
+    out, cur, cur_off, cur_len = [], [], offset, 0
+    for v in views:
+        while len(v):
+            take = min(len(v), size - cur_len)
+            cur.append(v[:take])
+            v, cur_len = v[take:], cur_len + take
+            if cur_len == size:
+                out.append((cur_off, cur))
+                cur_off, cur, cur_len = cur_off + cur_len, [], 0
+    if cur:
+        out.append((cur_off, cur))
+    return out
+
+
+def _scatter_read(path, offset: int, nbytes: int, buffers: list) -> None:
+    """preadv of [offset, offset + nbytes) into consecutive buffers (partial reads resumed); pages dropped after."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while views:
+            n = os.preadv(fd, views, offset + done)
+            if n <= 0:
+                raise CheckpointError(f"{path}: unexpected end of file at byte {offset + done}")
+            done += n
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if views and n:
+                views[0] = views[0][n:]
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def _empty_placeholder(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A tensor of `shape` whose storage holds no bytes until its layer is read (pages are never touched)."""
     t = torch.empty(shape, dtype=dtype)
@@ -288,8 +343,8 @@ class DenseStreamer:
         self.tensors: dict[str, torch.Tensor] = {}
         self.by_layer: dict[int, list[tuple[torch.Tensor, TensorInfo]]] = {l: [] for l in self.order}
         self.present: set[int] = set()
-        self.pending: dict[int, Future] = {}
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="moestream-dense")
+        self.pending: dict[int, list[Future]] = {}
+        self.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="moestream-dense")
         self.bytes_read = 0
         self.layer_bytes = {lr.layer: lr.bytes for lr in plan.layers}
         self._table = None
@@ -324,28 +379,43 @@ class DenseStreamer:
         return self.order[0] if self.order else None
 
     def _start(self, layer: int) -> None:
+        """Allocate a layer's tensors and queue their reads: one scatter read per run of nearby tensors in a shard,
+        cut into pieces of READ_BYTES spread over the reader threads (a read waits for latency before bandwidth;
+        several in flight hide it)."""
         if layer in self.present or layer in self.pending or not self.by_layer.get(layer):
             return
-        nbytes = sum(info.nbytes for _, info in self.by_layer[layer])
-        self.memory.add_stream(nbytes)
-        self.pending[layer] = self.pool.submit(self._read, self.by_layer[layer])
-
-    def _read(self, items: list[tuple[torch.Tensor, TensorInfo]]) -> None:
+        items = self.by_layer[layer]
+        self.memory.add_stream(sum(info.nbytes for _, info in items))
         for t, info in items:
-            storage = t.untyped_storage()
-            storage.resize_(info.nbytes)
-            read_range(info.file, info.offset, info.nbytes, out=_buffer(storage))
+            t.untyped_storage().resize_(info.nbytes)
+        futures = []
+        for run in _runs(items):
+            file, pos = run[0][1].file, run[0][1].offset
+            views = []
+            for t, info in run:
+                if info.offset > pos:
+                    views.append(memoryview(bytearray(info.offset - pos)))  # a small tensor in between: discarded
+                views.append(memoryview(_buffer(t.untyped_storage())).cast("B"))
+                pos = info.offset + info.nbytes
+            for offset, piece in _pieces(run[0][1].offset, views, READ_BYTES):
+                futures.append(self.pool.submit(_scatter_read, file, offset, sum(len(v) for v in piece), piece))
+        self.pending[layer] = futures
 
     def _wait(self, layer: int) -> None:
-        fut = self.pending.pop(layer, None)
-        if fut is not None:
+        futures = self.pending.pop(layer, None)
+        if futures is None:
+            return
+        error = None
+        for fut in futures:  # every piece finishes (or fails) before the storage may be freed
             try:
                 fut.result()
-            except BaseException:
-                self._drop(layer)
-                raise
-            self.present.add(layer)
-            self.bytes_read += sum(info.nbytes for _, info in self.by_layer[layer])
+            except BaseException as e:
+                error = error or e
+        self.present.add(layer)
+        if error is not None:
+            self._drop(layer)
+            raise error
+        self.bytes_read += sum(info.nbytes for _, info in self.by_layer[layer])
 
     def _drop(self, layer: int) -> None:
         nbytes = 0
