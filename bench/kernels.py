@@ -2,6 +2,7 @@
 
 Usage: python bench/kernels.py --rows 3072 --cols 3584 --tokens 1 8 [--chunks 64 128 256] [--baseline]
        python bench/kernels.py --native [--shapes 768x2048 2048x768 3072x3584] [--tokens 1 8] [--thread-counts 1 2]
+                               [--p10]
 --native prints the native kernels (moestream.kernels.cpu) and the torch paths side by side, each shape, token
 count and thread count measured back to back in one process (torch.set_num_threads and cpu.set_threads alike).
 Every weight is cycled through enough copies to exceed the last-level cache, so rates are streaming rates.
@@ -40,6 +41,8 @@ def parse_args() -> argparse.Namespace:
                         help="ROWSxCOLS weights for --native (demo model experts: 128x128)")
     parser.add_argument("--thread-counts", type=int, nargs="+", default=[1, 2], help="threads for --native")
     parser.add_argument("--formats", nargs="+", default=["bf16", "mxfp4"], help="weight formats for --native")
+    parser.add_argument("--p10", action="store_true",
+                        help="--native: 10th percentile of single-call wall times (free cores) instead of best mean")
     return parser.parse_args()
 
 
@@ -66,6 +69,20 @@ def rate(fn: Callable[[int], object], copies: int, seconds: float,
     return 1.0 / best
 
 
+def rate_p10(fn: Callable[[int], object], copies: int, seconds: float) -> float:
+    """Calls per second from the 10th percentile of single-call wall times: on a shared machine, the calls that
+    found their cores free (what a dedicated machine would see)."""
+    fn(0)
+    times: list[float] = []
+    begin = time.perf_counter()
+    while len(times) < max(20, min(copies, 8)) or time.perf_counter() - begin < seconds:
+        t = time.perf_counter()
+        fn(len(times) % copies)
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return 1.0 / times[len(times) // 10]
+
+
 def lut_baseline(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, rows: int = 256) -> torch.Tensor:
     """The first version: a 256-entry byte -> (even, odd) fp32 pair table, times the scale, then mm per chunk."""
     byte = torch.arange(256)
@@ -87,7 +104,8 @@ def native_table(args: argparse.Namespace) -> None:
     footprint = args.footprint_mb << 20
     g = torch.Generator().manual_seed(0)
     results = []
-    print(f"native kernels: simd {cpu.simd()}   clock {'thread CPU' if args.cpu_time else 'wall'}   "
+    clock_name = "p10 of single calls" if args.p10 else ("thread CPU" if args.cpu_time else "wall")
+    print(f"native kernels: simd {cpu.simd()}   clock {clock_name}   "
           f"(GB/s of stored weight bytes; each pair measured back to back)")
     print(f"{'format':<7}{'shape':>11}{'T':>4}{'thr':>4}{'native ms':>11}{'GB/s':>7}{'torch ms':>10}{'GB/s':>7}"
           f"{'speedup':>9}", flush=True)
@@ -118,8 +136,12 @@ def native_table(args: argparse.Namespace) -> None:
                 for threads in args.thread_counts:
                     torch.set_num_threads(threads)
                     cpu.set_threads(threads)
-                    a = rate(lambda i: native(x, i), n, args.seconds, clock)
-                    b = rate(lambda i: torch_path(x, i), n, args.seconds, clock)
+                    if args.p10:
+                        a = rate_p10(lambda i: native(x, i), n, args.seconds)
+                        b = rate_p10(lambda i: torch_path(x, i), n, args.seconds)
+                    else:
+                        a = rate(lambda i: native(x, i), n, args.seconds, clock)
+                        b = rate(lambda i: torch_path(x, i), n, args.seconds, clock)
                     r = {"format": fmt, "rows": rows, "cols": cols, "tokens": tokens, "threads": threads,
                          "native_ms": 1e3 / a, "native_GBps": nbytes * a / 1e9, "torch_ms": 1e3 / b,
                          "torch_GBps": nbytes * b / 1e9}

@@ -28,7 +28,7 @@ from torch import Tensor
 # Up to this many activation rows the native kernels beat upcast/decode + torch.mm (bench/kernels.py,
 # docs/performance.md); above it the torch paths are compute-efficient and are kept.
 MAX_TOKENS_BF16 = 16
-MAX_TOKENS_MXFP4 = 64
+MAX_TOKENS_MXFP4 = 32
 # Threads per call (the caller included). Two threads won on expert-sized matrices in bench/kernels.py; small
 # matrices stay on one (below MIN_ROWS_PER_THREAD rows per thread the wake-up costs more than it saves).
 DEFAULT_THREADS = 1

@@ -83,31 +83,36 @@ def _native_group(z, ids, weights, experts, tensors, act, out) -> None:
     zr = z.index_select(0, rows).float().contiguous()  # [R, latent], grouped by expert
     t0 = tensors[0]
     inter, latent = t0["w1_packed"].shape[0], t0["w1_packed"].shape[1] * 2
-    parts = [{n: t[n] if t[n].is_contiguous() else t[n].contiguous() for n in _PARTS} for t in tensors]
     gate_up = torch.empty(2, len(pick), inter, dtype=torch.float32)
     y = torch.empty(len(pick), latent, dtype=torch.float32)
     zp, gp, up, yp = zr.data_ptr(), gate_up[0].data_ptr(), gate_up[1].data_ptr(), y.data_ptr()
     xs, ts, ps, ss, outs, who = [], [], [], [], [], []
+    xs2, ps2, ss2, outs2, who2 = [], [], [], [], []
+    keep = []  # contiguous copies made here must outlive the calls
     for j, start, count in spans:
-        for w, base in (("w1", gp), ("w3", up)):
-            xs.append(zp + start * latent * 4)
-            ts.append(count)
-            ps.append(parts[j][f"{w}_packed"].data_ptr())
-            ss.append(parts[j][f"{w}_scale"].data_ptr())
-            outs.append(base + start * inter * 4)
-            who.append(parts[j][f"{w}_scale"])
+        t = tensors[j]
+        w1p, w1s, w3p, w3s, w2p, w2s = (t[n] if t[n].is_contiguous() else keep.append(t[n].contiguous()) or keep[-1]
+                                        for n in _PARTS)
+        x = zp + start * latent * 4
+        xs += (x, x)
+        ts += (count, count)
+        ps += (w1p.data_ptr(), w3p.data_ptr())
+        ss += (w1s.data_ptr(), w3s.data_ptr())
+        outs += (gp + start * inter * 4, up + start * inter * 4)
+        who += (w1s, w3s)
+        ps2.append(w2p.data_ptr())
+        ss2.append(w2s.data_ptr())
+        outs2.append(yp + start * latent * 4)
+        who2.append(w2s)
     bad = cpu.linear_mxfp4_ptrs(xs, ts, ps, ss, outs, inter, latent)
     if bad >= 0:
         check_mxfp4_scales(who[bad])  # raises the 0xFF scale error
     h = act(gate_up[0], gate_up[1]).float().contiguous()  # [R, inter]
     hp = h.data_ptr()
-    xs = [hp + start * inter * 4 for _, start, _ in spans]
-    outs = [yp + start * latent * 4 for _, start, _ in spans]
-    ps = [parts[j]["w2_packed"].data_ptr() for j, _, _ in spans]
-    ss = [parts[j]["w2_scale"].data_ptr() for j, _, _ in spans]
-    bad = cpu.linear_mxfp4_ptrs(xs, [c for _, _, c in spans], ps, ss, outs, latent, inter)
+    xs2 = [hp + start * inter * 4 for _, start, _ in spans]
+    bad = cpu.linear_mxfp4_ptrs(xs2, ts[::2], ps2, ss2, outs2, latent, inter)
     if bad >= 0:
-        check_mxfp4_scales(parts[spans[bad][0]]["w2_scale"])
+        check_mxfp4_scales(who2[bad])
     out.index_add_(0, rows, y * weights.reshape(-1)[sel].float().unsqueeze(-1))
 
 
