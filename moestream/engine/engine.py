@@ -1,8 +1,9 @@
 """The engine: opens a checkpoint under a RAM budget and runs steps over several sequences at once.
 
-Owns the open sequence (config -> family -> index -> budget check -> dense load), `step()` (one forward over a
-flat batch of sequences, each with its own state), and the single generation loop (`stream`) that the CLI, the
-server and batch mode share. Model math lives in models/, residency in experts/.
+Owns the open sequence (config -> family -> index -> residency plan under the budget -> dense load, streamed
+layers as placeholders), `step()` (one forward over a flat batch of sequences, each with its own state), and the
+single generation loop (`stream`) that the CLI, the server and batch mode share. Model math lives in models/,
+expert residency in experts/, dense residency in engine/residency.py.
 """
 from __future__ import annotations
 
@@ -220,6 +221,7 @@ class Engine:
             "dense_streamed_layers": len(self.residency.streamed_layers) if self.residency else 0,
             "dense_stream_reserve_bytes": self.memory.stream_reserve,
             "dense_stream_bytes_read": self.memory.streamer.bytes_read if self.memory.streamer else 0,
+            "dense_stream_wait_s": self.memory.streamer.wait_s if self.memory.streamer else 0.0,
             "ram_budget_bytes": self.memory.budget if self.memory.limited else None,
             "layer_hit_rates": c.stats.layer_hit_rates(),
         }

@@ -4,7 +4,7 @@ Owns `plan_residency` (from a `ModelPlan` and a budget: which decoder layers kee
 whether the embedding is read row by row from disk and the lm_head in slabs, the stream buffers that costs, what
 is left for the expert cache; BudgetError naming the numbers when even streaming everything cannot fit) and
 `DenseStreamer`, which carries that plan out: it hands the model placeholder tensors whose storage is filled
-just before their layer runs and emptied right after, while a background thread reads the next streamed layer.
+just before their layer runs and emptied right after, while reader threads fetch the next streamed layer.
 Small tensors (norms, biases, routers, vectors) are always resident: they are used every token and cost little.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -333,7 +334,7 @@ class DenseStreamer:
 
     The decoder loops call `enter(l)` before layer l and `leave(l)` after it. At `enter(l)` layer l is made present
     (waiting for its read) and the read of the next streamed layer (in loop order, wrapping to the next step) is
-    started on a background thread, so at most two streamed layers are in RAM: the current one and the next.
+    started on the reader threads, so at most two streamed layers are in RAM: the current one and the next.
     Their bytes are counted by the accountant (`add_stream`), inside the reserve the plan set aside.
     """
 
@@ -345,9 +346,8 @@ class DenseStreamer:
         self.present: set[int] = set()
         self.pending: dict[int, list[Future]] = {}
         self.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="moestream-dense")
-        self.bytes_read = 0
-        self.layer_bytes = {lr.layer: lr.bytes for lr in plan.layers}
-        self._table = None
+        self.bytes_read = 0  # tensor bytes read (layers, embedding rows, lm_head slabs)
+        self.wait_s = 0.0  # time the decoder loop waited for a layer's read (reads not hidden behind compute)
 
     # -- what the model's weights ask -------------------------------------------------------------------------
     def streams(self, name: str) -> bool:
@@ -405,12 +405,14 @@ class DenseStreamer:
         futures = self.pending.pop(layer, None)
         if futures is None:
             return
+        t0 = time.perf_counter()
         error = None
         for fut in futures:  # every piece finishes (or fails) before the storage may be freed
             try:
                 fut.result()
             except BaseException as e:
                 error = error or e
+        self.wait_s += time.perf_counter() - t0
         self.present.add(layer)
         if error is not None:
             self._drop(layer)
@@ -434,7 +436,7 @@ class DenseStreamer:
                 self._wait(other)
                 if other in self.present:
                     self._drop(other)
-        for l in want:  # one reader thread: this layer's read (if any) is queued before the next one's
+        for l in want:  # this layer's read (if it is not in flight yet) is queued before the next one's
             self._start(l)
         if layer in self.by_layer:
             self._wait(layer)
