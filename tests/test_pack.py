@@ -307,3 +307,11 @@ def _warm_logits(path: Path, ids: list[int]) -> torch.Tensor:
     eng = Engine.open(path)
     eng.logits(ids)
     return eng.logits(ids)
+
+
+def test_cli_usage_errors(qwen_pair, capsys):
+    src, _ = qwen_pair
+    assert main(["pack", str(src)]) == 2
+    assert "needs MODEL and DST" in capsys.readouterr().err
+    assert main(["pack", "--verify", str(src)]) == 2
+    assert "not a packed checkpoint" in capsys.readouterr().err
