@@ -2,7 +2,8 @@
 process so a noisy machine hits every variant alike.
 
 Variants: each MODEL given (originals and packed copies), packed ones also with MOESTREAM_VERIFY=0 (crc32 off)
-unless --no-crc-off. One discarded warm-up run first (one-time costs: imports, native kernel build). Per run: decode tok/s, expert bytes and read requests per decoded token,
+unless --no-crc-off. One discarded warm-up run first (one-time costs: imports, native kernel build). Per run:
+decode tok/s, expert bytes and read requests per decoded token,
 preadv calls, io_roofline_fraction, and the time spent in crc32 (in the I/O threads, overlapping other work).
     python bench/ab_pack.py MODEL [MODEL ...] [--ram-budget 1GiB] [--rounds 2] [--gen-len 32] [--prompt-len 32]
 """

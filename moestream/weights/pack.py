@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from moestream.errors import CheckpointError, MoestreamError
-from moestream.weights.index import DTYPES, PACK_FORMAT, PACK_MANIFEST, PACK_VERSION, CheckpointIndex, TensorInfo
+from moestream.weights.index import PACK_FORMAT, PACK_MANIFEST, PACK_VERSION, CheckpointIndex, TensorInfo
 
 ALIGN = 4096  # every expert starts on a 4 KiB boundary (O_DIRECT reads it whole, no widening on the left)
 PART_ALIGN = 64  # a part keeps the offset modulo 64 it had in the original's read buffer (see _lay_out)
