@@ -47,6 +47,7 @@ if args.threads:
 
 ids = list(range(3, 35))
 times: dict[str, list[float]] = {name: [] for name in engines}
+waits: dict[str, float] = {name: 0.0 for name in engines}
 for eng in engines.values():  # warm-up: the experts the continuation routes to get cached
     eng.generate(ids, args.steps, stop_token_ids=[])
 outs = {}
@@ -55,18 +56,22 @@ for _ in range(args.rounds):
         state = eng.new_sequence()
         (logits,) = [eng.prefill(state, ids)]
         toks = []
+        w0 = eng.stats["dense_stream_wait_s"]
         t0 = time.perf_counter()
         for _ in range(args.steps):
             tok = int(logits.argmax())
             toks.append(tok)
             (logits,) = eng.step([(state, [tok])])
         times[name].append((time.perf_counter() - t0) / args.steps)
+        waits[name] += eng.stats["dense_stream_wait_s"] - w0
         eng.free(state)
         outs.setdefault(name, toks)
 base = statistics.median(times["all resident"])
 for name, ts in times.items():
     ms = statistics.median(ts)
     s = engines[name].stats
+    wait = 1000 * waits[name] / (args.rounds * args.steps)
     print(f"{name:14s} {1000 * ms:8.1f} ms/token  {1 / ms:6.2f} tok/s  x{base / ms:.2f} of all-resident  "
+          f"waited for reads {wait:.1f} ms/token  "
           f"peak {format_bytes(s['peak_resident_bytes'])} <= {format_bytes(budgets[name])}: "
           f"{s['peak_resident_bytes'] <= budgets[name]}  tokens equal: {outs[name] == outs['all resident']}")
