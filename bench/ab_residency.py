@@ -38,7 +38,8 @@ for name, budget in budgets.items():
     eng = Engine.open(args.model, ram_budget=budget, state_room=room)
     r = eng.residency
     print(f"{name:14s} budget {format_bytes(budget)}: {len(r.streamed_layers)}/{len(r.layers)} layers streamed, "
-          f"embedding {'rows' if r.embed_streamed else 'resident'}, lm_head {'slabs' if r.head_streamed else 'resident'}"
+          f"embedding {'rows' if r.embed_streamed else 'resident'}, "
+          f"lm_head {'slabs' if r.head_streamed else 'resident'}"
           f", {format_bytes(r.streamed_bytes_per_step)} dense read per step, "
           f"dense resident {format_bytes(r.resident_dense_bytes)}")
     engines[name] = eng

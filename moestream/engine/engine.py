@@ -102,7 +102,8 @@ class Engine:
             raise CheckpointError(f"{path}: holds config.json but no safetensors weights: `moestream info` can size "
                                   "it, running it needs the shards")
         memory = MemoryAccountant(opts.ram_budget)
-        residency = plan_residency(p, opts.ram_budget, parse_bytes(state_room) or 0)  # BudgetError when even streaming cannot fit
+        # which dense weights stay resident; BudgetError when even streaming them cannot fit
+        residency = plan_residency(p, opts.ram_budget, parse_bytes(state_room) or 0)
         memory.scratch_bytes = p.scratch_bytes
         memory.stream_reserve = residency.stream_buffer_bytes
         if residency.streams:

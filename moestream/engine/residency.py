@@ -254,13 +254,14 @@ def plan_residency(p, budget: int | None, state_room: int = 0) -> ResidencyPlan:
 
 
 def _too_small(p, parts: _Parts, budget: int, floor: int, state_room: int) -> str:
-    biggest = max(parts.layers.values(), default=0)
+    biggest, layers = max(parts.layers.values(), default=0), _least_layer_bytes(parts.layers)
+    table = floor - parts.pinned - layers - p.scratch_bytes - parts.one_expert - state_room
     return (f"--ram-budget {format_bytes(budget)} ({budget} bytes) is too small even with every dense layer "
             f"streamed: the dense weights are {format_bytes(p.dense_bytes)} ({p.dense_bytes} bytes); streaming "
             f"them still needs {format_bytes(floor)} ({floor} bytes) = small always-resident tensors "
             f"{format_bytes(parts.pinned)} + layers and their double buffer "
-            f"{format_bytes(_least_layer_bytes(parts.layers))} (the largest layer is {format_bytes(biggest)}) + embedding/"
-            f"head buffers + compute scratch {format_bytes(p.scratch_bytes)} + one expert "
+            f"{format_bytes(layers)} (the largest layer is {format_bytes(biggest)}) + embedding and lm_head or their "
+            f"buffers {format_bytes(table)} + compute scratch {format_bytes(p.scratch_bytes)} + one expert "
             f"{format_bytes(parts.one_expert)}" + (f" + state room {format_bytes(state_room)}" if state_room else "")
             + f"; raise the budget to at least {floor} bytes")
 
