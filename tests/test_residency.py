@@ -199,3 +199,18 @@ def test_info_prints_the_plan(k3_config_only, capsys, monkeypatch):
     assert r["resident_dense_bytes"] + r["stream_buffer_bytes"] + r["scratch_bytes"] + r["cache_bytes"] == 64 * GB
     assert info["budget"]["cache_bytes"] == r["cache_bytes"]
     assert info["min_ram_budget"] < 8 * GB and info["all_resident_budget"] > info["dense_bytes"]
+
+
+def test_layers_past_the_model_are_neither_resident_nor_streamed(qwen):
+    """A checkpoint's extra layers (DeepSeek's multi-token-prediction layer) are never loaded: not planned."""
+    from moestream.weights.index import TensorInfo
+
+    p = plan(qwen)
+    first = p.store.index["model.layers.0.self_attn.q_proj.weight"]
+    extra = "model.layers.4.self_attn.q_proj.weight"
+    p.store.index.tensors[extra] = TensorInfo(extra, first.file, first.offset, first.nbytes, first.dtype, first.shape)
+    p.dense_names.append(extra)
+    p.dense_bytes += first.nbytes
+    r = plan_residency(p, None)
+    assert [lr.layer for lr in r.layers] == [0, 1, 2, 3] and r.unread_bytes == first.nbytes
+    assert r.resident_dense_bytes + r.unread_bytes == p.dense_bytes

@@ -72,6 +72,7 @@ class ResidencyPlan:
     ram_budget: int | None
     dense_bytes: int  # every dense tensor of the checkpoint
     pinned_bytes: int  # norms, biases, routers, vectors and other small tensors: always resident
+    unread_bytes: int  # layers past the model's last (multi-token prediction): never loaded
     embed_bytes: int  # the input embedding table (0 when there is none by that name)
     head_bytes: int  # the lm_head (0 when tied to the embedding: the table serves both)
     tied: bool
@@ -116,6 +117,7 @@ class _Parts:
     """The dense tensors of a plan sorted into what the planner decides about."""
 
     pinned: int
+    unread: int  # tensors of layers past the model's last (e.g. multi-token-prediction layers): never loaded
     embed: int
     head: int
     tied: bool
@@ -128,11 +130,15 @@ class _Parts:
 
 def _parts(p) -> _Parts:
     index, prefix = p.store.index, p.family.prefix
-    pinned, embed, head, layers = 0, 0, 0, {}
+    pinned, unread, embed, head, layers = 0, 0, 0, 0, {}
     head_info = None
+    n_layers = getattr(p.config, "num_layers", None)
     for full in p.dense_names:
         name, info = full[len(prefix):], index[full]
         layer = layer_of(name)
+        if layer is not None and n_layers is not None and layer >= n_layers:
+            unread += info.nbytes
+            continue
         if name == EMBED:
             embed = info.nbytes
         elif name == HEAD:
@@ -153,7 +159,7 @@ def _parts(p) -> _Parts:
         head_slab = max(n for _, n in head_slabs(rows, cols, row_bytes)) * row_bytes
     embed_rows = min(embed, EMBED_ROWS_BYTES)
     k = max(1, min(p.layout.top_k, p.layout.num_experts))
-    return _Parts(pinned, embed, head, tied, dict(sorted(layers.items())), head_slab, embed_rows,
+    return _Parts(pinned, unread, embed, head, tied, dict(sorted(layers.items())), head_slab, embed_rows,
                   p.max_expert_bytes, k * p.max_expert_bytes)
 
 
@@ -238,8 +244,8 @@ def plan_residency(p, budget: int | None, state_room: int = 0) -> ResidencyPlan:
             raise BudgetError(_too_small(p, parts, budget, floor, state_room))
     streamed, embed_s, head_s = choice
     layers = [LayerResidency(l, b, l in streamed) for l, b in parts.layers.items()]
-    out = ResidencyPlan(budget, p.dense_bytes, parts.pinned, parts.embed, parts.head, parts.tied, embed_s, head_s,
-                        layers, p.scratch_bytes, cache_min, state_room, min_ram_budget=floor,
+    out = ResidencyPlan(budget, p.dense_bytes, parts.pinned, parts.unread, parts.embed, parts.head, parts.tied,
+                        embed_s, head_s, layers, p.scratch_bytes, cache_min, state_room, min_ram_budget=floor,
                         all_resident_budget=all_resident)
     out.head_slab_bytes = parts.head_slab if head_s else 0
     out.embed_rows_bytes = parts.embed_rows if embed_s else 0
