@@ -129,6 +129,44 @@ def test_prefill_equals_token_by_token_decode(qwen):
     assert max_rel_diff(steps, full) < 1e-5
 
 
+def test_read_completion_order_does_not_change_logits(tmp_path, monkeypatch):
+    """Reads that finish in reverse order give bit-identical logits: experts are combined in a fixed order
+    (top-4, so a row sums enough terms for the order to show in fp32)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import MixtralForCausalLM
+
+    from conftest import expert_budget
+    from moestream.experts.store import ExpertStore
+
+    cfg = mixtral_config()
+    cfg.num_experts_per_tok = 4
+    save_reference(MixtralForCausalLM, cfg, tmp_path)
+
+    ids = prompt_ids(VOCAB, 24, seed=7)
+
+    def run() -> torch.Tensor:
+        eng = Engine.open(tmp_path, ram_budget=expert_budget(tmp_path, 0.3))
+        try:
+            out = torch.stack([eng.logits(ids[:n])[-1] for n in (8, 16, 24)])
+            assert eng.stats["expert_misses"] > 30
+            return out
+        finally:
+            eng.close()
+
+    in_order = run()
+    submit, delay = ExpertStore.submit, ThreadPoolExecutor(16)
+
+    def reversed_landing(self, layer, e):  # low expert ids land last
+        inner = submit(self, layer, e)
+        return delay.submit(lambda: (time.sleep(0.002 * (16 - e)), inner.result())[1])
+
+    monkeypatch.setattr(ExpertStore, "submit", reversed_landing)
+    assert torch.equal(run(), in_order)
+    delay.shutdown()
+
+
 def test_two_sequences_in_one_step_equal_each_alone(mixtral):
     eng = Engine.open(mixtral[0])
     a_ids, b_ids = prompt_ids(VOCAB, 20, seed=3), prompt_ids(VOCAB, 13, seed=4)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import atexit
 import time
 import weakref
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping
 
@@ -135,23 +135,26 @@ class ExpertRunner:
 
     def _drain(self, layer: int, out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                fn: ExpertFn, started: dict[Future, int], waiting: list[int], need: set[Key]) -> None:
-        """Compute each read expert as it lands; start the rest of `waiting` as computed experts free room."""
+        """Compute each read expert once it lands, in queue order; start the rest of `waiting` as computed experts
+        free room."""
         while started or waiting:
             if not started:
                 self.finish(need)  # read-ahead in flight holds room: land it so it becomes evictable
                 started = self._start(layer, waiting, need)
                 if not started:
                     self._budget_error(self.store.resident_nbytes(layer, waiting[0]))
+            # in the order the reads were queued (ascending expert id), not the order they finish: the fp32 sum
+            # over experts is then the same in every run with the same cache state (bit-reproducible cold runs)
+            fut = next(iter(started))
             t = time.perf_counter()
-            done, _ = wait(list(started), return_when=FIRST_COMPLETED)
+            fut.exception()  # waits; a failed read raises from _land
             self.times.io_wait_s += time.perf_counter() - t
             t = time.perf_counter()
-            for fut in done:
-                e = started.pop(fut)
-                blob = self._land((layer, e), need)
-                self._use(layer, e, hit=False)
-                self._apply(out, x, ids, weights, e, blob, fn)
-                need.discard((layer, e))
+            e = started.pop(fut)
+            blob = self._land((layer, e), need)
+            self._use(layer, e, hit=False)
+            self._apply(out, x, ids, weights, e, blob, fn)
+            need.discard((layer, e))
             self.times.expert_s += time.perf_counter() - t
             if waiting:
                 started.update(self._start(layer, waiting, need))
