@@ -157,7 +157,9 @@ def _parts(p) -> _Parts:
         rows, cols = head_info.shape
         row_bytes = head_info.nbytes // max(1, rows)
         head_slab = max(n for _, n in head_slabs(rows, cols, row_bytes)) * row_bytes
-    embed_rows = min(embed, EMBED_ROWS_BYTES)
+    embed_info = index[prefix + EMBED] if embed else None
+    row = embed_info.nbytes // max(1, embed_info.shape[0]) if embed_info is not None else 0
+    embed_rows = min(embed, max(row, EMBED_ROWS_BYTES // max(1, row) * row))  # what DenseStreamer.embed reads at once
     k = max(1, min(p.layout.top_k, p.layout.num_experts))
     return _Parts(pinned, unread, embed, head, tied, dict(sorted(layers.items())), head_slab, embed_rows,
                   p.max_expert_bytes, k * p.max_expert_bytes)
