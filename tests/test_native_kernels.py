@@ -310,3 +310,30 @@ def test_model_native_and_torch_paths_agree(tmp_path):
     assert len(auto) == len(plain) == 11
     for a, b in zip(auto, plain):
         assert float((a - b).abs().max() / b.abs().max()) < 1e-4
+
+
+def test_concurrent_builds_leave_one_good_library(fresh_cache, monkeypatch):
+    """Two builders of the same library at once (threads here, processes in real life): each writes its own
+    temporary file and renames it into place, so the result loads and no temporary is left behind."""
+    import threading
+
+    if cpu.shutil.which("gcc") is None:
+        pytest.skip("no gcc here")
+    monkeypatch.setattr(cpu, "FLAGS", ("-O1", "-fPIC", "-shared", "-pthread"))
+    target = cpu.library_path()
+    errors = []
+
+    def build():
+        try:
+            cpu._build(target)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert [p.name for p in fresh_cache.iterdir()] == [target.name]
+    assert cpu.available() and not cpu.simd()

@@ -11,7 +11,6 @@
  * layout 1 "gguf": within each block of 32, byte j holds inputs j (low nibble) and j+16 (high nibble).
  */
 #include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -318,11 +317,12 @@ typedef void (*job_fn)(void *arg, int part, int parts);
 
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pool_cv = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t pool_done_cv = PTHREAD_COND_INITIALIZER;
 static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER; /* one multi-threaded call at a time */
 static pthread_t pool_threads[MAX_THREADS];
 static int pool_workers = 0;      /* started workers */
 static int pool_parts = 1;        /* threads per call, the caller included */
-static int pool_spin = 20000;     /* pause iterations a worker polls for the next job before sleeping */
+static int pool_spin = 2000;      /* pause iterations a thread polls (next job, completion) before sleeping */
 static uint64_t pool_gen = 0;     /* under pool_mu; read atomically while spinning */
 static uint64_t pool_gen_base = 0; /* pool_gen when workers were last started (their first `seen`) */
 static int pool_sleepers = 0;
@@ -358,7 +358,11 @@ static void *pool_main(void *arg) {
         int parts = pool_job_parts;
         pthread_mutex_unlock(&pool_mu);
         if (id < parts) fn(a, id, parts);
-        atomic_fetch_sub_explicit(&pool_pending, 1, memory_order_release);
+        if (atomic_fetch_sub_explicit(&pool_pending, 1, memory_order_acq_rel) == 1) {
+            pthread_mutex_lock(&pool_mu); /* the caller may be asleep on pool_done_cv */
+            pthread_cond_broadcast(&pool_done_cv);
+            pthread_mutex_unlock(&pool_mu);
+        }
     }
     return NULL;
 }
@@ -367,6 +371,7 @@ static void pool_after_fork(void) { /* the child has none of the parent's worker
     pool_workers = 0;
     pthread_mutex_init(&pool_mu, NULL);
     pthread_cond_init(&pool_cv, NULL);
+    pthread_cond_init(&pool_done_cv, NULL);
     pthread_mutex_init(&pool_busy, NULL);
 }
 
@@ -407,10 +412,14 @@ static void pool_run(job_fn fn, void *arg, int parts) {
     if (pool_sleepers) pthread_cond_broadcast(&pool_cv);
     pthread_mutex_unlock(&pool_mu);
     fn(arg, 0, parts);
-    int spins = 0;
-    while (atomic_load_explicit(&pool_pending, memory_order_acquire) > 0) {
-        if (++spins < 100000) cpu_relax();
-        else sched_yield();
+    /* a worker that is not scheduled (a shared machine) must not cost a spinning core: poll briefly, then sleep */
+    for (int spins = 0; atomic_load_explicit(&pool_pending, memory_order_acquire) > 0 && spins < pool_spin; spins++)
+        cpu_relax();
+    if (atomic_load_explicit(&pool_pending, memory_order_acquire) > 0) {
+        pthread_mutex_lock(&pool_mu);
+        while (atomic_load_explicit(&pool_pending, memory_order_acquire) > 0)
+            pthread_cond_wait(&pool_done_cv, &pool_mu);
+        pthread_mutex_unlock(&pool_mu);
     }
     pthread_mutex_unlock(&pool_busy);
 }
