@@ -19,6 +19,7 @@ native = pytest.mark.skipif(not cpu.available(), reason=f"no native kernels here
 def fresh_cache(tmp_path, monkeypatch):
     """A private kernel cache; the module's load state is restored afterwards."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("MOESTREAM_NATIVE", raising=False)
     cpu.reset()
     yield tmp_path / "cache" / "moestream" / "kernels"
     monkeypatch.undo()
