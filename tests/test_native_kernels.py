@@ -338,3 +338,42 @@ def test_concurrent_builds_leave_one_good_library(fresh_cache, monkeypatch):
     assert not errors
     assert [p.name for p in fresh_cache.iterdir()] == [target.name]
     assert cpu.available() and not cpu.simd()
+
+
+_FORK_ARGS: list = []  # made in the parent: torch's own OpenMP pool may hang a forked child that starts it
+
+
+def _child_linear(queue) -> None:
+    x, w = _FORK_ARGS
+    queue.put(cpu.linear_bf16(x, w, min_rows_per_thread=1).tolist())
+
+
+@native
+def test_pool_works_in_a_forked_child():
+    """A child forked after the pool started its worker has no worker: it starts its own instead of hanging."""
+    import multiprocessing
+
+    x, w = torch.ones(1, 64), torch.ones(600, 64, dtype=torch.bfloat16)
+    _FORK_ARGS[:] = [x, w]
+    before = cpu.threads()
+    cpu.set_threads(2)
+    try:
+        cpu.linear_bf16(x, w, min_rows_per_thread=1)  # the parent's worker exists now
+        ctx = multiprocessing.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_child_linear, args=(queue,))
+        child.start()
+        child.join(timeout=60)
+        assert child.exitcode == 0
+        assert queue.get(timeout=5) == [[64.0] * 600]
+    finally:
+        cpu.set_threads(before)
+        _FORK_ARGS.clear()
+
+
+def test_autograd_inputs_keep_the_torch_path():
+    x = torch.randn(2, 64, requires_grad=True)
+    w = torch.randn(4, 64).bfloat16()
+    assert not blocks.bf16_native(w, x)
+    blocks.linear(x, w).sum().backward()
+    assert x.grad is not None
