@@ -42,6 +42,7 @@ class BenchOptions:
     direct_io: bool = True
     probe: bool = True
     plot: Path | None = None
+    state_room: int | None = None  # budget the residency plan keeps for state when dense weights stream
 
 
 @dataclass
@@ -170,7 +171,7 @@ def bench(path: str | Path, opts: BenchOptions) -> dict:
     probes = [probe_disk(files, opts.io_threads)] if opts.probe else []
     base_rss = rss_now()
     eng = Engine.open(path, ram_budget=opts.ram_budget, cache_policy=opts.policy, io_threads=opts.io_threads,
-                      threads=opts.threads)
+                      threads=opts.threads, state_room=opts.state_room)
     try:
         eng.runner.lookahead.enabled = opts.lookahead
         eng.plan.store.reader.direct = opts.direct_io and eng.plan.store.reader.direct
@@ -377,6 +378,8 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                        description=__doc__)
     p.add_argument("model", help="checkpoint directory")
     p.add_argument("--ram-budget", metavar="BYTES", default=None, help="RAM for everything resident (e.g. 4GiB)")
+    p.add_argument("--state-room", metavar="BYTES", default=None,
+                   help="part of the budget kept for KV caches when dense weights must stream (default: none)")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (random ids; default 64)")
     p.add_argument("--gen-len", type=int, default=32, help="decoded tokens (default 32)")
     p.add_argument("--cold", action="store_true", help="evict the model's files from the page cache first")
@@ -409,7 +412,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         raise MoestreamError("--prompt-len and --gen-len must be at least 1")
     return BenchOptions(budget, args.prompt_len, args.gen_len, args.cold, args.temperature, args.seed,
                         args.threads, args.io_threads, args.policy, args.lookahead, not args.buffered_io,
-                        not args.no_probe, args.plot)
+                        not args.no_probe, args.plot, parse_bytes(args.state_room))
 
 
 def run_bench(args: argparse.Namespace) -> int:

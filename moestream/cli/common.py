@@ -27,6 +27,13 @@ def add_budget_arg(p: argparse.ArgumentParser, help_extra: str = "") -> None:
                         "(e.g. 4GiB, 512MiB, 2GB)" + help_extra)
 
 
+def add_state_room_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state-room", metavar="BYTES", default=None,
+                   help="part of --ram-budget the residency plan keeps free for KV caches and recurrent state "
+                        "when dense weights must stream (default: none reserved; state then takes room from "
+                        "the expert cache and a too-long context fails with a budget error)")
+
+
 def parse_budget(value: str | None) -> int | None:
     budget = parse_bytes(value)
     if budget is not None and budget <= 0:
@@ -63,11 +70,11 @@ def busy(desc: str) -> Iterator[None]:
         bar.close()
 
 
-def open_engine(path: Path, budget: int | None):
+def open_engine(path: Path, budget: int | None, state_room: str | None = None):
     from moestream.engine.engine import Engine
 
     with busy(f"opening {path.name}"):
-        return Engine.open(path, ram_budget=budget)
+        return Engine.open(path, ram_budget=budget, state_room=state_room)
 
 
 def now() -> float:

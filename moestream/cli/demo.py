@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from moestream import demo_model
-from moestream.cli.common import add_budget_arg, open_engine, parse_budget
+from moestream.cli.common import add_budget_arg, add_state_room_arg, open_engine, parse_budget
 from moestream.cli.run import Sampling, encode_prompt, print_stats, stream_text
 from moestream.config import format_bytes
 from moestream.info import ModelInfo, model_info
@@ -31,6 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "code-completion model, MXFP4 experts) with a RAM budget that holds only a "
                                    "quarter of its experts, and print the cache and I/O figures.")
     add_budget_arg(p, "; default: dense weights + scratch + 1/4 of the expert bytes")
+    add_state_room_arg(p)
     p.add_argument("--prompt", default=None, help=f"text to complete (default {demo_model.DEMO_PROMPT!r})")
     p.add_argument("--max-new", type=int, default=96, metavar="N", help="tokens to generate (96)")
     p.add_argument("--synthetic", default=None, metavar="FAMILY",
@@ -46,7 +47,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     budget = parse_budget(args.ram_budget) or default_budget(info)
     _narrate(path, info, budget, synthetic)
     prompt = args.prompt or (SYNTH_PROMPT if synthetic else demo_model.DEMO_PROMPT)
-    engine = open_engine(path, budget)
+    engine = open_engine(path, budget, args.state_room)
     try:
         tok = Tokenizer.load(path)
         print(f"prompt:\n{prompt}", end="" if prompt.endswith("\n") else "\n")

@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from typing import TextIO
 
-from moestream.cli.common import add_budget_arg, model_dir, now, open_engine, parse_budget
+from moestream.cli.common import add_budget_arg, add_state_room_arg, model_dir, now, open_engine, parse_budget
 from moestream.config import format_bytes
 from moestream.tokenizer import StreamDecoder, Tokenizer
 
@@ -50,13 +50,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (0 = off)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (reproducible output)")
     add_budget_arg(p, "; default: no limit")
+    add_state_room_arg(p)
     p.add_argument("--stats", action="store_true", help="print speed and expert-cache figures after the text")
     p.set_defaults(func=cmd_run)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     path = model_dir(args.model)
-    engine = open_engine(path, parse_budget(args.ram_budget))
+    engine = open_engine(path, parse_budget(args.ram_budget), args.state_room)
     try:
         tok = Tokenizer.load(path)
         ids = encode_prompt(tok, args.prompt, args.chat)

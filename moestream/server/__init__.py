@@ -19,6 +19,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--ram-budget", default=None, help="RAM budget for everything resident, e.g. 8GiB (default: none)")
+    p.add_argument("--state-room", default=None,
+                   help="part of the budget kept free for KV caches when dense weights must stream (default: none)")
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together per step (default 16)")
     p.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait; more get 429 (default 64)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
@@ -61,7 +63,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     cfg = ServerConfig(args.model, args.host, args.port, args.ram_budget, args.max_batch, args.max_queue,
                        args.api_key, args.prefix_cache, args.prefill_chunk, args.max_body, args.model_name,
-                       threads=args.threads)
+                       threads=args.threads, state_room=args.state_room)
     try:
         srv = ServerState.open(cfg)
     except MoestreamError as e:

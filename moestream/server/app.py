@@ -45,6 +45,7 @@ class ServerConfig:
     model_name: str | None = None
     retry_after_s: int = 1
     threads: int | None = None  # torch CPU threads for the forward pass (default: the engine's choice)
+    state_room: str | int | None = None  # budget kept free for KV caches when dense weights stream
 
 
 def default_prefix_cache(budget: int | None) -> int:
@@ -67,7 +68,7 @@ class ServerState:
 
         budget = parse_bytes(cfg.ram_budget)
         prefix = parse_bytes(cfg.prefix_cache) if cfg.prefix_cache is not None else default_prefix_cache(budget)
-        engine = Engine.open(cfg.model, ram_budget=budget)
+        engine = Engine.open(cfg.model, ram_budget=budget, state_room=cfg.state_room)
         if cfg.threads:
             import torch
 
