@@ -377,3 +377,38 @@ def test_autograd_inputs_keep_the_torch_path():
     assert not blocks.bf16_native(w, x)
     blocks.linear(x, w).sum().backward()
     assert x.grad is not None
+
+
+# ---- KDA decode: conv window step and delta-rule step, in place, vs the torch recurrence ------------------------
+@native
+@pytest.mark.parametrize("b,h,dk,dv", [(1, 2, 8, 8), (3, 4, 16, 24), (8, 2, 64, 64)])
+def test_kda_decode_matches_torch_recurrence(b, h, dk, dv):
+    from moestream.models.kda import kda_recurrent
+
+    g = torch.Generator().manual_seed(b * 100 + dk)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    q, k, v, beta = r(b, h, dk) * 0.3, r(b, h, dk) * 0.3, r(b, h, dv), torch.rand(b, h, generator=g)
+    decay = -torch.rand(b, h, dk, generator=g) * 3
+    states = [r(h, dk, dv) for _ in range(b)]
+    want = [kda_recurrent(q[i:i + 1], k[i:i + 1], v[i:i + 1], decay[i:i + 1], beta[i:i + 1], states[i])
+            for i in range(b)]
+    out = cpu.kda_decode(states, q, k, v, decay, beta)
+    for i in range(b):
+        torch.testing.assert_close(out[i], want[i][0][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(states[i], want[i][1], rtol=1e-5, atol=1e-5)  # updated in place
+
+
+@native
+@pytest.mark.parametrize("kernel", [1, 2, 4])
+def test_conv_decode_matches_unfolded_conv(kernel):
+    g = torch.Generator().manual_seed(kernel)
+    c, b = 37, 3
+    taps = torch.randn(c, kernel, generator=g).bfloat16()
+    windows = [torch.randn(kernel - 1, c, generator=g) for _ in range(b)]
+    xs = [torch.randn(c, generator=g) for _ in range(b)]
+    seqs = [torch.cat([w, x[None]]) for w, x in zip(windows, xs)]  # [K, C]: the window, then the new token
+    want = torch.stack([(s.T * taps.float()).sum(-1) for s in seqs])
+    got = cpu.conv_decode(windows, xs, taps)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for w, s in zip(windows, seqs):
+        assert torch.equal(w, s[1:])  # shifted by one, the new token last

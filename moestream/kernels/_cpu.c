@@ -10,6 +10,7 @@
  * layout 0 "low_first": byte j holds inputs 2j (low nibble) and 2j+1 (high nibble).
  * layout 1 "gguf": within each block of 32, byte j holds inputs j (low nibble) and j+16 (high nibble).
  */
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -23,7 +24,7 @@
 #define MS_AVX512 0
 #endif
 
-#define MS_ABI 5
+#define MS_ABI 6
 #define TILE_T 8   /* tokens per register tile */
 #define MAX_THREADS 8
 
@@ -525,4 +526,68 @@ int ms_linear_mxfp4(int64_t E, const int64_t *xs, const int64_t *Ts, const int64
     pool_run(mx_part, &j, parts);
     free(mem);
     return 0;
+}
+
+/* ------------------------------------------------------------------------- KDA decode (one token per sequence) */
+/* Short causal depthwise conv for B sequences, one new token each: y[b, c] = sum_{t < K-1} win_b[t, c] taps[c, t]
+ * + x_b[c] taps[c, K-1]; then each window drops its oldest row and appends x_b. win_b (fp32 [K-1, C]) at Ws[b],
+ * x_b (fp32 [C]) at Xs[b], taps fp32 [C, K], y fp32 [B, C]. */
+void ms_conv_decode(int64_t B, int64_t C, int64_t K, const int64_t *Ws, const int64_t *Xs, const float *taps,
+                    float *y) {
+    for (int64_t b = 0; b < B; b++) {
+        float *win = (float *)(intptr_t)Ws[b];
+        const float *x = (const float *)(intptr_t)Xs[b];
+        float *yb = y + b * C;
+        for (int64_t c = 0; c < C; c++) yb[c] = x[c] * taps[c * K + K - 1];
+        for (int64_t t = 0; t < K - 1; t++) {
+            const float *row = win + t * C;
+            for (int64_t c = 0; c < C; c++) yb[c] += row[c] * taps[c * K + t];
+        }
+        if (K > 1) {
+            memmove(win, win + C, sizeof(float) * (size_t)((K - 2) * C));
+            memcpy(win + (K - 2) * C, x, sizeof(float) * (size_t)C);
+        }
+    }
+}
+
+/* The delta-rule step for B sequences x H heads, each state S (fp32 [H, dk, dv] at Ss[b]) updated in place:
+ *   S <- diag(exp g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q
+ * q, k, g fp32 [B, H, dk], v fp32 [B, H, dv], beta fp32 [B, H], out fp32 [B, H, dv]. Two passes over S. */
+void ms_kda_decode(int64_t B, int64_t H, int64_t dk, int64_t dv, const int64_t *Ss, const float *q, const float *k,
+                   const float *v, const float *g, const float *beta, float *out) {
+    float *u = malloc(sizeof(float) * (size_t)(dv > 0 ? dv : 1));
+    if (!u) return;
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t bh = b * H + h;
+            float *S = (float *)(intptr_t)Ss[b] + h * dk * dv;
+            const float *qh = q + bh * dk, *kh = k + bh * dk, *gh = g + bh * dk, *vh = v + bh * dv;
+            float *oh = out + bh * dv;
+            for (int64_t j = 0; j < dv; j++) u[j] = 0.0f;
+            for (int64_t i = 0; i < dk; i++) {
+                const float e = expf(gh[i]), ki = kh[i];
+                float *row = S + i * dv;
+                for (int64_t j = 0; j < dv; j++) {
+                    const float s = row[j] * e;
+                    row[j] = s;
+                    u[j] += ki * s;
+                }
+            }
+            const float bt = beta[bh];
+            for (int64_t j = 0; j < dv; j++) {
+                u[j] = bt * (vh[j] - u[j]);
+                oh[j] = 0.0f;
+            }
+            for (int64_t i = 0; i < dk; i++) {
+                const float ki = kh[i], qi = qh[i];
+                float *row = S + i * dv;
+                for (int64_t j = 0; j < dv; j++) {
+                    const float s = row[j] + ki * u[j];
+                    row[j] = s;
+                    oh[j] += qi * s;
+                }
+            }
+        }
+    }
+    free(u);
 }

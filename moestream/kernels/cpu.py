@@ -35,7 +35,7 @@ DEFAULT_THREADS = 1
 MIN_ROWS_PER_THREAD = 256
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
-_ABI = 5
+_ABI = 6
 _SOURCE = Path(__file__).with_name("_cpu.c")
 _LAYOUTS = {"low_first": 0, "gguf": 1}
 
@@ -79,7 +79,7 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([gcc, *FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([gcc, *FLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["no output"])[0]
             raise RuntimeError(f"gcc failed ({done.returncode}): {first}")
@@ -103,6 +103,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_set_threads.argtypes = [ctypes.c_int]
     lib.ms_get_threads.restype = ctypes.c_int
     lib.ms_set_spin.argtypes = [ctypes.c_int]
+    lib.ms_conv_decode.argtypes = [i64, i64, i64, p, p, p, p]
+    lib.ms_conv_decode.restype = None
+    lib.ms_kda_decode.argtypes = [i64, i64, i64, i64, p, p, p, p, p, p, p]
+    lib.ms_kda_decode.restype = None
 
 
 def _load() -> None:
@@ -281,3 +285,46 @@ def linear_mxfp4_ptrs(xs: Sequence[int], tokens: Sequence[int], packed: Sequence
     if code < 0:
         raise MemoryError("native MXFP4 kernel could not allocate its input scratch")
     return code - 1
+
+
+def _f32(t: Tensor) -> Tensor:
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+
+
+def conv_decode(windows: Sequence[Tensor], xs: Sequence[Tensor], taps: Tensor) -> Tensor:
+    """One token of a short causal depthwise conv for each of B sequences: windows[b] fp32 [K-1, C] (updated in
+    place: shifted, x appended), xs[b] [C], taps [C, K] (tap K-1 multiplies the new token). Returns fp32 [B, C]
+    before any activation."""
+    handle = lib()
+    if handle is None:
+        raise RuntimeError(reason())
+    c, k = taps.shape
+    taps = _f32(taps)
+    xs = [_f32(x) for x in xs]
+    for w, x in zip(windows, xs):
+        if w.dtype != torch.float32 or not w.is_contiguous() or w.shape != (k - 1, c) or x.numel() != c:
+            raise ValueError(f"conv_decode wants fp32 contiguous windows [{k - 1}, {c}] and inputs [{c}]")
+    y = torch.empty(len(xs), c, dtype=torch.float32)
+    handle.ms_conv_decode(len(xs), c, k, _addresses([w.data_ptr() for w in windows]),
+                          _addresses([x.data_ptr() for x in xs]), taps.data_ptr(), y.data_ptr())
+    return y
+
+
+def kda_decode(states: Sequence[Tensor], q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+    """One delta-rule step for B sequences, each state fp32 [H, dk, dv] updated in place (models/kda.py's
+    kda_recurrent for one token): q, k, g [B, H, dk], v [B, H, dv], beta [B, H]. Returns o fp32 [B, H, dv]."""
+    handle = lib()
+    if handle is None:
+        raise RuntimeError(reason())
+    b, h, dk = q.shape
+    dv = v.shape[-1]
+    q, k, v, g, beta = (_f32(t) for t in (q, k, v, g, beta))
+    if k.shape != (b, h, dk) or g.shape != (b, h, dk) or v.shape != (b, h, dv) or beta.shape != (b, h):
+        raise ValueError("kda_decode: q, k, g [B, H, dk], v [B, H, dv], beta [B, H]")
+    for s in states:
+        if s.dtype != torch.float32 or not s.is_contiguous() or s.shape != (h, dk, dv):
+            raise ValueError(f"kda_decode wants fp32 contiguous states [{h}, {dk}, {dv}]")
+    out = torch.empty(b, h, dv, dtype=torch.float32)
+    handle.ms_kda_decode(b, h, dk, dv, _addresses([s.data_ptr() for s in states]), q.data_ptr(), k.data_ptr(),
+                         v.data_ptr(), g.data_ptr(), beta.data_ptr(), out.data_ptr())
+    return out

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from moestream.engine.state import Batch, SeqState
 from moestream.errors import UnsupportedModelError
+from moestream.kernels import cpu
 from moestream.models.blocks import linear, rms_norm
 
 DECAYS = ("softplus", "lower_bound_sigmoid")
@@ -88,10 +89,11 @@ class KDAMixer:
         beta = torch.sigmoid(linear(x, self.b_proj))  # [T, H]
         out = torch.empty(t, o.heads, o.head_dim)
         decoding = [seg for seg in batch.segments if seg.length == 1]
-        if len(decoding) > 1:  # several sequences one token each: one batched recurrence step
+        batched = len(decoding) > 1 or (len(decoding) == 1 and cpu.available())
+        if batched:  # sequences with one token each: one batched recurrence step (native: states in place)
             self._decode_batch(decoding, raw, g, beta, out, index)
         for seg in batch.segments:
-            if len(decoding) > 1 and seg.length == 1:
+            if batched and seg.length == 1:
                 continue
             st = seg.state.slot(index, lambda s=seg.state: KDAState(o, s))
             r = seg.rows
@@ -115,6 +117,9 @@ class KDAMixer:
         b, h, d = len(segs), o.heads, o.head_dim
         states = [seg.state.slot(index, lambda s=seg.state: KDAState(o, s)) for seg in segs]
         rows = torch.tensor([seg.start for seg in segs])
+        if cpu.available():
+            self._decode_native(segs, states, raw, g, beta, out, rows)
+            return
         streams = []
         for i in range(3):
             seq = torch.cat([torch.stack([st.conv[i] for st in states]), raw[i][rows].unsqueeze(1)], dim=1)  # [B, K, C]
@@ -130,6 +135,21 @@ class KDAMixer:
         out[rows] = y.view(b, h, -1)
         for j, st in enumerate(states):
             st.S.copy_(S.view(b, h, d, -1)[j])
+
+    def _decode_native(self, segs: list, states: list, raw: list[torch.Tensor], g: torch.Tensor,
+                       beta: torch.Tensor, out: torch.Tensor, rows: torch.Tensor) -> None:
+        """The same step as _decode_batch in two native calls per stream and one for the recurrence, every
+        sequence's conv window and state matrix updated where it lives (no stacking and copying back)."""
+        o = self.opt
+        b, h, d = len(segs), o.heads, o.head_dim
+        streams = []
+        for i in range(3):
+            y = cpu.conv_decode([st.conv[i] for st in states], [raw[i][seg.start] for seg in segs],
+                                self.conv[i].squeeze(1))
+            streams.append(F.silu(y).view(b, h, d))
+        q = l2norm(streams[0], o.l2_eps) * d ** -0.5
+        k = l2norm(streams[1], o.l2_eps)
+        out[rows] = cpu.kda_decode([st.S for st in states], q, k, streams[2], g[rows], beta[rows])
 
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """Per-step log-decay g [T, H, dk] in fp32."""
