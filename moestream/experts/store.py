@@ -61,6 +61,17 @@ class Check:
     packed: PackedExpert
 
 
+class PartViews(dict):
+    """An expert's part tensors by name (zero-copy views of its buffer). `ptrs` lets a kernel caller cache the
+    parts' addresses for as long as the views live (they live as long as the blob)."""
+
+    __slots__ = ("ptrs",)
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.ptrs = None
+
+
 class ExpertBlob:
     """One expert's bytes in a single buffer; `tensors()` gives zero-copy torch views per part."""
 
@@ -70,14 +81,14 @@ class ExpertBlob:
         self.buf = buf  # mmap (page-aligned, recycled on eviction) or bytearray
         self.parts = parts  # (part name, offset in buf, location in the checkpoint)
         self.nbytes = len(buf)
-        self._views: dict[str, torch.Tensor] | None = None
+        self._views: PartViews | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         if self._views is None:
             mv = memoryview(self.buf)
-            self._views = {
-                name: bytes_to_tensor(mv[off:off + loc.nbytes], loc.dtype, loc.shape) for name, off, loc in self.parts
-            }
+            self._views = PartViews(
+                (name, bytes_to_tensor(mv[off:off + loc.nbytes], loc.dtype, loc.shape)) for name, off, loc in self.parts
+            )
         return self._views
 
 

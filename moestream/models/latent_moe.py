@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from moestream.experts.store import PartViews
 from moestream.kernels import cpu
 from moestream.kernels.quant import (GROUP_DECODE_BYTES, check_mxfp4_scales, mxfp4_decode_planes, mxfp4_linear,
                                      mxfp4_permute_input)
@@ -90,33 +91,47 @@ def _native_group(z, ids, weights, experts, tensors, act, out) -> None:
     xs2, ps2, ss2, outs2, who2 = [], [], [], [], []
     keep = []  # contiguous copies made here must outlive the calls
     for j, start, count in spans:
-        t = tensors[j]
-        w1p, w1s, w3p, w3s, w2p, w2s = (t[n] if t[n].is_contiguous() else keep.append(t[n].contiguous()) or keep[-1]
-                                        for n in _PARTS)
+        w1p, w1s, w3p, w3s, w2p, w2s = _pointers(tensors[j], keep)
         x = zp + start * latent * 4
         xs += (x, x)
         ts += (count, count)
-        ps += (w1p.data_ptr(), w3p.data_ptr())
-        ss += (w1s.data_ptr(), w3s.data_ptr())
+        ps += (w1p, w3p)
+        ss += (w1s, w3s)
         outs += (gp + start * inter * 4, up + start * inter * 4)
-        who += (w1s, w3s)
-        ps2.append(w2p.data_ptr())
-        ss2.append(w2s.data_ptr())
+        who += ((j, "w1_scale"), (j, "w3_scale"))
+        ps2.append(w2p)
+        ss2.append(w2s)
         outs2.append(yp + start * latent * 4)
-        who2.append(w2s)
+        who2.append((j, "w2_scale"))
     bad = cpu.linear_mxfp4_ptrs(xs, ts, ps, ss, outs, inter, latent)
     if bad >= 0:
-        check_mxfp4_scales(who[bad])  # raises the 0xFF scale error
+        check_mxfp4_scales(tensors[who[bad][0]][who[bad][1]])  # raises the 0xFF scale error
     h = act(gate_up[0], gate_up[1]).float().contiguous()  # [R, inter]
     hp = h.data_ptr()
     xs2 = [hp + start * inter * 4 for _, start, _ in spans]
     bad = cpu.linear_mxfp4_ptrs(xs2, ts[::2], ps2, ss2, outs2, latent, inter)
     if bad >= 0:
-        check_mxfp4_scales(who2[bad])
+        check_mxfp4_scales(tensors[who2[bad][0]][who2[bad][1]])
     out.index_add_(0, rows, y * weights.reshape(-1)[sel].float().unsqueeze(-1))
 
 
 _PARTS = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")
+
+
+def _pointers(t, keep: list) -> tuple[int, ...]:
+    """Addresses of an expert's six parts; cached on a blob's PartViews (its views are contiguous and live as long
+    as the blob); other mappings are checked each time, non-contiguous parts copied into `keep`."""
+    cached = getattr(t, "ptrs", None)
+    if cached is not None:
+        return cached
+    parts = [t[n] for n in _PARTS]
+    if all(p.is_contiguous() for p in parts):
+        ptrs = tuple(p.data_ptr() for p in parts)
+        if isinstance(t, PartViews):
+            t.ptrs = ptrs
+        return ptrs
+    keep.extend(p.contiguous() for p in parts)
+    return tuple(p.data_ptr() for p in keep[-len(parts):])
 NATIVE_GROUP_MAX_ROWS = 64  # up to this many rows per step the grouped experts use the native kernels (if available)
 
 
