@@ -40,3 +40,44 @@ def test_grouped_mxfp4_experts_match_per_expert(tmp_path):
     assert len(grouped) == len(plain) == 14
     for a, b in zip(grouped, plain):
         assert float((a - b).abs().max() / b.abs().max()) < 1e-5
+
+
+def test_grouped_native_experts_match_per_expert_and_refuse_scale_255():
+    """The grouped path (native when available) against each expert alone, with blob-style views (cached part
+    addresses) and plain dicts; a 0xFF scale byte in any grouped expert raises instead of computing."""
+    import pytest
+
+    from moestream.errors import CheckpointError
+    from moestream.experts.store import PartViews
+    from moestream.kernels.quant import quantize_mxfp4
+    from moestream.models.latent_moe import make_act, mxfp4_expert, mxfp4_group
+
+    g = torch.Generator().manual_seed(3)
+    latent, inter, n_exp = 64, 96, 5
+
+    def expert():
+        t = {}
+        for name, shape in (("w1", (inter, latent)), ("w3", (inter, latent)), ("w2", (latent, inter))):
+            t[f"{name}_packed"], t[f"{name}_scale"] = quantize_mxfp4(torch.randn(*shape, generator=g) * 0.1)
+        return t
+
+    experts = [expert() for _ in range(n_exp)]
+    act = make_act(4.0, 25.0)
+    z = torch.randn(6, latent, generator=g)
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:2] for _ in range(6)])
+    w = torch.rand(6, 2, generator=g)
+    want = torch.zeros(6, latent)
+    one = mxfp4_expert(act)
+    for e in range(n_exp):
+        rows, slots = torch.nonzero(ids == e, as_tuple=True)
+        want.index_add_(0, rows, one(z[rows], experts[e]) * w[rows, slots].unsqueeze(-1))
+    for wrap in (dict, PartViews):
+        views = [wrap(t) for t in experts]
+        for _ in range(2):  # the second pass uses the addresses cached on PartViews
+            out = torch.zeros(6, latent)
+            assert mxfp4_group(act)(z, ids, w, list(range(n_exp)), views, out)
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    bad = [PartViews({k: v.clone() for k, v in t.items()}) for t in experts]
+    bad[3]["w2_scale"][1, 0] = 255
+    with pytest.raises(CheckpointError, match="255|0xFF|NaN"):
+        mxfp4_group(act)(z, ids, w, list(range(n_exp)), bad, torch.zeros(6, latent))
