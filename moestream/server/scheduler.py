@@ -55,20 +55,51 @@ class QueueFull(MoestreamError):
     """More requests are waiting than --max-queue allows."""
 
 
+STATS_EVERY_S = 0.25  # while streams run, /metrics engine figures are at most this old
+
+
+class Outbox:
+    """Events from the scheduler thread to the handlers' event loops, held during an iteration and delivered with
+    one wake-up per loop: eight streams cost the loop one callback per engine step, not eight."""
+
+    def __init__(self) -> None:
+        self._held: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+
+    def send(self, ticket: "Ticket", event: Any) -> None:
+        self._held.setdefault(ticket.loop, []).append((ticket.events, event))
+
+    def flush(self) -> None:
+        held, self._held = self._held, {}
+        for loop, items in held.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
+                pass
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, event in items:
+        q.put_nowait(event)
+
+
 class Ticket:
     """The handler's side of one request: an asyncio queue of Delta / Done / Failed events."""
 
     _ids = itertools.count()
 
-    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop):
+    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop, outbox: Outbox | None = None):
         self.id = next(self._ids)
         self.req = req
         self.loop = loop
+        self.outbox = outbox
         self.events: asyncio.Queue = asyncio.Queue()
         self.finished = False
 
     def put(self, event: Any) -> None:
-        """Called from the scheduler thread."""
+        """Called from the scheduler thread (through its outbox, flushed after every iteration)."""
+        if self.outbox is not None:
+            self.outbox.send(self, event)
+            return
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
@@ -116,6 +147,9 @@ class Scheduler:
         self.counters = dict(requests=0, tokens_generated=0, prompt_tokens=0, prompt_tokens_reused=0, failed=0,
                              cancelled=0, steps=0)
         self.engine_stats: dict = {}
+        self._stats_at = 0.0
+        self._ended = False  # a request ended in this iteration
+        self.outbox = Outbox()
         self.thread = threading.Thread(target=self._run, name="moestream-scheduler", daemon=True)
 
     # ---- the handlers' side (event loop thread) -------------------------------------------------------------
@@ -133,7 +167,7 @@ class Scheduler:
         return self.thread.is_alive()
 
     def submit(self, req: GenRequest) -> Ticket:
-        ticket = Ticket(req, asyncio.get_running_loop())
+        ticket = Ticket(req, asyncio.get_running_loop(), self.outbox)
         with self._lock:
             if self._queued >= self.cfg.max_queue:
                 raise QueueFull(f"{self._queued} requests are already waiting (--max-queue {self.cfg.max_queue})")
@@ -167,6 +201,7 @@ class Scheduler:
             self._fail(seq, 503, "the server is shutting down")
         for ticket in self.waiting:
             ticket.put(Failed(503, "the server is shutting down"))
+        self.outbox.flush()
         if self.prefix:
             self.prefix.clear()
 
@@ -177,7 +212,13 @@ class Scheduler:
             if self.active:
                 self._step()
         finally:
-            self.engine_stats = {k: v for k, v in self.engine.stats.items() if not isinstance(v, dict)}
+            # engine figures for /metrics: after any request ends (before its last event is delivered), else at
+            # most every STATS_EVERY_S while streams run (building them costs about a stream's own step overhead)
+            now = time.monotonic()
+            if self._ended or not self.active or now - self._stats_at >= STATS_EVERY_S:
+                self.engine_stats = {k: v for k, v in self.engine.stats.items() if not isinstance(v, dict)}
+                self._stats_at, self._ended = now, False
+            self.outbox.flush()
 
     def _step(self) -> None:
         items = self._plan()
@@ -229,6 +270,7 @@ class Scheduler:
         for seq in list(self.active):
             if seq.ticket.id == ticket_id:
                 self.active.remove(seq)
+                self._ended = True
                 self.engine.free(seq.state)
                 self.counters["cancelled"] += 1
                 seq.ticket.put(Failed(499, "the request was cancelled"))
@@ -356,6 +398,7 @@ class Scheduler:
     def _finish(self, seq: _Seq, reason: str) -> None:
         self._emit(seq, "")
         self.active.remove(seq)
+        self._ended = True
         seq.ticket.put(Done(reason, Usage(len(seq.ticket.req.prompt_ids), seq.generated, seq.reused)))
         if self.prefix is not None:
             self.prefix.save(seq.fed, seq.state)  # keeps it for a later request extending these tokens, or frees it
@@ -365,6 +408,7 @@ class Scheduler:
     def _fail(self, seq: _Seq, status: int, message: str) -> None:
         if seq in self.active:
             self.active.remove(seq)
+        self._ended = True
         self.counters["failed"] += 1
         try:
             self.engine.free(seq.state)
