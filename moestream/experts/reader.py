@@ -112,7 +112,9 @@ class IOStats:
 
 
 class BufferPool:
-    """Page-aligned anonymous buffers, recycled by size. Idle buffers are trimmed so they never outlive a step."""
+    """Page-aligned anonymous buffers, recycled by size. Idle buffers are trimmed so they never outlive a step, and
+    a new buffer is only mapped after idle ones of other sizes (experts' spans differ by alignment pages) are
+    dropped to make room for it: idle memory, which the budget does not count, never piles up within a step."""
 
     def __init__(self) -> None:
         self._free: dict[int, list[mmap.mmap]] = {}
@@ -125,6 +127,7 @@ class BufferPool:
             if free:
                 self.idle_bytes -= nbytes
                 return free.pop()
+            self._drop(nbytes)
         # private: MAP_SHARED anonymous memory would be shmem, charged and reclaimed differently
         return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
@@ -138,12 +141,18 @@ class BufferPool:
     def trim(self, keep_bytes: int = 0) -> None:
         """Drop idle buffers beyond `keep_bytes` (their memory returns to the OS when the last view dies)."""
         with self._lock:
-            for size in sorted(self._free, reverse=True):
-                lst = self._free[size]
-                while lst and self.idle_bytes > keep_bytes:
-                    lst.pop()
-                    self.idle_bytes -= size
-            self._free = {k: v for k, v in self._free.items() if v}
+            self._drop(max(0, self.idle_bytes - keep_bytes))
+
+    def _drop(self, nbytes: int) -> None:
+        """Release at least `nbytes` of idle buffers (or all of them), largest first. Caller holds the lock."""
+        freed = 0
+        for size in sorted(self._free, reverse=True):
+            lst = self._free[size]
+            while lst and freed < nbytes:
+                lst.pop()
+                self.idle_bytes -= size
+                freed += size
+        self._free = {k: v for k, v in self._free.items() if v}
 
 
 class Reader:
