@@ -3,7 +3,7 @@ they may use, decoded from a cold page cache, against the disk's own direct-I/O 
 
 Writes the checkpoint with `moestream synth` (medium preset: 16 layers x 64 experts of 3 MiB, top-8) if DIR has
 none, then runs `moestream.bench` once per variant side by side and prints one JSON line per run. Usage:
-    python bench/roofline.py DIR [--oversubscription 4] [--gen-len 24] [--variants base,lookahead]
+    python bench/roofline.py DIR [--oversubscription 4] [--gen-len 24] [--variants base,no-lookahead]
 """
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 VARIANTS = {
-    "base": [],
-    "lookahead": ["--lookahead"],
+    "base": [],  # the defaults: lookahead on, prefetching the top quarter of each prediction
+    "no-lookahead": ["--no-lookahead"],
+    "lookahead-all": ["--lookahead-share", "1.0"],
     "buffered": ["--buffered-io"],
     "lfru": ["--policy", "lfru"],
     "heat": ["--policy", "heat"],
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0, help="random weights loop under greedy; sample")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--variants", default="base,lookahead")
+    ap.add_argument("--variants", default="base,no-lookahead")
     ap.add_argument("--repeat", type=int, default=1, help="alternate the variants this many rounds")
     args = ap.parse_args(argv)
     if not (args.dir / "config.json").exists():

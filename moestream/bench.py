@@ -38,11 +38,12 @@ class BenchOptions:
     threads: int | None = None  # torch compute threads (default: the engine's choice)
     io_threads: int = 8
     policy: str = "lfru"
-    lookahead: bool = False
+    lookahead: bool = True
     direct_io: bool = True
     probe: bool = True
     plot: Path | None = None
     state_room: int | None = None  # budget the residency plan keeps for state when dense weights stream
+    lookahead_share: float | None = None  # None: the engine's default share of each prediction to prefetch
 
 
 @dataclass
@@ -174,6 +175,8 @@ def bench(path: str | Path, opts: BenchOptions) -> dict:
                       threads=opts.threads, state_room=opts.state_room)
     try:
         eng.runner.lookahead.enabled = opts.lookahead
+        if opts.lookahead_share is not None:
+            eng.runner.lookahead.top_share = opts.lookahead_share
         eng.plan.store.reader.direct = opts.direct_io and eng.plan.store.reader.direct
         report = _run(eng, opts)
     finally:
@@ -390,8 +393,11 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch compute threads")
     p.add_argument("--io-threads", type=int, default=8)
     p.add_argument("--policy", default="lfru", help="expert cache policy: lfru (default), lru, heat")
-    p.add_argument("--lookahead", action="store_true",
-                   help="prefetch the next layer's experts by router lookahead (behind a per-layer recall gate)")
+    p.add_argument("--no-lookahead", dest="lookahead", action="store_false",
+                   help="do not prefetch the next layer's experts by router lookahead (on by default, behind a "
+                        "per-layer recall gate)")
+    p.add_argument("--lookahead-share", type=float, default=None, metavar="F",
+                   help="share of each token's predicted experts to prefetch, best first (default 0.25)")
     p.add_argument("--buffered-io", action="store_true", help="buffered reads + page drop instead of O_DIRECT")
     p.add_argument("--no-probe", action="store_true", help="skip the direct-I/O disk bandwidth probe")
     p.add_argument("--plot", type=Path, default=None, metavar="PNG", help="write hit rate and tokens/s per token")
@@ -412,7 +418,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         raise MoestreamError("--prompt-len and --gen-len must be at least 1")
     return BenchOptions(budget, args.prompt_len, args.gen_len, args.cold, args.temperature, args.seed,
                         args.threads, args.io_threads, args.policy, args.lookahead, not args.buffered_io,
-                        not args.no_probe, args.plot, parse_bytes(args.state_room))
+                        not args.no_probe, args.plot, parse_bytes(args.state_room), args.lookahead_share)
 
 
 def run_bench(args: argparse.Namespace) -> int:
