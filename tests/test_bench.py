@@ -66,3 +66,20 @@ def test_cli_rejects_bad_policy(tiny, capsys):
 
 def test_probe_reads_model_files(tiny):
     assert probe_disk(model_files(tiny), threads=2, seconds=0.2, chunk=64 * 1024) > 0
+
+
+def test_peak_rss_within_budget_plus_fixed_overhead(tiny):
+    """A fresh process (its peak RSS is this run's own): RSS stays within budget + interpreter + the stated
+    allowance, under a budget that forces evictions."""
+    import subprocess
+    import sys
+
+    p = plan(tiny)
+    budget = p.dense_bytes + p.scratch_bytes + p.expert_bytes // 4
+    out = subprocess.run([sys.executable, "-m", "moestream", "bench", str(tiny), "--ram-budget", str(budget),
+                          "--prompt-len", "16", "--gen-len", "8", "--temperature", "1", "--json", "--no-probe",
+                          "--threads", "1"], check=True, capture_output=True, text=True).stdout
+    r = json.loads(out)
+    assert r["rss_bound_bytes"] == budget + r["interpreter_rss_bytes"] + (32 << 20)
+    assert r["rss_within_bound"], (r["peak_rss_bytes"], r["rss_bound_bytes"])
+    assert r["peak_accounted_bytes"] <= budget
