@@ -59,6 +59,35 @@ def test_victims_skip_superseded_heap_entries():
     assert 7 not in list(pol.victims())
 
 
+def test_victims_in_place_survive_partial_iteration_and_skipped_keys():
+    """victims() pops the heap in place: after partly consumed iterations whose caller evicts some keys and skips
+    others, the full order is still every live key once, lowest score first (the scores a fresh policy gives)."""
+    import random
+
+    rng = random.Random(0)
+    pol = FrequencyRecencyPolicy(half_life=4)
+    live: set[int] = set()
+    for step in range(400):
+        k = rng.randrange(40)
+        if k in live and rng.random() < 0.1:
+            pol.remove(k)
+            live.discard(k)
+        else:
+            (pol.touch if k in live else pol.insert)(k)
+            live.add(k)
+        if step % 7 == 0:
+            for i, v in enumerate(pol.victims()):  # evict every other candidate, stop after a few
+                if i % 2 == 0:
+                    pol.remove(v)
+                    live.discard(v)
+                if i >= 4:
+                    break
+    order = list(pol.victims())
+    assert sorted(order) == sorted(live)
+    prio = [pol._prio[k] for k in order]
+    assert prio == sorted(prio)
+
+
 def test_heat_persists_and_protects_hottest(tmp_path):
     path = tmp_path / "heat.json"
     first = HeatPolicy(path)
