@@ -22,6 +22,7 @@ import torch
 
 from moestream.config import format_bytes, parse_bytes
 from moestream.errors import MoestreamError
+from moestream.weights.index import drop_file_pages
 
 PROBE_CHUNK = 4 << 20
 PROBE_SECONDS = 1.5
@@ -99,14 +100,8 @@ def model_files(path: Path) -> list[Path]:
 
 def drop_page_cache(files: list[Path]) -> str:
     """Evict the model's files from the OS page cache (always permitted for files we can open)."""
-    if not hasattr(os, "posix_fadvise"):
+    if not all([drop_file_pages(f) for f in files]):
         return "unsupported"
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
     return "fadvise_dontneed"
 
 

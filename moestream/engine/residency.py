@@ -21,7 +21,7 @@ import torch
 from moestream.config import format_bytes
 from moestream.errors import BudgetError, CheckpointError
 from moestream.models.blocks import UPCAST_CHUNK_BYTES, linear
-from moestream.weights.index import CheckpointIndex, TensorInfo, read_range
+from moestream.weights.index import CheckpointIndex, TensorInfo, read_into, read_range
 
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
@@ -309,28 +309,6 @@ def _pieces(offset: int, views: list[memoryview], size: int) -> list[tuple[int, 
     return out
 
 
-def _scatter_read(path, offset: int, nbytes: int, buffers: list) -> None:
-    """preadv of [offset, offset + nbytes) into consecutive buffers (partial reads resumed); pages dropped after."""
-    views = [memoryview(b).cast("B") for b in buffers if len(b)]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        done = 0
-        while views:
-            n = os.preadv(fd, views, offset + done)
-            if n <= 0:
-                raise CheckpointError(f"{path}: unexpected end of file at byte {offset + done}")
-            done += n
-            while views and n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            if views and n:
-                views[0] = views[0][n:]
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _empty_placeholder(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A tensor of `shape` whose storage holds no bytes until its layer is read (pages are never touched)."""
     t = torch.empty(shape, dtype=dtype)
@@ -407,7 +385,7 @@ class DenseStreamer:
                 views.append(memoryview(_buffer(t.untyped_storage())).cast("B"))
                 pos = info.offset + info.nbytes
             for offset, piece in _pieces(run[0][1].offset, views, READ_BYTES):
-                futures.append(self.pool.submit(_scatter_read, file, offset, sum(len(v) for v in piece), piece))
+                futures.append(self.pool.submit(read_into, file, offset, piece))
         self.pending[layer] = futures
 
     def _wait(self, layer: int) -> None:

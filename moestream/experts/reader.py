@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 from moestream.errors import CheckpointError
+from moestream.weights.index import drop_pages, pread_fill
 
 ALIGN = 4096  # O_DIRECT needs block-aligned offsets, lengths and addresses; 4 KiB covers every common device
 GAP = 4096  # read through holes up to this size rather than issue a second request
@@ -218,15 +219,10 @@ class Reader:
 
     @staticmethod
     def _pread(fd: int, run: Run, view: memoryview, direct: bool) -> int:
-        done = calls = 0
-        while done < run.length:
-            n = os.preadv(fd, [view[done:]], run.start + done)
-            calls += 1
-            if n == 0:  # end of file: the aligned tail past EOF is padding, nothing owed
-                break
-            done += n
-        if not direct and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, run.start, run.length, os.POSIX_FADV_DONTNEED)
+        # a short read is end of file: the aligned tail past EOF is padding, nothing owed
+        _, calls = pread_fill(fd, [view[:run.length]], run.start)
+        if not direct:
+            drop_pages(fd, run.start, run.length)
         return calls
 
     def submit(self, plan: ReadPlan) -> Future:

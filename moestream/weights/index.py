@@ -300,24 +300,60 @@ def bytes_to_tensor(buf: bytearray | memoryview, dtype: str, shape: tuple[int, .
     return torch.frombuffer(buf, dtype=DTYPES[dtype][0]).view(shape)
 
 
+def pread_fill(fd: int, views: list[memoryview], offset: int) -> tuple[int, int]:
+    """preadv from `offset` into consecutive buffers, resuming partial reads, until they are full or the file
+    ends. Returns (bytes read, preadv calls); the caller decides whether a short read is an error."""
+    views = [v for v in views if len(v)]
+    done = calls = 0
+    while views:
+        n = os.preadv(fd, views, offset + done)
+        calls += 1
+        if n <= 0:
+            break
+        done += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return done, calls
+
+
+def read_into(path: Path, offset: int, buffers: list) -> None:
+    """Fill `buffers` (consecutive) from [offset, ...) of `path` with one scatter read; CheckpointError if the file
+    ends first; the pages are dropped afterwards."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    nbytes = sum(len(v) for v in views)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done, _ = pread_fill(fd, views, offset)
+        if done < nbytes:
+            raise CheckpointError(f"{path}: unexpected end of file at byte {offset + done}")
+        drop_pages(fd, offset, nbytes)
+    finally:
+        os.close(fd)
+
+
 def read_range(path: Path, offset: int, nbytes: int, out: bytearray | None = None) -> bytearray:
     """Positioned read of [offset, offset+nbytes) into a fresh (or given) buffer; drops the pages afterwards."""
     buf = out if out is not None else bytearray(nbytes)
-    view = memoryview(buf)[:nbytes]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        done = 0
-        while done < nbytes:
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise CheckpointError(f"{path}: unexpected end of file at byte {offset + done}")
-            done += n
-        _drop_pages(fd, offset, nbytes)
-    finally:
-        os.close(fd)
+    read_into(path, offset, [memoryview(buf)[:nbytes]])
     return buf
 
 
-def _drop_pages(fd: int, offset: int, nbytes: int) -> None:
+def drop_pages(fd: int, offset: int, nbytes: int) -> None:
+    """Evict [offset, offset + nbytes) of an open file from the OS page cache (no-op where unsupported)."""
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+
+
+def drop_file_pages(path: Path) -> bool:
+    """Evict a whole file from the OS page cache; False where the OS cannot."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        drop_pages(fd, 0, 0)
+    finally:
+        os.close(fd)
+    return True

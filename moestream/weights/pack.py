@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 from moestream.errors import CheckpointError, MoestreamError
-from moestream.weights.index import PACK_FORMAT, PACK_MANIFEST, PACK_VERSION, CheckpointIndex, TensorInfo
+from moestream.weights.index import (PACK_FORMAT, PACK_MANIFEST, PACK_VERSION, CheckpointIndex, TensorInfo,
+                                     drop_file_pages, drop_pages, pread_fill)
 
 ALIGN = 4096  # every expert starts on a 4 KiB boundary (O_DIRECT reads it whole, no widening on the left)
 PART_ALIGN = 64  # a part keeps the offset modulo 64 it had in the original's read buffer (see _lay_out)
@@ -181,18 +182,14 @@ class _Source:
         done, view = 0, memoryview(self.buf)
         while done < t.nbytes:
             want = min(CHUNK, t.nbytes - done)
-            got = 0
-            while got < want:
-                try:
-                    n = os.preadv(fd, [view[got:want]], t.offset + done + got)
-                except OSError as e:
-                    raise CheckpointError(f"{t.file}: read error in tensor {t.name!r}: {e}") from None
-                if n <= 0:
-                    raise CheckpointError(f"{t.file}: truncated: tensor {t.name!r} ends at byte "
-                                          f"{t.offset + t.nbytes} but the file ends at {t.offset + done + got}")
-                got += n
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, t.offset + done, want, os.POSIX_FADV_DONTNEED)
+            try:
+                got, _ = pread_fill(fd, [view[:want]], t.offset + done)
+            except OSError as e:
+                raise CheckpointError(f"{t.file}: read error in tensor {t.name!r}: {e}") from None
+            if got < want:
+                raise CheckpointError(f"{t.file}: truncated: tensor {t.name!r} ends at byte "
+                                      f"{t.offset + t.nbytes} but the file ends at {t.offset + done + got}")
+            drop_pages(fd, t.offset + done, want)
             yield view[:want]
             done += want
 
@@ -371,7 +368,7 @@ def verify_pack(path: str | Path, progress: Progress | None = None,
     src, bad = _Source(), []
     try:
         for f in {t.file for _, t, _ in ranges}:  # read the disk, not pages left by the writer
-            _drop(f)
+            drop_file_pages(f)
         for what, t, want in ranges:
             crc = 0
             for chunk in src.chunks(t):
@@ -387,12 +384,3 @@ def verify_pack(path: str | Path, progress: Progress | None = None,
         shown = "; ".join(bad[:8]) + (f"; and {len(bad) - 8} more" if len(bad) > 8 else "")
         raise CheckpointError(f"{path}: {len(bad)} of {len(ranges)} checksummed ranges are damaged: {shown}")
     return len(ranges)
-
-
-def _drop(f: Path) -> None:
-    if hasattr(os, "posix_fadvise"):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
