@@ -14,6 +14,7 @@ from typing import Iterator
 import torch
 
 from moestream.config import EngineOptions, format_bytes, parse_bytes, read_model_config
+from moestream.engine.allocator import return_freed_memory
 from moestream.engine.memory import MemoryAccountant
 from moestream.engine.residency import DenseStreamer, ResidencyPlan, plan_residency
 from moestream.engine.sampling import SamplingParams, sample
@@ -108,6 +109,7 @@ class Engine:
         memory.stream_reserve = residency.stream_buffer_bytes
         if residency.streams:
             memory.streamer = DenseStreamer(p.store.index, p.family.prefix, memory, residency)
+        return_freed_memory()  # freed temporaries leave the process, so RSS tracks what the budget counts
         runner = ExpertRunner(p.store, memory, opts.cache_policy)
         weights = DenseWeights(p.store.index, p.family.prefix, memory)
         model = p.family.build(p.config, ModelContext(weights, runner, memory))

@@ -18,7 +18,6 @@ from typing import Callable, Iterator, Mapping
 import torch
 
 from moestream.config import format_bytes
-from moestream.engine.allocator import return_freed_memory
 from moestream.engine.memory import MemoryAccountant
 from moestream.errors import BudgetError
 from moestream.experts.cache import ExpertCache
@@ -57,7 +56,6 @@ class ExpertRunner:
             raise ValueError(f"unknown cache policy {policy!r}; choose from {', '.join(POLICIES)}")
         self.store = store
         self.memory = memory
-        return_freed_memory()  # freed temporaries leave the process, so RSS tracks what the budget counts
         pol = HeatPolicy(heat_path(store.index.root)) if policy == "heat" else POLICIES[policy]()
         self.cache = ExpertCache(memory.cache_capacity, pol, on_evict=self._on_evict)
         memory.cache = self.cache

@@ -87,7 +87,7 @@ class Ticket:
 
     _ids = itertools.count()
 
-    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop, outbox: Outbox | None = None):
+    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop, outbox: Outbox):
         self.id = next(self._ids)
         self.req = req
         self.loop = loop
@@ -97,13 +97,7 @@ class Ticket:
 
     def put(self, event: Any) -> None:
         """Called from the scheduler thread (through its outbox, flushed after every iteration)."""
-        if self.outbox is not None:
-            self.outbox.send(self, event)
-            return
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
-            pass
+        self.outbox.send(self, event)
 
     async def next(self) -> Any:
         event = await self.events.get()
