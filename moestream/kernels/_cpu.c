@@ -323,7 +323,7 @@ static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER; /* one multi-threa
 static pthread_t pool_threads[MAX_THREADS];
 static int pool_workers = 0;      /* started workers */
 static int pool_parts = 1;        /* threads per call, the caller included */
-static int pool_spin = 2000;      /* pause iterations a thread polls (next job, completion) before sleeping */
+static const int pool_spin = 2000;     /* pause iterations a thread polls (next job, completion) before sleeping */
 static uint64_t pool_gen = 0;     /* under pool_mu; read atomically while spinning */
 static uint64_t pool_gen_base = 0; /* pool_gen when workers were last started (their first `seen`) */
 static int pool_sleepers = 0;
@@ -427,7 +427,6 @@ static void pool_run(job_fn fn, void *arg, int parts) {
 
 void ms_set_threads(int n) { pool_parts = n < 1 ? 1 : (n > MAX_THREADS ? MAX_THREADS : n); }
 int ms_get_threads(void) { return pool_parts; }
-void ms_set_spin(int n) { pool_spin = n < 0 ? 0 : n; }
 
 /* rows [n0, n1) of part `part` out of `parts`, in multiples of 4 */
 static void split(int64_t N, int part, int parts, int64_t *n0, int64_t *n1) {

@@ -102,7 +102,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_linear_mxfp4.restype = ctypes.c_int
     lib.ms_set_threads.argtypes = [ctypes.c_int]
     lib.ms_get_threads.restype = ctypes.c_int
-    lib.ms_set_spin.argtypes = [ctypes.c_int]
     lib.ms_conv_decode.argtypes = [i64, i64, i64, p, p, p, p]
     lib.ms_conv_decode.restype = None
     lib.ms_kda_decode.argtypes = [i64, i64, i64, i64, p, p, p, p, p, p, p]

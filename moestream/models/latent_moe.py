@@ -130,8 +130,9 @@ def _pointers(t, keep: list) -> tuple[int, ...]:
         if isinstance(t, PartViews):
             t.ptrs = ptrs
         return ptrs
-    keep.extend(p.contiguous() for p in parts)
-    return tuple(p.data_ptr() for p in keep[-len(parts):])
+    parts = [p if p.is_contiguous() else p.contiguous() for p in parts]
+    keep.extend(parts)
+    return tuple(p.data_ptr() for p in parts)
 NATIVE_GROUP_MAX_ROWS = 64  # up to this many rows per step the grouped experts use the native kernels (if available)
 
 
