@@ -111,45 +111,36 @@ class KDAMixer:
 
     def _decode_batch(self, segs: list, raw: list[torch.Tensor], g: torch.Tensor, beta: torch.Tensor,
                       out: torch.Tensor, index: int) -> None:
-        """One decode token for each of B sequences at once: their states are stacked and the B x H heads go
-        through one recurrence step (the same arithmetic per head as one sequence at a time)."""
+        """One decode token for each of B sequences at once, the B x H heads through one recurrence step (the
+        same arithmetic per head as one sequence at a time). Native: each sequence's conv window and state matrix
+        are updated where they live; torch: they are stacked, stepped, and copied back."""
         o = self.opt
         b, h, d = len(segs), o.heads, o.head_dim
         states = [seg.state.slot(index, lambda s=seg.state: KDAState(o, s)) for seg in segs]
         rows = torch.tensor([seg.start for seg in segs])
-        if cpu.available():
-            self._decode_native(segs, states, raw, g, beta, out, rows)
-            return
+        native = cpu.available()
         streams = []
         for i in range(3):
-            seq = torch.cat([torch.stack([st.conv[i] for st in states]), raw[i][rows].unsqueeze(1)], dim=1)  # [B, K, C]
-            taps = self.conv[i].float().squeeze(1)  # [C, K]
-            streams.append(F.silu((seq * taps.T).sum(1)).view(b, h, d))
-            for j, st in enumerate(states):
-                st.conv[i].copy_(seq[j, 1:])
+            if native:
+                y = cpu.conv_decode([st.conv[i] for st in states], [raw[i][seg.start] for seg in segs],
+                                    self.conv[i].squeeze(1))
+            else:
+                seq = torch.cat([torch.stack([st.conv[i] for st in states]), raw[i][rows].unsqueeze(1)], dim=1)
+                y = (seq * self.conv[i].float().squeeze(1).T).sum(1)  # [B, C]; taps [C, K]
+                for j, st in enumerate(states):
+                    st.conv[i].copy_(seq[j, 1:])
+            streams.append(F.silu(y).view(b, h, d))
         q = l2norm(streams[0], o.l2_eps) * d ** -0.5
         k = l2norm(streams[1], o.l2_eps)
+        if native:
+            out[rows] = cpu.kda_decode([st.S for st in states], q, k, streams[2], g[rows], beta[rows])
+            return
         S = torch.stack([st.S for st in states]).view(b * h, d, -1)  # [B*H, dk, dv]
         y, S = kda_recurrent(q.view(1, b * h, d), k.view(1, b * h, d), streams[2].view(1, b * h, d),
                              g[rows].view(1, b * h, d), beta[rows].view(1, b * h), S)
         out[rows] = y.view(b, h, -1)
         for j, st in enumerate(states):
             st.S.copy_(S.view(b, h, d, -1)[j])
-
-    def _decode_native(self, segs: list, states: list, raw: list[torch.Tensor], g: torch.Tensor,
-                       beta: torch.Tensor, out: torch.Tensor, rows: torch.Tensor) -> None:
-        """The same step as _decode_batch in two native calls per stream and one for the recurrence, every
-        sequence's conv window and state matrix updated where it lives (no stacking and copying back)."""
-        o = self.opt
-        b, h, d = len(segs), o.heads, o.head_dim
-        streams = []
-        for i in range(3):
-            y = cpu.conv_decode([st.conv[i] for st in states], [raw[i][seg.start] for seg in segs],
-                                self.conv[i].squeeze(1))
-            streams.append(F.silu(y).view(b, h, d))
-        q = l2norm(streams[0], o.l2_eps) * d ** -0.5
-        k = l2norm(streams[1], o.l2_eps)
-        out[rows] = cpu.kda_decode([st.S for st in states], q, k, streams[2], g[rows], beta[rows])
 
     def decay(self, x: torch.Tensor) -> torch.Tensor:
         """Per-step log-decay g [T, H, dk] in fp32."""
