@@ -22,6 +22,7 @@ import torch
 
 from moestream.config import format_bytes, parse_bytes
 from moestream.errors import MoestreamError
+from moestream.experts.reader import align_down
 from moestream.weights.index import drop_file_pages
 
 PROBE_CHUNK = 4 << 20
@@ -112,7 +113,7 @@ def probe_disk(files: list[Path], threads: int, seconds: float = PROBE_SECONDS, 
     from concurrent.futures import ThreadPoolExecutor
 
     sizes = [(f, f.stat().st_size) for f in files]
-    chunk = min(chunk, max((s for _, s in sizes), default=0) // 4096 * 4096)
+    chunk = min(chunk, align_down(max((s for _, s in sizes), default=0)))
     sizes = [(f, s) for f, s in sizes if s >= chunk]
     if chunk == 0:
         return 0.0

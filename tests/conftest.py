@@ -40,6 +40,15 @@ def prompt_ids(vocab: int, n: int = 75, seed: int = 1) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
+def decode_logits(eng, ids: list[int]) -> torch.Tensor:
+    """Logits [len(ids), V] from a fresh sequence fed one token per engine step (the decode path), freed after."""
+    state = eng.new_sequence()
+    try:
+        return torch.stack([eng.step([(state, [t])])[0] for t in ids])
+    finally:
+        eng.free(state)
+
+
 def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b|: the 'relative logit difference' reported in issue notes."""
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())

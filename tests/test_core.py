@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import max_rel_diff, prompt_ids, reference_logits, save_reference
+from conftest import decode_logits, max_rel_diff, prompt_ids, reference_logits, save_reference
 from moestream import Engine
 from moestream.engine.engine import plan
 from moestream.errors import BudgetError, CheckpointError, RequestError, UnsupportedModelError
@@ -123,9 +123,7 @@ def test_prefill_equals_token_by_token_decode(qwen):
     eng = Engine.open(qwen[0])
     ids = prompt_ids(VOCAB, 24)
     full = eng.logits(ids)
-    state = eng.new_sequence()
-    steps = torch.stack([eng.step([(state, [t])])[0] for t in ids])
-    eng.free(state)
+    steps = decode_logits(eng, ids)
     assert max_rel_diff(steps, full) < 1e-5
 
 

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from conftest import FakeWeights, max_rel_diff, prompt_ids
+from conftest import FakeWeights, decode_logits, max_rel_diff, prompt_ids
 from moestream import Engine
 from moestream.engine.memory import MemoryAccountant
 from moestream.engine.state import Batch, SeqState
@@ -78,9 +78,7 @@ def test_decode_token_by_token_matches_prefill(tiny):
     eng = Engine.open(tiny[0])
     ids = prompt_ids(VOCAB, 75)
     want = eng.logits(ids)
-    state = eng.new_sequence()
-    got = torch.stack([eng.step([(state, [t])])[0] for t in ids])
-    eng.free(state)
+    got = decode_logits(eng, ids)
     assert max_rel_diff(got, want) < 1e-4
     assert eng.memory.state_bytes == 0  # KDA fixed state and MLA latent caches all released
 

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Callable
 
 from moestream.errors import CheckpointError, MoestreamError
+from moestream.experts.reader import ALIGN
 from moestream.weights.index import (PACK_FORMAT, PACK_MANIFEST, PACK_VERSION, CheckpointIndex, TensorInfo,
                                      drop_file_pages, drop_pages, pread_fill)
 
-ALIGN = 4096  # every expert starts on a 4 KiB boundary (O_DIRECT reads it whole, no widening on the left)
+# every expert starts on the reader's O_DIRECT boundary (experts/reader.py: ALIGN), so it is read whole, no widening
 PART_ALIGN = 64  # a part keeps the offset modulo 64 it had in the original's read buffer (see _lay_out)
 CHUNK = 8 << 20  # copy buffer: the packer's only sizeable allocation
 DENSE_SHARD_BYTES = 4 << 30
