@@ -127,7 +127,7 @@ def probe_disk(files: list[Path], threads: int, seconds: float = PROBE_SECONDS, 
         while time.perf_counter() < deadline:
             f, size = rng.choice(sizes)
             fd, direct = fds[f]
-            off = rng.randrange(0, (size - chunk) // 4096 + 1) * 4096
+            off = align_down(rng.randrange(0, size - chunk + 1))
             got += os.preadv(fd, [buf], off)
             if not direct:
                 os.posix_fadvise(fd, off, chunk, os.POSIX_FADV_DONTNEED)
