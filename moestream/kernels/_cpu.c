@@ -26,6 +26,7 @@
 
 #define MS_ABI 6
 #define TILE_T 8   /* tokens per register tile */
+#define PF_BYTES 16384  /* software prefetch distance of the bf16 kernel (measured: 16-32 KiB best) */
 #define MAX_THREADS 8
 
 #define INLINE static inline __attribute__((always_inline))
@@ -88,6 +89,10 @@ INLINE void bf16_tile(const float *x, int64_t ldx, const uint16_t *w, int64_t K,
         __mmask32 m = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
+            /* 16 KiB ahead into L2 (rows are contiguous, so that is a later block of rows): each row stream is
+             * only a few KiB, too short for the hardware prefetcher, and a matrix streamed from DRAM ran at
+             * 9 GB/s on one core without this and 19 GB/s with it (bench/kernels.py; docs/performance.md) */
+            _mm_prefetch((const char *)(w + r * K + k) + PF_BYTES, _MM_HINT_T1);
             __m512i v = _mm512_maskz_loadu_epi16(m, w + r * K + k);
             even[r] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
             odd[r] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
