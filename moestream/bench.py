@@ -22,11 +22,12 @@ import torch
 
 from moestream.config import format_bytes, parse_bytes
 from moestream.errors import MoestreamError
-from moestream.experts.reader import align_down
+from moestream.experts.reader import IO_THREADS, align_down
 from moestream.weights.index import drop_file_pages
 
 PROBE_CHUNK = 4 << 20
 PROBE_SECONDS = 1.5
+PROBE_THREADS = 8  # the probe asks the disk for its best at a deep queue, whatever depth the engine reads at
 
 
 # The stated fixed overhead: peak RSS stays within the budget plus the interpreter's own RSS before the engine opens
@@ -44,14 +45,14 @@ class BenchOptions:
     temperature: float = 0.0
     seed: int = 0
     threads: int | None = None  # torch compute threads (default: the engine's choice)
-    io_threads: int = 8
+    io_threads: int = IO_THREADS
     policy: str = "lfru"
     lookahead: bool = True
     direct_io: bool = True
     probe: bool = True
     plot: Path | None = None
     state_room: int | None = None  # budget the residency plan keeps for state when dense weights stream
-    lookahead_share: float | None = None  # None: the engine's default share of each prediction to prefetch
+    lookahead_reads: int | None = None  # None: the engine's default number of read-ahead experts per layer step
 
 
 @dataclass
@@ -180,14 +181,14 @@ def bench(path: str | Path, opts: BenchOptions) -> dict:
     files = model_files(path)
     cold = drop_page_cache(files) if opts.cold else "warm"
     # a virtual disk's bandwidth drifts by +-30% minute to minute: probe before and after, keep the better
-    probes = [probe_disk(files, opts.io_threads)] if opts.probe else []
+    probes = [probe_disk(files, max(PROBE_THREADS, opts.io_threads))] if opts.probe else []
     base_rss = rss_now()
     eng = Engine.open(path, ram_budget=opts.ram_budget, cache_policy=opts.policy, io_threads=opts.io_threads,
                       threads=opts.threads, state_room=opts.state_room)
     try:
         eng.runner.lookahead.enabled = opts.lookahead
-        if opts.lookahead_share is not None:
-            eng.runner.lookahead.top_share = opts.lookahead_share
+        if opts.lookahead_reads is not None:
+            eng.runner.lookahead.reads = opts.lookahead_reads
         eng.plan.store.reader.direct = opts.direct_io and eng.plan.store.reader.direct
         report = _run(eng, opts)
     finally:
@@ -196,7 +197,7 @@ def bench(path: str | Path, opts: BenchOptions) -> dict:
         eng.close()
     peak = peak_rss()  # the engine's peak, before the second probe's own buffers
     if opts.probe:
-        probes.append(probe_disk(files, opts.io_threads, seed=1))
+        probes.append(probe_disk(files, max(PROBE_THREADS, opts.io_threads), seed=1))
     report.update(_context(eng, opts, cold, max(probes, default=0.0), base_rss, peak))
     if opts.ram_budget is not None:
         report["rss_bound_bytes"] = opts.ram_budget + base_rss + RSS_LIBRARY_ALLOWANCE
@@ -253,7 +254,8 @@ def _snapshot(eng, clock: PhaseClock) -> dict:
     return {"io_wait": t.io_wait_s, "expert": t.expert_s, "lookahead": t.lookahead_s, "mixer": clock.mixer_s,
             "busy": io.busy_s, "bytes": io.bytes_read, "layer_hits": dict(eng.runner.cache.stats.layer_hits),
             "layer_misses": dict(eng.runner.cache.stats.layer_misses), "prefetch_reads": t.prefetch_reads,
-            "prefetch_used": t.prefetch_used, "wall": time.perf_counter()}
+            "prefetch_used": t.prefetch_used, "prefetch_withdrawn": t.prefetch_withdrawn,
+            "wall": time.perf_counter()}
 
 
 def _summarise(eng, opts: BenchOptions, records: list[TokenRecord], ttft: float, a: dict, b: dict,
@@ -282,7 +284,9 @@ def _summarise(eng, opts: BenchOptions, records: list[TokenRecord], ttft: float,
         "decode_phases_s": phases,
         "layer_hit_rates": layer_rates,
         "prefetch": {"reads": b["prefetch_reads"] - a["prefetch_reads"],
-                     "used": b["prefetch_used"] - a["prefetch_used"], "gates": eng.runner.lookahead.report()},
+                     "used": b["prefetch_used"] - a["prefetch_used"],
+                     "withdrawn": b["prefetch_withdrawn"] - a["prefetch_withdrawn"],
+                     "gates": eng.runner.lookahead.report()},
         "per_token": [{"s": round(r.seconds, 5), "bytes": r.bytes_read,
                        "hit_rate": round(r.hits / max(1, r.hits + r.misses), 4)} for r in records],
     }
@@ -407,13 +411,13 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                         "there for realistic routing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch compute threads")
-    p.add_argument("--io-threads", type=int, default=8)
+    p.add_argument("--io-threads", type=int, default=IO_THREADS, help=f"reads in flight (default {IO_THREADS})")
     p.add_argument("--policy", default="lfru", help="expert cache policy: lfru (default), lru, heat")
     p.add_argument("--no-lookahead", dest="lookahead", action="store_false",
                    help="do not prefetch the next layer's experts by router lookahead (on by default, behind a "
                         "per-layer recall gate)")
-    p.add_argument("--lookahead-share", type=float, default=None, metavar="F",
-                   help="share of each token's predicted experts to prefetch, best first (default 0.25)")
+    p.add_argument("--lookahead-reads", type=int, default=None, metavar="N",
+                   help="predicted, not resident experts each layer step reads ahead, best first (default 2)")
     p.add_argument("--buffered-io", action="store_true", help="buffered reads + page drop instead of O_DIRECT")
     p.add_argument("--no-probe", action="store_true", help="skip the direct-I/O disk bandwidth probe")
     p.add_argument("--plot", type=Path, default=None, metavar="PNG", help="write hit rate and tokens/s per token")
@@ -434,7 +438,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         raise MoestreamError("--prompt-len and --gen-len must be at least 1")
     return BenchOptions(budget, args.prompt_len, args.gen_len, args.cold, args.temperature, args.seed,
                         args.threads, args.io_threads, args.policy, args.lookahead, not args.buffered_io,
-                        not args.no_probe, args.plot, parse_bytes(args.state_room), args.lookahead_share)
+                        not args.no_probe, args.plot, parse_bytes(args.state_room), args.lookahead_reads)
 
 
 def run_bench(args: argparse.Namespace) -> int:

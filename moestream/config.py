@@ -41,7 +41,7 @@ class EngineOptions:
     ram_budget: int | None = None  # bytes; None = no limit
     device: str = "cpu"
     cache_policy: str = "lfru"  # chosen by measurement: docs/performance.md
-    io_threads: int = 8
+    io_threads: int = 2  # reads in flight (experts.reader.IO_THREADS)
     prefill_chunk: int = 512
     threads: int | None = None  # torch compute threads; None keeps torch's default (one per physical core)
 

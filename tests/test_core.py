@@ -156,8 +156,8 @@ def test_read_completion_order_does_not_change_logits(tmp_path, monkeypatch):
     in_order = run()
     submit, delay = ExpertStore.submit, ThreadPoolExecutor(16)
 
-    def reversed_landing(self, layer, e):  # low expert ids land last
-        inner = submit(self, layer, e)
+    def reversed_landing(self, layer, e, priority=0):  # low expert ids land last
+        inner = submit(self, layer, e, priority)
         return delay.submit(lambda: (time.sleep(0.002 * (16 - e)), inner.result())[1])
 
     monkeypatch.setattr(ExpertStore, "submit", reversed_landing)

@@ -4,6 +4,7 @@ computes exactly what an all-resident run computes."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from safetensors.torch import save_file
 from conftest import prompt_ids, save_reference
 from moestream import Engine
 from moestream.engine.engine import plan
-from moestream.experts.reader import ALIGN, DIRECT_MIN, Reader, Span, file_resident_pages, plan_reads
+from moestream.experts.reader import AHEAD, ALIGN, DEMAND, DIRECT_MIN, Reader, Span, file_resident_pages, plan_reads
 
 VOCAB = 128
 
@@ -97,6 +98,75 @@ def test_buffers_are_recycled():
     reader.pool.trim()
     assert reader.pool.idle_bytes == 0
     reader.close()
+
+
+class _HeldReader(Reader):
+    """A one-thread reader whose first read waits for `release`; records the file offset of every read started."""
+
+    def __init__(self) -> None:
+        super().__init__(threads=1)
+        self.release, self.started, self.order = threading.Event(), threading.Event(), []
+
+    def _read_run(self, run, view):
+        self.order.append(run.start)
+        self.started.set()
+        self.release.wait(10)
+        return super()._read_run(run, view)
+
+
+def _plan_at(path: Path, block: int):
+    return plan_reads([Span(path, block * ALIGN, 2 * ALIGN)])
+
+
+@pytest.fixture
+def held(data_file):
+    path, data = data_file
+    reader = _HeldReader()
+    first = reader.submit(_plan_at(path, 0))  # occupies the only I/O thread until released
+    assert reader.started.wait(10)
+    yield reader, path, data, first
+    reader.release.set()
+    reader.close()
+
+
+def test_reads_a_step_waits_on_go_before_read_ahead(held):
+    reader, path, data, first = held
+    ahead = [reader.submit(_plan_at(path, b), AHEAD) for b in (2, 4)]
+    demand = [reader.submit(_plan_at(path, b), DEMAND) for b in (6, 8)]
+    reader.release.set()
+    for f, b in zip(ahead + demand, (2, 4, 6, 8)):
+        assert bytes(f.result(10)[:2 * ALIGN]) == data[b * ALIGN:(b + 2) * ALIGN]
+    # demand first, each priority in submission order: experts land one after another, first queued first
+    assert reader.order == [0, 6 * ALIGN, 8 * ALIGN, 2 * ALIGN, 4 * ALIGN]
+    first.result(10)
+
+
+def test_queued_read_ahead_is_cancelled_and_promoted(held):
+    reader, path, data, first = held
+    a, b, c = (reader.submit(_plan_at(path, blk), AHEAD) for blk in (2, 4, 6))
+    idle = reader.pool.idle_bytes
+    assert reader.cancel(b) and b.cancelled()
+    assert reader.pool.idle_bytes == idle + _plan_at(path, 4).nbytes  # its buffer went back to the pool
+    reader.promote(c)  # the step now waits on it: read before `a`
+    assert not reader.cancel(first)  # started: it cannot be withdrawn
+    reader.release.set()
+    assert bytes(c.result(10)[:2 * ALIGN]) == data[6 * ALIGN:8 * ALIGN] and a.result(10) and first.result(10)
+    assert reader.order == [0, 6 * ALIGN, 2 * ALIGN]  # the cancelled read never reached the disk
+    assert not reader.cancel(a)  # finished
+    assert reader.stats.requests == 3
+
+
+def test_a_failed_read_fails_its_future_and_returns_the_buffer(tmp_path):
+    path = tmp_path / "short.bin"
+    path.write_bytes(b"x" * 100)
+    reader = Reader(threads=1, direct=False)
+    try:
+        fut = reader.submit(plan_reads([Span(tmp_path / "missing.bin", 0, 100)]))
+        with pytest.raises(Exception, match="missing.bin"):
+            fut.result(10)
+        assert reader.pool.idle_bytes > 0
+    finally:
+        reader.close()
 
 
 # ---- the store on a real checkpoint --------------------------------------------------------------------------
@@ -188,3 +258,36 @@ def test_tiny_budget_reads_in_waves(hub_ckpt):
     logits, out, stats, _ = _greedy(path, budget, n=4)
     assert (logits - full_logits).abs().max() <= 1e-5 * full_logits.abs().max()
     assert out == full_out and stats["peak_resident_bytes"] <= budget
+
+
+def test_read_ahead_is_withdrawn_or_promoted_when_the_layer_routes(hub_ckpt):
+    """The lookahead queued experts 5 and 6 of layer 1 behind a read that holds the only I/O thread; layer 1 then
+    routes to 5 (and 7), not 6: 6 is cancelled before it reaches the disk and its room returns to the cache, 5 is
+    awaited like any miss, and the step's result is what the experts compute."""
+    from moestream.experts.reader import AHEAD
+
+    path, tensors = hub_ckpt
+    eng = Engine.open(path, io_threads=1)
+    try:
+        store, runner = eng.plan.store, eng.runner
+        gate = threading.Event()
+        hold = store.reader.submit(store.read_plan(2, 0)[0], then=lambda buf: (gate.wait(10), buf)[1])
+        for e in (5, 6):
+            nbytes = store.resident_nbytes(1, e)
+            assert runner.cache.reserve(nbytes)
+            runner._inflight[(1, e)] = (store.submit(1, e, AHEAD), nbytes)
+        reserved = runner.cache.reserved_bytes
+        withdraw = runner._withdraw
+        runner._withdraw = lambda *a: (withdraw(*a), gate.set())  # the I/O thread is freed only after it ran
+        x = torch.randn(1, 128)
+        out = runner.run(1, x, torch.tensor([[5, 7]]), torch.tensor([[0.75, 0.25]]),
+                         lambda xs, t: xs @ t["gate"].float().t(), out_dim=64)  # any function of the expert's bytes
+        hold.result(10)
+        assert runner.times.prefetch_withdrawn == 1 and runner.times.prefetch_joined == 1
+        assert (1, 6) not in runner._inflight and (1, 6) not in runner.cache
+        assert runner.cache.reserved_bytes == reserved - 2 * store.resident_nbytes(1, 5)  # 6 released, 5 landed
+        want = sum(w * (x @ tensors[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"].float().t())
+                   for e, w in ((5, 0.75), (7, 0.25)))
+        assert torch.allclose(out, want, rtol=1e-5, atol=1e-5)
+    finally:
+        eng.close()

@@ -21,6 +21,7 @@ from moestream.engine.sampling import SamplingParams, sample
 from moestream.engine.state import Batch, SeqState
 from moestream.errors import BudgetError, CheckpointError, MoestreamError, RequestError
 from moestream.experts.dispatch import ExpertRunner
+from moestream.experts.reader import IO_THREADS
 from moestream.experts.store import ExpertStore, fp32_nbytes
 from moestream.kernels.quant import GROUP_DECODE_BYTES, SCRATCH_BYTES as QUANT_SCRATCH_BYTES
 from moestream.models.blocks import UPCAST_CHUNK_BYTES
@@ -44,7 +45,7 @@ class ModelPlan:
     scratch_bytes: int
 
 
-def plan(path: str | Path, io_threads: int = 8) -> ModelPlan:
+def plan(path: str | Path, io_threads: int = IO_THREADS) -> ModelPlan:
     raw = read_model_config(path)
     family = family_for(raw)
     cfg = family.parse(raw)

@@ -2,8 +2,9 @@
 
 Owns the order of work in one MoE layer step: reads for missing experts are queued first (as many as the budget
 has room for, the rest as room frees), resident experts compute while those reads are in flight, then each
-read expert computes as it lands; the lookahead prefetch for the next layer is queued behind this layer's
-reads. Also the fp32 combine, the expert statistics and the phase timings. The family supplies the router
+read expert computes as it lands; the lookahead's reads for the next layer are queued behind this layer's
+reads (at the reader's lower priority), promoted if the next layer routes to them and withdrawn, if not yet
+started, when it does not. Also the fp32 combine, the expert statistics and the phase timings. The family supplies the router
 output and a function computing one expert from its tensors; this module never parses weight names.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from moestream.errors import BudgetError
 from moestream.experts.cache import ExpertCache
 from moestream.experts.policies import HeatPolicy, POLICIES, heat_path
 from moestream.experts.prefetch import Lookahead, RouterFn
+from moestream.experts.reader import AHEAD
 from moestream.experts.store import ExpertBlob, ExpertStore
 from moestream.models.blocks import bf16_native
 
@@ -45,12 +47,11 @@ class RunnerTimes:
     prefetch_reads: int = 0  # experts read ahead by the lookahead
     prefetch_used: int = 0  # ... of which were routed to before being evicted
     prefetch_joined: int = 0  # misses that joined a read the lookahead had already started
+    prefetch_withdrawn: int = 0  # read-ahead cancelled before it started: the layer routed elsewhere
 
 
 class ExpertRunner:
-    # lookahead is on by default since it prefetches only the top quarter of each prediction (prefetch.py): +10%
-    # decode on the medium synthetic model for 1% more bytes; the whole prediction read 34% more for no gain
-    # (docs/performance.md)
+    # lookahead is on by default: its reads fill the disk's idle time between layers (docs/performance.md)
     def __init__(self, store: ExpertStore, memory: MemoryAccountant, policy: str = "lfru", lookahead: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"unknown cache policy {policy!r}; choose from {', '.join(POLICIES)}")
@@ -92,8 +93,9 @@ class ExpertRunner:
             self.configure_pins(layer)
         self.times.steps += 1
         self.lookahead.observe(layer, uniq)
-        self._harvest()
         need = {(layer, e) for e in uniq}
+        self._withdraw(layer, need)
+        self._harvest()
         hits = [e for e in uniq if (layer, e) in self.cache]
         waiting = [e for e in uniq if (layer, e) not in self.cache]
         started = self._start(layer, waiting, need)
@@ -120,8 +122,9 @@ class ExpertRunner:
         while experts:
             e = experts[0]
             key = (layer, e)
-            if key in self._inflight:  # the lookahead already started this read
+            if key in self._inflight:  # the lookahead already queued this read: it is now awaited
                 self.times.prefetch_joined += 1
+                self.store.reader.promote(self._inflight[key][0])
                 started[self._inflight[key][0]] = e
             else:
                 nbytes = self.store.resident_nbytes(layer, e)
@@ -170,6 +173,17 @@ class ExpertRunner:
             self._fresh.discard(key)
         return blob
 
+    def _withdraw(self, layer: int, need: set[Key]) -> None:
+        """Cancel read-ahead for this or an earlier layer that this step does not route to and that has not
+        started: its room goes back to the cache and the disk to the reads this step waits on."""
+        for key in [k for k in self._inflight if k[0] <= layer and k not in need]:
+            fut, nbytes = self._inflight[key]
+            if self.store.reader.cancel(fut):
+                del self._inflight[key]
+                self.cache.release(nbytes)
+                self._fresh.discard(key)
+                self.times.prefetch_withdrawn += 1
+
     def _harvest(self, need: set[Key] = frozenset()) -> None:
         """Move finished lookahead reads into the cache (only this thread touches the cache)."""
         for key in [k for k, (f, _) in self._inflight.items() if f.done()]:
@@ -193,16 +207,20 @@ class ExpertRunner:
         pred = self.lookahead.predict(layer, x, self.store.num_experts)
         if pred is not None:
             nxt, experts = pred
+            issued = 0
             for e in experts:
                 key = (nxt, e)
+                if issued >= self.lookahead.reads:
+                    break
                 if key in self.cache or key in self._inflight:
                     continue
                 nbytes = self.store.resident_nbytes(nxt, e)
                 if not self.cache.reserve(nbytes, frozenset(need)):
                     break
-                self._inflight[key] = (self.store.submit(nxt, e), nbytes)
+                self._inflight[key] = (self.store.submit(nxt, e, AHEAD), nbytes)
                 self._fresh.add(key)
                 self.times.prefetch_reads += 1
+                issued += 1
         self.times.lookahead_s += time.perf_counter() - t
 
     def _on_evict(self, key: Key, blob: ExpertBlob) -> None:

@@ -45,10 +45,10 @@ class Lookahead:
     warmup: int = 4
     ema: float = 0.8
     max_share: float = 0.25
-    # prefetch only each token's highest-scored share of its predicted experts: on the medium synthetic model the
-    # top quarter was used 92% of the time and read 1% more bytes per token, the whole prediction 67% and 34%
-    # more (docs/performance.md)
-    top_share: float = 0.25
+    # how many predicted experts that are not resident a step reads ahead, best-scored first. The reads queue
+    # behind the step's own and are withdrawn if the layer routes elsewhere before they start, so they fill the
+    # disk's idle time between layers; measured choice in docs/performance.md
+    reads: int = 2
     enabled: bool = True
     routers: dict[int, RouterFn] = field(default_factory=dict)
     gates: dict[int, Gate] = field(default_factory=dict)
@@ -72,23 +72,22 @@ class Lookahead:
             self.gates.setdefault(layer, Gate()).score(pred, set(routed), self.ema)
 
     def predict(self, layer: int, x: torch.Tensor, num_experts: int) -> tuple[int, list[int]] | None:
-        """Run the next MoE layer's router on `x` (this layer's MoE input). Returns (next layer, experts to
-        prefetch) when that layer's gate is open, else None (the prediction is still kept for scoring)."""
+        """Run the next MoE layer's router on `x` (this layer's MoE input). Returns (next layer, its predicted
+        experts, best first: every token's first choice, then every token's second, ...) when that layer's gate
+        is open, else None (the prediction is still kept for scoring)."""
         if not self.enabled:
             return None
         nxt = self.next_layer(layer)
         if nxt is None:
             return None
         ids = self.routers[nxt](x)  # [T, k], each row best first
-        pred = set(torch.unique(ids).tolist())
-        self._pending[nxt] = pred
-        if self.top_share < 1.0:
-            pred = set(torch.unique(ids[:, :max(1, round(self.top_share * ids.shape[1]))]).tolist())
+        ranked = list(dict.fromkeys(ids.t().reshape(-1).tolist()))
+        self._pending[nxt] = set(ranked)
         gate = self.gates.setdefault(nxt, Gate())
-        if gate.scored < self.warmup or gate.recall < self.threshold or len(pred) > self.max_share * num_experts:
+        if gate.scored < self.warmup or gate.recall < self.threshold or len(ranked) > self.max_share * num_experts:
             return None
         gate.issued_steps += 1
-        return nxt, sorted(pred)
+        return nxt, ranked
 
     def report(self) -> dict[int, dict]:
         return {layer: {"recall": round(g.recall, 3), "on": g.scored >= self.warmup and g.recall >= self.threshold,

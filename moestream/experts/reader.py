@@ -2,20 +2,24 @@
 
 Owns the read plan of an expert (its parts sorted by file offset, neighbours coalesced across small holes, every
 range widened to 4 KiB so O_DIRECT accepts it), the open file descriptors (O_DIRECT where the filesystem allows,
-else buffered reads followed by POSIX_FADV_DONTNEED so expert bytes never stay in the page cache), the pool of
-buffers recycled from evicted experts, and I/O timing. It does not decide what to read (dispatch, prefetch) or
-what stays resident (cache).
+else buffered reads followed by POSIX_FADV_DONTNEED so expert bytes never stay in the page cache), the order in
+which queued reads reach the disk (a priority queue: reads a step waits on before read-ahead, first queued first
+within a priority, so experts land one after another and compute can start on the first while the rest are
+read; read-ahead not yet started can be cancelled or promoted), the pool of buffers recycled from evicted
+experts, and I/O timing. It does not decide what to read (dispatch, prefetch) or what stays resident (cache).
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import mmap
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from moestream.errors import CheckpointError
 from moestream.weights.index import drop_pages, pread_fill
@@ -24,6 +28,12 @@ ALIGN = 4096  # O_DIRECT needs block-aligned offsets, lengths and addresses; 4 K
 GAP = 4096  # read through holes up to this size rather than issue a second request
 SMALL = 64  # buffered runs are packed at this alignment (cache line; every dtype's alignment)
 DIRECT_MIN = 32 * 1024  # runs below this are read buffered: widening them to 4 KiB would waste RAM
+DEMAND, AHEAD = 0, 1  # read priorities: what a step waits on, then read-ahead for later steps
+# Reads in flight. Two kept this disk as busy as eight (it gives the same bandwidth at any depth) and land experts
+# one after another, so compute starts on the first while the next is read; with eight, a layer's reads all
+# finished together at the end (docs/performance.md). A large expert is one large request, which the kernel
+# splits across the device's queue anyway.
+IO_THREADS = 2
 
 
 def align_down(n: int) -> int:
@@ -156,19 +166,45 @@ class BufferPool:
         self._free = {k: v for k, v in self._free.items() if v}
 
 
-class Reader:
-    """Thread-pooled positioned reads into aligned buffers; `direct=False` forces buffered reads + page drop."""
+class _Job:
+    """One submitted plan: its runs are taken by the I/O threads in order; the future resolves after the last."""
 
-    def __init__(self, threads: int = 8, direct: bool = True):
+    __slots__ = ("plan", "buf", "future", "then", "next", "left", "calls", "error")
+
+    def __init__(self, plan: ReadPlan, buf: mmap.mmap, then: Callable | None):
+        self.plan, self.buf, self.then, self.future = plan, buf, then, Future()
+        self.next = 0  # index of the next run to start
+        self.left = len(plan.runs)  # runs not finished
+        self.calls = 0
+        self.error: BaseException | None = None
+
+
+def _detach(job: _Job) -> None:
+    """A finished or cancelled job lets go of its buffer and its future (which pointed back at it): the buffer's
+    memory must be freed when its last user drops it, not when the cycle collector next runs."""
+    job.future.__dict__.pop("moestream_job", None)
+    job.buf = job.then = job.future = None  # type: ignore[assignment]
+
+
+class Reader:
+    """Positioned reads into aligned buffers on `threads` I/O threads (at most that many reads in flight), taken
+    from a priority queue; `direct=False` forces buffered reads + page drop."""
+
+    def __init__(self, threads: int = IO_THREADS, direct: bool = True):
         self.direct = direct and hasattr(os, "O_DIRECT")
+        self.threads = max(1, threads)
         self.pool = BufferPool()
         self.stats = IOStats()
-        self._exec = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="moestream-io")
         self._fds: dict[tuple[Path, bool], int] = {}
         self._no_direct: set[Path] = set()
         self._lock = threading.Lock()
         self._inflight = 0
         self._busy_since = 0.0
+        self._queue: list[tuple[int, int, _Job]] = []  # (priority, order, job): one entry per run still to start
+        self._order = itertools.count()
+        self._cv = threading.Condition(threading.Lock())
+        self._workers: list[threading.Thread] = []
+        self._closed = False
 
     # ---- file descriptors ----------------------------------------------------------------------------
     def _fd(self, path: Path, direct: bool) -> int:
@@ -197,15 +233,16 @@ class Reader:
 
     # ---- reads ----------------------------------------------------------------------------------------
     def read_into(self, plan: ReadPlan, buf: mmap.mmap | bytearray) -> None:
-        """Blocking: every run of `plan` into `buf` (which must hold plan.nbytes)."""
-        self._begin()
+        """Blocking, on the calling thread: every run of `plan` into `buf` (which must hold plan.nbytes)."""
         calls = 0
-        try:
-            view = memoryview(buf)
-            for run in plan.runs:
+        view = memoryview(buf)
+        for run in plan.runs:
+            self._begin()
+            try:
                 calls += self._read_run(run, view[run.dst:run.dst + run.length])
-        finally:
-            self._end(plan, calls)
+            finally:
+                self._end()
+        self._account(plan, calls)
 
     def _read_run(self, run: Run, view: memoryview) -> int:
         """Read one run; returns the number of preadv calls it took."""
@@ -225,18 +262,95 @@ class Reader:
             drop_pages(fd, run.start, run.length)
         return calls
 
-    def submit(self, plan: ReadPlan) -> Future:
-        """Read `plan` into a recycled (or fresh) aligned buffer on the pool; the future yields the buffer."""
-        buf = self.pool.take(plan.nbytes)
-        return self._exec.submit(self._read_owned, plan, buf)
+    def submit(self, plan: ReadPlan, priority: int = DEMAND, then: Callable | None = None) -> Future:
+        """Queue `plan` for a recycled (or fresh) aligned buffer; the future yields the buffer, or `then(buffer)`
+        computed on the I/O thread (which then owns the buffer if it raises). Lower `priority` is read first;
+        within a priority, in submission order."""
+        if not plan.runs:
+            fut: Future = Future()
+            fut.set_result(then(self.pool.take(plan.nbytes)) if then else self.pool.take(plan.nbytes))
+            return fut
+        job = _Job(plan, self.pool.take(plan.nbytes), then)
+        job.future.moestream_job = job  # type: ignore[attr-defined]  # what cancel / promote act on
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("reader is closed")
+            self._push(job, priority)
+            if len(self._workers) < self.threads:
+                for i in range(len(self._workers), self.threads):
+                    t = threading.Thread(target=self._work, name=f"moestream-io-{i}", daemon=True)
+                    t.start()
+                    self._workers.append(t)
+        return job.future
 
-    def _read_owned(self, plan: ReadPlan, buf: mmap.mmap) -> mmap.mmap:
-        try:
-            self.read_into(plan, buf)
-        except BaseException:
+    def cancel(self, fut: Future) -> bool:
+        """Withdraw a queued read none of whose runs has started: its buffer returns to the pool and the future
+        is cancelled. False (nothing changes) once a run started, or for a future this reader did not make."""
+        job = getattr(fut, "moestream_job", None)
+        if job is None:
+            return False
+        with self._cv:
+            if job.next > 0 or job.left == 0:
+                return False
+            job.next = len(job.plan.runs)  # its queue entries are skipped
+            job.left = 0
+        self.pool.give(job.buf)
+        _detach(job)
+        fut.cancel()
+        return True
+
+    def promote(self, fut: Future, priority: int = DEMAND) -> None:
+        """Runs of `fut` not yet started are read at `priority` (stale entries at the old one are skipped)."""
+        job = getattr(fut, "moestream_job", None)
+        if job is not None:
+            with self._cv:
+                if job.next < len(job.plan.runs):
+                    self._push(job, priority)
+
+    def _push(self, job: _Job, priority: int) -> None:
+        """Caller holds _cv: one queue entry per run still to start."""
+        for _ in range(job.next, len(job.plan.runs)):
+            heapq.heappush(self._queue, (priority, next(self._order), job))
+        self._cv.notify(len(job.plan.runs) - job.next)
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                _, _, job = heapq.heappop(self._queue)
+                if job.next >= len(job.plan.runs):
+                    continue  # cancelled, or taken through an entry of another priority
+                run = job.plan.runs[job.next]
+                job.next += 1
+            self._begin()
+            try:
+                calls = 0 if job.error else self._read_run(run, memoryview(job.buf)[run.dst:run.dst + run.length])
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                job.error, calls = e, 0
+            finally:
+                self._end()
+            with self._cv:
+                job.calls += calls
+                job.left -= 1
+                done = job.left == 0
+            if done:
+                self._complete(job)
+
+    def _complete(self, job: _Job) -> None:
+        buf, fut, then = job.buf, job.future, job.then
+        _detach(job)
+        if job.error is not None:
             self.pool.give(buf)
-            raise
-        return buf
+            fut.set_exception(job.error)
+            return
+        self._account(job.plan, job.calls)
+        try:
+            fut.set_result(then(buf) if then else buf)
+        except BaseException as e:  # noqa: BLE001
+            fut.set_exception(e)
 
     def _begin(self) -> None:
         with self._lock:
@@ -244,17 +358,24 @@ class Reader:
                 self._busy_since = time.perf_counter()
             self._inflight += 1
 
-    def _end(self, plan: ReadPlan, calls: int = 0) -> None:
+    def _end(self) -> None:
         with self._lock:
             self._inflight -= 1
-            self.stats.bytes_read += plan.nbytes
-            self.stats.requests += len(plan.runs)
-            self.stats.preads += calls
             if self._inflight == 0:
                 self.stats.busy_s += time.perf_counter() - self._busy_since
 
+    def _account(self, plan: ReadPlan, calls: int) -> None:
+        with self._lock:
+            self.stats.bytes_read += plan.nbytes
+            self.stats.requests += len(plan.runs)
+            self.stats.preads += calls
+
     def close(self) -> None:
-        self._exec.shutdown(wait=True)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        for t in self._workers:
+            t.join()
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from moestream.errors import CheckpointError
-from moestream.experts.reader import ReadPlan, Reader, Span, plan_reads
+from moestream.experts.reader import DEMAND, IO_THREADS, ReadPlan, Reader, Span, plan_reads
 from moestream.weights.index import DTYPES, CheckpointIndex, PackedExpert, bytes_to_tensor
 
 
@@ -94,7 +94,7 @@ class ExpertBlob:
 
 class ExpertStore:
     def __init__(self, index: CheckpointIndex, parts: list[PartSpec], num_experts: int, prefix: str = "",
-                 io_threads: int = 8, direct_io: bool = True, verify: bool | None = None):
+                 io_threads: int = IO_THREADS, direct_io: bool = True, verify: bool | None = None):
         self.index = index
         self.verify = verify_default() if verify is None else verify
         self.parts = parts
@@ -211,10 +211,11 @@ class ExpertStore:
             raise
         return self._checked((layer, expert), buf, parts)
 
-    def submit(self, layer: int, expert: int) -> Future:
-        """Start reading one expert on the I/O pool; the future yields its ExpertBlob."""
+    def submit(self, layer: int, expert: int, priority: int = DEMAND) -> Future:
+        """Queue one expert's read on the I/O threads (reader.DEMAND before reader.AHEAD); the future yields its
+        ExpertBlob. `reader.cancel` / `reader.promote` act on it while it waits."""
         rp, parts = self.read_plan(layer, expert)
-        return _then(self.reader.submit(rp), lambda buf: self._checked((layer, expert), buf, parts))
+        return self.reader.submit(rp, priority, then=lambda buf: self._checked((layer, expert), buf, parts))
 
     def read_many(self, keys: list[tuple[int, int]]) -> list[ExpertBlob]:
         futures = [self.submit(*k) for k in keys]
@@ -227,20 +228,6 @@ class ExpertStore:
 
     def close(self) -> None:
         self.reader.close()
-
-
-def _then(fut: Future, fn) -> Future:
-    """A future of fn(fut.result()), resolved in the I/O thread that completes `fut`."""
-    out: Future = Future()
-
-    def done(f: Future) -> None:
-        try:
-            out.set_result(fn(f.result()))
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on `out`
-            out.set_exception(e)
-
-    fut.add_done_callback(done)
-    return out
 
 
 def fp32_nbytes(loc: PartLocation) -> int:
