@@ -39,9 +39,16 @@ def test_report_fields_and_consistency(tiny, tmp_path):
     assert r["decode_tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0 and r["ttft_s"] > 0
     assert 0.0 <= r["expert_hit_rate"] <= 1.0
     assert r["disk_bandwidth_bytes_per_s"] > 0
+    probes = r["disk_probes_bytes_per_s"]  # before and after the run, the same time each
+    assert len(probes) == 2 and r["disk_bandwidth_bytes_per_s"] == pytest.approx(sum(probes) / 2)
+    assert r["disk_bandwidth_best_probe_bytes_per_s"] == max(probes)
     per_tok = 1 / r["decode_tokens_per_s"]
     want = r["bytes_read_per_token"] / r["disk_bandwidth_bytes_per_s"] / per_tok
     assert r["io_roofline_fraction"] == pytest.approx(want)
+    best = r["bytes_read_per_token"] / max(probes) / per_tok
+    assert r["io_roofline_fraction_best_probe"] == pytest.approx(best)
+    assert r["io_roofline_fraction_best_probe"] <= r["io_roofline_fraction"]
+    assert 0.0 <= r["disk_busy_fraction"] <= 1.0
     ph = r["decode_phases_s"]
     assert sum(v for v in ph.values()) == pytest.approx(6 * per_tok, rel=1e-6)
     assert ph["attention_mixer_s"] is not None and ph["attention_mixer_s"] > 0

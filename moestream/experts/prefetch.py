@@ -47,8 +47,9 @@ class Lookahead:
     max_share: float = 0.25
     # how many predicted experts that are not resident a step reads ahead, best-scored first. The reads queue
     # behind the step's own and are withdrawn if the layer routes elsewhere before they start, so they fill the
-    # disk's idle time between layers; measured choice in docs/performance.md
-    reads: int = 2
+    # disk's idle time between layers. One beat two (fewer wasted bytes once the disk is busy) and none on the
+    # medium synthetic model (docs/performance.md)
+    reads: int = 1
     enabled: bool = True
     routers: dict[int, RouterFn] = field(default_factory=dict)
     gates: dict[int, Gate] = field(default_factory=dict)
