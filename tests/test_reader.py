@@ -103,8 +103,8 @@ def test_buffers_are_recycled():
 class _HeldReader(Reader):
     """A one-thread reader whose first read waits for `release`; records the file offset of every read started."""
 
-    def __init__(self) -> None:
-        super().__init__(threads=1)
+    def __init__(self, threads: int = 1) -> None:
+        super().__init__(threads=threads)
         self.release, self.started, self.order = threading.Event(), threading.Event(), []
 
     def _read_run(self, run, view):
@@ -154,6 +154,28 @@ def test_queued_read_ahead_is_cancelled_and_promoted(held):
     assert reader.order == [0, 6 * ALIGN, 2 * ALIGN]  # the cancelled read never reached the disk
     assert not reader.cancel(a)  # finished
     assert reader.stats.requests == 3
+
+
+def test_read_ahead_leaves_a_thread_free_for_what_a_step_waits_on(data_file):
+    path, data = data_file
+    reader = _HeldReader(threads=2)
+    try:
+        a, b = (reader.submit(_plan_at(path, blk), AHEAD) for blk in (0, 2))
+        assert reader.started.wait(10)
+        threading.Event().wait(0.1)  # the second thread is idle now: b may not take it
+        c = reader.submit(_plan_at(path, 4), DEMAND)  # starts at once on the second thread, not after b
+        for _ in range(1000):
+            if len(reader.order) == 2:
+                break
+            threading.Event().wait(0.01)
+        assert reader.order == [0, 4 * ALIGN]
+        reader.release.set()
+        for f, blk in ((a, 0), (b, 2), (c, 4)):
+            assert bytes(f.result(10)[:2 * ALIGN]) == data[blk * ALIGN:(blk + 2) * ALIGN]
+        assert reader.order == [0, 4 * ALIGN, 2 * ALIGN]
+    finally:
+        reader.release.set()
+        reader.close()
 
 
 def test_a_failed_read_fails_its_future_and_returns_the_buffer(tmp_path):

@@ -205,6 +205,8 @@ class Reader:
         self._cv = threading.Condition(threading.Lock())
         self._workers: list[threading.Thread] = []
         self._closed = False
+        self.ahead_limit = max(1, self.threads - 1)  # threads read-ahead may occupy at once
+        self._ahead_running = 0
 
     # ---- file descriptors ----------------------------------------------------------------------------
     def _fd(self, path: Path, direct: bool) -> int:
@@ -313,18 +315,25 @@ class Reader:
             heapq.heappush(self._queue, (priority, next(self._order), job))
         self._cv.notify(len(job.plan.runs) - job.next)
 
+    def _blocked(self) -> bool:
+        """Caller holds _cv: nothing to start now. Read-ahead never takes the last free thread, so a read that a
+        step waits on starts at once instead of queueing behind a guess."""
+        return not self._queue or (self._queue[0][0] >= AHEAD and self._ahead_running >= self.ahead_limit)
+
     def _work(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._closed:
+                while self._blocked() and not self._closed:
                     self._cv.wait()
                 if not self._queue:
                     return
-                _, _, job = heapq.heappop(self._queue)
+                prio, _, job = heapq.heappop(self._queue)
                 if job.next >= len(job.plan.runs):
                     continue  # cancelled, or taken through an entry of another priority
                 run = job.plan.runs[job.next]
                 job.next += 1
+                ahead = prio >= AHEAD
+                self._ahead_running += ahead
             self._begin()
             try:
                 calls = 0 if job.error else self._read_run(run, memoryview(job.buf)[run.dst:run.dst + run.length])
@@ -336,6 +345,9 @@ class Reader:
                 job.calls += calls
                 job.left -= 1
                 done = job.left == 0
+                if ahead:
+                    self._ahead_running -= 1
+                    self._cv.notify()
             if done:
                 self._complete(job)
 
