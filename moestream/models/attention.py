@@ -35,21 +35,24 @@ def causal_mask(pos0: int, t: int, length: int, window: int | None = None) -> to
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
            sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, Hq, D], k [L, Hkv, D], v [L, Hkv, Dv], mask [T, L] -> [T, Hq, Dv], fp32 softmax."""
+    """q [T, Hq, D], k [L, Hkv, D], v [L, Hkv, Dv], mask [T, L] -> [T, Hq, Dv], fp32 softmax.
+
+    One batched matmul per KV head over its G query heads' rows (row g * T + t), reading k and v in place: a
+    broadcast matmul expanded k to [Hkv, G, D, L] first, a temporary as large as the cache times G on every call
+    (3x slower for a decode step)."""
     t, hq, _ = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    qg = q.float().view(t, hkv, g, -1).permute(1, 2, 0, 3)  # [Hkv, G, T, D]
-    kk = k.float().permute(1, 2, 0)  # [Hkv, D, L]
-    scores = torch.matmul(qg, kk.unsqueeze(1)) * scale  # [Hkv, G, T, L]
-    scores = scores.masked_fill(~mask, float("-inf"))
+    qg = q.float().view(t, hkv, g, -1).permute(1, 2, 0, 3).reshape(hkv, g * t, -1)  # [Hkv, G*T, D]
+    scores = torch.bmm(qg, k.float().permute(1, 2, 0)) * scale  # [Hkv, G*T, L]
+    scores = scores.masked_fill(~(mask if g == 1 else mask.repeat(g, 1)), float("-inf"))
     if sinks is not None:
-        sink = sinks.float().view(hkv, g, 1, 1).expand(hkv, g, t, 1)
+        sink = sinks.float().view(hkv, g, 1, 1).expand(hkv, g, t, 1).reshape(hkv, g * t, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v.float().permute(1, 0, 2).unsqueeze(1))  # [Hkv, G, T, Dv]
-    return out.permute(2, 0, 1, 3).reshape(t, hq, -1)
+    out = torch.bmm(probs, v.float().permute(1, 0, 2))  # [Hkv, G*T, Dv]
+    return out.view(hkv, g, t, -1).permute(2, 0, 1, 3).reshape(t, hq, -1)
 
 
 def cached_attention(seg: Segment, slot: KVSlot, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
