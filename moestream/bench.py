@@ -328,8 +328,10 @@ def format_report(r: dict) -> str:
         f"decode           {r['decode_tokens_per_s']:.3f} tok/s   ({r['gen_len']} tokens)",
         f"expert hit rate  {r['expert_hit_rate']:.3f}   read {format_bytes(r['bytes_read_per_token'])}/token",
         f"read bandwidth   {format_bytes(r['read_bandwidth_bytes_per_s'])}/s while reading, "
-        f"{_pct(r['disk_busy_fraction'])} of decode;   disk probe {format_bytes(r['disk_bandwidth_bytes_per_s'])}/s "
-        f"(direct I/O, mean of before and after; better one {format_bytes(int(r.get('disk_bandwidth_best_probe_bytes_per_s') or 0))}/s)",
+        f"{_pct(r['disk_busy_fraction'])} of decode;   disk probe "
+        + (f"{format_bytes(r['disk_bandwidth_bytes_per_s'])}/s (direct I/O, mean of before and after; better one "
+           f"{format_bytes(int(r['disk_bandwidth_best_probe_bytes_per_s']))}/s)"
+           if r.get("disk_bandwidth_best_probe_bytes_per_s") else "skipped (--no-probe)"),
         f"I/O roofline     {_pct(r['io_roofline_fraction'])} of decode time is the disk at full speed "
         f"({_pct(r.get('io_roofline_fraction_best_probe'))} against the better probe)",
         f"peak RSS         {format_bytes(r['peak_rss_bytes'])} (interpreter and libraries "

@@ -37,5 +37,6 @@ def return_freed_memory() -> bool:
             except (OSError, AttributeError):  # not glibc (musl has no mallopt)
                 return False
             mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-            _done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+            _done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) \
+                and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
     return _done
