@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 
 VARIANTS = {
-    "base": [],  # the defaults: lookahead on, prefetching the top quarter of each prediction
+    "base": [],  # the defaults: lookahead on, reading ahead the best-ranked non-resident prediction per step
     "no-lookahead": ["--no-lookahead"],
-    "lookahead-all": ["--lookahead-share", "1.0"],
+    "lookahead-2": ["--lookahead-reads", "2"],
+    "lookahead-3": ["--lookahead-reads", "3"],
     "buffered": ["--buffered-io"],
     "lfru": ["--policy", "lfru"],
     "heat": ["--policy", "heat"],
