@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from moestream.cli.common import add_state_room_arg
 from moestream.config import format_bytes, parse_bytes
 from moestream.errors import MoestreamError
 from moestream.experts.reader import IO_THREADS, align_down
@@ -182,7 +183,8 @@ def bench(path: str | Path, opts: BenchOptions) -> dict:
     cold = drop_page_cache(files) if opts.cold else "warm"
     # a virtual disk's bandwidth drifts by +-40% between seconds: probe before and after the run for the same time
     # each; the roofline uses their mean (the disk's average around the run) and the report keeps the better one
-    probes = [probe_disk(files, max(PROBE_THREADS, opts.io_threads))] if opts.probe else []
+    probe_threads = max(PROBE_THREADS, opts.io_threads)
+    probes = [probe_disk(files, probe_threads)] if opts.probe else []
     base_rss = rss_now()
     eng = Engine.open(path, ram_budget=opts.ram_budget, cache_policy=opts.policy, io_threads=opts.io_threads,
                       threads=opts.threads, state_room=opts.state_room)
@@ -198,7 +200,7 @@ def bench(path: str | Path, opts: BenchOptions) -> dict:
         eng.close()
     peak = peak_rss()  # the engine's peak, before the second probe's own buffers
     if opts.probe:
-        probes.append(probe_disk(files, max(PROBE_THREADS, opts.io_threads), seed=1))
+        probes.append(probe_disk(files, probe_threads, seed=1))
     report.update(_context(eng, opts, cold, sum(probes) / len(probes) if probes else 0.0, base_rss, peak))
     report["disk_bandwidth_best_probe_bytes_per_s"] = max(probes, default=0.0)
     if opts.ram_budget is not None:
@@ -411,8 +413,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                        description=__doc__)
     p.add_argument("model", help="checkpoint directory")
     p.add_argument("--ram-budget", metavar="BYTES", default=None, help="RAM for everything resident (e.g. 4GiB)")
-    p.add_argument("--state-room", metavar="BYTES", default=None,
-                   help="part of the budget kept for KV caches when dense weights must stream (default: none)")
+    add_state_room_arg(p)
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (random ids; default 64)")
     p.add_argument("--gen-len", type=int, default=32, help="decoded tokens (default 32)")
     p.add_argument("--cold", action="store_true", help="evict the model's files from the page cache first")

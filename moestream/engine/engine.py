@@ -114,7 +114,6 @@ class Engine:
         runner = ExpertRunner(p.store, memory, opts.cache_policy)
         weights = DenseWeights(p.store.index, p.family.prefix, memory)
         model = p.family.build(p.config, ModelContext(weights, runner, memory))
-        model.residency = memory.streamer
         _check_built(p, memory)
         eng = cls(Path(path), p, memory, model, runner, opts)
         eng.residency = residency
@@ -240,7 +239,7 @@ def _check_built(p: ModelPlan, memory: MemoryAccountant) -> None:
     """After the build: what the family actually keeps (including tensors it derives) leaves room for an expert."""
     if not memory.limited:
         return
-    need = memory.dense_bytes + memory.stream_reserve + memory.scratch_bytes + p.max_expert_bytes
+    need = memory.fixed() + p.max_expert_bytes
     if need > memory.budget:
         raise BudgetError(
             f"--ram-budget {format_bytes(memory.budget)} ({memory.budget} bytes) leaves no room for one expert: "

@@ -28,9 +28,10 @@ class MemoryAccountant:
         self.peak = 0
 
     def cache_capacity(self) -> int:
-        return max(0, self.budget - self._fixed() - self.state_bytes)
+        return max(0, self.budget - self.fixed() - self.state_bytes)
 
-    def _fixed(self) -> int:
+    def fixed(self) -> int:
+        """Bytes the budget holds before any state or expert: resident dense, compute scratch, stream buffers."""
         return self.dense_bytes + self.scratch_bytes + self.stream_reserve
 
     def resident(self) -> int:
@@ -60,7 +61,7 @@ class MemoryAccountant:
     def grow_state(self, nbytes: int, what: str = "sequence state") -> None:
         """Account `nbytes` more of state, evicting experts to make room; BudgetError if it cannot fit."""
         if nbytes > 0 and self.limited:
-            if self._fixed() + self.state_bytes + nbytes > self.budget:
+            if self.fixed() + self.state_bytes + nbytes > self.budget:
                 raise BudgetError(
                     f"{what} needs {format_bytes(nbytes)} more, but the RAM budget of {format_bytes(self.budget)} "
                     f"is taken by dense weights ({format_bytes(self.dense_bytes)} resident, "

@@ -14,12 +14,13 @@ import os
 import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
 from moestream.config import format_bytes
 from moestream.errors import BudgetError, CheckpointError
+from moestream.experts.reader import group_extents
 from moestream.models.blocks import UPCAST_CHUNK_BYTES, linear
 from moestream.weights.index import CheckpointIndex, TensorInfo, read_into, read_range
 
@@ -91,10 +92,6 @@ class ResidencyPlan:
     cache_bytes: int | None = None  # what the budget leaves for experts (KV and state grow into it)
     min_ram_budget: int = 0  # the smallest budget any plan fits (every layer streamed, one expert cached)
     all_resident_budget: int = 0  # the smallest budget keeping every dense weight resident (top_k experts cached)
-    layer_streamed: dict = field(default_factory=dict, repr=False)
-
-    def __post_init__(self):
-        self.layer_streamed = {lr.layer: lr.streamed for lr in self.layers}
 
     @property
     def streamed_layers(self) -> list[int]:
@@ -106,7 +103,6 @@ class ResidencyPlan:
 
     def to_json(self) -> dict:
         out = asdict(self)
-        out.pop("layer_streamed")
         out["layers"] = [[lr.layer, lr.bytes, lr.streamed] for lr in self.layers]
         out["streamed_layers"] = self.streamed_layers
         return out
@@ -165,6 +161,17 @@ def _parts(p) -> _Parts:
                   p.max_expert_bytes, k * p.max_expert_bytes)
 
 
+def _tables_ram(parts: _Parts, head_s: bool, embed_s: bool) -> int:
+    """RAM the lm_head and the embedding hold: a streamed head its two slabs, a streamed embedding (or a tied table
+    whose head streams) its row buffer, otherwise the tables themselves."""
+    ram = 2 * parts.head_slab if head_s else (parts.embed if parts.tied else parts.head)
+    if not parts.tied:
+        ram += parts.embed_rows if embed_s else parts.embed
+    elif head_s:
+        ram += parts.embed_rows  # a tied table streamed serves the embedding by rows too
+    return ram
+
+
 def _choose(parts: _Parts, avail: int, cache: int, head_ok: bool, embed_ok: bool):
     """The plan streaming the fewest bytes per step that leaves `cache` for experts out of `avail` (budget less
     scratch and pinned); None when nothing fits. Returns (streamed layers, embed streamed, head streamed)."""
@@ -173,12 +180,7 @@ def _choose(parts: _Parts, avail: int, cache: int, head_ok: bool, embed_ok: bool
     table = parts.head if not parts.tied else parts.embed
     for head_s in ([False, True] if head_ok else [False]):
         for embed_s in ([False, True] if embed_ok and not parts.tied else [False]):
-            fixed = cache
-            fixed += 2 * parts.head_slab if head_s else table
-            if not parts.tied:
-                fixed += parts.embed_rows if embed_s else parts.embed
-            elif head_s:
-                fixed += parts.embed_rows  # a tied table streamed serves the embedding by rows too
+            fixed = cache + _tables_ram(parts, head_s, embed_s)
             for cap in [0] + sizes:
                 streamed = _stream_under(parts.layers, cap, avail - fixed)
                 if streamed is None:
@@ -229,12 +231,9 @@ def plan_residency(p, budget: int | None, state_room: int = 0) -> ResidencyPlan:
                     + state_room)
     head_ok = table > 2 * parts.head_slab > 0
     embed_ok = parts.embed > parts.embed_rows
-    floor = p.scratch_bytes + parts.pinned + _least_layer_bytes(parts.layers) + parts.one_expert + state_room
-    floor += min(table, 2 * parts.head_slab) if head_ok else table
-    if not parts.tied:
-        floor += min(parts.embed, parts.embed_rows)
-    elif head_ok:
-        floor += parts.embed_rows
+    least_tables = _tables_ram(parts, head_ok, True)  # embed_rows never exceeds the table
+    floor = (p.scratch_bytes + parts.pinned + _least_layer_bytes(parts.layers) + parts.one_expert + state_room
+             + least_tables)
     choice, cache_min = ([], False, False), parts.top_k_experts
     if budget is not None:
         avail = budget - p.scratch_bytes - parts.pinned
@@ -243,7 +242,7 @@ def plan_residency(p, budget: int | None, state_room: int = 0) -> ResidencyPlan:
             cache_min = parts.one_expert
             choice = _choose(parts, avail, parts.one_expert + state_room, head_ok, embed_ok)
         if choice is None:
-            raise BudgetError(_too_small(p, parts, budget, floor, state_room))
+            raise BudgetError(_too_small(p, parts, budget, floor, least_tables, state_room))
     streamed, embed_s, head_s = choice
     layers = [LayerResidency(l, b, l in streamed) for l, b in parts.layers.items()]
     out = ResidencyPlan(budget, p.dense_bytes, parts.pinned, parts.unread, parts.embed, parts.head, parts.tied,
@@ -261,9 +260,8 @@ def plan_residency(p, budget: int | None, state_room: int = 0) -> ResidencyPlan:
     return out
 
 
-def _too_small(p, parts: _Parts, budget: int, floor: int, state_room: int) -> str:
+def _too_small(p, parts: _Parts, budget: int, floor: int, table: int, state_room: int) -> str:
     biggest, layers = max(parts.layers.values(), default=0), _least_layer_bytes(parts.layers)
-    table = floor - parts.pinned - layers - p.scratch_bytes - parts.one_expert - state_room
     return (f"--ram-budget {format_bytes(budget)} ({budget} bytes) is too small even with every dense layer "
             f"streamed: the dense weights are {format_bytes(p.dense_bytes)} ({p.dense_bytes} bytes); streaming "
             f"them still needs {format_bytes(floor)} ({floor} bytes) = small always-resident tensors "
@@ -282,15 +280,8 @@ def _buffer(storage) -> ctypes.Array:
 
 def _runs(items: list[tuple[torch.Tensor, TensorInfo]]) -> list[list[tuple[torch.Tensor, TensorInfo]]]:
     """Tensors grouped into runs: same shard, in offset order, gaps under GAP_BYTES."""
-    runs: list[list[tuple[torch.Tensor, TensorInfo]]] = []
-    for t, info in sorted(items, key=lambda ti: (str(ti[1].file), ti[1].offset)):
-        last = runs[-1][-1][1] if runs else None
-        if (last is not None and last.file == info.file and last.offset + last.nbytes <= info.offset
-                <= last.offset + last.nbytes + GAP_BYTES):
-            runs[-1].append((t, info))
-        else:
-            runs.append([(t, info)])
-    return runs
+    groups = group_extents([(info.file, info.offset, info.nbytes) for _, info in items], GAP_BYTES)
+    return [[items[i] for i in g] for g in groups]
 
 
 def _pieces(offset: int, views: list[memoryview], size: int) -> list[tuple[int, list[memoryview]]]:
@@ -343,8 +334,7 @@ class DenseStreamer:
         if name == HEAD:
             return self.plan.head_streamed
         layer = layer_of(name)
-        return (layer is not None and self.plan.layer_streamed.get(layer, False)
-                and streamable(name, self.index[self.prefix + name]))
+        return layer in self.by_layer and streamable(name, self.index[self.prefix + name])
 
     def tensor(self, name: str) -> torch.Tensor:
         """The one placeholder for a streamed tensor (empty storage until its layer is entered)."""
@@ -353,7 +343,7 @@ class DenseStreamer:
             t = _empty_placeholder(info.shape, info.torch_dtype)
             self.tensors[name] = t
             layer = layer_of(name)
-            if layer in self.by_layer and name not in (EMBED, HEAD):
+            if layer in self.by_layer:
                 self.by_layer[layer].append((t, info))
         return self.tensors[name]
 

@@ -73,19 +73,25 @@ class ReadPlan:
     nbytes: int  # buffer size: what the expert costs resident, alignment and read-through holes included
 
 
-def plan_reads(spans: Sequence[Span], gap: int = GAP) -> ReadPlan:
-    """Coalesce spans (any order, any files) into aligned runs; spans closer than `gap` share one run."""
-    order = sorted(range(len(spans)), key=lambda i: (str(spans[i].file), spans[i].offset))
+def group_extents(extents: Sequence[tuple[Path, int, int]], gap: int) -> list[list[int]]:
+    """Indices of (file, offset, nbytes) extents grouped into runs one read can cover: same file, in offset order,
+    not overlapping, holes of at most `gap` bytes between neighbours."""
+    order = sorted(range(len(extents)), key=lambda i: (str(extents[i][0]), extents[i][1]))
     groups: list[list[int]] = []
     for i in order:
-        s = spans[i]
+        file, offset, _ = extents[i]
         if groups:
-            last = spans[groups[-1][-1]]
-            if last.file == s.file and s.offset - (last.offset + last.nbytes) <= gap \
-                    and s.offset >= last.offset + last.nbytes:
+            last_file, last_offset, last_nbytes = extents[groups[-1][-1]]
+            if last_file == file and last_offset + last_nbytes <= offset <= last_offset + last_nbytes + gap:
                 groups[-1].append(i)
                 continue
         groups.append([i])
+    return groups
+
+
+def plan_reads(spans: Sequence[Span], gap: int = GAP) -> ReadPlan:
+    """Coalesce spans (any order, any files) into aligned runs; spans closer than `gap` share one run."""
+    groups = group_extents([(s.file, s.offset, s.nbytes) for s in spans], gap)
     runs: list[Run] = []
     starts = [0] * len(spans)
     # large runs first, 4 KiB aligned (O_DIRECT); small ones after them, packed exactly (buffered)
@@ -234,18 +240,6 @@ class Reader:
         return fd
 
     # ---- reads ----------------------------------------------------------------------------------------
-    def read_into(self, plan: ReadPlan, buf: mmap.mmap | bytearray) -> None:
-        """Blocking, on the calling thread: every run of `plan` into `buf` (which must hold plan.nbytes)."""
-        calls = 0
-        view = memoryview(buf)
-        for run in plan.runs:
-            self._begin()
-            try:
-                calls += self._read_run(run, view[run.dst:run.dst + run.length])
-            finally:
-                self._end()
-        self._account(plan, calls)
-
     def _read_run(self, run: Run, view: memoryview) -> int:
         """Read one run; returns the number of preadv calls it took."""
         use_direct = self.direct and run.direct and isinstance(view.obj, mmap.mmap) and run.file not in self._no_direct

@@ -202,14 +202,7 @@ class ExpertStore:
 
     def read(self, layer: int, expert: int) -> ExpertBlob:
         """One expert into one aligned buffer, blocking."""
-        rp, parts = self.read_plan(layer, expert)
-        buf = self.reader.pool.take(rp.nbytes)
-        try:
-            self.reader.read_into(rp, buf)
-        except BaseException:
-            self.reader.pool.give(buf)
-            raise
-        return self._checked((layer, expert), buf, parts)
+        return self.submit(layer, expert).result()
 
     def submit(self, layer: int, expert: int, priority: int = DEMAND) -> Future:
         """Queue one expert's read on the I/O threads (reader.DEMAND before reader.AHEAD); the future yields its

@@ -108,7 +108,11 @@ class DecoderModel:
     vocab_size: int
     memory: MemoryAccountant
     extra: dict = field(default_factory=dict)
-    residency = None  # the engine's DenseStreamer when some dense weights stream (not a dataclass field)
+
+    @property
+    def residency(self):
+        """The engine's DenseStreamer when some dense weights stream (the accountant holds it), else None."""
+        return self.memory.streamer
 
     def new_state(self) -> SeqState:
         return SeqState(self.memory, len(self.layers))
