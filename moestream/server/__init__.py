@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from moestream.cli.common import add_state_room_arg
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -19,8 +21,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--ram-budget", default=None, help="RAM budget for everything resident, e.g. 8GiB (default: none)")
-    p.add_argument("--state-room", default=None,
-                   help="part of the budget kept free for KV caches when dense weights must stream (default: none)")
+    add_state_room_arg(p)
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together per step (default 16)")
     p.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait; more get 429 (default 64)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")

@@ -191,6 +191,7 @@ class Scheduler:
             except Exception as e:  # never let one bad iteration kill the server: fail what was running
                 for seq in list(self.active):
                     self._fail(seq, 500, f"internal error: {type(e).__name__}: {e}")
+            self._publish()  # after the except too: those failures reach their clients now, not next iteration
         for seq in list(self.active):
             self._fail(seq, 503, "the server is shutting down")
         for ticket in self.waiting:
@@ -200,19 +201,20 @@ class Scheduler:
             self.prefix.clear()
 
     def _iterate(self) -> None:
-        try:
-            self._drain(block=not self.active and not self.waiting)
-            self._admit()
-            if self.active:
-                self._step()
-        finally:
-            # engine figures for /metrics: after any request ends (before its last event is delivered), else at
-            # most every STATS_EVERY_S while streams run (building them costs about a stream's own step overhead)
-            now = time.monotonic()
-            if self._ended or not self.active or now - self._stats_at >= STATS_EVERY_S:
-                self.engine_stats = {k: v for k, v in self.engine.stats.items() if not isinstance(v, dict)}
-                self._stats_at, self._ended = now, False
-            self.outbox.flush()
+        self._drain(block=not self.active and not self.waiting)
+        self._admit()
+        if self.active:
+            self._step()
+
+    def _publish(self) -> None:
+        """End of an iteration: refresh the engine figures for /metrics after any request ends (before its last
+        event is delivered), else at most every STATS_EVERY_S while streams run (building them costs about a
+        stream's own step overhead); then deliver every event of the iteration in one event-loop wake-up."""
+        now = time.monotonic()
+        if self._ended or not self.active or now - self._stats_at >= STATS_EVERY_S:
+            self.engine_stats = {k: v for k, v in self.engine.stats.items() if not isinstance(v, dict)}
+            self._stats_at, self._ended = now, False
+        self.outbox.flush()
 
     def _step(self) -> None:
         items = self._plan()
