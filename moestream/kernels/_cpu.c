@@ -559,8 +559,7 @@ void ms_conv_decode(int64_t B, int64_t C, int64_t K, const int64_t *Ws, const in
  * q, k, g fp32 [B, H, dk], v fp32 [B, H, dv], beta fp32 [B, H], out fp32 [B, H, dv]. Two passes over S. */
 void ms_kda_decode(int64_t B, int64_t H, int64_t dk, int64_t dv, const int64_t *Ss, const float *q, const float *k,
                    const float *v, const float *g, const float *beta, float *out) {
-    float *u = malloc(sizeof(float) * (size_t)(dv > 0 ? dv : 1));
-    if (!u) return;
+    float u[dv > 0 ? dv : 1]; /* one head's value width (128 on Kimi Linear / K3): on the stack, cannot fail */
     for (int64_t b = 0; b < B; b++) {
         for (int64_t h = 0; h < H; h++) {
             const int64_t bh = b * H + h;
@@ -593,5 +592,4 @@ void ms_kda_decode(int64_t B, int64_t H, int64_t dk, int64_t dv, const int64_t *
             }
         }
     }
-    free(u);
 }

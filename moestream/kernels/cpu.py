@@ -185,7 +185,8 @@ def simd() -> bool:
     return bool(handle is not None and handle.ms_simd())
 
 
-def _rows(x: Tensor, in_features: int) -> Tensor:
+def rows(x: Tensor, in_features: int) -> Tensor:
+    """x [..., in_features] as contiguous float32 [tokens, in_features] (ValueError on a width mismatch)."""
     if x.shape[-1] != in_features:
         raise ValueError(f"x has {x.shape[-1]} features, the weight expects {in_features}")
     tokens = math.prod(x.shape[:-1])
@@ -200,7 +201,7 @@ def linear_bf16(x: Tensor, w: Tensor, min_rows_per_thread: int = MIN_ROWS_PER_TH
     if w.dtype != torch.bfloat16 or w.dim() != 2:
         raise ValueError(f"linear_bf16 wants a 2-D bfloat16 weight, got {tuple(w.shape)} {w.dtype}")
     n, k = w.shape
-    x2 = x if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == k else _rows(x, k)
+    x2 = x if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == k else rows(x, k)
     if not w.is_contiguous():
         w = w.contiguous()
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)
@@ -257,7 +258,7 @@ def linear_mxfp4(x: Tensor, packed: Tensor, scales: Tensor, layout: str = "low_f
     if handle is None:
         raise RuntimeError(reason())
     n, k = packed.shape[0], packed.shape[1] * 2
-    x2 = x if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == k else _rows(x, k)
+    x2 = x if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == k else rows(x, k)
     if not (packed.is_contiguous() and scales.is_contiguous()) or scales.shape != (n, k // 32):
         raise ValueError("linear_mxfp4 wants contiguous packed [N, K/2] and scales [N, K/32]")
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)

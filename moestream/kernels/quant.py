@@ -61,12 +61,6 @@ def _scratch_rows(scratch: Tensor | None, rows: int, in_features: int) -> Tensor
     return scratch.view(-1)[: rows * in_features].view(rows, in_features)
 
 
-def _flatten_x(x: Tensor, in_features: int) -> Tensor:
-    if x.shape[-1] != in_features:
-        raise ValueError(f"x has {x.shape[-1]} features, the weight expects {in_features}")
-    return x.reshape(-1, in_features).to(torch.float32).contiguous()
-
-
 # ---------------------------------------------------------------------------------------------------- MXFP4
 
 
@@ -168,7 +162,7 @@ def mxfp4_linear(x: Tensor, packed: Tensor, scales: Tensor, scratch: Tensor | No
     packed, scales = _mxfp4_operands(packed, scales, name)
     out_features, in_features = packed.shape[0], packed.shape[1] * 2
     lead = x.shape[:-1]
-    x2 = _flatten_x(x, in_features)
+    x2 = cpu.rows(x, in_features)
     if native and mxfp4_native(x2.shape[0]):
         if scratch is not None:
             _rows_per_chunk(rows_per_chunk, in_features, scratch)  # a bad scratch fails either way
@@ -300,7 +294,7 @@ def fp8_block_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, block: tuple[
     _fp8_check(weight, scale_inv, block)
     out_features, in_features = weight.shape
     lead = x.shape[:-1]
-    x2 = _flatten_x(x, in_features)
+    x2 = cpu.rows(x, in_features)
     rows = min(_rows_per_chunk(rows_per_chunk, in_features, scratch), block[0])
     buf = _scratch_rows(scratch, rows, in_features)
     bits = torch.empty(rows, in_features, dtype=torch.int16)
@@ -380,7 +374,7 @@ def int4_linear(x: Tensor, packed: Tensor, scale: Tensor, group_size: int = 32,
     out_features, stored = packed.shape[0], packed.shape[1] * 8
     in_features = _in_features(packed, shape)
     lead = x.shape[:-1]
-    x2 = _flatten_x(x, in_features)
+    x2 = cpu.rows(x, in_features)
     if stored != scale.shape[1] * group_size or group_size % 2:  # ragged last group: use the reference
         return _int4_linear_reference(x2, packed, scale, group_size, in_features).view(*lead, out_features)
     x2 = torch.nn.functional.pad(x2, (0, stored - in_features))  # padding codes decode to -8: zero their inputs

@@ -88,7 +88,7 @@ def _native_group(z, ids, weights, experts, tensors, act, out) -> None:
     y = torch.empty(len(pick), latent, dtype=torch.float32)
     zp, gp, up, yp = zr.data_ptr(), gate_up[0].data_ptr(), gate_up[1].data_ptr(), y.data_ptr()
     xs, ts, ps, ss, outs, who = [], [], [], [], [], []
-    xs2, ps2, ss2, outs2, who2 = [], [], [], [], []
+    ps2, ss2, outs2, who2 = [], [], [], []
     keep = []  # contiguous copies made here must outlive the calls
     for j, start, count in spans:
         w1p, w1s, w3p, w3s, w2p, w2s = _pointers(tensors[j], keep)
