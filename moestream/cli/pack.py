@@ -8,7 +8,7 @@ import sys
 
 from tqdm import tqdm
 
-from moestream.cli.common import model_dir
+from moestream.cli.common import PROGRESS_DELAY_S, model_dir
 from moestream.config import format_bytes
 from moestream.errors import MoestreamError
 
@@ -28,14 +28,18 @@ def add_pack_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-def _bar(desc: str) -> tuple[tqdm, callable, callable]:
-    bar = tqdm(total=0, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, delay=1.0,
-               leave=False)
+def _with_bar(desc: str, work):
+    """work(progress=..., total=...) under a byte progress bar on stderr (shown only after PROGRESS_DELAY_S)."""
+    bar = tqdm(total=0, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+               delay=PROGRESS_DELAY_S, leave=False)
 
     def total(n: int) -> None:
         bar.total = n  # no refresh: the bar stays hidden for work done within its delay
 
-    return bar, total, bar.update
+    try:
+        return work(progress=bar.update, total=total)
+    finally:
+        bar.close()
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
@@ -45,27 +49,15 @@ def cmd_pack(args: argparse.Namespace) -> int:
         if not args.verify:
             raise MoestreamError("pack needs MODEL and DST (or --verify DST to check a packed directory)")
         path = model_dir(args.model)
-        bar, total, update = _bar(f"verifying {path.name}")
-        try:
-            n = verify_pack(path, progress=update, total=total)
-        finally:
-            bar.close()
+        n = _with_bar(f"verifying {path.name}", lambda **kw: verify_pack(path, **kw))
         print(f"{path}: all {n} checksums match")
         return 0
     src = model_dir(args.model)
-    bar, total, update = _bar(f"packing {src.name}")
-    try:
-        s = pack(src, args.dst, verify=False, progress=update, total=total)
-    finally:
-        bar.close()
+    s = _with_bar(f"packing {src.name}", lambda **kw: pack(src, args.dst, verify=False, **kw))
     print(f"wrote {s.path}: {s.experts} experts in {s.expert_files} file(s), {format_bytes(s.expert_bytes)} of "
           f"experts + {format_bytes(s.dense_bytes)} dense in {s.dense_files} shard(s), "
           f"{format_bytes(s.disk_bytes)} on disk")
     if args.verify:
-        bar, total, update = _bar("verifying")
-        try:
-            n = verify_pack(s.path, progress=update, total=total)
-        finally:
-            bar.close()
+        n = _with_bar("verifying", lambda **kw: verify_pack(s.path, **kw))
         print(f"verified: all {n} checksums match")
     return 0

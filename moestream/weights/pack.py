@@ -69,13 +69,20 @@ class PackPlan:
     expert_file_sizes: list[int] = field(default_factory=list)
 
     @property
+    def dense_bytes(self) -> int:
+        return sum(t.nbytes for s in self.dense_shards for t in s)
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(p.src.nbytes for e in self.experts for p in e.parts)
+
+    @property
     def payload_bytes(self) -> int:
-        return sum(t.nbytes for s in self.dense_shards for t in s) + sum(
-            p.src.nbytes for e in self.experts for p in e.parts)
+        return self.dense_bytes + self.expert_bytes
 
     @property
     def disk_bytes(self) -> int:
-        return sum(t.nbytes for s in self.dense_shards for t in s) + sum(self.expert_file_sizes) + (1 << 20)
+        return self.dense_bytes + sum(self.expert_file_sizes) + (1 << 20)
 
 
 @dataclass
@@ -325,9 +332,7 @@ def pack(src: str | Path, dst: str | Path, verify: bool = False, progress: Progr
     finally:
         source.close()
     summary = PackSummary(str(dst), len(pp.experts), len(pp.expert_file_sizes), len(pp.dense_shards),
-                          sum(t.nbytes for s in pp.dense_shards for t in s),
-                          sum(p.src.nbytes for e in pp.experts for p in e.parts),
-                          sum(f.stat().st_size for f in dst.rglob("*") if f.is_file()))
+                          pp.dense_bytes, pp.expert_bytes, sum(f.stat().st_size for f in dst.rglob("*") if f.is_file()))
     if verify:
         verify_pack(dst)
         summary.verified = True
