@@ -15,6 +15,7 @@ from pathlib import Path
 
 from moestream import bench as mb
 from moestream.config import parse_bytes
+from moestream.weights.index import PACK_MANIFEST
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("models", nargs="+")
@@ -42,7 +43,7 @@ mb._snapshot = snapshot
 VARIANTS = []
 for m in args.models:
     VARIANTS.append((Path(m).name, m, "1"))
-    if (Path(m) / "moestream-pack.json").exists() and not args.no_crc_off:
+    if (Path(m) / PACK_MANIFEST).exists() and not args.no_crc_off:
         VARIANTS.append((Path(m).name + " (no crc)", m, "0"))
 runs = []
 for r in range(-1, args.rounds):

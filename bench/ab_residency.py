@@ -55,7 +55,7 @@ outs = {}
 for _ in range(args.rounds):
     for name, eng in engines.items():
         state = eng.new_sequence()
-        (logits,) = [eng.prefill(state, ids)]
+        logits = eng.prefill(state, ids)
         toks = []
         w0 = eng.stats["dense_stream_wait_s"]
         t0 = time.perf_counter()

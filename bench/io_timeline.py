@@ -13,18 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from moestream import Engine  # noqa: E402
-from moestream.bench import drop_page_cache, model_files  # noqa: E402
-from moestream.config import parse_bytes  # noqa: E402
-from moestream.experts import dispatch, reader  # noqa: E402
+from moestream import Engine
+from moestream.bench import _pick, drop_page_cache, model_files
+from moestream.config import parse_bytes
+from moestream.experts import dispatch, reader
 
 
 class Recorder:
@@ -103,13 +100,13 @@ def main() -> int:
     gen = torch.Generator().manual_seed(args.seed)
     state = eng.new_sequence()
     logits = eng.prefill(state, torch.randint(0, eng.vocab_size, (args.prompt_len,), generator=gen).tolist())
-    tok = int(torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=gen))
+    tok = _pick(logits, 1.0, gen)
     rec.lags.clear()
     steps = []
     for _ in range(args.gen_len):
         t = rec.now()
         (logits,) = eng.step([(state, [tok])])
-        tok = int(torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=gen))
+        tok = _pick(logits, 1.0, gen)
         steps.append((t, rec.now()))
     times = eng.runner.times
     eng.close()

@@ -179,8 +179,6 @@ def test_read_ahead_leaves_a_thread_free_for_what_a_step_waits_on(data_file):
 
 
 def test_a_failed_read_fails_its_future_and_returns_the_buffer(tmp_path):
-    path = tmp_path / "short.bin"
-    path.write_bytes(b"x" * 100)
     reader = Reader(threads=1, direct=False)
     try:
         fut = reader.submit(plan_reads([Span(tmp_path / "missing.bin", 0, 100)]))
@@ -286,8 +284,6 @@ def test_read_ahead_is_withdrawn_or_promoted_when_the_layer_routes(hub_ckpt):
     """The lookahead queued experts 5 and 6 of layer 1 behind a read that holds the only I/O thread; layer 1 then
     routes to 5 (and 7), not 6: 6 is cancelled before it reaches the disk and its room returns to the cache, 5 is
     awaited like any miss, and the step's result is what the experts compute."""
-    from moestream.experts.reader import AHEAD
-
     path, tensors = hub_ckpt
     eng = Engine.open(path, io_threads=1)
     try:
