@@ -135,3 +135,13 @@ def test_family_names_and_errors(tmp_path, cache_dir):
         synthesize("mixtral", tmp_path / "full", "tiny", cache_dir=cache_dir, progress=False)
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["full"], "no partial directory is left behind"
+
+
+def test_layer_and_vocab_overrides(tmp_path, cache_dir):
+    """`synth --layers N --vocab V` changes only those two sizes; a bad value is an error, not a checkpoint."""
+    synthesize("qwen3_moe", tmp_path / "m", "tiny", layers=2, vocab=640, cache_dir=cache_dir, progress=False)
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["vocab_size"]) == (2, 640)
+    assert cfg["hidden_size"] == PRESETS["tiny"].hidden
+    with pytest.raises(MoestreamError, match="--layers"):
+        synthesize("qwen3_moe", tmp_path / "bad", "tiny", layers=0, cache_dir=cache_dir, progress=False)

@@ -19,11 +19,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", choices=list(PRESETS), default="tiny",
                    help="tiny (a few MB), small (a few hundred MB), medium (a few GB); default tiny")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+    p.add_argument("--layers", type=int, metavar="N", help="override the preset's number of layers")
+    p.add_argument("--vocab", type=int, metavar="N", help="override the preset's vocabulary size")
     p.set_defaults(func=cmd_synth)
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    s = synthesize(args.family, args.dir, args.preset, args.seed)
+    s = synthesize(args.family, args.dir, args.preset, args.seed, layers=args.layers, vocab=args.vocab)
     print(f"wrote {s['path']}: {s['model_type']} {s['preset']}, {s['params']:,} parameters, "
           f"{format_bytes(s['bytes'])} in {s['shards']} shards")
     return 0
