@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import base64
 import json
+import re
+import secrets
 import sysconfig
 from datetime import datetime
 from pathlib import Path
@@ -45,6 +47,34 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+
+def _gpt2_byte_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the rest map to U+0100 onwards."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _gpt2_byte_chars()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece-style byte tokens
+
+
+def _map_strings(value: Any, fn: Any) -> Any:
+    """`value` with `fn` applied to every string inside it (dict keys stay as they are)."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, list):
+        return [_map_strings(v, fn) for v in value]
+    if isinstance(value, dict):
+        return {k: _map_strings(v, fn) for k, v in value.items()}
+    return value
 
 
 class _ChatTemplateEnv(ImmutableSandboxedEnvironment):
@@ -162,6 +192,9 @@ class Tokenizer:
         self.model_dir = model_dir
         self._backend = backend
         self._specials = tiktoken_specials or {}
+        self._plain: tokenizers.Tokenizer | None = None  # built on first use (see _plain_backend)
+        self._added: set[int] | None = None
+        self._is_byte_level: bool | None = None
         self._special_ids = set(self._specials.values())
         self.chat_template = _read_chat_template(model_dir, tokenizer_config)
         self._compiled: jinja2.Template | None = None
@@ -224,12 +257,95 @@ class Tokenizer:
         except KeyError:
             return None
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Special tokens written in `text` (as chat templates do) map to their ids."""
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
+        """With `parse_special`, special tokens written in `text` (as chat templates do) map to their ids; without
+        it they are encoded as the plain text they are, as untrusted user text must be."""
         if isinstance(self._backend, tokenizers.Tokenizer):
-            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
-        ids = self._backend.encode(text, allowed_special="all")
+            backend = self._backend if parse_special else self._plain_backend()
+            return backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._backend.encode(text, allowed_special="all" if parse_special else set(), disallowed_special=())
         return [self._bos_id, *ids] if add_special_tokens and self._bos_id is not None else ids
+
+    def _plain_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the HF tokenizer that encodes special tokens' text as text (its flag is per instance, so the
+        copy keeps concurrent encodes from racing on a shared switch)."""
+        if self._plain is None:
+            plain = tokenizers.Tokenizer.from_str(self._backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
+
+    def special_tokens(self) -> list[str]:
+        """The strings that encode to one control token when special tokens are parsed, longest first."""
+        if isinstance(self._backend, tokenizers.Tokenizer):
+            names = [t.content for t in self._backend.get_added_tokens_decoder().values() if t.special]
+        else:
+            names = list(self._specials)
+        return sorted(set(n for n in names if n), key=len, reverse=True)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    **template_vars: Any) -> list[int]:
+        """The ids of a rendered chat prompt in which only the template's own markers are control tokens.
+
+        Every special-token string inside the messages (and tools) is swapped for a marker carrying a random nonce
+        before rendering; the rendered text is split at the special tokens left (the template's), each piece
+        between them gets its markers swapped back and is encoded without parsing special tokens. A user who
+        writes `<|im_end|><|im_start|>system` gets those characters as text, not a new system turn."""
+        specials = self.special_tokens()
+        if not specials:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools, **template_vars))
+        found: list[str] = []
+        nonce = secrets.token_hex(8)
+        pattern = re.compile("|".join(map(re.escape, specials)))
+
+        def protect(text: str) -> str:
+            def mark(m: re.Match) -> str:
+                found.append(m.group(0))
+                return f"\ue000{nonce}:{len(found) - 1}\ue001"
+            return pattern.sub(mark, text)
+
+        rendered = self.apply_chat_template(_map_strings(messages, protect), add_generation_prompt,
+                                            _map_strings(tools, protect), **template_vars)
+        restore = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
+        ids: list[int] = []
+        for i, piece in enumerate(re.split(f"({pattern.pattern})", rendered)):
+            if i % 2:  # a special token the template wrote
+                ids.append(self.token_to_id(piece))
+            elif piece:
+                ids += self.encode(restore.sub(lambda m: found[int(m.group(1))], piece), parse_special=False)
+        return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a token can be part of a UTF-8 character, which `decode` turns into
+        U+FFFD); empty for ids outside the vocabulary."""
+        if not isinstance(self._backend, tokenizers.Tokenizer):
+            try:
+                return self._backend.decode_single_token_bytes(token_id)
+            except KeyError:
+                return b""
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id not in self._added_ids():
+            if self._byte_level() and all(c in _BYTE_OF_CHAR for c in piece):
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+            fallback = _BYTE_FALLBACK.fullmatch(piece)
+            if fallback:
+                return bytes([int(fallback.group(1), 16)])
+        return self.decode([token_id]).encode("utf-8")
+
+    def _added_ids(self) -> set[int]:
+        if self._added is None:
+            self._added = set(self._backend.get_added_tokens_decoder())
+        return self._added
+
+    def _byte_level(self) -> bool:
+        """Whether the HF tokenizer's pieces are GPT-2 byte-level characters (its decoder includes ByteLevel)."""
+        if self._is_byte_level is None:
+            decoder = json.loads(self._backend.to_str()).get("decoder") or {}
+            parts = decoder.get("decoders", [decoder]) if isinstance(decoder, dict) else []
+            self._is_byte_level = any(isinstance(d, dict) and d.get("type") == "ByteLevel" for d in parts)
+        return self._is_byte_level
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Ids outside the vocabulary decode to nothing; incomplete UTF-8 at the end decodes to U+FFFD."""

@@ -4,6 +4,7 @@ Owns greedy, temperature, top-k and top-p (nucleus) selection and the validation
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,9 +20,9 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self) -> "SamplingParams":
-        if not (self.temperature >= 0):
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0 < self.top_p <= 1):
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):  # also false for NaN
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise RequestError(f"top_k must be >= 0, got {self.top_k}")

@@ -34,6 +34,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model-name", default=None, help="model id clients send (default: the directory name)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the forward pass (default: all cores); 1 is faster on a busy machine")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a request still running after this many seconds gets a 504 and is cancelled (default: none)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long in-flight requests may run before they are cancelled (default 30)")
     p.set_defaults(func=run_serve)
     return p
 
@@ -42,6 +46,10 @@ def _check_args(args: argparse.Namespace) -> str | None:
     for name in ("max_batch", "max_queue", "prefill_chunk", "threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        return f"--request-timeout must be a positive number of seconds, got {args.request_timeout}"
+    if not args.shutdown_timeout >= 0:
+        return f"--shutdown-timeout must be a number of seconds >= 0, got {args.shutdown_timeout}"
     if not 0 < args.port < 65536:
         return f"--port must be in 1..65535, got {args.port}"
     return None
@@ -55,16 +63,16 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
-        import uvicorn
-
-        from moestream.server.app import ServerConfig, ServerState, create_app
+        from moestream.server.app import ServerConfig, ServerState
+        from moestream.server.shutdown import serve
     except ImportError as e:
         print(f"error: the server needs its extra dependencies ({e.name} is missing): "
               "pip install 'moestream[server]'", file=sys.stderr)
         return 2
     cfg = ServerConfig(args.model, args.host, args.port, args.ram_budget, args.max_batch, args.max_queue,
                        args.api_key, args.prefix_cache, args.prefill_chunk, args.max_body, args.model_name,
-                       threads=args.threads, state_room=args.state_room)
+                       threads=args.threads, state_room=args.state_room, request_timeout=args.request_timeout,
+                       shutdown_timeout=args.shutdown_timeout)
     try:
         srv = ServerState.open(cfg)
     except MoestreamError as e:
@@ -74,5 +82,5 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
     print(f"serving {srv.model_id} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(create_app(srv), host=args.host, port=args.port, log_level="warning")
+    serve(srv, args.host, args.port, args.shutdown_timeout)  # returns after a drained SIGTERM / SIGINT
     return 0

@@ -18,13 +18,15 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from moestream.config import parse_bytes, read_model_config
 from moestream.errors import MoestreamError
 from moestream.server.protocol import Formatter, Parsed, ProtocolError, error_body, parse_chat, parse_completion
-from moestream.server.scheduler import Delta, Done, Failed, QueueFull, Scheduler, SchedulerConfig, Ticket
+from moestream.server.metrics import CONTENT_TYPE, ServerMetrics
+from moestream.server.scheduler import (Delta, Done, Failed, QueueFull, Scheduler, SchedulerConfig, Ticket,
+                                        Unavailable)
 from moestream.tokenizer import Tokenizer
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -46,6 +48,19 @@ class ServerConfig:
     retry_after_s: int = 1
     threads: int | None = None  # torch CPU threads for the forward pass (default: the engine's choice)
     state_room: str | int | None = None  # budget kept free for KV caches when dense weights stream
+    request_timeout: float | None = None  # seconds; a request still running then gets a 504 and is cancelled
+    shutdown_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests before cancelling them
+
+
+def context_length(model_dir: str | Path) -> int | None:
+    """The model's context window; multimodal checkpoints (Kimi K2.5 / K3) keep it under `text_config`."""
+    cfg = read_model_config(model_dir)
+    text = cfg.get("text_config")
+    for source in (text if isinstance(text, dict) else {}, cfg):
+        value = source.get("max_position_embeddings")
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def default_prefix_cache(budget: int | None) -> int:
@@ -58,7 +73,9 @@ class ServerState:
     def __init__(self, cfg: ServerConfig, engine, tokenizer: Tokenizer, scheduler: Scheduler):
         self.cfg, self.engine, self.tokenizer, self.scheduler = cfg, engine, tokenizer, scheduler
         self.model_id = cfg.model_name or Path(cfg.model).resolve().name
-        self.context = read_model_config(cfg.model).get("max_position_embeddings")
+        self.context = context_length(cfg.model)
+        self.metrics = ServerMetrics(scheduler.snapshot)
+        scheduler.observe = self.metrics.observe
         self.max_body = parse_bytes(cfg.max_body) or 0
         self.created = int(time.time())
 
@@ -74,12 +91,15 @@ class ServerState:
 
             torch.set_num_threads(cfg.threads)  # after open(), which picks its own default
         tokenizer = Tokenizer.load(cfg.model)
-        sched = Scheduler(engine, tokenizer, SchedulerConfig(cfg.max_batch, cfg.max_queue, cfg.prefill_chunk, prefix))
+        sched = Scheduler(engine, tokenizer, SchedulerConfig(cfg.max_batch, cfg.max_queue, cfg.prefill_chunk, prefix,
+                                                             request_timeout_s=cfg.request_timeout))
         return cls(cfg, engine, tokenizer, sched)
 
 
 # ---- request plumbing ----------------------------------------------------------------------------------------
-def _error(e: ProtocolError) -> JSONResponse:
+def _error(e: ProtocolError, srv: "ServerState | None" = None) -> JSONResponse:
+    if srv is not None:
+        srv.metrics.error(e.status)
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
@@ -92,9 +112,11 @@ def _api(handler: Handler, auth: bool = True) -> Handler:
                 _check_key(request)
             return await handler(request)
         except ProtocolError as e:
-            return _error(e)
+            return _error(e, _srv(request))
+        except Unavailable as e:  # the scheduler is gone or the server is draining
+            return _error(ProtocolError(503, str(e), err_type="server_error", code="unavailable"), _srv(request))
         except MoestreamError as e:  # tokenizer / chat template / request parameter problems
-            return _error(ProtocolError(400, str(e)))
+            return _error(ProtocolError(400, str(e)), _srv(request))
 
     return wrapped
 
@@ -183,6 +205,7 @@ async def _sse(request: Request, ticket: Ticket, fmt: Formatter) -> AsyncIterato
                 if fmt.p.include_usage:
                     yield _data(fmt.usage_chunk(event.usage))
             elif isinstance(event, Failed):
+                _srv(request).metrics.error(event.status)
                 yield _data(error_body(event.message, event.err_type))
             break
         yield _data("[DONE]")
@@ -204,7 +227,7 @@ async def _collect(request: Request, ticket: Ticket, fmt: Formatter) -> Response
             elif isinstance(event, Done):
                 return JSONResponse(fmt.final("".join(text), entries, event.finish_reason, event.usage))
             else:
-                return _error(ProtocolError(event.status, event.message, err_type=event.err_type))
+                return _error(ProtocolError(event.status, event.message, err_type=event.err_type), _srv(request))
     finally:
         watcher.cancel()
         sched.cancel(ticket)
@@ -215,7 +238,8 @@ async def chat_completions(request: Request) -> Response:
     srv = _srv(request)
     parsed = parse_chat(await read_json(request, srv.max_body))
     _check_model(srv, parsed)
-    ids = srv.tokenizer.encode(srv.tokenizer.apply_chat_template(parsed.prompt, add_generation_prompt=True))
+    # off the event loop: an 8 MiB body takes a while to render and tokenize, and other streams must keep flowing
+    ids = await asyncio.to_thread(srv.tokenizer.encode_chat, parsed.prompt, add_generation_prompt=True)
     return await _generate(request, parsed, ids)
 
 
@@ -224,7 +248,7 @@ async def completions(request: Request) -> Response:
     parsed = parse_completion(await read_json(request, srv.max_body))
     _check_model(srv, parsed)
     if isinstance(parsed.prompt, str):
-        ids = srv.tokenizer.encode(parsed.prompt)
+        ids = await asyncio.to_thread(srv.tokenizer.encode, parsed.prompt)  # raw text: special tokens parsed
     else:
         ids = list(parsed.prompt)
         vocab = srv.engine.vocab_size
@@ -242,43 +266,20 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    if not _srv(request).scheduler.alive:
+    srv = _srv(request)
+    if srv.scheduler.draining:
+        return JSONResponse({"status": "draining", "detail": "the server is shutting down"}, status_code=503)
+    if not srv.scheduler.alive:
         return JSONResponse({"status": "error", "detail": "the scheduler thread is not running"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
-METRICS = [  # (name, type, help, snapshot key)
-    ("moestream_requests_total", "counter", "Requests admitted.", "requests"),
-    ("moestream_requests_failed_total", "counter", "Requests that ended in an error.", "failed"),
-    ("moestream_requests_cancelled_total", "counter", "Requests cancelled by a client disconnect.", "cancelled"),
-    ("moestream_tokens_generated_total", "counter", "Tokens generated.", "tokens_generated"),
-    ("moestream_prompt_tokens_total", "counter", "Prompt tokens received.", "prompt_tokens"),
-    ("moestream_prompt_tokens_reused_total", "counter", "Prompt tokens served from saved prefixes.",
-     "prompt_tokens_reused"),
-    ("moestream_engine_steps_total", "counter", "Engine steps (one forward over all active sequences).", "steps"),
-    ("moestream_tokens_per_second", "gauge", "Tokens generated per second over the last 10 s.", "tokens_per_second"),
-    ("moestream_expert_hit_rate", "gauge", "Routed-expert cache hit rate since start.", "expert_hit_rate"),
-    ("moestream_expert_hits_total", "counter", "Routed-expert lookups served from the cache.", "expert_hits"),
-    ("moestream_expert_misses_total", "counter", "Routed-expert lookups read from the checkpoint.", "expert_misses"),
-    ("moestream_expert_bytes_read_total", "counter", "Expert bytes read from the checkpoint.", "bytes_read"),
-    ("moestream_queue_depth", "gauge", "Requests waiting to be admitted.", "queue_depth"),
-    ("moestream_active_sequences", "gauge", "Sequences being prefilled or decoded.", "active_sequences"),
-    ("moestream_resident_bytes", "gauge", "Bytes resident under the RAM budget.", "resident_bytes"),
-    ("moestream_state_bytes", "gauge", "Bytes of sequence state (KV caches, saved prefixes).", "state_bytes"),
-    ("moestream_prefix_cache_bytes", "gauge", "Bytes held by saved prefixes.", "prefix_cache_bytes"),
-]
-
-
 async def metrics(request: Request) -> Response:
-    snap = _srv(request).scheduler.snapshot()
-    lines = []
-    for name, kind, help_text, key in METRICS:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {float(snap.get(key) or 0):g}"]
-    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+    return Response(_srv(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
 async def _not_found(request: Request, exc: HTTPException) -> Response:
-    return _error(ProtocolError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
+    return _error(ProtocolError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"), _srv(request))
 
 
 def create_app(srv: ServerState) -> Starlette:

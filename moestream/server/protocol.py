@@ -5,6 +5,7 @@ the scheduler, stop-string matching across token boundaries, and response/chunk/
 """
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from typing import Any
 
 MAX_TOP_LOGPROBS = 5
 MAX_STOPS = 4
+MAX_STOP_CHARS = 256  # per stop string: bounds the text held back while a stop string might still be forming
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
                  "user", "presence_penalty", "frequency_penalty"}
@@ -101,6 +103,8 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open
         return default
     if not isinstance(v, (int, float)) or isinstance(v, bool):
         raise _bad(name, f"'{name}' must be a number, got {type(v).__name__}")
+    if not math.isfinite(v):  # JSON as Python reads it allows NaN and Infinity; no range check catches NaN
+        raise _bad(name, f"'{name}' must be a finite number, got {v}")
     if v > hi or v < lo or (lo_open and v == lo):
         raise _bad(name, f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
     return float(v)
@@ -135,6 +139,8 @@ def _stop(body: dict) -> list[str]:
         raise _bad("stop", "'stop' must be a non-empty string or a list of non-empty strings")
     if len(stops) > MAX_STOPS:
         raise _bad("stop", f"'stop' takes at most {MAX_STOPS} strings, got {len(stops)}")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise _bad("stop", f"each stop string may have at most {MAX_STOP_CHARS} characters")
     return list(dict.fromkeys(stops))
 
 
@@ -235,11 +241,29 @@ def parse_completion(body: Any) -> Parsed:
 
 
 # ---- stop strings -------------------------------------------------------------------------------------------
+def _failure(s: str) -> list[int]:
+    """KMP failure table: fail[i] is the length of the longest proper border of s[:i + 1]."""
+    fail, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail
+
+
 class StopMatcher:
-    """Finds stop strings in streamed text, holding back any tail that could still become one."""
+    """Finds stop strings in streamed text, holding back any tail that could still become one.
+
+    One KMP automaton per stop string follows the text character by character, so matching costs O(text) in
+    total however the text arrives; the held-back tail is the longest prefix of a stop string that the text
+    currently ends with. The first stop string to complete ends the output, at its start."""
 
     def __init__(self, stops: list[str]):
-        self.stops = stops
+        self.stops = [s for s in stops if s]
+        self._fail = [_failure(s) for s in stops]
+        self._state = [0] * len(stops)  # characters of each stop string matched at the end of the text
         self.held = ""
 
     def feed(self, text: str) -> tuple[str, bool]:
@@ -247,17 +271,30 @@ class StopMatcher:
         if not self.stops:
             return text, False
         buf = self.held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.held = ""
-            return buf[:min(hits)], True
-        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(buf)), 0, -1) if buf.endswith(s[:k])),
-                   default=0)
+        base = len(self.held)
+        for pos, ch in enumerate(text, base + 1):  # pos: length of buf up to and including ch
+            done = [len(s) for j, s in enumerate(self.stops) if self._step(j, ch) == len(s)]
+            if done:
+                self.held = ""
+                return buf[:pos - max(done)], True
+        keep = max(self._state)
         self.held = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep], False
 
+    def _step(self, j: int, ch: str) -> int:
+        s, k = self.stops[j], self._state[j]
+        if k == len(s):
+            k = self._fail[j][k - 1]
+        while k and s[k] != ch:
+            k = self._fail[j][k - 1]
+        if s[k] == ch:
+            k += 1
+        self._state[j] = k
+        return k
+
     def flush(self) -> str:
         text, self.held = self.held, ""
+        self._state = [0] * len(self.stops)
         return text
 
 
@@ -267,6 +304,8 @@ class TokenLogprob:
     text: str
     logprob: float
     top: list[tuple[str, float]]
+    bytes: list[int] | None = None  # the token's own bytes (None: the UTF-8 of `text`)
+    top_bytes: list[list[int]] | None = None  # the same for each entry of `top`
 
 
 @dataclass
@@ -286,8 +325,12 @@ def _bytes(s: str) -> list[int]:
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict:
-    return {"content": [{"token": e.text, "logprob": e.logprob, "bytes": _bytes(e.text),
-                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": _bytes(t)} for t, lp in e.top]}
+    def top(e: TokenLogprob) -> list[dict]:
+        own = e.top_bytes or [None] * len(e.top)
+        return [{"token": t, "logprob": lp, "bytes": b if b is not None else _bytes(t)} for (t, lp), b in zip(e.top, own)]
+
+    return {"content": [{"token": e.text, "logprob": e.logprob,
+                         "bytes": e.bytes if e.bytes is not None else _bytes(e.text), "top_logprobs": top(e)}
                         for e in entries]}
 
 

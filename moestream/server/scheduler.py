@@ -14,10 +14,10 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from moestream.engine.sampling import SamplingParams, sample
-from moestream.errors import BudgetError, MoestreamError
+from moestream.errors import BudgetError, MoestreamError, RequestError
 from moestream.server.prefix import PrefixCache, StateProfile
 from moestream.server.protocol import GenRequest, StopMatcher, TokenLogprob, Usage
 from moestream.tokenizer import StreamDecoder, Tokenizer
@@ -30,6 +30,7 @@ class SchedulerConfig:
     prefill_chunk: int = 256  # prompt tokens per iteration, across all prefilling requests
     prefix_cache_bytes: int = 0  # 0 disables prefix reuse
     rate_window_s: float = 10.0
+    request_timeout_s: float | None = None  # a request still running after this gets a 504 and is cancelled
 
 
 @dataclass
@@ -55,7 +56,16 @@ class QueueFull(MoestreamError):
     """More requests are waiting than --max-queue allows."""
 
 
+class Unavailable(MoestreamError):
+    """The scheduler takes no requests: its thread is gone, or the server is draining for shutdown."""
+
+
+def _err_type(status: int) -> str:
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
 STATS_EVERY_S = 0.25  # while streams run, /metrics engine figures are at most this old
+POLL_S = 0.5  # how often a waiting handler checks that the scheduler thread still runs
 
 
 class Outbox:
@@ -87,23 +97,47 @@ class Ticket:
 
     _ids = itertools.count()
 
-    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop, outbox: Outbox):
+    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop, outbox: Outbox,
+                 alive: Callable[[], bool] = lambda: True, timeout_s: float | None = None):
         self.id = next(self._ids)
         self.req = req
         self.loop = loop
         self.outbox = outbox
         self.events: asyncio.Queue = asyncio.Queue()
         self.finished = False
+        self.alive = alive
+        self.submitted = time.monotonic()
+        self.timeout_s = timeout_s
 
     def put(self, event: Any) -> None:
         """Called from the scheduler thread (through its outbox, flushed after every iteration)."""
         self.outbox.send(self, event)
 
     async def next(self) -> Any:
-        event = await self.events.get()
+        """The next event; a Failed one (not from the scheduler) when its thread died or the request ran past its
+        timeout, so a handler never waits forever. The caller then cancels the ticket, which frees its state."""
+        while self.events.empty():
+            overdue = self._overdue()
+            if overdue is not None:
+                return overdue
+            try:
+                event = await asyncio.wait_for(self.events.get(), POLL_S)
+                break
+            except asyncio.TimeoutError:
+                continue
+        else:
+            event = self.events.get_nowait()
         if not isinstance(event, Delta):
             self.finished = True
         return event
+
+    def _overdue(self) -> Failed | None:
+        if not self.alive():
+            return Failed(503, "the server's scheduler thread stopped; the request cannot finish")
+        if self.timeout_s is not None and time.monotonic() - self.submitted > self.timeout_s:
+            return Failed(504, f"the request did not finish within the server's --request-timeout of "
+                               f"{self.timeout_s:g} s", "timeout_error")
+        return None
 
 
 @dataclass
@@ -121,6 +155,7 @@ class _Seq:
     next_token: int | None = None
     generated: int = 0
     held: list[TokenLogprob] = field(default_factory=list)
+    last_at: float = 0.0  # when its previous token was sampled (inter-token latency)
 
 
 class Scheduler:
@@ -137,6 +172,8 @@ class Scheduler:
         self._queued = 0
         self._lock = threading.Lock()
         self._stop = False
+        self.draining = False
+        self.observe: Callable[[str, float], None] = lambda what, seconds: None  # timings for /metrics
         self._rate: deque[tuple[float, int]] = deque()
         self.counters = dict(requests=0, tokens_generated=0, prompt_tokens=0, prompt_tokens_reused=0, failed=0,
                              cancelled=0, steps=0)
@@ -161,13 +198,27 @@ class Scheduler:
         return self.thread.is_alive()
 
     def submit(self, req: GenRequest) -> Ticket:
-        ticket = Ticket(req, asyncio.get_running_loop(), self.outbox)
+        if self.draining:
+            raise Unavailable("the server is shutting down and takes no new requests")
+        if not self.alive:
+            raise Unavailable("the server's scheduler thread is not running; restart the server")
+        ticket = Ticket(req, asyncio.get_running_loop(), self.outbox, lambda: self.thread.is_alive(),
+                        self.cfg.request_timeout_s)
         with self._lock:
             if self._queued >= self.cfg.max_queue:
                 raise QueueFull(f"{self._queued} requests are already waiting (--max-queue {self.cfg.max_queue})")
             self._queued += 1
         self.inbox.put(("submit", ticket))
         return ticket
+
+    def drain(self) -> None:
+        """Stop admitting: later `submit`s raise Unavailable; the requests already in finish (see `idle`)."""
+        self.draining = True
+
+    @property
+    def idle(self) -> bool:
+        """Nothing submitted, waiting or running (read from another thread: the lists are only ever swapped)."""
+        return self._queued == 0 and not self.active and self.inbox.empty()
 
     def cancel(self, ticket: Ticket) -> None:
         if not ticket.finished:
@@ -185,17 +236,24 @@ class Scheduler:
 
     # ---- the owner thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop:
-            try:
-                self._iterate()
-            except Exception as e:  # never let one bad iteration kill the server: fail what was running
-                for seq in list(self.active):
-                    self._fail(seq, 500, f"internal error: {type(e).__name__}: {e}")
-            self._publish()  # after the except too: those failures reach their clients now, not next iteration
+        try:
+            while not self._stop:
+                try:
+                    self._iterate()
+                except Exception as e:  # never let one bad iteration kill the server: fail what was running
+                    for seq in list(self.active):
+                        self._fail(seq, 500, f"internal error: {type(e).__name__}: {e}")
+                self._publish()  # after the except too: those failures reach their clients now, not next iteration
+        finally:  # stopped, or killed by something worse than an Exception: nobody is left waiting
+            self._close()
+
+    def _close(self) -> None:
         for seq in list(self.active):
             self._fail(seq, 503, "the server is shutting down")
-        for ticket in self.waiting:
-            ticket.put(Failed(503, "the server is shutting down"))
+        self._drain(block=False)
+        while self.waiting:
+            self.waiting.popleft().put(Failed(503, "the server is shutting down"))
+            self._dequeued()
         self.outbox.flush()
         if self.prefix:
             self.prefix.clear()
@@ -278,16 +336,19 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.active) < self.cfg.max_batch:
             ticket = self.waiting.popleft()
-            self._dequeued()
             try:
                 self.active.append(self._start(ticket))
             except Exception as e:
                 self.counters["failed"] += 1
-                status = 507 if isinstance(e, BudgetError) else 500
-                ticket.put(Failed(status, f"{type(e).__name__}: {e}"))
+                status = 507 if isinstance(e, BudgetError) else 400 if isinstance(e, RequestError) else 500
+                ticket.put(Failed(status, f"{type(e).__name__}: {e}", _err_type(status)))
+            finally:
+                self._dequeued()  # only now: `idle` never sees a request between the queue and the batch
 
     def _start(self, ticket: Ticket) -> _Seq:
+        """Validate first, then allocate: whatever raises after the state exists frees it again."""
         req = ticket.req
+        params = SamplingParams(req.temperature, req.top_p, 0, req.seed).validate()
         state, reused = None, 0
         if self.prefix is not None:
             found = self._lookup(req.prompt_ids)
@@ -295,13 +356,18 @@ class Scheduler:
                 state, reused = found
         if state is None:
             state = self.engine.new_sequence()
-        params = SamplingParams(req.temperature, req.top_p, 0, req.seed).validate()
+        try:
+            seq = _Seq(ticket, state, list(req.prompt_ids[reused:]), list(req.prompt_ids[:reused]), reused,
+                       StreamDecoder(self.tokenizer, skip_special_tokens=True), StopMatcher(req.stop),
+                       gen=params.generator() if req.temperature > 0 else None)
+        except BaseException:
+            self.engine.free(state)
+            raise
+        self.observe("queue_wait", time.monotonic() - ticket.submitted)
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(req.prompt_ids)
         self.counters["prompt_tokens_reused"] += reused
-        return _Seq(ticket, state, list(req.prompt_ids[reused:]), list(req.prompt_ids[:reused]), reused,
-                    StreamDecoder(self.tokenizer, skip_special_tokens=True), StopMatcher(req.stop),
-                    gen=params.generator() if req.temperature > 0 else None)
+        return seq
 
     def _lookup(self, tokens: list[int]):
         while True:
@@ -329,22 +395,36 @@ class Scheduler:
         return items
 
     def _make_room(self, items: list[tuple[_Seq, list[int]]]) -> list[tuple[_Seq, list[int]]]:
-        """Evict saved prefixes, then fail the newest requests, until the step's state growth fits the budget
-        with `expert_reserve` left for the expert cache."""
+        """Evict saved prefixes, then hold back the newest sequences for a later step (failing one only when it
+        would not fit even alone), until the step's state growth fits the budget with the dense stream buffers
+        and `expert_reserve` left free: a BudgetError inside `engine.step` would fail every sequence in it."""
         mem = self.engine.memory
         if not mem.limited:
             return items
+        if self.profile.row_bytes is None:  # growth unknown until one sequence has state: step one fresh at a time
+            fresh = [i for i, (seq, _) in enumerate(items) if seq.state.pos == 0]
+            for i in reversed(fresh[1:]):
+                self._defer(*items.pop(i))
         while items:
             need = sum(self.profile.growth(seq.state, len(toks)) for seq, toks in items)
-            room = mem.budget - mem.dense_bytes - mem.scratch_bytes - mem.state_bytes - self.expert_reserve
+            room = mem.budget - mem.fixed() - mem.state_bytes - self.expert_reserve
             if need == 0 or need <= room:
                 return items
             if self.prefix is not None and self.prefix.evict_one():
                 continue
-            seq, _ = items.pop()
+            seq, toks = items.pop()
+            if items:
+                self._defer(seq, toks)  # it runs once the older ones finish and free their state
+                continue
             self._fail(seq, 507, f"the RAM budget has no room for this sequence's state ({need} bytes needed, "
                                  f"{room} free): raise --ram-budget, lower --max-batch or shorten the prompt")
         return items
+
+    @staticmethod
+    def _defer(seq: _Seq, toks: list[int]) -> None:
+        """Undo `_plan` for a sequence left out of this step (a decoding one keeps its next_token)."""
+        if seq.next_token is None:  # still prefilling: the tokens go back in front of the rest of its prompt
+            seq.todo = toks + seq.todo
 
     # ---- per-request output ---------------------------------------------------------------------------------
     def _advance(self, seq: _Seq, logits) -> int:
@@ -353,6 +433,12 @@ class Scheduler:
         tok = sample(logits, SamplingParams(req.temperature, req.top_p, 0, req.seed), seq.gen)
         seq.generated += 1
         self.counters["tokens_generated"] += 1
+        now = time.monotonic()
+        if seq.generated == 1:
+            self.observe("ttft", now - seq.ticket.submitted)
+        else:
+            self.observe("itl", now - seq.last_at)
+        seq.last_at = now
         if tok in self.eos:
             self._emit(seq, self._tail(seq))
             self._finish(seq, "stop")
@@ -380,11 +466,14 @@ class Scheduler:
 
     def _logprob(self, logits, tok: int, top: int) -> TokenLogprob:
         lp = logits.float().log_softmax(-1)  # [V] from the raw fp32 logits: temperature and top_p not applied
-        best = []
+        best, best_bytes = [], []
         if top > 0:
             vals, ids = lp.topk(top)
             best = [(self.tokenizer.decode([i]), v) for v, i in zip(vals.tolist(), ids.tolist())]
-        return TokenLogprob(self.tokenizer.decode([tok]), float(lp[tok]), best)
+            best_bytes = [list(self.tokenizer.token_bytes(i)) for i in ids.tolist()]
+        # bytes from the token itself: a token holding part of a UTF-8 character decodes to U+FFFD
+        return TokenLogprob(self.tokenizer.decode([tok]), float(lp[tok]), best, list(self.tokenizer.token_bytes(tok)),
+                            best_bytes)
 
     def _emit(self, seq: _Seq, text: str) -> None:
         if text or seq.held:
@@ -395,6 +484,7 @@ class Scheduler:
         self._emit(seq, "")
         self.active.remove(seq)
         self._ended = True
+        self.observe("duration", time.monotonic() - seq.ticket.submitted)
         seq.ticket.put(Done(reason, Usage(len(seq.ticket.req.prompt_ids), seq.generated, seq.reused)))
         if self.prefix is not None:
             self.prefix.save(seq.fed, seq.state)  # keeps it for a later request extending these tokens, or frees it
@@ -406,6 +496,7 @@ class Scheduler:
             self.active.remove(seq)
         self._ended = True
         self.counters["failed"] += 1
+        self.observe("duration", time.monotonic() - seq.ticket.submitted)
         try:
             self.engine.free(seq.state)
         finally:
