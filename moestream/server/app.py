@@ -117,6 +117,9 @@ def _api(handler: Handler, auth: bool = True) -> Handler:
             return _error(ProtocolError(503, str(e), err_type="server_error", code="unavailable"), _srv(request))
         except MoestreamError as e:  # tokenizer / chat template / request parameter problems
             return _error(ProtocolError(400, str(e)), _srv(request))
+        except Exception as e:  # a bug: still an OpenAI-shaped answer, and the server keeps serving
+            return _error(ProtocolError(500, f"internal error: {type(e).__name__}: {e}", err_type="server_error"),
+                          _srv(request))
 
     return wrapped
 

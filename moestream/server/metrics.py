@@ -33,6 +33,7 @@ SNAPSHOT = [  # (name, type, help, snapshot key)
     ("moestream_resident_bytes", "gauge", "Bytes resident under the RAM budget.", "resident_bytes"),
     ("moestream_state_bytes", "gauge", "Bytes of sequence state (KV caches, saved prefixes).", "state_bytes"),
     ("moestream_prefix_cache_bytes", "gauge", "Bytes held by saved prefixes.", "prefix_cache_bytes"),
+    ("moestream_expert_cache_bytes", "gauge", "Bytes of routed experts in the cache.", "cache_bytes"),
 ]
 
 # Seconds; from a few ms (one decode step of a small model) to minutes (a long generation under a tight budget).
