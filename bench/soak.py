@@ -188,7 +188,8 @@ def main() -> None:
     report = {
         "minutes": round(elapsed / 60, 2), "clients": args.clients, "requests": sum(t.kinds.values()),
         "by_kind": dict(t.kinds), "by_status": dict(sorted(t.statuses.items())),
-        "served_complete": len(t.latency), "refused_429_during_floods": t.refused, "latency_p50_s": round(_pct(t.latency, 0.5), 3),
+        "served_complete": len(t.latency), "refused_429_during_floods": t.refused,
+        "latency_p50_s": round(_pct(t.latency, 0.5), 3),
         "latency_p99_s": round(_pct(t.latency, 0.99), 3), "hangs": t.hangs,
         "well_formed_without_complete_answer": len(t.incomplete), "examples": t.incomplete[:5],
         "leaked_bytes": leaks(after, baseline), "open_sequences": after["moestream_active_sequences"],

@@ -327,7 +327,8 @@ def _bytes(s: str) -> list[int]:
 def chat_logprobs(entries: list[TokenLogprob]) -> dict:
     def top(e: TokenLogprob) -> list[dict]:
         own = e.top_bytes or [None] * len(e.top)
-        return [{"token": t, "logprob": lp, "bytes": b if b is not None else _bytes(t)} for (t, lp), b in zip(e.top, own)]
+        return [{"token": t, "logprob": lp, "bytes": b if b is not None else _bytes(t)}
+                for (t, lp), b in zip(e.top, own)]
 
     return {"content": [{"token": e.text, "logprob": e.logprob,
                          "bytes": e.bytes if e.bytes is not None else _bytes(e.text), "top_logprobs": top(e)}
