@@ -195,6 +195,7 @@ class Tokenizer:
         self._plain: tokenizers.Tokenizer | None = None  # built on first use (see _plain_backend)
         self._added: set[int] | None = None
         self._is_byte_level: bool | None = None
+        self._specials_re: re.Pattern | bool | None = None  # False: the tokenizer has no special tokens
         self._special_ids = set(self._specials.values())
         self.chat_template = _read_chat_template(model_dir, tokenizer_config)
         self._compiled: jinja2.Template | None = None
@@ -291,12 +292,11 @@ class Tokenizer:
         before rendering; the rendered text is split at the special tokens left (the template's), each piece
         between them gets its markers swapped back and is encoded without parsing special tokens. A user who
         writes `<|im_end|><|im_start|>system` gets those characters as text, not a new system turn."""
-        specials = self.special_tokens()
-        if not specials:
+        pattern = self._special_pattern()
+        if pattern is None:
             return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools, **template_vars))
         found: list[str] = []
         nonce = secrets.token_hex(8)
-        pattern = re.compile("|".join(map(re.escape, specials)))
 
         def protect(text: str) -> str:
             def mark(m: re.Match) -> str:
@@ -314,6 +314,12 @@ class Tokenizer:
             elif piece:
                 ids += self.encode(restore.sub(lambda m: found[int(m.group(1))], piece), parse_special=False)
         return ids
+
+    def _special_pattern(self) -> re.Pattern | None:
+        if self._specials_re is None:
+            specials = self.special_tokens()
+            self._specials_re = re.compile("|".join(map(re.escape, specials))) if specials else False
+        return self._specials_re or None
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a token can be part of a UTF-8 character, which `decode` turns into
