@@ -392,25 +392,35 @@ def test_stream_error_mid_request_is_json(server):
         "param"] == "messages"
 
 
-def test_moestream_serve_command(model_dir):
+def serve_process(model_dir, *args: str):
+    """`moestream serve MODEL_DIR ARGS` in a subprocess on a free loopback port; returns (process, url) once its
+    /health answers."""
     import subprocess
     import sys
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moestream", "serve", str(model_dir), "--port", str(port),
-                             "--api-key", KEY, "--max-batch", "2", "--threads", "1"])
+    proc = subprocess.Popen([sys.executable, "-m", "moestream", "serve", str(model_dir), "--port", str(port), *args])
     url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while True:
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise AssertionError("moestream serve did not come up")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+
+
+def test_moestream_serve_command(model_dir):
+    import subprocess
+    import sys
+
+    proc, url = serve_process(model_dir, "--api-key", KEY, "--max-batch", "2", "--threads", "1")
     try:
-        deadline = time.time() + 60
-        while True:
-            assert proc.poll() is None and time.time() < deadline, "moestream serve did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         r = client.completions.create(model=model_dir.name, prompt="import os", max_tokens=4, temperature=0)
         assert r.usage.completion_tokens >= 1

@@ -24,17 +24,10 @@ from moestream.server.scheduler import Delta, Done, Failed, Scheduler, Scheduler
 from moestream.tokenizer import Tokenizer  # noqa: E402
 
 from conftest import prompt_ids, save_reference  # noqa: E402
-from test_server import VOCAB, LiveServer, build_model  # noqa: E402
+from test_server import VOCAB, LiveServer, model_dir, serve_process  # noqa: E402,F401 (model_dir: a fixture)
 from test_tokenizer import _write_kimi_dir  # noqa: E402
 
 KV = 256 << 10  # a fresh sequence of the 4-layer model below grows 256 KV rows at once: 256 KiB
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hard_model")
-    build_model(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -314,26 +307,10 @@ def test_prometheus_metrics(srv):
 # ---- 11: graceful shutdown --------------------------------------------------------------------------------------
 def test_sigterm_drains_then_exits_zero(model_dir):
     import signal
-    import socket
-    import subprocess
-    import sys
     import time
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moestream", "serve", str(model_dir), "--port", str(port),
-                             "--threads", "1", "--shutdown-timeout", "2"], stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = serve_process(model_dir, "--threads", "1", "--shutdown-timeout", "4")
     try:
-        deadline = time.time() + 60
-        while True:
-            assert proc.poll() is None and time.time() < deadline, "moestream serve did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
         body = {"model": Path(model_dir).name, "prompt": "while True:", "temperature": 0, "stream": True}
         with httpx.Client(timeout=30) as http:
             with http.stream("POST", url + "/v1/completions", json=body | {"max_tokens": 4000}) as long:
