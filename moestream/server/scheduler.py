@@ -217,7 +217,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        """Nothing submitted, waiting or running (read from another thread: the lists are only ever swapped)."""
+        """Nothing submitted, waiting or running (read from the drain thread: each look is atomic under the GIL)."""
         return self._queued == 0 and not self.active and self.inbox.empty()
 
     def cancel(self, ticket: Ticket) -> None:
