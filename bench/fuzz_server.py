@@ -29,10 +29,10 @@ from hypothesis import strategies as st
 
 POST_ROUTES = ("/v1/chat/completions", "/v1/completions")
 GET_ROUTES = ("/v1/models", "/health", "/metrics")
-CHAT_FIELDS = ("messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
+CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
                "stream", "stream_options", "logprobs", "top_logprobs", "user", "presence_penalty",
                "frequency_penalty", "tools", "tool_choice", "response_format", "logit_bias")
-COMPLETION_FIELDS = ("prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
+COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
                      "stream_options", "logprobs", "echo", "best_of", "user", "presence_penalty", "frequency_penalty")
 ERROR_KEYS = {"message", "type", "param", "code"}
 

@@ -193,6 +193,7 @@ def main() -> None:
         "latency_p99_s": round(_pct(t.latency, 0.99), 3), "hangs": t.hangs,
         "well_formed_without_complete_answer": len(t.incomplete), "examples": t.incomplete[:5],
         "leaked_bytes": leaks(after, baseline), "open_sequences": after["moestream_active_sequences"],
+        "prefix_cache_mib_at_end": round(after["moestream_prefix_cache_bytes"] / 2**20, 1),
         "rss_mib_first_last_max": [round(x / 2**20, 1) for x in (rss[0], rss[-1], max(rss))] if rss else None,
         "rss_mib_over_time": [f"{s:g}s:{b / 2**20:.1f}" for s, b in t.rss], "server_exit_code": exit_code,
     }
