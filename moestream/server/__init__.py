@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (`moestream serve`): CLI glue only; see app.py, scheduler.py, protocol.py.
 
 Exposes `add_serve_parser(subparsers)` and `run_serve(args) -> int` for the CLI. The server needs the `server`
-extra (starlette via fastapi, uvicorn); it is imported lazily so the rest of moestream works without it.
+extra (starlette via fastapi, uvicorn, prometheus-client); it is imported lazily so the rest of moestream works
+without it.
 """
 from __future__ import annotations
 

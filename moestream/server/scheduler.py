@@ -3,7 +3,8 @@
 Each iteration admits waiting requests, gives prefilling requests at most `prefill_chunk` prompt tokens in total,
 advances every active sequence in one `engine.step` (a layer reads the union of their experts once), then samples
 per request, detokenizes, matches stop strings and hands events to the request's asyncio queue. It never imports
-torch: logits are used only through their own methods. Prefix reuse and cloning live in prefix.py.
+torch: logits are used only through their own methods. Prefix reuse and cloning live in prefix.py. A handler never
+waits on a dead thread or past --request-timeout (Ticket.next), and `drain` stops admission for a graceful shutdown.
 """
 from __future__ import annotations
 
