@@ -59,8 +59,11 @@ def bodies(model: str) -> st.SearchStrategy:
     valid_chat = st.builds(lambda m, s, n: ("POST", POST_ROUTES[0], {**chat, "messages": m or chat["messages"],
                                                                     "stream": s, "max_tokens": n}),
                            messages, st.booleans(), st.integers(1, 8))
+    other_model = st.builds(lambda name: ("POST", POST_ROUTES[1], {**completion, "model": name}),
+                            st.text(min_size=1, max_size=20).filter(lambda name: name != model))
+    oversized = st.tuples(st.just("POST"), st.sampled_from(POST_ROUTES), st.just(b" " * (2 << 20)))  # > --max-body
     return st.one_of(mutated(POST_ROUTES[0], chat, CHAT_FIELDS), mutated(POST_ROUTES[1], completion, COMPLETION_FIELDS),
-                     valid_chat, st.tuples(st.just("POST"), st.sampled_from(POST_ROUTES), junk),
+                     valid_chat, other_model, oversized, st.tuples(st.just("POST"), st.sampled_from(POST_ROUTES), junk),
                      st.tuples(st.just("POST"), st.sampled_from(POST_ROUTES), st.binary(max_size=64)),
                      st.tuples(st.just("GET"), st.sampled_from(GET_ROUTES), st.none()))
 

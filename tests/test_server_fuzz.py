@@ -38,7 +38,7 @@ def short_context_model(tmp_path_factory):
 
 def test_fuzzed_bodies_get_clear_answers_and_leak_nothing(short_context_model):
     fuzz = _fuzz_module()
-    s = LiveServer(ServerConfig(str(short_context_model), max_batch=4, max_body="256KiB", prefix_cache="4MiB",
+    s = LiveServer(ServerConfig(str(short_context_model), max_batch=4, max_body="1MiB", prefix_cache="4MiB",
                                 threads=1))
     try:
         report = fuzz.fuzz(s.url, s.model, n=200, burst=100, seed=0)
@@ -48,4 +48,4 @@ def test_fuzzed_bodies_get_clear_answers_and_leak_nothing(short_context_model):
     assert all(200 <= status < 300 or 400 <= status < 500 for status in report["by_status"]), report
     assert report["outside_error_shape"] == 0, report
     assert report["leaked_bytes_max"] == 0, report
-    assert any(status == 200 for status in report["by_status"]) and 400 in report["by_status"], report
+    assert {200, 400, 404, 413} <= set(report["by_status"]), report
