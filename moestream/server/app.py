@@ -97,9 +97,8 @@ class ServerState:
 
 
 # ---- request plumbing ----------------------------------------------------------------------------------------
-def _error(e: ProtocolError, srv: "ServerState | None" = None) -> JSONResponse:
-    if srv is not None:
-        srv.metrics.error(e.status)
+def _error(e: ProtocolError, srv: ServerState) -> JSONResponse:
+    srv.metrics.error(e.status)
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
