@@ -307,6 +307,8 @@ def test_prometheus_metrics(srv):
 # ---- 11: graceful shutdown --------------------------------------------------------------------------------------
 def test_sigterm_drains_then_exits_zero(model_dir):
     import signal
+    import subprocess
+    import sys
     import time
 
     proc, url = serve_process(model_dir, "--threads", "1", "--shutdown-timeout", "4")
@@ -330,3 +332,6 @@ def test_sigterm_drains_then_exits_zero(model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    bad = subprocess.run([sys.executable, "-m", "moestream", "serve", str(model_dir), "--shutdown-timeout", "-1",
+                          "--request-timeout", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--request-timeout" in bad.stderr
