@@ -24,7 +24,9 @@ from starlette.routing import Route
 from moestream.config import parse_bytes, read_model_config
 from moestream.errors import MoestreamError
 from moestream.server.protocol import Formatter, Parsed, ProtocolError, error_body, parse_chat, parse_completion
+from moestream.server.protocol import Usage
 from moestream.server.scheduler import Delta, Done, Failed, QueueFull, Scheduler, SchedulerConfig, Ticket
+from moestream.server.tools import render_chat
 from moestream.tokenizer import Tokenizer
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -172,19 +174,22 @@ async def _sse(request: Request, ticket: Ticket, fmt: Formatter) -> AsyncIterato
     watcher = asyncio.create_task(_on_disconnect(request, lambda: sched.cancel(ticket)))
     try:
         if fmt.chat:
-            yield _data(fmt.chunk("", [], None, first=True))
+            for index in range(ticket.req.n):
+                yield _data(fmt.chunk("", [], None, first=True, index=index))
+        usage = None
         while True:
             event = await ticket.next()
             if isinstance(event, Delta):
-                yield _data(fmt.chunk(event.text, event.logprobs, None))
-                continue
-            if isinstance(event, Done):
-                yield _data(fmt.chunk(None, [], event.finish_reason))
-                if fmt.p.include_usage:
-                    yield _data(fmt.usage_chunk(event.usage))
+                yield _data(fmt.chunk(event.text, event.logprobs, None, index=event.index))
+            elif isinstance(event, Done):
+                yield _data(fmt.chunk(None, [], event.finish_reason, index=event.index))
+                usage = _add_usage(usage, event.usage)
+                if ticket.finished and fmt.p.include_usage:
+                    yield _data(fmt.usage_chunk(usage))
             elif isinstance(event, Failed):
                 yield _data(error_body(event.message, event.err_type))
-            break
+            if ticket.finished:
+                break
         yield _data("[DONE]")
     finally:
         watcher.cancel()
@@ -194,15 +199,20 @@ async def _sse(request: Request, ticket: Ticket, fmt: Formatter) -> AsyncIterato
 async def _collect(request: Request, ticket: Ticket, fmt: Formatter) -> Response:
     sched = _srv(request).scheduler
     watcher = asyncio.create_task(_on_disconnect(request, lambda: sched.cancel(ticket)))
-    text, entries = [], []
+    n = ticket.req.n
+    text, entries, finish = [[] for _ in range(n)], [[] for _ in range(n)], [""] * n
+    usage = None
     try:
         while True:
             event = await ticket.next()
             if isinstance(event, Delta):
-                text.append(event.text)
-                entries.extend(event.logprobs)
+                text[event.index].append(event.text)
+                entries[event.index].extend(event.logprobs)
             elif isinstance(event, Done):
-                return JSONResponse(fmt.final("".join(text), entries, event.finish_reason, event.usage))
+                finish[event.index], usage = event.finish_reason, _add_usage(usage, event.usage)
+                if ticket.finished:
+                    return JSONResponse(fmt.final_choices([("".join(t), e, f) for t, e, f in zip(text, entries, finish)],
+                                                          usage))
             else:
                 return _error(ProtocolError(event.status, event.message, err_type=event.err_type))
     finally:
@@ -210,12 +220,19 @@ async def _collect(request: Request, ticket: Ticket, fmt: Formatter) -> Response
         sched.cancel(ticket)
 
 
+def _add_usage(total: Usage | None, one: Usage) -> Usage:
+    """Choices share the prompt: its tokens count once, the completions add up."""
+    if total is None:
+        return one
+    return Usage(total.prompt_tokens, total.completion_tokens + one.completion_tokens, total.cached_tokens)
+
+
 # ---- routes ---------------------------------------------------------------------------------------------------
 async def chat_completions(request: Request) -> Response:
     srv = _srv(request)
     parsed = parse_chat(await read_json(request, srv.max_body))
     _check_model(srv, parsed)
-    ids = srv.tokenizer.encode(srv.tokenizer.apply_chat_template(parsed.prompt, add_generation_prompt=True))
+    ids = srv.tokenizer.encode(render_chat(srv.tokenizer, parsed.prompt, parsed.extras))
     return await _generate(request, parsed, ids)
 
 
