@@ -25,6 +25,7 @@ class Extras:
     echo: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)
     grammar: str | None = None  # llguidance grammar the output must match (response_format or forced tool call)
+    json_schema: dict | None = None  # response_format's schema ({"type": "object"} for json_object)
     tools: list[dict] | None = None
     tool_choice: Any = None  # None (no tools) | "none" | "auto" | "required" | a function name
     parallel_tool_calls: bool = True
@@ -66,7 +67,8 @@ def _logit_bias(body: dict) -> dict[int, float]:
     return out
 
 
-def _response_format(body: dict) -> str | None:
+def _response_format(body: dict) -> dict | None:
+    """The JSON schema the output must match (None: free text); a 400 now if it cannot be compiled."""
     from moestream.server import structured
 
     v = body.get("response_format")
@@ -82,7 +84,7 @@ def _response_format(body: dict) -> str | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return structured.json_grammar(None, "response_format")
+        return {"type": "object"}
     spec = v.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
         raise _bad("response_format.json_schema", "'response_format.json_schema' must be an object with a 'name'")
@@ -92,7 +94,8 @@ def _response_format(body: dict) -> str | None:
     schema = spec.get("schema", {})
     if not isinstance(schema, dict):
         raise _bad("response_format.json_schema.schema", "'response_format.json_schema.schema' must be an object")
-    return structured.json_grammar(schema, "response_format.json_schema.schema")
+    structured.json_grammar(schema, "response_format.json_schema.schema")
+    return schema
 
 
 def _tools(body: dict) -> list[dict] | None:
@@ -149,7 +152,11 @@ def _tool_choice(body: dict, tools: list[dict] | None) -> Any:
 
 def parse_extras(body: dict, kind: str) -> Extras:
     """Validate the extra fields of a chat ("chat") or completions ("completion") body."""
-    ex = Extras(n=_n(body), logit_bias=_logit_bias(body), grammar=_response_format(body))
+    from moestream.server import structured
+
+    ex = Extras(n=_n(body), logit_bias=_logit_bias(body), json_schema=_response_format(body))
+    if ex.json_schema is not None:
+        ex.grammar = structured.json_grammar(ex.json_schema, "response_format")
     if kind == "completion":
         echo = body.get("echo", False)
         if not isinstance(echo, bool):

@@ -314,7 +314,15 @@ def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict:
         offsets.append(pos)
         pos += len(e.text)
     return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [None if e.top is None else dict(e.top) for e in entries], "text_offset": offsets}
+            "top_logprobs": [None if e.top is None else _top_dict(e.top) for e in entries], "text_offset": offsets}
+
+
+def _top_dict(top: list[tuple[str, float]]) -> dict[str, float]:
+    """Legacy top_logprobs are keyed by text: of alternatives that decode alike, keep the likeliest (listed first)."""
+    out: dict[str, float] = {}
+    for text, lp in top:
+        out.setdefault(text, lp)
+    return out
 
 
 class Formatter:

@@ -51,6 +51,12 @@ def json_grammar(schema: dict[str, Any] | None, param: str) -> str:
     return _check(grammar, param)
 
 
+def lark_json(schema: dict[str, Any]) -> str:
+    """A Lark fragment matching JSON under `schema`, written compactly (no free whitespace between tokens: a model
+    that likes whitespace tokens could otherwise fill max_tokens with it)."""
+    return "%json " + json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
+
+
 def lark_grammar(lark: str, param: str) -> str:
     return _check(_llguidance().LLMatcher.grammar_from_lark(lark), param)
 

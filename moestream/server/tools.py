@@ -66,50 +66,58 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict], ex: Extras) -> str:
                             "server parses (Kimi, DeepSeek-V3 or Qwen3)")
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     ex.tool_format = fmt.name if fmt else None
-    ex.reasoning = THINK_CLOSE in template
+    ex.reasoning = THINK_OPEN in template or THINK_CLOSE in template
     ex.reasoning_open = ex.reasoning and prompt.rstrip().endswith(THINK_OPEN)
     markers = (fmt.markers if fmt else ()) + ((THINK_OPEN, THINK_CLOSE) if ex.reasoning else ())
     ex.keep_token_ids = tuple(i for i in (tokenizer.token_to_id(m) for m in markers) if i is not None)
+    if ex.json_schema is not None and ex.reasoning_open:  # the answer, not the reasoning, follows the schema
+        from moestream.server.structured import lark_grammar, lark_json
+
+        close = _lark_literal(THINK_CLOSE, tokenizer)
+        ex.grammar = lark_grammar(f'start: {close} "\\n\\n" {lark_json(ex.json_schema)}\n', "response_format")
     if fmt and ex.tool_choice not in ("auto", "none"):
-        ex.grammar = forced_call_grammar(fmt, tools, ex.tool_choice, ex.parallel_tool_calls, tokenizer)
+        ex.grammar = forced_call_grammar(fmt, tools, ex.tool_choice, ex.parallel_tool_calls, tokenizer,
+                                         close_think=ex.reasoning_open)
     return prompt
 
 
 # ---- forced calls ---------------------------------------------------------------------------------------------
 def _lark_literal(text: str, tokenizer: Tokenizer) -> str:
-    """A marker: the special token itself when the vocabulary has it as one token, else its text."""
+    """A marker: the token itself when the vocabulary has it as one token (the form the model was trained on;
+    llguidance treats every added token as special), else its text."""
     tid = tokenizer.token_to_id(text)
-    if tid is not None and tid in tokenizer.special_ids():
-        return f"<[{tid}]>"
-    return json.dumps(text)
+    return f"<[{tid}]>" if tid is not None else json.dumps(text)
 
 
 def forced_call_grammar(fmt: ToolFormat, tools: list[dict], choice: str, parallel: bool,
-                        tokenizer: Tokenizer) -> str:
+                        tokenizer: Tokenizer, close_think: bool = False) -> str:
     """A grammar whose every sentence is a well-formed call (or, with parallel calls, calls) in `fmt`, to one of
-    the allowed functions, with arguments matching that function's parameter schema."""
-    from moestream.server.structured import lark_grammar
+    the allowed functions, with arguments matching that function's parameter schema. When the prompt opened a
+    <think> block, the sentence first closes it: a forced call leaves no room for reasoning."""
+    from moestream.server.structured import lark_grammar, lark_json
 
     fns = [t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice]
     lit = lambda s: _lark_literal(s, tokenizer)  # noqa: E731
     rules = []
     for i, fn in enumerate(fns):
-        args = json.dumps(fn.get("parameters") or {"type": "object"})
-        name = fn["name"]
+        params = fn.get("parameters") or {"type": "object"}
+        args, name = lark_json(params), fn["name"]
         if fmt is QWEN3:
-            schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": json.loads(args)},
+            schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
                       "required": ["name", "arguments"], "additionalProperties": False}
-            rules.append(f'call{i}: {lit(fmt.call_open)} "\\n" %json {json.dumps(schema)} "\\n" {lit(fmt.call_close)}')
+            rules.append(f'call{i}: {lit(fmt.call_open)} "\\n" {lark_json(schema)} "\\n" {lit(fmt.call_close)}')
         elif fmt is KIMI:
             rules.append(f'call{i}: {lit(fmt.call_open)} "functions.{name}:" /[0-9]/ '
-                         f'{lit("<|tool_call_argument_begin|>")} %json {args} {lit(fmt.call_close)}')
+                         f'{lit("<|tool_call_argument_begin|>")} {args} {lit(fmt.call_close)}')
         else:  # DeepSeek-V3's own layout: type, separator, name, then the arguments in a json code block
             rules.append(f'call{i}: {lit(fmt.call_open)} "function" {lit("<｜tool▁sep｜>")} "{name}\\n```json\\n" '
-                         f'%json {args} "\\n```" {lit(fmt.call_close)}')
+                         f'{args} "\\n```" {lit(fmt.call_close)}')
     call = "call: " + " | ".join(f"call{i}" for i in range(len(fns)))
     calls = "call+" if parallel and choice == "required" else "call"
     start = f"start: {calls}" if fmt.section_close is None else \
         f"start: {lit(fmt.section_open)} {calls} {lit(fmt.section_close)}"
+    if close_think:
+        start = start.replace("start: ", f'start: {lit(THINK_CLOSE)} "\\n\\n" ', 1)
     return lark_grammar("\n".join([start, call, *rules]) + "\n", "tools")
 
 
@@ -177,6 +185,7 @@ class OutputParser:
         if ex.reasoning_open:
             self.phase = "reasoning"
         self.calls = 0
+        self.after_think = False  # newlines right after </think> separate it from the answer: not content
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
         self.buf += text
@@ -208,11 +217,14 @@ class OutputParser:
         if end >= 0:
             if end:
                 out.append(("reasoning", self.buf[:end]))
-            self.buf, self.phase = self.buf[end + len(THINK_CLOSE):].lstrip("\n"), "content"
+            self.buf, self.phase, self.after_think = self.buf[end + len(THINK_CLOSE):], "content", True
             return
         self._emit_upto(out, "reasoning", THINK_CLOSE)
 
     def _content(self, out: list) -> None:
+        if self.after_think:
+            self.buf = self.buf.lstrip("\n")
+            self.after_think = not self.buf
         start = self.buf.find(self.fmt.section_open) if self.fmt else -1
         if start >= 0:
             if self.buf[:start].strip():
