@@ -24,7 +24,7 @@ from starlette.routing import Route
 from moestream.config import parse_bytes, read_model_config
 from moestream.errors import MoestreamError
 from moestream.server.protocol import Formatter, Parsed, ProtocolError, error_body, parse_chat, parse_completion
-from moestream.server.protocol import Usage
+from moestream.server.responses import add_usage, collect
 from moestream.server.scheduler import Delta, Done, Failed, QueueFull, Scheduler, SchedulerConfig, Ticket
 from moestream.server.tools import render_chat
 from moestream.tokenizer import Tokenizer
@@ -183,7 +183,7 @@ async def _sse(request: Request, ticket: Ticket, fmt: Formatter) -> AsyncIterato
                 yield _data(fmt.chunk(event.text, event.logprobs, None, index=event.index))
             elif isinstance(event, Done):
                 yield _data(fmt.chunk(None, [], event.finish_reason, index=event.index))
-                usage = _add_usage(usage, event.usage)
+                usage = add_usage(usage, event.usage)
                 if ticket.finished and fmt.p.include_usage:
                     yield _data(fmt.usage_chunk(usage))
             elif isinstance(event, Failed):
@@ -199,32 +199,12 @@ async def _sse(request: Request, ticket: Ticket, fmt: Formatter) -> AsyncIterato
 async def _collect(request: Request, ticket: Ticket, fmt: Formatter) -> Response:
     sched = _srv(request).scheduler
     watcher = asyncio.create_task(_on_disconnect(request, lambda: sched.cancel(ticket)))
-    n = ticket.req.n
-    text, entries, finish = [[] for _ in range(n)], [[] for _ in range(n)], [""] * n
-    usage = None
     try:
-        while True:
-            event = await ticket.next()
-            if isinstance(event, Delta):
-                text[event.index].append(event.text)
-                entries[event.index].extend(event.logprobs)
-            elif isinstance(event, Done):
-                finish[event.index], usage = event.finish_reason, _add_usage(usage, event.usage)
-                if ticket.finished:
-                    return JSONResponse(fmt.final_choices([("".join(t), e, f) for t, e, f in zip(text, entries, finish)],
-                                                          usage))
-            else:
-                return _error(ProtocolError(event.status, event.message, err_type=event.err_type))
+        status, body = await collect(ticket, fmt)
+        return JSONResponse(body, status_code=status)
     finally:
         watcher.cancel()
         sched.cancel(ticket)
-
-
-def _add_usage(total: Usage | None, one: Usage) -> Usage:
-    """Choices share the prompt: its tokens count once, the completions add up."""
-    if total is None:
-        return one
-    return Usage(total.prompt_tokens, total.completion_tokens + one.completion_tokens, total.cached_tokens)
 
 
 # ---- routes ---------------------------------------------------------------------------------------------------

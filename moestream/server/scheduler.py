@@ -321,7 +321,7 @@ class Scheduler:
     def _start(self, ticket: Ticket) -> _Seq:
         req = ticket.req
         state, reused = None, 0
-        if self.prefix is not None and not req.echo:  # scoring needs the logits of every prompt token
+        if self.prefix is not None and not (req.echo and req.logprobs):  # scoring needs every prompt logit
             found = self._lookup(req.prompt_ids)
             if found is not None:
                 state, reused = found
