@@ -393,3 +393,27 @@ def test_parser_edge_cases():
     assert got["reasoning"] == "ok" and got["calls"] == [(0, None, "f", {})]
     for fmt in (KIMI, DEEPSEEK, QWEN3):
         assert _parse("just text", fmt.name)["content"] == "just text"
+
+
+@pytest.mark.parametrize("fmt", [KIMI, DEEPSEEK, QWEN3])
+def test_forced_call_grammar_accepts_the_format_and_its_parser_reads_it(server, fmt):
+    """Each format's forced-call grammar admits a call written in that format (arguments checked against the
+    schema), and the parser turns that text back into the call."""
+    import llguidance
+
+    from moestream.server.tools import forced_call_grammar
+
+    tok = server.state.tokenizer
+    grammar = forced_call_grammar(fmt, [WEATHER, CLOCK], "get_time", False, tok)
+    lltok = server.state.scheduler.guides.lltokenizer()
+    texts = {"kimi": '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>'
+                     '{"zone":{z}}<|tool_call_end|><|tool_calls_section_end|>',
+             "deepseek": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n'
+                         '{"zone":{z}}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+             "qwen3": '<tool_call>\n{"name":"get_time","arguments":{"zone":{z}}}\n</tool_call>'}
+    for zone, ok in ((3, True), (99, False)):  # 99 breaks the schema's maximum
+        text = texts[fmt.name].replace("{z}", str(zone))
+        m = llguidance.LLMatcher(lltok, grammar, log_level=0)
+        accepted = m.consume_tokens(tok.encode(text)) and m.is_accepting()
+        assert accepted == ok, (fmt.name, zone, m.get_error())
+    assert _parse(texts[fmt.name].replace("{z}", "3"), fmt.name)["calls"][0][2:] == ("get_time", {"zone": 3})
