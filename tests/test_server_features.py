@@ -168,6 +168,27 @@ def test_echo_with_completion_and_stream(server):
     assert offsets == lp.text_offset
 
 
+def test_loglikelihood_as_lm_evaluation_harness_asks_for_it(server):
+    """lm-evaluation-harness's local-completions model sends [[context + continuation ids]] with echo, logprobs 1,
+    max_tokens 1 and temperature 0, then sums token_logprobs[ctxlen:-1] (the -1 drops the generated token) and
+    calls the continuation greedy when each of its logprobs is the top one. That must equal Engine.logits, also
+    when the one generated token is the end-of-sequence token (forced here with logit_bias)."""
+    ctx, cont = prompt_ids(VOCAB - 16, 9, seed=9), prompt_ids(VOCAB - 16, 3, seed=10)
+    want = _engine_prompt_logprobs(server, ctx + cont)
+    expected = sum(float(want[len(ctx) - 1 + j, t]) for j, t in enumerate(cont))
+    greedy = all(int(want[len(ctx) - 1 + j].argmax()) == t for j, t in enumerate(cont))
+    eos = server.state.tokenizer.eos_token_ids[0]
+    for bias in ({}, {str(eos): 100}):
+        body = {"model": server.model, "prompt": [ctx + cont], "temperature": 0, "max_tokens": 1, "logprobs": 1,
+                "seed": 1234, "echo": True, "logit_bias": bias}
+        choice = _post(server, "/v1/completions", body).json()["choices"][0]
+        lps, tops = choice["logprobs"]["token_logprobs"], choice["logprobs"]["top_logprobs"]
+        assert len(lps) == len(ctx) + len(cont) + 1
+        assert sum(lps[len(ctx):-1]) == pytest.approx(expected, abs=1e-4)
+        assert all(lp == max(top.values()) for lp, top in zip(lps[len(ctx):-1], tops[len(ctx):-1])) == greedy
+    assert choice["finish_reason"] == "stop"
+
+
 def test_max_tokens_zero_needs_echo(server):
     r = _post(server, "/v1/completions", {"model": server.model, "prompt": "a", "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"

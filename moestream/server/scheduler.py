@@ -422,12 +422,12 @@ class Scheduler:
         tok = sample(shaped, SamplingParams(req.temperature, req.top_p, 0, req.seed), seq.gen)
         seq.generated += 1
         self.counters["tokens_generated"] += 1
+        if req.logprobs:  # an end-of-sequence token gets its entry too (scorers count on one per generated token)
+            seq.held.append(self._logprob(logits, tok, req.top_logprobs))
         if tok in self.eos:
             self._emit(seq, self._tail(seq))
             self._finish(seq, "stop")
             return 1
-        if req.logprobs:
-            seq.held.append(self._logprob(logits, tok, req.top_logprobs))
         if seq.guide is not None:
             seq.guide.accept(tok)
         text, hit = seq.matcher.feed(seq.decoder.push(tok))
