@@ -26,7 +26,7 @@ from moestream.errors import MoestreamError
 from moestream.server.protocol import Formatter, Parsed, ProtocolError, error_body, parse_chat, parse_completion
 from moestream.server.responses import add_usage, collect
 from moestream.server.scheduler import Delta, Done, Failed, QueueFull, Scheduler, SchedulerConfig, Ticket
-from moestream.server.tools import render_chat
+from moestream.server.tools import chat_prompt_ids
 from moestream.tokenizer import Tokenizer
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -212,7 +212,7 @@ async def chat_completions(request: Request) -> Response:
     srv = _srv(request)
     parsed = parse_chat(await read_json(request, srv.max_body))
     _check_model(srv, parsed)
-    ids = srv.tokenizer.encode(render_chat(srv.tokenizer, parsed.prompt, parsed.extras))
+    ids = chat_prompt_ids(srv.tokenizer, parsed.prompt, parsed.extras)
     return await _generate(request, parsed, ids)
 
 

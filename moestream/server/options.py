@@ -29,7 +29,7 @@ class Extras:
     tools: list[dict] | None = None
     tool_choice: Any = None  # None (no tools) | "none" | "auto" | "required" | a function name
     parallel_tool_calls: bool = True
-    # Set when the chat prompt is rendered (tools.render_chat), from the checkpoint's template:
+    # Set when the chat prompt is rendered (tools.chat_prompt_ids), from the checkpoint's template:
     tool_format: str | None = None  # "kimi" | "deepseek" | "qwen3" when tool calls are parsed out of the text
     reasoning: bool = False  # the template marks reasoning with <think>...</think>
     reasoning_open: bool = False  # the generation prompt already opened <think>

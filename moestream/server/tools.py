@@ -1,7 +1,7 @@
 """Tool calls and reasoning in chat output: the checkpoint's format, the prompt, forced calls, and the parsers.
 
 Owns the three tool-call formats checkpoints are trained on (Kimi K2/K3 section tokens, DeepSeek-V3 / V3.1 tokens,
-Qwen3's `<tool_call>{json}</tool_call>`), chosen from the chat template's text; `render_chat` (the prompt with
+Qwen3's `<tool_call>{json}</tool_call>`), chosen from the chat template's text; `chat_prompt_ids` (the prompt with
 `tools`, as transformers' apply_chat_template passes them); the Lark grammar that forces a call for
 `tool_choice` "required" or a named function; and `OutputParser`, which splits streamed text into
 `reasoning_content` (`<think>...</think>`), `content` and complete tool calls, the same way streamed or not.
@@ -55,19 +55,19 @@ def _bad(param: str, message: str):
     return ProtocolError(400, message, param)
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[dict], ex: Extras) -> str:
-    """The chat prompt, with `tools` passed to the template (unless tool_choice is "none"); fills in `ex`'s output
-    settings (tool format, reasoning markers, kept special tokens, a forced-call grammar)."""
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], ex: Extras) -> list[int]:
+    """The chat prompt's token ids, with `tools` passed to the template (unless tool_choice is "none"); fills in
+    `ex`'s output settings (tool format, reasoning markers, kept special tokens, a forced-call grammar)."""
     template = tokenizer.chat_template or ""
     tools = ex.tools if ex.tool_choice not in (None, "none") else None
     fmt = detect_format(template) if tools else None
     if tools and (fmt is None or "tools" not in template):
         raise _bad("tools", "this checkpoint's chat template does not render tools in a tool-call format this "
                             "server parses (Kimi, DeepSeek-V3 or Qwen3)")
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools))
     ex.tool_format = fmt.name if fmt else None
     ex.reasoning = THINK_OPEN in template or THINK_CLOSE in template
-    ex.reasoning_open = ex.reasoning and prompt.rstrip().endswith(THINK_OPEN)
+    ex.reasoning_open = ex.reasoning and tokenizer.decode(ids[-8:]).rstrip().endswith(THINK_OPEN)
     markers = (fmt.markers if fmt else ()) + ((THINK_OPEN, THINK_CLOSE) if ex.reasoning else ())
     ex.keep_token_ids = tuple(i for i in (tokenizer.token_to_id(m) for m in markers) if i is not None)
     if ex.json_schema is not None and ex.reasoning_open:  # the answer, not the reasoning, follows the schema
@@ -78,7 +78,7 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict], ex: Extras) -> str:
     if fmt and ex.tool_choice not in ("auto", "none"):
         ex.grammar = forced_call_grammar(fmt, tools, ex.tool_choice, ex.parallel_tool_calls, tokenizer,
                                          close_think=ex.reasoning_open)
-    return prompt
+    return ids
 
 
 # ---- forced calls ---------------------------------------------------------------------------------------------
