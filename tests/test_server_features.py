@@ -438,3 +438,34 @@ def test_forced_call_grammar_accepts_the_format_and_its_parser_reads_it(server, 
         accepted = m.consume_tokens(tok.encode(text)) and m.is_accepting()
         assert accepted == ok, (fmt.name, zone, m.get_error())
     assert _parse(texts[fmt.name].replace("{z}", "3"), fmt.name)["calls"][0][2:] == ("get_time", {"zone": 3})
+
+
+def test_guide_on_a_tiktoken_tokenizer(tmp_path):
+    """Kimi checkpoints ship a tiktoken vocabulary: the grammar guide builds on it too, and sampling under its mask
+    from arbitrary logits ends in JSON that validates; logit_bias is added before the mask."""
+    import torch
+
+    from moestream.server.structured import GuideFactory, json_grammar
+    from moestream.tokenizer import Tokenizer
+    from test_tokenizer import _write_kimi_dir
+
+    ids = _write_kimi_dir(tmp_path / "kimi")
+    tok = Tokenizer.load(tmp_path / "kimi")
+    vocab = ids["n_base"] + 256
+    schema = {"type": "object", "properties": {"w": {"enum": ["hello", "你好"]}, "n": {"type": "integer",
+              "minimum": 0, "maximum": 99}}, "required": ["w", "n"], "additionalProperties": False}
+    factory = GuideFactory(tok, vocab, tok.eos_token_ids)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        guide = factory.guide(json_grammar(schema, "s"), {ids["hello"]: 5.0})
+        out = []
+        while not guide.done and len(out) < 60:
+            logits = torch.randn(vocab, generator=gen)
+            shaped = guide.apply(logits)
+            assert shaped[ids["hello"]] == logits[ids["hello"]] + 5 or shaped[ids["hello"]] == float("-inf")
+            tok_id = int(torch.multinomial(shaped.softmax(-1), 1, generator=gen))
+            if tok_id in tok.eos_token_ids:
+                break
+            guide.accept(tok_id)
+            out.append(tok_id)
+        jsonschema.validate(json.loads(tok.decode(out)), schema)
