@@ -469,3 +469,27 @@ def test_guide_on_a_tiktoken_tokenizer(tmp_path):
             guide.accept(tok_id)
             out.append(tok_id)
         jsonschema.validate(json.loads(tok.decode(out)), schema)
+
+
+def test_choices_free_their_state_when_done_or_cancelled(kimi_server):
+    """Forked choices hold cloned state: finished, failed or cancelled, every byte goes back (no prefix cache
+    here, so nothing may stay)."""
+    import time
+
+    srv = kimi_server
+    c = srv.client()
+    ids = prompt_ids(VOCAB - 16, 30, seed=12)
+    r = c.completions.create(model=srv.model, prompt=ids, n=4, max_tokens=5, temperature=1.0, seed=2)
+    assert len(r.choices) == 4
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                      json={"model": srv.model, "prompt": ids, "n": 3, "max_tokens": 500, "stream": True}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {") and '"index": 2' in line:
+                break  # leave mid-stream: the server cancels all three choices
+    r = _post(srv, "/v1/completions", {"model": srv.model, "prompt": ids, "n": 2, "max_tokens": 1,
+                                      "logit_bias": {"99999": 1}})
+    assert r.status_code == 400
+    deadline = time.time() + 10
+    while srv.state.engine.memory.state_bytes and time.time() < deadline:
+        time.sleep(0.05)
+    assert srv.state.engine.memory.state_bytes == 0 and not srv.state.scheduler.active
