@@ -217,7 +217,9 @@ def test_n_chat_streamed_equals_non_streamed(server):
     full = c.chat.completions.create(**kw)
     texts = {0: "", 1: ""}
     finishes = {}
-    for ch in c.chat.completions.create(stream=True, **kw):
+    chunks = list(c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    for ch in chunks:
         for choice in ch.choices:
             texts[choice.index] += getattr(choice.delta, "reasoning_content", None) or ""
             texts[choice.index] += choice.delta.content or ""

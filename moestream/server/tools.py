@@ -107,7 +107,7 @@ def forced_call_grammar(fmt: ToolFormat, tools: list[dict], choice: str, paralle
                       "required": ["name", "arguments"], "additionalProperties": False}
             rules.append(f'call{i}: {lit(fmt.call_open)} "\\n" {lark_json(schema)} "\\n" {lit(fmt.call_close)}')
         elif fmt is KIMI:
-            rules.append(f'call{i}: {lit(fmt.call_open)} "functions.{name}:" /[0-9]/ '
+            rules.append(f'call{i}: {lit(fmt.call_open)} "functions.{name}:" /[0-9]{{1,2}}/ '
                          f'{lit("<|tool_call_argument_begin|>")} {args} {lit(fmt.call_close)}')
         else:  # DeepSeek-V3's own layout: type, separator, name, then the arguments in a json code block
             rules.append(f'call{i}: {lit(fmt.call_open)} "function" {lit("<｜tool▁sep｜>")} "{name}\\n```json\\n" '
