@@ -244,6 +244,17 @@ class Tokenizer:
         return self._backend.n_vocab
 
     @property
+    def backend(self) -> tokenizers.Tokenizer | tiktoken.Encoding:
+        """The underlying tokenizer (for libraries that build their own view of the vocabulary, e.g. grammars)."""
+        return self._backend
+
+    def special_ids(self) -> set[int]:
+        """Ids of the special (control) tokens, which generated text leaves out."""
+        if isinstance(self._backend, tokenizers.Tokenizer):
+            return {i for i, t in self._backend.get_added_tokens_decoder().items() if t.special}
+        return set(self._special_ids)
+
+    @property
     def has_chat_template(self) -> bool:
         return self.chat_template is not None
 

@@ -314,9 +314,11 @@ def _post(server, path, body=None, content=None, headers=None):
     return httpx.post(server.url + path, json=body, content=content, headers=headers, timeout=30)
 
 
-@pytest.mark.parametrize("extra,param", [({"tools": []}, "tools"), ({"logit_bias": {"1": 5}}, "logit_bias"),
-                                         ({"n": 2}, "n"), ({"top_logprobs": 9, "logprobs": True}, "top_logprobs"),
-                                         ({"response_format": {"type": "json_object"}}, "response_format")])
+@pytest.mark.parametrize("extra,param", [({"tools": []}, "tools"), ({"logit_bias": {"1": 500}}, "logit_bias"),
+                                         ({"n": 0}, "n"), ({"top_logprobs": 9, "logprobs": True}, "top_logprobs"),
+                                         ({"response_format": {"type": "xml"}}, "response_format"),
+                                         ({"tool_choice": "required"}, "tool_choice"),
+                                         ({"functions": []}, "functions")])
 def test_unsupported_field_is_400_naming_it(server, extra, param):
     r = _post(server, "/v1/chat/completions", {"model": server.model, "messages": [{"role": "user", "content": "a"}],
                                               **extra})

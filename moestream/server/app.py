@@ -25,8 +25,10 @@ from moestream.config import parse_bytes, read_model_config
 from moestream.errors import MoestreamError
 from moestream.server.protocol import Formatter, Parsed, ProtocolError, error_body, parse_chat, parse_completion
 from moestream.server.metrics import CONTENT_TYPE, ServerMetrics
+from moestream.server.responses import add_usage, collect
 from moestream.server.scheduler import (Delta, Done, Failed, QueueFull, Scheduler, SchedulerConfig, Ticket,
                                         Unavailable)
+from moestream.server.tools import chat_prompt_ids
 from moestream.tokenizer import Tokenizer
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -196,20 +198,23 @@ async def _sse(request: Request, ticket: Ticket, fmt: Formatter) -> AsyncIterato
     watcher = asyncio.create_task(_on_disconnect(request, lambda: sched.cancel(ticket)))
     try:
         if fmt.chat:
-            yield _data(fmt.chunk("", [], None, first=True))
+            for index in range(ticket.req.n):
+                yield _data(fmt.chunk("", [], None, first=True, index=index))
+        usage = None
         while True:
             event = await ticket.next()
             if isinstance(event, Delta):
-                yield _data(fmt.chunk(event.text, event.logprobs, None))
-                continue
-            if isinstance(event, Done):
-                yield _data(fmt.chunk(None, [], event.finish_reason))
-                if fmt.p.include_usage:
-                    yield _data(fmt.usage_chunk(event.usage))
+                yield _data(fmt.chunk(event.text, event.logprobs, None, index=event.index))
+            elif isinstance(event, Done):
+                yield _data(fmt.chunk(None, [], event.finish_reason, index=event.index))
+                usage = add_usage(usage, event.usage)
+                if ticket.finished and fmt.p.include_usage:
+                    yield _data(fmt.usage_chunk(usage))
             elif isinstance(event, Failed):
                 _srv(request).metrics.error(event.status)
                 yield _data(error_body(event.message, event.err_type))
-            break
+            if ticket.finished:
+                break
         yield _data("[DONE]")
     finally:
         watcher.cancel()
@@ -219,17 +224,11 @@ async def _sse(request: Request, ticket: Ticket, fmt: Formatter) -> AsyncIterato
 async def _collect(request: Request, ticket: Ticket, fmt: Formatter) -> Response:
     sched = _srv(request).scheduler
     watcher = asyncio.create_task(_on_disconnect(request, lambda: sched.cancel(ticket)))
-    text, entries = [], []
     try:
-        while True:
-            event = await ticket.next()
-            if isinstance(event, Delta):
-                text.append(event.text)
-                entries.extend(event.logprobs)
-            elif isinstance(event, Done):
-                return JSONResponse(fmt.final("".join(text), entries, event.finish_reason, event.usage))
-            else:
-                return _error(ProtocolError(event.status, event.message, err_type=event.err_type), _srv(request))
+        status, body = await collect(ticket, fmt)
+        if status != 200:
+            _srv(request).metrics.error(status)
+        return JSONResponse(body, status_code=status)
     finally:
         watcher.cancel()
         sched.cancel(ticket)
@@ -241,7 +240,7 @@ async def chat_completions(request: Request) -> Response:
     parsed = parse_chat(await read_json(request, srv.max_body))
     _check_model(srv, parsed)
     # off the event loop: an 8 MiB body takes a while to render and tokenize, and other streams must keep flowing
-    ids = await asyncio.to_thread(srv.tokenizer.encode_chat, parsed.prompt, add_generation_prompt=True)
+    ids = await asyncio.to_thread(chat_prompt_ids, srv.tokenizer, parsed.prompt, parsed.extras)
     return await _generate(request, parsed, ids)
 
 

@@ -11,17 +11,20 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from moestream.server.options import (CHAT_EXTRA_FIELDS, COMPLETION_EXTRA_FIELDS, MESSAGE_EXTRA_KEYS, Extras,
+                                      message_extras, parse_extras)
+
 MAX_TOP_LOGPROBS = 5
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256  # per stop string: bounds the text held back while a stop string might still be forming
 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
                  "user", "presence_penalty", "frequency_penalty"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"} | CHAT_EXTRA_FIELDS
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"} | COMPLETION_EXTRA_FIELDS
 # Fields accepted only at the value that leaves generation unchanged (clients often send the default).
-NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0}
-ROLES = {"system", "user", "assistant", "developer"}
+NEUTRAL = {"best_of": 1, "presence_penalty": 0, "frequency_penalty": 0}
+ROLES = {"system", "user", "assistant", "developer", "tool"}
 
 
 class ProtocolError(Exception):
@@ -54,6 +57,12 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     logprobs: bool = False
     top_logprobs: int = 0
+    # options.py / structured.py / tools.py features (defaults: off)
+    n: int = 1  # choices, sharing one prefill
+    echo: bool = False  # the prompt (and its logprobs) first in the output
+    grammar: str | None = None  # llguidance grammar the output must match
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    keep_token_ids: tuple[int, ...] = ()  # special tokens kept in the text (tool-call / reasoning markers)
 
 
 @dataclass
@@ -72,11 +81,12 @@ class Parsed:
     include_usage: bool
     logprobs: bool
     top_logprobs: int
+    extras: Extras = field(default_factory=Extras)
 
     def request(self, prompt_ids: list[int], context: int | None) -> GenRequest:
         """Bind the tokenized prompt; the default max_tokens is whatever the context window leaves."""
         room = None if context is None else context - len(prompt_ids)
-        if room is not None and room < 1:
+        if room is not None and room < (1 if self.max_tokens != 0 else 0):
             raise ProtocolError(400, f"the prompt has {len(prompt_ids)} tokens, which leaves no room in the model's "
                                 f"context of {context} tokens", "messages" if self.kind == "chat" else "prompt",
                                 code="context_length_exceeded")
@@ -84,8 +94,9 @@ class Parsed:
             raise ProtocolError(400, f"max_tokens {self.max_tokens} + {len(prompt_ids)} prompt tokens exceeds the "
                                 f"model's context of {context} tokens", "max_tokens", code="context_length_exceeded")
         max_tokens = self.max_tokens if self.max_tokens is not None else (room or 4096)
+        ex = self.extras
         return GenRequest(prompt_ids, max_tokens, self.temperature, self.top_p, self.seed, self.stop, self.logprobs,
-                          self.top_logprobs)
+                          self.top_logprobs, ex.n, ex.echo, ex.grammar, ex.logit_bias, ex.keep_token_ids)
 
 
 # ---- validation ---------------------------------------------------------------------------------------------
@@ -202,11 +213,13 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(m, dict):
             raise _bad(f"messages[{i}]", f"'messages[{i}]' must be an object")
         for k in m:
-            if k not in ("role", "content", "name"):
+            if k not in ("role", "content", "name", *MESSAGE_EXTRA_KEYS):
                 raise _bad(f"messages[{i}].{k}", f"'messages[{i}].{k}' is not supported")
         if m.get("role") not in ROLES:
             raise _bad(f"messages[{i}].role", f"'messages[{i}].role' must be one of {sorted(ROLES)}")
-        out.append({"role": m["role"], "content": _content(i, m.get("content"))})
+        extra = message_extras(i, m)
+        content = "" if m.get("content") is None and "tool_calls" in extra else _content(i, m.get("content"))
+        out.append({"role": m["role"], "content": content, **extra})
     return out
 
 
@@ -222,7 +235,7 @@ def parse_chat(body: Any) -> Parsed:
     if top is not None and not logprobs:
         raise _bad("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
     return Parsed("chat", c["model"], _messages(body), max_tokens, c["temperature"], c["top_p"], c["seed"], c["stop"],
-                  c["stream"], c["include_usage"], bool(logprobs), top or 0)
+                  c["stream"], c["include_usage"], bool(logprobs), top or 0, parse_extras(body, "chat"))
 
 
 def parse_completion(body: Any) -> Parsed:
@@ -236,8 +249,12 @@ def parse_completion(body: Any) -> Parsed:
     elif not isinstance(prompt, str) or not prompt:
         raise _bad("prompt", "'prompt' is required and must be a non-empty string or list of token ids")
     logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
-    return Parsed("completion", c["model"], prompt, _int(body, "max_tokens", 1), c["temperature"], c["top_p"],
-                  c["seed"], c["stop"], c["stream"], c["include_usage"], logprobs is not None, logprobs or 0)
+    extras = parse_extras(body, "completion")
+    max_tokens = _int(body, "max_tokens", 0)
+    if max_tokens == 0 and not extras.echo:
+        raise _bad("max_tokens", "'max_tokens' 0 is only useful with 'echo' (to score the prompt)")
+    return Parsed("completion", c["model"], prompt, max_tokens, c["temperature"], c["top_p"],
+                  c["seed"], c["stop"], c["stream"], c["include_usage"], logprobs is not None, logprobs or 0, extras)
 
 
 # ---- stop strings -------------------------------------------------------------------------------------------
@@ -302,8 +319,8 @@ class StopMatcher:
 @dataclass
 class TokenLogprob:
     text: str
-    logprob: float
-    top: list[tuple[str, float]]
+    logprob: float | None  # None: the first prompt token of an echo (nothing predicts it)
+    top: list[tuple[str, float]] | None
     bytes: list[int] | None = None  # the token's own bytes (None: the UTF-8 of `text`)
     top_bytes: list[list[int]] | None = None  # the same for each entry of `top`
 
@@ -341,41 +358,78 @@ def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict:
         offsets.append(pos)
         pos += len(e.text)
     return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [dict(e.top) for e in entries], "text_offset": offsets}
+            "top_logprobs": [None if e.top is None else _top_dict(e.top) for e in entries], "text_offset": offsets}
+
+
+def _top_dict(top: list[tuple[str, float]]) -> dict[str, float]:
+    """Legacy top_logprobs are keyed by text: of alternatives that decode alike, keep the likeliest (listed first)."""
+    out: dict[str, float] = {}
+    for text, lp in top:
+        out.setdefault(text, lp)
+    return out
 
 
 class Formatter:
-    """Builds the response bodies of one request (chat or completion, streamed or not)."""
+    """Builds the response bodies of one request (chat or completion, streamed or not, one choice or `n`)."""
 
     def __init__(self, parsed: Parsed):
+        from moestream.server.tools import OutputParser
+
         self.p = parsed
         self.chat = parsed.kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.offset = 0  # completion logprobs' text_offset runs over the whole output
+        n = parsed.extras.n
+        self.offsets = [0] * n  # completion logprobs' text_offset runs over each choice's whole output
+        ex = parsed.extras
+        # Chat text holding tool calls or reasoning is split into content / reasoning_content / tool_calls.
+        self.parsers = [OutputParser(ex) for _ in range(n)] if self.chat and (ex.tool_format or ex.reasoning) \
+            else None
+        self.called = [False] * n
 
     def _envelope(self, chunk: bool) -> dict:
         obj = "chat.completion" if self.chat else "text_completion"
         return {"id": self.id, "object": obj + (".chunk" if chunk and self.chat else ""), "created": self.created,
                 "model": self.p.model}
 
-    def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+    def _logprobs(self, entries: list[TokenLogprob], index: int = 0) -> dict | None:
         if not self.p.logprobs:
             return None
-        out = chat_logprobs(entries) if self.chat else completion_logprobs(entries, self.offset)
-        self.offset += sum(len(e.text) for e in entries)
+        out = chat_logprobs(entries) if self.chat else completion_logprobs(entries, self.offsets[index])
+        self.offsets[index] += sum(len(e.text) for e in entries)
         return out
 
-    def chunk(self, text: str | None, entries: list[TokenLogprob], finish: str | None, first: bool = False) -> dict:
-        choice: dict[str, Any] = {"index": 0}
+    def _finish(self, index: int, finish: str | None) -> str | None:
+        return "tool_calls" if finish == "stop" and self.called[index] else finish
+
+    def _parse(self, index: int, text: str, final: bool) -> dict:
+        """Chat message fields from a piece of output: content, reasoning_content, tool_calls."""
+        if self.parsers is None:
+            return {"content": text} if text else {}
+        parser = self.parsers[index]
+        out: dict[str, Any] = {}
+        for kind, value in parser.feed(text) + (parser.flush() if final else []):
+            if kind == "tool_call":
+                out.setdefault("tool_calls", []).append(value)
+                self.called[index] = True
+            else:
+                key = "content" if kind == "content" else "reasoning_content"
+                out[key] = out.get(key, "") + value
+        return out
+
+    def chunk(self, text: str | None, entries: list[TokenLogprob], finish: str | None, first: bool = False,
+              index: int = 0) -> dict:
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else {}
-            if text and not first:
-                delta["content"] = text
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            delta.update(self._parse(index, text or "", final=finish is not None))
+            if "tool_calls" in delta:
+                delta["tool_calls"] = [c.body(with_index=True) for c in delta["tool_calls"]]
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
-        choice.update(logprobs=self._logprobs(entries) if entries else None, finish_reason=finish)
+        choice.update(logprobs=self._logprobs(entries, index) if entries else None,
+                      finish_reason=self._finish(index, finish))
         body = self._envelope(True) | {"choices": [choice]}
         if self.p.include_usage:
             body["usage"] = None
@@ -384,11 +438,26 @@ class Formatter:
     def usage_chunk(self, usage: Usage) -> dict:
         return self._envelope(True) | {"choices": [], "usage": usage.body()}
 
-    def final(self, text: str, entries: list[TokenLogprob], finish: str, usage: Usage) -> dict:
-        choice: dict[str, Any] = {"index": 0}
+    def _choice(self, index: int, text: str, entries: list[TokenLogprob], finish: str) -> dict:
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            fields = self._parse(index, text, final=True)
+            message: dict[str, Any] = {"role": "assistant", "content": fields.get("content", "")}
+            if "reasoning_content" in fields:
+                message["reasoning_content"] = fields["reasoning_content"]
+            if "tool_calls" in fields:
+                message["tool_calls"] = [c.body() for c in fields["tool_calls"]]
+                message["content"] = message["content"] or None
+            choice["message"] = message
         else:
             choice["text"] = text
-        choice.update(logprobs=self._logprobs(entries), finish_reason=finish)
-        return self._envelope(False) | {"choices": [choice], "usage": usage.body()}
+        choice.update(logprobs=self._logprobs(entries, index), finish_reason=self._finish(index, finish))
+        return choice
+
+    def final(self, text: str, entries: list[TokenLogprob], finish: str, usage: Usage) -> dict:
+        return self.final_choices([(text, entries, finish)], usage)
+
+    def final_choices(self, choices: list[tuple[str, list[TokenLogprob], str]], usage: Usage) -> dict:
+        """The whole response: one (text, logprob entries, finish reason) per choice, in index order."""
+        return self._envelope(False) | {"choices": [self._choice(i, *c) for i, c in enumerate(choices)],
+                                        "usage": usage.body()}

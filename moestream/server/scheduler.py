@@ -19,8 +19,11 @@ from typing import Any, Callable
 
 from moestream.engine.sampling import SamplingParams, sample
 from moestream.errors import BudgetError, MoestreamError, RequestError
-from moestream.server.prefix import PrefixCache, StateProfile
+from moestream.server.prefix import PrefixCache, StateProfile, clone_state
 from moestream.server.protocol import GenRequest, StopMatcher, TokenLogprob, Usage
+from moestream.server.scoring import PromptScorer
+from moestream.server.structured import GuideFactory
+from moestream.server.tools import KeepingTokenizer
 from moestream.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -38,12 +41,14 @@ class SchedulerConfig:
 class Delta:
     text: str
     logprobs: list[TokenLogprob]
+    index: int = 0  # the choice (of `n`) this belongs to
 
 
 @dataclass
 class Done:
     finish_reason: str  # "stop" | "length"
     usage: Usage
+    index: int = 0
 
 
 @dataclass
@@ -109,6 +114,7 @@ class Ticket:
         self.alive = alive
         self.submitted = time.monotonic()
         self.timeout_s = timeout_s
+        self._open = req.n  # choices not yet done
 
     def put(self, event: Any) -> None:
         """Called from the scheduler thread (through its outbox, flushed after every iteration)."""
@@ -116,7 +122,8 @@ class Ticket:
 
     async def next(self) -> Any:
         """The next event; a Failed one (not from the scheduler) when its thread died or the request ran past its
-        timeout, so a handler never waits forever. The caller then cancels the ticket, which frees its state."""
+        timeout, so a handler never waits forever. The caller then cancels the ticket, which frees its state.
+        The ticket is finished after a Failed event or once all `n` choices are Done."""
         while self.events.empty():
             overdue = self._overdue()
             if overdue is not None:
@@ -128,7 +135,9 @@ class Ticket:
                 continue
         else:
             event = self.events.get_nowait()
-        if not isinstance(event, Delta):
+        if isinstance(event, Done):
+            self._open -= 1
+        if isinstance(event, Failed) or self._open <= 0:
             self.finished = True
         return event
 
@@ -157,6 +166,11 @@ class _Seq:
     generated: int = 0
     held: list[TokenLogprob] = field(default_factory=list)
     last_at: float = 0.0  # when its previous token was sampled (inter-token latency)
+    index: int = 0  # which of the request's `n` choices
+    guide: Any = None  # structured.Guide: grammar / logit_bias constraint, None when unconstrained
+    scorer: PromptScorer | None = None  # echo with logprobs: scores the prompt while it is prefilled
+    prompt_entries: list[TokenLogprob] = field(default_factory=list)
+    prefilled: bool = False
 
 
 class Scheduler:
@@ -182,6 +196,7 @@ class Scheduler:
         self._stats_at = 0.0
         self._ended = False  # a request ended in this iteration
         self.outbox = Outbox()
+        self.guides = GuideFactory(tokenizer, engine.vocab_size, sorted(self.eos))
         self.thread = threading.Thread(target=self._run, name="moestream-scheduler", daemon=True)
 
     # ---- the handlers' side (event loop thread) -------------------------------------------------------------
@@ -278,10 +293,12 @@ class Scheduler:
     def _step(self) -> None:
         items = self._plan()
         items = self._make_room(items)
+        items = [(seq, toks) for seq, toks in items if seq in self.active]  # a failed choice ends its siblings
         if not items:
             return
+        scoring = [seq.scorer is not None and not seq.prefilled for seq, _ in items]
         try:
-            logits = self.engine.step([(seq.state, toks) for seq, toks in items])
+            logits = self.engine.step([(seq.state, toks) for seq, toks in items], all_logits=any(scoring))
         except Exception as e:
             status = 507 if isinstance(e, BudgetError) else 500
             for seq, _ in items:
@@ -289,17 +306,33 @@ class Scheduler:
             return
         self.counters["steps"] += 1
         produced = 0
-        for (seq, toks), lg in zip(items, logits):
+        for (seq, toks), lg, scored in zip(items, logits, scoring):
             seq.fed.extend(toks)
             self.profile.learn(seq.state)
+            if any(scoring):  # every item got all its rows: score prompt chunks, keep the last row
+                if scored:
+                    seq.prompt_entries += seq.scorer.feed(toks, lg)
+                lg = lg[-1]
             if not seq.todo:
-                try:
-                    produced += self._advance(seq, lg)
-                except Exception as e:  # one request's failure (sampling, decoding) must not end the others
-                    self._fail(seq, 500, f"internal error: {type(e).__name__}: {e}")
+                produced += self._sample_choices(seq, lg)
         self._rate.append((time.monotonic(), produced))
         while self._rate and time.monotonic() - self._rate[0][0] > self.cfg.rate_window_s:
             self._rate.popleft()
+
+    def _sample_choices(self, seq: _Seq, logits) -> int:
+        """Sample the next token of `seq`, or, right after its prompt, of every choice forked from it."""
+        try:
+            choices = self._begin(seq) if not seq.prefilled else [seq]
+        except Exception as e:  # no room to fork the choices, or a grammar that cannot start
+            self._fail(seq, 507 if isinstance(e, BudgetError) else 500, f"{type(e).__name__}: {e}")
+            return 0
+        produced = 0
+        for choice in choices:
+            try:
+                produced += self._advance(choice, logits)
+            except Exception as e:  # one request's failure (sampling, decoding) must not end the others
+                self._fail(choice, 500, f"internal error: {type(e).__name__}: {e}")
+        return produced
 
     def _drain(self, block: bool) -> None:
         try:
@@ -349,18 +382,16 @@ class Scheduler:
     def _start(self, ticket: Ticket) -> _Seq:
         """Validate first, then allocate: whatever raises after the state exists frees it again."""
         req = ticket.req
-        params = SamplingParams(req.temperature, req.top_p, 0, req.seed).validate()
+        SamplingParams(req.temperature, req.top_p, 0, req.seed).validate()
         state, reused = None, 0
-        if self.prefix is not None:
+        if self.prefix is not None and not (req.echo and req.logprobs):  # scoring needs every prompt logit
             found = self._lookup(req.prompt_ids)
             if found is not None:
                 state, reused = found
         if state is None:
             state = self.engine.new_sequence()
         try:
-            seq = _Seq(ticket, state, list(req.prompt_ids[reused:]), list(req.prompt_ids[:reused]), reused,
-                       StreamDecoder(self.tokenizer, skip_special_tokens=True), StopMatcher(req.stop),
-                       gen=params.generator() if req.temperature > 0 else None)
+            seq = self._choice(ticket, state, 0)
         except BaseException:
             self.engine.free(state)
             raise
@@ -368,7 +399,41 @@ class Scheduler:
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(req.prompt_ids)
         self.counters["prompt_tokens_reused"] += reused
+        seq.todo, seq.fed, seq.reused = list(req.prompt_ids[reused:]), list(req.prompt_ids[:reused]), reused
+        if req.echo and req.logprobs:
+            seq.scorer = PromptScorer(self.tokenizer, req.top_logprobs)
         return seq
+
+    def _choice(self, ticket: Ticket, state, index: int) -> _Seq:
+        """Choice `index` of a request over `state`: its own sampler (seed + index), decoder, stops and grammar."""
+        req = ticket.req
+        seed = None if req.seed is None else req.seed if index == 0 else (req.seed + index) % 2**64
+        params = SamplingParams(req.temperature, req.top_p, 0, seed).validate()
+        text_tok = KeepingTokenizer(self.tokenizer, req.keep_token_ids) if req.keep_token_ids else self.tokenizer
+        return _Seq(ticket, state, [], [], 0, StreamDecoder(text_tok, skip_special_tokens=True),
+                    StopMatcher(req.stop), gen=params.generator() if req.temperature > 0 else None, index=index,
+                    guide=self.guides.guide(req.grammar, req.logit_bias))
+
+    def _begin(self, seq: _Seq) -> list[_Seq]:
+        """The prompt is in: fork the other `n - 1` choices from its state (one shared prefill), send the echoed
+        prompt, and return the choices that go on to sample (none when max_tokens is 0)."""
+        seq.prefilled = True
+        req = seq.ticket.req
+        choices = [seq]
+        for i in range(1, req.n):
+            fork = self._choice(seq.ticket, None, i)
+            fork.state, fork.fed, fork.reused, fork.prefilled = clone_state(seq.state), list(seq.fed), seq.reused, True
+            self.active.append(fork)
+            choices.append(fork)
+        if req.echo:
+            text = self.tokenizer.decode(req.prompt_ids)
+            for c in choices:
+                c.ticket.put(Delta(text, list(seq.prompt_entries), c.index))
+        if req.max_tokens == 0:
+            for c in choices:
+                self._finish(c, "length")
+            return []
+        return choices
 
     def _lookup(self, tokens: list[int]):
         while True:
@@ -431,7 +496,8 @@ class Scheduler:
     def _advance(self, seq: _Seq, logits) -> int:
         """Sample the next token of `seq`, emit its text, and finish the request when it is done."""
         req = seq.ticket.req
-        tok = sample(logits, SamplingParams(req.temperature, req.top_p, 0, req.seed), seq.gen)
+        shaped = seq.guide.apply(logits) if seq.guide is not None else logits
+        tok = sample(shaped, SamplingParams(req.temperature, req.top_p, 0, req.seed), seq.gen)
         seq.generated += 1
         self.counters["tokens_generated"] += 1
         now = time.monotonic()
@@ -440,15 +506,20 @@ class Scheduler:
         else:
             self.observe("itl", now - seq.last_at)
         seq.last_at = now
+        if req.logprobs:  # an end-of-sequence token gets its entry too (scorers count on one per generated token)
+            seq.held.append(self._logprob(logits, tok, req.top_logprobs))
         if tok in self.eos:
             self._emit(seq, self._tail(seq))
             self._finish(seq, "stop")
             return 1
-        if req.logprobs:
-            seq.held.append(self._logprob(logits, tok, req.top_logprobs))
+        if seq.guide is not None:
+            seq.guide.accept(tok)
         text, hit = seq.matcher.feed(seq.decoder.push(tok))
         if hit:
             self._emit(seq, text)
+            self._finish(seq, "stop")
+        elif seq.guide is not None and seq.guide.done:  # the grammar is complete: nothing else may follow
+            self._emit(seq, text + self._tail(seq))
             self._finish(seq, "stop")
         elif seq.generated >= req.max_tokens:
             self._emit(seq, text + self._tail(seq))
@@ -478,7 +549,7 @@ class Scheduler:
 
     def _emit(self, seq: _Seq, text: str) -> None:
         if text or seq.held:
-            seq.ticket.put(Delta(text, seq.held))
+            seq.ticket.put(Delta(text, seq.held, seq.index))
             seq.held = []
 
     def _finish(self, seq: _Seq, reason: str) -> None:
@@ -486,7 +557,7 @@ class Scheduler:
         self.active.remove(seq)
         self._ended = True
         self.observe("duration", time.monotonic() - seq.ticket.submitted)
-        seq.ticket.put(Done(reason, Usage(len(seq.ticket.req.prompt_ids), seq.generated, seq.reused)))
+        seq.ticket.put(Done(reason, Usage(len(seq.ticket.req.prompt_ids), seq.generated, seq.reused), seq.index))
         if self.prefix is not None:
             self.prefix.save(seq.fed, seq.state)  # keeps it for a later request extending these tokens, or frees it
         else:
@@ -502,3 +573,6 @@ class Scheduler:
             self.engine.free(seq.state)
         finally:
             seq.ticket.put(Failed(status, message))
+            for other in [s for s in self.active if s.ticket is seq.ticket]:  # its other choices end with it
+                self.active.remove(other)
+                self.engine.free(other.state)
