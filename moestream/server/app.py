@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from moestream.config import parse_bytes, read_model_config
 from moestream.errors import MoestreamError
+from moestream.server.handling import check_model, collect, prompt_ids
 from moestream.server.protocol import Formatter, Parsed, ProtocolError, error_body, parse_chat, parse_completion
 from moestream.server.scheduler import Delta, Done, Failed, QueueFull, Scheduler, SchedulerConfig, Ticket
 from moestream.tokenizer import Tokenizer
@@ -139,12 +140,6 @@ async def _on_disconnect(request: Request, callback: Callable[[], None]) -> None
 
 
 # ---- generation -----------------------------------------------------------------------------------------------
-def _check_model(srv: ServerState, parsed: Parsed) -> None:
-    if parsed.model != srv.model_id:
-        raise ProtocolError(404, f"the model '{parsed.model}' does not exist; this server serves '{srv.model_id}'",
-                            "model", code="model_not_found")
-
-
 def _submit(srv: ServerState, parsed: Parsed, ids: list[int]) -> Ticket:
     try:
         return srv.scheduler.submit(parsed.request(ids, srv.context))
@@ -194,17 +189,9 @@ async def _sse(request: Request, ticket: Ticket, fmt: Formatter) -> AsyncIterato
 async def _collect(request: Request, ticket: Ticket, fmt: Formatter) -> Response:
     sched = _srv(request).scheduler
     watcher = asyncio.create_task(_on_disconnect(request, lambda: sched.cancel(ticket)))
-    text, entries = [], []
     try:
-        while True:
-            event = await ticket.next()
-            if isinstance(event, Delta):
-                text.append(event.text)
-                entries.extend(event.logprobs)
-            elif isinstance(event, Done):
-                return JSONResponse(fmt.final("".join(text), entries, event.finish_reason, event.usage))
-            else:
-                return _error(ProtocolError(event.status, event.message, err_type=event.err_type))
+        status, body = await collect(ticket, fmt)
+        return JSONResponse(body, status_code=status)
     finally:
         watcher.cancel()
         sched.cancel(ticket)
@@ -212,27 +199,18 @@ async def _collect(request: Request, ticket: Ticket, fmt: Formatter) -> Response
 
 # ---- routes ---------------------------------------------------------------------------------------------------
 async def chat_completions(request: Request) -> Response:
-    srv = _srv(request)
-    parsed = parse_chat(await read_json(request, srv.max_body))
-    _check_model(srv, parsed)
-    ids = srv.tokenizer.encode(srv.tokenizer.apply_chat_template(parsed.prompt, add_generation_prompt=True))
-    return await _generate(request, parsed, ids)
+    return await _route(request, parse_chat)
 
 
 async def completions(request: Request) -> Response:
+    return await _route(request, parse_completion)
+
+
+async def _route(request: Request, parse: Callable[[Any], Parsed]) -> Response:
     srv = _srv(request)
-    parsed = parse_completion(await read_json(request, srv.max_body))
-    _check_model(srv, parsed)
-    if isinstance(parsed.prompt, str):
-        ids = srv.tokenizer.encode(parsed.prompt)
-    else:
-        ids = list(parsed.prompt)
-        vocab = srv.engine.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ProtocolError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-    if not ids:
-        raise ProtocolError(400, "the prompt encodes to no tokens", "prompt")
-    return await _generate(request, parsed, ids)
+    parsed = parse(await read_json(request, srv.max_body))
+    check_model(parsed, srv.model_id)
+    return await _generate(request, parsed, prompt_ids(parsed, srv.tokenizer, srv.engine.vocab_size))
 
 
 async def models(request: Request) -> Response:
