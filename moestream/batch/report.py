@@ -35,6 +35,7 @@ class BatchReport:
     cost_per_million_generated: float | None = None  # wall time priced, over generated tokens
     cost_per_million_tokens: float | None = None  # over prompt + generated tokens
     workers: int = 1
+    retried: int = 0  # requests run again because the budget had no room for their state beside the others
     results: list[dict] | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -53,7 +54,7 @@ class Tally:
     def __init__(self, engine=None, total: int | None = None, skipped: int = 0, progress: bool | None = False,
                  price_per_hour: float | None = None):
         self.engine, self.total, self.skipped, self.price = engine, total, skipped, price_per_hour
-        self.requests = self.failed = self.prompt_tokens = self.generated = 0
+        self.requests = self.failed = self.prompt_tokens = self.generated = self.retries = 0
         self.start = time.perf_counter()
         self.base = _engine_counts(engine.stats) if engine is not None else (0, 0, 0)
         self.engine_delta: tuple[int, int, int] | None = None  # set directly when engines are elsewhere (Ray)
@@ -78,6 +79,9 @@ class Tally:
             elapsed = max(1e-9, time.perf_counter() - self.start)
             self.bar.set_postfix_str(f"{self.generated / elapsed:.1f} tok/s, {self.failed} failed", refresh=False)
 
+    def retried(self) -> None:
+        self.retries += 1
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -96,7 +100,7 @@ class Tally:
             generated_tokens=self.generated, wall_s=wall, tokens_per_s=self.generated / wall if wall > 0 else 0.0,
             bytes_read=bytes_read, bytes_per_generated_token=bytes_read / self.generated if self.generated else None,
             expert_hit_rate=hits / (hits + misses) if hits + misses else None, peak_resident_bytes=self.peak,
-            ram_budget_bytes=self.budget, price_per_hour=self.price, workers=workers)
+            ram_budget_bytes=self.budget, price_per_hour=self.price, workers=workers, retried=self.retries)
         if self.price is not None:
             cost = self.price * wall / 3600
             r.cost_per_million_generated = cost / self.generated * 1e6 if self.generated else None
@@ -125,6 +129,9 @@ def print_report(r: BatchReport, out: TextIO) -> None:
         f"expert hit rate: " + (f"{100 * r.expert_hit_rate:.1f}%" if r.expert_hit_rate is not None else "n/a"),
         f"peak resident:   {_peak(r)}",
     ]
+    if r.retried:
+        lines.append(f"retried:         {r.retried} requests found no room for their state beside the others and "
+                     "ran later with fewer in flight (a smaller --max-batch avoids that)")
     if r.price_per_hour is not None:
         lines.append(f"cost:            {_money(r.cost_per_million_generated)} per million generated tokens, "
                      f"{_money(r.cost_per_million_tokens)} per million tokens in all (at {r.price_per_hour:g}/hour)")

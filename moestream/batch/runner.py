@@ -8,8 +8,9 @@ serve share one generation path (Scheduler.submit / Ticket.next), which is what 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from moestream.batch.inputs import BatchRequest
 from moestream.batch.prepare import Job, RequestContext, prepare, response_line
@@ -58,7 +59,7 @@ def run_batch(engine, tokenizer: Tokenizer, requests: Iterable[BatchRequest], op
     sched = Scheduler(engine, tokenizer, options.scheduler_config()).start()
     try:
         asyncio.run(execute(sched, request_context(engine, tokenizer, options), requests, _counted(sink, tally),
-                            options.in_flight))
+                            options.in_flight, tally.retried))
     finally:
         sched.stop()
     report = tally.report()
@@ -75,35 +76,58 @@ def _counted(sink: Emit, tally: Tally) -> Emit:
 
 
 async def execute(sched: Scheduler, ctx: RequestContext, requests: Iterable[BatchRequest], emit: Emit,
-                  in_flight: int) -> None:
-    """Submit requests as slots free up, emit each output line as its request ends. Must run in one event loop."""
+                  in_flight: int, on_retry: Callable[[], None] | None = None) -> None:
+    """Submit requests as slots free up, emit each output line as its request ends. Must run in one event loop.
+
+    A request refused for lack of room for its sequence state (507) while others ran is not a result: it runs
+    again later, and from then on fewer requests are in flight, so a batch too large for the budget shrinks
+    instead of failing requests. Only a request that does not fit on its own gets the 507 in the output."""
     todo = iter(requests)
+    retry: deque[Job] = deque()
     pending: set[asyncio.Task] = set()
     try:
         while True:
             while len(pending) < in_flight:
-                req = next(todo, None)
-                if req is None:
+                item = retry.popleft() if retry else _next_job(todo, ctx, emit)
+                if item is None:
                     break
-                item = prepare(req, ctx)
-                if isinstance(item, Job):
-                    pending.add(asyncio.ensure_future(_run_one(sched, item)))
-                else:
-                    emit(item)
+                pending.add(asyncio.ensure_future(_run_one(sched, item)))
             if not pending:
                 return
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            crowded = len(pending) + len(done) > 1
             for task in done:
-                emit(task.result())
+                job, line = task.result()
+                if crowded and _no_room(line):
+                    retry.append(job)
+                    in_flight = max(1, len(pending))
+                    if on_retry is not None:
+                        on_retry()
+                else:
+                    emit(line)
     finally:
         for task in pending:
             task.cancel()
 
 
-async def _run_one(sched: Scheduler, job: Job) -> dict:
+def _next_job(todo: Iterator[BatchRequest], ctx: RequestContext, emit: Emit) -> Job | None:
+    """The next runnable job; lines that cannot run are emitted on the way."""
+    for req in todo:
+        item = prepare(req, ctx)
+        if isinstance(item, Job):
+            return item
+        emit(item)
+    return None
+
+
+def _no_room(line: dict) -> bool:
+    return line["response"] is not None and line["response"]["status_code"] == 507
+
+
+async def _run_one(sched: Scheduler, job: Job) -> tuple[Job, dict]:
     ticket = sched.submit(job.request)
     try:
         status, body = await collect(ticket, Formatter(job.parsed))
     finally:
         sched.cancel(ticket)  # a no-op when it finished; frees its state at once when the job is interrupted
-    return response_line(job.id, job.custom_id, status, body)
+    return job, response_line(job.id, job.custom_id, status, body)
