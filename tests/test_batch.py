@@ -130,7 +130,7 @@ def _cli(model: Path, inp: Path, out: Path, *extra: str) -> list[str]:
             "--sync-every", "1", "--no-progress", "--json", *extra]
 
 
-def _lines(path: Path) -> int:
+def count_lines(path: Path) -> int:
     try:
         return path.read_bytes().count(b"\n")
     except FileNotFoundError:
@@ -142,7 +142,7 @@ def _kill_after(cmd: list[str], out: Path, lines: int) -> None:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     try:
-        while _lines(out) < lines and proc.poll() is None and time.time() < deadline:
+        while count_lines(out) < lines and proc.poll() is None and time.time() < deadline:
             time.sleep(0.02)
         if lines == 0:
             time.sleep(1.0)
@@ -160,7 +160,7 @@ def test_resume_after_sigkill_at_several_points(models, tmp_path):
     seen = []
     for lines in (0, 3, 7):
         _kill_after(cmd, out, lines)
-        seen.append(_lines(out))
+        seen.append(count_lines(out))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     final = json.loads(done.stdout)
@@ -190,7 +190,7 @@ def test_torn_last_line_is_cut_and_redone(models, tmp_path):
     assert report.skipped == 3 and report.requests == 1
     assert sorted(r["custom_id"] for r in read_jsonl(out)) == [f"req-{i}" for i in range(4)]
     again = run_job(JobConfig(str(path), str(inp), str(out), progress=False))  # finished: nothing to do
-    assert again.requests == 0 and again.skipped == 4 and _lines(out) == 4
+    assert again.requests == 0 and again.skipped == 4 and count_lines(out) == 4
 
 
 # ---- bad input ------------------------------------------------------------------------------------------------

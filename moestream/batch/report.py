@@ -35,6 +35,7 @@ class BatchReport:
     cost_per_million_generated: float | None = None  # wall time priced, over generated tokens
     cost_per_million_tokens: float | None = None  # over prompt + generated tokens
     workers: int = 1
+    reassigned: int = 0  # Ray: chunks that went to another worker after theirs died
     retried: int = 0  # requests run again because the budget had no room for their state beside the others
     results: list[dict] | None = field(default=None, repr=False)
 
@@ -129,6 +130,8 @@ def print_report(r: BatchReport, out: TextIO) -> None:
         f"expert hit rate: " + (f"{100 * r.expert_hit_rate:.1f}%" if r.expert_hit_rate is not None else "n/a"),
         f"peak resident:   {_peak(r)}",
     ]
+    if r.reassigned:
+        lines.append(f"reassigned:      {r.reassigned} chunks of requests whose worker died ran on another")
     if r.retried:
         lines.append(f"retried:         {r.retried} requests found no room for their state beside the others and "
                      "ran later with fewer in flight (a smaller --max-batch avoids that)")

@@ -58,7 +58,7 @@ def run_batch(engine, tokenizer: Tokenizer, requests: Iterable[BatchRequest], op
     sink = emit or results.append
     sched = Scheduler(engine, tokenizer, options.scheduler_config()).start()
     try:
-        asyncio.run(execute(sched, request_context(engine, tokenizer, options), requests, _counted(sink, tally),
+        asyncio.run(execute(sched, request_context(engine, tokenizer, options), requests, counted(sink, tally),
                             options.in_flight, tally.retried))
     finally:
         sched.stop()
@@ -67,7 +67,7 @@ def run_batch(engine, tokenizer: Tokenizer, requests: Iterable[BatchRequest], op
     return report
 
 
-def _counted(sink: Emit, tally: Tally) -> Emit:
+def counted(sink: Emit, tally: Tally) -> Emit:
     def emit(line: dict) -> None:
         sink(line)
         tally.add(line)
