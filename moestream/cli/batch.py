@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 from moestream.cli.common import add_budget_arg, add_state_room_arg, model_dir, parse_budget
@@ -67,6 +68,11 @@ def _check(args: argparse.Namespace) -> None:
         raise MoestreamError(f"--price-per-hour must be a non-negative number, got {args.price_per_hour}")
 
 
+def _interrupt(signum, frame) -> None:
+    """SIGTERM stops the job like Ctrl-C: finished results still in memory are written before it exits."""
+    raise KeyboardInterrupt
+
+
 def cmd_batch(args: argparse.Namespace) -> int:
     from moestream.batch.job import JobConfig, run_job
     from moestream.batch.report import print_report
@@ -74,6 +80,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
     _check(args)
     model_dir(args.model)
+    signal.signal(signal.SIGTERM, _interrupt)
     options = BatchOptions(args.max_batch, args.prefill_chunk, parse_bytes(args.prefix_cache) or 0, args.max_tokens,
                            args.model_name)
     cfg = JobConfig(args.model, args.input, args.output, parse_budget(args.ram_budget), args.state_room, args.threads,
