@@ -126,7 +126,8 @@ def print_report(r: BatchReport, out: TextIO) -> None:
         f"tokens:          {r.prompt_tokens} prompt, {r.generated_tokens} generated",
         f"wall time:       {r.wall_s:.1f} s" + (f" on {r.workers} workers" if r.workers > 1 else ""),
         f"throughput:      {r.tokens_per_s:.1f} generated tokens/s (all sequences together)",
-        f"bytes read:      {_per_token(r)} of experts per generated token ({format_bytes(r.bytes_read)} in all)",
+        f"bytes read:      {_per_token(r)} of experts per generated token, prefill included "
+        f"({format_bytes(r.bytes_read)} in all)",
         f"expert hit rate: " + (f"{100 * r.expert_hit_rate:.1f}%" if r.expert_hit_rate is not None else "n/a"),
         f"peak resident:   {_peak(r)}",
     ]
