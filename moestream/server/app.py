@@ -23,12 +23,12 @@ from starlette.routing import Route
 
 from moestream.config import parse_bytes, read_model_config
 from moestream.errors import MoestreamError
+from moestream.server.handling import check_model, prompt_ids
 from moestream.server.protocol import Formatter, Parsed, ProtocolError, error_body, parse_chat, parse_completion
 from moestream.server.metrics import CONTENT_TYPE, ServerMetrics
 from moestream.server.responses import add_usage, collect
 from moestream.server.scheduler import (Delta, Done, Failed, QueueFull, Scheduler, SchedulerConfig, Ticket,
                                         Unavailable)
-from moestream.server.tools import chat_prompt_ids
 from moestream.tokenizer import Tokenizer
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -165,12 +165,6 @@ async def _on_disconnect(request: Request, callback: Callable[[], None]) -> None
 
 
 # ---- generation -----------------------------------------------------------------------------------------------
-def _check_model(srv: ServerState, parsed: Parsed) -> None:
-    if parsed.model != srv.model_id:
-        raise ProtocolError(404, f"the model '{parsed.model}' does not exist; this server serves '{srv.model_id}'",
-                            "model", code="model_not_found")
-
-
 def _submit(srv: ServerState, parsed: Parsed, ids: list[int]) -> Ticket:
     try:
         return srv.scheduler.submit(parsed.request(ids, srv.context))
@@ -236,27 +230,19 @@ async def _collect(request: Request, ticket: Ticket, fmt: Formatter) -> Response
 
 # ---- routes ---------------------------------------------------------------------------------------------------
 async def chat_completions(request: Request) -> Response:
-    srv = _srv(request)
-    parsed = parse_chat(await read_json(request, srv.max_body))
-    _check_model(srv, parsed)
-    # off the event loop: an 8 MiB body takes a while to render and tokenize, and other streams must keep flowing
-    ids = await asyncio.to_thread(chat_prompt_ids, srv.tokenizer, parsed.prompt, parsed.extras)
-    return await _generate(request, parsed, ids)
+    return await _route(request, parse_chat)
 
 
 async def completions(request: Request) -> Response:
+    return await _route(request, parse_completion)
+
+
+async def _route(request: Request, parse: Callable[[Any], Parsed]) -> Response:
     srv = _srv(request)
-    parsed = parse_completion(await read_json(request, srv.max_body))
-    _check_model(srv, parsed)
-    if isinstance(parsed.prompt, str):
-        ids = await asyncio.to_thread(srv.tokenizer.encode, parsed.prompt)  # raw text: special tokens parsed
-    else:
-        ids = list(parsed.prompt)
-        vocab = srv.engine.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ProtocolError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-    if not ids:
-        raise ProtocolError(400, "the prompt encodes to no tokens", "prompt")
+    parsed = parse(await read_json(request, srv.max_body))
+    check_model(parsed, srv.model_id)
+    # off the event loop: an 8 MiB body takes a while to render and tokenize, and other streams must keep flowing
+    ids = await asyncio.to_thread(prompt_ids, parsed, srv.tokenizer, srv.engine.vocab_size)
     return await _generate(request, parsed, ids)
 
 

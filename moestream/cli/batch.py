@@ -1,0 +1,94 @@
+"""`moestream batch`: run an OpenAI Batch API request file through a checkpoint, resumably.
+
+Owns the command's options and how its outcome is printed (a progress bar on a terminal, the report as text or
+one JSON object). The job itself is moestream/batch/job.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+
+from moestream.cli.common import add_budget_arg, add_state_room_arg, model_dir, parse_budget
+from moestream.config import parse_bytes
+from moestream.errors import MoestreamError
+
+DESCRIPTION = """\
+Run every request of INPUT (the OpenAI Batch API format: one JSON object a line with custom_id, method "POST",
+url "/v1/chat/completions" or "/v1/completions", and body as `moestream serve` accepts it) and write one line per
+request to OUTPUT (id, custom_id, response {status_code, request_id, body}, error). Requests run together through
+the server's continuous batching, so greedy results are the ones `serve` gives. Killed at any point, the same
+command continues where it stopped; each custom_id ends up in OUTPUT exactly once."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("batch", help="run a file of OpenAI batch requests (resumable)", description=DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL", help="checkpoint directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("input", metavar="INPUT.jsonl", help="the requests, one JSON object a line")
+    p.add_argument("-o", "--output", required=True, metavar="OUTPUT.jsonl",
+                   help="results, appended in fsynced groups; OUTPUT.state beside it records the input's sha256")
+    add_budget_arg(p, "; default: no limit")
+    add_state_room_arg(p)
+    p.add_argument("--max-batch", type=int, default=64, metavar="N",
+                   help="sequences decoded together per engine step (default 64)")
+    p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
+                   help="prompt tokens prefilled per step across all new sequences (default 256)")
+    p.add_argument("--prefix-cache", default="0", metavar="BYTES",
+                   help="saved prompt state reused by later requests with the same prefix, e.g. 256MiB "
+                        "(default 0: off); counted in --ram-budget")
+    p.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="max_tokens for bodies that set none (default: as serve, the rest of the context)")
+    p.add_argument("--model-name", default=None,
+                   help="the model id bodies must name in 'model' (default: the directory name, as serve)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for the forward pass (default: all cores)")
+    p.add_argument("--sync-every", type=int, default=64, metavar="N",
+                   help="results per fsynced group (also at least every 2 s); a kill redoes at most these")
+    p.add_argument("--price-per-hour", type=float, default=None, metavar="PRICE",
+                   help="what an hour of this machine costs: the report adds the cost per million tokens")
+    p.add_argument("--json", action="store_true", help="print the final report as one JSON object on stdout")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (it shows only on a terminal anyway)")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="spread the job over a Ray cluster (pip install 'moestream[ray]'): ADDRESS of a running "
+                        "cluster, or none to start a local one; each worker opens MODEL itself")
+    p.add_argument("--ray-workers", type=int, default=None, metavar="N",
+                   help="Ray workers, one engine each (default: one per node of the cluster)")
+    p.add_argument("--ray-chunk", type=int, default=None, metavar="N",
+                   help="requests sent to a worker at a time (default: 4 x --max-batch)")
+    p.set_defaults(func=cmd_batch)
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("max_batch", "prefill_chunk", "max_tokens", "threads", "sync_every", "ray_workers", "ray_chunk"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise MoestreamError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.price_per_hour is not None and not args.price_per_hour >= 0:
+        raise MoestreamError(f"--price-per-hour must be a non-negative number, got {args.price_per_hour}")
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGTERM stops the job like Ctrl-C: finished results still in memory are written before it exits."""
+    raise KeyboardInterrupt
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from moestream.batch.job import JobConfig, run_job
+    from moestream.batch.report import print_report
+    from moestream.batch.runner import BatchOptions
+
+    _check(args)
+    model_dir(args.model)
+    signal.signal(signal.SIGTERM, _interrupt)
+    options = BatchOptions(args.max_batch, args.prefill_chunk, parse_bytes(args.prefix_cache) or 0, args.max_tokens,
+                           args.model_name)
+    cfg = JobConfig(args.model, args.input, args.output, parse_budget(args.ram_budget), args.state_room, args.threads,
+                    options, progress=False if args.no_progress else None, price_per_hour=args.price_per_hour,
+                    group_lines=args.sync_every, ray=args.ray, ray_workers=args.ray_workers, ray_chunk=args.ray_chunk)
+    report = run_job(cfg)
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print_report(report, sys.stdout)
+    return 0

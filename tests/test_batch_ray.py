@@ -1,0 +1,64 @@
+"""`moestream batch --ray` on a real local Ray cluster with two workers: one is killed mid-job (ray.kill), and the
+output still holds every custom_id exactly once, with the same greedy results as a run in this process."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from moestream.batch import BatchOptions, JobConfig, requests_from, run_batch, run_job  # noqa: E402
+from moestream.batch.distributed import WORKER_PREFIX  # noqa: E402
+from moestream.engine.engine import Engine  # noqa: E402
+from moestream.synth import synthesize  # noqa: E402
+from moestream.tokenizer import Tokenizer  # noqa: E402
+
+from test_batch import count_lines, essence, read_jsonl, requests, write_jsonl  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ray_model")
+    synthesize("qwen3_moe", root / "m", "tiny", cache_dir=root / "cache", progress=False)
+    return root / "m"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def test_worker_killed_mid_job_loses_nothing(model, cluster, tmp_path):
+    reqs = requests(model.name, 16, max_tokens=8, logprobs=False)
+    inp = write_jsonl(tmp_path / "in.jsonl", reqs)
+    out = tmp_path / "out.jsonl"
+    cfg = JobConfig(str(model), str(inp), str(out), threads=1, options=BatchOptions(max_batch=2), progress=False,
+                    group_lines=1, ray="", ray_workers=2, ray_chunk=2)
+    got: dict = {}
+    job = threading.Thread(target=lambda: got.update(report=run_job(cfg)), daemon=True)
+    job.start()
+    deadline = time.time() + 240
+    while count_lines(out) < 2:  # the first chunk is written: both workers are busy
+        assert job.is_alive() and time.time() < deadline, "the job ended before a worker could be killed"
+        time.sleep(0.05)
+    ray.kill(ray.get_actor(f"{WORKER_PREFIX}-1"))
+    job.join(timeout=240)
+    report = got["report"]
+    assert report.workers == 2 and report.reassigned >= 1 and report.failed == 0
+    results = read_jsonl(out)
+    ids = [r["custom_id"] for r in results]
+    assert sorted(ids) == sorted(r["custom_id"] for r in reqs) and len(set(ids)) == len(ids)  # exactly once
+
+    torch.set_num_threads(1)
+    engine = Engine.open(model)
+    try:
+        want = run_batch(engine, Tokenizer.load(model), requests_from(reqs), BatchOptions(max_batch=2)).results
+    finally:
+        engine.close()
+    assert {r["custom_id"]: essence(r["response"]["body"]) for r in results} == \
+        {r["custom_id"]: essence(r["response"]["body"]) for r in want}
