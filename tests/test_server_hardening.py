@@ -315,7 +315,9 @@ def test_sigterm_drains_then_exits_zero(model_dir):
     try:
         body = {"model": Path(model_dir).name, "prompt": "while True:", "temperature": 0, "stream": True}
         with httpx.Client(timeout=30) as http:
-            with http.stream("POST", url + "/v1/completions", json=body | {"max_tokens": 4000}) as long:
+            # end of sequence banned: the stream outlasts the 4 s drain however fast this machine generates
+            long_body = body | {"max_tokens": 4000, "logit_bias": {str(i): -100 for i in Tokenizer.load(model_dir).eos_token_ids}}
+            with http.stream("POST", url + "/v1/completions", json=long_body) as long:
                 lines = long.iter_lines()
                 assert next(lines).startswith("data: ")
                 proc.send_signal(signal.SIGTERM)
