@@ -26,6 +26,7 @@ from moestream.experts.store import ExpertStore, fp32_nbytes
 from moestream.kernels.quant import GROUP_DECODE_BYTES, SCRATCH_BYTES as QUANT_SCRATCH_BYTES
 from moestream.models.blocks import UPCAST_CHUNK_BYTES
 from moestream.models.base import DenseWeights, ExpertLayout, ModelContext
+from moestream.models.hfconfig import parse_config
 from moestream.models.registry import family_for
 from moestream.weights.index import CheckpointIndex
 
@@ -48,11 +49,12 @@ class ModelPlan:
 def plan(path: str | Path, io_threads: int = IO_THREADS) -> ModelPlan:
     raw = read_model_config(path)
     family = family_for(raw)
-    cfg = family.parse(raw)
+    cfg = parse_config(family.parse, raw, path)
     index = _open_index(path, family, cfg)
     names = {n[len(family.prefix):] for n in index.names() if family.wants(n)}
     layout = family.experts(cfg, names)
     store = ExpertStore(index, layout.parts, layout.num_experts, family.prefix, io_threads)
+    store.check_uniform(layout.moe_layers)
     dense = [n for n in index.names() if family.wants(n) and not store.is_expert_tensor(n)]
     dense_bytes = sum(index[n].nbytes for n in dense)
     per_layer = [[store.expert_nbytes(l, e) for e in range(layout.num_experts)] for l in layout.moe_layers]
