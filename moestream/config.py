@@ -54,8 +54,8 @@ def read_model_config(root: str | Path) -> dict:
         cfg = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{root}: no config.json (is this a Hugging Face checkpoint directory?)") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: malformed config.json: {e}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: malformed config.json: {type(e).__name__}: {e}") from None
     if not isinstance(cfg, dict) or "model_type" not in cfg:
         raise CheckpointError(f"{path}: config.json has no model_type")
     return cfg

@@ -93,22 +93,34 @@ def mutate_bytes(data: bytes, rng: random.Random, lo: int = 0, hi: int | None = 
     return bytes(buf)
 
 
+def _parsed(raw: bytes) -> Any:
+    """The JSON in `raw`, or a sentinel when an earlier edit already broke it (then bytes are mutated instead)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return _BROKEN
+
+
+_BROKEN = object()
+
+
 def _mutate_json_file(path: Path, rng: random.Random) -> str:
     raw = path.read_bytes()
-    if rng.random() < 0.25:
+    tree = _parsed(raw)
+    if tree is _BROKEN or rng.random() < 0.25:
         path.write_bytes(mutate_bytes(raw, rng))
         return f"{path.name}: bytes"
-    tree = mutate_json(json.loads(raw), rng)
-    path.write_text(json.dumps(tree))
+    path.write_text(json.dumps(mutate_json(tree, rng)))
     return f"{path.name}: json"
 
 
 def _mutate_header(path: Path, rng: random.Random) -> str:
     data = path.read_bytes()
-    (hlen,) = struct.unpack("<Q", data[:8])
+    hlen = struct.unpack("<Q", data[:8])[0] if len(data) >= 8 else 0
+    header = _parsed(data[8:8 + hlen]) if 8 + hlen <= len(data) else _BROKEN
     roll = rng.random()
-    if roll < 0.6:
-        header = mutate_json(json.loads(data[8:8 + hlen]), rng)
+    if roll < 0.6 and header is not _BROKEN:
+        header = mutate_json(header, rng)
         body = json.dumps(header).encode()
         path.write_bytes(struct.pack("<Q", len(body)) + body + data[8 + hlen:])
         return f"{path.name}: header json"
@@ -116,7 +128,7 @@ def _mutate_header(path: Path, rng: random.Random) -> str:
         n = rng.choice([0, 1, hlen - 1, hlen + 1, len(data), 2**64 - 1, rng.randrange(2**40)])
         path.write_bytes(struct.pack("<Q", n) + data[8:])
         return f"{path.name}: header length {n}"
-    path.write_bytes(mutate_bytes(data, rng, 0, 8 + hlen + (64 if roll > 0.9 else 0)))
+    path.write_bytes(mutate_bytes(data, rng, 0, min(len(data), 8 + hlen + (64 if roll > 0.9 else 0))))
     return f"{path.name}: header bytes"
 
 

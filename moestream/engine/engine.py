@@ -7,6 +7,7 @@ expert residency in experts/, dense residency in engine/residency.py.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -115,7 +116,8 @@ class Engine:
         return_freed_memory()  # freed temporaries leave the process, so RSS tracks what the budget counts
         runner = ExpertRunner(p.store, memory, opts.cache_policy)
         weights = DenseWeights(p.store.index, p.family.prefix, memory)
-        model = p.family.build(p.config, ModelContext(weights, runner, memory))
+        with tensors_fit_config(path):
+            model = p.family.build(p.config, ModelContext(weights, runner, memory))
         _check_built(p, memory)
         eng = cls(Path(path), p, memory, model, runner, opts)
         eng.residency = residency
@@ -144,7 +146,8 @@ class Engine:
             rows = torch.arange(tokens.shape[0])
         else:
             rows = torch.tensor([seg.start + seg.length - 1 for seg in batch.segments])
-        logits = self.model.forward(tokens, batch, rows)
+        with tensors_fit_config(self.path):
+            logits = self.model.forward(tokens, batch, rows)
         for s, t in items:
             s.pos += len(t)
         if not all_logits:
@@ -235,6 +238,22 @@ class Engine:
         if self.memory.streamer is not None:
             self.memory.streamer.close()
         self.plan.store.close()
+
+
+# what torch says when a tensor's shape disagrees with the sizes config.json gave the model
+_SHAPE_ERRORS = ("shape", "size", "mat1 and mat2", "dimension", "index out of range", "must match", "expected")
+
+
+@contextlib.contextmanager
+def tensors_fit_config(path: str | Path) -> Iterator[None]:
+    """A torch shape error while building or running the model is a checkpoint whose tensors do not fit its
+    config.json (inputs are validated before they get here): report it as a CheckpointError, not a traceback."""
+    try:
+        yield
+    except (RuntimeError, IndexError, ValueError) as e:
+        if not any(m in str(e) for m in _SHAPE_ERRORS):
+            raise
+        raise CheckpointError(f"{path}: the checkpoint's tensors do not fit its config.json ({e})") from None
 
 
 def _check_built(p: ModelPlan, memory: MemoryAccountant) -> None:

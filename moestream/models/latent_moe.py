@@ -15,6 +15,7 @@ from moestream.experts.store import PartViews
 from moestream.kernels import cpu
 from moestream.kernels.quant import (GROUP_DECODE_BYTES, check_mxfp4_scales, mxfp4_decode_planes, mxfp4_linear,
                                      mxfp4_permute_input)
+from moestream.models.base import router
 from moestream.models.blocks import glu_mlp, linear, rms_norm, sigmoid_topk, situ_glu
 
 Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -200,7 +201,7 @@ class LatentMoE:
                  quantized: bool):
         w, p = ctx.weights, f"model.layers.{layer}.block_sparse_moe"
         self.runner, self.layer, self.top_k, self.scale, self.eps = ctx.experts, layer, top_k, scale, eps
-        self.gate, self.bias = w.get(f"{p}.gate.weight"), w.get(f"{p}.gate.e_score_correction_bias")
+        self.gate, self.bias = router(ctx, f"{p}.gate.weight"), w.get(f"{p}.gate.e_score_correction_bias")
         self.down, self.up = w.get(f"{p}.routed_expert_down_proj.weight"), w.get(f"{p}.routed_expert_up_proj.weight")
         self.norm = w.get(f"{p}.routed_expert_norm.weight") if use_norm else None
         names = [f"{p}.shared_experts.{n}_proj.weight" for n in ("gate", "up", "down")]
