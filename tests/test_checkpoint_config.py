@@ -159,3 +159,37 @@ def test_llama3_rope_matches_transformers(dim, theta, factor, low, high, orig):
     # long wavelengths are divided by the factor, short ones kept
     assert math.isclose(float(rope.inv_freq[-1]), float(want[-1]), rel_tol=1e-6)
     assert float(rope.inv_freq[0]) == pytest.approx(1.0)
+
+
+# ---- config.json that disagrees with the tensors ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory) -> dict[str, Path]:
+    from conftest import synth_tiny
+
+    return {"qwen3_moe": synth_tiny(tmp_path_factory, "qwen3_moe"),
+            "kimi_linear": synth_tiny(tmp_path_factory, "kimi_linear")}
+
+
+@pytest.mark.parametrize("family,path,value,message", [
+    ("qwen3_moe", ("head_dim",), 32, "do not fit its config.json"),
+    ("qwen3_moe", ("num_key_value_heads",), 1, "do not fit its config.json"),
+    ("qwen3_moe", ("vocab_size",), 100_000, "vocab_size"),
+    ("qwen3_moe", ("num_experts",), 3, "experts, one row each"),
+    ("kimi_linear", ("linear_attn_config", "short_conv_kernel_size"), 1, "conv kernel"),
+])
+def test_config_that_does_not_fit_the_tensors_is_a_checkpoint_error(tiny_pair, tmp_path, family, path, value,
+                                                                    message):
+    import shutil
+
+    from moestream import Engine
+
+    d = Path(shutil.copytree(tiny_pair[family], tmp_path / "ckpt"))
+    c = json.loads((d / "config.json").read_text())
+    node = c
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+    (d / "config.json").write_text(json.dumps(c))
+    with pytest.raises(CheckpointError, match=message):
+        eng = Engine.open(d)
+        eng.generate([1, 2, 3], 2, stop_token_ids=[])

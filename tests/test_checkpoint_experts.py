@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import synth_tiny
 from moestream import Engine
 from moestream.errors import CheckpointError, TokenizerError
 from moestream.models.latent_moe import make_act, mxfp4_group
@@ -19,11 +20,7 @@ from moestream.tokenizer import Tokenizer
 
 @pytest.fixture(scope="module")
 def k3(tmp_path_factory) -> Path:
-    from moestream.synth import synthesize
-
-    root = tmp_path_factory.mktemp("k3_experts")
-    synthesize("kimi-k3", root / "ckpt", "tiny", cache_dir=root / "cache", progress=False)
-    return root / "ckpt"
+    return synth_tiny(tmp_path_factory, "kimi-k3")
 
 
 def _reshape_in_header(path: Path, name: str) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import synth_tiny
 from moestream import Engine
 from moestream.errors import CheckpointError
 from moestream.weights.index import PACK_MANIFEST, CheckpointIndex
@@ -19,11 +20,7 @@ from moestream.weights.pack import pack
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    from moestream.synth import synthesize
-
-    root = tmp_path_factory.mktemp("files")
-    synthesize("qwen3_moe", root / "ckpt", "tiny", cache_dir=root / "cache", progress=False)
-    return root / "ckpt"
+    return synth_tiny(tmp_path_factory, "qwen3_moe")
 
 
 @pytest.fixture(scope="module")

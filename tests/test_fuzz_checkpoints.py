@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import synth_tiny
 from moestream.errors import MoestreamError
 from moestream.fuzz import TARGETS, exercise, mutate
 from moestream.weights.pack import pack
@@ -22,13 +23,9 @@ from moestream.weights.pack import pack
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory) -> dict[str, Path]:
     """Tiny qwen3_moe (bf16, sharded, BPE tokenizer), its packed copy, and tiny Kimi K3 (MXFP4 experts)."""
-    from moestream.synth import synthesize
-
-    root = tmp_path_factory.mktemp("fuzz_bases")
-    synthesize("qwen3_moe", root / "qwen", "tiny", cache_dir=root / "cache", progress=False)
-    synthesize("kimi-k3", root / "k3", "tiny", cache_dir=root / "cache", progress=False)
-    pack(root / "qwen", root / "packed")
-    return {"qwen": root / "qwen", "packed": root / "packed", "k3": root / "k3"}
+    qwen = synth_tiny(tmp_path_factory, "qwen3_moe")
+    pack(qwen, qwen.parent / "packed")
+    return {"qwen": qwen, "packed": qwen.parent / "packed", "k3": synth_tiny(tmp_path_factory, "kimi-k3")}
 
 
 def _mutated(src: Path, dst: Path, target: str, seed: int, edits: int) -> list[str]:

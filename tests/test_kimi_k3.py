@@ -12,14 +12,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import expert_budget, max_rel_diff, prompt_ids
+from conftest import expert_budget, max_rel_diff, prompt_ids, synth_tiny
 from k3_reference import K3Reference
 from moestream import Engine
 from moestream.engine.engine import plan
 from moestream.models import kda as kda_mod
 from moestream.models import kimi_k3, latent_moe
 from moestream.models.blocks import sigmoid_topk, silu_glu
-from moestream.synth import synthesize
 from moestream.synth.families import SpecialIds
 from moestream.synth.kimi_k3 import REAL, k3_config
 
@@ -40,9 +39,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def k3_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("k3")
-    synthesize("kimi-k3", root / "tiny", "tiny", cache_dir=root / "cache", progress=False)
-    return root / "tiny"
+    return synth_tiny(tmp_path_factory, "kimi-k3")
 
 
 @pytest.fixture(scope="module")
