@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -22,6 +23,8 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+
+import torch
 
 from moestream.errors import MoestreamError
 from moestream.fuzz import TARGETS, exercise, mutate
@@ -54,7 +57,7 @@ def run_cli(d: Path) -> str | None:
     for args in (["info", str(d)], ["run", str(d), "--prompt", "def f(x):", "--max-new", "3"]):
         try:
             done = subprocess.run([sys.executable, "-m", "moestream", *args], capture_output=True, text=True,
-                                  timeout=300)
+                                  timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
         except subprocess.TimeoutExpired:
             return f"{args[0]}: timed out"
         if done.returncode not in (0, 2) or "Traceback" in done.stderr:
@@ -70,6 +73,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temp dir, removed)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    torch.set_num_threads(1)  # tiny tensors: one thread; a shared machine's spinning OpenMP pool costs 100x
     work = Path(tempfile.mkdtemp(prefix="fuzz-", dir=args.work))
     rng = random.Random(args.seed)
     counts: collections.Counter = collections.Counter()
@@ -100,9 +104,12 @@ def main() -> None:
                     counts["cli_finding"] += 1
                     findings.setdefault(f"cli {bad[:80]}", {"count": 0, "example": f"case {case} {base} {what}"})
                     findings[f"cli {bad[:80]}"]["count"] += 1
+            counts["cases_run"] += 1
             if (case + 1) % 100 == 0:
                 print(f"{case + 1}/{args.cases} cases, {counts['finding']} findings, {time.time() - t0:.0f}s",
                       file=sys.stderr, flush=True)
+    except KeyboardInterrupt:  # Ctrl-C: report what ran
+        counts["interrupted"] = 1
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report = {"cases": args.cases, "seed": args.seed, "seconds": round(time.time() - t0, 1), "counts": dict(counts),
