@@ -34,7 +34,9 @@ INT_LISTS = ("mlp_only_layers", "full_attn_layers", "kda_layers")
 STR_LISTS = ("layer_types", "mlp_layer_types")
 TOKEN_IDS = ("eos_token_id", "bos_token_id", "pad_token_id")
 OBJECTS = ("text_config", "linear_attn_config", "rope_scaling", "rope_parameters", "quantization_config")
-MAX_SIZE = 1 << 40  # no real dimension comes near this; bigger values would only overflow size arithmetic
+MAX_SIZE = 1 << 24  # no real width, vocabulary or count comes near this (K3: hidden 7168, vocab 163840)
+MAX_LAYERS = 1 << 12
+MAX_EXPERT_SLOTS = 1 << 20  # layers x experts (K3: 60 x 896); the expert tables are built per (layer, expert)
 
 
 def check_fields(c: dict, where: str) -> None:
@@ -72,6 +74,13 @@ def check_relations(c: dict, where: str) -> None:
     top_k = next((c[k] for k in ("num_experts_per_tok", "num_experts_per_token") if c.get(k)), None)
     if experts is not None and top_k is not None and top_k > experts:
         raise CheckpointError(f"{where}: top-k {top_k} (num_experts_per_tok) exceeds the {experts} experts")
+    layers = c.get("num_hidden_layers")
+    if is_int(layers) and layers > MAX_LAYERS:
+        raise CheckpointError(f"{where}: num_hidden_layers {layers} is beyond any supported model (at most "
+                              f"{MAX_LAYERS})")
+    if is_int(layers) and is_int(experts) and layers * experts > MAX_EXPERT_SLOTS:
+        raise CheckpointError(f"{where}: {layers} layers x {experts} experts is beyond any supported model (at "
+                              f"most {MAX_EXPERT_SLOTS} expert slots)")
     groups, topk_groups = c.get("n_group") or c.get("num_expert_group"), c.get("topk_group")
     if groups and topk_groups and topk_groups > groups:
         raise CheckpointError(f"{where}: topk_group {topk_groups} exceeds the {groups} expert groups")
