@@ -93,6 +93,16 @@ def model_type_of(path) -> str:
 
 
 @pytest.fixture
+def one_thread():
+    """One torch thread for a test: on two shared cores torch's threaded ops stall under load, and tiny tensors
+    gain nothing from threads. Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def check_parity():
     """check_parity(path, ref_model, vocab) -> dict of figures; asserts logits 1e-3, 32 greedy tokens, budget."""
     from moestream import Engine

@@ -28,13 +28,7 @@ STATE_HEADROOM = 256 * 1024  # KDA/MLA state and AttnRes snapshots of the tiny m
 MUTATION_MIN = 50 * TOL  # a mutated engine must miss the reference by at least this much
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two shared cores: torch's threaded tanh stalls badly under load, and these tensors are tiny anyway."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # torch's threaded tanh stalls on two shared cores
 
 
 @pytest.fixture(scope="module")
