@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.moestream-installed
 
-.PHONY: venv demo test clean-venv
+.PHONY: venv demo test asan clean-venv
 
 venv: $(STAMP)
 
@@ -26,6 +26,19 @@ demo: venv
 
 test: venv
 	$(BIN)/python -m pytest
+
+# AddressSanitizer: the native kernels rebuilt with -fsanitize=address into a private kernel cache (tools/
+# asan_kernels.py), then their tests and the checkpoint fuzz run with libasan preloaded. Any out-of-bounds access
+# aborts the run with ASan's report.
+ASAN_CACHE ?= /tmp/moestream-asan
+ASAN_TESTS ?= tests/test_native_kernels.py tests/test_fuzz_checkpoints.py tests/test_checkpoint_experts.py
+asan: venv
+	rm -rf $(ASAN_CACHE)
+	XDG_CACHE_HOME=$(ASAN_CACHE) $(BIN)/python tools/asan_kernels.py
+	XDG_CACHE_HOME=$(ASAN_CACHE) LD_PRELOAD=$$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 \
+		$(BIN)/python -c "from moestream.kernels import cpu; assert cpu.available(), cpu.reason(); print('ASan kernels loaded')"
+	XDG_CACHE_HOME=$(ASAN_CACHE) LD_PRELOAD=$$(gcc -print-file-name=libasan.so) \
+		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 $(BIN)/python -m pytest -p no:cacheprovider $(ASAN_TESTS)
 
 clean-venv:
 	rm -rf $(VENV)

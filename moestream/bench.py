@@ -2,7 +2,7 @@
 
 Owns the benchmark run (optional cold page cache, a direct-I/O probe of the model's files, prefill, a decode
 loop with per-token records), the per-phase breakdown (waiting on I/O, expert compute, attention/mixer, other),
-the JSON report and an optional PNG of hit rate and tokens/s over the run. The engine is used as a library;
+the JSON report and an optional PNG of hit rate and tokens/s over the run (matplotlib, the `plot` extra). The engine is used as a library;
 nothing here changes how it computes.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 from moestream.cli.common import add_state_room_arg
 from moestream.config import format_bytes, parse_bytes
 from moestream.errors import MoestreamError
+from moestream.plot import pyplot
 from moestream.experts.reader import IO_THREADS, align_down
 from moestream.weights.index import drop_file_pages
 
@@ -179,6 +180,8 @@ def bench(path: str | Path, opts: BenchOptions) -> dict:
     from moestream import Engine
 
     path = Path(path)
+    if opts.plot is not None:
+        pyplot()  # a missing matplotlib is said before the run, not after it
     files = model_files(path)
     cold = drop_page_cache(files) if opts.cold else "warm"
     # a virtual disk's bandwidth drifts by +-40% between seconds: probe before and after the run for the same time
@@ -364,47 +367,17 @@ def _share(v: float | None, total: float) -> str:
 
 
 def write_plot(r: dict, out: Path) -> None:
-    """Hit rate and tokens/s per decoded token. Uses matplotlib when installed, else a plain two-panel PNG."""
+    """Hit rate and tokens/s per decoded token (matplotlib, the `plot` extra)."""
     toks = r["per_token"]
     hit = [t["hit_rate"] for t in toks]
     tps = [1.0 / t["s"] if t["s"] > 0 else 0.0 for t in toks]
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        _plain_png(out, [hit, tps])
-        return
+    plt = pyplot()
     fig, (a, b) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
     a.plot(hit), a.set_ylabel("expert hit rate"), a.set_ylim(0, 1)
     b.plot(tps), b.set_ylabel("tokens/s"), b.set_xlabel("decoded token")
     fig.suptitle(f"{Path(r['model']).name}, budget {_fmt(r['ram_budget_bytes'])}")
     fig.savefig(out, dpi=100)
     plt.close(fig)
-
-
-def _plain_png(out: Path, series: list[list[float]], w: int = 640, h: int = 200) -> None:
-    """Stacked line panels (black on white, each scaled 0..max), no text: a dependency-free fallback."""
-    import struct
-    import zlib
-
-    rows = [[255] * w for _ in range(h * len(series))]
-    for p, ys in enumerate(series):
-        top, top_y = p * h, max(max(ys, default=1.0), 1e-12)
-        for x in range(w):
-            rows[top + h - 1][x] = rows[top][x] = 128
-        pts = [(int(i * (w - 1) / max(1, len(ys) - 1)), top + h - 2 - int(y / top_y * (h - 4)))
-               for i, y in enumerate(ys)]
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:] or pts):
-            for x in range(x0, x1 + 1):  # straight segment between neighbouring points
-                y = y0 + (y1 - y0) * (x - x0) // max(1, x1 - x0)
-                rows[y][x] = 0
-    raw = b"".join(b"\x00" + bytes(r) for r in rows)
-    chunk = lambda t, d: struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))  # noqa: E731
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, len(rows), 8, 0, 0, 0, 0))
-    png += chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
-    Path(out).write_bytes(png)
 
 
 # ---- command line ----------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Typed configuration read in one place: byte sizes ("4GiB"), the engine options, and a checkpoint's config.json.
 
-Owns parsing of user-facing sizes and the top-level `config.json` (including multimodal checkpoints whose text
-model sits under `text_config`). Family-specific fields are read by each family's own config dataclass.
+Owns parsing of user-facing sizes and reading the top-level `config.json` as a dict. Multimodal checkpoints keep
+their text model under `text_config`; the families that have one (kimi_k3, kimi_k25) unwrap it themselves. Field
+types and ranges are checked by models/hfconfig.py; family-specific fields are read by each family's config.
 """
 from __future__ import annotations
 
@@ -47,14 +48,14 @@ class EngineOptions:
 
 
 def read_model_config(root: str | Path) -> dict:
-    """The text model's config dict (unwrapping `text_config` of multimodal checkpoints)."""
+    """The checkpoint's whole config.json as a dict (a multimodal one's `text_config` is left for its family)."""
     path = Path(root) / "config.json"
     try:
         cfg = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{root}: no config.json (is this a Hugging Face checkpoint directory?)") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: malformed config.json: {e}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: malformed config.json: {type(e).__name__}: {e}") from None
     if not isinstance(cfg, dict) or "model_type" not in cfg:
         raise CheckpointError(f"{path}: config.json has no model_type")
     return cfg

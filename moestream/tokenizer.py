@@ -40,6 +40,7 @@ KIMI_PAT_STR = "|".join([
     r"\s+",
 ])
 KIMI_RESERVED_SPECIAL_IDS = 256
+MAX_SPECIAL_IDS = 1 << 16  # special ids past the base ranks when config.json gives no vocab_size
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -146,24 +147,33 @@ def _read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
-def _kimi_special_tokens(config: dict[str, Any], n_base: int, path: Path) -> dict[str, int]:
+def _kimi_special_tokens(config: dict[str, Any], n_base: int, path: Path, vocab: int | None) -> dict[str, int]:
+    """Special tokens after the base ranks: those the config names, reserved names for the ids between. Ids are
+    bounded by the model's vocab_size (else n_base + MAX_SPECIAL_IDS) so a bad entry cannot build a huge table."""
+    where = f"tokenizer_config.json next to {path}"
+    decoder = config.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, dict):
+        raise TokenizerError(f"{where}: added_tokens_decoder must be a JSON object of id -> token")
+    limit = n_base + MAX_SPECIAL_IDS if vocab is None else max(vocab, n_base + KIMI_RESERVED_SPECIAL_IDS)
     named: dict[int, str] = {}
-    for key, entry in (config.get("added_tokens_decoder") or {}).items():
+    for key, entry in decoder.items():
         content = entry.get("content") if isinstance(entry, dict) else None
-        if not str(key).isdigit() or not isinstance(content, str):
-            raise TokenizerError(f"tokenizer_config.json next to {path}: bad added_tokens_decoder entry {key!r}")
+        if not (key.isascii() and key.isdigit()) or not isinstance(content, str):
+            raise TokenizerError(f"{where}: bad added_tokens_decoder entry {key!r}")
+        if int(key) >= limit:
+            raise TokenizerError(f"{where}: added_tokens_decoder id {key} is beyond the vocabulary ({limit} ids)")
         if int(key) >= n_base:
             named[int(key)] = content
     last = max([n_base + KIMI_RESERVED_SPECIAL_IDS - 1, *named])
     specials = {named.get(i, f"<|reserved_token_{i}|>"): i for i in range(n_base, last + 1)}
     if len(specials) != last + 1 - n_base:
-        raise TokenizerError(f"tokenizer_config.json next to {path} names the same special token twice")
+        raise TokenizerError(f"{where} names the same special token twice")
     return specials
 
 
-def _load_tiktoken(path: Path, config: dict[str, Any]) -> tuple[tiktoken.Encoding, dict[str, int]]:
+def _load_tiktoken(path: Path, config: dict[str, Any], vocab: int | None) -> tuple[tiktoken.Encoding, dict[str, int]]:
     ranks = _read_tiktoken_ranks(path)
-    specials = _kimi_special_tokens(config, len(ranks), path)
+    specials = _kimi_special_tokens(config, len(ranks), path, vocab)
     try:
         encoding = tiktoken.Encoding(path.parent.name or "tiktoken", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks,
                                      special_tokens=specials)
@@ -216,16 +226,17 @@ class Tokenizer:
         if not d.is_dir():
             raise TokenizerError(f"model directory {d} does not exist")
         config = _read_json(d / "tokenizer_config.json")
+        model_config = _read_json(d / "config.json")
+        text_config = model_config.get("text_config")  # multimodal checkpoints nest the text model's ids here
         specials = None
         if (d / "tokenizer.json").is_file():
             backend: tokenizers.Tokenizer | tiktoken.Encoding = _load_hf(d / "tokenizer.json")
         elif (d / "tiktoken.model").is_file():
-            backend, specials = _load_tiktoken(d / "tiktoken.model", config)
+            vocab = _int_ids((text_config if isinstance(text_config, dict) else model_config).get("vocab_size"))
+            backend, specials = _load_tiktoken(d / "tiktoken.model", config, vocab[0] if vocab else None)
         else:
             raise TokenizerError(f"no tokenizer in {d}: expected tokenizer.json or tiktoken.model (with "
                                  "tokenizer_config.json); copy them from the model's original repository")
-        model_config = _read_json(d / "config.json")
-        text_config = model_config.get("text_config")  # multimodal checkpoints nest the text model's ids here
         configs = [_read_json(d / "generation_config.json"), model_config, text_config or {}]
         return cls(d, backend, specials, config, [c for c in configs if isinstance(c, dict)])
 

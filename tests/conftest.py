@@ -35,6 +35,15 @@ def save_reference(model_cls, config, path, seed: int = 0):
     return model
 
 
+def synth_tiny(tmp_path_factory, family: str, name: str = "tiny"):
+    """A tiny random-weight checkpoint of `family` (moestream.synth) in a fresh temp dir; returns its path."""
+    from moestream.synth import synthesize
+
+    root = tmp_path_factory.mktemp(f"synth_{family.replace('-', '_')}")
+    synthesize(family, root / name, "tiny", cache_dir=root / "cache", progress=False)
+    return root / name
+
+
 def prompt_ids(vocab: int, n: int = 75, seed: int = 1) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=g).tolist()
@@ -81,6 +90,16 @@ def model_type_of(path) -> str:
     from pathlib import Path
 
     return json.loads((Path(path) / "config.json").read_text()).get("model_type", "?")
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for a test: on two shared cores torch's threaded ops stall under load, and tiny tensors
+    gain nothing from threads. Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture

@@ -12,14 +12,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import expert_budget, max_rel_diff, prompt_ids
+from conftest import expert_budget, max_rel_diff, prompt_ids, synth_tiny
 from k3_reference import K3Reference
 from moestream import Engine
 from moestream.engine.engine import plan
 from moestream.models import kda as kda_mod
 from moestream.models import kimi_k3, latent_moe
 from moestream.models.blocks import sigmoid_topk, silu_glu
-from moestream.synth import synthesize
 from moestream.synth.families import SpecialIds
 from moestream.synth.kimi_k3 import REAL, k3_config
 
@@ -29,20 +28,12 @@ STATE_HEADROOM = 256 * 1024  # KDA/MLA state and AttnRes snapshots of the tiny m
 MUTATION_MIN = 50 * TOL  # a mutated engine must miss the reference by at least this much
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two shared cores: torch's threaded tanh stalls badly under load, and these tensors are tiny anyway."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # torch's threaded tanh stalls on two shared cores
 
 
 @pytest.fixture(scope="module")
 def k3_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("k3")
-    synthesize("kimi-k3", root / "tiny", "tiny", cache_dir=root / "cache", progress=False)
-    return root / "tiny"
+    return synth_tiny(tmp_path_factory, "kimi-k3")
 
 
 @pytest.fixture(scope="module")

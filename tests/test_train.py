@@ -14,7 +14,7 @@ from moestream.train.export import (checkpoint_tensors, config_from_checkpoint, 
 from moestream.train.kda import chunked_delta, naive_delta
 from moestream.train.loop import TrainOptions, heldout_loss, train
 from moestream.train.model import DemoK3
-from moestream.train.plot import line_chart
+from moestream.plot import line_chart
 from moestream.train.recipe import SIZES
 
 TINY = SIZES["tiny"]

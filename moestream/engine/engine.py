@@ -7,6 +7,7 @@ expert residency in experts/, dense residency in engine/residency.py.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -26,6 +27,7 @@ from moestream.experts.store import ExpertStore, fp32_nbytes
 from moestream.kernels.quant import GROUP_DECODE_BYTES, SCRATCH_BYTES as QUANT_SCRATCH_BYTES
 from moestream.models.blocks import UPCAST_CHUNK_BYTES
 from moestream.models.base import DenseWeights, ExpertLayout, ModelContext
+from moestream.models.hfconfig import parse_config
 from moestream.models.registry import family_for
 from moestream.weights.index import CheckpointIndex
 
@@ -48,11 +50,12 @@ class ModelPlan:
 def plan(path: str | Path, io_threads: int = IO_THREADS) -> ModelPlan:
     raw = read_model_config(path)
     family = family_for(raw)
-    cfg = family.parse(raw)
+    cfg = parse_config(family.parse, raw, path)
     index = _open_index(path, family, cfg)
     names = {n[len(family.prefix):] for n in index.names() if family.wants(n)}
     layout = family.experts(cfg, names)
     store = ExpertStore(index, layout.parts, layout.num_experts, family.prefix, io_threads)
+    store.check_uniform(layout.moe_layers)
     dense = [n for n in index.names() if family.wants(n) and not store.is_expert_tensor(n)]
     dense_bytes = sum(index[n].nbytes for n in dense)
     per_layer = [[store.expert_nbytes(l, e) for e in range(layout.num_experts)] for l in layout.moe_layers]
@@ -113,7 +116,8 @@ class Engine:
         return_freed_memory()  # freed temporaries leave the process, so RSS tracks what the budget counts
         runner = ExpertRunner(p.store, memory, opts.cache_policy)
         weights = DenseWeights(p.store.index, p.family.prefix, memory)
-        model = p.family.build(p.config, ModelContext(weights, runner, memory))
+        with tensors_fit_config(path):
+            model = p.family.build(p.config, ModelContext(weights, runner, memory))
         _check_built(p, memory)
         eng = cls(Path(path), p, memory, model, runner, opts)
         eng.residency = residency
@@ -142,7 +146,8 @@ class Engine:
             rows = torch.arange(tokens.shape[0])
         else:
             rows = torch.tensor([seg.start + seg.length - 1 for seg in batch.segments])
-        logits = self.model.forward(tokens, batch, rows)
+        with tensors_fit_config(self.path):
+            logits = self.model.forward(tokens, batch, rows)
         for s, t in items:
             s.pos += len(t)
         if not all_logits:
@@ -233,6 +238,22 @@ class Engine:
         if self.memory.streamer is not None:
             self.memory.streamer.close()
         self.plan.store.close()
+
+
+# what torch says when a tensor's shape disagrees with the sizes config.json gave the model
+_SHAPE_ERRORS = ("shape", "size", "mat1 and mat2", "dimension", "index out of range", "must match", "expected")
+
+
+@contextlib.contextmanager
+def tensors_fit_config(path: str | Path) -> Iterator[None]:
+    """A torch shape error while building or running the model is a checkpoint whose tensors do not fit its
+    config.json (inputs are validated before they get here): report it as a CheckpointError, not a traceback."""
+    try:
+        yield
+    except (RuntimeError, IndexError, ValueError) as e:
+        if not any(m in str(e) for m in _SHAPE_ERRORS):
+            raise
+        raise CheckpointError(f"{path}: the checkpoint's tensors do not fit its config.json ({e})") from None
 
 
 def _check_built(p: ModelPlan, memory: MemoryAccountant) -> None:

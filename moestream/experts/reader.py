@@ -263,11 +263,12 @@ class Reader:
         computed on the I/O thread (which then owns the buffer if it raises). Lower `priority` is read first;
         within a priority, in submission order."""
         if not plan.runs:
-            fut: Future = Future()
-            fut.set_result(then(self.pool.take(plan.nbytes)) if then else self.pool.take(plan.nbytes))
-            return fut
+            done: Future = Future()
+            done.set_result(then(self.pool.take(plan.nbytes)) if then else self.pool.take(plan.nbytes))
+            return done
         job = _Job(plan, self.pool.take(plan.nbytes), then)
-        job.future.moestream_job = job  # type: ignore[attr-defined]  # what cancel / promote act on
+        fut = job.future  # an I/O thread may finish (and detach) the job before this thread returns
+        fut.moestream_job = job  # type: ignore[attr-defined]  # what cancel / promote act on
         with self._cv:
             if self._closed:
                 raise RuntimeError("reader is closed")
@@ -277,7 +278,7 @@ class Reader:
                     t = threading.Thread(target=self._work, name=f"moestream-io-{i}", daemon=True)
                     t.start()
                     self._workers.append(t)
-        return job.future
+        return fut
 
     def cancel(self, fut: Future) -> bool:
         """Withdraw a queued read none of whose runs has started: its buffer returns to the pool and the future

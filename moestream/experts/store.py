@@ -145,6 +145,21 @@ class ExpertStore:
         stride = info.nbytes // self.num_experts
         return PartLocation(part.name, info.file, info.offset + expert * stride, stride, info.dtype, info.shape[1:])
 
+    def check_uniform(self, layers: list[int]) -> None:
+        """Every expert of every MoE layer has the parts, dtypes and shapes of the first one: kernels (the native
+        grouped MXFP4 path above all) size their reads from one expert, so a malformed expert must fail here."""
+        if not layers:
+            return
+        want = [(loc.name, loc.dtype, loc.shape) for loc in self.locate(layers[0], 0)]
+        for layer in layers:
+            for expert in range(self.num_experts):
+                got = [(loc.name, loc.dtype, loc.shape) for loc in self.locate(layer, expert)]
+                if got != want:
+                    bad = next((g, w) for g, w in zip(got + [None] * len(want), want + [None] * len(got)) if g != w)
+                    raise CheckpointError(
+                        f"{self.index.root}: layer {layer} expert {expert} does not match the others: part "
+                        f"{_part(bad[0])} where expert 0 of layer {layers[0]} has {_part(bad[1])}")
+
     def named_parts(self, layer: int, expert: int) -> list[tuple[str, bool, PartLocation]]:
         """(checkpoint tensor name, fused, location) of each part of one expert (what `moestream pack` copies)."""
         out = []
@@ -221,6 +236,10 @@ class ExpertStore:
 
     def close(self) -> None:
         self.reader.close()
+
+
+def _part(p: tuple | None) -> str:
+    return "(none)" if p is None else f"{p[0]} {p[1]}{list(p[2])}"
 
 
 def fp32_nbytes(loc: PartLocation) -> int:

@@ -8,13 +8,17 @@ from __future__ import annotations
 import torch
 
 from moestream.engine.state import GrowingBuffer, Segment
+from moestream.errors import CheckpointError
 from moestream.models.blocks import linear, rms_norm
 
 
 def gqa_dims(c: dict) -> tuple[int, int, int]:
     """(query heads, KV heads, head dim) of an HF GQA config; missing KV heads / head_dim take HF's defaults."""
     heads = c["num_attention_heads"]
-    return heads, c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads
+    kv = c.get("num_key_value_heads") or heads
+    if heads % kv:
+        raise CheckpointError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    return heads, kv, c.get("head_dim") or c["hidden_size"] // heads
 
 
 class KVSlot:

@@ -13,6 +13,7 @@ import torch
 
 from moestream.engine.memory import MemoryAccountant
 from moestream.engine.state import Batch, SeqState
+from moestream.errors import CheckpointError
 from moestream.experts.dispatch import ExpertRunner
 from moestream.experts.store import PartSpec
 from moestream.models.blocks import (embed, expert_glu, glu_mlp, linear, rms_norm, sigmoid_topk, silu_glu,
@@ -109,6 +110,15 @@ class DecoderModel:
     memory: MemoryAccountant
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """The ends of the model must agree with config.json: token ids below vocab_size index the embedding, and
+        the final norm, embedding and head share the hidden width."""
+        e, h, n = self.embed_tokens, self.lm_head, self.norm
+        if e.dim() != 2 or h.dim() != 2 or n.dim() != 1 or e.shape[0] < self.vocab_size \
+                or h.shape[0] < self.vocab_size or not e.shape[1] == h.shape[1] == n.shape[0]:
+            raise CheckpointError(f"embedding {list(e.shape)}, final norm {list(n.shape)} and lm_head {list(h.shape)} "
+                                  f"do not fit config.json's vocab_size {self.vocab_size} and one hidden width")
+
     @property
     def residency(self):
         """The engine's DenseStreamer when some dense weights stream (the accountant holds it), else None."""
@@ -167,11 +177,20 @@ def dense_glu(w: DenseWeights, p: str, act=silu_glu) -> Callable[[torch.Tensor],
     return lambda x: glu_mlp(x, g, u, d, act)
 
 
+def router(ctx: ModelContext, name: str) -> torch.Tensor:
+    """A router weight [num_experts, H]: one row per expert of the layout, so a routed id always names an expert
+    (an id past the layout's count would index past a fused expert tensor)."""
+    gate, n = ctx.weights.get(name), ctx.experts.store.num_experts
+    if gate.dim() != 2 or gate.shape[0] != n:
+        raise CheckpointError(f"{name} has shape {list(gate.shape)}: config.json says {n} experts, one row each")
+    return gate
+
+
 def sigmoid_moe(ctx: ModelContext, layer: int, p: str, fn, top_k: int, renormalize: bool, scale: float,
                 n_group: int = 1, topk_group: int = 1, shared=None) -> Callable[[torch.Tensor], torch.Tensor]:
     """DeepSeek-V3 / Kimi Linear MoE at `p`: sigmoid router (the correction bias only selects), routed experts
     through the runner, plus the shared MLP on the full-width input when there is one."""
-    gate, bias = ctx.weights.get(f"{p}.gate.weight"), ctx.weights.maybe(f"{p}.gate.e_score_correction_bias")
+    gate, bias = router(ctx, f"{p}.gate.weight"), ctx.weights.maybe(f"{p}.gate.e_score_correction_bias")
 
     def ffn(x: torch.Tensor) -> torch.Tensor:
         ids, wts = sigmoid_topk(linear(x, gate), bias, top_k, renormalize, scale, n_group, topk_group)
@@ -184,7 +203,7 @@ def sigmoid_moe(ctx: ModelContext, layer: int, p: str, fn, top_k: int, renormali
 def softmax_moe(ctx: ModelContext, layer: int, p: str, top_k: int,
                 renormalize: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     """Mixtral / Qwen3-MoE MoE at `p`: softmax router over all experts in fp32, top-k, SiLU-GLU experts."""
-    gate = ctx.weights.get(f"{p}.gate.weight")
+    gate = router(ctx, f"{p}.gate.weight")
     fn = expert_glu()
     # lets the runner predict this layer's experts from the previous layer's input (lookahead prefetch)
     ctx.experts.register_router(layer, lambda x: softmax_topk(linear(x, gate), top_k, False)[0])

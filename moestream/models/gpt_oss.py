@@ -14,7 +14,7 @@ from moestream.errors import UnsupportedModelError
 from moestream.experts.store import PartSpec
 from moestream.kernels.quant import mxfp4_linear
 from moestream.models.attention import GQAMixer, gqa_dims
-from moestream.models.base import ExpertLayout, Family, Layer, ModelContext, standard_model
+from moestream.models.base import ExpertLayout, Family, Layer, ModelContext, router, standard_model
 from moestream.models.blocks import linear
 from moestream.models.rope import build_rope
 
@@ -101,7 +101,7 @@ def build(cfg: GptOssConfig, ctx: ModelContext):
 
 
 def _moe(cfg: GptOssConfig, ctx: ModelContext, i: int):
-    gate_w = ctx.weights.get(f"model.layers.{i}.mlp.router.weight")
+    gate_w = router(ctx, f"model.layers.{i}.mlp.router.weight")
     gate_b = ctx.weights.get(f"model.layers.{i}.mlp.router.bias")
 
     def ffn(x: torch.Tensor) -> torch.Tensor:

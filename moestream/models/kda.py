@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from moestream.engine.state import Batch, SeqState
-from moestream.errors import UnsupportedModelError
+from moestream.errors import CheckpointError, UnsupportedModelError
 from moestream.kernels import cpu
 from moestream.models.blocks import linear, rms_norm
 
@@ -70,6 +70,12 @@ class KDAMixer:
         p, self.opt = prefix, opt
         self.proj = [w.get(f"{p}.{n}_proj.weight") for n in "qkv"]
         self.conv = [w.get(f"{p}.{n}_conv1d.weight") for n in "qkv"]  # [C, 1, K] each
+        width = opt.heads * opt.head_dim
+        for n, proj, conv in zip("qkv", self.proj, self.conv):
+            if proj.dim() != 2 or proj.shape[0] != width or tuple(conv.shape) != (width, 1, opt.conv_kernel):
+                raise CheckpointError(f"{p}.{n}_proj / {n}_conv1d have shapes {list(proj.shape)} / "
+                                      f"{list(conv.shape)}: config.json's KDA heads x head_dim is {width} and its "
+                                      f"conv kernel {opt.conv_kernel}")
         self.f_a, self.f_b = w.get(f"{p}.f_a_proj.weight"), w.get(f"{p}.f_b_proj.weight")
         # A_log: [1, 1, H, 1] in Kimi Linear, [128] in K3 whose tail past num_heads is padding
         self.A_log = w.get(f"{p}.A_log").reshape(-1)[: opt.heads]

@@ -10,10 +10,12 @@ from typing import Callable
 
 import torch
 
+from moestream.errors import CheckpointError
 from moestream.experts.store import PartViews
 from moestream.kernels import cpu
 from moestream.kernels.quant import (GROUP_DECODE_BYTES, check_mxfp4_scales, mxfp4_decode_planes, mxfp4_linear,
                                      mxfp4_permute_input)
+from moestream.models.base import router
 from moestream.models.blocks import glu_mlp, linear, rms_norm, sigmoid_topk, situ_glu
 
 Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -82,8 +84,7 @@ def _native_group(z, ids, weights, experts, tensors, act, out) -> None:
     sel = order[torch.tensor(pick, dtype=torch.long)]
     rows = sel // k
     zr = z.index_select(0, rows).float().contiguous()  # [R, latent], grouped by expert
-    t0 = tensors[0]
-    inter, latent = t0["w1_packed"].shape[0], t0["w1_packed"].shape[1] * 2
+    inter, latent = _group_dims(z, tensors)
     gate_up = torch.empty(2, len(pick), inter, dtype=torch.float32)
     y = torch.empty(len(pick), latent, dtype=torch.float32)
     zp, gp, up, yp = zr.data_ptr(), gate_up[0].data_ptr(), gate_up[1].data_ptr(), y.data_ptr()
@@ -118,6 +119,22 @@ def _native_group(z, ids, weights, experts, tensors, act, out) -> None:
 _PARTS = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")
 
 
+def _group_dims(z: torch.Tensor, tensors) -> tuple[int, int]:
+    """(inter, latent) of a group of MXFP4 experts, after checking that every expert's six parts have the shapes
+    those imply and that z's rows are `latent` wide: the native call reads every expert with one shape, so a
+    malformed expert would otherwise be read out of bounds."""
+    inter, latent = tensors[0]["w1_packed"].shape[0], z.shape[1]
+    want = {"w1_packed": (inter, latent // 2), "w3_packed": (inter, latent // 2), "w2_packed": (latent, inter // 2),
+            "w1_scale": (inter, latent // 32), "w3_scale": (inter, latent // 32), "w2_scale": (latent, inter // 32)}
+    for t in tensors:
+        for name, shape in want.items():
+            got = t[name]
+            if tuple(got.shape) != shape or got.dtype != torch.uint8 or latent % 32 or inter % 32:
+                raise CheckpointError(f"MXFP4 expert part {name} has {got.dtype}{list(got.shape)}, expected "
+                                      f"uint8{list(shape)} (latent width {latent}, expert width {inter})")
+    return inter, latent
+
+
 def _pointers(t, keep: list) -> tuple[int, ...]:
     """Addresses of an expert's six parts; cached on a blob's PartViews (its views are contiguous and live as long
     as the blob); other mappings are checked each time, non-contiguous parts copied into `keep`."""
@@ -146,8 +163,7 @@ def mxfp4_group(act: Act):
         if z.shape[0] <= NATIVE_GROUP_MAX_ROWS and cpu.available():
             _native_group(z, ids, weights, experts, tensors, act, out)
             return True
-        t0 = tensors[0]
-        inter, latent = t0["w1_packed"].shape[0], t0["w1_packed"].shape[1] * 2
+        inter, latent = _group_dims(z, tensors)
         per = 3 * inter * latent * 4
         if per > GROUP_DECODE_BYTES:
             return False
@@ -185,7 +201,7 @@ class LatentMoE:
                  quantized: bool):
         w, p = ctx.weights, f"model.layers.{layer}.block_sparse_moe"
         self.runner, self.layer, self.top_k, self.scale, self.eps = ctx.experts, layer, top_k, scale, eps
-        self.gate, self.bias = w.get(f"{p}.gate.weight"), w.get(f"{p}.gate.e_score_correction_bias")
+        self.gate, self.bias = router(ctx, f"{p}.gate.weight"), w.get(f"{p}.gate.e_score_correction_bias")
         self.down, self.up = w.get(f"{p}.routed_expert_down_proj.weight"), w.get(f"{p}.routed_expert_up_proj.weight")
         self.norm = w.get(f"{p}.routed_expert_norm.weight") if use_norm else None
         names = [f"{p}.shared_experts.{n}_proj.weight" for n in ("gate", "up", "down")]

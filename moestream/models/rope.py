@@ -1,7 +1,8 @@
 """Rotary position embeddings: inverse frequencies from a config's rope parameters, and their application.
 
-Owns rope variants (default, linear, yarn, llama3) and the two layouts (halves, as in Hugging Face's
-rotate_half, and interleaved pairs). It does not know about attention or caches.
+Owns rope variants (default, linear, yarn, llama3; any other `rope_type` is an UnsupportedModelError naming these)
+and the two layouts (halves, as in Hugging Face's rotate_half, and interleaved pairs). It does not know about
+attention or caches.
 """
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from moestream.errors import CheckpointError, UnsupportedModelError
+
+ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
 @dataclass
@@ -47,16 +52,40 @@ def rope_params(cfg: dict) -> dict:
 
 def build_rope(cfg: dict, dim: int, interleaved: bool = False) -> Rope:
     p = rope_params(cfg)
-    base = float(p["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     kind = p["rope_type"]
+    if kind not in ROPE_TYPES:
+        raise UnsupportedModelError(f"config.json: rope_type {kind!r} is not supported; supported: "
+                                    f"{', '.join(ROPE_TYPES)}")
+    base = _number(p, "rope_theta")
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if kind == "default":
         return Rope(inv_freq, 1.0, interleaved)
     if kind == "linear":
-        return Rope(inv_freq / float(p["factor"]), 1.0, interleaved)
-    if kind == "yarn":
-        return _yarn(p, cfg, dim, base, interleaved)
-    raise NotImplementedError(f"rope_type {kind!r} is not supported yet")
+        return Rope(inv_freq / _number(p, "factor"), 1.0, interleaved)
+    if kind == "llama3":
+        return Rope(_llama3(p, inv_freq), 1.0, interleaved)
+    return _yarn(p, cfg, dim, base, interleaved)
+
+
+def _number(p: dict, key: str) -> float:
+    """A positive rope parameter, or a CheckpointError naming it."""
+    v = p.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise CheckpointError(f"config.json: rope_type {p['rope_type']!r} needs a positive number {key}, got {v!r}")
+    return float(v)
+
+
+def _llama3(p: dict, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling: wavelengths longer than original/low_freq_factor are divided by
+    `factor`, shorter than original/high_freq_factor kept, and the band between blends the two linearly in
+    original/wavelength."""
+    factor, low, high = _number(p, "factor"), _number(p, "low_freq_factor"), _number(p, "high_freq_factor")
+    original = _number(p, "original_max_position_embeddings")
+    if high <= low:
+        raise CheckpointError(f"config.json: llama3 rope needs high_freq_factor ({high}) > low_freq_factor ({low})")
+    wavelen = 2 * math.pi / inv_freq
+    blend = ((original / wavelen - low) / (high - low)).clamp(0, 1)  # 0: long (scaled), 1: short (kept)
+    return inv_freq / factor * (1 - blend) + inv_freq * blend
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
@@ -66,8 +95,11 @@ def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
 
 
 def _yarn(p: dict, cfg: dict, dim: int, base: float, interleaved: bool) -> Rope:
-    factor = float(p["factor"])
+    factor = _number(p, "factor")
     original = p.get("original_max_position_embeddings") or cfg.get("max_position_embeddings")
+    if isinstance(original, bool) or not isinstance(original, (int, float)) or original <= 0:
+        raise CheckpointError("config.json: yarn rope needs original_max_position_embeddings or "
+                              f"max_position_embeddings, got {original!r}")
     beta_fast, beta_slow = float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1)
     mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
     attention_factor = p.get("attention_factor")

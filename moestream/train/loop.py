@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from moestream.errors import MoestreamError
+from moestream.plot import line_chart, pyplot
 from moestream.train import data
 from moestream.train.model import DemoConfig, DemoK3
-from moestream.train.plot import line_chart
 
 STATE = "train_state.pt"
 
@@ -198,6 +198,12 @@ def smoothed(points: list, alpha: float = 0.1) -> list[tuple[float, float]]:
 
 
 def write_curve(run: RunState, path: Path) -> None:
-    """Blue: train loss (EMA); red: held-out loss."""
+    """Blue: train loss (EMA); red: held-out loss. Skipped without matplotlib (the `plot` extra): a missing
+    chart must not stop a training run."""
+    try:
+        pyplot()
+    except MoestreamError:
+        return
     train_pts = smoothed(run.losses)[:: max(1, len(run.losses) // 400)]
-    line_chart([train_pts, list(run.evals)], path)
+    line_chart([train_pts, list(run.evals)], path, labels=["train (EMA)", "held-out"], xlabel="step",
+               ylabel="loss")

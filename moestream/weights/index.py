@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 
 from moestream.errors import CheckpointError
+from moestream.weights.validate import (check_align, check_no_overlap, header_entry, is_int, member_file,
+                                       regular_file)
 
 # safetensors dtype string -> (torch dtype, bytes per element)
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -87,36 +89,23 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
             if hlen > MAX_HEADER or 8 + hlen > size:
                 raise CheckpointError(f"{path}: corrupt safetensors header length {hlen} (file is {size} bytes)")
             header = json.loads(f.read(hlen))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read safetensors header: {e}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: cannot read safetensors header: {type(e).__name__}: {e}") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header is not a JSON object")
     base = 8 + hlen
     out: dict[str, TensorInfo] = {}
+    itemsizes = {k: v[1] for k, v in DTYPES.items()}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        out[name] = _tensor_info(path, name, meta, base, size)
+        dtype, shape, begin, end = header_entry(path, name, meta, itemsizes)
+        if base + end > size:
+            raise CheckpointError(
+                f"{path}: truncated: tensor {name!r} ends at byte {base + end} but the file has {size} bytes")
+        out[name] = TensorInfo(name, path, base + begin, end - begin, dtype, shape)
+    check_no_overlap(path, [(t.offset, t.offset + t.nbytes, n) for n, t in out.items()])
     return out
-
-
-def _tensor_info(path: Path, name: str, meta: dict, base: int, size: int) -> TensorInfo:
-    try:
-        dtype, shape, (begin, end) = meta["dtype"], tuple(int(s) for s in meta["shape"]), meta["data_offsets"]
-    except (KeyError, TypeError, ValueError):
-        raise CheckpointError(f"{path}: malformed header entry for tensor {name!r}") from None
-    if dtype not in DTYPES:
-        raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
-    numel = 1
-    for s in shape:
-        numel *= s
-    if end - begin != numel * DTYPES[dtype][1] or begin < 0:
-        raise CheckpointError(f"{path}: tensor {name!r} byte range [{begin}, {end}) does not match {dtype}{list(shape)}")
-    if base + end > size:
-        raise CheckpointError(
-            f"{path}: truncated: tensor {name!r} ends at byte {base + end} but the file has {size} bytes"
-        )
-    return TensorInfo(name, path, base + begin, end - begin, dtype, shape)
 
 
 class CheckpointIndex:
@@ -198,21 +187,26 @@ class CheckpointIndex:
 
 
 def _shard_files(root: Path) -> list[Path]:
+    """The shards to open: those the index's weight_map names (each inside `root`, a regular file), else every
+    *.safetensors file."""
     idx = root / "model.safetensors.index.json"
     if idx.exists():
         try:
             weight_map = json.loads(idx.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{idx}: malformed index: {e}") from None
-        files = sorted({root / f for f in weight_map.values()})
-        missing = [str(f.name) for f in files if not f.exists()]
-        if missing:
-            raise CheckpointError(f"{root}: shards named in the index are missing: {', '.join(missing)}")
-        return files
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{idx}: malformed index: {type(e).__name__}: {e}") from None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{idx}: malformed index: weight_map is not a JSON object")
+        names = set()
+        for tensor, name in weight_map.items():
+            if not isinstance(name, str):
+                raise CheckpointError(f"{idx}: weight_map entry for tensor {tensor!r} is {name!r}, not a file name")
+            names.add(name)
+        return [member_file(root, name, idx.name) for name in sorted(names)]
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{root}: no *.safetensors files found")
-    return files
+    return [regular_file(root, f, "safetensors shard") for f in files]
 
 
 def _open_packed(cls, root: Path) -> CheckpointIndex:
@@ -221,8 +215,8 @@ def _open_packed(cls, root: Path) -> CheckpointIndex:
     path = root / PACK_MANIFEST
     try:
         m = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read the pack manifest: {e}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: cannot read the pack manifest: {type(e).__name__}: {e}") from None
     if not isinstance(m, dict) or m.get("format") != PACK_FORMAT:
         raise CheckpointError(f"{path}: not a moestream pack manifest")
     if m.get("version") != PACK_VERSION:
@@ -230,31 +224,25 @@ def _open_packed(cls, root: Path) -> CheckpointIndex:
                               f"reads version {PACK_VERSION}); pack the original checkpoint again")
     try:
         return _packed_index(cls, root, m)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise CheckpointError(f"{path}: malformed pack manifest ({type(e).__name__}: {e})") from None
 
 
 def _packed_index(cls, root: Path, m: dict) -> CheckpointIndex:
     tensors: dict[str, TensorInfo] = {}
     for name in m["dense_files"]:
-        f = root / name
-        if not f.exists():
-            raise CheckpointError(f"{root}: dense shard {name} named in {PACK_MANIFEST} is missing")
-        tensors.update(_read_header(f))
+        tensors.update(_read_header(member_file(root, name, f"{PACK_MANIFEST} dense shard")))
     crcs = {str(k): int(v) for k, v in m.get("dense_crc32", {}).items()}
     sizes: dict[str, int] = {}
     for name in m["expert_files"]:
-        f = root / name
-        if not f.exists():
-            raise CheckpointError(f"{root}: expert file {name} named in {PACK_MANIFEST} is missing")
-        sizes[name] = f.stat().st_size
-    align = int(m.get("align", 4096))
-    meta = {name: (str(t["dtype"]), tuple(int(s) for s in t["shape"]), bool(t["fused"]))
+        sizes[name] = member_file(root, name, f"{PACK_MANIFEST} expert file").stat().st_size
+    align = check_align(root / PACK_MANIFEST, m.get("align", 4096))
+    meta = {name: (str(t["dtype"]), tuple(_count(s, f"tensor {name!r} shape") for s in t["shape"]), bool(t["fused"]))
             for name, t in m["tensors"].items()}
     packed: list[PackedExpert] = []
     slots: dict[str, dict[int, Piece]] = {name: {} for name in meta}
     for rec in m["experts"]:
-        fname, off, n = str(rec["file"]), int(rec["offset"]), int(rec["length"])
+        fname, off, n = str(rec["file"]), _count(rec["offset"], "offset"), _count(rec["length"], "length")
         where = f"{root / fname}: layer {rec['layer']} expert {rec['expert']}"
         if fname not in sizes:
             raise CheckpointError(f"{where}: file is not listed in {PACK_MANIFEST}")
@@ -266,10 +254,10 @@ def _packed_index(cls, root: Path, m: dict) -> CheckpointIndex:
         group = len(packed)
         packed.append(PackedExpert(int(rec["layer"]), int(rec["expert"]), root / fname, off, n, int(rec["crc32"])))
         for part in rec["parts"]:
-            tname, at, nb = str(part["tensor"]), int(part["offset"]), int(part["nbytes"])
+            tname, at, nb = str(part["tensor"]), _count(part["offset"], "offset"), _count(part["nbytes"], "nbytes")
             if tname not in meta or at < 0 or at + nb > n:
                 raise CheckpointError(f"{where}: part {tname!r} lies outside the expert or names an unknown tensor")
-            slot = 0 if part.get("index") is None else int(part["index"])
+            slot = 0 if part.get("index") is None else _count(part["index"], "index")
             if slot in slots[tname]:
                 raise CheckpointError(f"{where}: tensor {tname!r} slice {slot} is packed twice")
             slots[tname][slot] = Piece(root / fname, off + at, nb, group)
@@ -281,7 +269,7 @@ def _packed_index(cls, root: Path, m: dict) -> CheckpointIndex:
         nbytes = numel * DTYPES[dtype][1] if dtype in DTYPES else -1
         count = shape[0] if fused and shape else 1
         got = slots[name]
-        if dtype not in DTYPES or sorted(got) != list(range(count)) \
+        if dtype not in DTYPES or len(got) != count or sorted(got) != list(range(count)) \
                 or sum(p.nbytes for p in got.values()) != nbytes or len({p.nbytes for p in got.values()}) > 1:
             raise CheckpointError(f"{root}: packed tensor {name!r} ({dtype}{list(shape)}) is not fully described "
                                   f"by its {len(got)} pieces in {PACK_MANIFEST}")
@@ -291,6 +279,13 @@ def _packed_index(cls, root: Path, m: dict) -> CheckpointIndex:
         first = pieces[name][0]
         tensors[name] = TensorInfo(name, first.file, first.offset, nbytes, dtype, shape)
     return cls(root, tensors, packed=packed, pieces=pieces, crcs=crcs)
+
+
+def _count(v: object, what: str) -> int:
+    """A non-negative integer field of the pack manifest (ValueError is reported as a malformed manifest)."""
+    if not is_int(v) or v < 0:
+        raise ValueError(f"{what} {v!r} is not a non-negative integer")
+    return v
 
 
 def bytes_to_tensor(buf: bytearray | memoryview, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
