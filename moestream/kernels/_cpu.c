@@ -19,15 +19,19 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
-#define MS_AVX512 1
+#define MS_SIMD 2
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MS_SIMD 1
 #else
-#define MS_AVX512 0
+#define MS_SIMD 0
 #endif
+#define MS_AVX512 (MS_SIMD == 2)
 
-#define MS_ABI 6
+#define MS_ABI 7
 #define TILE_T 8   /* tokens per register tile */
 #define PF_BYTES 16384  /* software prefetch distance of the bf16 kernel (measured: 16-32 KiB best) */
-#define MAX_THREADS 8
+#define MAX_THREADS 16
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -41,14 +45,14 @@ INLINE float e8m0(uint8_t s) {
     return v.f;
 }
 
-INLINE float bf16_to_f32(uint16_t h) {
+INLINE float bits_f32(uint32_t u) {
     union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
+    v.u = u;
     return v.f;
 }
 
 int ms_abi(void) { return MS_ABI; }
-int ms_simd(void) { return MS_AVX512; }
+int ms_simd(void) { return MS_SIMD; }
 
 int64_t ms_find_byte(const uint8_t *p, int64_t n, int value) {
     const uint8_t *hit = n > 0 ? memchr(p, value, (size_t)n) : NULL;
@@ -56,61 +60,116 @@ int64_t ms_find_byte(const uint8_t *p, int64_t n, int value) {
 }
 
 /* ------------------------------------------------------------------------------------------------ bf16 */
+/* One vector step reads GW = 2 VW bf16 weights: a shift of each 32-bit pair gives the even inputs' fp32 values, a
+ * mask the odd ones, so no shuffles. x is therefore "prepared" once per call: per group of GW inputs, the VW even
+ * inputs, then the VW odd ones (zero padded to a whole group); bf16_pos says where input k lands. The scalar
+ * build is the same code with VW = 1. */
+#if MS_SIMD == 2
+#define VW 16
+typedef __m512 vf;
+typedef __m512i vw_t;
+INLINE vf vzero(void) { return _mm512_setzero_ps(); }
+INLINE vf vloadf(const float *p) { return _mm512_loadu_ps(p); }
+INLINE vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE vw_t vloadw(const uint16_t *p) { return _mm512_loadu_si512((const void *)p); }
+INLINE vf veven(vw_t v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+INLINE vf vodd(vw_t v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u))); }
+INLINE float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+#elif MS_SIMD == 1
+#define VW 8
+typedef __m256 vf;
+typedef __m256i vw_t;
+INLINE vf vzero(void) { return _mm256_setzero_ps(); }
+INLINE vf vloadf(const float *p) { return _mm256_loadu_ps(p); }
+INLINE vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE vw_t vloadw(const uint16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+INLINE vf veven(vw_t v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+INLINE vf vodd(vw_t v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u))); }
+INLINE float vsum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+#define VW 1
+typedef float vf;
+typedef uint32_t vw_t;
+INLINE vf vzero(void) { return 0.0f; }
+INLINE vf vloadf(const float *p) { return *p; }
+INLINE vf vfma(vf a, vf b, vf c) { return a * b + c; }
+INLINE vw_t vloadw(const uint16_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 16; }
+INLINE vf veven(vw_t v) { return bits_f32(v << 16); }
+INLINE vf vodd(vw_t v) { return bits_f32(v & 0xFFFF0000u); }
+INLINE float vsum(vf v) { return v; }
+#endif
+#define GW (2 * VW)
 
-#if MS_AVX512
-/* x is reordered per 32 inputs: the 16 even inputs, then the 16 odd ones (zero padded to a multiple of 32), so a
- * 64-byte load of 32 bf16 weights splits into two fp32 vectors with a shift and a mask, no shuffles. */
-static int64_t bf16_stride(int64_t K) { return (K + 31) / 32 * 32; }
+static int64_t bf16_stride(int64_t K) { return (K + GW - 1) / GW * GW; }
+
+/* position of input k in a prepared row */
+INLINE int64_t bf16_pos(int64_t k) { return k / GW * GW + (k & 1) * VW + (k % GW) / 2; }
+
+static void bf16_prepare_row(const float *src, int64_t K, float *dst) {
+    const int64_t Kp = bf16_stride(K);
+    for (int64_t k = K; k < Kp; k++) dst[bf16_pos(k)] = 0.0f;
+    for (int64_t k = 0; k < K; k++) dst[bf16_pos(k)] = src[k];
+}
 
 static void bf16_prepare(const float *x, int64_t T, int64_t K, float *xp) {
     const int64_t Kp = bf16_stride(K);
-    for (int64_t t = 0; t < T; t++) {
-        const float *src = x + t * K;
-        float *dst = xp + t * Kp;
-        for (int64_t c = 0; c < Kp; c += 32)
-            for (int i = 0; i < 32; i++) {
-                int64_t k = c + (i < 16 ? 2 * i : 2 * (i - 16) + 1);
-                dst[c + i] = k < K ? src[k] : 0.0f;
-            }
-    }
+    for (int64_t t = 0; t < T; t++) bf16_prepare_row(x + t * K, K, xp + t * Kp);
 }
 
-/* R weight rows (stride K) times TT tokens (stride ldx) -> out[t * ldo + r]. */
+/* R weight rows (stride K) times TT tokens (prepared, stride ldx) -> out[t * ldo + r]. */
 INLINE void bf16_tile(const float *x, int64_t ldx, const uint16_t *w, int64_t K, float *out, int64_t ldo,
                       const int R, const int TT) {
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
-    __m512 acc[4][TILE_T];
+    vf acc[4][TILE_T];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-        for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        __m512 even[4], odd[4];
-        __mmask32 m = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
+        for (int t = 0; t < TT; t++) acc[r][t] = vzero();
+#define BF16_STEP(WPTR, KK)                                                                     \
+    do {                                                                                        \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                   \
+            vw_t v = vloadw(WPTR(r));                                                           \
+            vf e = veven(v), o = vodd(v);                                                       \
+            _Pragma("GCC unroll 8") for (int t = 0; t < TT; t++) {                              \
+                acc[r][t] = vfma(e, vloadf(x + t * ldx + (KK)), acc[r][t]);                     \
+                acc[r][t] = vfma(o, vloadf(x + t * ldx + (KK) + VW), acc[r][t]);                \
+            }                                                                                   \
+        }                                                                                       \
+    } while (0)
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) { /* one 64-byte line of each row per iteration */
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
+        for (int r = 0; r < R; r++)
             /* 16 KiB ahead into L2 (rows are contiguous, so that is a later block of rows): each row stream is
              * only a few KiB, too short for the hardware prefetcher, and a matrix streamed from DRAM ran at
              * 9 GB/s on one core without this and 19 GB/s with it (bench/kernels.py; docs/performance.md) */
-            _mm_prefetch((const char *)(w + r * K + k) + PF_BYTES, _MM_HINT_T1);
-            __m512i v = _mm512_maskz_loadu_epi16(m, w + r * K + k);
-            even[r] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-            odd[r] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
-        }
-#pragma GCC unroll 8
-        for (int t = 0; t < TT; t++) {
-            __m512 x0 = _mm512_loadu_ps(x + t * ldx + k), x1 = _mm512_loadu_ps(x + t * ldx + k + 16);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                acc[r][t] = _mm512_fmadd_ps(even[r], x0, acc[r][t]);
-                acc[r][t] = _mm512_fmadd_ps(odd[r], x1, acc[r][t]);
-            }
-        }
+            __builtin_prefetch((const char *)(w + r * K + k) + PF_BYTES, 0, 2);
+#define W_LINE(r) (w + (r) * K + k + s)
+#pragma GCC unroll 16
+        for (int s = 0; s < 32; s += GW) BF16_STEP(W_LINE, k + s);
+#undef W_LINE
     }
+    for (; k + GW <= K; k += GW) {
+#define W_MAIN(r) (w + (r) * K + k)
+        BF16_STEP(W_MAIN, k);
+#undef W_MAIN
+    }
+    if (k < K) { /* a partial group: its weights copied into zero padding (x is zero padded already) */
+        uint16_t tail[4][GW];
+        memset(tail, 0, sizeof(tail));
+        for (int r = 0; r < R; r++) memcpy(tail[r], w + r * K + k, sizeof(uint16_t) * (size_t)(K - k));
+#define W_TAIL(r) (tail[r])
+        BF16_STEP(W_TAIL, k);
+#undef W_TAIL
+    }
+#undef BF16_STEP
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-        for (int t = 0; t < TT; t++) out[t * ldo + r] = _mm512_reduce_add_ps(acc[r][t]);
+        for (int t = 0; t < TT; t++) out[t * ldo + r] = vsum(acc[r][t]);
 }
 
 #define BF16_CASE(R, TT) \
@@ -125,30 +184,20 @@ static void bf16_block(const float *x, int64_t ldx, int tt, const uint16_t *w, i
     else if (rows == 2) { BF16_SWITCH(2) }
     else { BF16_SWITCH(1) }
 }
+
+/* rows per register block for a token tile of tt: accumulators plus weights must fit the register file (32
+ * vectors with AVX-512, 16 with AVX2) */
+static int rows_for(int tt) {
+#if MS_SIMD == 1
+    return tt <= 2 ? 4 : (tt <= 4 ? 2 : 1);
 #else
-static int64_t bf16_stride(int64_t K) { return K; }
-
-static void bf16_prepare(const float *x, int64_t T, int64_t K, float *xp) {
-    memcpy(xp, x, sizeof(float) * (size_t)(T * K));
-}
-
-static void bf16_block(const float *x, int64_t ldx, int tt, const uint16_t *w, int64_t K, float *out, int64_t ldo,
-                       int rows) {
-    for (int r = 0; r < rows; r++)
-        for (int t = 0; t < tt; t++) {
-            float acc = 0.0f;
-            for (int64_t k = 0; k < K; k++) acc += bf16_to_f32(w[r * K + k]) * x[t * ldx + k];
-            out[t * ldo + r] = acc;
-        }
-}
+    return tt <= 4 ? 4 : 2;
 #endif
+}
 
-/* rows per register block for a token tile of tt: 16 accumulators at most */
-static int rows_for(int tt) { return tt <= 4 ? 4 : 2; }
-
-/* rows [n0, n1) of every token; x prepared (row stride ldx) */
+/* out[t * ldo + (n - n0)] for rows [n0, n1) of w [N, K] and every token of x (prepared, row stride ldx) */
 static void bf16_rows(const float *x, int64_t ldx, int64_t T, int64_t K, const uint16_t *w, int64_t n0, int64_t n1,
-                      float *out, int64_t N) {
+                      float *out, int64_t ldo) {
     int64_t n = n0;
     while (n < n1) {
         int64_t left = n1 - n;
@@ -159,7 +208,7 @@ static void bf16_rows(const float *x, int64_t ldx, int64_t T, int64_t K, const u
             int tt = (int)(T - t0 < TILE_T ? T - t0 : TILE_T);
             int r = rows_for(tt) < step ? rows_for(tt) : step;
             for (int done = 0; done < step; done += r)
-                bf16_block(x + t0 * ldx, ldx, tt, w + (n + done) * K, K, out + t0 * N + n + done, N, r);
+                bf16_block(x + t0 * ldx, ldx, tt, w + (n + done) * K, K, out + t0 * ldo + (n - n0) + done, ldo, r);
         }
         n += step;
     }
@@ -452,7 +501,7 @@ static void bf16_part(void *arg, int part, int parts) {
     bf16_job *j = arg;
     int64_t n0, n1;
     split(j->N, part, parts, &n0, &n1);
-    bf16_rows(j->x, j->ldx, j->T, j->K, j->w, n0, n1, j->out, j->N);
+    bf16_rows(j->x, j->ldx, j->T, j->K, j->w, n0, n1, j->out + n0, j->N);
 }
 
 /* out[T, N] = x[T, K] (contiguous fp32) @ w[N, K]^T (contiguous bf16); work splits over ms_set_threads threads
@@ -473,6 +522,141 @@ int ms_linear_bf16(const float *x, int64_t T, int64_t K, const uint16_t *w, int6
     while (parts > 1 && N / parts < min_rows_per_thread) parts--;
     pool_run(bf16_part, &j, parts);
     free(xp);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------ grouped GLU experts (bf16 weights) */
+/* Every expert of a layer step in one call, in two passes over the threads:
+ *   pass 1 (rows of gate and up, all experts' row blocks split over the threads): h_a = act(gate_e x, up_e x),
+ *          written straight into the prepared layout the down projection reads;
+ *   pass 2 (output columns split over the threads): out[token] += weight_a * down_e h_a for each assignment a.
+ * Each thread owns whole output columns in pass 2 and adds the experts in their given order, so the result does
+ * not depend on the thread count. */
+#define GLU_ROWS 16   /* gate/up rows per unit of pass 1 */
+#define MIN_BYTES_PER_PART (128 << 10)
+#define DOWN_ROWS 32  /* down rows per block of pass 2 (the same scratch: 2 * GLU_ROWS floats per token) */
+
+enum { ACT_SILU = 0, ACT_SITU = 1 };
+
+typedef struct {
+    int64_t E, I, K, D, ldx, ldh, maxcount, ldo;
+    const uint16_t *const *gate, *const *up, *const *down;
+    const int64_t *start, *count; /* expert e's assignments: [start[e], start[e] + count[e]) */
+    const int64_t *row;           /* each assignment's token */
+    const float *wt;              /* ... and its weight */
+    const float *xa;              /* prepared x per assignment [A, ldx] */
+    float *h;                     /* prepared activations per assignment [A, ldh] */
+    float *scratch;               /* per part: 2 * GLU_ROWS * maxcount floats */
+    float *out;
+    int act;
+    float beta, lbeta;
+} glu_job;
+
+INLINE float glu_act(int act, float g, float u, float beta, float lbeta) {
+    if (act == ACT_SITU) /* Kimi K3's SiTU-GLU */
+        return (beta * tanhf(g / beta) / (1.0f + expf(-g))) * (lbeta * tanhf(u / lbeta));
+    return g / (1.0f + expf(-g)) * u; /* SiLU-GLU */
+}
+
+static void glu_up_part(void *arg, int part, int parts) {
+    const glu_job *j = arg;
+    const int64_t blocks = (j->I + GLU_ROWS - 1) / GLU_ROWS, units = j->E * blocks;
+    float *g = j->scratch + (int64_t)part * 2 * GLU_ROWS * j->maxcount, *u = g + GLU_ROWS * j->maxcount;
+    for (int64_t unit = units * part / parts; unit < units * (part + 1) / parts; unit++) {
+        const int64_t e = unit / blocks, n0 = unit % blocks * GLU_ROWS, T = j->count[e];
+        const int64_t n1 = n0 + GLU_ROWS < j->I ? n0 + GLU_ROWS : j->I;
+        if (T <= 0) continue;
+        const float *x = j->xa + j->start[e] * j->ldx;
+        bf16_rows(x, j->ldx, T, j->K, j->gate[e], n0, n1, g, GLU_ROWS);
+        bf16_rows(x, j->ldx, T, j->K, j->up[e], n0, n1, u, GLU_ROWS);
+        for (int64_t t = 0; t < T; t++) {
+            float *h = j->h + (j->start[e] + t) * j->ldh;
+            for (int64_t n = n0; n < n1; n++)
+                h[bf16_pos(n)] = glu_act(j->act, g[t * GLU_ROWS + n - n0], u[t * GLU_ROWS + n - n0], j->beta, j->lbeta);
+        }
+    }
+}
+
+static void split(int64_t N, int part, int parts, int64_t *n0, int64_t *n1);
+
+static void glu_down_part(void *arg, int part, int parts) {
+    const glu_job *j = arg;
+    int64_t c0, c1;
+    split(j->D, part, parts, &c0, &c1);
+    float *y = j->scratch + (int64_t)part * 2 * GLU_ROWS * j->maxcount;
+    for (int64_t e = 0; e < j->E; e++) {
+        const int64_t T = j->count[e], a0 = j->start[e];
+        if (T <= 0) continue;
+        for (int64_t n0 = c0; n0 < c1; n0 += DOWN_ROWS) {
+            const int64_t nn = c1 - n0 < DOWN_ROWS ? c1 - n0 : DOWN_ROWS;
+            bf16_rows(j->h + a0 * j->ldh, j->ldh, T, j->I, j->down[e], n0, n0 + nn, y, DOWN_ROWS);
+            for (int64_t t = 0; t < T; t++) {
+                const float w = j->wt[a0 + t];
+                float *o = j->out + j->row[a0 + t] * j->ldo + n0;
+                for (int64_t n = 0; n < nn; n++) o[n] += w * y[t * DOWN_ROWS + n];
+            }
+        }
+    }
+}
+
+/* For each of E experts (ids experts[e]; bf16 weights gate [I, K], up [I, K], down [D, I] at the addresses
+ * gates[e], ups[e], downs[e]): out[t] += w * down act(gate x[t], up x[t]) for every (t, j) with
+ * ids[t * k + j] == experts[e], w = wts[t * k + j]. With ids NULL every token goes through every expert with weight
+ * 1. x fp32 [T, K], out fp32 [T, D], both contiguous. act: 0 SiLU-GLU, 1 SiTU-GLU(beta, lbeta). Returns 0, or -1
+ * when out of memory. */
+int ms_moe_glu_bf16(int64_t E, const int64_t *experts, const int64_t *gates, const int64_t *ups,
+                    const int64_t *downs, int64_t I, int64_t K, int64_t D, const float *x, int64_t T,
+                    const int64_t *ids, const float *wts, int64_t k, float *out, int act, float beta, float lbeta) {
+    if (E <= 0 || T <= 0 || D <= 0) return 0;
+    int64_t A = 0;
+    if (ids == NULL) {
+        A = E * T;
+    } else {
+        for (int64_t e = 0; e < E; e++)
+            for (int64_t i = 0; i < T * k; i++) A += ids[i] == experts[e];
+    }
+    if (A == 0) return 0;
+    const int64_t ldx = bf16_stride(K), ldh = bf16_stride(I);
+    int parts = pool_parts; /* a thread's wake-up costs about as much as streaming 100-200 KB */
+    while (parts > 1 && E * (2 * I * K + D * I) * 2 / parts < MIN_BYTES_PER_PART) parts--;
+    const size_t meta = sizeof(int64_t) * (size_t)(2 * E + A) + sizeof(float) * (size_t)A;
+    char *mem = malloc(meta + 64 + sizeof(float) * (size_t)(T * ldx + A * (ldx + ldh)));
+    if (!mem) return -1;
+    int64_t *start = (int64_t *)mem, *count = start + E, *row = count + E;
+    float *wt = (float *)(row + A);
+    float *xp = (float *)(((uintptr_t)(mem + meta) + 63) & ~(uintptr_t)63), *xa = xp + T * ldx, *h = xa + A * ldx;
+    int64_t a = 0, maxcount = 0;
+    for (int64_t e = 0; e < E; e++) {
+        start[e] = a;
+        for (int64_t t = 0; t < T; t++) {
+            if (ids == NULL) {
+                row[a] = t;
+                wt[a++] = 1.0f;
+                continue;
+            }
+            for (int64_t i = 0; i < k; i++)
+                if (ids[t * k + i] == experts[e]) {
+                    row[a] = t;
+                    wt[a++] = wts[t * k + i];
+                }
+        }
+        count[e] = a - start[e];
+        if (count[e] > maxcount) maxcount = count[e];
+    }
+    float *scratch = malloc(sizeof(float) * (size_t)(parts * 2 * GLU_ROWS * maxcount));
+    if (!scratch) {
+        free(mem);
+        return -1;
+    }
+    bf16_prepare(x, T, K, xp);
+    for (a = 0; a < A; a++) memcpy(xa + a * ldx, xp + row[a] * ldx, sizeof(float) * (size_t)ldx);
+    memset(h, 0, sizeof(float) * (size_t)(A * ldh)); /* the padding of each row stays zero */
+    glu_job j = {E, I, K, D, ldx, ldh, maxcount, D, (const uint16_t *const *)gates, (const uint16_t *const *)ups,
+                 (const uint16_t *const *)downs, start, count, row, wt, xa, h, scratch, out, act, beta, lbeta};
+    pool_run(glu_up_part, &j, parts);
+    pool_run(glu_down_part, &j, parts);
+    free(scratch);
+    free(mem);
     return 0;
 }
 

@@ -29,13 +29,15 @@ from torch import Tensor
 # docs/performance.md); above it the torch paths are compute-efficient and are kept.
 MAX_TOKENS_BF16 = 16
 MAX_TOKENS_MXFP4 = 32
+# Up to this many tokens a layer step's bf16 GLU experts go through one fused native call (moe_glu_bf16).
+MAX_TOKENS_GLU = 32
 # Threads per call (the caller included). Two threads won on expert-sized matrices in bench/kernels.py; small
 # matrices stay on one (below MIN_ROWS_PER_THREAD rows per thread the wake-up costs more than it saves).
 DEFAULT_THREADS = 1
 MIN_ROWS_PER_THREAD = 256
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
-_ABI = 6
+_ABI = 7
 _SOURCE = Path(__file__).with_name("_cpu.c")
 _LAYOUTS = {"low_first": 0, "gguf": 1}
 
@@ -102,6 +104,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_linear_mxfp4.restype = ctypes.c_int
     lib.ms_set_threads.argtypes = [ctypes.c_int]
     lib.ms_get_threads.restype = ctypes.c_int
+    lib.ms_moe_glu_bf16.argtypes = [i64, p, p, p, p, i64, i64, i64, p, i64, p, p, i64, p, ctypes.c_int,
+                                    ctypes.c_float, ctypes.c_float]
+    lib.ms_moe_glu_bf16.restype = ctypes.c_int
     lib.ms_conv_decode.argtypes = [i64, i64, i64, p, p, p, p]
     lib.ms_conv_decode.restype = None
     lib.ms_kda_decode.argtypes = [i64, i64, i64, i64, p, p, p, p, p, p, p]
@@ -179,10 +184,13 @@ def threads() -> int:
     return handle.ms_get_threads() if handle is not None else 0
 
 
-def simd() -> bool:
-    """Whether the library was built with its AVX-512 kernels (else its portable scalar code)."""
+_SIMD_NAMES = {0: "", 1: "avx2", 2: "avx512"}
+
+
+def simd() -> str:
+    """The vector code the library was built with: "avx512", "avx2", or "" for its portable scalar code."""
     handle = lib()
-    return bool(handle is not None and handle.ms_simd())
+    return _SIMD_NAMES.get(handle.ms_simd(), "") if handle is not None else ""
 
 
 def rows(x: Tensor, in_features: int) -> Tensor:
@@ -285,6 +293,41 @@ def linear_mxfp4_ptrs(xs: Sequence[int], tokens: Sequence[int], packed: Sequence
     if code < 0:
         raise MemoryError("native MXFP4 kernel could not allocate its input scratch")
     return code - 1
+
+
+ACTIVATIONS = {"silu": 0, "situ": 1}  # the GLU activations ms_moe_glu_bf16 computes
+
+
+def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, int, int]], inter: int, out: Tensor,
+                 ids: Tensor | None = None, scores: Tensor | None = None, act: str = "silu", beta: float = 0.0,
+                 linear_beta: float = 0.0) -> None:
+    """Several bf16 GLU experts in one native call, added into out [T, D] (fp32, contiguous):
+    out[t] += scores[t, j] * down_e act(gate_e x[t], up_e x[t]) for every (t, j) with ids[t, j] == experts[e].
+    parts[e] = addresses of expert e's contiguous bf16 gate [inter, K], up [inter, K] and down [D, inter]; the
+    caller checked those shapes and keeps the tensors alive. Without ids, every token goes through every expert
+    with weight 1. x [T, K]; ids int64 and scores fp32 [T, k]."""
+    handle = lib()
+    if handle is None:
+        raise RuntimeError(reason())
+    t, k_in = x.shape
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.dim() != 2 or out.shape[0] != t:
+        raise ValueError(f"moe_glu_bf16 wants a contiguous fp32 out [{t}, D], got {tuple(out.shape)} {out.dtype}")
+    top = 0
+    if ids is not None:
+        if scores is None or ids.shape != scores.shape or ids.dim() != 2 or ids.shape[0] != t:
+            raise ValueError("moe_glu_bf16 wants ids and scores of one shape [T, k]")
+        ids = ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.long().contiguous()
+        scores = scores if scores.dtype == torch.float32 and scores.is_contiguous() else scores.float().contiguous()
+        top = ids.shape[1]
+    code = handle.ms_moe_glu_bf16(len(parts), _addresses(experts), _addresses([p[0] for p in parts]),
+                                  _addresses([p[1] for p in parts]), _addresses([p[2] for p in parts]), inter, k_in,
+                                  out.shape[1], x.data_ptr(), t, None if ids is None else ids.data_ptr(),
+                                  None if scores is None else scores.data_ptr(), top, out.data_ptr(),
+                                  ACTIVATIONS[act], beta, linear_beta)
+    if code != 0:
+        raise MemoryError("native GLU expert kernel could not allocate its scratch")
 
 
 def _f32(t: Tensor) -> Tensor:
