@@ -716,6 +716,96 @@ int ms_linear_mxfp4(int64_t E, const int64_t *xs, const int64_t *Ts, const int64
     return 0;
 }
 
+/* --------------------------------------------------------------------------- norms, rope, GQA attention */
+/* rms-normalise n rows of width H in place: x * rsqrt(mean(x^2) + eps) * w, w fp32 (wbf16 0) or bf16 (1), or
+ * NULL for none */
+static void rms_rows(float *x, int64_t n, int64_t H, const void *w, int wbf16, float eps) {
+    for (int64_t i = 0; i < n; i++) {
+        float *r = x + i * H;
+        float ss = 0.0f;
+        for (int64_t c = 0; c < H; c++) ss += r[c] * r[c];
+        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        if (!w)
+            for (int64_t c = 0; c < H; c++) r[c] *= inv;
+        else if (wbf16)
+            for (int64_t c = 0; c < H; c++) r[c] = r[c] * inv * bits_f32((uint32_t)((const uint16_t *)w)[c] << 16);
+        else
+            for (int64_t c = 0; c < H; c++) r[c] = r[c] * inv * ((const float *)w)[c];
+    }
+}
+
+/* out[T, H] = rms_norm(x[T, H]) * w (x, out fp32; w as in rms_rows) */
+void ms_rms_norm(const float *x, int64_t T, int64_t H, const void *w, int wbf16, float eps, float *out) {
+    if (out != x) memcpy(out, x, sizeof(float) * (size_t)(T * H));
+    rms_rows(out, T, H, w, wbf16, eps);
+}
+
+/* rotate-half rope of H heads of width D at position pos, in place: x*cos + rotate_half(x)*sin with
+ * angle_i = pos * inv_freq[i] (i < D/2) and cos/sin times `factor` */
+static void rope_heads(float *x, int64_t H, int64_t D, int64_t pos, const float *inv_freq, float factor) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = (float)pos * inv_freq[i], c = cosf(a) * factor, s = sinf(a) * factor;
+        for (int64_t h = 0; h < H; h++) {
+            float *r = x + h * D;
+            const float lo = r[i], hi = r[i + half];
+            r[i] = lo * c - hi * s;
+            r[i + half] = hi * c + lo * s;
+        }
+    }
+}
+
+/* One sequence's segment of T new tokens at positions pos0.. (already appended: rows [L - T, L) of the caches).
+ * q [T, Hq, D] and the T new cache rows of kc are per-head rms-normalised (weights qn, kn of the dtype nbf16 says,
+ * as rms_rows; NULL skips) and roped (inv_freq [D/2]; NULL skips) in place; then each query t attends causally to
+ * cache rows 0 .. L - T + t (the last `window` of them when window > 0) with softmax(q k scale), fp32: out
+ * [T, Hq, Dv]. kc [L, Hkv, D], vc [L, Hkv, Dv], Hq a
+ * multiple of Hkv. Returns 0, or -1 when out of memory. */
+int ms_gqa_attend(int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, float *q, float *kc, const float *vc,
+                  int64_t L, const void *qn, const void *kn, int nbf16, float eps, const float *inv_freq,
+                  float factor, float scale, int64_t window, float *out) {
+    const int64_t pos0 = L - T, G = Hq / Hkv;
+    float *p = malloc(sizeof(float) * (size_t)(L > 0 ? L : 1));
+    if (!p) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        float *qt = q + t * Hq * D, *kt = kc + (pos0 + t) * Hkv * D;
+        if (qn) rms_rows(qt, Hq, D, qn, nbf16, eps);
+        if (kn) rms_rows(kt, Hkv, D, kn, nbf16, eps);
+        if (inv_freq) {
+            rope_heads(qt, Hq, D, pos0 + t, inv_freq, factor);
+            rope_heads(kt, Hkv, D, pos0 + t, inv_freq, factor);
+        }
+    }
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t n = pos0 + t + 1, j0 = window > 0 && n > window ? n - window : 0; /* keys [j0, n) */
+        for (int64_t h = 0; h < Hq; h++) {
+            const float *qh = q + (t * Hq + h) * D;
+            const int64_t g = h / G;
+            float m = -INFINITY;
+            for (int64_t j = j0; j < n; j++) {
+                const float *kj = kc + (j * Hkv + g) * D;
+                float sdot = 0.0f;
+                for (int64_t d = 0; d < D; d++) sdot += qh[d] * kj[d];
+                p[j] = sdot * scale;
+                if (p[j] > m) m = p[j];
+            }
+            float sum = 0.0f;
+            for (int64_t j = j0; j < n; j++) {
+                p[j] = expf(p[j] - m);
+                sum += p[j];
+            }
+            float *oh = out + (t * Hq + h) * Dv;
+            for (int64_t d = 0; d < Dv; d++) oh[d] = 0.0f;
+            for (int64_t j = j0; j < n; j++) {
+                const float w = p[j] / sum, *vj = vc + (j * Hkv + g) * Dv;
+                for (int64_t d = 0; d < Dv; d++) oh[d] += w * vj[d];
+            }
+        }
+    }
+    free(p);
+    return 0;
+}
+
 /* ------------------------------------------------------------------------- KDA decode (one token per sequence) */
 /* Short causal depthwise conv for B sequences, one new token each: y[b, c] = sum_{t < K-1} win_b[t, c] taps[c, t]
  * + x_b[c] taps[c, K-1]; then each window drops its oldest row and appends x_b. win_b (fp32 [K-1, C]) at Ws[b],

@@ -107,6 +107,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_moe_glu_bf16.argtypes = [i64, p, p, p, p, i64, i64, i64, p, i64, p, p, i64, p, ctypes.c_int,
                                     ctypes.c_float, ctypes.c_float]
     lib.ms_moe_glu_bf16.restype = ctypes.c_int
+    lib.ms_rms_norm.argtypes = [p, i64, i64, p, ctypes.c_int, ctypes.c_float, p]
+    lib.ms_rms_norm.restype = None
+    lib.ms_gqa_attend.argtypes = [i64, i64, i64, i64, i64, p, p, p, i64, p, p, ctypes.c_int, ctypes.c_float, p,
+                                  ctypes.c_float, ctypes.c_float, i64, p]
+    lib.ms_gqa_attend.restype = ctypes.c_int
     lib.ms_conv_decode.argtypes = [i64, i64, i64, p, p, p, p]
     lib.ms_conv_decode.restype = None
     lib.ms_kda_decode.argtypes = [i64, i64, i64, i64, p, p, p, p, p, p, p]
@@ -328,6 +333,62 @@ def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, i
                                   ACTIVATIONS[act], beta, linear_beta)
     if code != 0:
         raise MemoryError("native GLU expert kernel could not allocate its scratch")
+
+
+def norm_weight(w: Tensor | None) -> tuple[int | None, int]:
+    """(address, 1 if bf16 else 0) of a contiguous fp32 or bf16 norm weight for the native norms; (None, 0) for
+    none. ValueError for anything else."""
+    if w is None:
+        return None, 0
+    if w.dtype not in (torch.float32, torch.bfloat16) or not w.is_contiguous():
+        raise ValueError(f"native norms want a contiguous fp32 or bf16 weight, got {w.dtype}")
+    return w.data_ptr(), int(w.dtype == torch.bfloat16)
+
+
+def rms_norm(x: Tensor, w: Tensor | None, eps: float) -> Tensor:
+    """rms_norm over the last dim of a contiguous fp32 x [..., H], times w (fp32 or bf16 [H]) when given."""
+    handle = lib()
+    if handle is None:
+        raise RuntimeError(reason())
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError("native rms_norm wants a contiguous fp32 x")
+    out = torch.empty_like(x)
+    h = x.shape[-1]
+    ptr, bf16 = norm_weight(w)
+    handle.ms_rms_norm(x.data_ptr(), x.numel() // max(1, h), h, ptr, bf16, eps, out.data_ptr())
+    return out
+
+
+def gqa_attend(q: Tensor, keys: Tensor, values: Tensor, new: int, scale: float, q_norm: Tensor | None = None,
+               k_norm: Tensor | None = None, eps: float = 1e-6, inv_freq: Tensor | None = None,
+               factor: float = 1.0, window: int | None = None) -> Tensor:
+    """Causal GQA attention of one sequence's `new` tokens over its cache, in one native call: q fp32 [T, Hq, D]
+    (T = new) and the last `new` rows of keys [L, Hkv, D] are per-head rms-normalised (q_norm / k_norm) and
+    rotate-half roped (inv_freq [D/2], positions L - new ..) in place first. keys, values contiguous fp32 (the
+    KV cache rows). With a window, each query sees only the last `window` positions up to its own. Returns
+    [T, Hq, Dv]."""
+    handle = lib()
+    if handle is None:
+        raise RuntimeError(reason())
+    t, hq, d = q.shape
+    length, hkv, dv = values.shape
+    for name, m in (("q", q), ("keys", keys), ("values", values)):
+        if m.dtype != torch.float32 or not m.is_contiguous():
+            raise ValueError(f"gqa_attend wants contiguous fp32 {name}")
+    if keys.shape != (length, hkv, d) or hq % hkv or new != t or new > length:
+        raise ValueError(f"gqa_attend: q {tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}")
+    if inv_freq is not None and (inv_freq.dtype != torch.float32 or inv_freq.numel() * 2 != d):
+        raise ValueError("gqa_attend wants fp32 inv_freq [D/2]")
+    qn, qbf16 = norm_weight(q_norm)
+    kn, kbf16 = norm_weight(k_norm)
+    if q_norm is not None and k_norm is not None and qbf16 != kbf16:
+        raise ValueError("gqa_attend wants q_norm and k_norm of one dtype")
+    out = torch.empty(t, hq, dv, dtype=torch.float32)
+    if handle.ms_gqa_attend(t, hq, hkv, d, dv, q.data_ptr(), keys.data_ptr(), values.data_ptr(), length, qn, kn,
+                            qbf16 or kbf16, eps, None if inv_freq is None else inv_freq.data_ptr(), factor, scale,
+                            window or 0, out.data_ptr()):
+        raise MemoryError("native attention could not allocate its scores")
+    return out
 
 
 def _f32(t: Tensor) -> Tensor:

@@ -59,8 +59,16 @@ def bf16_native(w: torch.Tensor, x: torch.Tensor | None = None, tokens: int | No
     return tokens is not None and tokens <= cpu.MAX_TOKENS_BF16 and cpu.available()
 
 
+NATIVE_NORM_ROWS = 64  # up to this many rows rms_norm runs natively (one call instead of seven small torch ops)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
     """w * x / sqrt(mean(x^2) + eps), in fp32."""
+    if (x.dtype == torch.float32 and x.is_contiguous() and not x.requires_grad and x.numel() > 0
+            and x.numel() <= NATIVE_NORM_ROWS * x.shape[-1] and type(x) is torch.Tensor
+            and (w is None or (w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous()
+                               and w.shape == x.shape[-1:] and not w.requires_grad)) and cpu.available()):
+        return cpu.rms_norm(x, w, eps)
     x = x.float()
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return y * w.float() if w is not None else y
