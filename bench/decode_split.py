@@ -53,6 +53,7 @@ def instrumented():
     """Timers around the step's pieces (module attributes patched, restored on exit)."""
     patches = [
         (attention, "linear", timed("attention projections q/k/v/o", attention.linear)),
+        (attention, "linear_many", timed("attention projections q/k/v/o", attention.linear_many)),
         (attention.GQAMixer, "__call__", timed("attention: qk-norm, rope, KV, scores", attention.GQAMixer.__call__)),
         (base, "rms_norm", timed("norms (layer + final)", base.rms_norm)),
         (base, "linear", timed("router (linear + softmax top-k)", base.linear)),

@@ -30,7 +30,9 @@
 
 #define MS_ABI 7
 #define TILE_T 8   /* tokens per register tile */
+#ifndef PF_BYTES
 #define PF_BYTES 16384  /* software prefetch distance of the bf16 kernel (measured: 16-32 KiB best) */
+#endif
 #define MAX_THREADS 16
 
 #define INLINE static inline __attribute__((always_inline))
@@ -494,35 +496,51 @@ static void split(int64_t N, int part, int parts, int64_t *n0, int64_t *n1) {
 /* ------------------------------------------------------------------------------------------- entry points */
 
 typedef struct {
-    const float *x; int64_t ldx, T, K; const uint16_t *w; int64_t N; float *out;
+    const float *x; int64_t ldx, T, K, nw, total; const int64_t *w, *N, *out;
 } bf16_job;
 
+/* rows [r0, r1) of the weights' rows laid end to end */
 static void bf16_part(void *arg, int part, int parts) {
-    bf16_job *j = arg;
-    int64_t n0, n1;
-    split(j->N, part, parts, &n0, &n1);
-    bf16_rows(j->x, j->ldx, j->T, j->K, j->w, n0, n1, j->out + n0, j->N);
+    const bf16_job *j = arg;
+    int64_t r0, r1, off = 0;
+    split(j->total, part, parts, &r0, &r1);
+    for (int64_t i = 0; i < j->nw && off < r1; off += j->N[i], i++) {
+        const int64_t lo = r0 > off ? r0 - off : 0, hi = r1 - off < j->N[i] ? r1 - off : j->N[i];
+        if (lo < hi)
+            bf16_rows(j->x, j->ldx, j->T, j->K, (const uint16_t *)(intptr_t)j->w[i], lo, hi,
+                      (float *)(intptr_t)j->out[i] + lo, j->N[i]);
+    }
 }
 
-/* out[T, N] = x[T, K] (contiguous fp32) @ w[N, K]^T (contiguous bf16); work splits over ms_set_threads threads
- * when there are at least `min_rows_per_thread` rows per thread. Returns 0, or -1 when out of memory. */
-int ms_linear_bf16(const float *x, int64_t T, int64_t K, const uint16_t *w, int64_t N, float *out,
-                   int64_t min_rows_per_thread) {
-    if (T <= 0 || N <= 0) return 0;
+/* For i < nw: out_i[T, N[i]] = x[T, K] (contiguous fp32) @ w_i[N[i], K]^T (contiguous bf16), w_i and out_i at the
+ * addresses ws[i], outs[i]: x is prepared once and all the weights' rows split over the threads (when there are at
+ * least `min_rows_per_thread` rows per thread). Returns 0, or -1 when out of memory. */
+int ms_linear_bf16_many(const float *x, int64_t T, int64_t K, int64_t nw, const int64_t *ws, const int64_t *Ns,
+                        const int64_t *outs, int64_t min_rows_per_thread) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < nw; i++) total += Ns[i];
+    if (T <= 0 || total <= 0) return 0;
     if (K <= 0) {
-        memset(out, 0, sizeof(float) * (size_t)(T * N));
+        for (int64_t i = 0; i < nw; i++) memset((void *)(intptr_t)outs[i], 0, sizeof(float) * (size_t)(T * Ns[i]));
         return 0;
     }
     const int64_t ldx = bf16_stride(K);
     float *xp = malloc(sizeof(float) * (size_t)(T * ldx));
     if (!xp) return -1;
     bf16_prepare(x, T, K, xp);
-    bf16_job j = {xp, ldx, T, K, w, N, out};
+    bf16_job j = {xp, ldx, T, K, nw, total, ws, Ns, outs};
     int parts = pool_parts;
-    while (parts > 1 && N / parts < min_rows_per_thread) parts--;
+    while (parts > 1 && total / parts < min_rows_per_thread) parts--;
     pool_run(bf16_part, &j, parts);
     free(xp);
     return 0;
+}
+
+/* out[T, N] = x[T, K] @ w[N, K]^T: ms_linear_bf16_many with one weight */
+int ms_linear_bf16(const float *x, int64_t T, int64_t K, const uint16_t *w, int64_t N, float *out,
+                   int64_t min_rows_per_thread) {
+    const int64_t wa = (int64_t)(intptr_t)w, oa = (int64_t)(intptr_t)out;
+    return ms_linear_bf16_many(x, T, K, 1, &wa, &N, &oa, min_rows_per_thread);
 }
 
 /* ------------------------------------------------------------------------ grouped GLU experts (bf16 weights) */

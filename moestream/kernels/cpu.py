@@ -100,6 +100,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_find_byte.restype = i64
     lib.ms_linear_bf16.argtypes = [p, i64, i64, p, i64, p, i64]
     lib.ms_linear_bf16.restype = ctypes.c_int
+    lib.ms_linear_bf16_many.argtypes = [p, i64, i64, i64, p, p, p, i64]
+    lib.ms_linear_bf16_many.restype = ctypes.c_int
     lib.ms_linear_mxfp4.argtypes = [i64, p, p, p, p, p, i64, i64, ctypes.c_int, i64, ctypes.c_int]
     lib.ms_linear_mxfp4.restype = ctypes.c_int
     lib.ms_set_threads.argtypes = [ctypes.c_int]
@@ -221,6 +223,27 @@ def linear_bf16(x: Tensor, w: Tensor, min_rows_per_thread: int = MIN_ROWS_PER_TH
     if handle.ms_linear_bf16(x2.data_ptr(), x2.shape[0], k, w.data_ptr(), n, out.data_ptr(), min_rows_per_thread):
         raise MemoryError("native bf16 kernel could not allocate its input scratch")
     return out if x2 is x else out.view(*x.shape[:-1], n)
+
+
+def linear_bf16_many(x: Tensor, ws: Sequence[Tensor], min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> list[Tensor]:
+    """[x @ w^T for w in ws] in one native call (x prepared once, all the rows split over the threads): x [T, K]
+    fp32, each w a contiguous 2-D bf16 [N_i, K]. Returns float32 [T, N_i] each. Needs available()."""
+    handle = lib()
+    if handle is None:
+        raise RuntimeError(reason())
+    k = ws[0].shape[1]
+    for w in ws:
+        if w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] != k or not w.is_contiguous():
+            raise ValueError(f"linear_bf16_many wants contiguous 2-D bfloat16 weights [N, {k}]")
+    x2 = x if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() else rows(x, k)
+    if x2.shape[1] != k:
+        raise ValueError(f"x has {x2.shape[1]} features, the weights expect {k}")
+    outs = [torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32) for w in ws]
+    if handle.ms_linear_bf16_many(x2.data_ptr(), x2.shape[0], k, len(ws), _addresses([w.data_ptr() for w in ws]),
+                                  _addresses([w.shape[0] for w in ws]), _addresses([o.data_ptr() for o in outs]),
+                                  min_rows_per_thread):
+        raise MemoryError("native bf16 kernel could not allocate its input scratch")
+    return outs
 
 
 def find_byte(t: Tensor, value: int) -> int:

@@ -9,7 +9,7 @@ import torch
 
 from moestream.engine.state import GrowingBuffer, Segment
 from moestream.kernels import cpu
-from moestream.models.blocks import linear, rms_norm
+from moestream.models.blocks import linear, linear_many, rms_norm
 
 NATIVE_MAX_TOKENS = 16  # segments up to this long attend in one native call (decode); longer ones use torch bmm
 
@@ -84,9 +84,9 @@ class GQAMixer:
 
     def __call__(self, x: torch.Tensor, batch, index: int) -> torch.Tensor:
         t = x.shape[0]
-        q = linear(x, self.q, self.qb).view(t, self.heads, self.head_dim)
-        k = linear(x, self.k, self.kb).view(t, self.kv_heads, self.head_dim)
-        v = linear(x, self.v, self.vb).view(t, self.kv_heads, self.head_dim)
+        q, k, v = linear_many(x, (self.q, self.k, self.v), (self.qb, self.kb, self.vb))
+        q = q.view(t, self.heads, self.head_dim)
+        k, v = k.view(t, self.kv_heads, self.head_dim), v.view(t, self.kv_heads, self.head_dim)
         if self._native(x, batch):
             return linear(self._attend_native(q, k, v, batch, index).view(t, -1), self.o, self.ob)
         if self.q_norm is not None:

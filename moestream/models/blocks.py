@@ -48,6 +48,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
+def linear_many(x: torch.Tensor, ws: tuple[torch.Tensor, ...],
+                bs: tuple[torch.Tensor | None, ...] | None = None) -> list[torch.Tensor]:
+    """[linear(x, w, b) for each weight]: one native call for all of them when each would take the native kernel
+    (x prepared once; the weights' rows split over the threads together), else one linear each."""
+    bs = bs or (None,) * len(ws)
+    if len(ws) > 1 and all(bf16_native(w, x) and w.is_contiguous() and w.shape[1] == x.shape[-1] for w in ws):
+        ys = cpu.linear_bf16_many(x, ws)
+        return [y if b is None else y + b.float() for y, b in zip(ys, bs)]
+    return [linear(x, w, b) for w, b in zip(ws, bs)]
+
+
 def bf16_native(w: torch.Tensor, x: torch.Tensor | None = None, tokens: int | None = None) -> bool:
     """Whether `linear` computes x @ w^T with the native bf16 kernel (x, or just its row count `tokens`)."""
     if w.dtype != torch.bfloat16 or w.dim() != 2 or type(w) is not torch.Tensor:
