@@ -23,7 +23,12 @@ import torch
 from moestream import Engine
 from moestream.experts import dispatch, prefetch
 from moestream.kernels import cpu
-from moestream.models import attention, base, blocks
+from moestream.models import attention, base
+
+try:
+    from moestream.kernels import fused
+except ImportError:  # an older tree (PYTHONPATH=<tree>) has no fused kernels
+    fused = None
 
 SPENT: dict[str, float] = defaultdict(float)
 STACK: list[list] = []  # [name, start, time in timed children, folds its children in]
@@ -51,18 +56,21 @@ def timed(name: str, fn, fold: bool = False):
 @contextmanager
 def instrumented():
     """Timers around the step's pieces (module attributes patched, restored on exit)."""
-    patches = [
-        (attention, "linear", timed("attention projections q/k/v/o", attention.linear)),
-        (attention, "linear_many", timed("attention projections q/k/v/o", attention.linear_many)),
-        (attention.GQAMixer, "__call__", timed("attention: qk-norm, rope, KV, scores", attention.GQAMixer.__call__)),
-        (base, "rms_norm", timed("norms (layer + final)", base.rms_norm)),
-        (base, "linear", timed("router (linear + softmax top-k)", base.linear)),
-        (base, "softmax_topk", timed("router (linear + softmax top-k)", base.softmax_topk)),
-        (base.DecoderModel, "head", timed("lm_head (+ final norm)", base.DecoderModel.head, fold=True)),
-        (dispatch.ExpertRunner, "run", timed("routed experts: runner and Python", dispatch.ExpertRunner.run)),
-        (prefetch.Lookahead, "predict", timed("lookahead (next layer's router)", prefetch.Lookahead.predict, True)),
-        (cpu, "moe_glu_bf16", timed("routed experts: native kernel", cpu.moe_glu_bf16)),
+    wanted = [
+        (attention, "linear", "attention projections q/k/v/o", False),
+        (attention, "linear_many", "attention projections q/k/v/o", False),
+        (attention.GQAMixer, "__call__", "attention: qk-norm, rope, KV, scores", False),
+        (base, "rms_norm", "norms (layer + final)", False),
+        (base, "linear", "router (linear + softmax top-k)", False),
+        (base, "softmax_topk", "router (linear + softmax top-k)", False),
+        (base.DecoderModel, "head", "lm_head (+ final norm)", True),
+        (dispatch.ExpertRunner, "run", "routed experts: runner and Python", False),
+        (prefetch.Lookahead, "predict", "lookahead (next layer's router)", True),
+        (fused, "moe_glu_bf16", "routed experts: native kernel", False),
     ]
+    # what an older tree lacks (run with PYTHONPATH=<tree>) is simply not timed
+    patches = [(obj, attr, timed(name, getattr(obj, attr), fold)) for obj, attr, name, fold in wanted
+               if obj is not None and hasattr(obj, attr)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, fn in patches:
         setattr(obj, name, fn)
@@ -120,6 +128,7 @@ def main() -> None:
     clock = "thread CPU time" if args.cpu_time else "wall"
     print(f"warm decode ({clock}): {args.tokens / total:.2f} tok/s, {ms:.2f} ms/token, threads {args.threads}, "
           f"native {cpu.available() and not args.no_native} ({cpu.simd() or 'scalar'})")
+    # (an older tree's simd() said only whether AVX-512 was in: True/False)
     for name, sec in rows.items():
         print(f"  {name:<40}{sec * 1e3:>8.2f} ms {sec * 1e3 / ms:>7.1%}")
     print(json.dumps({"tokens_per_s": args.tokens / total, "ms_per_token": ms, "threads": args.threads,

@@ -12,9 +12,11 @@ cgroup; the parent reads the group's peak charge (memory.max_usage_in_bytes) and
 and a summary. Needs root for cgroup v1; without it, runs uncapped and says so.
 
 `--warm` is the in-RAM comparison instead: no cap, each engine in a fresh child that first runs the whole
-workload once (experts cached / GGUF pages mapped), then times it: prefill of the 16-token prompt, greedy decode
-of --gen-len tokens, and prefill of a --long-len prompt (512) in a fresh sequence. Children alternate between the
-engines for --rounds rounds; the summary has medians and ratios and says whether the first generated ids agree.
+workload once (experts cached / GGUF pages mapped), then times it --passes times: prefill of the 16-token prompt,
+greedy decode of --gen-len tokens, and prefill of a --long-len prompt (512) in a fresh sequence. Children alternate
+between the engines for --rounds rounds; the summary has medians over all timed passes and ratios, and says
+whether the first generated ids agree. (Where loading the model takes minutes, --rounds 1 --passes 5 keeps the
+engines' loads to one each.)
 """
 from __future__ import annotations
 
@@ -216,10 +218,18 @@ def _long_prompt(args: argparse.Namespace, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(args.long_len)]
 
 
-def _warm_result(engine: str, args, prefill_s: float, decode_s: float, long_s: float, out: list[int]) -> dict:
-    return {"engine": engine, "threads": args.threads, "decode_tokens_per_s": args.gen_len / decode_s,
-            "prefill_tokens_per_s": args.prompt_len / prefill_s, "prefill_long_tokens_per_s": args.long_len / long_s,
-            "long_len": args.long_len, "tokens": out[:8]}
+def _warm_result(engine: str, args, once) -> dict:
+    """Runs the workload once to warm, then --passes timed times; per-pass rates and their medians."""
+    once()
+    passes = [once() for _ in range(args.passes)]
+    rates = {"decode_tokens_per_s": [args.gen_len / p[1] for p in passes],
+             "prefill_tokens_per_s": [args.prompt_len / p[0] for p in passes],
+             "prefill_long_tokens_per_s": [args.long_len / p[2] for p in passes]}
+    row = {"engine": engine, "threads": args.threads, "long_len": args.long_len, "tokens": passes[0][3][:8]}
+    for key, vals in rates.items():
+        row[key] = sorted(vals)[len(vals) // 2]
+        row[key + "_passes"] = vals
+    return row
 
 
 def warm_moestream(args: argparse.Namespace) -> dict:
@@ -248,8 +258,7 @@ def warm_moestream(args: argparse.Namespace) -> dict:
         eng.free(st)
         return t1 - t0, t2 - t1, t4 - t3, out
 
-    once()  # warm: every expert this workload routes to is now cached
-    return _warm_result("moestream", args, *once())
+    return _warm_result("moestream", args, once)  # the warm pass caches every expert the workload routes to
 
 
 def warm_llama(args: argparse.Namespace) -> dict:
@@ -276,14 +285,13 @@ def warm_llama(args: argparse.Namespace) -> dict:
         t4 = time.perf_counter()
         return t1 - t0, t2 - t1, t4 - t3, out
 
-    once()  # warm: the GGUF's pages are mapped and resident
-    return _warm_result("llama.cpp", args, *once())
+    return _warm_result("llama.cpp", args, once)  # the warm pass maps the GGUF's pages
 
 
 def run_warm(args: argparse.Namespace) -> int:
     """Alternate fresh children of the two engines, uncapped; medians and ratios of the timed (second) passes."""
     common = ["--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--threads", str(args.threads),
-              "--seed", str(args.seed), "--long-len", str(args.long_len), "--warm"]
+              "--seed", str(args.seed), "--long-len", str(args.long_len), "--passes", str(args.passes), "--warm"]
     me = [sys.executable, os.path.abspath(__file__)]
     print(json.dumps({"mode": "warm", "threads": args.threads, "prompt_len": args.prompt_len,
                       "gen_len": args.gen_len, "long_len": args.long_len, "rounds": args.rounds}), flush=True)
@@ -304,7 +312,7 @@ def run_warm(args: argparse.Namespace) -> int:
 
 def _warm_summary(results: dict[str, list[dict]]) -> dict:
     def med(engine: str, key: str):
-        vals = sorted(r[key] for r in results[engine] if key in r)
+        vals = sorted(v for r in results[engine] for v in r.get(key + "_passes", []))
         return vals[len(vals) // 2] if vals else None
 
     out: dict = {"summary": True, "mode": "warm"}
@@ -422,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         r.add_argument("--rounds", type=int, default=2)
         r.add_argument("--warm", action="store_true", help="in-RAM comparison: no cap, warm, prefill and decode")
         r.add_argument("--long-len", type=int, default=512, help="--warm: the long prefill's prompt length")
+        r.add_argument("--passes", type=int, default=1, help="--warm: timed passes per child after the warm one")
     args = ap.parse_args(argv)
     if args.cmd == "convert":
         convert(args.model, args.out)

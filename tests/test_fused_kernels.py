@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from conftest import max_rel_diff, prompt_ids
 from moestream import Engine
-from moestream.kernels import cpu
+from moestream.kernels import cpu, fused
 from moestream.models import attention, blocks
 from moestream.models.rope import Rope
 from moestream.synth import synthesize
@@ -70,7 +70,7 @@ def test_moe_glu_matches_float64(shape, act, threads):
         for n in (1, 2):
             threads(n)
             out = torch.zeros(t, d_out)
-            cpu.moe_glu_bf16(x, names, [tuple(m.data_ptr() for m in e) for e in experts], inter, out, ids, scores,
+            fused.moe_glu_bf16(x, names, [tuple(m.data_ptr() for m in e) for e in experts], inter, out, ids, scores,
                              act, 4.0, 25.0)
             got.append(out)
         assert torch.equal(got[0], got[1])  # each thread owns whole output columns: same sums in the same order
@@ -82,7 +82,7 @@ def test_moe_glu_without_routing_is_each_expert_alone():
     experts = _experts(1, 24, 40, 56, seed=3)
     x = torch.randn(5, 40, generator=_gen(4))
     out = torch.zeros(5, 56)
-    cpu.moe_glu_bf16(x, [0], [tuple(m.data_ptr() for m in experts[0])], 24, out)
+    fused.moe_glu_bf16(x, [0], [tuple(m.data_ptr() for m in experts[0])], 24, out)
     gate, up, down = (m.double() for m in experts[0])
     want = (F.silu(x.double() @ gate.T) * (x.double() @ up.T)) @ down.T
     assert max_rel_diff(out, want) < 1e-5
@@ -156,7 +156,7 @@ def test_gqa_attend_matches_torch(window, new):
         torch.randn(new, hkv, d, generator=g)
     want = _torch_attention(q, k_new, v_new, k_old, v_old, pos0, qn, kn, rope, window, d ** -0.5)
     keys, values = torch.cat([k_old, k_new]).contiguous(), torch.cat([v_old, v_new]).contiguous()
-    got = cpu.gqa_attend(q.clone(), keys, values, new, d ** -0.5, qn, kn, 1e-6, rope.inv_freq,
+    got = fused.gqa_attend(q.clone(), keys, values, new, d ** -0.5, qn, kn, 1e-6, rope.inv_freq,
                          rope.attention_factor, window)
     assert max_rel_diff(got, want) < 1e-5
 

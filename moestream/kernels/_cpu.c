@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -379,7 +380,17 @@ static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER; /* one multi-threa
 static pthread_t pool_threads[MAX_THREADS];
 static int pool_workers = 0;      /* started workers */
 static int pool_parts = 1;        /* threads per call, the caller included */
-static const int pool_spin = 2000;     /* pause iterations a thread polls (next job, completion) before sleeping */
+/* how long a worker polls for the next job before sleeping on the condition variable (a sleeping worker costs a
+ * futex wake-up, tens of microseconds, per call; a polling one costs a core); the caller polls for completion
+ * up to 2000 pauses */
+static int64_t pool_spin_ns = 50000;
+static const int pool_spin = 2000;
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
 static uint64_t pool_gen = 0;     /* under pool_mu; read atomically while spinning */
 static uint64_t pool_gen_base = 0; /* pool_gen when workers were last started (their first `seen`) */
 static int pool_sleepers = 0;
@@ -398,10 +409,10 @@ static void *pool_main(void *arg) {
     int id = (int)(intptr_t)arg; /* part index: 1.. */
     uint64_t seen = pool_gen_base;
     for (;;) {
-        int spins = 0;
-        while (__atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE) == seen && spins < pool_spin) {
+        const int64_t until = now_ns() + __atomic_load_n(&pool_spin_ns, __ATOMIC_RELAXED);
+        for (int spins = 1; __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE) == seen; spins++) {
             cpu_relax();
-            spins++;
+            if ((spins & 63) == 0 && now_ns() >= until) break;
         }
         pthread_mutex_lock(&pool_mu);
         while (pool_gen == seen) {
@@ -480,6 +491,8 @@ static void pool_run(job_fn fn, void *arg, int parts) {
     }
     pthread_mutex_unlock(&pool_busy);
 }
+
+void ms_set_spin_us(int64_t us) { __atomic_store_n(&pool_spin_ns, us < 0 ? 0 : us * 1000, __ATOMIC_RELAXED); }
 
 void ms_set_threads(int n) { pool_parts = n < 1 ? 1 : (n > MAX_THREADS ? MAX_THREADS : n); }
 int ms_get_threads(void) { return pool_parts; }

@@ -1,11 +1,13 @@
-"""Native CPU kernels for small-batch matmuls straight from stored weights: bf16 and MXFP4 times fp32 activations.
+"""Native CPU kernels for small-batch work straight from stored weights: bf16 and MXFP4 times fp32 activations, the
+grouped fused GLU experts of a layer step, rms_norm, GQA decode attention and the KDA decode step.
 
 `_cpu.c` is compiled at first use with the system gcc (-O3 -march=native), cached under
 $XDG_CACHE_HOME/moestream/kernels/ keyed by a hash of the source, the flags and the CPU (built to a temporary file
 and renamed, so concurrent builds are safe), and loaded with ctypes, which releases the GIL during each call.
 Without gcc, when the build fails, or with MOESTREAM_NATIVE=0, `available()` is False, `reason()` says why in one
 line, and the callers (blocks.linear, quant.mxfp4_linear, latent_moe) keep their torch paths, which compute the
-same values up to fp32 summation order. MOESTREAM_NATIVE_THREADS sets the threads per call (default below).
+same values up to fp32 summation order. MOESTREAM_NATIVE_THREADS sets the threads per call (default below; the
+engine sets it from --threads), MOESTREAM_NATIVE_SPIN_US how long idle pool threads poll before sleeping.
 """
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ MAX_TOKENS_GLU = 32
 # matrices stay on one (below MIN_ROWS_PER_THREAD rows per thread the wake-up costs more than it saves).
 DEFAULT_THREADS = 1
 MIN_ROWS_PER_THREAD = 256
+# How long a pool worker polls for the next call before it sleeps (MOESTREAM_NATIVE_SPIN_US): a decode step's
+# Python between two native calls takes tens to hundreds of microseconds, and waking a sleeping worker costs tens.
+SPIN_US = 50
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
 _ABI = 7
@@ -106,6 +111,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_linear_mxfp4.restype = ctypes.c_int
     lib.ms_set_threads.argtypes = [ctypes.c_int]
     lib.ms_get_threads.restype = ctypes.c_int
+    lib.ms_set_spin_us.argtypes = [i64]
+    lib.ms_set_spin_us.restype = None
     lib.ms_moe_glu_bf16.argtypes = [i64, p, p, p, p, i64, i64, i64, p, i64, p, p, i64, p, ctypes.c_int,
                                     ctypes.c_float, ctypes.c_float]
     lib.ms_moe_glu_bf16.restype = ctypes.c_int
@@ -136,6 +143,7 @@ def _load() -> None:
             if lib.ms_abi() != _ABI:
                 raise RuntimeError(f"{path.name} has ABI {lib.ms_abi()}, want {_ABI}")
             lib.ms_set_threads(int(os.environ.get("MOESTREAM_NATIVE_THREADS") or DEFAULT_THREADS))
+            lib.ms_set_spin_us(int(os.environ.get("MOESTREAM_NATIVE_SPIN_US") or SPIN_US))
             _lib, _why = lib, ""
         except Exception as exc:  # any failure means: use the torch paths
             _lib, _why = None, f"native kernels off: {exc}".splitlines()[0]
@@ -147,6 +155,14 @@ def lib() -> ctypes.CDLL | None:
     if not _loaded:
         _load()
     return None if _forced_off else _lib
+
+
+def required() -> ctypes.CDLL:
+    """The loaded library; RuntimeError (saying why) when the native kernels are off."""
+    handle = lib()
+    if handle is None:
+        raise RuntimeError(reason())
+    return handle
 
 
 def available() -> bool:
@@ -186,6 +202,12 @@ def set_threads(n: int) -> None:
         handle.ms_set_threads(int(n))
 
 
+def set_spin_us(us: int) -> None:
+    """How long a pool worker polls for the next call before sleeping, in microseconds (0: sleep at once)."""
+    if (handle := lib()) is not None:
+        handle.ms_set_spin_us(int(us))
+
+
 def threads() -> int:
     handle = lib()
     return handle.ms_get_threads() if handle is not None else 0
@@ -210,9 +232,7 @@ def rows(x: Tensor, in_features: int) -> Tensor:
 
 def linear_bf16(x: Tensor, w: Tensor, min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> Tensor:
     """x [..., K] @ w[N, K]^T for a bf16 w, fp32 accumulate, float32 [..., N]. Needs available()."""
-    handle = lib()
-    if handle is None:
-        raise RuntimeError(reason())
+    handle = required()
     if w.dtype != torch.bfloat16 or w.dim() != 2:
         raise ValueError(f"linear_bf16 wants a 2-D bfloat16 weight, got {tuple(w.shape)} {w.dtype}")
     n, k = w.shape
@@ -228,9 +248,7 @@ def linear_bf16(x: Tensor, w: Tensor, min_rows_per_thread: int = MIN_ROWS_PER_TH
 def linear_bf16_many(x: Tensor, ws: Sequence[Tensor], min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> list[Tensor]:
     """[x @ w^T for w in ws] in one native call (x prepared once, all the rows split over the threads): x [T, K]
     fp32, each w a contiguous 2-D bf16 [N_i, K]. Returns float32 [T, N_i] each. Needs available()."""
-    handle = lib()
-    if handle is None:
-        raise RuntimeError(reason())
+    handle = required()
     k = ws[0].shape[1]
     for w in ws:
         if w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] != k or not w.is_contiguous():
@@ -248,9 +266,7 @@ def linear_bf16_many(x: Tensor, ws: Sequence[Tensor], min_rows_per_thread: int =
 
 def find_byte(t: Tensor, value: int) -> int:
     """Flat index of the first byte equal to value in a contiguous uint8 tensor, or -1 (a memchr)."""
-    handle = lib()
-    if handle is None:
-        raise RuntimeError(reason())
+    handle = required()
     return int(handle.ms_find_byte(t.data_ptr(), t.numel(), value))
 
 
@@ -263,9 +279,7 @@ def linear_mxfp4_many(xs: Sequence[Tensor], weights: Sequence[tuple[Tensor, Tens
     """[x_e @ W_e^T] for MXFP4 weights W_e = (packed uint8 [N, K/2], scales uint8 [N, K/32]) of one shape, in
     one native call; x_e float32 [T_e, K]. The caller has checked the operands (quant._mxfp4_operands) and that
     no scale byte is 255. Consecutive entries passing the same x tensor share its reordering."""
-    handle = lib()
-    if handle is None:
-        raise RuntimeError(reason())
+    handle = required()
     n, k = weights[0][0].shape[0], weights[0][0].shape[1] * 2
     rows = [x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous() for x in xs]
     for x in rows:
@@ -290,9 +304,7 @@ def linear_mxfp4_many(xs: Sequence[Tensor], weights: Sequence[tuple[Tensor, Tens
 def linear_mxfp4(x: Tensor, packed: Tensor, scales: Tensor, layout: str = "low_first",
                  min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> Tensor:
     """x [T, K] @ W^T for one checked, contiguous MXFP4 weight (see linear_mxfp4_many), float32 [T, N]."""
-    handle = lib()
-    if handle is None:
-        raise RuntimeError(reason())
+    handle = required()
     n, k = packed.shape[0], packed.shape[1] * 2
     x2 = x if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == k else rows(x, k)
     if not (packed.is_contiguous() and scales.is_contiguous()) or scales.shape != (n, k // 32):
@@ -313,105 +325,12 @@ def linear_mxfp4_ptrs(xs: Sequence[int], tokens: Sequence[int], packed: Sequence
     argument a data_ptr (contiguous float32 x and out, packed uint8 [n, k/2], scales uint8 [n, k/32]). The
     caller keeps the tensors alive. Looks for 0xFF scale bytes first: returns -1 when all is done, else the index
     of the first entry with one (nothing computed; raise with quant's error)."""
-    handle = lib()
-    if handle is None:
-        raise RuntimeError(reason())
+    handle = required()
     code = handle.ms_linear_mxfp4(len(xs), _addresses(xs), _addresses(tokens), _addresses(packed),
                                   _addresses(scales), _addresses(outs), n, k, _LAYOUTS[layout], min_rows_per_thread, 1)
     if code < 0:
         raise MemoryError("native MXFP4 kernel could not allocate its input scratch")
     return code - 1
-
-
-ACTIVATIONS = {"silu": 0, "situ": 1}  # the GLU activations ms_moe_glu_bf16 computes
-
-
-def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, int, int]], inter: int, out: Tensor,
-                 ids: Tensor | None = None, scores: Tensor | None = None, act: str = "silu", beta: float = 0.0,
-                 linear_beta: float = 0.0) -> None:
-    """Several bf16 GLU experts in one native call, added into out [T, D] (fp32, contiguous):
-    out[t] += scores[t, j] * down_e act(gate_e x[t], up_e x[t]) for every (t, j) with ids[t, j] == experts[e].
-    parts[e] = addresses of expert e's contiguous bf16 gate [inter, K], up [inter, K] and down [D, inter]; the
-    caller checked those shapes and keeps the tensors alive. Without ids, every token goes through every expert
-    with weight 1. x [T, K]; ids int64 and scores fp32 [T, k]."""
-    handle = lib()
-    if handle is None:
-        raise RuntimeError(reason())
-    t, k_in = x.shape
-    if x.dtype != torch.float32 or not x.is_contiguous():
-        x = x.float().contiguous()
-    if out.dtype != torch.float32 or not out.is_contiguous() or out.dim() != 2 or out.shape[0] != t:
-        raise ValueError(f"moe_glu_bf16 wants a contiguous fp32 out [{t}, D], got {tuple(out.shape)} {out.dtype}")
-    top = 0
-    if ids is not None:
-        if scores is None or ids.shape != scores.shape or ids.dim() != 2 or ids.shape[0] != t:
-            raise ValueError("moe_glu_bf16 wants ids and scores of one shape [T, k]")
-        ids = ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.long().contiguous()
-        scores = scores if scores.dtype == torch.float32 and scores.is_contiguous() else scores.float().contiguous()
-        top = ids.shape[1]
-    code = handle.ms_moe_glu_bf16(len(parts), _addresses(experts), _addresses([p[0] for p in parts]),
-                                  _addresses([p[1] for p in parts]), _addresses([p[2] for p in parts]), inter, k_in,
-                                  out.shape[1], x.data_ptr(), t, None if ids is None else ids.data_ptr(),
-                                  None if scores is None else scores.data_ptr(), top, out.data_ptr(),
-                                  ACTIVATIONS[act], beta, linear_beta)
-    if code != 0:
-        raise MemoryError("native GLU expert kernel could not allocate its scratch")
-
-
-def norm_weight(w: Tensor | None) -> tuple[int | None, int]:
-    """(address, 1 if bf16 else 0) of a contiguous fp32 or bf16 norm weight for the native norms; (None, 0) for
-    none. ValueError for anything else."""
-    if w is None:
-        return None, 0
-    if w.dtype not in (torch.float32, torch.bfloat16) or not w.is_contiguous():
-        raise ValueError(f"native norms want a contiguous fp32 or bf16 weight, got {w.dtype}")
-    return w.data_ptr(), int(w.dtype == torch.bfloat16)
-
-
-def rms_norm(x: Tensor, w: Tensor | None, eps: float) -> Tensor:
-    """rms_norm over the last dim of a contiguous fp32 x [..., H], times w (fp32 or bf16 [H]) when given."""
-    handle = lib()
-    if handle is None:
-        raise RuntimeError(reason())
-    if x.dtype != torch.float32 or not x.is_contiguous():
-        raise ValueError("native rms_norm wants a contiguous fp32 x")
-    out = torch.empty_like(x)
-    h = x.shape[-1]
-    ptr, bf16 = norm_weight(w)
-    handle.ms_rms_norm(x.data_ptr(), x.numel() // max(1, h), h, ptr, bf16, eps, out.data_ptr())
-    return out
-
-
-def gqa_attend(q: Tensor, keys: Tensor, values: Tensor, new: int, scale: float, q_norm: Tensor | None = None,
-               k_norm: Tensor | None = None, eps: float = 1e-6, inv_freq: Tensor | None = None,
-               factor: float = 1.0, window: int | None = None) -> Tensor:
-    """Causal GQA attention of one sequence's `new` tokens over its cache, in one native call: q fp32 [T, Hq, D]
-    (T = new) and the last `new` rows of keys [L, Hkv, D] are per-head rms-normalised (q_norm / k_norm) and
-    rotate-half roped (inv_freq [D/2], positions L - new ..) in place first. keys, values contiguous fp32 (the
-    KV cache rows). With a window, each query sees only the last `window` positions up to its own. Returns
-    [T, Hq, Dv]."""
-    handle = lib()
-    if handle is None:
-        raise RuntimeError(reason())
-    t, hq, d = q.shape
-    length, hkv, dv = values.shape
-    for name, m in (("q", q), ("keys", keys), ("values", values)):
-        if m.dtype != torch.float32 or not m.is_contiguous():
-            raise ValueError(f"gqa_attend wants contiguous fp32 {name}")
-    if keys.shape != (length, hkv, d) or hq % hkv or new != t or new > length:
-        raise ValueError(f"gqa_attend: q {tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}")
-    if inv_freq is not None and (inv_freq.dtype != torch.float32 or inv_freq.numel() * 2 != d):
-        raise ValueError("gqa_attend wants fp32 inv_freq [D/2]")
-    qn, qbf16 = norm_weight(q_norm)
-    kn, kbf16 = norm_weight(k_norm)
-    if q_norm is not None and k_norm is not None and qbf16 != kbf16:
-        raise ValueError("gqa_attend wants q_norm and k_norm of one dtype")
-    out = torch.empty(t, hq, dv, dtype=torch.float32)
-    if handle.ms_gqa_attend(t, hq, hkv, d, dv, q.data_ptr(), keys.data_ptr(), values.data_ptr(), length, qn, kn,
-                            qbf16 or kbf16, eps, None if inv_freq is None else inv_freq.data_ptr(), factor, scale,
-                            window or 0, out.data_ptr()):
-        raise MemoryError("native attention could not allocate its scores")
-    return out
 
 
 def _f32(t: Tensor) -> Tensor:
@@ -422,9 +341,7 @@ def conv_decode(windows: Sequence[Tensor], xs: Sequence[Tensor], taps: Tensor) -
     """One token of a short causal depthwise conv for each of B sequences: windows[b] fp32 [K-1, C] (updated in
     place: shifted, x appended), xs[b] [C], taps [C, K] (tap K-1 multiplies the new token). Returns fp32 [B, C]
     before any activation."""
-    handle = lib()
-    if handle is None:
-        raise RuntimeError(reason())
+    handle = required()
     c, k = taps.shape
     taps = _f32(taps)
     xs = [_f32(x) for x in xs]
@@ -440,9 +357,7 @@ def conv_decode(windows: Sequence[Tensor], xs: Sequence[Tensor], taps: Tensor) -
 def kda_decode(states: Sequence[Tensor], q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
     """One delta-rule step for B sequences, each state fp32 [H, dk, dv] updated in place (models/kda.py's
     kda_recurrent for one token): q, k, g [B, H, dk], v [B, H, dv], beta [B, H]. Returns o fp32 [B, H, dv]."""
-    handle = lib()
-    if handle is None:
-        raise RuntimeError(reason())
+    handle = required()
     b, h, dk = q.shape
     dv = v.shape[-1]
     q, k, v, g, beta = (_f32(t) for t in (q, k, v, g, beta))

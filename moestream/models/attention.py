@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from moestream.engine.state import GrowingBuffer, Segment
-from moestream.kernels import cpu
+from moestream.kernels import cpu, fused
 from moestream.models.blocks import linear, linear_many, rms_norm
 
 NATIVE_MAX_TOKENS = 16  # segments up to this long attend in one native call (decode); longer ones use torch bmm
@@ -114,7 +114,7 @@ class GQAMixer:
             slot = seg.state.slot(index, lambda: KVSlot(self.memory, self.kv_heads, self.head_dim, self.head_dim))
             r = seg.rows
             keys, values = slot.k.append(k[r]), slot.v.append(v[r])  # normed and roped in place by the kernel
-            got = cpu.gqa_attend(q[r].contiguous(), keys, values, seg.length, self.scale, self.q_norm, self.k_norm,
+            got = fused.gqa_attend(q[r].contiguous(), keys, values, seg.length, self.scale, self.q_norm, self.k_norm,
                                  self.eps, self.rope.inv_freq, self.rope.attention_factor, self.window)
             if one:
                 return got

@@ -11,7 +11,7 @@ from typing import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from moestream.kernels import cpu
+from moestream.kernels import cpu, fused
 
 
 UPCAST_CHUNK_BYTES = 16 << 20  # fp32 scratch for one slab of upcast weight rows (counted in the engine's scratch)
@@ -79,7 +79,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tenso
             and x.numel() <= NATIVE_NORM_ROWS * x.shape[-1] and type(x) is torch.Tensor
             and (w is None or (w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous()
                                and w.shape == x.shape[-1:] and not w.requires_grad)) and cpu.available()):
-        return cpu.rms_norm(x, w, eps)
+        return fused.rms_norm(x, w, eps)
     x = x.float()
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return y * w.float() if w is not None else y
@@ -170,7 +170,7 @@ def _native_glu(x: torch.Tensor, parts: list[Glu], spec: tuple[str, float, float
     first = parts[0]
     if any(p[3:] != first[3:] for p in parts) or first[4] != x.shape[1] or first[5] != out.shape[1]:
         return False
-    cpu.moe_glu_bf16(x, experts or [0] * len(parts), [p[:3] for p in parts], first[3], out, ids, weights, *spec)
+    fused.moe_glu_bf16(x, experts or [0] * len(parts), [p[:3] for p in parts], first[3], out, ids, weights, *spec)
     return True
 
 
