@@ -44,6 +44,7 @@ SPIN_US = 50
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
 _ABI = 7
 _SOURCE = Path(__file__).with_name("_cpu.c")
+_SOURCES = (_SOURCE, Path(__file__).with_name("_cpu_step.c"))  # _cpu.c #includes the other
 _LAYOUTS = {"low_first": 0, "gguf": 1}
 
 _lock = threading.Lock()
@@ -72,7 +73,7 @@ def _cache_dir() -> Path:
 def library_path() -> Path:
     """Where the compiled library for this source, these flags and this CPU lives (built or not)."""
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode(), _cpu_flags().encode()):
+    for part in (*(f.read_bytes() for f in _SOURCES), " ".join(FLAGS).encode(), platform.machine().encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
     return _cache_dir() / f"moestream_cpu-{key.hexdigest()[:16]}.so"
