@@ -3,12 +3,20 @@ cgroup v1 memory cap (RSS plus page cache charged to the group), cold page cache
 
     python bench/vs_llamacpp.py convert MODEL OUT.gguf      # GGUF written with the `gguf` package (bf16 weights)
     python bench/vs_llamacpp.py run MODEL OUT.gguf --cap 1.5GiB [--rounds 2] [--mode greedy|forced]
+    python bench/vs_llamacpp.py run MODEL OUT.gguf --warm [--rounds 5] [--threads 2]   # in RAM, no cap
 
 `forced` feeds both engines the same fixed token stream one token per step (identical routing, so identical
 expert traffic); `greedy` lets each pick argmax (a random-weight model soon repeats one token, which makes the
 routing static and flatters every cache). Each engine runs in a fresh child process placed in its own memory
 cgroup; the parent reads the group's peak charge (memory.max_usage_in_bytes) and prints one JSON line per run
 and a summary. Needs root for cgroup v1; without it, runs uncapped and says so.
+
+`--warm` is the in-RAM comparison instead: no cap, each engine in a fresh child that first runs the whole
+workload once (experts cached / GGUF pages mapped), then times it --passes times: prefill of the 16-token prompt,
+greedy decode of --gen-len tokens, and prefill of a --long-len prompt (512) in a fresh sequence. Children alternate
+between the engines for --rounds rounds; the summary has medians over all timed passes and ratios, and says
+whether the first generated ids agree. (Where loading the model takes minutes, --rounds 1 --passes 5 keeps the
+engines' loads to one each.)
 """
 from __future__ import annotations
 
@@ -202,6 +210,122 @@ def _result(engine: str, args, dt: float, ttft: float, nbytes: int, out: list[in
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "tokens": out[:8]}
 
 
+# ---- warm, in-RAM comparison (--warm) -------------------------------------------------------------------------
+def _long_prompt(args: argparse.Namespace, vocab: int) -> list[int]:
+    import random
+
+    rng = random.Random(args.seed + 1)
+    return [rng.randrange(3, vocab) for _ in range(args.long_len)]
+
+
+def _warm_result(engine: str, args, once) -> dict:
+    """Runs the workload once to warm, then --passes timed times; per-pass rates and their medians."""
+    once()
+    passes = [once() for _ in range(args.passes)]
+    rates = {"decode_tokens_per_s": [args.gen_len / p[1] for p in passes],
+             "prefill_tokens_per_s": [args.prompt_len / p[0] for p in passes],
+             "prefill_long_tokens_per_s": [args.long_len / p[2] for p in passes]}
+    row = {"engine": engine, "threads": args.threads, "long_len": args.long_len, "tokens": passes[0][3][:8]}
+    for key, vals in rates.items():
+        row[key] = sorted(vals)[len(vals) // 2]
+        row[key + "_passes"] = vals
+    return row
+
+
+def warm_moestream(args: argparse.Namespace) -> dict:
+    import torch
+
+    from moestream import Engine
+
+    eng = Engine.open(args.model, ram_budget=args.budget, threads=args.threads)
+    prompt, _ = _stream(args, eng.vocab_size)
+    long = _long_prompt(args, eng.vocab_size)
+
+    def once() -> tuple[float, float, float, list[int]]:
+        st = eng.new_sequence()
+        t0 = time.perf_counter()
+        logits = eng.prefill(st, prompt)
+        t1, out = time.perf_counter(), []
+        for _ in range(args.gen_len):
+            out.append(int(torch.argmax(logits)))
+            (logits,) = eng.step([(st, [out[-1]])])
+        t2 = time.perf_counter()
+        eng.free(st)
+        st = eng.new_sequence()
+        t3 = time.perf_counter()
+        eng.prefill(st, long)
+        t4 = time.perf_counter()
+        eng.free(st)
+        return t1 - t0, t2 - t1, t4 - t3, out
+
+    return _warm_result("moestream", args, once)  # the warm pass caches every expert the workload routes to
+
+
+def warm_llama(args: argparse.Namespace) -> dict:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(args.gguf), n_ctx=max(args.prompt_len + args.gen_len, args.long_len) + 8,
+                n_threads=args.threads, n_threads_batch=args.threads, n_batch=max(args.long_len, args.prompt_len),
+                n_ubatch=max(args.long_len, args.prompt_len), use_mmap=True, verbose=False)
+    prompt, _ = _stream(args, llm.n_vocab())
+    long = _long_prompt(args, llm.n_vocab())
+
+    def once() -> tuple[float, float, float, list[int]]:
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        t1, out = time.perf_counter(), []
+        for _ in range(args.gen_len):
+            out.append(int(llm.sample(temp=0.0)))
+            llm.eval([out[-1]])
+        t2 = time.perf_counter()
+        llm.reset()
+        t3 = time.perf_counter()
+        llm.eval(long)
+        t4 = time.perf_counter()
+        return t1 - t0, t2 - t1, t4 - t3, out
+
+    return _warm_result("llama.cpp", args, once)  # the warm pass maps the GGUF's pages
+
+
+def run_warm(args: argparse.Namespace) -> int:
+    """Alternate fresh children of the two engines, uncapped; medians and ratios of the timed (second) passes."""
+    common = ["--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--threads", str(args.threads),
+              "--seed", str(args.seed), "--long-len", str(args.long_len), "--passes", str(args.passes), "--warm"]
+    me = [sys.executable, os.path.abspath(__file__)]
+    print(json.dumps({"mode": "warm", "threads": args.threads, "prompt_len": args.prompt_len,
+                      "gen_len": args.gen_len, "long_len": args.long_len, "rounds": args.rounds}), flush=True)
+    results: dict[str, list[dict]] = {"moestream": [], "llama.cpp": []}
+    for rnd in range(args.rounds):
+        for engine in ("moestream", "llama.cpp"):
+            sub = ["child-moestream", args.model] + (["--budget", str(args.budget)] if args.budget else []) \
+                if engine == "moestream" else ["child-llama", args.model, "--gguf", str(args.gguf)]
+            proc = subprocess.run(me + sub + common, capture_output=True, text=True)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+            row = json.loads(lines[-1]) if proc.returncode == 0 and lines else {"error": proc.stderr[-2000:]}
+            row["round"] = rnd
+            print(json.dumps(row), flush=True)
+            results[engine].append(row)
+    print(json.dumps(_warm_summary(results)))
+    return 0
+
+
+def _warm_summary(results: dict[str, list[dict]]) -> dict:
+    def med(engine: str, key: str):
+        vals = sorted(v for r in results[engine] for v in r.get(key + "_passes", []))
+        return vals[len(vals) // 2] if vals else None
+
+    out: dict = {"summary": True, "mode": "warm"}
+    for key in ("decode_tokens_per_s", "prefill_tokens_per_s", "prefill_long_tokens_per_s"):
+        ms, lc = med("moestream", key), med("llama.cpp", key)
+        out[f"moestream_{key}"], out[f"llamacpp_{key}"] = ms, lc
+        out[f"ratio_{key}"] = ms / lc if ms and lc else None
+    firsts = {tuple(r["tokens"][:1]) for rows in results.values() for r in rows if "tokens" in r}
+    out["first_ids_agree"] = len(firsts) == 1
+    out["first_ids"] = sorted(firsts)
+    return out
+
+
 # ---- cgroup v1 orchestration -------------------------------------------------------------------------------
 def run_capped(cmd: list[str], cap: int | None, name: str) -> tuple[dict, dict]:
     """Run `cmd` in a fresh memory cgroup limited to `cap` bytes; returns (its JSON line, cgroup figures)."""
@@ -304,13 +428,19 @@ def main(argv: list[str] | None = None) -> int:
         r.add_argument("--mode", choices=("forced", "greedy"), default="forced")
         r.add_argument("--seed", type=int, default=0)
         r.add_argument("--rounds", type=int, default=2)
+        r.add_argument("--warm", action="store_true", help="in-RAM comparison: no cap, warm, prefill and decode")
+        r.add_argument("--long-len", type=int, default=512, help="--warm: the long prefill's prompt length")
+        r.add_argument("--passes", type=int, default=1, help="--warm: timed passes per child after the warm one")
     args = ap.parse_args(argv)
     if args.cmd == "convert":
         convert(args.model, args.out)
         return 0
     args.gguf = args.gguf_opt or args.gguf
     if args.cmd == "run":
-        return run(args)
+        return run_warm(args) if args.warm else run(args)
+    if args.warm:
+        print(json.dumps(warm_moestream(args) if args.cmd == "child-moestream" else warm_llama(args)))
+        return 0
     print(json.dumps(child_moestream(args) if args.cmd == "child-moestream" else child_llama(args)))
     return 0
 

@@ -17,7 +17,7 @@ from k3_reference import K3Reference
 from moestream import Engine
 from moestream.engine.engine import plan
 from moestream.models import kda as kda_mod
-from moestream.models import kimi_k3, latent_moe
+from moestream.models import blocks, kimi_k3, latent_moe
 from moestream.models.blocks import sigmoid_topk, silu_glu
 from moestream.synth.families import SpecialIds
 from moestream.synth.kimi_k3 import REAL, k3_config
@@ -110,7 +110,8 @@ def _bias_in_weights(monkeypatch):
 
 
 def _silu(monkeypatch):
-    monkeypatch.setattr(latent_moe, "situ_glu", lambda gate, up, *args: silu_glu(gate.float(), up.float()))
+    # MXFP4 experts, shared experts and the dense layer all call blocks.situ_glu through blocks.Situ
+    monkeypatch.setattr(blocks, "situ_glu", lambda gate, up, *args: silu_glu(gate.float(), up.float()))
 
 
 def _no_latent_norm(monkeypatch):

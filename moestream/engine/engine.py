@@ -24,6 +24,7 @@ from moestream.errors import BudgetError, CheckpointError, MoestreamError, Reque
 from moestream.experts.dispatch import ExpertRunner
 from moestream.experts.reader import IO_THREADS
 from moestream.experts.store import ExpertStore, fp32_nbytes
+from moestream.kernels import cpu
 from moestream.kernels.quant import GROUP_DECODE_BYTES, SCRATCH_BYTES as QUANT_SCRATCH_BYTES
 from moestream.models.blocks import UPCAST_CHUNK_BYTES
 from moestream.models.base import DenseWeights, ExpertLayout, ModelContext
@@ -102,6 +103,7 @@ class Engine:
         opts = EngineOptions(ram_budget=parse_bytes(ram_budget), device=device, **options)
         if opts.threads:
             torch.set_num_threads(opts.threads)
+            cpu.set_threads(opts.threads)  # the native kernels' pool too (without --threads: one per call)
         p = plan(path, opts.io_threads)
         if p.store.index.virtual:
             raise CheckpointError(f"{path}: holds config.json but no safetensors weights: `moestream info` can size "

@@ -3,8 +3,10 @@
  * Built at first use by moestream/kernels/cpu.py with the system gcc (-O3 -march=native) and loaded with ctypes.
  * Each weight row is read once per token tile and dotted with every token of the tile; MXFP4 is decoded in
  * registers (16-entry E2M1 table times the block's 2^(s-127), looked up with a lane permute), never expanded in
- * memory. AVX-512 (F+BW+VL) paths sit behind #if; the scalar code below them computes the same thing anywhere.
+ * memory. AVX-512 (F+BW+VL) and AVX2 (+FMA) paths are chosen by the compiler's feature macros (-march=native); the
+ * scalar code computes the same thing anywhere (bf16: the same code with one-lane "vectors"; MXFP4 has no AVX2 path).
  * A tiny persistent pthread pool can split the rows of one call over several threads (ms_set_threads).
+ * _cpu_step.c (included at the end) holds the fused decode-step kernels built on these.
  *
  * Layouts (see kernels/quant.py): packed uint8 [N, K/2], scales uint8 [N, K/32] (E8M0, 255 rejected by the caller).
  * layout 0 "low_first": byte j holds inputs 2j (low nibble) and 2j+1 (high nibble).
@@ -16,18 +18,25 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
-#define MS_AVX512 1
+#define MS_SIMD 2
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MS_SIMD 1
 #else
-#define MS_AVX512 0
+#define MS_SIMD 0
 #endif
+#define MS_AVX512 (MS_SIMD == 2)
 
-#define MS_ABI 6
+#define MS_ABI 7
 #define TILE_T 8   /* tokens per register tile */
+#ifndef PF_BYTES
 #define PF_BYTES 16384  /* software prefetch distance of the bf16 kernel (measured: 16-32 KiB best) */
-#define MAX_THREADS 8
+#endif
+#define MAX_THREADS 16
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -41,14 +50,14 @@ INLINE float e8m0(uint8_t s) {
     return v.f;
 }
 
-INLINE float bf16_to_f32(uint16_t h) {
+INLINE float bits_f32(uint32_t u) {
     union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
+    v.u = u;
     return v.f;
 }
 
 int ms_abi(void) { return MS_ABI; }
-int ms_simd(void) { return MS_AVX512; }
+int ms_simd(void) { return MS_SIMD; }
 
 int64_t ms_find_byte(const uint8_t *p, int64_t n, int value) {
     const uint8_t *hit = n > 0 ? memchr(p, value, (size_t)n) : NULL;
@@ -56,61 +65,116 @@ int64_t ms_find_byte(const uint8_t *p, int64_t n, int value) {
 }
 
 /* ------------------------------------------------------------------------------------------------ bf16 */
+/* One vector step reads GW = 2 VW bf16 weights: a shift of each 32-bit pair gives the even inputs' fp32 values, a
+ * mask the odd ones, so no shuffles. x is therefore "prepared" once per call: per group of GW inputs, the VW even
+ * inputs, then the VW odd ones (zero padded to a whole group); bf16_pos says where input k lands. The scalar
+ * build is the same code with VW = 1. */
+#if MS_SIMD == 2
+#define VW 16
+typedef __m512 vf;
+typedef __m512i vw_t;
+INLINE vf vzero(void) { return _mm512_setzero_ps(); }
+INLINE vf vloadf(const float *p) { return _mm512_loadu_ps(p); }
+INLINE vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE vw_t vloadw(const uint16_t *p) { return _mm512_loadu_si512((const void *)p); }
+INLINE vf veven(vw_t v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+INLINE vf vodd(vw_t v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u))); }
+INLINE float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+#elif MS_SIMD == 1
+#define VW 8
+typedef __m256 vf;
+typedef __m256i vw_t;
+INLINE vf vzero(void) { return _mm256_setzero_ps(); }
+INLINE vf vloadf(const float *p) { return _mm256_loadu_ps(p); }
+INLINE vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE vw_t vloadw(const uint16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+INLINE vf veven(vw_t v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+INLINE vf vodd(vw_t v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u))); }
+INLINE float vsum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+#define VW 1
+typedef float vf;
+typedef uint32_t vw_t;
+INLINE vf vzero(void) { return 0.0f; }
+INLINE vf vloadf(const float *p) { return *p; }
+INLINE vf vfma(vf a, vf b, vf c) { return a * b + c; }
+INLINE vw_t vloadw(const uint16_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 16; }
+INLINE vf veven(vw_t v) { return bits_f32(v << 16); }
+INLINE vf vodd(vw_t v) { return bits_f32(v & 0xFFFF0000u); }
+INLINE float vsum(vf v) { return v; }
+#endif
+#define GW (2 * VW)
 
-#if MS_AVX512
-/* x is reordered per 32 inputs: the 16 even inputs, then the 16 odd ones (zero padded to a multiple of 32), so a
- * 64-byte load of 32 bf16 weights splits into two fp32 vectors with a shift and a mask, no shuffles. */
-static int64_t bf16_stride(int64_t K) { return (K + 31) / 32 * 32; }
+static int64_t bf16_stride(int64_t K) { return (K + GW - 1) / GW * GW; }
+
+/* position of input k in a prepared row */
+INLINE int64_t bf16_pos(int64_t k) { return k / GW * GW + (k & 1) * VW + (k % GW) / 2; }
+
+static void bf16_prepare_row(const float *src, int64_t K, float *dst) {
+    const int64_t Kp = bf16_stride(K);
+    for (int64_t k = K; k < Kp; k++) dst[bf16_pos(k)] = 0.0f;
+    for (int64_t k = 0; k < K; k++) dst[bf16_pos(k)] = src[k];
+}
 
 static void bf16_prepare(const float *x, int64_t T, int64_t K, float *xp) {
     const int64_t Kp = bf16_stride(K);
-    for (int64_t t = 0; t < T; t++) {
-        const float *src = x + t * K;
-        float *dst = xp + t * Kp;
-        for (int64_t c = 0; c < Kp; c += 32)
-            for (int i = 0; i < 32; i++) {
-                int64_t k = c + (i < 16 ? 2 * i : 2 * (i - 16) + 1);
-                dst[c + i] = k < K ? src[k] : 0.0f;
-            }
-    }
+    for (int64_t t = 0; t < T; t++) bf16_prepare_row(x + t * K, K, xp + t * Kp);
 }
 
-/* R weight rows (stride K) times TT tokens (stride ldx) -> out[t * ldo + r]. */
+/* R weight rows (stride K) times TT tokens (prepared, stride ldx) -> out[t * ldo + r]. */
 INLINE void bf16_tile(const float *x, int64_t ldx, const uint16_t *w, int64_t K, float *out, int64_t ldo,
                       const int R, const int TT) {
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
-    __m512 acc[4][TILE_T];
+    vf acc[4][TILE_T];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-        for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        __m512 even[4], odd[4];
-        __mmask32 m = K - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (K - k)) - 1);
+        for (int t = 0; t < TT; t++) acc[r][t] = vzero();
+#define BF16_STEP(WPTR, KK)                                                                     \
+    do {                                                                                        \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                   \
+            vw_t v = vloadw(WPTR(r));                                                           \
+            vf e = veven(v), o = vodd(v);                                                       \
+            _Pragma("GCC unroll 8") for (int t = 0; t < TT; t++) {                              \
+                acc[r][t] = vfma(e, vloadf(x + t * ldx + (KK)), acc[r][t]);                     \
+                acc[r][t] = vfma(o, vloadf(x + t * ldx + (KK) + VW), acc[r][t]);                \
+            }                                                                                   \
+        }                                                                                       \
+    } while (0)
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) { /* one 64-byte line of each row per iteration */
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
+        for (int r = 0; r < R; r++)
             /* 16 KiB ahead into L2 (rows are contiguous, so that is a later block of rows): each row stream is
              * only a few KiB, too short for the hardware prefetcher, and a matrix streamed from DRAM ran at
              * 9 GB/s on one core without this and 19 GB/s with it (bench/kernels.py; docs/performance.md) */
-            _mm_prefetch((const char *)(w + r * K + k) + PF_BYTES, _MM_HINT_T1);
-            __m512i v = _mm512_maskz_loadu_epi16(m, w + r * K + k);
-            even[r] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-            odd[r] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
-        }
-#pragma GCC unroll 8
-        for (int t = 0; t < TT; t++) {
-            __m512 x0 = _mm512_loadu_ps(x + t * ldx + k), x1 = _mm512_loadu_ps(x + t * ldx + k + 16);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                acc[r][t] = _mm512_fmadd_ps(even[r], x0, acc[r][t]);
-                acc[r][t] = _mm512_fmadd_ps(odd[r], x1, acc[r][t]);
-            }
-        }
+            __builtin_prefetch((const char *)(w + r * K + k) + PF_BYTES, 0, 2);
+#define W_LINE(r) (w + (r) * K + k + s)
+#pragma GCC unroll 16
+        for (int s = 0; s < 32; s += GW) BF16_STEP(W_LINE, k + s);
+#undef W_LINE
     }
+    for (; k + GW <= K; k += GW) {
+#define W_MAIN(r) (w + (r) * K + k)
+        BF16_STEP(W_MAIN, k);
+#undef W_MAIN
+    }
+    if (k < K) { /* a partial group: its weights copied into zero padding (x is zero padded already) */
+        uint16_t tail[4][GW];
+        memset(tail, 0, sizeof(tail));
+        for (int r = 0; r < R; r++) memcpy(tail[r], w + r * K + k, sizeof(uint16_t) * (size_t)(K - k));
+#define W_TAIL(r) (tail[r])
+        BF16_STEP(W_TAIL, k);
+#undef W_TAIL
+    }
+#undef BF16_STEP
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-        for (int t = 0; t < TT; t++) out[t * ldo + r] = _mm512_reduce_add_ps(acc[r][t]);
+        for (int t = 0; t < TT; t++) out[t * ldo + r] = vsum(acc[r][t]);
 }
 
 #define BF16_CASE(R, TT) \
@@ -125,30 +189,20 @@ static void bf16_block(const float *x, int64_t ldx, int tt, const uint16_t *w, i
     else if (rows == 2) { BF16_SWITCH(2) }
     else { BF16_SWITCH(1) }
 }
+
+/* rows per register block for a token tile of tt: accumulators plus weights must fit the register file (32
+ * vectors with AVX-512, 16 with AVX2) */
+static int rows_for(int tt) {
+#if MS_SIMD == 1
+    return tt <= 2 ? 4 : (tt <= 4 ? 2 : 1);
 #else
-static int64_t bf16_stride(int64_t K) { return K; }
-
-static void bf16_prepare(const float *x, int64_t T, int64_t K, float *xp) {
-    memcpy(xp, x, sizeof(float) * (size_t)(T * K));
-}
-
-static void bf16_block(const float *x, int64_t ldx, int tt, const uint16_t *w, int64_t K, float *out, int64_t ldo,
-                       int rows) {
-    for (int r = 0; r < rows; r++)
-        for (int t = 0; t < tt; t++) {
-            float acc = 0.0f;
-            for (int64_t k = 0; k < K; k++) acc += bf16_to_f32(w[r * K + k]) * x[t * ldx + k];
-            out[t * ldo + r] = acc;
-        }
-}
+    return tt <= 4 ? 4 : 2;
 #endif
+}
 
-/* rows per register block for a token tile of tt: 16 accumulators at most */
-static int rows_for(int tt) { return tt <= 4 ? 4 : 2; }
-
-/* rows [n0, n1) of every token; x prepared (row stride ldx) */
+/* out[t * ldo + (n - n0)] for rows [n0, n1) of w [N, K] and every token of x (prepared, row stride ldx) */
 static void bf16_rows(const float *x, int64_t ldx, int64_t T, int64_t K, const uint16_t *w, int64_t n0, int64_t n1,
-                      float *out, int64_t N) {
+                      float *out, int64_t ldo) {
     int64_t n = n0;
     while (n < n1) {
         int64_t left = n1 - n;
@@ -159,7 +213,7 @@ static void bf16_rows(const float *x, int64_t ldx, int64_t T, int64_t K, const u
             int tt = (int)(T - t0 < TILE_T ? T - t0 : TILE_T);
             int r = rows_for(tt) < step ? rows_for(tt) : step;
             for (int done = 0; done < step; done += r)
-                bf16_block(x + t0 * ldx, ldx, tt, w + (n + done) * K, K, out + t0 * N + n + done, N, r);
+                bf16_block(x + t0 * ldx, ldx, tt, w + (n + done) * K, K, out + t0 * ldo + (n - n0) + done, ldo, r);
         }
         n += step;
     }
@@ -328,7 +382,17 @@ static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER; /* one multi-threa
 static pthread_t pool_threads[MAX_THREADS];
 static int pool_workers = 0;      /* started workers */
 static int pool_parts = 1;        /* threads per call, the caller included */
-static const int pool_spin = 2000;     /* pause iterations a thread polls (next job, completion) before sleeping */
+/* how long a worker polls for the next job before sleeping on the condition variable (a sleeping worker costs a
+ * futex wake-up, tens of microseconds, per call; a polling one costs a core); the caller polls for completion
+ * up to 2000 pauses */
+static int64_t pool_spin_ns = 50000;
+static const int pool_spin = 2000;
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
 static uint64_t pool_gen = 0;     /* under pool_mu; read atomically while spinning */
 static uint64_t pool_gen_base = 0; /* pool_gen when workers were last started (their first `seen`) */
 static int pool_sleepers = 0;
@@ -347,10 +411,10 @@ static void *pool_main(void *arg) {
     int id = (int)(intptr_t)arg; /* part index: 1.. */
     uint64_t seen = pool_gen_base;
     for (;;) {
-        int spins = 0;
-        while (__atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE) == seen && spins < pool_spin) {
+        const int64_t until = now_ns() + __atomic_load_n(&pool_spin_ns, __ATOMIC_RELAXED);
+        for (int spins = 1; __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE) == seen; spins++) {
             cpu_relax();
-            spins++;
+            if ((spins & 63) == 0 && now_ns() >= until) break;
         }
         pthread_mutex_lock(&pool_mu);
         while (pool_gen == seen) {
@@ -430,6 +494,8 @@ static void pool_run(job_fn fn, void *arg, int parts) {
     pthread_mutex_unlock(&pool_busy);
 }
 
+void ms_set_spin_us(int64_t us) { __atomic_store_n(&pool_spin_ns, us < 0 ? 0 : us * 1000, __ATOMIC_RELAXED); }
+
 void ms_set_threads(int n) { pool_parts = n < 1 ? 1 : (n > MAX_THREADS ? MAX_THREADS : n); }
 int ms_get_threads(void) { return pool_parts; }
 
@@ -445,151 +511,51 @@ static void split(int64_t N, int part, int parts, int64_t *n0, int64_t *n1) {
 /* ------------------------------------------------------------------------------------------- entry points */
 
 typedef struct {
-    const float *x; int64_t ldx, T, K; const uint16_t *w; int64_t N; float *out;
+    const float *x; int64_t ldx, T, K, nw, total; const int64_t *w, *N, *out;
 } bf16_job;
 
+/* rows [r0, r1) of the weights' rows laid end to end */
 static void bf16_part(void *arg, int part, int parts) {
-    bf16_job *j = arg;
-    int64_t n0, n1;
-    split(j->N, part, parts, &n0, &n1);
-    bf16_rows(j->x, j->ldx, j->T, j->K, j->w, n0, n1, j->out, j->N);
+    const bf16_job *j = arg;
+    int64_t r0, r1, off = 0;
+    split(j->total, part, parts, &r0, &r1);
+    for (int64_t i = 0; i < j->nw && off < r1; off += j->N[i], i++) {
+        const int64_t lo = r0 > off ? r0 - off : 0, hi = r1 - off < j->N[i] ? r1 - off : j->N[i];
+        if (lo < hi)
+            bf16_rows(j->x, j->ldx, j->T, j->K, (const uint16_t *)(intptr_t)j->w[i], lo, hi,
+                      (float *)(intptr_t)j->out[i] + lo, j->N[i]);
+    }
 }
 
-/* out[T, N] = x[T, K] (contiguous fp32) @ w[N, K]^T (contiguous bf16); work splits over ms_set_threads threads
- * when there are at least `min_rows_per_thread` rows per thread. Returns 0, or -1 when out of memory. */
-int ms_linear_bf16(const float *x, int64_t T, int64_t K, const uint16_t *w, int64_t N, float *out,
-                   int64_t min_rows_per_thread) {
-    if (T <= 0 || N <= 0) return 0;
+/* For i < nw: out_i[T, N[i]] = x[T, K] (contiguous fp32) @ w_i[N[i], K]^T (contiguous bf16), w_i and out_i at the
+ * addresses ws[i], outs[i]: x is prepared once and all the weights' rows split over the threads (when there are at
+ * least `min_rows_per_thread` rows per thread). Returns 0, or -1 when out of memory. */
+int ms_linear_bf16_many(const float *x, int64_t T, int64_t K, int64_t nw, const int64_t *ws, const int64_t *Ns,
+                        const int64_t *outs, int64_t min_rows_per_thread) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < nw; i++) total += Ns[i];
+    if (T <= 0 || total <= 0) return 0;
     if (K <= 0) {
-        memset(out, 0, sizeof(float) * (size_t)(T * N));
+        for (int64_t i = 0; i < nw; i++) memset((void *)(intptr_t)outs[i], 0, sizeof(float) * (size_t)(T * Ns[i]));
         return 0;
     }
     const int64_t ldx = bf16_stride(K);
     float *xp = malloc(sizeof(float) * (size_t)(T * ldx));
     if (!xp) return -1;
     bf16_prepare(x, T, K, xp);
-    bf16_job j = {xp, ldx, T, K, w, N, out};
+    bf16_job j = {xp, ldx, T, K, nw, total, ws, Ns, outs};
     int parts = pool_parts;
-    while (parts > 1 && N / parts < min_rows_per_thread) parts--;
+    while (parts > 1 && total / parts < min_rows_per_thread) parts--;
     pool_run(bf16_part, &j, parts);
     free(xp);
     return 0;
 }
 
-typedef struct {
-    int64_t E, N, K, ldx;
-    const float **x; const int64_t *T; const uint8_t **p; const uint8_t **s; float **out;
-} mx_job;
-
-static void mx_part(void *arg, int part, int parts) {
-    mx_job *j = arg;
-    int64_t n0, n1;
-    split(j->N, part, parts, &n0, &n1);
-    for (int64_t e = 0; e < j->E; e++)
-        if (j->T[e] > 0) mx_rows(j->x[e], j->ldx, j->T[e], j->K, j->p[e], j->s[e], n0, n1, j->out[e], j->N);
+/* out[T, N] = x[T, K] @ w[N, K]^T: ms_linear_bf16_many with one weight */
+int ms_linear_bf16(const float *x, int64_t T, int64_t K, const uint16_t *w, int64_t N, float *out,
+                   int64_t min_rows_per_thread) {
+    const int64_t wa = (int64_t)(intptr_t)w, oa = (int64_t)(intptr_t)out;
+    return ms_linear_bf16_many(x, T, K, 1, &wa, &N, &oa, min_rows_per_thread);
 }
 
-/* For e < E: out[e][T[e], N] = x[e][T[e], K] @ W_e^T, W_e the MXFP4 weight (p[e], s[e]) of N rows; K % 32 == 0.
- * All pointer arrays are int64 addresses. With check255, first looks for a 0xFF scale byte (NaN in E8M0) in every
- * entry's scales and returns 1 + the first such entry without computing anything. Returns 0, or -1 when out of
- * memory. */
-int ms_linear_mxfp4(int64_t E, const int64_t *xs, const int64_t *Ts, const int64_t *ps, const int64_t *ss,
-                    const int64_t *outs, int64_t N, int64_t K, int layout, int64_t min_rows_per_thread,
-                    int check255) {
-    if (E <= 0 || N <= 0) return 0;
-    if (check255)
-        for (int64_t e = 0; e < E; e++)
-            if ((e == 0 || ss[e] != ss[e - 1]) && ms_find_byte((const uint8_t *)(intptr_t)ss[e], N * (K / 32), 255) >= 0)
-                return (int)(1 + e);
-    if (K <= 0) {
-        for (int64_t e = 0; e < E; e++)
-            if (Ts[e] > 0) memset((void *)(intptr_t)outs[e], 0, sizeof(float) * (size_t)(Ts[e] * N));
-        return 0;
-    }
-    const int64_t ldx = mx_stride(K);
-    int64_t total = 0;
-    for (int64_t e = 0; e < E; e++) total += Ts[e] > 0 ? Ts[e] : 0;
-    void *mem = malloc((size_t)E * sizeof(void *) + sizeof(float) * (size_t)(total * ldx) + 64);
-    if (!mem) return -1;
-    const float **x = mem;
-    float *xp = (float *)(((uintptr_t)mem + (size_t)E * sizeof(void *) + 63) & ~(uintptr_t)63);
-    for (int64_t e = 0; e < E; e++) {
-        if (Ts[e] <= 0) {
-            x[e] = NULL;
-        } else if (e > 0 && xs[e] == xs[e - 1] && Ts[e] == Ts[e - 1]) {
-            x[e] = x[e - 1]; /* the same input for several weights: prepared once */
-        } else {
-            mx_prepare((const float *)(intptr_t)xs[e], Ts[e], K, layout, xp);
-            x[e] = xp;
-            xp += Ts[e] * ldx;
-        }
-    }
-    mx_job j = {E, N, K, ldx, x, Ts, (const uint8_t **)ps, (const uint8_t **)ss, (float **)outs};
-    int parts = pool_parts;
-    while (parts > 1 && N / parts < min_rows_per_thread) parts--;
-    pool_run(mx_part, &j, parts);
-    free(mem);
-    return 0;
-}
-
-/* ------------------------------------------------------------------------- KDA decode (one token per sequence) */
-/* Short causal depthwise conv for B sequences, one new token each: y[b, c] = sum_{t < K-1} win_b[t, c] taps[c, t]
- * + x_b[c] taps[c, K-1]; then each window drops its oldest row and appends x_b. win_b (fp32 [K-1, C]) at Ws[b],
- * x_b (fp32 [C]) at Xs[b], taps fp32 [C, K], y fp32 [B, C]. */
-void ms_conv_decode(int64_t B, int64_t C, int64_t K, const int64_t *Ws, const int64_t *Xs, const float *taps,
-                    float *y) {
-    for (int64_t b = 0; b < B; b++) {
-        float *win = (float *)(intptr_t)Ws[b];
-        const float *x = (const float *)(intptr_t)Xs[b];
-        float *yb = y + b * C;
-        for (int64_t c = 0; c < C; c++) yb[c] = x[c] * taps[c * K + K - 1];
-        for (int64_t t = 0; t < K - 1; t++) {
-            const float *row = win + t * C;
-            for (int64_t c = 0; c < C; c++) yb[c] += row[c] * taps[c * K + t];
-        }
-        if (K > 1) {
-            memmove(win, win + C, sizeof(float) * (size_t)((K - 2) * C));
-            memcpy(win + (K - 2) * C, x, sizeof(float) * (size_t)C);
-        }
-    }
-}
-
-/* The delta-rule step for B sequences x H heads, each state S (fp32 [H, dk, dv] at Ss[b]) updated in place:
- *   S <- diag(exp g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q
- * q, k, g fp32 [B, H, dk], v fp32 [B, H, dv], beta fp32 [B, H], out fp32 [B, H, dv]. Two passes over S. */
-void ms_kda_decode(int64_t B, int64_t H, int64_t dk, int64_t dv, const int64_t *Ss, const float *q, const float *k,
-                   const float *v, const float *g, const float *beta, float *out) {
-    float u[dv > 0 ? dv : 1]; /* one head's value width (128 on Kimi Linear / K3): on the stack, cannot fail */
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t h = 0; h < H; h++) {
-            const int64_t bh = b * H + h;
-            float *S = (float *)(intptr_t)Ss[b] + h * dk * dv;
-            const float *qh = q + bh * dk, *kh = k + bh * dk, *gh = g + bh * dk, *vh = v + bh * dv;
-            float *oh = out + bh * dv;
-            for (int64_t j = 0; j < dv; j++) u[j] = 0.0f;
-            for (int64_t i = 0; i < dk; i++) {
-                const float e = expf(gh[i]), ki = kh[i];
-                float *row = S + i * dv;
-                for (int64_t j = 0; j < dv; j++) {
-                    const float s = row[j] * e;
-                    row[j] = s;
-                    u[j] += ki * s;
-                }
-            }
-            const float bt = beta[bh];
-            for (int64_t j = 0; j < dv; j++) {
-                u[j] = bt * (vh[j] - u[j]);
-                oh[j] = 0.0f;
-            }
-            for (int64_t i = 0; i < dk; i++) {
-                const float ki = kh[i], qi = qh[i];
-                float *row = S + i * dv;
-                for (int64_t j = 0; j < dv; j++) {
-                    const float s = row[j] + ki * u[j];
-                    row[j] = s;
-                    oh[j] += qi * s;
-                }
-            }
-        }
-    }
-}
+#include "_cpu_step.c"

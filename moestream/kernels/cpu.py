@@ -1,11 +1,13 @@
-"""Native CPU kernels for small-batch matmuls straight from stored weights: bf16 and MXFP4 times fp32 activations.
+"""Native CPU kernels for small-batch work straight from stored weights: bf16 and MXFP4 times fp32 activations, the
+grouped fused GLU experts of a layer step, rms_norm, GQA decode attention and the KDA decode step.
 
 `_cpu.c` is compiled at first use with the system gcc (-O3 -march=native), cached under
 $XDG_CACHE_HOME/moestream/kernels/ keyed by a hash of the source, the flags and the CPU (built to a temporary file
 and renamed, so concurrent builds are safe), and loaded with ctypes, which releases the GIL during each call.
 Without gcc, when the build fails, or with MOESTREAM_NATIVE=0, `available()` is False, `reason()` says why in one
 line, and the callers (blocks.linear, quant.mxfp4_linear, latent_moe) keep their torch paths, which compute the
-same values up to fp32 summation order. MOESTREAM_NATIVE_THREADS sets the threads per call (default below).
+same values up to fp32 summation order. MOESTREAM_NATIVE_THREADS sets the threads per call (default below; the
+engine sets it from --threads), MOESTREAM_NATIVE_SPIN_US how long idle pool threads poll before sleeping.
 """
 from __future__ import annotations
 
@@ -29,14 +31,20 @@ from torch import Tensor
 # docs/performance.md); above it the torch paths are compute-efficient and are kept.
 MAX_TOKENS_BF16 = 16
 MAX_TOKENS_MXFP4 = 32
+# Up to this many tokens a layer step's bf16 GLU experts go through one fused native call (moe_glu_bf16).
+MAX_TOKENS_GLU = 32
 # Threads per call (the caller included). Two threads won on expert-sized matrices in bench/kernels.py; small
 # matrices stay on one (below MIN_ROWS_PER_THREAD rows per thread the wake-up costs more than it saves).
 DEFAULT_THREADS = 1
 MIN_ROWS_PER_THREAD = 256
+# How long a pool worker polls for the next call before it sleeps (MOESTREAM_NATIVE_SPIN_US): a decode step's
+# Python between two native calls takes tens to hundreds of microseconds, and waking a sleeping worker costs tens.
+SPIN_US = 50
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
-_ABI = 6
+_ABI = 7
 _SOURCE = Path(__file__).with_name("_cpu.c")
+_SOURCES = (_SOURCE, Path(__file__).with_name("_cpu_step.c"))  # _cpu.c #includes the other
 _LAYOUTS = {"low_first": 0, "gguf": 1}
 
 _lock = threading.Lock()
@@ -65,7 +73,7 @@ def _cache_dir() -> Path:
 def library_path() -> Path:
     """Where the compiled library for this source, these flags and this CPU lives (built or not)."""
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(FLAGS).encode(), platform.machine().encode(), _cpu_flags().encode()):
+    for part in (*(f.read_bytes() for f in _SOURCES), " ".join(FLAGS).encode(), platform.machine().encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
     return _cache_dir() / f"moestream_cpu-{key.hexdigest()[:16]}.so"
@@ -98,10 +106,22 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_find_byte.restype = i64
     lib.ms_linear_bf16.argtypes = [p, i64, i64, p, i64, p, i64]
     lib.ms_linear_bf16.restype = ctypes.c_int
+    lib.ms_linear_bf16_many.argtypes = [p, i64, i64, i64, p, p, p, i64]
+    lib.ms_linear_bf16_many.restype = ctypes.c_int
     lib.ms_linear_mxfp4.argtypes = [i64, p, p, p, p, p, i64, i64, ctypes.c_int, i64, ctypes.c_int]
     lib.ms_linear_mxfp4.restype = ctypes.c_int
     lib.ms_set_threads.argtypes = [ctypes.c_int]
     lib.ms_get_threads.restype = ctypes.c_int
+    lib.ms_set_spin_us.argtypes = [i64]
+    lib.ms_set_spin_us.restype = None
+    lib.ms_moe_glu_bf16.argtypes = [i64, p, p, p, p, i64, i64, i64, p, i64, p, p, i64, p, ctypes.c_int,
+                                    ctypes.c_float, ctypes.c_float]
+    lib.ms_moe_glu_bf16.restype = ctypes.c_int
+    lib.ms_rms_norm.argtypes = [p, i64, i64, p, ctypes.c_int, ctypes.c_float, p]
+    lib.ms_rms_norm.restype = None
+    lib.ms_gqa_attend.argtypes = [i64, i64, i64, i64, i64, p, p, p, i64, p, p, ctypes.c_int, ctypes.c_float, p,
+                                  ctypes.c_float, ctypes.c_float, i64, p]
+    lib.ms_gqa_attend.restype = ctypes.c_int
     lib.ms_conv_decode.argtypes = [i64, i64, i64, p, p, p, p]
     lib.ms_conv_decode.restype = None
     lib.ms_kda_decode.argtypes = [i64, i64, i64, i64, p, p, p, p, p, p, p]
@@ -124,6 +144,7 @@ def _load() -> None:
             if lib.ms_abi() != _ABI:
                 raise RuntimeError(f"{path.name} has ABI {lib.ms_abi()}, want {_ABI}")
             lib.ms_set_threads(int(os.environ.get("MOESTREAM_NATIVE_THREADS") or DEFAULT_THREADS))
+            lib.ms_set_spin_us(int(os.environ.get("MOESTREAM_NATIVE_SPIN_US") or SPIN_US))
             _lib, _why = lib, ""
         except Exception as exc:  # any failure means: use the torch paths
             _lib, _why = None, f"native kernels off: {exc}".splitlines()[0]
@@ -135,6 +156,14 @@ def lib() -> ctypes.CDLL | None:
     if not _loaded:
         _load()
     return None if _forced_off else _lib
+
+
+def required() -> ctypes.CDLL:
+    """The loaded library; RuntimeError (saying why) when the native kernels are off."""
+    handle = lib()
+    if handle is None:
+        raise RuntimeError(reason())
+    return handle
 
 
 def available() -> bool:
@@ -174,15 +203,24 @@ def set_threads(n: int) -> None:
         handle.ms_set_threads(int(n))
 
 
+def set_spin_us(us: int) -> None:
+    """How long a pool worker polls for the next call before sleeping, in microseconds (0: sleep at once)."""
+    if (handle := lib()) is not None:
+        handle.ms_set_spin_us(int(us))
+
+
 def threads() -> int:
     handle = lib()
     return handle.ms_get_threads() if handle is not None else 0
 
 
-def simd() -> bool:
-    """Whether the library was built with its AVX-512 kernels (else its portable scalar code)."""
+_SIMD_NAMES = {0: "", 1: "avx2", 2: "avx512"}
+
+
+def simd() -> str:
+    """The vector code the library was built with: "avx512", "avx2", or "" for its portable scalar code."""
     handle = lib()
-    return bool(handle is not None and handle.ms_simd())
+    return _SIMD_NAMES.get(handle.ms_simd(), "") if handle is not None else ""
 
 
 def rows(x: Tensor, in_features: int) -> Tensor:
@@ -195,9 +233,7 @@ def rows(x: Tensor, in_features: int) -> Tensor:
 
 def linear_bf16(x: Tensor, w: Tensor, min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> Tensor:
     """x [..., K] @ w[N, K]^T for a bf16 w, fp32 accumulate, float32 [..., N]. Needs available()."""
-    handle = lib()
-    if handle is None:
-        raise RuntimeError(reason())
+    handle = required()
     if w.dtype != torch.bfloat16 or w.dim() != 2:
         raise ValueError(f"linear_bf16 wants a 2-D bfloat16 weight, got {tuple(w.shape)} {w.dtype}")
     n, k = w.shape
@@ -210,11 +246,28 @@ def linear_bf16(x: Tensor, w: Tensor, min_rows_per_thread: int = MIN_ROWS_PER_TH
     return out if x2 is x else out.view(*x.shape[:-1], n)
 
 
+def linear_bf16_many(x: Tensor, ws: Sequence[Tensor], min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> list[Tensor]:
+    """[x @ w^T for w in ws] in one native call (x prepared once, all the rows split over the threads): x [T, K]
+    fp32, each w a contiguous 2-D bf16 [N_i, K]. Returns float32 [T, N_i] each. Needs available()."""
+    handle = required()
+    k = ws[0].shape[1]
+    for w in ws:
+        if w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] != k or not w.is_contiguous():
+            raise ValueError(f"linear_bf16_many wants contiguous 2-D bfloat16 weights [N, {k}]")
+    x2 = x if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() else rows(x, k)
+    if x2.shape[1] != k:
+        raise ValueError(f"x has {x2.shape[1]} features, the weights expect {k}")
+    outs = [torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32) for w in ws]
+    if handle.ms_linear_bf16_many(x2.data_ptr(), x2.shape[0], k, len(ws), _addresses([w.data_ptr() for w in ws]),
+                                  _addresses([w.shape[0] for w in ws]), _addresses([o.data_ptr() for o in outs]),
+                                  min_rows_per_thread):
+        raise MemoryError("native bf16 kernel could not allocate its input scratch")
+    return outs
+
+
 def find_byte(t: Tensor, value: int) -> int:
     """Flat index of the first byte equal to value in a contiguous uint8 tensor, or -1 (a memchr)."""
-    handle = lib()
-    if handle is None:
-        raise RuntimeError(reason())
+    handle = required()
     return int(handle.ms_find_byte(t.data_ptr(), t.numel(), value))
 
 
@@ -227,9 +280,7 @@ def linear_mxfp4_many(xs: Sequence[Tensor], weights: Sequence[tuple[Tensor, Tens
     """[x_e @ W_e^T] for MXFP4 weights W_e = (packed uint8 [N, K/2], scales uint8 [N, K/32]) of one shape, in
     one native call; x_e float32 [T_e, K]. The caller has checked the operands (quant._mxfp4_operands) and that
     no scale byte is 255. Consecutive entries passing the same x tensor share its reordering."""
-    handle = lib()
-    if handle is None:
-        raise RuntimeError(reason())
+    handle = required()
     n, k = weights[0][0].shape[0], weights[0][0].shape[1] * 2
     rows = [x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous() for x in xs]
     for x in rows:
@@ -254,9 +305,7 @@ def linear_mxfp4_many(xs: Sequence[Tensor], weights: Sequence[tuple[Tensor, Tens
 def linear_mxfp4(x: Tensor, packed: Tensor, scales: Tensor, layout: str = "low_first",
                  min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> Tensor:
     """x [T, K] @ W^T for one checked, contiguous MXFP4 weight (see linear_mxfp4_many), float32 [T, N]."""
-    handle = lib()
-    if handle is None:
-        raise RuntimeError(reason())
+    handle = required()
     n, k = packed.shape[0], packed.shape[1] * 2
     x2 = x if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == k else rows(x, k)
     if not (packed.is_contiguous() and scales.is_contiguous()) or scales.shape != (n, k // 32):
@@ -277,9 +326,7 @@ def linear_mxfp4_ptrs(xs: Sequence[int], tokens: Sequence[int], packed: Sequence
     argument a data_ptr (contiguous float32 x and out, packed uint8 [n, k/2], scales uint8 [n, k/32]). The
     caller keeps the tensors alive. Looks for 0xFF scale bytes first: returns -1 when all is done, else the index
     of the first entry with one (nothing computed; raise with quant's error)."""
-    handle = lib()
-    if handle is None:
-        raise RuntimeError(reason())
+    handle = required()
     code = handle.ms_linear_mxfp4(len(xs), _addresses(xs), _addresses(tokens), _addresses(packed),
                                   _addresses(scales), _addresses(outs), n, k, _LAYOUTS[layout], min_rows_per_thread, 1)
     if code < 0:
@@ -295,9 +342,7 @@ def conv_decode(windows: Sequence[Tensor], xs: Sequence[Tensor], taps: Tensor) -
     """One token of a short causal depthwise conv for each of B sequences: windows[b] fp32 [K-1, C] (updated in
     place: shifted, x appended), xs[b] [C], taps [C, K] (tap K-1 multiplies the new token). Returns fp32 [B, C]
     before any activation."""
-    handle = lib()
-    if handle is None:
-        raise RuntimeError(reason())
+    handle = required()
     c, k = taps.shape
     taps = _f32(taps)
     xs = [_f32(x) for x in xs]
@@ -313,9 +358,7 @@ def conv_decode(windows: Sequence[Tensor], xs: Sequence[Tensor], taps: Tensor) -
 def kda_decode(states: Sequence[Tensor], q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
     """One delta-rule step for B sequences, each state fp32 [H, dk, dv] updated in place (models/kda.py's
     kda_recurrent for one token): q, k, g [B, H, dk], v [B, H, dv], beta [B, H]. Returns o fp32 [B, H, dv]."""
-    handle = lib()
-    if handle is None:
-        raise RuntimeError(reason())
+    handle = required()
     b, h, dk = q.shape
     dv = v.shape[-1]
     q, k, v, g, beta = (_f32(t) for t in (q, k, v, g, beta))

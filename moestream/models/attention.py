@@ -9,7 +9,10 @@ import torch
 
 from moestream.engine.state import GrowingBuffer, Segment
 from moestream.errors import CheckpointError
-from moestream.models.blocks import linear, rms_norm
+from moestream.kernels import cpu, fused
+from moestream.models.blocks import linear, linear_many, rms_norm
+
+NATIVE_MAX_TOKENS = 16  # segments up to this long attend in one native call (decode); longer ones use torch bmm
 
 
 def gqa_dims(c: dict) -> tuple[int, int, int]:
@@ -85,9 +88,11 @@ class GQAMixer:
 
     def __call__(self, x: torch.Tensor, batch, index: int) -> torch.Tensor:
         t = x.shape[0]
-        q = linear(x, self.q, self.qb).view(t, self.heads, self.head_dim)
-        k = linear(x, self.k, self.kb).view(t, self.kv_heads, self.head_dim)
-        v = linear(x, self.v, self.vb).view(t, self.kv_heads, self.head_dim)
+        q, k, v = linear_many(x, (self.q, self.k, self.v), (self.qb, self.kb, self.vb))
+        q = q.view(t, self.heads, self.head_dim)
+        k, v = k.view(t, self.kv_heads, self.head_dim), v.view(t, self.kv_heads, self.head_dim)
+        if self._native(x, batch):
+            return linear(self._attend_native(q, k, v, batch, index).view(t, -1), self.o, self.ob)
         if self.q_norm is not None:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         cos, sin = self.rope.cos_sin(batch.positions)
@@ -98,3 +103,24 @@ class GQAMixer:
             r = seg.rows
             out[r] = cached_attention(seg, slot, q[r], k[r], v[r], self.scale, self.window, self.sinks)
         return linear(out.reshape(t, -1), self.o, self.ob)
+
+    def _native(self, x: torch.Tensor, batch) -> bool:
+        """Small segments, no sinks, rotate-half rope: q/k norms, rope, KV append and attention in one native call
+        per sequence (instead of some thirty small torch ops)."""
+        return (self.sinks is None and not self.rope.interleaved and not x.requires_grad and cpu.available()
+                and self.rope.inv_freq.numel() * 2 == self.head_dim
+                and all(seg.length <= NATIVE_MAX_TOKENS for seg in batch.segments))
+
+    def _attend_native(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, index: int) -> torch.Tensor:
+        one = len(batch.segments) == 1
+        out = None if one else torch.empty(q.shape[0], self.heads, self.head_dim)
+        for seg in batch.segments:
+            slot = seg.state.slot(index, lambda: KVSlot(self.memory, self.kv_heads, self.head_dim, self.head_dim))
+            r = seg.rows
+            keys, values = slot.k.append(k[r]), slot.v.append(v[r])  # normed and roped in place by the kernel
+            got = fused.gqa_attend(q[r].contiguous(), keys, values, seg.length, self.scale, self.q_norm, self.k_norm,
+                                 self.eps, self.rope.inv_freq, self.rope.attention_factor, self.window)
+            if one:
+                return got
+            out[r] = got
+        return out

@@ -5,10 +5,13 @@ checkpoint computes what its fp32 expansion computes). It does not know about ch
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
 import torch
 import torch.nn.functional as F
 
-from moestream.kernels import cpu
+from moestream.kernels import cpu, fused
 
 
 UPCAST_CHUNK_BYTES = 16 << 20  # fp32 scratch for one slab of upcast weight rows (counted in the engine's scratch)
@@ -45,6 +48,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
+def linear_many(x: torch.Tensor, ws: tuple[torch.Tensor, ...],
+                bs: tuple[torch.Tensor | None, ...] | None = None) -> list[torch.Tensor]:
+    """[linear(x, w, b) for each weight]: one native call for all of them when each would take the native kernel
+    (x prepared once; the weights' rows split over the threads together), else one linear each."""
+    bs = bs or (None,) * len(ws)
+    if len(ws) > 1 and all(bf16_native(w, x) and w.is_contiguous() and w.shape[1] == x.shape[-1] for w in ws):
+        ys = cpu.linear_bf16_many(x, ws)
+        return [y if b is None else y + b.float() for y, b in zip(ys, bs)]
+    return [linear(x, w, b) for w, b in zip(ws, bs)]
+
+
 def bf16_native(w: torch.Tensor, x: torch.Tensor | None = None, tokens: int | None = None) -> bool:
     """Whether `linear` computes x @ w^T with the native bf16 kernel (x, or just its row count `tokens`)."""
     if w.dtype != torch.bfloat16 or w.dim() != 2 or type(w) is not torch.Tensor:
@@ -56,8 +70,16 @@ def bf16_native(w: torch.Tensor, x: torch.Tensor | None = None, tokens: int | No
     return tokens is not None and tokens <= cpu.MAX_TOKENS_BF16 and cpu.available()
 
 
+NATIVE_NORM_ROWS = 64  # up to this many rows rms_norm runs natively (one call instead of seven small torch ops)
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
     """w * x / sqrt(mean(x^2) + eps), in fp32."""
+    if (x.dtype == torch.float32 and x.is_contiguous() and not x.requires_grad and x.numel() > 0
+            and x.numel() <= NATIVE_NORM_ROWS * x.shape[-1] and type(x) is torch.Tensor
+            and (w is None or (w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous()
+                               and w.shape == x.shape[-1:] and not w.requires_grad)) and cpu.available()):
+        return fused.rms_norm(x, w, eps)
     x = x.float()
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return y * w.float() if w is not None else y
@@ -78,17 +100,118 @@ def glu_mlp(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: t
     return linear(act(linear(x, gate_w), linear(x, up_w)), down_w)
 
 
-def expert_glu(act=silu_glu):
-    """An expert function over tensors named gate / up / down (or fused gate_up, gate rows first)."""
+@dataclass(frozen=True)
+class Situ:
+    """SiTU-GLU with its two constants, as an activation the native GLU kernel can also compute."""
 
-    def fn(x: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
-        if "gate_up" in t:
-            gu = linear(x, t["gate_up"])
-            gate, up = gu.chunk(2, dim=-1)
-            return linear(act(gate, up), t["down"])
-        return glu_mlp(x, t["gate"], t["up"], t["down"], act)
+    beta: float = 4.0
+    linear_beta: float = 25.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return situ_glu(gate, up, self.beta, self.linear_beta)
+
+
+def native_act(act) -> tuple[str, float, float] | None:
+    """(name, beta, linear_beta) of an activation the native GLU kernel computes, else None."""
+    if act is silu_glu:
+        return ("silu", 0.0, 0.0)
+    if isinstance(act, Situ):
+        return ("situ", act.beta, act.linear_beta)
+    return None
+
+
+# names of an expert's (gate, up, down) parts across the families (Qwen3 / Mixtral / DeepSeek / K3 bf16)
+GLU_NAMES = (("gate", "up", "down"), ("w1", "w3", "w2"), ("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
+Glu = tuple[int, int, int, int, int, int]  # gate, up, down addresses; intermediate, input and output widths
+
+
+def glu_tensors(t: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
+    """An expert's (gate_up, down) when fused, else its (gate, up, down); None when it has no GLU parts."""
+    if "gate_up" in t:
+        return t["gate_up"], t["down"]
+    for names in GLU_NAMES:
+        if names[0] in t:
+            return tuple(t[n] for n in names)
+    return None
+
+
+def _bf16_matrix(m: torch.Tensor) -> bool:
+    return type(m) is torch.Tensor and m.dtype == torch.bfloat16 and m.dim() == 2 and m.is_contiguous()
+
+
+def glu_parts(t: Mapping[str, torch.Tensor]) -> Glu | None:
+    """Addresses and widths of a bf16 GLU expert the fused native kernel takes, else None. Cached on a blob's
+    PartViews (its views live as long as the blob)."""
+    cached = getattr(t, "ptrs", None)
+    if cached is not None and cached[0] == "glu":
+        return cached[1]
+    got = None
+    parts = glu_tensors(t)
+    if parts is not None and all(_bf16_matrix(m) for m in parts):
+        if len(parts) == 2:
+            gu, down = parts
+            inter = gu.shape[0] // 2
+            if gu.shape[0] % 2 == 0 and down.shape[1] == inter:
+                gate = gu.data_ptr()
+                got = (gate, gate + inter * gu.shape[1] * 2, down.data_ptr(), inter, gu.shape[1], down.shape[0])
+        else:
+            gate, up, down = parts
+            if gate.shape == up.shape and down.shape[1] == gate.shape[0]:
+                got = (gate.data_ptr(), up.data_ptr(), down.data_ptr(), *gate.shape, down.shape[0])
+    if hasattr(t, "ptrs"):
+        t.ptrs = ("glu", got)
+    return got
+
+
+def _native_glu(x: torch.Tensor, parts: list[Glu], spec: tuple[str, float, float], out: torch.Tensor,
+                experts: list[int] | None = None, ids: torch.Tensor | None = None,
+                weights: torch.Tensor | None = None) -> bool:
+    """One fused native call for experts of one shape; False (nothing done) when the shapes do not fit."""
+    first = parts[0]
+    if any(p[3:] != first[3:] for p in parts) or first[4] != x.shape[1] or first[5] != out.shape[1]:
+        return False
+    fused.moe_glu_bf16(x, experts or [0] * len(parts), [p[:3] for p in parts], first[3], out, ids, weights, *spec)
+    return True
+
+
+def expert_glu(act=silu_glu):
+    """An expert function over a GLU expert's tensors (gate / up / down under any of GLU_NAMES, or fused gate_up,
+    gate rows first). bf16 experts of a few rows take the fused native kernel (gate, up, act, down in one call)."""
+    spec = native_act(act)
+
+    def fn(x: torch.Tensor, t: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if spec is not None and x.shape[0] <= cpu.MAX_TOKENS_GLU and not x.requires_grad and cpu.available():
+            parts = glu_parts(t)
+            if parts is not None:
+                out = torch.zeros(x.shape[0], parts[5], dtype=torch.float32)
+                if _native_glu(cpu.rows(x, x.shape[-1]), [parts], spec, out):
+                    return out
+        got = glu_tensors(t)
+        if got is None:
+            raise KeyError(f"expert has no GLU parts: {sorted(t)}")
+        if len(got) == 2:
+            gate, up = linear(x, got[0]).chunk(2, dim=-1)
+            return linear(act(gate, up), got[1])
+        return glu_mlp(x, *got, act)
 
     return fn
+
+
+def glu_group(act=silu_glu) -> Callable[..., bool]:
+    """The runner's grouped call for bf16 GLU experts: every resident expert of a layer step (each token through
+    its routed experts only) in one fused native call, threads splitting the rows. Declines (the runner then goes
+    expert by expert) for larger steps, other formats or activations, or without the native kernels."""
+    spec = native_act(act)
+
+    def run(x, ids, weights, experts, tensors, out) -> bool:
+        if spec is None or x.shape[0] > cpu.MAX_TOKENS_GLU or x.requires_grad or not cpu.available():
+            return False
+        parts = [glu_parts(t) for t in tensors]
+        if any(p is None for p in parts):
+            return False
+        return _native_glu(cpu.rows(x, x.shape[-1]), parts, spec, out, experts, ids, weights)
+
+    return run
 
 
 def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

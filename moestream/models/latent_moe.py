@@ -16,13 +16,13 @@ from moestream.kernels import cpu
 from moestream.kernels.quant import (GROUP_DECODE_BYTES, check_mxfp4_scales, mxfp4_decode_planes, mxfp4_linear,
                                      mxfp4_permute_input)
 from moestream.models.base import router
-from moestream.models.blocks import glu_mlp, linear, rms_norm, sigmoid_topk, situ_glu
+from moestream.models.blocks import Situ, expert_glu, glu_group, glu_mlp, linear, rms_norm, sigmoid_topk
 
 Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def make_act(beta: float, linear_beta: float) -> Act:
-    return lambda gate, up: situ_glu(gate, up, beta, linear_beta)
+    return Situ(beta, linear_beta)
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,10 +190,6 @@ def mxfp4_group(act: Act):
     return run
 
 
-def dense_expert(act: Act) -> Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]:
-    return lambda z, t: glu_mlp(z, t["w1"], t["w3"], t["w2"], act)
-
-
 class LatentMoE:
     """The feed-forward of one MoE layer (spec 2.4): x [T, H] -> [T, H] fp32."""
 
@@ -207,8 +203,8 @@ class LatentMoE:
         names = [f"{p}.shared_experts.{n}_proj.weight" for n in ("gate", "up", "down")]
         self.shared = [w.get(n) for n in names] if names[0] in w else None
         self.act = act
-        self.fn = mxfp4_expert(act) if quantized else dense_expert(act)
-        self.group = mxfp4_group(act) if quantized else None
+        self.fn = mxfp4_expert(act) if quantized else expert_glu(act)  # bf16 experts: w1 / w3 / w2
+        self.group = mxfp4_group(act) if quantized else glu_group(act)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = route(linear(x, self.gate), self.bias, self.top_k, self.scale)  # [T, k] each

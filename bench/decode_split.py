@@ -1,0 +1,139 @@
+"""Where a warm decode step's time goes, for the GQA families (qwen3_moe, mixtral): wall-clock splits.
+
+    python bench/decode_split.py MODEL [--threads 2] [--tokens 24] [--prompt-len 16] [--native|--no-native]
+
+Opens MODEL with a budget that holds every expert, decodes `--tokens` greedy tokens once to warm the cache (and
+the page cache), then decodes the same tokens again from a fresh sequence with timers wrapped around the pieces
+of a step: norms, the attention projections (q/k/v/o), the rest of attention (q/k norms, rope, KV append, scores),
+the router (linear + top-k), the routed experts (the runner; its native kernel call and the lookahead separately),
+the lm_head, and
+"other" (the step minus all of those: embedding, residual adds, sampling, the engine's bookkeeping). Prints a
+table (ms per token and share) and one JSON line. The timers cost about a microsecond per call.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+from moestream import Engine
+from moestream.experts import dispatch, prefetch
+from moestream.kernels import cpu
+from moestream.models import attention, base
+
+try:
+    from moestream.kernels import fused
+except ImportError:  # an older tree (PYTHONPATH=<tree>) has no fused kernels
+    fused = None
+
+SPENT: dict[str, float] = defaultdict(float)
+STACK: list[list] = []  # [name, start, time in timed children, folds its children in]
+CLOCK = [time.perf_counter]
+
+
+def timed(name: str, fn, fold: bool = False):
+    """Exclusive time: a timed call inside another is subtracted from its parent, except inside a folding parent
+    (lm_head, lookahead), which keeps its children's time."""
+    def wrapper(*args, **kwargs):
+        if STACK and STACK[-1][3]:
+            return fn(*args, **kwargs)
+        STACK.append([name, CLOCK[0](), 0.0, fold])
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _, start, children, _ = STACK.pop()
+            spent = CLOCK[0]() - start
+            SPENT[name] += spent - children
+            if STACK:
+                STACK[-1][2] += spent
+    return wrapper
+
+
+@contextmanager
+def instrumented():
+    """Timers around the step's pieces (module attributes patched, restored on exit)."""
+    wanted = [
+        (attention, "linear", "attention projections q/k/v/o", False),
+        (attention, "linear_many", "attention projections q/k/v/o", False),
+        (attention.GQAMixer, "__call__", "attention: qk-norm, rope, KV, scores", False),
+        (base, "rms_norm", "norms (layer + final)", False),
+        (base, "linear", "router (linear + softmax top-k)", False),
+        (base, "softmax_topk", "router (linear + softmax top-k)", False),
+        (base.DecoderModel, "head", "lm_head (+ final norm)", True),
+        (dispatch.ExpertRunner, "run", "routed experts: runner and Python", False),
+        (prefetch.Lookahead, "predict", "lookahead (next layer's router)", True),
+        (fused, "moe_glu_bf16", "routed experts: native kernel", False),
+    ]
+    # what an older tree lacks (run with PYTHONPATH=<tree>) is simply not timed
+    patches = [(obj, attr, timed(name, getattr(obj, attr), fold)) for obj, attr, name, fold in wanted
+               if obj is not None and hasattr(obj, attr)]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, fn in patches:
+        setattr(obj, name, fn)
+    try:
+        yield
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+
+
+def decode(eng: Engine, prompt: list[int], tokens: int) -> tuple[list[int], float]:
+    st = eng.new_sequence()
+    logits = eng.prefill(st, prompt)
+    SPENT.clear()  # the split is of decode steps only
+    out, t0 = [], CLOCK[0]()
+    for _ in range(tokens):
+        tok = int(torch.argmax(logits))
+        out.append(tok)
+        (logits,) = eng.step([(st, [tok])])
+    dt = CLOCK[0]() - t0
+    eng.free(st)
+    return out, dt
+
+
+def split(total: float, tokens: int) -> dict[str, float]:
+    rows = dict(sorted(SPENT.items(), key=lambda kv: -kv[1]))
+    rows["other (embed, residuals, engine)"] = total - sum(rows.values())
+    return {k: v / tokens for k, v in rows.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--budget", default="20GB")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="the calling thread's CPU time instead of wall time (with --threads 1: all the compute)")
+    ap.add_argument("--no-native", action="store_true", help="torch paths only (cpu.disabled())")
+    args = ap.parse_args()
+    if args.cpu_time:
+        CLOCK[0] = time.thread_time
+    eng = Engine.open(args.model, ram_budget=args.budget, threads=args.threads)
+    cpu.set_threads(args.threads)
+    prompt = [(i * 7919) % eng.vocab_size for i in range(3, 3 + args.prompt_len)]
+    ctx = cpu.disabled() if args.no_native else contextmanager(lambda: (yield))()
+    with ctx:
+        first, _ = decode(eng, prompt, args.tokens)  # warm: every expert these tokens route to is cached
+        with instrumented():
+            again, total = decode(eng, prompt, args.tokens)
+    assert again == first, "the warm run decoded other tokens"
+    rows = split(total, args.tokens)
+    ms = total / args.tokens * 1e3
+    clock = "thread CPU time" if args.cpu_time else "wall"
+    print(f"warm decode ({clock}): {args.tokens / total:.2f} tok/s, {ms:.2f} ms/token, threads {args.threads}, "
+          f"native {cpu.available() and not args.no_native} ({cpu.simd() or 'scalar'})")
+    # (an older tree's simd() said only whether AVX-512 was in: True/False)
+    for name, sec in rows.items():
+        print(f"  {name:<40}{sec * 1e3:>8.2f} ms {sec * 1e3 / ms:>7.1%}")
+    print(json.dumps({"tokens_per_s": args.tokens / total, "ms_per_token": ms, "threads": args.threads,
+                      "clock": clock, "split_ms": {k: v * 1e3 for k, v in rows.items()}, "tokens": first[:8]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,345 @@
+/* moestream native CPU kernels, part 2 (#included at the end of _cpu.c, one translation unit): the pieces of a
+ * decode step beyond plain matmuls: the grouped fused GLU experts of a layer step, rms_norm, rope and GQA
+ * attention, and the KDA decode step. Uses _cpu.c's bf16 rows, thread pool and split. */
+
+/* ------------------------------------------------------------------------ grouped GLU experts (bf16 weights) */
+/* Every expert of a layer step in one call, in two passes over the threads:
+ *   pass 1 (rows of gate and up, all experts' row blocks split over the threads): h_a = act(gate_e x, up_e x),
+ *          written straight into the prepared layout the down projection reads;
+ *   pass 2 (output columns split over the threads): out[token] += weight_a * down_e h_a for each assignment a.
+ * Each thread owns whole output columns in pass 2 and adds the experts in their given order, so the result does
+ * not depend on the thread count. */
+#define GLU_ROWS 16   /* gate/up rows per unit of pass 1 */
+#define MIN_BYTES_PER_PART (128 << 10)
+#define DOWN_ROWS 32  /* down rows per block of pass 2 (the same scratch: 2 * GLU_ROWS floats per token) */
+
+enum { ACT_SILU = 0, ACT_SITU = 1 };
+
+typedef struct {
+    int64_t E, I, K, D, ldx, ldh, maxcount, ldo;
+    const uint16_t *const *gate, *const *up, *const *down;
+    const int64_t *start, *count; /* expert e's assignments: [start[e], start[e] + count[e]) */
+    const int64_t *row;           /* each assignment's token */
+    const float *wt;              /* ... and its weight */
+    const float *xa;              /* prepared x per assignment [A, ldx] */
+    float *h;                     /* prepared activations per assignment [A, ldh] */
+    float *scratch;               /* per part: 2 * GLU_ROWS * maxcount floats */
+    float *out;
+    int act;
+    float beta, lbeta;
+} glu_job;
+
+INLINE float glu_act(int act, float g, float u, float beta, float lbeta) {
+    if (act == ACT_SITU) /* Kimi K3's SiTU-GLU */
+        return (beta * tanhf(g / beta) / (1.0f + expf(-g))) * (lbeta * tanhf(u / lbeta));
+    return g / (1.0f + expf(-g)) * u; /* SiLU-GLU */
+}
+
+static void glu_up_part(void *arg, int part, int parts) {
+    const glu_job *j = arg;
+    const int64_t blocks = (j->I + GLU_ROWS - 1) / GLU_ROWS, units = j->E * blocks;
+    float *g = j->scratch + (int64_t)part * 2 * GLU_ROWS * j->maxcount, *u = g + GLU_ROWS * j->maxcount;
+    for (int64_t unit = units * part / parts; unit < units * (part + 1) / parts; unit++) {
+        const int64_t e = unit / blocks, n0 = unit % blocks * GLU_ROWS, T = j->count[e];
+        const int64_t n1 = n0 + GLU_ROWS < j->I ? n0 + GLU_ROWS : j->I;
+        if (T <= 0) continue;
+        const float *x = j->xa + j->start[e] * j->ldx;
+        bf16_rows(x, j->ldx, T, j->K, j->gate[e], n0, n1, g, GLU_ROWS);
+        bf16_rows(x, j->ldx, T, j->K, j->up[e], n0, n1, u, GLU_ROWS);
+        for (int64_t t = 0; t < T; t++) {
+            float *h = j->h + (j->start[e] + t) * j->ldh;
+            for (int64_t n = n0; n < n1; n++)
+                h[bf16_pos(n)] = glu_act(j->act, g[t * GLU_ROWS + n - n0], u[t * GLU_ROWS + n - n0], j->beta, j->lbeta);
+        }
+    }
+}
+
+
+static void glu_down_part(void *arg, int part, int parts) {
+    const glu_job *j = arg;
+    int64_t c0, c1;
+    split(j->D, part, parts, &c0, &c1);
+    float *y = j->scratch + (int64_t)part * 2 * GLU_ROWS * j->maxcount;
+    for (int64_t e = 0; e < j->E; e++) {
+        const int64_t T = j->count[e], a0 = j->start[e];
+        if (T <= 0) continue;
+        for (int64_t n0 = c0; n0 < c1; n0 += DOWN_ROWS) {
+            const int64_t nn = c1 - n0 < DOWN_ROWS ? c1 - n0 : DOWN_ROWS;
+            bf16_rows(j->h + a0 * j->ldh, j->ldh, T, j->I, j->down[e], n0, n0 + nn, y, DOWN_ROWS);
+            for (int64_t t = 0; t < T; t++) {
+                const float w = j->wt[a0 + t];
+                float *o = j->out + j->row[a0 + t] * j->ldo + n0;
+                for (int64_t n = 0; n < nn; n++) o[n] += w * y[t * DOWN_ROWS + n];
+            }
+        }
+    }
+}
+
+/* For each of E experts (ids experts[e]; bf16 weights gate [I, K], up [I, K], down [D, I] at the addresses
+ * gates[e], ups[e], downs[e]): out[t] += w * down act(gate x[t], up x[t]) for every (t, j) with
+ * ids[t * k + j] == experts[e], w = wts[t * k + j]. With ids NULL every token goes through every expert with weight
+ * 1. x fp32 [T, K], out fp32 [T, D], both contiguous. act: 0 SiLU-GLU, 1 SiTU-GLU(beta, lbeta). Returns 0, or -1
+ * when out of memory. */
+int ms_moe_glu_bf16(int64_t E, const int64_t *experts, const int64_t *gates, const int64_t *ups,
+                    const int64_t *downs, int64_t I, int64_t K, int64_t D, const float *x, int64_t T,
+                    const int64_t *ids, const float *wts, int64_t k, float *out, int act, float beta, float lbeta) {
+    if (E <= 0 || T <= 0 || D <= 0) return 0;
+    int64_t A = 0;
+    if (ids == NULL) {
+        A = E * T;
+    } else {
+        for (int64_t e = 0; e < E; e++)
+            for (int64_t i = 0; i < T * k; i++) A += ids[i] == experts[e];
+    }
+    if (A == 0) return 0;
+    const int64_t ldx = bf16_stride(K), ldh = bf16_stride(I);
+    int parts = pool_parts; /* a thread's wake-up costs about as much as streaming 100-200 KB */
+    while (parts > 1 && E * (2 * I * K + D * I) * 2 / parts < MIN_BYTES_PER_PART) parts--;
+    const size_t meta = sizeof(int64_t) * (size_t)(2 * E + A) + sizeof(float) * (size_t)A;
+    char *mem = malloc(meta + 64 + sizeof(float) * (size_t)(T * ldx + A * (ldx + ldh)));
+    if (!mem) return -1;
+    int64_t *start = (int64_t *)mem, *count = start + E, *row = count + E;
+    float *wt = (float *)(row + A);
+    float *xp = (float *)(((uintptr_t)(mem + meta) + 63) & ~(uintptr_t)63), *xa = xp + T * ldx, *h = xa + A * ldx;
+    int64_t a = 0, maxcount = 0;
+    for (int64_t e = 0; e < E; e++) {
+        start[e] = a;
+        for (int64_t t = 0; t < T; t++) {
+            if (ids == NULL) {
+                row[a] = t;
+                wt[a++] = 1.0f;
+                continue;
+            }
+            for (int64_t i = 0; i < k; i++)
+                if (ids[t * k + i] == experts[e]) {
+                    row[a] = t;
+                    wt[a++] = wts[t * k + i];
+                }
+        }
+        count[e] = a - start[e];
+        if (count[e] > maxcount) maxcount = count[e];
+    }
+    float *scratch = malloc(sizeof(float) * (size_t)(parts * 2 * GLU_ROWS * maxcount));
+    if (!scratch) {
+        free(mem);
+        return -1;
+    }
+    bf16_prepare(x, T, K, xp);
+    for (a = 0; a < A; a++) memcpy(xa + a * ldx, xp + row[a] * ldx, sizeof(float) * (size_t)ldx);
+    memset(h, 0, sizeof(float) * (size_t)(A * ldh)); /* the padding of each row stays zero */
+    glu_job j = {E, I, K, D, ldx, ldh, maxcount, D, (const uint16_t *const *)gates, (const uint16_t *const *)ups,
+                 (const uint16_t *const *)downs, start, count, row, wt, xa, h, scratch, out, act, beta, lbeta};
+    pool_run(glu_up_part, &j, parts);
+    pool_run(glu_down_part, &j, parts);
+    free(scratch);
+    free(mem);
+    return 0;
+}
+
+typedef struct {
+    int64_t E, N, K, ldx;
+    const float **x; const int64_t *T; const uint8_t **p; const uint8_t **s; float **out;
+} mx_job;
+
+static void mx_part(void *arg, int part, int parts) {
+    mx_job *j = arg;
+    int64_t n0, n1;
+    split(j->N, part, parts, &n0, &n1);
+    for (int64_t e = 0; e < j->E; e++)
+        if (j->T[e] > 0) mx_rows(j->x[e], j->ldx, j->T[e], j->K, j->p[e], j->s[e], n0, n1, j->out[e], j->N);
+}
+
+/* For e < E: out[e][T[e], N] = x[e][T[e], K] @ W_e^T, W_e the MXFP4 weight (p[e], s[e]) of N rows; K % 32 == 0.
+ * All pointer arrays are int64 addresses. With check255, first looks for a 0xFF scale byte (NaN in E8M0) in every
+ * entry's scales and returns 1 + the first such entry without computing anything. Returns 0, or -1 when out of
+ * memory. */
+int ms_linear_mxfp4(int64_t E, const int64_t *xs, const int64_t *Ts, const int64_t *ps, const int64_t *ss,
+                    const int64_t *outs, int64_t N, int64_t K, int layout, int64_t min_rows_per_thread,
+                    int check255) {
+    if (E <= 0 || N <= 0) return 0;
+    if (check255)
+        for (int64_t e = 0; e < E; e++)
+            if ((e == 0 || ss[e] != ss[e - 1]) && ms_find_byte((const uint8_t *)(intptr_t)ss[e], N * (K / 32), 255) >= 0)
+                return (int)(1 + e);
+    if (K <= 0) {
+        for (int64_t e = 0; e < E; e++)
+            if (Ts[e] > 0) memset((void *)(intptr_t)outs[e], 0, sizeof(float) * (size_t)(Ts[e] * N));
+        return 0;
+    }
+    const int64_t ldx = mx_stride(K);
+    int64_t total = 0;
+    for (int64_t e = 0; e < E; e++) total += Ts[e] > 0 ? Ts[e] : 0;
+    void *mem = malloc((size_t)E * sizeof(void *) + sizeof(float) * (size_t)(total * ldx) + 64);
+    if (!mem) return -1;
+    const float **x = mem;
+    float *xp = (float *)(((uintptr_t)mem + (size_t)E * sizeof(void *) + 63) & ~(uintptr_t)63);
+    for (int64_t e = 0; e < E; e++) {
+        if (Ts[e] <= 0) {
+            x[e] = NULL;
+        } else if (e > 0 && xs[e] == xs[e - 1] && Ts[e] == Ts[e - 1]) {
+            x[e] = x[e - 1]; /* the same input for several weights: prepared once */
+        } else {
+            mx_prepare((const float *)(intptr_t)xs[e], Ts[e], K, layout, xp);
+            x[e] = xp;
+            xp += Ts[e] * ldx;
+        }
+    }
+    mx_job j = {E, N, K, ldx, x, Ts, (const uint8_t **)ps, (const uint8_t **)ss, (float **)outs};
+    int parts = pool_parts;
+    while (parts > 1 && N / parts < min_rows_per_thread) parts--;
+    pool_run(mx_part, &j, parts);
+    free(mem);
+    return 0;
+}
+
+/* --------------------------------------------------------------------------- norms, rope, GQA attention */
+/* rms-normalise n rows of width H in place: x * rsqrt(mean(x^2) + eps) * w, w fp32 (wbf16 0) or bf16 (1), or
+ * NULL for none */
+static void rms_rows(float *x, int64_t n, int64_t H, const void *w, int wbf16, float eps) {
+    for (int64_t i = 0; i < n; i++) {
+        float *r = x + i * H;
+        float ss = 0.0f;
+        for (int64_t c = 0; c < H; c++) ss += r[c] * r[c];
+        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        if (!w)
+            for (int64_t c = 0; c < H; c++) r[c] *= inv;
+        else if (wbf16)
+            for (int64_t c = 0; c < H; c++) r[c] = r[c] * inv * bits_f32((uint32_t)((const uint16_t *)w)[c] << 16);
+        else
+            for (int64_t c = 0; c < H; c++) r[c] = r[c] * inv * ((const float *)w)[c];
+    }
+}
+
+/* out[T, H] = rms_norm(x[T, H]) * w (x, out fp32; w as in rms_rows) */
+void ms_rms_norm(const float *x, int64_t T, int64_t H, const void *w, int wbf16, float eps, float *out) {
+    if (out != x) memcpy(out, x, sizeof(float) * (size_t)(T * H));
+    rms_rows(out, T, H, w, wbf16, eps);
+}
+
+/* rotate-half rope of H heads of width D at position pos, in place: x*cos + rotate_half(x)*sin with
+ * angle_i = pos * inv_freq[i] (i < D/2) and cos/sin times `factor` */
+static void rope_heads(float *x, int64_t H, int64_t D, int64_t pos, const float *inv_freq, float factor) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = (float)pos * inv_freq[i], c = cosf(a) * factor, s = sinf(a) * factor;
+        for (int64_t h = 0; h < H; h++) {
+            float *r = x + h * D;
+            const float lo = r[i], hi = r[i + half];
+            r[i] = lo * c - hi * s;
+            r[i + half] = hi * c + lo * s;
+        }
+    }
+}
+
+/* One sequence's segment of T new tokens at positions pos0.. (already appended: rows [L - T, L) of the caches).
+ * q [T, Hq, D] and the T new cache rows of kc are per-head rms-normalised (weights qn, kn of the dtype nbf16 says,
+ * as rms_rows; NULL skips) and roped (inv_freq [D/2]; NULL skips) in place; then each query t attends causally to
+ * cache rows 0 .. L - T + t (the last `window` of them when window > 0) with softmax(q k scale), fp32: out
+ * [T, Hq, Dv]. kc [L, Hkv, D], vc [L, Hkv, Dv], Hq a
+ * multiple of Hkv. Returns 0, or -1 when out of memory. */
+int ms_gqa_attend(int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, float *q, float *kc, const float *vc,
+                  int64_t L, const void *qn, const void *kn, int nbf16, float eps, const float *inv_freq,
+                  float factor, float scale, int64_t window, float *out) {
+    const int64_t pos0 = L - T, G = Hq / Hkv;
+    float *p = malloc(sizeof(float) * (size_t)(L > 0 ? L : 1));
+    if (!p) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        float *qt = q + t * Hq * D, *kt = kc + (pos0 + t) * Hkv * D;
+        if (qn) rms_rows(qt, Hq, D, qn, nbf16, eps);
+        if (kn) rms_rows(kt, Hkv, D, kn, nbf16, eps);
+        if (inv_freq) {
+            rope_heads(qt, Hq, D, pos0 + t, inv_freq, factor);
+            rope_heads(kt, Hkv, D, pos0 + t, inv_freq, factor);
+        }
+    }
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t n = pos0 + t + 1, j0 = window > 0 && n > window ? n - window : 0; /* keys [j0, n) */
+        for (int64_t h = 0; h < Hq; h++) {
+            const float *qh = q + (t * Hq + h) * D;
+            const int64_t g = h / G;
+            float m = -INFINITY;
+            for (int64_t j = j0; j < n; j++) {
+                const float *kj = kc + (j * Hkv + g) * D;
+                float sdot = 0.0f;
+                for (int64_t d = 0; d < D; d++) sdot += qh[d] * kj[d];
+                p[j] = sdot * scale;
+                if (p[j] > m) m = p[j];
+            }
+            float sum = 0.0f;
+            for (int64_t j = j0; j < n; j++) {
+                p[j] = expf(p[j] - m);
+                sum += p[j];
+            }
+            float *oh = out + (t * Hq + h) * Dv;
+            for (int64_t d = 0; d < Dv; d++) oh[d] = 0.0f;
+            for (int64_t j = j0; j < n; j++) {
+                const float w = p[j] / sum, *vj = vc + (j * Hkv + g) * Dv;
+                for (int64_t d = 0; d < Dv; d++) oh[d] += w * vj[d];
+            }
+        }
+    }
+    free(p);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------- KDA decode (one token per sequence) */
+/* Short causal depthwise conv for B sequences, one new token each: y[b, c] = sum_{t < K-1} win_b[t, c] taps[c, t]
+ * + x_b[c] taps[c, K-1]; then each window drops its oldest row and appends x_b. win_b (fp32 [K-1, C]) at Ws[b],
+ * x_b (fp32 [C]) at Xs[b], taps fp32 [C, K], y fp32 [B, C]. */
+void ms_conv_decode(int64_t B, int64_t C, int64_t K, const int64_t *Ws, const int64_t *Xs, const float *taps,
+                    float *y) {
+    for (int64_t b = 0; b < B; b++) {
+        float *win = (float *)(intptr_t)Ws[b];
+        const float *x = (const float *)(intptr_t)Xs[b];
+        float *yb = y + b * C;
+        for (int64_t c = 0; c < C; c++) yb[c] = x[c] * taps[c * K + K - 1];
+        for (int64_t t = 0; t < K - 1; t++) {
+            const float *row = win + t * C;
+            for (int64_t c = 0; c < C; c++) yb[c] += row[c] * taps[c * K + t];
+        }
+        if (K > 1) {
+            memmove(win, win + C, sizeof(float) * (size_t)((K - 2) * C));
+            memcpy(win + (K - 2) * C, x, sizeof(float) * (size_t)C);
+        }
+    }
+}
+
+/* The delta-rule step for B sequences x H heads, each state S (fp32 [H, dk, dv] at Ss[b]) updated in place:
+ *   S <- diag(exp g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q
+ * q, k, g fp32 [B, H, dk], v fp32 [B, H, dv], beta fp32 [B, H], out fp32 [B, H, dv]. Two passes over S. */
+void ms_kda_decode(int64_t B, int64_t H, int64_t dk, int64_t dv, const int64_t *Ss, const float *q, const float *k,
+                   const float *v, const float *g, const float *beta, float *out) {
+    float u[dv > 0 ? dv : 1]; /* one head's value width (128 on Kimi Linear / K3): on the stack, cannot fail */
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t bh = b * H + h;
+            float *S = (float *)(intptr_t)Ss[b] + h * dk * dv;
+            const float *qh = q + bh * dk, *kh = k + bh * dk, *gh = g + bh * dk, *vh = v + bh * dv;
+            float *oh = out + bh * dv;
+            for (int64_t j = 0; j < dv; j++) u[j] = 0.0f;
+            for (int64_t i = 0; i < dk; i++) {
+                const float e = expf(gh[i]), ki = kh[i];
+                float *row = S + i * dv;
+                for (int64_t j = 0; j < dv; j++) {
+                    const float s = row[j] * e;
+                    row[j] = s;
+                    u[j] += ki * s;
+                }
+            }
+            const float bt = beta[bh];
+            for (int64_t j = 0; j < dv; j++) {
+                u[j] = bt * (vh[j] - u[j]);
+                oh[j] = 0.0f;
+            }
+            for (int64_t i = 0; i < dk; i++) {
+                const float ki = kh[i], qi = qh[i];
+                float *row = S + i * dv;
+                for (int64_t j = 0; j < dv; j++) {
+                    const float s = row[j] + ki * u[j];
+                    row[j] = s;
+                    oh[j] += qi * s;
+                }
+            }
+        }
+    }
+}

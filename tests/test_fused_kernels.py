@@ -1,0 +1,190 @@
+"""Fused native kernels against torch references: grouped GLU experts (SiLU and SiTU), several weights of one input,
+rms_norm, and GQA decode attention (q/k norms, rope, KV rows in place, causal and windowed softmax); odd shapes,
+1 and 2 threads; and whole models with them on and off (same logits within 1e-4, same greedy tokens)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import max_rel_diff, prompt_ids
+from moestream import Engine
+from moestream.kernels import cpu, fused
+from moestream.models import attention, blocks
+from moestream.models.rope import Rope
+from moestream.synth import synthesize
+
+native = pytest.mark.skipif(not cpu.available(), reason=f"no native kernels here ({cpu.reason()})")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def threads():
+    before = cpu.threads()
+    yield cpu.set_threads
+    cpu.set_threads(before)
+
+
+def _experts(n: int, inter: int, k_in: int, d_out: int, seed: int):
+    g = _gen(seed)
+    return [tuple(torch.randn(*shape, generator=g).bfloat16() for shape in ((inter, k_in), (inter, k_in), (d_out, inter)))
+            for _ in range(n)]
+
+
+def _reference(x, experts, ids, scores, names, act) -> torch.Tensor:
+    """float64: out[t] = sum over (t, j) routed to expert names[e] of scores[t, j] * down act(gate x, up x)."""
+    out = torch.zeros(x.shape[0], experts[0][2].shape[0], dtype=torch.float64)
+    for name, (gate, up, down) in zip(names, experts):
+        for t, j in (ids == name).nonzero().tolist():
+            xt = x[t].double()
+            h = act((gate.double() @ xt), (up.double() @ xt))
+            out[t] += scores[t, j].double() * (down.double() @ h)
+    return out
+
+
+def _silu(g, u):
+    return F.silu(g) * u
+
+
+def _situ(g, u, beta=4.0, lb=25.0):
+    return beta * torch.tanh(g / beta) * torch.sigmoid(g) * (lb * torch.tanh(u / lb))
+
+
+@native
+@pytest.mark.parametrize("shape", [(33, 17, 40), (64, 32, 64), (100, 7, 9), (130, 48, 96)])
+@pytest.mark.parametrize("act", ["silu", "situ"])
+def test_moe_glu_matches_float64(shape, act, threads):
+    k_in, inter, d_out = shape
+    names = [2, 5, 7, 9, 11]  # expert ids; the routing also names experts outside the group (skipped)
+    experts = _experts(len(names), inter, k_in, d_out, seed=sum(shape))
+    ref_act = _silu if act == "silu" else _situ
+    for t in (1, 3, 9, 20):
+        x = torch.randn(t, k_in, generator=_gen(t))
+        ids = torch.stack([torch.randperm(12, generator=_gen(100 + i))[:4] for i in range(t)])
+        scores = torch.rand(t, 4, generator=_gen(t + 7))
+        want = _reference(x, experts, ids, scores, names, ref_act)
+        got = []
+        for n in (1, 2):
+            threads(n)
+            out = torch.zeros(t, d_out)
+            fused.moe_glu_bf16(x, names, [tuple(m.data_ptr() for m in e) for e in experts], inter, out, ids, scores,
+                             act, 4.0, 25.0)
+            got.append(out)
+        assert torch.equal(got[0], got[1])  # each thread owns whole output columns: same sums in the same order
+        assert max_rel_diff(got[0], want) < 1e-5
+
+
+@native
+def test_moe_glu_without_routing_is_each_expert_alone():
+    experts = _experts(1, 24, 40, 56, seed=3)
+    x = torch.randn(5, 40, generator=_gen(4))
+    out = torch.zeros(5, 56)
+    fused.moe_glu_bf16(x, [0], [tuple(m.data_ptr() for m in experts[0])], 24, out)
+    gate, up, down = (m.double() for m in experts[0])
+    want = (F.silu(x.double() @ gate.T) * (x.double() @ up.T)) @ down.T
+    assert max_rel_diff(out, want) < 1e-5
+
+
+@native
+def test_glu_group_and_expert_fn_take_the_fused_kernel_and_match_torch():
+    gate, up, down = _experts(1, 24, 40, 40, seed=5)[0]
+    fused = {"gate_up": torch.cat([gate, up]), "down": down}
+    named = {"w1": gate, "w3": up, "w2": down}
+    x = torch.randn(3, 40, generator=_gen(6))
+    fn = blocks.expert_glu()
+    with cpu.disabled():
+        want = fn(x, {"gate": gate, "up": up, "down": down})
+    for t in (fused, named):
+        assert blocks.glu_parts(t) is not None
+        assert max_rel_diff(fn(x, t), want) < 1e-5
+    group = blocks.glu_group()
+    ids, w = torch.tensor([[0, 1], [1, 0], [0, 1]]), torch.tensor([[0.7, 0.3], [0.4, 0.6], [1.0, 0.0]])
+    out = torch.zeros(3, 40)
+    assert group(x, ids, w, [0, 1], [fused, named], out)
+    assert max_rel_diff(out, want) < 1e-5  # both experts are the same weights: the weights sum to 1 per row
+    assert not group(x, ids, w, [0, 1], [{"gate": gate.float(), "up": up.float(), "down": down.float()}] * 2, out)
+    assert not blocks.glu_group(lambda g, u: g * u)(x, ids, w, [0, 1], [fused, named], out)  # unknown activation
+
+
+@native
+def test_linear_many_matches_separate_linears(threads):
+    ws = [torch.randn(n, 33, generator=_gen(n)).bfloat16() for n in (5, 64, 17)]
+    bs = (None, torch.randn(64, generator=_gen(1)).bfloat16(), None)
+    x = torch.randn(3, 33, generator=_gen(2))
+    for n in (1, 2):
+        threads(n)
+        got = blocks.linear_many(x, tuple(ws), bs)
+        for y, w, b in zip(got, ws, bs):
+            want = x.double() @ w.double().T + (0 if b is None else b.double())
+            assert max_rel_diff(y, want) < 1e-5
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, None])
+def test_rms_norm_native_matches_torch(dtype):
+    x = torch.randn(3, 130, generator=_gen(8)) * 3
+    w = None if dtype is None else torch.randn(130, generator=_gen(9)).to(dtype)
+    got = blocks.rms_norm(x, w, 1e-6)
+    with cpu.disabled():
+        want = blocks.rms_norm(x, w, 1e-6)
+    assert max_rel_diff(got, want) < 1e-6
+
+
+def _torch_attention(q, k_new, v_new, k_old, v_old, pos0, qn, kn, rope, window, scale):
+    cos, sin = rope.cos_sin(torch.arange(pos0, pos0 + q.shape[0]))
+    with cpu.disabled():
+        q, k_new = blocks.rms_norm(q, qn, 1e-6), blocks.rms_norm(k_new, kn, 1e-6)
+    q, k_new = rope.apply(q, cos, sin), rope.apply(k_new, cos, sin)
+    keys, values = torch.cat([k_old, k_new]), torch.cat([v_old, v_new])
+    mask = attention.causal_mask(pos0, q.shape[0], keys.shape[0], window)
+    return attention.attend(q, keys, values, mask, scale)
+
+
+@native
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("new", [1, 2, 5])
+def test_gqa_attend_matches_torch(window, new):
+    hq, hkv, d, pos0 = 6, 2, 16, 7
+    g = _gen(new)
+    rope = Rope(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), attention_factor=1.1)
+    qn, kn = torch.randn(d, generator=g).bfloat16(), torch.randn(d, generator=g).bfloat16()
+    k_old, v_old = torch.randn(pos0, hkv, d, generator=g), torch.randn(pos0, hkv, d, generator=g)
+    q, k_new, v_new = torch.randn(new, hq, d, generator=g), torch.randn(new, hkv, d, generator=g), \
+        torch.randn(new, hkv, d, generator=g)
+    want = _torch_attention(q, k_new, v_new, k_old, v_old, pos0, qn, kn, rope, window, d ** -0.5)
+    keys, values = torch.cat([k_old, k_new]).contiguous(), torch.cat([v_old, v_new]).contiguous()
+    got = fused.gqa_attend(q.clone(), keys, values, new, d ** -0.5, qn, kn, 1e-6, rope.inv_freq,
+                         rope.attention_factor, window)
+    assert max_rel_diff(got, want) < 1e-5
+
+
+@native
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_models_same_with_and_without_fused_kernels(family, tmp_path, threads):
+    """Prefill (torch paths), then decode steps of one and of three sequences (native attention, grouped experts):
+    logits within 1e-4 of the torch paths' and the same greedy tokens, with 1 and 2 threads."""
+    synthesize(family, tmp_path / family, "tiny", progress=False)
+    ids = prompt_ids(256, 40, seed=3)
+
+    def run():
+        eng = Engine.open(tmp_path / family)
+        outs, seqs = [], [eng.new_sequence() for _ in range(3)]
+        for i, s in enumerate(seqs):
+            outs += eng.step([(s, ids[i * 20:i * 20 + 20])])
+        tok = [int(torch.argmax(o)) for o in outs]
+        for _ in range(4):
+            outs += eng.step([(s, [t]) for s, t in zip(seqs, tok)])
+            tok = [int(torch.argmax(o)) for o in outs[-3:]]
+        return outs
+
+    with cpu.disabled():
+        plain = run()
+    for n in (1, 2):
+        threads(n)
+        fused = run()
+        assert [int(torch.argmax(a)) for a in fused] == [int(torch.argmax(b)) for b in plain]
+        for a, b in zip(fused, plain):
+            assert max_rel_diff(a, b) < 1e-4
