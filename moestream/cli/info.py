@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from moestream.cli.common import add_budget_arg, model_dir, parse_budget
+from moestream.cli.common import add_budget_arg, add_remote_args, model_dir, parse_budget
 from moestream.config import format_bytes
 from moestream.engine.residency import ResidencyPlan
 from moestream.info import BudgetFit, ModelInfo, model_info
@@ -17,8 +17,9 @@ from moestream.info import BudgetFit, ModelInfo, model_info
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="sizes, parameters and per-token reads of a checkpoint (headers only)",
                        description="Report a checkpoint's architecture, parameters and bytes from its headers.")
-    p.add_argument("model", help="checkpoint directory")
+    p.add_argument("model", help="checkpoint directory, hf://ORG/NAME[@REV] or https://.../DIR/")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_remote_args(p)
     add_budget_arg(p, "; also print the residency plan (which dense layers stay resident, which stream) and how "
                       "many experts the rest can cache")
     p.set_defaults(func=cmd_info)

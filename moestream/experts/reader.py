@@ -242,6 +242,9 @@ class Reader:
     # ---- reads ----------------------------------------------------------------------------------------
     def _read_run(self, run: Run, view: memoryview) -> int:
         """Read one run; returns the number of preadv calls it took."""
+        if not isinstance(run.file, Path):  # a remote shard: HTTP range requests through the SSD tier
+            run.file.read_into(run.start, [view[:run.length]])
+            return 1
         use_direct = self.direct and run.direct and isinstance(view.obj, mmap.mmap) and run.file not in self._no_direct
         if use_direct:
             try:

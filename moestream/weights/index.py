@@ -38,6 +38,7 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
 MAX_HEADER = 100 * 1024 * 1024
 PACK_MANIFEST = "moestream-pack.json"  # marks a directory written by `moestream pack`
 PACK_FORMAT, PACK_VERSION = "moestream-pack", 1
+REMOTE_MANIFEST = "moestream-remote.json"  # marks the local stub of a remote checkpoint (weights/remote.py)
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,20 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
     return out
 
 
+def tensors_from_header(where, raw: bytes, size: int) -> dict[str, TensorInfo]:
+    """The tensors of a safetensors header fetched elsewhere (a remote shard): `raw` is the JSON after the 8-byte
+    length, `size` the whole file's length, `where` the file object TensorInfo.file will hold."""
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{where}: cannot read safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{where}: safetensors header is not a JSON object")
+    base = 8 + len(raw)
+    return {name: _tensor_info(where, name, meta, base, size) for name, meta in header.items()
+            if name != "__metadata__"}
+
+
 def _tensor_info(path: Path, name: str, meta: dict, base: int, size: int) -> TensorInfo:
     try:
         dtype, shape, (begin, end) = meta["dtype"], tuple(int(s) for s in meta["shape"]), meta["data_offsets"]
@@ -151,7 +166,7 @@ class CheckpointIndex:
     def has_weights(root: str | Path) -> bool:
         root = Path(root)
         return (root / "model.safetensors.index.json").exists() or (root / PACK_MANIFEST).exists() \
-            or any(root.glob("*.safetensors"))
+            or (root / REMOTE_MANIFEST).exists() or any(root.glob("*.safetensors"))
 
     @classmethod
     def open(cls, root: str | Path) -> "CheckpointIndex":
@@ -160,6 +175,9 @@ class CheckpointIndex:
             raise CheckpointError(f"{root}: not a checkpoint directory")
         if (root / PACK_MANIFEST).exists():
             return _open_packed(cls, root)
+        if (root / REMOTE_MANIFEST).exists():
+            from moestream.weights.remote import open_remote_index
+            return open_remote_index(root)
         files = _shard_files(root)
         tensors: dict[str, TensorInfo] = {}
         for f in files:
@@ -323,6 +341,9 @@ def read_into(path: Path, offset: int, buffers: list) -> None:
     """Fill `buffers` (consecutive) from [offset, ...) of `path` with one scatter read; CheckpointError if the file
     ends first; the pages are dropped afterwards."""
     views = [memoryview(b).cast("B") for b in buffers]
+    if not isinstance(path, (str, Path)):  # a remote shard (weights/remote.py) reads through HTTP and the SSD tier
+        path.read_into(offset, views)
+        return
     nbytes = sum(len(v) for v in views)
     fd = os.open(path, os.O_RDONLY)
     try:
