@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -85,6 +86,11 @@ class CheckpointServer:
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     srv: CheckpointServer
+
+    def setup(self) -> None:
+        super().setup()
+        # headers and body go out as separate writes: without NODELAY each response waits on a delayed ACK
+        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def log_message(self, *args) -> None:  # quiet
         pass

@@ -26,12 +26,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    info = model_info(model_dir(args.model), parse_budget(args.ram_budget))
+    path = model_dir(args.model)
+    info = model_info(path, parse_budget(args.ram_budget))
+    source = remote_source(path)
     if args.json:
-        print(json.dumps(info.to_json(), indent=2))
+        print(json.dumps({**info.to_json(), **source}, indent=2))
     else:
         sys.stdout.write(render(info))
+        if source:
+            rev = source["revision"] or "not versioned (ETags pinned)"
+            print(f"source:       {source['source']} (revision {rev}; local stub above)")
     return 0
+
+
+def remote_source(path) -> dict:
+    """{"source", "revision"} of a remote checkpoint's stub directory; {} for a local checkpoint."""
+    from moestream.weights.remote import manifest_of
+
+    m = manifest_of(path)
+    return {"source": m["source"], "revision": m.get("revision")} if m else {}
 
 
 def human_count(n: float) -> str:

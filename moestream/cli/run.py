@@ -68,6 +68,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         report = stream_text(engine, tok, ids, sampling, sys.stdout)
         if args.stats:
             print_stats(report, sys.stdout)
+            print_remote_stats(engine, sys.stdout)
     finally:
         engine.close()
     return 0
@@ -132,6 +133,21 @@ def print_stats(r: GenerationReport, out: TextIO) -> None:
         f"peak resident:   {_peak(s)}",
     ]
     out.write("\n".join(lines) + "\n")
+    out.flush()
+
+
+def print_remote_stats(engine, out: TextIO) -> None:
+    """Network and SSD-tier figures of a remote checkpoint (nothing for a local one)."""
+    stats = getattr(engine.plan.store.index, "stats", None)
+    if stats is None:
+        return
+    s = stats()
+    line = (f"network:         {format_bytes(s['http_bytes'])} in {s['http_requests']} requests "
+            f"({s['http_retries']} retries, at most {s['http_max_inflight']} in flight)")
+    if "disk_hit_bytes" in s:
+        line += (f"; disk cache: {format_bytes(s['disk_hit_bytes'])} read, {format_bytes(s['disk_put_bytes'])} "
+                 f"written, {s['disk_corrupt_ranges']} corrupt ranges refetched")
+    out.write(line + "\n")
     out.flush()
 
 

@@ -112,7 +112,7 @@ class HttpClient:
 
     def _headers(self, url: str, extra: dict[str, str]) -> dict[str, str]:
         h = dict(extra)
-        if self.auth and self.auth_origin and _origin(url) == self.auth_origin:
+        if self.auth and self.auth_origin and origin(url) == self.auth_origin:
             h.update(self.auth)
         return h
 
@@ -238,6 +238,6 @@ def _read_body(r: httpx.Response, out: memoryview) -> int:
     return got
 
 
-def _origin(url: str) -> str:
+def origin(url: str) -> str:
     u = urlsplit(url)
     return f"{u.scheme}://{u.netloc}".lower()

@@ -44,6 +44,7 @@ class RemoteSettings:
     disk_budget: int | None = None  # bytes of ranges on disk; None: no limit
     offline: bool = False
     io_threads: int = REMOTE_IO_THREADS
+    http_timeout_s: float = 30.0  # connect / read timeout of one request (a stalled one is retried)
 
     @classmethod
     def from_env(cls) -> "RemoteSettings":
@@ -51,7 +52,8 @@ class RemoteSettings:
 
         cache = os.environ.get("MOESTREAM_DISK_CACHE")
         return cls(Path(cache).expanduser() if cache else None, parse_bytes(os.environ.get("MOESTREAM_DISK_BUDGET")),
-                   _truthy(os.environ.get("MOESTREAM_OFFLINE")) or _truthy(os.environ.get("HF_HUB_OFFLINE")))
+                   _truthy(os.environ.get("MOESTREAM_OFFLINE")) or _truthy(os.environ.get("HF_HUB_OFFLINE")),
+                   http_timeout_s=float(os.environ.get("MOESTREAM_HTTP_TIMEOUT") or 30.0))
 
     def stub_root(self) -> Path:
         if self.disk_cache is not None:
@@ -106,6 +108,7 @@ class RemoteFile:
     url: str
     size: int
     etag: str | None
+    ident: str  # what the file is, whatever the endpoint: "hf:ORG/NAME@COMMIT/FILE", or its URL
     client: object = field(compare=False, hash=False, repr=False)  # http.HttpClient, or None offline
     cache: object = field(compare=False, hash=False, repr=False)  # diskcache.DiskCache or None
 
@@ -114,8 +117,8 @@ class RemoteFile:
 
     @property
     def key(self) -> str:
-        """The SSD tier's name for this file's bytes: its URL and version."""
-        return hashlib.sha1(f"{self.url}\0{self.etag}".encode()).hexdigest()[:24]
+        """The SSD tier's name for this file's bytes: what it is and its version (a mirror shares them)."""
+        return hashlib.sha1(f"{self.ident}\0{self.etag}".encode()).hexdigest()[:24]
 
     def read_into(self, offset: int, views: list[memoryview]) -> None:
         """Fill consecutive `views` from `offset`; bytes past the end of the file (alignment padding) are zeros."""
@@ -249,10 +252,11 @@ def _hf_listing(src: Source) -> tuple[str, list[str]]:
 
 
 def _client(src: Source):
-    from moestream.weights.http import HttpClient
+    from moestream.weights.http import HttpClient, origin
 
+    timeout = SETTINGS.http_timeout_s
     if src.kind != "hf":
-        return HttpClient()
+        return HttpClient(timeout_s=timeout)
     from huggingface_hub.utils import build_hf_headers
 
     from moestream import __version__
@@ -260,9 +264,7 @@ def _client(src: Source):
     auth = build_hf_headers(token=os.environ.get("HF_TOKEN") or None, library_name="moestream",
                             library_version=__version__)
     auth = {k: v for k, v in auth.items() if k.lower() == "authorization"}
-    from moestream.weights.http import _origin
-
-    return HttpClient(auth=auth, auth_origin=_origin(_endpoint()))
+    return HttpClient(auth=auth, auth_origin=origin(_endpoint()), timeout_s=timeout)
 
 
 def _build_stub(src: Source, home: Path, leaf: str, names: dict[str, str], client, revision: str | None) -> Path:
@@ -373,7 +375,8 @@ def open_remote_index(root: Path, settings: RemoteSettings | None = None) -> Rem
         shards = m["shards"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{path}: cannot read the remote manifest: {e}") from None
-    client = None if s.offline else _client(Source.parse(m["source"]))
+    src = Source.parse(m["source"])
+    client = None if s.offline else _client(src)
     cache = None
     if s.disk_cache is not None:
         from moestream.weights.diskcache import DiskCache
@@ -381,7 +384,13 @@ def open_remote_index(root: Path, settings: RemoteSettings | None = None) -> Rem
         cache = DiskCache(s.disk_cache, s.disk_budget)
     tensors = {}
     for name, sh in shards.items():
-        f = RemoteFile(name, sh["url"], int(sh["size"]), sh.get("etag"), client, cache)
+        url, ident = sh["url"], sh["url"]
+        if src.kind == "hf":  # the current endpoint (HF_ENDPOINT may name a mirror since the stub was made)
+            from huggingface_hub import hf_hub_url
+
+            url = hf_hub_url(src.repo, name, revision=m["revision"], endpoint=_endpoint())
+            ident = f"hf:{src.repo}@{m['revision']}/{name}"
+        f = RemoteFile(name, url, int(sh["size"]), sh.get("etag"), ident, client, cache)
         tensors.update(tensors_from_header(f, sh["header"].encode(), f.size))
     return RemoteIndex(root, tensors, m, client, cache)
 
