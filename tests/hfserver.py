@@ -208,3 +208,35 @@ class _Handler(BaseHTTPRequestHandler):
         if body:
             self.srv.bucket.take(len(body))
             self.wfile.write(body)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python tests/hfserver.py DIR --repo ORG/NAME [--bandwidth B/s] [--latency S]`: serve until killed; prints
+    the base URL on the first line of stdout and, on SIGTERM, the bytes served per range as JSON lines."""
+    import argparse
+    import signal
+    import sys
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--repo", default="org/model")
+    ap.add_argument("--bandwidth", type=float, default=None)
+    ap.add_argument("--latency", type=float, default=0.0)
+    ap.add_argument("--log", type=Path, default=None, help="write the range log here on exit")
+    a = ap.parse_args(argv)
+    srv = CheckpointServer({a.repo: a.dir}, bandwidth=a.bandwidth, latency=a.latency)
+
+    def stop(*_) -> None:
+        if a.log:
+            a.log.write_text("".join(json.dumps(row) + "\n" for row in srv.log))
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    with srv:
+        print(srv.url, flush=True)
+        while True:
+            time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main()

@@ -14,6 +14,7 @@ import fcntl
 import os
 import struct
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ MAGIC, VERSION = b"MSRG", 1
 BLOCK = 1 << 20  # checksum granularity: a read verifies only the blocks it touches
 _HEAD = struct.Struct("<4sIQQI")  # magic, version, offset, length, block size; then crc32 per block, header crc32
 DATA_ALIGN = 4096
+RESCAN_S = 1.0  # a missing range re-lists its file's directory at most this often (other processes add ranges)
 EVICT_TO = 0.9  # evict down to this share of the budget, so eviction does not run on every insert
 
 
@@ -61,6 +63,7 @@ class DiskCache:
         self._lockfile = self.root / ".lock"
         self._index: dict[str, list[_Range]] = {}  # file key -> ranges sorted by offset (refreshed on a miss)
         self._longest: dict[str, int] = {}
+        self._scanned: dict[str, float] = {}  # key -> when its directory was last listed
         self._mu = threading.Lock()
         self._clean_orphans()
 
@@ -70,7 +73,7 @@ class DiskCache:
         written) when they do not cover it or a covering range fails its checksum (that range is deleted)."""
         for attempt in range(2):
             cover = self._cover(key, offset, len(out))
-            if cover is None and attempt == 0:
+            if cover is None and attempt == 0 and self._stale(key):
                 self._scan(key)  # another process may have added ranges since we last looked
                 continue
             if cover is None:
@@ -86,8 +89,14 @@ class DiskCache:
         """Whether [offset, offset + length) of `key` is on disk (no verification)."""
         if self._cover(key, offset, length) is not None:
             return True
-        self._scan(key)
+        if self._stale(key):
+            self._scan(key)
         return self._cover(key, offset, length) is not None
+
+    def _stale(self, key: str) -> bool:
+        """Whether `key`'s listing is worth re-reading on a miss (at most every RESCAN_S: a miss is usually real)."""
+        with self._mu:
+            return time.monotonic() - self._scanned.get(key, -RESCAN_S) >= RESCAN_S
 
     def _cover(self, key: str, offset: int, length: int) -> list[_Range] | None:
         with self._mu:
@@ -230,6 +239,7 @@ class DiskCache:
         with self._mu:
             self._index.clear()  # rebuilt lazily from the directories
             self._longest.clear()
+            self._scanned.clear()
 
     def _all_files(self) -> list[Path]:
         return [f for d in (self.root / "ranges").iterdir() if d.is_dir() for f in d.glob("*.rng")]
@@ -250,6 +260,7 @@ class DiskCache:
                     continue
         ranges.sort(key=lambda r: r.offset)
         with self._mu:
+            self._scanned[key] = time.monotonic()
             self._index[key] = ranges
             self._longest[key] = max((r.length for r in ranges), default=0)
 

@@ -122,26 +122,59 @@ class RemoteFile:
 
     def read_into(self, offset: int, views: list[memoryview]) -> None:
         """Fill consecutive `views` from `offset`; bytes past the end of the file (alignment padding) are zeros."""
-        total = sum(len(v) for v in views)
-        if len(views) == 1:
-            self.fetch(offset, views[0])
-            return
-        buf = memoryview(bytearray(total))
-        self.fetch(offset, buf)
-        at = 0
+        pieces, at = [], offset
         for v in views:
-            v[:] = buf[at:at + len(v)]
+            pieces.append((at, v))
             at += len(v)
+        self.read_pieces(pieces)
 
-    def fetch(self, offset: int, out: memoryview) -> None:
+    def read_pieces(self, pieces: list[tuple[int, memoryview]]) -> None:
+        """Fill each (offset, view): from the SSD tier where it holds the bytes, the rest with one range request
+        per group of neighbouring pieces (overlaps and holes up to 4 KiB read through)."""
+        missing = []
+        for off, view in pieces:
+            view = self._clip(off, view)
+            if len(view) and not (self.cache is not None and self.cache.read(self.key, off, view)):
+                missing.append((off, view))
+        missing.sort(key=lambda p: p[0])
+        group: list[tuple[int, memoryview]] = []
+        for off, view in missing:
+            if group and off > max(o + len(v) for o, v in group) + 4096:
+                self._fetch_group(group)
+                group = []
+            group.append((off, view))
+        if group:
+            self._fetch_group(group)
+
+    def _fetch_group(self, group: list[tuple[int, memoryview]]) -> None:
+        if len(group) == 1:
+            self._download(*group[0])
+            return
+        lo, hi = group[0][0], max(o + len(v) for o, v in group)
+        buf = memoryview(bytearray(hi - lo))
+        self._download(lo, buf)
+        for off, view in group:
+            view[:] = buf[off - lo:off - lo + len(view)]
+
+    def _clip(self, offset: int, out: memoryview) -> memoryview:
+        """The part of `out` inside the file; the rest (alignment padding past the end) is zeroed."""
         end = min(offset + len(out), self.size)
         if offset + len(out) > end:
             out[max(0, end - offset):] = bytes(len(out) - max(0, end - offset))
             out = out[:max(0, end - offset)]
+        return out
+
+    def fetch(self, offset: int, out: memoryview) -> None:
+        """Bytes [offset, offset + len(out)): from the SSD tier, else one range request (then kept on disk)."""
+        out = self._clip(offset, out)
         if len(out) == 0:
             return
         if self.cache is not None and self.cache.read(self.key, offset, out):
             return
+        self._download(offset, out)
+
+    def _download(self, offset: int, out: memoryview) -> None:
+        """One range request (offline: the error naming the missing bytes); the bytes are then kept on disk."""
         if self.client is None:
             raise CheckpointError(f"offline: bytes [{offset}, {offset + len(out)}) of {self.name} ({self.url}) are not "
                                   f"in the disk cache {self.cache.root if self.cache else '(none)'}; run once online "
