@@ -198,3 +198,63 @@ def test_cli_info_fetch_then_offline_run(env, server, tmp_path, capsys):
     env.offline = False  # the CLI's flags set the process's settings
     assert main(["fetch", "hf://org/tiny", "--disk-cache", str(tmp_path / "dc2"), "--disk-budget", "1000"]) == 2
     assert "more than --disk-budget" in capsys.readouterr().err
+
+
+def test_neighbouring_experts_share_a_request(env, server, local, tmp_path):
+    stub = remote.resolve("hf://org/tiny")
+    eng = Engine.open(stub)
+    try:
+        server.log.clear()
+        assert eng.generate(PROMPT, NEW, stop_token_ids=[]) == local[0]
+        expert = eng.plan.store.expert_nbytes(eng.plan.layout.moe_layers[0], 0)
+        longest = max(b - a for p, a, b, _ in server.log)
+    finally:
+        eng.close()
+    assert longest >= 2 * expert  # the prefill's experts of a layer were queued together and coalesced
+
+
+def test_fetch_hot_takes_dense_and_hottest_experts(env, server, tmp_path):
+    from moestream.cli import main
+    from moestream.cli.fetch import check_space
+    from moestream.errors import MoestreamError
+    from moestream.experts.policies import heat_path
+
+    env.disk_cache = tmp_path / "dc"
+    stub = remote.resolve("hf://org/tiny")
+    assert main(["fetch", "hf://org/tiny", "--hot", "1"]) == 2  # no heat recorded yet
+    rows = [[layer, expert, float(expert)] for layer in range(4) for expert in range(16)]
+    heat_path(stub).parent.mkdir(parents=True, exist_ok=True)
+    heat_path(stub).write_text(json.dumps({"version": 1, "heat": rows}))
+    server.log.clear()
+    assert main(["fetch", "hf://org/tiny", "--hot", "1"]) == 0
+    from moestream.engine.engine import plan
+
+    p = plan(stub)
+    try:
+        cache = p.store.index.cache
+        for layer in p.layout.moe_layers:
+            hot, cold = p.store.locate(layer, 15)[0], p.store.locate(layer, 0)[0]
+            assert cache.covered(hot.file.key, hot.offset, hot.nbytes)
+            assert not cache.covered(cold.file.key, cold.offset, cold.nbytes)
+    finally:
+        p.store.close()
+    with pytest.raises(MoestreamError, match="not enough disk space"):
+        check_space(tmp_path, 1 << 60, 1 << 60, None)
+
+
+def test_two_processes_fetch_into_one_cache(env, server, tmp_path):
+    import os
+    import subprocess
+
+    dc = tmp_path / "dc"
+    code = "import sys; from moestream.cli import main; sys.exit(main(sys.argv[1:]))"
+    cmd = [sys.executable, "-c", code, "fetch", "hf://org/tiny", "--disk-cache", str(dc)]
+    environ = {**os.environ, "HF_ENDPOINT": server.url}
+    procs = [subprocess.Popen(cmd, env=environ, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for p in procs:
+        assert p.wait(timeout=120) == 0, p.stderr.read()
+    cache = DiskCache(dc)
+    checked, bad = cache.verify_all()
+    on_disk = sum(f.stat().st_size for f in (dc / "ranges").rglob("*.rng"))
+    assert checked > 0 and bad == 0 and cache.usage() == on_disk
+    assert not list((dc / "tmp").iterdir())  # no temp file left behind

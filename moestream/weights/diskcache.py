@@ -154,10 +154,11 @@ class DiskCache:
     def _corrupt(self, key: str, r: _Range) -> bool:
         self.stats.corrupt_ranges += 1
         with self._locked():
+            before = self._usage()
             try:
                 size = r.path.stat().st_size
                 r.path.unlink()
-                self._add_usage(-size)
+                self._set_usage(before - size)
             except FileNotFoundError:
                 pass
         self._drop_from_index(key, r)
@@ -187,10 +188,11 @@ class DiskCache:
             os.close(fd)
         final.parent.mkdir(parents=True, exist_ok=True)
         with self._locked():
+            before = self._usage()  # read before the rename: a rebuilt count must not include the new file twice
             existed = final.exists()
             os.replace(tmp, final)  # atomic: readers see the old complete file or the new complete one
             if not existed:
-                self._add_usage(size)
+                self._set_usage(before + size)
             self.stats.put_bytes += len(data)
             self._insert(key, _Range(offset, len(data), final))
             if self.budget is not None and self._usage() > self.budget:
@@ -208,8 +210,8 @@ class DiskCache:
         except (OSError, ValueError):
             return self._rescan_usage()
 
-    def _add_usage(self, delta: int) -> None:
-        _write_atomic(self.root / "usage", str(max(0, self._usage() + delta)))
+    def _set_usage(self, total: int) -> None:
+        _write_atomic(self.root / "usage", str(max(0, total)))
 
     def _rescan_usage(self) -> int:
         total = sum(f.stat().st_size for f in self._all_files())
