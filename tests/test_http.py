@@ -64,8 +64,9 @@ def env(server, tmp_path, monkeypatch):
     return remote.SETTINGS
 
 
-def run_remote(spec: str):
+def run_remote(spec: str, lookahead: bool = True):
     eng = Engine.open(remote.resolve(spec))
+    eng.runner.lookahead.enabled = lookahead  # off: only what routing demands is read (no timing-dependent guesses)
     try:
         return eng.generate(PROMPT, NEW, stop_token_ids=[]), eng.logits(PROMPT), eng.plan.store.index.stats()
     finally:
@@ -75,9 +76,12 @@ def run_remote(spec: str):
 def test_info_reads_only_headers(env, server, ckpt):
     from moestream.info import model_info
 
-    stub = remote.resolve("hf://org/tiny")
+    stub = remote.resolve("hf://org/tiny", full=False)
     assert stub.name == SHA  # "main" pinned to the commit hash
     assert model_info(stub).to_json()["total_params"] == model_info(ckpt).to_json()["total_params"]
+    assert not (stub / "tokenizer.json").exists()  # only config.json, the index json and the headers
+    assert sorted(p.name for p in stub.iterdir()) == ["config.json", "model.safetensors.index.json",
+                                                      "moestream-remote.json"]
     shards = sorted(p.name for p in ckpt.glob("*.safetensors"))
     ranges = [(p.rsplit("/", 1)[1], a, b) for p, a, b, _ in server.log]
     assert sorted({r[0] for r in ranges}) == shards
@@ -93,7 +97,7 @@ def test_hf_run_equals_local_and_warm_cache_fetches_nothing(env, server, local, 
     assert torch.equal(logits, local[1])
     assert stats["http_bytes"] > 0 and stats["disk_put_bytes"] > 0
     served = server.bytes_served()
-    tokens2, _, stats2 = run_remote(f"hf://org/tiny@{SHA}")  # a commit: no listing call either
+    tokens2, _, stats2 = run_remote(f"hf://org/tiny@{SHA}", lookahead=False)  # a commit: no listing call either
     assert tokens2 == local[0]
     assert stats2["http_bytes"] == 0 and stats2["http_requests"] == 0 and server.bytes_served() == served
     assert DiskCache(env.disk_cache).verify_all()[1] == 0

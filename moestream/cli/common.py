@@ -70,15 +70,16 @@ def configure_remote(args: argparse.Namespace) -> None:
         SETTINGS.offline = True
 
 
-def model_dir(value: str) -> Path:
-    """A local checkpoint directory; a remote spec (hf://, http(s)://) becomes its local stub (weights/remote.py)."""
+def model_dir(value: str, full: bool = True) -> Path:
+    """A local checkpoint directory; a remote spec (hf://, http(s)://) becomes its local stub (weights/remote.py),
+    with the tokenizer and other run-time files unless `full` is False (headers only, for `info`)."""
     from moestream.weights.remote import is_remote
 
     if is_remote(value):
         from moestream.weights.remote import resolve
 
         with busy(f"contacting {value}"):
-            return resolve(value)
+            return resolve(value, full=full)
     path = Path(value).expanduser()
     if not path.is_dir():
         raise MoestreamError(f"{value}: no such model directory (pass a local checkpoint directory)")

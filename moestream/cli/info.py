@@ -26,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    path = model_dir(args.model)
+    path = model_dir(args.model, full=False)  # a remote model: config, index json and headers only
     info = model_info(path, parse_budget(args.ram_budget))
     source = remote_source(path)
     if args.json:

@@ -209,25 +209,53 @@ class RemoteIndex(CheckpointIndex):
 
 
 # ---- opening ----------------------------------------------------------------------------------------
-def resolve(spec: str, settings: RemoteSettings | None = None) -> Path:
-    """The local stub directory of a remote checkpoint, created (or refreshed) on first contact."""
+def resolve(spec: str, settings: RemoteSettings | None = None, full: bool = True) -> Path:
+    """The local stub directory of a remote checkpoint, created (or refreshed) on first contact. The stub holds
+    config.json, the index json and every shard's header; `full` also fetches the files a run needs (tokenizer,
+    generation config, chat template), which `info` does not."""
     s = settings or SETTINGS
     src = Source.parse(spec)
     home = s.stub_root() / "models" / src.key()
     if src.kind == "hf":
-        return _resolve_hf(src, home, s.offline)
-    stub = home / "current"
-    if s.offline:
+        stub = _resolve_hf(src, home, s.offline)
+    elif s.offline:
+        stub = home / "current"
         if not (stub / REMOTE_MANIFEST).exists():
             raise CheckpointError(f"offline: {spec} was never opened with the disk cache {s.stub_root()}: its config "
                                   f"and headers are not cached; run once online first")
-        return stub
-    client = _client(src)
-    try:
-        names = {n: src.base + n for n in SMALL_FILES}
-        return _build_stub(src, home, "current", names, client, None)
-    finally:
-        client.close()
+    else:
+        client = _client(src)
+        try:
+            stub = _build_stub(src, home, "current", {n: src.base + n for n in SMALL_FILES}, client, None)
+        finally:
+            client.close()
+    if full:
+        _complete(stub, src, s.offline)
+    return stub
+
+
+def _complete(stub: Path, src: Source, offline: bool) -> None:
+    """Fetch the stub's run-time files (tokenizer and friends) once; `.complete` marks it done."""
+    if (stub / ".complete").exists():
+        return
+    m = json.loads((stub / REMOTE_MANIFEST).read_text())
+    pending = [n for n in m.get("rest", []) if not (stub / n).exists()]
+    if offline and pending:
+        raise CheckpointError(f"offline: {', '.join(pending)} of {src.spec} are not cached (only `info` ran online); "
+                              f"run it once online first")
+    if pending:
+        if src.kind == "hf":
+            from huggingface_hub import hf_hub_url
+
+            urls = {n: hf_hub_url(src.repo, n, revision=m["revision"], endpoint=_endpoint()) for n in pending}
+        else:
+            urls = {n: src.base + n for n in pending}
+        client = _client(src)
+        try:
+            _fetch_small(urls, client, stub)
+        finally:
+            client.close()
+    _write_text(stub / ".complete", "")
 
 
 def _resolve_hf(src: Source, home: Path, offline: bool) -> Path:
@@ -306,7 +334,7 @@ def _build_stub(src: Source, home: Path, leaf: str, names: dict[str, str], clien
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        got = _fetch_small(names, client, tmp)
+        got = _fetch_small({n: u for n, u in names.items() if n in ("config.json", INDEX_JSON)}, client, tmp)
         if "config.json" not in got:
             raise CheckpointError(f"{src.spec}: no config.json there (is it a Hugging Face checkpoint directory?)")
         shards = _shard_names(src, tmp, names)
@@ -314,7 +342,8 @@ def _build_stub(src: Source, home: Path, leaf: str, names: dict[str, str], clien
         with ThreadPoolExecutor(min(8, max(1, len(shards)))) as ex:
             heads = dict(zip(shards, ex.map(lambda n: _fetch_header(client, n, base_url[n]), shards)))
         manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "source": src.spec,
-                    "revision": revision, "files": {n: {"etag": got[n]} for n in got}, "shards": heads}
+                    "revision": revision, "files": {n: {"etag": got[n]} for n in got}, "shards": heads,
+                    "rest": [n for n in names if n not in got and not n.endswith(".safetensors")]}
         _write_text(tmp / REMOTE_MANIFEST, json.dumps(manifest))
         return _install(tmp, home / leaf, replace=src.kind != "hf")
     finally:
@@ -337,7 +366,9 @@ def _fetch_small(names: dict[str, str], client, into: Path) -> dict[str, str | N
         body, etag = res
         if len(body) > MAX_SMALL_FILE:
             raise CheckpointError(f"{url}: {len(body)} bytes is too large for a config or tokenizer file")
-        (into / name).write_bytes(body)
+        tmp = into / f".{name}.{os.getpid()}"
+        tmp.write_bytes(body)
+        os.replace(tmp, into / name)  # a reader never sees half a tokenizer
         got[name] = etag
     return got
 
