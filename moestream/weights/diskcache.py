@@ -1,8 +1,8 @@
 """The SSD tier: byte ranges of remote files kept on local disk under a byte budget.
 
 Owns the on-disk layout (`ranges/<file key>/<offset>-<length>.rng`, one file per fetched range, a header carrying
-a crc32 per 1 MiB block and its own crc32), atomic writes (temp file, fsync, rename: a crash leaves at most an
-orphan temp file, never a torn range that is later trusted), verification of every block read, lookup of a
+a crc32 per 1 MiB block and its own crc32), atomic writes (temp file, then rename: a killed process leaves at most
+an orphan temp file; a power loss may tear a renamed file, which its checksums reject, so it is never trusted), verification of every block read, lookup of a
 request covered by one or several cached ranges, and eviction of the least recently used ranges when the budget
 is exceeded. Processes sharing a directory serialise usage accounting and eviction with flock; reads need no lock
 (a range file is immutable, and unlinking it leaves open descriptors valid). It never talks to the network.
@@ -180,7 +180,8 @@ class DiskCache:
         try:
             os.pwrite(fd, head.ljust(_data_start(nblocks), b"\0"), 0)
             _pwrite_all(fd, data, _data_start(nblocks))
-            os.fsync(fd)
+            # no fsync: the rename makes a complete file visible to other processes, and a range torn by a power
+            # loss fails its header or block checksums on read and is fetched again (never trusted)
             size = os.fstat(fd).st_size
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
