@@ -1,12 +1,10 @@
-"""Remote checkpoints: `hf://ORG/NAME[@REVISION]` and `https://.../DIR/` opened as a local stub directory.
+"""Remote checkpoints: `hf://ORG/NAME[@REVISION]` and `https://.../DIR/` read like local ones.
 
-Owns turning a remote spec into a local directory the rest of moestream opens like any checkpoint: the small files
-(config.json, the index json, tokenizer, generation config, chat template) fetched whole, and a
-`moestream-remote.json` manifest holding each shard's URL, length, pinned ETag and safetensors header (two range
-requests per shard at first contact, none afterwards). A hub revision is pinned to its commit hash and every URL
-names that commit. `RemoteFile` stands in for a shard's path: its reads go to the SSD tier (diskcache.py) and, on
-a miss, to HTTP range requests (http.py). The hub's URL scheme, auth headers and endpoint come from
-huggingface_hub. Nothing in a checkpoint is executed; `*.py` files are never fetched.
+Owns the process's remote settings (disk cache, budget, offline, requests in flight), parsing a spec, and the
+read side: `RemoteFile` stands in for a shard's path (its reads go to the SSD tier, diskcache.py, and on a miss
+to HTTP range requests, http.py, neighbouring pieces in one request), and `RemoteIndex` is the CheckpointIndex of
+a stub directory (weights/stub.py builds it: config, index json, headers and the pinned revision in a
+`moestream-remote.json` manifest). Nothing in a checkpoint is executed.
 """
 from __future__ import annotations
 
@@ -14,8 +12,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,15 +20,8 @@ from moestream.weights.index import REMOTE_MANIFEST, CheckpointIndex, tensors_fr
 
 MANIFEST_FORMAT, MANIFEST_VERSION = "moestream-remote", 1
 INDEX_JSON = "model.safetensors.index.json"
-# small files a running model may read; fetched whole (absent ones are skipped)
-SMALL_FILES = ("config.json", INDEX_JSON, "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "chat_template.jinja", "tiktoken.model", "tokenizer.model")
-SMALL_SUFFIXES = (".json", ".jinja", ".model", ".tiktoken", ".txt")
-MAX_SMALL_FILE = 64 << 20
-MAX_HEADER = 100 << 20
 REMOTE_IO_THREADS = 8  # expert range requests in flight (a link with latency needs depth a local disk does not)
 _HF = re.compile(r"hf://([\w.-]+/[\w.-]+)(?:@([\w./-]+))?/?")
-_SHA = re.compile(r"[0-9a-f]{40}")
 
 
 @dataclass
@@ -210,222 +199,11 @@ class RemoteIndex(CheckpointIndex):
 
 # ---- opening ----------------------------------------------------------------------------------------
 def resolve(spec: str, settings: RemoteSettings | None = None, full: bool = True) -> Path:
-    """The local stub directory of a remote checkpoint, created (or refreshed) on first contact. The stub holds
-    config.json, the index json and every shard's header; `full` also fetches the files a run needs (tokenizer,
-    generation config, chat template), which `info` does not."""
-    s = settings or SETTINGS
-    src = Source.parse(spec)
-    home = s.stub_root() / "models" / src.key()
-    if src.kind == "hf":
-        stub = _resolve_hf(src, home, s.offline)
-    elif s.offline:
-        stub = home / "current"
-        if not (stub / REMOTE_MANIFEST).exists():
-            raise CheckpointError(f"offline: {spec} was never opened with the disk cache {s.stub_root()}: its config "
-                                  f"and headers are not cached; run once online first")
-    else:
-        client = _client(src)
-        try:
-            stub = _build_stub(src, home, "current", {n: src.base + n for n in SMALL_FILES}, client, None)
-        finally:
-            client.close()
-    if full:
-        _complete(stub, src, s.offline)
-    return stub
+    """The local stub directory of a remote checkpoint (weights/stub.py): config.json, the index json and every
+    shard's header, plus the tokenizer and other run-time files unless `full` is False."""
+    from moestream.weights.stub import resolve_stub
 
-
-def _complete(stub: Path, src: Source, offline: bool) -> None:
-    """Fetch the stub's run-time files (tokenizer and friends) once; `.complete` marks it done."""
-    if (stub / ".complete").exists():
-        return
-    m = json.loads((stub / REMOTE_MANIFEST).read_text())
-    pending = [n for n in m.get("rest", []) if not (stub / n).exists()]
-    if offline and pending:
-        raise CheckpointError(f"offline: {', '.join(pending)} of {src.spec} are not cached (only `info` ran online); "
-                              f"run it once online first")
-    if pending:
-        if src.kind == "hf":
-            from huggingface_hub import hf_hub_url
-
-            urls = {n: hf_hub_url(src.repo, n, revision=m["revision"], endpoint=_endpoint()) for n in pending}
-        else:
-            urls = {n: src.base + n for n in pending}
-        client = _client(src)
-        try:
-            _fetch_small(urls, client, stub)
-        finally:
-            client.close()
-    _write_text(stub / ".complete", "")
-
-
-def _resolve_hf(src: Source, home: Path, offline: bool) -> Path:
-    ref = home / "refs" / src.revision.replace("/", "%2F")
-    if _SHA.fullmatch(src.revision) and (home / src.revision / REMOTE_MANIFEST).exists():
-        return home / src.revision  # a commit never changes: no network needed
-    if offline:
-        if ref.exists() and (home / ref.read_text().strip() / REMOTE_MANIFEST).exists():
-            return home / ref.read_text().strip()
-        raise CheckpointError(f"offline: {src.spec} was never opened with the disk cache {home.parent.parent}: its "
-                              f"revision, config and headers are not cached; run once online first")
-    sha, files = _hf_listing(src)
-    _write_text(ref, sha)
-    if (home / sha / REMOTE_MANIFEST).exists():
-        return home / sha
-    from huggingface_hub import hf_hub_url
-
-    wanted = [f for f in files if "/" not in f and (f in SMALL_FILES or f.endswith(SMALL_SUFFIXES + (".safetensors",)))]
-    names = {f: hf_hub_url(src.repo, f, revision=sha, endpoint=_endpoint()) for f in wanted}
-    client = _client(src)
-    try:
-        return _build_stub(src, home, sha, names, client, sha)
-    finally:
-        client.close()
-
-
-def _endpoint() -> str:
-    from huggingface_hub import constants
-
-    return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
-
-
-def _hf_listing(src: Source) -> tuple[str, list[str]]:
-    """(commit hash, file names) of a hub revision, through huggingface_hub's API client."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
-
-    api = HfApi(endpoint=_endpoint(), token=os.environ.get("HF_TOKEN") or None)
-    try:
-        info = api.model_info(src.repo, revision=src.revision)
-    except GatedRepoError:
-        raise CheckpointError(f"{src.spec}: gated repository: accept its terms on the hub and set HF_TOKEN") from None
-    except RevisionNotFoundError:
-        raise CheckpointError(f"{src.spec}: no revision {src.revision!r} in {src.repo}") from None
-    except RepositoryNotFoundError:
-        raise CheckpointError(f"{src.spec}: no such repository at {_endpoint()} (or it is private: set "
-                              f"HF_TOKEN)") from None
-    except (HfHubHTTPError, OSError) as e:
-        raise CheckpointError(f"{src.spec}: cannot reach {_endpoint()}: {e}; use --offline with a complete disk "
-                              f"cache to run without the network") from None
-    if not info.sha:
-        raise CheckpointError(f"{src.spec}: the hub did not report a commit hash for revision {src.revision!r}")
-    return info.sha, [s.rfilename for s in (info.siblings or [])]
-
-
-def _client(src: Source):
-    from moestream.weights.http import HttpClient, origin
-
-    timeout = SETTINGS.http_timeout_s
-    if src.kind != "hf":
-        return HttpClient(timeout_s=timeout)
-    from huggingface_hub.utils import build_hf_headers
-
-    from moestream import __version__
-
-    auth = build_hf_headers(token=os.environ.get("HF_TOKEN") or None, library_name="moestream",
-                            library_version=__version__)
-    auth = {k: v for k, v in auth.items() if k.lower() == "authorization"}
-    return HttpClient(auth=auth, auth_origin=origin(_endpoint()), timeout_s=timeout)
-
-
-def _build_stub(src: Source, home: Path, leaf: str, names: dict[str, str], client, revision: str | None) -> Path:
-    """Fetch the small files and every shard's header into a fresh stub directory, then move it into place."""
-    tmp = home / f".tmp-{os.getpid()}-{leaf}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        got = _fetch_small({n: u for n, u in names.items() if n in ("config.json", INDEX_JSON)}, client, tmp)
-        if "config.json" not in got:
-            raise CheckpointError(f"{src.spec}: no config.json there (is it a Hugging Face checkpoint directory?)")
-        shards = _shard_names(src, tmp, names)
-        base_url = {n: names.get(n) or _sibling_url(names["config.json"], n) for n in shards}
-        with ThreadPoolExecutor(min(8, max(1, len(shards)))) as ex:
-            heads = dict(zip(shards, ex.map(lambda n: _fetch_header(client, n, base_url[n]), shards)))
-        manifest = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "source": src.spec,
-                    "revision": revision, "files": {n: {"etag": got[n]} for n in got}, "shards": heads,
-                    "rest": [n for n in names if n not in got and not n.endswith(".safetensors")]}
-        _write_text(tmp / REMOTE_MANIFEST, json.dumps(manifest))
-        return _install(tmp, home / leaf, replace=src.kind != "hf")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _sibling_url(config_url: str, name: str) -> str:
-    return config_url[: -len("config.json")] + name
-
-
-def _fetch_small(names: dict[str, str], client, into: Path) -> dict[str, str | None]:
-    """Small files fetched whole (absent ones skipped); returns name -> ETag of those present."""
-    got: dict[str, str | None] = {}
-    for name, url in names.items():
-        if name.endswith(".safetensors"):
-            continue
-        res = client.get(url, missing_ok=True)
-        if res is None:
-            continue
-        body, etag = res
-        if len(body) > MAX_SMALL_FILE:
-            raise CheckpointError(f"{url}: {len(body)} bytes is too large for a config or tokenizer file")
-        tmp = into / f".{name}.{os.getpid()}"
-        tmp.write_bytes(body)
-        os.replace(tmp, into / name)  # a reader never sees half a tokenizer
-        got[name] = etag
-    return got
-
-
-def _shard_names(src: Source, stub: Path, names: dict[str, str]) -> list[str]:
-    idx = stub / INDEX_JSON
-    if idx.exists():
-        try:
-            files = sorted(set(json.loads(idx.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{src.spec}: malformed {INDEX_JSON}: {e}") from None
-        bad = [f for f in files if not isinstance(f, str) or "/" in f or f.startswith(".") or "\\" in f]
-        if bad:
-            raise CheckpointError(f"{src.spec}: {INDEX_JSON} names shards outside the checkpoint: {bad[:3]}")
-        return files
-    listed = [n for n in names if n.endswith(".safetensors")]
-    return listed or ["model.safetensors"]
-
-
-def _fetch_header(client, name: str, url: str) -> dict:
-    """A shard's length, ETag and safetensors header: two range requests (the 8-byte length, then the JSON)."""
-    head = bytearray(8)
-    etag, size = client.get_range(url, 0, memoryview(head))
-    if size is None or size < 8:
-        raise CheckpointError(f"{url}: the server did not report the file's length (Content-Range .../*)")
-    hlen = int.from_bytes(head, "little")
-    if hlen > MAX_HEADER or 8 + hlen > size:
-        raise CheckpointError(f"{url}: corrupt safetensors header length {hlen} (file is {size} bytes)")
-    raw = bytearray(hlen)
-    client.get_range(url, 8, memoryview(raw), size, etag)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise CheckpointError(f"{url}: safetensors header is not UTF-8") from None
-    return {"url": url, "size": size, "etag": etag, "header": text}
-
-
-def _install(tmp: Path, final: Path, replace: bool) -> Path:
-    if final.exists():
-        if not replace:
-            return final  # another process pinned the same commit first: identical content
-        old = final.with_name(f".old-{os.getpid()}-{final.name}")
-        os.replace(final, old)
-        shutil.rmtree(old, ignore_errors=True)
-    try:
-        os.replace(tmp, final)
-    except OSError:
-        if not final.exists():
-            raise
-    return final
-
-
-def _write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    return resolve_stub(spec, settings or SETTINGS, full)
 
 
 def open_remote_index(root: Path, settings: RemoteSettings | None = None) -> RemoteIndex:
@@ -439,8 +217,10 @@ def open_remote_index(root: Path, settings: RemoteSettings | None = None) -> Rem
         shards = m["shards"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{path}: cannot read the remote manifest: {e}") from None
+    from moestream.weights.stub import endpoint, http_client
+
     src = Source.parse(m["source"])
-    client = None if s.offline else _client(src)
+    client = None if s.offline else http_client(src, s.http_timeout_s)
     cache = None
     if s.disk_cache is not None:
         from moestream.weights.diskcache import DiskCache
@@ -452,7 +232,7 @@ def open_remote_index(root: Path, settings: RemoteSettings | None = None) -> Rem
         if src.kind == "hf":  # the current endpoint (HF_ENDPOINT may name a mirror since the stub was made)
             from huggingface_hub import hf_hub_url
 
-            url = hf_hub_url(src.repo, name, revision=m["revision"], endpoint=_endpoint())
+            url = hf_hub_url(src.repo, name, revision=m["revision"], endpoint=endpoint())
             ident = f"hf:{src.repo}@{m['revision']}/{name}"
         f = RemoteFile(name, url, int(sh["size"]), sh.get("etag"), ident, client, cache)
         tensors.update(tensors_from_header(f, sh["header"].encode(), f.size))
