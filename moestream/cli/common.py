@@ -79,11 +79,21 @@ def model_dir(value: str, full: bool = True) -> Path:
         from moestream.weights.remote import resolve
 
         with busy(f"contacting {value}"):
-            return resolve(value, full=full)
+            stub = resolve(value, full=full)
+        if full:  # `info` prints the pinned revision itself
+            _report_revision(value, stub)
+        return stub
     path = Path(value).expanduser()
     if not path.is_dir():
         raise MoestreamError(f"{value}: no such model directory (pass a local checkpoint directory)")
     return path
+
+
+def _report_revision(spec: str, stub: Path) -> None:
+    from moestream.weights.remote import manifest_of
+
+    rev = (manifest_of(stub) or {}).get("revision")
+    print(f"{spec}: revision {rev}" if rev else f"{spec}: pinned by ETag", file=sys.stderr)
 
 
 @contextmanager
