@@ -89,11 +89,14 @@ def main() -> int:
               "io_threads": a.io_threads, **{f"{k}_{n}": v for n, r in runs.items() for k, v in r.items()},
               "link_bound_s_per_token": link_s,
               "link_bound_fraction": link_s * cold["decode_tok_s"],
+              # the slower of the link and this machine's own decode of the local checkpoint bounds a cold run
+              "cold_vs_bound": cold["decode_tok_s"] / min(1 / link_s if link_s else float("inf"),
+                                                         runs["local"]["decode_tok_s"]),
               "warm_vs_local": runs["warm"]["decode_tok_s"] / runs["local"]["decode_tok_s"]}
     print(json.dumps(report, indent=1))
     print(f"cold: {cold['decode_tok_s']:.2f} tok/s, {cold['net_bytes_per_token'] / 2**20:.1f} MiB fetched/token, "
           f"link bound {1 / link_s if link_s else float('inf'):.2f} tok/s -> {report['link_bound_fraction']:.2f} of it, "
-          f"max {cold['max_inflight']} requests in flight\n"
+          f"max {cold['max_inflight']} requests in flight; {report['cold_vs_bound']:.2f} of min(link, local)\n"
           f"warm: {runs['warm']['decode_tok_s']:.2f} tok/s, {runs['warm']['net_bytes_per_token']:.0f} B fetched/token; "
           f"local: {runs['local']['decode_tok_s']:.2f} tok/s (warm/local {report['warm_vs_local']:.2f})",
           file=sys.stderr)
