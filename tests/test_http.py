@@ -262,3 +262,14 @@ def test_two_processes_fetch_into_one_cache(env, server, tmp_path):
     on_disk = sum(f.stat().st_size for f in (dc / "ranges").rglob("*.rng"))
     assert checked > 0 and bad == 0 and cache.usage() == on_disk
     assert not list((dc / "tmp").iterdir())  # no temp file left behind
+
+
+def test_retry_after_and_etag_forms():
+    import email.utils
+    import time as _time
+
+    from moestream.weights.http import normalize_etag, retry_after
+
+    assert retry_after("3") == 3.0 and retry_after(None) is None and retry_after("soon") is None
+    assert 5 < retry_after(email.utils.formatdate(_time.time() + 10, usegmt=True)) <= 10
+    assert normalize_etag('W/"abc"') == normalize_etag('"abc"') == '"abc"'
