@@ -204,6 +204,22 @@ def test_cli_info_fetch_then_offline_run(env, server, tmp_path, capsys):
     assert "more than --disk-budget" in capsys.readouterr().err
 
 
+def test_dense_weights_fetched_ahead_in_merged_requests(env, server, local, tmp_path):
+    env.disk_cache = tmp_path / "dc"
+    stub = remote.resolve("hf://org/tiny")
+    server.log.clear()
+    eng = Engine.open(stub)
+    try:
+        dense = eng.plan.dense_names
+        stats = eng.plan.store.index.stats()
+        assert eng.generate(PROMPT, NEW, stop_token_ids=[]) == local[0]
+    finally:
+        eng.close()
+    # every dense byte fetched once, in fewer requests than there are dense tensors, then read from disk
+    assert stats["http_requests"] < len(dense) and stats["http_bytes"] == eng.plan.dense_bytes
+    assert stats["disk_hit_bytes"] == eng.plan.dense_bytes
+
+
 def test_neighbouring_experts_share_a_request(env, server, local, tmp_path):
     stub = remote.resolve("hf://org/tiny")
     eng = Engine.open(stub)

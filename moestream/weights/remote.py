@@ -11,9 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from moestream.errors import CheckpointError, MoestreamError
 from moestream.weights.index import REMOTE_MANIFEST, CheckpointIndex, tensors_from_header
@@ -21,6 +24,7 @@ from moestream.weights.index import REMOTE_MANIFEST, CheckpointIndex, tensors_fr
 MANIFEST_FORMAT, MANIFEST_VERSION = "moestream-remote", 1
 INDEX_JSON = "model.safetensors.index.json"
 REMOTE_IO_THREADS = 8  # expert range requests in flight (a link with latency needs depth a local disk does not)
+WARM_THREADS, WARM_PIECE = 4, 4 << 20  # dense weights fetched ahead while the model opens: requests, bytes each
 _HF = re.compile(r"hf://([\w.-]+/[\w.-]+)(?:@([\w./-]+))?/?")
 
 
@@ -182,6 +186,39 @@ class RemoteIndex(CheckpointIndex):
         super().__init__(root, tensors)
         self.manifest, self.client, self.cache = manifest, client, cache
         self.min_io_threads = SETTINGS.io_threads
+        self.dense_filter: Callable[[str], bool] | None = None  # set by ExpertStore: which tensors are dense
+        self._warm: dict[str, list[_WarmPiece]] | None = None
+        self._warm_lock = threading.Lock()
+
+    def load(self, name: str):
+        """One tensor, as CheckpointIndex.load. The first call starts fetching every dense tensor into the SSD tier
+        (see `_start_warm`); a tensor still being fetched is waited for, then read from disk."""
+        for piece in self._start_warm().get(name, ()):
+            piece.done.wait()
+            if piece.error is not None:  # a changed ETag is final; anything else, the load below tries again
+                raise piece.error
+        return super().load(name)
+
+    def _start_warm(self) -> dict[str, list[_WarmPiece]]:
+        """Dense tensors in file order, neighbours merged and large ones cut into WARM_PIECE requests, fetched by
+        WARM_THREADS daemon threads into the SSD tier, so building the model costs one round trip per 4 MiB
+        rather than one per tensor. Needs an SSD tier and the network; holds at most WARM_THREADS x WARM_PIECE
+        bytes outside the RAM budget while the model opens."""
+        with self._warm_lock:
+            if self._warm is not None:
+                return self._warm
+            self._warm = {}
+            if self.cache is None or self.client is None or self.dense_filter is None:
+                return self._warm
+            jobs: queue.Queue = queue.Queue()
+            for f, lo, n, names in _warm_pieces([self.tensors[t] for t in self.tensors if self.dense_filter(t)]):
+                piece = _WarmPiece(f, lo, n)
+                jobs.put(piece)
+                for t in names:
+                    self._warm.setdefault(t, []).append(piece)
+            for i in range(WARM_THREADS):
+                threading.Thread(target=_warm_worker, args=(jobs,), name=f"moestream-warm-{i}", daemon=True).start()
+            return self._warm
 
     def stats(self) -> dict[str, int]:
         """Network and SSD-tier counters of this process's reads of the model."""
@@ -195,6 +232,54 @@ class RemoteIndex(CheckpointIndex):
             out.update(disk_hit_bytes=c.hit_bytes, disk_put_bytes=c.put_bytes, disk_corrupt_ranges=c.corrupt_ranges,
                        disk_evicted_bytes=c.evicted_bytes)
         return out
+
+
+def _warm_pieces(infos: list) -> list[tuple[RemoteFile, int, int, list[str]]]:
+    """(file, offset, length, tensor names) requests covering `infos`: neighbours (holes up to 4 KiB) merged up to
+    WARM_PIECE bytes, a larger tensor cut into WARM_PIECE pieces."""
+    out: list[list] = []  # [file, lo, hi, names]
+    for info in sorted(infos, key=lambda i: (i.file.name, i.offset)):
+        at, end = info.offset, info.offset + info.nbytes
+        while at < end:
+            last = out[-1] if out else None
+            if last is not None and last[0] == info.file and at <= last[2] + 4096 and at < last[1] + WARM_PIECE:
+                last[2] = max(last[2], min(end, last[1] + WARM_PIECE))  # > at: the request grows
+            else:
+                last = [info.file, at, min(end, at + WARM_PIECE), []]
+                out.append(last)
+            if not last[3] or last[3][-1] != info.name:
+                last[3].append(info.name)
+            at = last[2]
+    return [(f, lo, hi - lo, names) for f, lo, hi, names in out]
+
+
+class _WarmPiece:
+    """One fetch-ahead request of dense weights; `done` is set when it ends, `error` holds a changed ETag."""
+
+    __slots__ = ("file", "offset", "nbytes", "done", "error")
+
+    def __init__(self, file: RemoteFile, offset: int, nbytes: int):
+        self.file, self.offset, self.nbytes = file, offset, nbytes
+        self.done, self.error = threading.Event(), None
+
+
+def _warm_worker(jobs: queue.Queue) -> None:
+    from moestream.weights.http import RemoteChangedError
+
+    while True:
+        try:
+            p = jobs.get_nowait()
+        except queue.Empty:
+            return
+        try:
+            if not p.file.cache.covered(p.file.key, p.offset, p.nbytes):
+                p.file.fetch(p.offset, memoryview(bytearray(p.nbytes)))
+        except RemoteChangedError as e:
+            p.error = e
+        except Exception:  # noqa: BLE001 - the tensor's own load fetches it again and reports what is wrong
+            pass
+        finally:
+            p.done.set()
 
 
 # ---- opening ----------------------------------------------------------------------------------------
