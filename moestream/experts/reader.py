@@ -271,7 +271,8 @@ class Reader:
             fut.set_result(then(self.pool.take(plan.nbytes)) if then else self.pool.take(plan.nbytes))
             return fut
         job = _Job(plan, self.pool.take(plan.nbytes), then)
-        job.future.moestream_job = job  # type: ignore[attr-defined]  # what cancel / promote act on
+        fut = job.future  # held here: a job that finishes before submit returns has let go of its future
+        fut.moestream_job = job  # type: ignore[attr-defined]  # what cancel / promote act on
         with self._cv:
             if self._closed:
                 raise RuntimeError("reader is closed")
@@ -281,7 +282,7 @@ class Reader:
                     t = threading.Thread(target=self._work, name=f"moestream-io-{i}", daemon=True)
                     t.start()
                     self._workers.append(t)
-        return job.future
+        return fut
 
     def cancel(self, fut: Future) -> bool:
         """Withdraw a queued read none of whose runs has started: its buffer returns to the pool and the future
