@@ -18,7 +18,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -e '.[test,server]'
+	$(BIN)/python -m pip install -e '.[test,server,http]'
 	touch $(STAMP)
 
 demo: venv

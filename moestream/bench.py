@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from moestream.cli.common import add_state_room_arg
+from moestream.cli.common import add_remote_args, add_state_room_arg
 from moestream.config import format_bytes, parse_bytes
 from moestream.errors import MoestreamError
 from moestream.plot import pyplot
@@ -384,8 +384,9 @@ def write_plot(r: dict, out: Path) -> None:
 def add_bench_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="measure prefill/decode speed under a RAM budget against the disk's bandwidth",
                        description=__doc__)
-    p.add_argument("model", help="checkpoint directory")
+    p.add_argument("model", help="checkpoint directory, hf://ORG/NAME[@REV] or https://.../DIR/")
     p.add_argument("--ram-budget", metavar="BYTES", default=None, help="RAM for everything resident (e.g. 4GiB)")
+    add_remote_args(p)
     add_state_room_arg(p)
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (random ids; default 64)")
     p.add_argument("--gen-len", type=int, default=32, help="decoded tokens (default 32)")
@@ -426,9 +427,9 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    path = Path(args.model).expanduser()
-    if not path.is_dir():
-        raise MoestreamError(f"{args.model}: no such model directory")
+    from moestream.cli.common import model_dir
+
+    path = model_dir(args.model)  # a remote spec becomes its stub; its shards then read over HTTP + SSD tier
     report = bench(path, options_from_args(args))
     if args.json:
         print(json.dumps(report, indent=1))

@@ -28,7 +28,7 @@ EXTRA_COMMANDS: list[tuple[str, str]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from moestream.cli import batch, demo, info, run, synth
+    from moestream.cli import batch, demo, fetch, info, run, synth
 
     parser = argparse.ArgumentParser(
         prog="moestream",
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "safetensors shards into a byte-budgeted cache.")
     parser.add_argument("--version", action="version", version=f"moestream {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (run, batch, info, synth, demo):
+    for module in (run, batch, info, synth, demo, fetch):
         module.add_parser(sub)
     for module_name, function in EXTRA_COMMANDS:
         _add_extra(sub, module_name, function)
@@ -56,6 +56,9 @@ def _add_extra(sub: argparse._SubParsersAction, module_name: str, function: str)
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        from moestream.cli.common import configure_remote
+
+        configure_remote(args)
         return int(args.func(args) or 0)
     except MoestreamError as e:
         _flush_quietly()

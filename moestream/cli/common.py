@@ -41,11 +41,59 @@ def parse_budget(value: str | None) -> int | None:
     return budget
 
 
-def model_dir(value: str) -> Path:
+def add_remote_args(p: argparse.ArgumentParser) -> None:
+    """--disk-cache / --disk-budget / --offline: the SSD tier of a remote (hf:// or http(s)://) checkpoint."""
+    g = p.add_argument_group("remote checkpoints (hf://ORG/NAME[@REV], https://.../DIR/)")
+    g.add_argument("--disk-cache", metavar="DIR", default=None,
+                   help="keep fetched byte ranges on local disk here (default: $MOESTREAM_DISK_CACHE; without one "
+                        "only config, tokenizer and headers are kept)")
+    g.add_argument("--disk-budget", metavar="BYTES", default=None,
+                   help="most bytes of ranges the disk cache holds; least recently used ranges are evicted "
+                        "(default: $MOESTREAM_DISK_BUDGET, else no limit)")
+    g.add_argument("--offline", action="store_true", default=None,
+                   help="never touch the network: everything must already be in the disk cache")
+
+
+def configure_remote(args: argparse.Namespace) -> None:
+    """Apply a subcommand's remote options to the process's remote settings (flags override the environment)."""
+    if not hasattr(args, "disk_cache"):
+        return
+    from moestream.weights.remote import SETTINGS
+
+    if args.disk_cache is not None:
+        SETTINGS.disk_cache = Path(args.disk_cache).expanduser()
+    if args.disk_budget is not None:
+        SETTINGS.disk_budget = parse_bytes(args.disk_budget)
+        if SETTINGS.disk_budget is not None and SETTINGS.disk_budget <= 0:
+            raise MoestreamError(f"--disk-budget must be positive, got {args.disk_budget!r}")
+    if args.offline:
+        SETTINGS.offline = True
+
+
+def model_dir(value: str, full: bool = True) -> Path:
+    """A local checkpoint directory; a remote spec (hf://, http(s)://) becomes its local stub (weights/remote.py),
+    with the tokenizer and other run-time files unless `full` is False (headers only, for `info`)."""
+    from moestream.weights.remote import is_remote
+
+    if is_remote(value):
+        from moestream.weights.remote import resolve
+
+        with busy(f"contacting {value}"):
+            stub = resolve(value, full=full)
+        if full:  # `info` prints the pinned revision itself
+            _report_revision(value, stub)
+        return stub
     path = Path(value).expanduser()
     if not path.is_dir():
         raise MoestreamError(f"{value}: no such model directory (pass a local checkpoint directory)")
     return path
+
+
+def _report_revision(spec: str, stub: Path) -> None:
+    from moestream.weights.remote import manifest_of
+
+    rev = (manifest_of(stub) or {}).get("revision")
+    print(f"{spec}: revision {rev}" if rev else f"{spec}: pinned by ETag", file=sys.stderr)
 
 
 @contextmanager
@@ -73,7 +121,7 @@ def busy(desc: str) -> Iterator[None]:
 def open_engine(path: Path, budget: int | None, state_room: str | None = None):
     from moestream.engine.engine import Engine
 
-    with busy(f"opening {path.name}"):
+    with busy(f"opening {path.name}"):  # a remote model: its dense weights are fetched here
         return Engine.open(path, ram_budget=budget, state_room=state_room)
 
 

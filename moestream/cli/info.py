@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from moestream.cli.common import add_budget_arg, model_dir, parse_budget
+from moestream.cli.common import add_budget_arg, add_remote_args, model_dir, parse_budget
 from moestream.config import format_bytes
 from moestream.engine.residency import ResidencyPlan
 from moestream.info import BudgetFit, ModelInfo, model_info
@@ -17,20 +17,34 @@ from moestream.info import BudgetFit, ModelInfo, model_info
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="sizes, parameters and per-token reads of a checkpoint (headers only)",
                        description="Report a checkpoint's architecture, parameters and bytes from its headers.")
-    p.add_argument("model", help="checkpoint directory")
+    p.add_argument("model", help="checkpoint directory, hf://ORG/NAME[@REV] or https://.../DIR/")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_remote_args(p)
     add_budget_arg(p, "; also print the residency plan (which dense layers stay resident, which stream) and how "
                       "many experts the rest can cache")
     p.set_defaults(func=cmd_info)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    info = model_info(model_dir(args.model), parse_budget(args.ram_budget))
+    path = model_dir(args.model, full=False)  # a remote model: config, index json and headers only
+    info = model_info(path, parse_budget(args.ram_budget))
+    source = remote_source(path)
     if args.json:
-        print(json.dumps(info.to_json(), indent=2))
+        print(json.dumps({**info.to_json(), **source}, indent=2))
     else:
         sys.stdout.write(render(info))
+        if source:
+            rev = source["revision"] or "not versioned (ETags pinned)"
+            print(f"source:       {source['source']} (revision {rev}; local stub above)")
     return 0
+
+
+def remote_source(path) -> dict:
+    """{"source", "revision"} of a remote checkpoint's stub directory; {} for a local checkpoint."""
+    from moestream.weights.remote import manifest_of
+
+    m = manifest_of(path)
+    return {"source": m["source"], "revision": m.get("revision")} if m else {}
 
 
 def human_count(n: float) -> str:

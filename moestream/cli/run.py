@@ -10,7 +10,8 @@ import sys
 from dataclasses import dataclass
 from typing import TextIO
 
-from moestream.cli.common import add_budget_arg, add_state_room_arg, model_dir, now, open_engine, parse_budget
+from moestream.cli.common import (add_budget_arg, add_remote_args, add_state_room_arg, model_dir, now, open_engine,
+                                  parse_budget)
 from moestream.config import format_bytes
 from moestream.tokenizer import StreamDecoder, Tokenizer
 
@@ -41,7 +42,8 @@ class GenerationReport:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="generate text from a prompt",
                        description="Generate text from a prompt, streaming it as it is produced.")
-    p.add_argument("model", help="checkpoint directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("model", help="checkpoint directory (config.json, *.safetensors, tokenizer), hf://ORG/NAME[@REV] or "
+                        "https://.../DIR/")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
     p.add_argument("--max-new", type=int, default=128, metavar="N", help="most tokens to generate (128)")
@@ -49,6 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (0 = off)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (reproducible output)")
+    add_remote_args(p)
     add_budget_arg(p, "; default: no limit")
     add_state_room_arg(p)
     p.add_argument("--stats", action="store_true", help="print speed and expert-cache figures after the text")
@@ -65,6 +68,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         report = stream_text(engine, tok, ids, sampling, sys.stdout)
         if args.stats:
             print_stats(report, sys.stdout)
+            print_remote_stats(engine, sys.stdout)
     finally:
         engine.close()
     return 0
@@ -129,6 +133,21 @@ def print_stats(r: GenerationReport, out: TextIO) -> None:
         f"peak resident:   {_peak(s)}",
     ]
     out.write("\n".join(lines) + "\n")
+    out.flush()
+
+
+def print_remote_stats(engine, out: TextIO) -> None:
+    """Network and SSD-tier figures of a remote checkpoint (nothing for a local one)."""
+    stats = getattr(engine.plan.store.index, "stats", None)
+    if stats is None:
+        return
+    s = stats()
+    line = (f"network:         {format_bytes(s['http_bytes'])} in {s['http_requests']} requests "
+            f"({s['http_retries']} retries, at most {s['http_max_inflight']} in flight)")
+    if "disk_hit_bytes" in s:
+        line += (f"; disk cache: {format_bytes(s['disk_hit_bytes'])} read, {format_bytes(s['disk_put_bytes'])} "
+                 f"written, {s['disk_corrupt_ranges']} corrupt ranges refetched")
+    out.write(line + "\n")
     out.flush()
 
 

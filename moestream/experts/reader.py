@@ -34,6 +34,7 @@ DEMAND, AHEAD = 0, 1  # read priorities: what a step waits on, then read-ahead f
 # finished together at the end (docs/performance.md). A large expert is one large request, which the kernel
 # splits across the device's queue anyway.
 IO_THREADS = 2
+COALESCE_MAX = 64 << 20  # most bytes one coalesced request of a remote file carries
 
 
 def align_down(n: int) -> int:
@@ -242,6 +243,9 @@ class Reader:
     # ---- reads ----------------------------------------------------------------------------------------
     def _read_run(self, run: Run, view: memoryview) -> int:
         """Read one run; returns the number of preadv calls it took."""
+        if not isinstance(run.file, Path):  # a remote shard: HTTP range requests through the SSD tier
+            run.file.read_into(run.start, [view[:run.length]])
+            return 1
         use_direct = self.direct and run.direct and isinstance(view.obj, mmap.mmap) and run.file not in self._no_direct
         if use_direct:
             try:
@@ -329,22 +333,56 @@ class Reader:
                 job.next += 1
                 ahead = prio >= AHEAD
                 self._ahead_running += ahead
+                batch = [(job, run)] + (self._adjacent(run, prio) if not isinstance(run.file, Path) else [])
             self._begin()
             try:
-                calls = 0 if job.error else self._read_run(run, memoryview(job.buf)[run.dst:run.dst + run.length])
+                if len(batch) > 1:
+                    calls = self._read_batch(batch)
+                else:
+                    calls = 0 if job.error else self._read_run(run, memoryview(job.buf)[run.dst:run.dst + run.length])
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-                job.error, calls = e, 0
+                for j, _ in batch:
+                    j.error = e
+                calls = 0
             finally:
                 self._end()
+            done = []
             with self._cv:
-                job.calls += calls
-                job.left -= 1
-                done = job.left == 0
+                for j, _ in batch:
+                    j.calls += calls
+                    j.left -= 1
+                    if j.left == 0:
+                        done.append(j)
                 if ahead:
                     self._ahead_running -= 1
                     self._cv.notify()
-            if done:
-                self._complete(job)
+            for j in done:
+                self._complete(j)
+
+    def _adjacent(self, run: Run, prio: int) -> list[tuple[_Job, Run]]:
+        """Caller holds _cv. Queued runs of other jobs (at `prio` or more urgent) that continue `run` in the same
+        remote file, taken now so that one HTTP request fetches them all: adjacent experts coalesced."""
+        cands: dict[int, tuple[_Job, Run]] = {}  # id(job) -> its next run, if it lies after `run` in the file
+        for p, _, j in self._queue:
+            if p <= prio and j.next < len(j.plan.runs) and j.error is None:
+                r = j.plan.runs[j.next]
+                if r.file == run.file and r.start > run.start:
+                    cands.setdefault(id(j), (j, r))
+        out, end, total = [], run.start + run.length, run.length
+        # aligned runs of neighbouring experts may overlap by up to ALIGN bytes; holes up to GAP are read through
+        for j, r in sorted(cands.values(), key=lambda jr: jr[1].start):
+            if r.start < end - ALIGN or r.start > end + GAP or total >= COALESCE_MAX:
+                break
+            j.next += 1  # its queue entry is skipped when popped (like a cancelled job's)
+            out.append((j, r))
+            end, total = max(end, r.start + r.length), total + r.length
+        return out
+
+    @staticmethod
+    def _read_batch(batch: list[tuple[_Job, Run]]) -> int:
+        """One request for neighbouring runs of a remote file, scattered into each job's buffer."""
+        batch[0][1].file.read_pieces([(r.start, memoryview(j.buf)[r.dst:r.dst + r.length]) for j, r in batch])
+        return 1
 
     def _complete(self, job: _Job) -> None:
         buf, fut, then = job.buf, job.future, job.then

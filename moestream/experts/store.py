@@ -100,9 +100,12 @@ class ExpertStore:
         self.parts = parts
         self.prefix = prefix
         self.num_experts = num_experts
-        self.reader = Reader(io_threads, direct_io)
+        # a remote checkpoint keeps more requests in flight than a local disk needs (weights/remote.py)
+        self.reader = Reader(max(io_threads, getattr(index, "min_io_threads", 0)), direct_io)
         self._loc_cache: dict[tuple[int, int], list[PartLocation]] = {}
         self._expert_re = re.compile("|".join(f"(?:{p.pattern(prefix).pattern})" for p in parts) or "(?!)")
+        if hasattr(index, "dense_filter"):  # a remote index fetches these ahead on its first dense load
+            index.dense_filter = lambda n: n.startswith(prefix) and not self.is_expert_tensor(n)
         self._plans: dict[tuple[int, int], tuple[ReadPlan, list[tuple[str, int, PartLocation]]]] = {}
         self._checks: dict[tuple[int, int], Check] = {}
         self.checksum_bytes = 0  # bytes of packed experts verified (and the time spent doing it)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moestream.cli.common import add_state_room_arg
+from moestream.cli.common import add_remote_args, add_state_room_arg, model_dir
+from moestream.weights.remote import is_remote
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -18,7 +19,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve a checkpoint over an OpenAI-compatible HTTP API",
                               description="Serve MODEL over /v1/chat/completions, /v1/completions, /v1/models, "
                                           "/health and /metrics, with continuous batching.")
-    p.add_argument("model", metavar="MODEL", help="checkpoint directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("model", metavar="MODEL", help="checkpoint directory (config.json, *.safetensors, tokenizer), "
+                                                  "hf://ORG/NAME[@REV] or https://.../DIR/")
+    add_remote_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--ram-budget", default=None, help="RAM budget for everything resident, e.g. 8GiB (default: none)")
@@ -70,8 +73,15 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: the server needs its extra dependencies ({e.name} is missing): "
               "pip install 'moestream[server]'", file=sys.stderr)
         return 2
-    cfg = ServerConfig(args.model, args.host, args.port, args.ram_budget, args.max_batch, args.max_queue,
-                       args.api_key, args.prefix_cache, args.prefill_chunk, args.max_body, args.model_name,
+    model, name = args.model, args.model_name
+    if is_remote(model):  # served from its local stub; clients still name it by what the user typed
+        try:
+            model, name = str(model_dir(model)), name or model
+        except MoestreamError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    cfg = ServerConfig(model, args.host, args.port, args.ram_budget, args.max_batch, args.max_queue,
+                       args.api_key, args.prefix_cache, args.prefill_chunk, args.max_body, name,
                        threads=args.threads, state_room=args.state_room, request_timeout=args.request_timeout,
                        shutdown_timeout=args.shutdown_timeout)
     try:

@@ -40,6 +40,7 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
 MAX_HEADER = 100 * 1024 * 1024
 PACK_MANIFEST = "moestream-pack.json"  # marks a directory written by `moestream pack`
 PACK_FORMAT, PACK_VERSION = "moestream-pack", 1
+REMOTE_MANIFEST = "moestream-remote.json"  # marks the local stub of a remote checkpoint (weights/remote.py)
 
 
 @dataclass(frozen=True)
@@ -88,23 +89,33 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
             (hlen,) = struct.unpack("<Q", raw)
             if hlen > MAX_HEADER or 8 + hlen > size:
                 raise CheckpointError(f"{path}: corrupt safetensors header length {hlen} (file is {size} bytes)")
-            header = json.loads(f.read(hlen))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raw = f.read(hlen)
+    except OSError as e:
         raise CheckpointError(f"{path}: cannot read safetensors header: {type(e).__name__}: {e}") from None
+    return tensors_from_header(path, raw, size)
+
+
+def tensors_from_header(where, raw: bytes, size: int) -> dict[str, TensorInfo]:
+    """The tensors of one shard's safetensors header, validated: `raw` is the JSON after the 8-byte length, `size`
+    the whole file's length, `where` the path (or remote file object) TensorInfo.file will hold."""
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{where}: cannot read safetensors header: {type(e).__name__}: {e}") from None
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
-    base = 8 + hlen
+        raise CheckpointError(f"{where}: safetensors header is not a JSON object")
+    base = 8 + len(raw)
     out: dict[str, TensorInfo] = {}
     itemsizes = {k: v[1] for k, v in DTYPES.items()}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        dtype, shape, begin, end = header_entry(path, name, meta, itemsizes)
+        dtype, shape, begin, end = header_entry(where, name, meta, itemsizes)
         if base + end > size:
             raise CheckpointError(
-                f"{path}: truncated: tensor {name!r} ends at byte {base + end} but the file has {size} bytes")
-        out[name] = TensorInfo(name, path, base + begin, end - begin, dtype, shape)
-    check_no_overlap(path, [(t.offset, t.offset + t.nbytes, n) for n, t in out.items()])
+                f"{where}: truncated: tensor {name!r} ends at byte {base + end} but the file has {size} bytes")
+        out[name] = TensorInfo(name, where, base + begin, end - begin, dtype, shape)
+    check_no_overlap(where, [(t.offset, t.offset + t.nbytes, n) for n, t in out.items()])
     return out
 
 
@@ -140,7 +151,7 @@ class CheckpointIndex:
     def has_weights(root: str | Path) -> bool:
         root = Path(root)
         return (root / "model.safetensors.index.json").exists() or (root / PACK_MANIFEST).exists() \
-            or any(root.glob("*.safetensors"))
+            or (root / REMOTE_MANIFEST).exists() or any(root.glob("*.safetensors"))
 
     @classmethod
     def open(cls, root: str | Path) -> "CheckpointIndex":
@@ -149,6 +160,9 @@ class CheckpointIndex:
             raise CheckpointError(f"{root}: not a checkpoint directory")
         if (root / PACK_MANIFEST).exists():
             return _open_packed(cls, root)
+        if (root / REMOTE_MANIFEST).exists():
+            from moestream.weights.remote import open_remote_index
+            return open_remote_index(root)
         files = _shard_files(root)
         tensors: dict[str, TensorInfo] = {}
         for f in files:
@@ -318,6 +332,9 @@ def read_into(path: Path, offset: int, buffers: list) -> None:
     """Fill `buffers` (consecutive) from [offset, ...) of `path` with one scatter read; CheckpointError if the file
     ends first; the pages are dropped afterwards."""
     views = [memoryview(b).cast("B") for b in buffers]
+    if not isinstance(path, (str, Path)):  # a remote shard (weights/remote.py) reads through HTTP and the SSD tier
+        path.read_into(offset, views)
+        return
     nbytes = sum(len(v) for v in views)
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -1,0 +1,368 @@
+"""The SSD tier: byte ranges of remote files kept on local disk under a byte budget.
+
+Owns the on-disk layout (`ranges/<file key>/<offset>-<length>.rng`, one file per fetched range, a header carrying
+a crc32 per 1 MiB block and its own crc32), atomic writes (temp file, then rename: a killed process leaves at most
+an orphan temp file; a power loss may tear a renamed file, which its checksums reject, so it is never trusted), verification of every block read, lookup of a
+request covered by one or several cached ranges, and eviction of the least recently used ranges when the budget
+is exceeded. Processes sharing a directory serialise usage accounting and eviction with flock; reads need no lock
+(a range file is immutable, and unlinking it leaves open descriptors valid). It never talks to the network.
+"""
+from __future__ import annotations
+
+import bisect
+import fcntl
+import os
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+MAGIC, VERSION = b"MSRG", 1
+BLOCK = 1 << 20  # checksum granularity: a read verifies only the blocks it touches
+_HEAD = struct.Struct("<4sIQQI")  # magic, version, offset, length, block size; then crc32 per block, header crc32
+DATA_ALIGN = 4096
+RESCAN_S = 1.0  # a missing range re-lists its file's directory at most this often (other processes add ranges)
+EVICT_TO = 0.9  # evict down to this share of the budget, so eviction does not run on every insert
+
+
+@dataclass
+class DiskStats:
+    hit_bytes: int = 0  # bytes served from disk
+    put_bytes: int = 0  # bytes written to disk
+    corrupt_ranges: int = 0  # range files that failed verification (deleted, fetched again)
+    evicted_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class _Range:
+    offset: int
+    length: int
+    path: Path
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def _data_start(nblocks: int) -> int:
+    head = _HEAD.size + 4 * nblocks + 4
+    return -(-head // DATA_ALIGN) * DATA_ALIGN
+
+
+class DiskCache:
+    """Ranges of remote files under `root`, at most `budget` bytes of range files (None: no limit)."""
+
+    def __init__(self, root: str | Path, budget: int | None = None):
+        self.root = Path(root)
+        self.budget = budget
+        self.stats = DiskStats()
+        (self.root / "ranges").mkdir(parents=True, exist_ok=True)
+        (self.root / "tmp").mkdir(exist_ok=True)
+        self._lockfile = self.root / ".lock"
+        self._index: dict[str, list[_Range]] = {}  # file key -> ranges sorted by offset (refreshed on a miss)
+        self._longest: dict[str, int] = {}
+        self._scanned: dict[str, float] = {}  # key -> when its directory was last listed
+        self._mu = threading.Lock()
+        self._clean_orphans()
+
+    # ---- lookup and read ---------------------------------------------------------------------------
+    def read(self, key: str, offset: int, out: memoryview) -> bool:
+        """Fill `out` from cached ranges of file `key` starting at `offset`; False (out untouched or partly
+        written) when they do not cover it or a covering range fails its checksum (that range is deleted)."""
+        for attempt in range(2):
+            cover = self._cover(key, offset, len(out))
+            if cover is None and attempt == 0 and self._stale(key):
+                self._scan(key)  # another process may have added ranges since we last looked
+                continue
+            if cover is None:
+                return False
+            if all(self._read_piece(key, r, offset, out) for r in cover):
+                self.stats.hit_bytes += len(out)
+                for r in cover:
+                    _touch(r.path)
+                return True
+        return False
+
+    def covered(self, key: str, offset: int, length: int) -> bool:
+        """Whether [offset, offset + length) of `key` is on disk (no verification)."""
+        if self._cover(key, offset, length) is not None:
+            return True
+        if self._stale(key):
+            self._scan(key)
+        return self._cover(key, offset, length) is not None
+
+    def _stale(self, key: str) -> bool:
+        """Whether `key`'s listing is worth re-reading on a miss (at most every RESCAN_S: a miss is usually real)."""
+        with self._mu:
+            return time.monotonic() - self._scanned.get(key, -RESCAN_S) >= RESCAN_S
+
+    def _cover(self, key: str, offset: int, length: int) -> list[_Range] | None:
+        with self._mu:
+            ranges = self._index.get(key)
+            if ranges is None:
+                return None
+            longest = self._longest.get(key, 0)
+            starts = [r.offset for r in ranges]
+            pos, end, out = offset, offset + length, []
+            while pos < end:
+                i = bisect.bisect_right(starts, pos)
+                best = None
+                j = i - 1
+                while j >= 0 and ranges[j].offset + longest > pos:  # only ranges that could reach pos
+                    if ranges[j].end > pos and (best is None or ranges[j].end > best.end):
+                        best = ranges[j]
+                    j -= 1
+                if best is None:
+                    return None
+                out.append(best)
+                pos = best.end
+            return out
+
+    def _read_piece(self, key: str, r: _Range, offset: int, out: memoryview) -> bool:
+        """Copy the part of range `r` that overlaps the request into `out`, verifying each block it touches."""
+        lo, hi = max(offset, r.offset), min(offset + len(out), r.end)
+        b0, b1 = (lo - r.offset) // BLOCK, -(-(hi - r.offset) // BLOCK)
+        try:
+            fd = os.open(r.path, os.O_RDONLY)
+        except FileNotFoundError:  # evicted by another process since the scan
+            self._drop_from_index(key, r)
+            return False
+        try:
+            crcs = _read_header(fd, r)
+            if crcs is None:
+                return self._corrupt(key, r)
+            start = _data_start(len(crcs))
+            span_lo, span_hi = b0 * BLOCK, min(b1 * BLOCK, r.length)
+            direct = span_lo == lo - r.offset and span_hi == hi - r.offset
+            buf = out[lo - offset:hi - offset] if direct else memoryview(bytearray(span_hi - span_lo))
+            if os.preadv(fd, [buf], start + span_lo) != len(buf):
+                return self._corrupt(key, r)
+            for b in range(b0, b1):
+                a = b * BLOCK - span_lo
+                if zlib.crc32(buf[a:min(a + BLOCK, len(buf))]) != crcs[b]:
+                    return self._corrupt(key, r)
+            if not direct:
+                out[lo - offset:hi - offset] = buf[lo - r.offset - span_lo:hi - r.offset - span_lo]
+            if hasattr(os, "posix_fadvise"):  # the RAM tier holds what it needs; do not double it in page cache
+                os.posix_fadvise(fd, start + span_lo, len(buf), os.POSIX_FADV_DONTNEED)
+            return True
+        finally:
+            os.close(fd)
+
+    def _corrupt(self, key: str, r: _Range) -> bool:
+        self.stats.corrupt_ranges += 1
+        with self._locked():
+            before = self._usage()
+            try:
+                size = r.path.stat().st_size
+                r.path.unlink()
+                self._set_usage(before - size)
+            except FileNotFoundError:
+                pass
+        self._drop_from_index(key, r)
+        return False
+
+    # ---- insert -------------------------------------------------------------------------------------
+    def put(self, key: str, offset: int, data: memoryview | bytes) -> None:
+        """Store bytes [offset, offset + len(data)) of `key` atomically, then evict past the budget."""
+        data = memoryview(data).cast("B")
+        if len(data) == 0 or (self.budget is not None and len(data) > self.budget):
+            return
+        nblocks = -(-len(data) // BLOCK)
+        crcs = [zlib.crc32(data[b * BLOCK:(b + 1) * BLOCK]) for b in range(nblocks)]
+        head = _HEAD.pack(MAGIC, VERSION, offset, len(data), BLOCK) + struct.pack(f"<{nblocks}I", *crcs)
+        head += struct.pack("<I", zlib.crc32(head))
+        final = self._dir(key) / f"{offset:016x}-{len(data):016x}.rng"
+        tmp = self.root / "tmp" / f"{os.getpid()}-{threading.get_ident()}-{final.name}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.pwrite(fd, head.ljust(_data_start(nblocks), b"\0"), 0)
+            _pwrite_all(fd, data, _data_start(nblocks))
+            # no fsync: the rename makes a complete file visible to other processes, and a range torn by a power
+            # loss fails its header or block checksums on read and is fetched again (never trusted)
+            size = os.fstat(fd).st_size
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with self._locked():
+            before = self._usage()  # read before the rename: a rebuilt count must not include the new file twice
+            existed = final.exists()
+            os.replace(tmp, final)  # atomic: readers see the old complete file or the new complete one
+            if not existed:
+                self._set_usage(before + size)
+            self.stats.put_bytes += len(data)
+            self._insert(key, _Range(offset, len(data), final))
+            if self.budget is not None and self._usage() > self.budget:
+                self._evict(keep=final)
+
+    # ---- budget -------------------------------------------------------------------------------------
+    def usage(self) -> int:
+        with self._locked():
+            return self._usage()
+
+    def _usage(self) -> int:
+        """Caller holds the lock. Bytes of range files, as recorded in `usage` (rebuilt by a scan if absent)."""
+        try:
+            return int((self.root / "usage").read_text())
+        except (OSError, ValueError):
+            return self._rescan_usage()
+
+    def _set_usage(self, total: int) -> None:
+        _write_atomic(self.root / "usage", str(max(0, total)))
+
+    def _rescan_usage(self) -> int:
+        total = sum(f.stat().st_size for f in self._all_files())
+        _write_atomic(self.root / "usage", str(total))
+        return total
+
+    def _evict(self, keep: Path | None = None) -> None:
+        """Caller holds the lock: delete least recently used range files until usage is under the target."""
+        files = []
+        for f in self._all_files():
+            try:
+                st = f.stat()
+            except FileNotFoundError:
+                continue
+            files.append((st.st_mtime_ns, st.st_size, f))
+        total = sum(s for _, s, _ in files)
+        target = int(self.budget * EVICT_TO) if self.budget is not None else total
+        for _, size, f in sorted(files, key=lambda t: t[0]):
+            if total <= target:
+                break
+            if f == keep:
+                continue
+            f.unlink(missing_ok=True)
+            total -= size
+            self.stats.evicted_bytes += size
+        _write_atomic(self.root / "usage", str(total))
+        with self._mu:
+            self._index.clear()  # rebuilt lazily from the directories
+            self._longest.clear()
+            self._scanned.clear()
+
+    def _all_files(self) -> list[Path]:
+        return [f for d in (self.root / "ranges").iterdir() if d.is_dir() for f in d.glob("*.rng")]
+
+    # ---- index maintenance --------------------------------------------------------------------------
+    def _dir(self, key: str) -> Path:
+        return self.root / "ranges" / key
+
+    def _scan(self, key: str) -> None:
+        ranges = []
+        d = self._dir(key)
+        if d.is_dir():
+            for f in d.glob("*.rng"):
+                try:
+                    a, b = f.stem.split("-")
+                    ranges.append(_Range(int(a, 16), int(b, 16), f))
+                except ValueError:
+                    continue
+        ranges.sort(key=lambda r: r.offset)
+        with self._mu:
+            self._scanned[key] = time.monotonic()
+            self._index[key] = ranges
+            self._longest[key] = max((r.length for r in ranges), default=0)
+
+    def _insert(self, key: str, r: _Range) -> None:
+        with self._mu:
+            ranges = self._index.get(key)
+            if ranges is None:
+                return  # scanned on the next lookup
+            if r not in ranges:
+                bisect.insort(ranges, r, key=lambda x: x.offset)
+                self._longest[key] = max(self._longest.get(key, 0), r.length)
+
+    def _drop_from_index(self, key: str, r: _Range) -> None:
+        with self._mu:
+            ranges = self._index.get(key)
+            if ranges is not None and r in ranges:
+                ranges.remove(r)
+
+    def _locked(self):
+        return _FileLock(self._lockfile)
+
+    def _clean_orphans(self) -> None:
+        """Temp files of processes that died mid-write are removed (those of live processes are left alone)."""
+        for f in (self.root / "tmp").iterdir():
+            pid = f.name.split("-", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                f.unlink(missing_ok=True)
+
+    def verify_all(self) -> tuple[int, int]:
+        """(ranges checked, ranges corrupt) over the whole directory; corrupt ones are deleted."""
+        checked = bad = 0
+        for f in self._all_files():
+            a, b = f.stem.split("-")
+            r = _Range(int(a, 16), int(b, 16), f)
+            key = f.parent.name
+            checked += 1
+            if not self._read_piece(key, r, r.offset, memoryview(bytearray(r.length))):
+                bad += 1
+        return checked, bad
+
+
+class _FileLock:
+    """flock on a lock file, plus a process-local mutex (flock does not exclude threads sharing the file)."""
+
+    _local = threading.RLock()
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self) -> "_FileLock":
+        self._local.acquire()
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self._local.release()
+
+
+def _read_header(fd: int, r: _Range) -> list[int] | None:
+    """The per-block crc32s of a range file, or None when its header is damaged or does not match its name."""
+    nblocks = -(-r.length // BLOCK)
+    n = _HEAD.size + 4 * nblocks + 4
+    raw = os.pread(fd, n, 0)
+    if len(raw) != n or zlib.crc32(raw[:-4]) != struct.unpack("<I", raw[-4:])[0]:
+        return None
+    magic, version, offset, length, block = _HEAD.unpack_from(raw)
+    if (magic, version, offset, length, block) != (MAGIC, VERSION, r.offset, r.length, BLOCK):
+        return None
+    return list(struct.unpack_from(f"<{nblocks}I", raw, _HEAD.size))
+
+
+def _pwrite_all(fd: int, data: memoryview, at: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], at + done)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _touch(path: Path) -> None:
+    """Mark a range recently used (its mtime is the eviction order, shared by every process)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

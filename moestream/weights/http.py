@@ -1,0 +1,243 @@
+"""HTTP transport for remote checkpoints: whole-file GETs and validated byte-range GETs with retries.
+
+Owns the httpx client (connection pool, redirects followed and the final location remembered so later ranges of a
+file skip the hub's resolve hop, auth headers sent only to the origin that issued them), the retry policy
+(resets, timeouts, 429 with Retry-After, 5xx: exponential backoff with jitter) and the checks that keep a bad
+response out of every cache: status 206, the exact Content-Range, the full body length and the pinned ETag.
+It knows nothing about safetensors or caching.
+"""
+from __future__ import annotations
+
+import email.utils
+import random
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httpx
+
+from moestream.errors import CheckpointError
+
+RETRY_STATUS = {429, 500, 502, 503, 504}
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+
+class RemoteError(CheckpointError):
+    """A remote checkpoint could not be read (after retries), or answered something that cannot be trusted."""
+
+
+class RemoteChangedError(RemoteError):
+    """A file's ETag changed after it was pinned: bytes of two versions must never be mixed."""
+
+
+@dataclass
+class RetryPolicy:
+    attempts: int = 8  # tries per request, the first included
+    backoff_s: float = 0.1  # first wait; doubled each retry, with +-50% jitter
+    max_backoff_s: float = 10.0
+    max_retry_after_s: float = 60.0  # a longer Retry-After is waited as this long
+
+
+@dataclass
+class HttpStats:
+    requests: int = 0  # HTTP requests sent (range and whole-file), retries included
+    bytes_fetched: int = 0  # body bytes received from the network
+    retries: int = 0
+    inflight: int = 0
+    max_inflight: int = 0  # most range requests in flight at once
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def begin(self) -> None:
+        with self.lock:
+            self.requests += 1
+            self.inflight += 1
+            self.max_inflight = max(self.max_inflight, self.inflight)
+
+    def end(self, nbytes: int) -> None:
+        with self.lock:
+            self.inflight -= 1
+            self.bytes_fetched += nbytes
+
+
+class _Retry(Exception):
+    """A transient failure: wait `delay` (None: the backoff schedule) and try again."""
+
+    def __init__(self, why: str, delay: float | None = None):
+        super().__init__(why)
+        self.delay = delay
+
+
+def normalize_etag(value: str | None) -> str | None:
+    """Strong and weak forms of one ETag compare equal (servers add W/ when they compress)."""
+    if not value:
+        return None
+    value = value.strip()
+    return value[2:] if value.startswith("W/") else value
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds or an HTTP date); None when absent or unreadable."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+class HttpClient:
+    """One pooled client for a checkpoint's files. `auth` headers go only to `auth_origin` (scheme://host:port)."""
+
+    def __init__(self, auth: dict[str, str] | None = None, auth_origin: str | None = None,
+                 timeout_s: float = 30.0, connections: int = 32, retry: RetryPolicy | None = None):
+        self.auth = dict(auth or {})
+        self.auth_origin = auth_origin
+        self.retry = retry or RetryPolicy()
+        self.stats = HttpStats()
+        self._client = httpx.Client(
+            follow_redirects=True, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
+        self._where: dict[str, str] = {}  # file URL -> where its last redirect led (a CDN location)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _headers(self, url: str, extra: dict[str, str]) -> dict[str, str]:
+        h = dict(extra)
+        if self.auth and self.auth_origin and origin(url) == self.auth_origin:
+            h.update(self.auth)
+        return h
+
+    # ---- whole files -------------------------------------------------------------------------------
+    def get(self, url: str, missing_ok: bool = False) -> tuple[bytes, str | None] | None:
+        """(body, ETag) of a small file; None when it is absent (404) and `missing_ok`."""
+        def once() -> tuple[bytes, str | None] | None:
+            self.stats.begin()
+            got = 0
+            try:
+                r = self._client.get(url, headers=self._headers(url, {}))
+                if r.status_code == 404 and missing_ok:
+                    return None
+                self._check_status(url, r, (200,))
+                body = r.content
+                got = len(body)
+                length = r.headers.get("content-length")
+                if length is not None and "content-encoding" not in r.headers and int(length) != got:
+                    raise _Retry(f"short body ({got} of {length} bytes)")
+                return body, normalize_etag(r.headers.get("etag"))
+            finally:
+                self.stats.end(got)
+        return self._with_retries(url, once)
+
+    # ---- byte ranges -------------------------------------------------------------------------------
+    def get_range(self, url: str, offset: int, out: memoryview, size: int | None = None,
+                  etag: str | None = None) -> tuple[str | None, int | None]:
+        """Fill `out` with bytes [offset, offset + len(out)) of `url`. `size` (the file's length) and `etag`
+        (pinned at first contact), when given, must match the response. Returns the response's (ETag, file
+        length from Content-Range)."""
+        if len(out) == 0:
+            return etag, size
+
+        def once() -> tuple[str | None, int | None]:
+            target = self._where.get(url, url)
+            self.stats.begin()
+            got = 0
+            try:
+                with self._client.stream("GET", target, headers=self._headers(
+                        target, {"Range": f"bytes={offset}-{offset + len(out) - 1}",
+                                 "Accept-Encoding": "identity"})) as r:
+                    if r.status_code in (401, 403, 404, 410) and target != url:
+                        self._forget(url)  # an expired signed CDN location: ask the origin again
+                        raise _Retry(f"HTTP {r.status_code} from a remembered redirect", 0.0)
+                    self._check_status(url, r, (206,))
+                    total = self._check_range(url, r, offset, len(out), size)
+                    got_etag = normalize_etag(r.headers.get("etag"))
+                    if etag is not None and got_etag is not None and got_etag != etag:
+                        raise RemoteChangedError(
+                            f"{url}: the file changed on the server (ETag {got_etag}, pinned {etag}); its cached "
+                            f"bytes belong to the old version: open the model again to pin the new one")
+                    got = _read_body(r, out)
+                    if str(r.url) != url:
+                        with self._lock:
+                            self._where[url] = str(r.url)
+                    return got_etag, total
+            finally:
+                self.stats.end(got)
+        return self._with_retries(url, once)
+
+    def _forget(self, url: str) -> None:
+        with self._lock:
+            self._where.pop(url, None)
+
+    @staticmethod
+    def _check_status(url: str, r: httpx.Response, ok: tuple[int, ...]) -> None:
+        if r.status_code in ok:
+            return
+        if r.status_code in RETRY_STATUS:
+            raise _Retry(f"HTTP {r.status_code}", retry_after(r.headers.get("retry-after")))
+        if r.status_code in (401, 403):
+            raise RemoteError(f"{url}: HTTP {r.status_code}: access denied (for a gated or private Hugging Face "
+                              f"repository set HF_TOKEN to a token that has accepted its terms)")
+        if r.status_code == 404:
+            raise RemoteError(f"{url}: HTTP 404: no such file on the server")
+        if r.status_code == 200 and 206 in ok:
+            raise RemoteError(f"{url}: the server ignored the Range header (HTTP 200); moestream needs byte "
+                              f"ranges to stream a checkpoint")
+        raise RemoteError(f"{url}: unexpected HTTP {r.status_code}")
+
+    @staticmethod
+    def _check_range(url: str, r: httpx.Response, offset: int, nbytes: int, size: int | None) -> int | None:
+        m = _CONTENT_RANGE.fullmatch(r.headers.get("content-range", "").strip())
+        want_end = offset + nbytes - 1
+        if m is None or int(m.group(1)) != offset or int(m.group(2)) != want_end \
+                or (size is not None and m.group(3) != "*" and int(m.group(3)) != size):
+            # a proxy or server that answered some other range: never trust the body
+            raise _Retry(f"wrong Content-Range {r.headers.get('content-range')!r} for bytes {offset}-{want_end}"
+                         + (f"/{size}" if size is not None else ""))
+        return None if m.group(3) == "*" else int(m.group(3))
+
+    def _with_retries(self, url: str, once):
+        pol, last = self.retry, "no attempt"
+        for attempt in range(pol.attempts):
+            try:
+                return once()
+            except _Retry as e:
+                last, delay = str(e), e.delay
+            except (httpx.TransportError, httpx.StreamError) as e:  # resets, timeouts, truncated bodies
+                last, delay = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__, None
+            if attempt + 1 == pol.attempts:
+                break
+            with self.stats.lock:
+                self.stats.retries += 1
+            if delay is None:
+                delay = min(pol.max_backoff_s, pol.backoff_s * 2 ** attempt) * random.uniform(0.5, 1.5)
+            time.sleep(min(delay, pol.max_retry_after_s))
+        raise RemoteError(f"{url}: giving up after {pol.attempts} attempts (last: {last}); check the network or "
+                          f"run with --offline on a complete disk cache")
+
+
+def _read_body(r: httpx.Response, out: memoryview) -> int:
+    """Copy the response body into `out`; a body shorter or longer than `out` is a transient failure."""
+    got = 0
+    for chunk in r.iter_raw():
+        n = len(chunk)
+        if got + n > len(out):
+            raise _Retry(f"body longer than the {len(out)} bytes asked for")
+        out[got:got + n] = chunk
+        got += n
+    if got != len(out):
+        raise _Retry(f"short body ({got} of {len(out)} bytes)")
+    return got
+
+
+def origin(url: str) -> str:
+    u = urlsplit(url)
+    return f"{u.scheme}://{u.netloc}".lower()

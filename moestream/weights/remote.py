@@ -1,0 +1,332 @@
+"""Remote checkpoints: `hf://ORG/NAME[@REVISION]` and `https://.../DIR/` read like local ones.
+
+Owns the process's remote settings (disk cache, budget, offline, requests in flight), parsing a spec, and the
+read side: `RemoteFile` stands in for a shard's path (its reads go to the SSD tier, diskcache.py, and on a miss
+to HTTP range requests, http.py, neighbouring pieces in one request), and `RemoteIndex` is the CheckpointIndex of
+a stub directory (weights/stub.py builds it: config, index json, headers and the pinned revision in a
+`moestream-remote.json` manifest). Nothing in a checkpoint is executed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from moestream.errors import CheckpointError, MoestreamError
+from moestream.weights.index import REMOTE_MANIFEST, CheckpointIndex, tensors_from_header
+
+MANIFEST_FORMAT, MANIFEST_VERSION = "moestream-remote", 1
+INDEX_JSON = "model.safetensors.index.json"
+REMOTE_IO_THREADS = 8  # expert range requests in flight (a link with latency needs depth a local disk does not)
+WARM_THREADS, WARM_PIECE = 4, 4 << 20  # dense weights fetched ahead while the model opens: requests, bytes each
+_HF = re.compile(r"hf://([\w.-]+/[\w.-]+)(?:@([\w./-]+))?/?")
+
+
+@dataclass
+class RemoteSettings:
+    """How remote checkpoints are opened in this process (the CLI sets it from --disk-cache / --disk-budget /
+    --offline; the environment gives the defaults)."""
+
+    disk_cache: Path | None = None  # keep fetched ranges here; None: only stubs (config, headers) are kept
+    disk_budget: int | None = None  # bytes of ranges on disk; None: no limit
+    offline: bool = False
+    io_threads: int = REMOTE_IO_THREADS
+    http_timeout_s: float = 30.0  # connect / read timeout of one request (a stalled one is retried)
+
+    @classmethod
+    def from_env(cls) -> "RemoteSettings":
+        from moestream.config import parse_bytes
+
+        cache = os.environ.get("MOESTREAM_DISK_CACHE")
+        return cls(Path(cache).expanduser() if cache else None, parse_bytes(os.environ.get("MOESTREAM_DISK_BUDGET")),
+                   _truthy(os.environ.get("MOESTREAM_OFFLINE")) or _truthy(os.environ.get("HF_HUB_OFFLINE")),
+                   http_timeout_s=float(os.environ.get("MOESTREAM_HTTP_TIMEOUT") or 30.0))
+
+    def stub_root(self) -> Path:
+        if self.disk_cache is not None:
+            return self.disk_cache
+        from moestream.synth import default_cache_dir
+
+        return default_cache_dir() / "http"
+
+
+def _truthy(v: str | None) -> bool:
+    return (v or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+SETTINGS = RemoteSettings.from_env()
+
+
+def is_remote(spec: str | Path) -> bool:
+    return isinstance(spec, str) and spec.startswith(("hf://", "http://", "https://"))
+
+
+@dataclass(frozen=True)
+class Source:
+    """A parsed remote spec."""
+
+    spec: str
+    kind: str  # "hf" or "url"
+    repo: str = ""
+    revision: str = "main"
+    base: str = ""  # url kind: the directory URL, ending in "/"
+
+    @classmethod
+    def parse(cls, spec: str) -> "Source":
+        if spec.startswith("hf://"):
+            m = _HF.fullmatch(spec)
+            if not m:
+                raise MoestreamError(f"{spec}: expected hf://ORG/NAME or hf://ORG/NAME@REVISION")
+            return cls(spec, "hf", m.group(1), m.group(2) or "main")
+        return cls(spec, "url", base=spec if spec.endswith("/") else spec + "/")
+
+    def key(self) -> str:
+        """A directory name for this source's stubs."""
+        name = self.repo if self.kind == "hf" else self.base.split("://", 1)[1]
+        safe = re.sub(r"[^\w.-]+", "--", name).strip("-")[:80]
+        return f"{self.kind}--{safe}--{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """A remote shard standing in for its local path: `read_into` serves bytes from the SSD tier or HTTP."""
+
+    name: str
+    url: str
+    size: int
+    etag: str | None
+    ident: str  # what the file is, whatever the endpoint: "hf:ORG/NAME@COMMIT/FILE", or its URL
+    client: object = field(compare=False, hash=False, repr=False)  # http.HttpClient, or None offline
+    cache: object = field(compare=False, hash=False, repr=False)  # diskcache.DiskCache or None
+
+    def __str__(self) -> str:
+        return self.url
+
+    @property
+    def key(self) -> str:
+        """The SSD tier's name for this file's bytes: what it is and its version (a mirror shares them)."""
+        return hashlib.sha1(f"{self.ident}\0{self.etag}".encode()).hexdigest()[:24]
+
+    def read_into(self, offset: int, views: list[memoryview]) -> None:
+        """Fill consecutive `views` from `offset`; bytes past the end of the file (alignment padding) are zeros."""
+        pieces, at = [], offset
+        for v in views:
+            pieces.append((at, v))
+            at += len(v)
+        self.read_pieces(pieces)
+
+    def read_pieces(self, pieces: list[tuple[int, memoryview]]) -> None:
+        """Fill each (offset, view): from the SSD tier where it holds the bytes, the rest with one range request
+        per group of neighbouring pieces (overlaps and holes up to 4 KiB read through)."""
+        missing = []
+        for off, view in pieces:
+            view = self._clip(off, view)
+            if len(view) and not (self.cache is not None and self.cache.read(self.key, off, view)):
+                missing.append((off, view))
+        missing.sort(key=lambda p: p[0])
+        group: list[tuple[int, memoryview]] = []
+        for off, view in missing:
+            if group and off > max(o + len(v) for o, v in group) + 4096:
+                self._fetch_group(group)
+                group = []
+            group.append((off, view))
+        if group:
+            self._fetch_group(group)
+
+    def _fetch_group(self, group: list[tuple[int, memoryview]]) -> None:
+        if len(group) == 1:
+            self._download(*group[0])
+            return
+        lo, hi = group[0][0], max(o + len(v) for o, v in group)
+        buf = memoryview(bytearray(hi - lo))
+        self._download(lo, buf)
+        for off, view in group:
+            view[:] = buf[off - lo:off - lo + len(view)]
+
+    def _clip(self, offset: int, out: memoryview) -> memoryview:
+        """The part of `out` inside the file; the rest (alignment padding past the end) is zeroed."""
+        end = min(offset + len(out), self.size)
+        if offset + len(out) > end:
+            out[max(0, end - offset):] = bytes(len(out) - max(0, end - offset))
+            out = out[:max(0, end - offset)]
+        return out
+
+    def fetch(self, offset: int, out: memoryview) -> None:
+        """Bytes [offset, offset + len(out)): from the SSD tier, else one range request (then kept on disk)."""
+        out = self._clip(offset, out)
+        if len(out) == 0:
+            return
+        if self.cache is not None and self.cache.read(self.key, offset, out):
+            return
+        self._download(offset, out)
+
+    def _download(self, offset: int, out: memoryview) -> None:
+        """One range request (offline: the error naming the missing bytes); the bytes are then kept on disk."""
+        if self.client is None:
+            raise CheckpointError(f"offline: bytes [{offset}, {offset + len(out)}) of {self.name} ({self.url}) are not "
+                                  f"in the disk cache {self.cache.root if self.cache else '(none)'}; run once online "
+                                  f"with --disk-cache or `moestream fetch` it first")
+        self.client.get_range(self.url, offset, out, self.size, self.etag)
+        if self.cache is not None:
+            self.cache.put(self.key, offset, out)
+
+
+class RemoteIndex(CheckpointIndex):
+    """A CheckpointIndex whose files are RemoteFiles; `remote` says where they come from and what they cost."""
+
+    min_io_threads = REMOTE_IO_THREADS
+
+    def __init__(self, root: Path, tensors: dict, manifest: dict, client, cache):
+        super().__init__(root, tensors)
+        self.manifest, self.client, self.cache = manifest, client, cache
+        self.min_io_threads = SETTINGS.io_threads
+        self.dense_filter: Callable[[str], bool] | None = None  # set by ExpertStore: which tensors are dense
+        self._warm: dict[str, list[_WarmPiece]] | None = None
+        self._warm_lock = threading.Lock()
+
+    def load(self, name: str):
+        """One tensor, as CheckpointIndex.load. The first call starts fetching every dense tensor into the SSD tier
+        (see `_start_warm`); a tensor still being fetched is waited for, then read from disk."""
+        for piece in self._start_warm().get(name, ()):
+            piece.done.wait()
+            if piece.error is not None:  # a changed ETag is final; anything else, the load below tries again
+                raise piece.error
+        return super().load(name)
+
+    def _start_warm(self) -> dict[str, list[_WarmPiece]]:
+        """Dense tensors in file order, neighbours merged and large ones cut into WARM_PIECE requests, fetched by
+        WARM_THREADS daemon threads into the SSD tier, so building the model costs one round trip per 4 MiB
+        rather than one per tensor. Needs an SSD tier and the network; holds at most WARM_THREADS x WARM_PIECE
+        bytes outside the RAM budget while the model opens."""
+        with self._warm_lock:
+            if self._warm is not None:
+                return self._warm
+            self._warm = {}
+            if self.cache is None or self.client is None or self.dense_filter is None:
+                return self._warm
+            jobs: queue.Queue = queue.Queue()
+            for f, lo, n, names in _warm_pieces([self.tensors[t] for t in self.tensors if self.dense_filter(t)]):
+                piece = _WarmPiece(f, lo, n)
+                jobs.put(piece)
+                for t in names:
+                    self._warm.setdefault(t, []).append(piece)
+            for i in range(WARM_THREADS):
+                threading.Thread(target=_warm_worker, args=(jobs,), name=f"moestream-warm-{i}", daemon=True).start()
+            return self._warm
+
+    def stats(self) -> dict[str, int]:
+        """Network and SSD-tier counters of this process's reads of the model."""
+        out = {"http_requests": 0, "http_bytes": 0, "http_retries": 0, "http_max_inflight": 0}
+        if self.client is not None:
+            s = self.client.stats
+            out.update(http_requests=s.requests, http_bytes=s.bytes_fetched, http_retries=s.retries,
+                       http_max_inflight=s.max_inflight)
+        if self.cache is not None:
+            c = self.cache.stats
+            out.update(disk_hit_bytes=c.hit_bytes, disk_put_bytes=c.put_bytes, disk_corrupt_ranges=c.corrupt_ranges,
+                       disk_evicted_bytes=c.evicted_bytes)
+        return out
+
+
+def _warm_pieces(infos: list) -> list[tuple[RemoteFile, int, int, list[str]]]:
+    """(file, offset, length, tensor names) requests covering `infos`: neighbours (holes up to 4 KiB) merged up to
+    WARM_PIECE bytes, a larger tensor cut into WARM_PIECE pieces."""
+    out: list[list] = []  # [file, lo, hi, names]
+    for info in sorted(infos, key=lambda i: (i.file.name, i.offset)):
+        at, end = info.offset, info.offset + info.nbytes
+        while at < end:
+            last = out[-1] if out else None
+            if last is not None and last[0] == info.file and at <= last[2] + 4096 and at < last[1] + WARM_PIECE:
+                last[2] = max(last[2], min(end, last[1] + WARM_PIECE))  # > at: the request grows
+            else:
+                last = [info.file, at, min(end, at + WARM_PIECE), []]
+                out.append(last)
+            if not last[3] or last[3][-1] != info.name:
+                last[3].append(info.name)
+            at = last[2]
+    return [(f, lo, hi - lo, names) for f, lo, hi, names in out]
+
+
+class _WarmPiece:
+    """One fetch-ahead request of dense weights; `done` is set when it ends, `error` holds a changed ETag."""
+
+    __slots__ = ("file", "offset", "nbytes", "done", "error")
+
+    def __init__(self, file: RemoteFile, offset: int, nbytes: int):
+        self.file, self.offset, self.nbytes = file, offset, nbytes
+        self.done, self.error = threading.Event(), None
+
+
+def _warm_worker(jobs: queue.Queue) -> None:
+    from moestream.weights.http import RemoteChangedError
+
+    while True:
+        try:
+            p = jobs.get_nowait()
+        except queue.Empty:
+            return
+        try:
+            if not p.file.cache.covered(p.file.key, p.offset, p.nbytes):
+                p.file.fetch(p.offset, memoryview(bytearray(p.nbytes)))
+        except RemoteChangedError as e:
+            p.error = e
+        except Exception:  # noqa: BLE001 - the tensor's own load fetches it again and reports what is wrong
+            pass
+        finally:
+            p.done.set()
+
+
+# ---- opening ----------------------------------------------------------------------------------------
+def resolve(spec: str, settings: RemoteSettings | None = None, full: bool = True) -> Path:
+    """The local stub directory of a remote checkpoint (weights/stub.py): config.json, the index json and every
+    shard's header, plus the tokenizer and other run-time files unless `full` is False."""
+    from moestream.weights.stub import resolve_stub
+
+    return resolve_stub(spec, settings or SETTINGS, full)
+
+
+def open_remote_index(root: Path, settings: RemoteSettings | None = None) -> RemoteIndex:
+    """The index of a stub directory: tensors from the cached headers, files that read over HTTP + SSD tier."""
+    s = settings or SETTINGS
+    path = root / REMOTE_MANIFEST
+    try:
+        m = json.loads(path.read_text())
+        if m.get("format") != MANIFEST_FORMAT or m.get("version") != MANIFEST_VERSION:
+            raise CheckpointError(f"{path}: not a moestream remote manifest of version {MANIFEST_VERSION}")
+        shards = m["shards"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: cannot read the remote manifest: {e}") from None
+    from moestream.weights.stub import endpoint, http_client
+
+    src = Source.parse(m["source"])
+    client = None if s.offline else http_client(src, s.http_timeout_s)
+    cache = None
+    if s.disk_cache is not None:
+        from moestream.weights.diskcache import DiskCache
+
+        cache = DiskCache(s.disk_cache, s.disk_budget)
+    tensors = {}
+    for name, sh in shards.items():
+        url, ident = sh["url"], sh["url"]
+        if src.kind == "hf":  # the current endpoint (HF_ENDPOINT may name a mirror since the stub was made)
+            from huggingface_hub import hf_hub_url
+
+            url = hf_hub_url(src.repo, name, revision=m["revision"], endpoint=endpoint())
+            ident = f"hf:{src.repo}@{m['revision']}/{name}"
+        f = RemoteFile(name, url, int(sh["size"]), sh.get("etag"), ident, client, cache)
+        tensors.update(tensors_from_header(f, sh["header"].encode(), f.size))
+    return RemoteIndex(root, tensors, m, client, cache)
+
+
+def manifest_of(root: Path) -> dict | None:
+    """The remote manifest of a stub directory (None for a local checkpoint)."""
+    path = Path(root) / REMOTE_MANIFEST
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())
