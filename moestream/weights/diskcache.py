@@ -137,6 +137,8 @@ class DiskCache:
             span_lo, span_hi = b0 * BLOCK, min(b1 * BLOCK, r.length)
             direct = span_lo == lo - r.offset and span_hi == hi - r.offset
             buf = out[lo - offset:hi - offset] if direct else memoryview(bytearray(span_hi - span_lo))
+            if hasattr(os, "posix_fadvise"):  # one large read-ahead instead of the default 128 KiB window steps
+                os.posix_fadvise(fd, start + span_lo, len(buf), os.POSIX_FADV_WILLNEED)
             if os.preadv(fd, [buf], start + span_lo) != len(buf):
                 return self._corrupt(key, r)
             for b in range(b0, b1):
