@@ -152,14 +152,15 @@ def test_corrupt_range_on_disk_is_detected_and_refetched(env, server, local, tmp
     env.disk_cache = tmp_path / "dc"
     run_remote("hf://org/tiny")
     files = sorted((env.disk_cache / "ranges").rglob("*.rng"), key=lambda f: f.stat().st_size)
-    victim = files[-1]
+    victim = files[-1]  # the dense weights' merged range: every open reads it
     raw = bytearray(victim.read_bytes())
     raw[-1] ^= 0xFF
     victim.write_bytes(raw)
-    tokens, _, stats = run_remote(f"hf://org/tiny@{SHA}")
+    tokens, _, stats = run_remote(f"hf://org/tiny@{SHA}", lookahead=False)
     assert tokens == local[0]
     assert stats["disk_corrupt_ranges"] == 1 and stats["http_bytes"] > 0
-    assert DiskCache(env.disk_cache).verify_all() == (len(files), 0)
+    checked, bad = DiskCache(env.disk_cache).verify_all()
+    assert checked >= len(files) and bad == 0
 
 
 def test_disk_budget_is_kept(env, local, tmp_path):
