@@ -104,7 +104,7 @@ class StepMeter:
         tokens = sum(n for _, n in lens)
         self.steps.append(Step(time.perf_counter() - t0, store.bytes_read - b0, tokens,
                                tokens if all_logits else len(lens), sum(n * (p + n) for p, n in lens),
-                               sum(1 for _, n in lens if n == 1)))
+                               sum(1 for p, n in lens if n == 1 and p > 0)))
         return out
 
     def close(self) -> None:

@@ -12,7 +12,7 @@ from moestream.engine.engine import plan
 from moestream.engine.memory import MemoryAccountant
 from moestream.models.attention import KVSlot, cached_attention, decode_attention
 from moestream.engine.state import Segment, SeqState
-from moestream.server.prefix import _rows_at
+from moestream.server.prefix import rows_at
 from moestream.server.protocol import GenRequest
 from moestream.server.scheduler import Done, Failed, Scheduler, SchedulerConfig
 from moestream.synth import synthesize
@@ -79,7 +79,7 @@ def test_decode_attention_equals_per_sequence(window, sinks):
         assert max_rel_diff(got[i:i + 1], want) < 1e-6
 
 
-def test_rows_at_replays_growing_buffer():
+def testrows_at_replays_growing_buffer():
     from moestream.engine.state import GrowingBuffer
 
     for prompt, context, chunk in ((64, 128, 2048), (64, 128, 16), (300, 1000, 64), (5, 5, 1), (1, 600, 256)):
@@ -88,7 +88,7 @@ def test_rows_at_replays_growing_buffer():
             n = min(chunk, prompt - fed) if fed < prompt else 1
             buf.append(torch.zeros(n, 1))
             fed += n
-        assert _rows_at(prompt, context, chunk) == buf.data.shape[0]
+        assert rows_at(prompt, context, chunk) == buf.data.shape[0]
 
 
 def _run_job(eng: Engine, tok: Tokenizer, reqs: list[GenRequest], cfg: SchedulerConfig):

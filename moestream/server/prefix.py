@@ -116,7 +116,7 @@ def _buffer_growth(b: GrowingBuffer, n: int) -> int:
     return (new_cap - cap) * _row_bytes(b)
 
 
-def _rows_at(prompt: int, context: int, chunk: int) -> int:
+def rows_at(prompt: int, context: int, chunk: int) -> int:
     """Rows a GrowingBuffer holds once a sequence reaches `context` tokens: the prompt appended `chunk` rows at a
     time, then one row per decoded token (GrowingBuffer's growth rule replayed, one loop turn per growth)."""
     cap = length = 0
@@ -152,7 +152,7 @@ class StateProfile:
         and the rest one by one, plus its fixed state. 0 before anything is learned."""
         if self.row_bytes is None:
             return 0
-        rows = _rows_at(prompt, context, chunk)
+        rows = rows_at(prompt, context, chunk)
         return sum(r * rows for r in self.row_bytes) + self.fixed
 
     def growth(self, state: SeqState, n: int) -> int:
