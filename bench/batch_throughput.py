@@ -192,7 +192,7 @@ def measure_batch(args: argparse.Namespace, budget: int, runner=run_scheduler) -
 
     files = model_files(args.model)
     drop_page_cache(files)
-    probes = [probe_disk(files, PROBE_THREADS)]
+    probes = [probe_disk(files, PROBE_THREADS)] if args.probe else []
     base_rss = rss_now()
     eng = Engine.open(args.model, ram_budget=budget, threads=args.threads)
     rate = matmul_rate(torch.float32)
@@ -208,8 +208,9 @@ def measure_batch(args: argparse.Namespace, budget: int, runner=run_scheduler) -
         eng.runner.finish()
         eng.close()
     peak = peak_rss()
-    probes.append(probe_disk(files, PROBE_THREADS, seed=1))
-    bw = sum(probes) / len(probes)
+    if args.probe:
+        probes.append(probe_disk(files, PROBE_THREADS, seed=1))
+    bw = sum(probes) / len(probes) if probes else 0.0
     return _report(args, budget, rep, results, meter.steps, FlopModel.of(eng), bw, probes, rate, rate_bf16, stats,
                    peak, base_rss)
 
@@ -263,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch compute threads (default 1: on a shared CPU, 2 threads made small ops 10-100x slower)")
     ap.add_argument("--single-gen-len", type=int, default=16, help="one-stream decode tokens (0: skip it)")
+    ap.add_argument("--no-probe", dest="probe", action="store_false",
+                    help="skip the disk probe (no I/O floor in the roofline: for runs that must not load the disk)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     budget = args.budget or default_budget(args.model)
