@@ -4,6 +4,12 @@ cgroup v1 memory cap (RSS plus page cache charged to the group), cold page cache
     python bench/vs_llamacpp.py convert MODEL OUT.gguf      # GGUF written with the `gguf` package (bf16 weights)
     python bench/vs_llamacpp.py run MODEL OUT.gguf --cap 1.5GiB [--rounds 2] [--mode greedy|forced]
     python bench/vs_llamacpp.py run MODEL OUT.gguf --warm [--rounds 5] [--threads 2]   # in RAM, no cap
+    python bench/vs_llamacpp.py run MODEL OUT.gguf --cap 3.4GB --batch 256 --mode greedy --rounds 1
+
+`--batch B` compares batched decoding instead: B sequences of `--prompt-len` random tokens, all prefilled together
+and then decoded one token per sequence per step, greedy. llama.cpp runs its own batch API (B sequences per
+llama_decode, one seq_id each, unified KV cache); moestream runs its server Scheduler (bench/batch_throughput.py's
+runner). Both report aggregate prefill and decode tokens/s.
 
 `forced` feeds both engines the same fixed token stream one token per step (identical routing, so identical
 expert traffic); `greedy` lets each pick argmax (a random-weight model soon repeats one token, which makes the
@@ -324,6 +330,98 @@ def _warm_summary(results: dict[str, list[dict]]) -> dict:
     out["first_ids_agree"] = len(firsts) == 1
     out["first_ids"] = sorted(firsts)
     return out
+# ---- batched decoding (--batch B) --------------------------------------------------------------------------
+def _batch_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(args.seed)
+    return [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(args.batch)]
+
+
+def _batch_result(engine: str, args, prefill_s: float, decode_s: float, decode_tokens: int, nbytes: int,
+                  first: list[list[int]], extra: dict) -> dict:
+    import resource
+
+    return {"engine": engine, "batch": args.batch, "prefill_tokens_per_s": args.batch * args.prompt_len / prefill_s,
+            "decode_tokens_per_s": decode_tokens / decode_s, "prefill_s": prefill_s, "decode_s": decode_s,
+            "decode_tokens": decode_tokens, "bytes_read_per_decode_token": nbytes / max(1, decode_tokens),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "tokens": first[:2], **extra}
+
+
+def child_llama_batch(args: argparse.Namespace) -> dict:
+    """llama.cpp's own batched decoding: every prompt in one llama_decode, then B tokens per llama_decode."""
+    import ctypes
+
+    import llama_cpp as L
+    import numpy as np
+
+    L.llama_backend_init()
+    mp = L.llama_model_default_params()
+    mp.use_mmap = True
+    model = L.llama_model_load_from_file(str(args.gguf).encode(), mp)
+    cp = L.llama_context_default_params()
+    cp.n_ctx = args.batch * (args.prompt_len + args.gen_len + 8)
+    cp.n_batch = cp.n_ubatch = max(512, args.batch)
+    cp.n_seq_max = args.batch
+    cp.kv_unified = True
+    cp.n_threads = cp.n_threads_batch = args.threads
+    ctx = L.llama_init_from_model(model, cp)
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    prompts = _batch_prompts(args, n_vocab)
+    batch = L.llama_batch_init(max(cp.n_batch, args.batch * args.prompt_len), 0, 1)
+
+    def decode(rows: list[tuple[int, int, int, bool]]) -> list[int]:
+        """rows: (token, pos, seq, wants logits) -> argmax per row that wants logits."""
+        out = []
+        for lo in range(0, len(rows), cp.n_batch):
+            part = rows[lo:lo + cp.n_batch]
+            batch.n_tokens = len(part)
+            for i, (tok, pos, seq, want) in enumerate(part):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+                batch.seq_id[i][0], batch.logits[i] = seq, want
+            if L.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            for i, (_, _, _, want) in enumerate(part):
+                if want:
+                    ptr = L.llama_get_logits_ith(ctx, i)
+                    out.append(int(np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
+                                                         shape=(n_vocab,)).argmax()))
+        return out
+
+    t0 = time.perf_counter()
+    toks = decode([(t, p, s, p == args.prompt_len - 1) for s, pr in enumerate(prompts) for p, t in enumerate(pr)])
+    prefill_s, io0, t1 = time.perf_counter() - t0, _read_io(), time.perf_counter()
+    outs = [[t] for t in toks]
+    for step in range(args.gen_len - 1):
+        toks = decode([(t, args.prompt_len + step, s, True) for s, t in enumerate(toks)])
+        for o, t in zip(outs, toks):
+            o.append(t)
+    decode_s = time.perf_counter() - t1
+    return _batch_result("llama.cpp", args, prefill_s, decode_s, args.batch * (args.gen_len - 1), _read_io() - io0,
+                         outs, {})
+
+
+def child_moestream_batch(args: argparse.Namespace) -> dict:
+    """moestream's batch path: the server Scheduler over B greedy requests, prompts in one multi-prompt step."""
+    from batch_throughput import StepMeter, run_scheduler
+
+    from moestream import Engine
+    from moestream.server.protocol import GenRequest
+    from moestream.tokenizer import Tokenizer
+
+    eng = Engine.open(args.model, ram_budget=args.budget, threads=args.threads)
+    prompts = _batch_prompts(args, eng.vocab_size)
+    reqs = [GenRequest(p, args.gen_len, 0.0) for p in prompts]
+    meter = StepMeter(eng)
+    io0 = _read_io()
+    results, rep = run_scheduler(eng, Tokenizer.load(args.model), reqs, args.batch, args.batch * args.prompt_len)
+    prefill = [s for s in meter.steps if s.decode_rows < s.logit_rows or s.tokens > s.logit_rows]
+    decode = [s for s in meter.steps if s not in prefill]
+    dec_bytes = sum(s.bytes_read for s in decode)
+    return _batch_result("moestream", args, sum(s.seconds for s in prefill), sum(s.seconds for s in decode),
+                         sum(s.decode_rows for s in decode), dec_bytes, [[r.get("text", "")] for r in results],
+                         {"batch_plan": rep["batch_plan"], "failed": rep["failed"], "steps": len(meter.steps),
+                          "expert_hit_rate": eng.stats["expert_hit_rate"], "all_bytes_read": _read_io() - io0})
 
 
 # ---- cgroup v1 orchestration -------------------------------------------------------------------------------
@@ -379,17 +477,30 @@ def run(args: argparse.Namespace) -> int:
               "--mode", args.mode, "--seed", str(args.seed)]
     me = [sys.executable, os.path.abspath(__file__)]
     results: dict[str, list[dict]] = {"moestream": [], "llama.cpp": []}
+    kind = "-batch" if args.batch else ""
+    common += ["--batch", str(args.batch)]
     for rnd in range(args.rounds):
         for engine in ("moestream", "llama.cpp"):
             drop_page_cache(files)
-            sub = ["child-moestream", args.model, "--budget", str(budget)] if engine == "moestream" else \
-                ["child-llama", args.model, "--gguf", str(args.gguf)]
+            sub = [f"child-moestream{kind}", args.model, "--budget", str(budget)] if engine == "moestream" else \
+                [f"child-llama{kind}", args.model, "--gguf", str(args.gguf)]
             r, info = run_capped(me + sub + common, cap, engine.replace(".", ""))
             row = {**r, **info, "round": rnd}
             print(json.dumps(row), flush=True)
             results[engine].append(row)
-    print(json.dumps(_summary(results, cap)))
+    print(json.dumps(_batch_summary(results, cap) if args.batch else _summary(results, cap)))
     return 0
+
+
+def _batch_summary(results: dict[str, list[dict]], cap: int) -> dict:
+    def best(engine: str, key: str):
+        return max((r[key] for r in results[engine] if key in r), default=None)
+
+    out = {"summary": True, "cap_bytes": cap, "batch": next((r.get("batch") for r in results["moestream"]), None)}
+    for key in ("decode_tokens_per_s", "prefill_tokens_per_s"):
+        ms, lc = best("moestream", key), best("llama.cpp", key)
+        out.update({f"moestream_{key}": ms, f"llamacpp_{key}": lc, f"{key}_ratio": ms / lc if ms and lc else None})
+    return out
 
 
 def _summary(results: dict[str, list[dict]], cap: int) -> dict:
@@ -414,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("convert")
     c.add_argument("model", type=Path)
     c.add_argument("out", type=Path)
-    for name in ("run", "child-moestream", "child-llama"):
+    for name in ("run", "child-moestream", "child-llama", "child-moestream-batch", "child-llama-batch"):
         r = sub.add_parser(name)
         r.add_argument("model", type=Path)
         r.add_argument("gguf", type=Path, nargs="?" if name != "run" else None)
@@ -431,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         r.add_argument("--warm", action="store_true", help="in-RAM comparison: no cap, warm, prefill and decode")
         r.add_argument("--long-len", type=int, default=512, help="--warm: the long prefill's prompt length")
         r.add_argument("--passes", type=int, default=1, help="--warm: timed passes per child after the warm one")
+        r.add_argument("--batch", type=int, default=0, help="sequences decoded together (0: one stream)")
     args = ap.parse_args(argv)
     if args.cmd == "convert":
         convert(args.model, args.out)
@@ -438,10 +550,10 @@ def main(argv: list[str] | None = None) -> int:
     args.gguf = args.gguf_opt or args.gguf
     if args.cmd == "run":
         return run_warm(args) if args.warm else run(args)
-    if args.warm:
-        print(json.dumps(warm_moestream(args) if args.cmd == "child-moestream" else warm_llama(args)))
-        return 0
-    print(json.dumps(child_moestream(args) if args.cmd == "child-moestream" else child_llama(args)))
+    children = {"child-moestream": warm_moestream if args.warm else child_moestream,
+                "child-llama": warm_llama if args.warm else child_llama,
+                "child-moestream-batch": child_moestream_batch, "child-llama-batch": child_llama_batch}
+    print(json.dumps(children[args.cmd](args)))
     return 0
 
 

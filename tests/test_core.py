@@ -180,7 +180,7 @@ def test_two_sequences_in_one_step_equal_each_alone(mixtral):
 def test_budget_of_two_experts_is_never_exceeded(qwen):
     ids = prompt_ids(VOCAB, 30)
     want = Engine.open(qwen[0]).generate(ids, 64, stop_token_ids=[])
-    budget = _budget(qwen[0], 2, _kv_bytes(qwen[0], ids))  # KV for 256 tokens: enough for 30 + 64
+    budget = _budget(qwen[0], 2, _kv_bytes(qwen[0], ids + want))  # KV for the 30 + 64 tokens
     eng = Engine.open(qwen[0], ram_budget=budget)
     assert eng.generate(ids, 64, stop_token_ids=[]) == want
     s = eng.stats

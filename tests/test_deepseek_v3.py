@@ -52,12 +52,13 @@ def tiny_model(seed: int = 0, **kw):
 
 
 def kv_fraction(path) -> float:
-    """conftest sizes the budget by expert bytes; packed experts are small enough that the MLA latent cache (grown
-    256 rows at a time) would not fit, so add its share to keep ~30% of the experts cached."""
+    """conftest sizes the budget by expert bytes; packed experts are small enough that the MLA latent cache (the
+    parity run's 75 + 32 tokens, grown GROW_TOKENS rows at a time) would not fit, so add its share to keep ~30% of
+    the experts cached."""
     from moestream.engine.engine import plan
-    from moestream.engine.state import GROW_TOKENS
+    from moestream.server.prefix import rows_at
 
-    kv = 3 * GROW_TOKENS * (32 + 8) * 4  # layers * rows * (kv_lora_rank + rope dim) * fp32
+    kv = 3 * rows_at(75, 75 + 32, 75) * (32 + 8) * 4  # layers * rows * (kv_lora_rank + rope dim) * fp32
     return 0.3 + kv / plan(path).expert_bytes
 
 

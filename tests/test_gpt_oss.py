@@ -146,12 +146,13 @@ def test_mxfp4_layout_is_official(mxfp4_ckpt):
 
 
 def kv_fraction(path) -> float:
-    """conftest's budget is sized by expert bytes; packed experts are so small that the KV cache (grown 256 rows
-    at a time) would not fit, so add its share to the expert fraction to keep ~30% of the experts cached."""
+    """conftest's budget is sized by expert bytes; packed experts are so small that the KV cache (the parity run's
+    75 + 32 tokens, grown GROW_TOKENS rows at a time) would not fit, so add its share to the expert fraction to
+    keep ~30% of the experts cached."""
     from moestream.engine.engine import plan
-    from moestream.engine.state import GROW_TOKENS
+    from moestream.server.prefix import rows_at
 
-    kv = 3 * 2 * GROW_TOKENS * 2 * 16 * 4  # layers * (k, v) * rows * kv_heads * head_dim * fp32
+    kv = 3 * 2 * rows_at(75, 75 + 32, 75) * 2 * 16 * 4  # layers * (k, v) * rows * kv_heads * head_dim * fp32
     return 0.3 + kv / plan(path).expert_bytes
 
 

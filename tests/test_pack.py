@@ -79,7 +79,7 @@ def qwen_pair(tmp_path_factory):
 
 def _budget(path: Path, fraction: float = 0.3) -> int:
     """Dense + scratch + one short sequence's state + `fraction` of the experts: forces evictions. (State grows
-    in steps of GROW_TOKENS = 256 tokens, so one token's state is that of any sequence up to 256.)"""
+    in steps of GROW_TOKENS = 64 tokens, so one token's state is that of any sequence up to 64.)"""
     eng = Engine.open(path)
     st = eng.new_sequence()
     eng.step([(st, [3])])

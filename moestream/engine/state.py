@@ -12,7 +12,7 @@ import torch
 
 from moestream.engine.memory import MemoryAccountant
 
-GROW_TOKENS = 256
+GROW_TOKENS = 64  # small steps: a batch of short sequences holds ~its context, not 256 rows each
 
 
 class GrowingBuffer:

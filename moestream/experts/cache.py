@@ -76,11 +76,14 @@ class ExpertCache:
         self.policy.touch(key)
         return item[0]
 
-    def make_room(self, nbytes: int, keep: frozenset = frozenset()) -> bool:
-        """Evict until `nbytes` more fit under capacity; False if they cannot (pinned or `keep` entries block)."""
+    def make_room(self, nbytes: int, keep: frozenset = frozenset(), evict: bool = True) -> bool:
+        """Evict until `nbytes` more fit under capacity; False if they cannot (pinned or `keep` entries block, or
+        `evict` is False and the free room is short)."""
         cap = self.capacity()
         if self.resident_bytes + nbytes <= cap:
             return True
+        if not evict:
+            return False
         for key in self.policy.victims():
             if key in self._pinned or key in keep:
                 continue
@@ -89,9 +92,9 @@ class ExpertCache:
                 return True
         return self.resident_bytes + nbytes <= cap
 
-    def reserve(self, nbytes: int, keep: frozenset = frozenset()) -> bool:
-        """Book `nbytes` (evicting as needed) for a value being read; False if it cannot fit."""
-        if not self.make_room(nbytes, keep):
+    def reserve(self, nbytes: int, keep: frozenset = frozenset(), evict: bool = True) -> bool:
+        """Book `nbytes` (evicting as needed, unless not `evict`) for a value being read; False if it cannot fit."""
+        if not self.make_room(nbytes, keep, evict):
             return False
         self.resident_bytes += nbytes
         self.reserved_bytes += nbytes
@@ -123,6 +126,15 @@ class ExpertCache:
         self.stats.evictions += 1
         if self.on_evict is not None:
             self.on_evict(key, value)
+
+    def free(self) -> int:
+        """Bytes that fit without evicting anything."""
+        return self.capacity() - self.resident_bytes
+
+    def drop(self, key: Key) -> None:
+        """Evict `key` now (if resident and not pinned): a value used once that should not displace others."""
+        if key in self._items and key not in self._pinned:
+            self._evict(key)
 
     def pin(self, key: Key) -> None:
         self._pinned.add(key)

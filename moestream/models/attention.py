@@ -71,6 +71,55 @@ def cached_attention(seg: Segment, slot: KVSlot, q: torch.Tensor, k: torch.Tenso
     return attend(q, keys, values, mask, scale, sinks)
 
 
+DECODE_PAD_BYTES = 16 << 20  # padded K+V copy one batched decode attention call may make (bounds the temporary)
+
+
+def decode_attention(slots: list[KVSlot], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One new token per sequence: append each k, v row to its cache, then attend every query at once over the
+    caches padded to the longest (padding masked out, so the softmax is the per-sequence one). q [n, Hq, D],
+    k [n, Hkv, D], v [n, Hkv, Dv] -> [n, Hq, Dv]. Replaces n small attention calls by a few batched ones; the
+    padded copy is bounded by DECODE_PAD_BYTES per call."""
+    keys = [s.k.append(k[i:i + 1]) for i, s in enumerate(slots)]
+    values = [s.v.append(v[i:i + 1]) for i, s in enumerate(slots)]
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[-1])
+    row = (k[0].numel() + v[0].numel()) * 4
+    start = 0
+    while start < len(slots):
+        longest, end = 0, start
+        while end < len(slots) and (end == start or (end + 1 - start) * max(longest, keys[end].shape[0]) * row
+                                    <= DECODE_PAD_BYTES):
+            longest = max(longest, keys[end].shape[0])
+            end += 1
+        out[start:end] = _padded_decode(q[start:end], keys[start:end], values[start:end], scale, window, sinks)
+        start = end
+    return out
+
+
+def _padded_decode(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float,
+                   window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    n, hq, _ = q.shape
+    kp = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True)  # [n, L, Hkv, D]
+    vp = torch.nn.utils.rnn.pad_sequence(values, batch_first=True)  # [n, L, Hkv, Dv]
+    hkv, length = kp.shape[2], kp.shape[1]
+    g = hq // hkv
+    lens = torch.tensor([t.shape[0] for t in keys])
+    col = torch.arange(length).unsqueeze(0)
+    allowed = col < lens.unsqueeze(1)  # [n, L]: the query is each sequence's last position
+    if window is not None:
+        allowed &= col > (lens - 1).unsqueeze(1) - window
+    qg = q.float().view(n, hkv, g, -1)  # [n, Hkv, G, D]
+    scores = torch.matmul(qg, kp.float().permute(0, 2, 3, 1)) * scale  # [n, Hkv, G, L]
+    scores = scores.masked_fill(~allowed.view(n, 1, 1, length), float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, hkv, g, 1).expand(n, hkv, g, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, vp.float().permute(0, 2, 1, 3))  # [n, Hkv, G, Dv]
+    return out.reshape(n, hq, -1)
+
+
 class GQAMixer:
     """q/k/v/o projections (+ optional biases, per-head q/k RMSNorm, rope, window, sinks) over a KV cache."""
 
@@ -98,10 +147,20 @@ class GQAMixer:
         cos, sin = self.rope.cos_sin(batch.positions)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         out = torch.empty(t, self.heads, self.head_dim)
+        new_slot = lambda: KVSlot(self.memory, self.kv_heads, self.head_dim, self.head_dim)  # noqa: E731
+        single = [seg for seg in batch.segments if seg.length == 1 and seg.pos > 0]
+        if len(single) < 2:
+            single = []
+        else:  # decoding sequences: one batched attention instead of one small call each
+            rows = torch.tensor([seg.start for seg in single])
+            slots = [seg.state.slot(index, new_slot) for seg in single]
+            out[rows] = decode_attention(slots, q[rows], k[rows], v[rows], self.scale, self.window, self.sinks)
+        done = {id(seg) for seg in single}
         for seg in batch.segments:
-            slot = seg.state.slot(index, lambda: KVSlot(self.memory, self.kv_heads, self.head_dim, self.head_dim))
-            r = seg.rows
-            out[r] = cached_attention(seg, slot, q[r], k[r], v[r], self.scale, self.window, self.sinks)
+            if id(seg) not in done:
+                r = seg.rows
+                out[r] = cached_attention(seg, seg.state.slot(index, new_slot), q[r], k[r], v[r], self.scale,
+                                          self.window, self.sinks)
         return linear(out.reshape(t, -1), self.o, self.ob)
 
     def _native(self, x: torch.Tensor, batch) -> bool:

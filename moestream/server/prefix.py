@@ -116,6 +116,20 @@ def _buffer_growth(b: GrowingBuffer, n: int) -> int:
     return (new_cap - cap) * _row_bytes(b)
 
 
+def rows_at(prompt: int, context: int, chunk: int) -> int:
+    """Rows a GrowingBuffer holds once a sequence reaches `context` tokens: the prompt appended `chunk` rows at a
+    time, then one row per decoded token (GrowingBuffer's growth rule replayed, one loop turn per growth)."""
+    cap = length = 0
+    while length < context:
+        if length < cap:  # appends fit until the buffer is full
+            length = min(cap, prompt if length < prompt else context)
+            continue
+        n = min(max(1, chunk), prompt - length) if length < prompt else 1
+        cap = max(length + n, cap + GROW_TOKENS, cap * 5 // 4)
+        length += n
+    return cap
+
+
 class StateProfile:
     """What a fresh sequence's state will look like, learned from the first sequence that has state."""
 
@@ -128,6 +142,18 @@ class StateProfile:
             bufs = buffers(state)
             self.row_bytes = [_row_bytes(b) for b in bufs]
             self.fixed = state.fixed_bytes
+
+    @property
+    def known(self) -> bool:
+        return self.row_bytes is not None
+
+    def reserve(self, prompt: int, context: int, chunk: int) -> int:
+        """Bytes one sequence's state reaches at `context` tokens when its `prompt` is fed `chunk` tokens at a time
+        and the rest one by one, plus its fixed state. 0 before anything is learned."""
+        if self.row_bytes is None:
+            return 0
+        rows = rows_at(prompt, context, chunk)
+        return sum(r * rows for r in self.row_bytes) + self.fixed
 
     def growth(self, state: SeqState, n: int) -> int:
         if state.pos > 0:

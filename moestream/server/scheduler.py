@@ -35,6 +35,9 @@ class SchedulerConfig:
     prefix_cache_bytes: int = 0  # 0 disables prefix reuse
     rate_window_s: float = 10.0
     request_timeout_s: float | None = None  # a request still running after this gets a 504 and is cancelled
+    # budget admission keeps for the expert cache beyond what sequences' state may grow to (None: 2 x top_k
+    # experts, room for a layer step's reads in flight); the rest bounds how many sequences run at once
+    expert_room: int | None = None
 
 
 @dataclass
@@ -162,6 +165,7 @@ class _Seq:
     decoder: StreamDecoder
     matcher: StopMatcher
     gen: Any = None  # torch.Generator when sampling
+    reserve: int = 0  # state bytes this sequence may grow to (admission counts it from the start)
     next_token: int | None = None
     generated: int = 0
     held: list[TokenLogprob] = field(default_factory=list)
@@ -181,6 +185,8 @@ class Scheduler:
         self.profile = StateProfile()
         # State never squeezes the expert cache below one expert: a layer step could not run at all.
         self.expert_reserve = engine.plan.max_expert_bytes
+        room = cfg.expert_room if cfg.expert_room is not None else 2 * engine.plan.layout.top_k * self.expert_reserve
+        self.expert_room = max(self.expert_reserve, room)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.waiting: deque[Ticket] = deque()
         self.active: list[_Seq] = []
@@ -368,16 +374,51 @@ class Scheduler:
             self._queued -= 1
 
     def _admit(self) -> None:
-        while self.waiting and len(self.active) < self.cfg.max_batch:
+        while self.waiting and len(self.active) < self.cfg.max_batch and self._fits(self.waiting[0].req):
             ticket = self.waiting.popleft()
             try:
-                self.active.append(self._start(ticket))
+                seq = self._start(ticket)
+                seq.reserve = self._reserve(ticket.req)
+                self.active.append(seq)
             except Exception as e:
                 self.counters["failed"] += 1
                 status = 507 if isinstance(e, BudgetError) else 400 if isinstance(e, RequestError) else 500
                 ticket.put(Failed(status, f"{type(e).__name__}: {e}", _err_type(status)))
             finally:
                 self._dequeued()  # only now: `idle` never sees a request between the queue and the batch
+
+    # ---- batch size from state ------------------------------------------------------------------------------
+    def _reserve(self, req: GenRequest) -> int:
+        n = len(req.prompt_ids)
+        return self.profile.reserve(n, n + req.max_tokens, self.cfg.prefill_chunk)
+
+    def state_room(self) -> int:
+        """Budget bytes sequences' state may take: all but the fixed part and `expert_room`."""
+        mem = self.engine.memory
+        return mem.budget - mem.fixed() - self.expert_room
+
+    def _fits(self, req: GenRequest) -> bool:
+        """Admit while the state every running sequence may grow to, plus this one's, fits the state room: the batch
+        never outgrows the budget as contexts lengthen. Until one sequence has shown its state's shape, one runs.
+        A request that does not fit even alone is admitted alone (and fails with a clear 507)."""
+        if not self.engine.memory.limited:
+            return True
+        if not self.active:
+            return True
+        if not self.profile.known:
+            return False
+        for seq in self.active:  # admitted before the profile was learned
+            seq.reserve = seq.reserve or self._reserve(seq.ticket.req)
+        return sum(s.reserve for s in self.active) + self._reserve(req) <= self.state_room()
+
+    def plan_batch(self, prompt_len: int, max_tokens: int) -> dict:
+        """How many sequences of this shape run at once, and why (None per sequence before the first step)."""
+        per = self.profile.reserve(prompt_len, prompt_len + max_tokens, self.cfg.prefill_chunk) or None
+        room = self.state_room() if self.engine.memory.limited else None
+        fit = room // per if per and room is not None else None
+        return {"max_batch": self.cfg.max_batch, "state_bytes_per_sequence": per, "state_room_bytes": room,
+                "expert_room_bytes": self.expert_room, "state_fits_sequences": fit,
+                "planned_max_batch": min(self.cfg.max_batch, fit) if fit is not None else self.cfg.max_batch}
 
     def _start(self, ticket: Ticket) -> _Seq:
         """Validate first, then allocate: whatever raises after the state exists frees it again."""
@@ -450,6 +491,8 @@ class Scheduler:
     def _plan(self) -> list[tuple[_Seq, list[int]]]:
         """Decoding sequences advance by one token; prefilling ones share `prefill_chunk` prompt tokens (FIFO)."""
         items, budget = [], max(1, self.cfg.prefill_chunk)
+        if self.engine.memory.limited and not self.profile.known:
+            budget = 1  # one token shows the state's shape (admission waits for it); a whole prompt would read more
         for seq in self.active:
             if not seq.todo:
                 items.append((seq, [seq.next_token]))
