@@ -10,7 +10,6 @@ Small tensors (norms, biases, routers, vectors) are always resident: they are us
 from __future__ import annotations
 
 import ctypes
-import os
 import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,7 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from moestream.config import format_bytes
-from moestream.errors import BudgetError, CheckpointError
+from moestream.errors import BudgetError
 from moestream.experts.reader import group_extents
 from moestream.models.blocks import UPCAST_CHUNK_BYTES, linear
 from moestream.weights.index import CheckpointIndex, TensorInfo, read_into, read_range
