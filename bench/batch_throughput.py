@@ -30,7 +30,8 @@ from moestream.bench import (PROBE_THREADS, RSS_LIBRARY_ALLOWANCE, drop_page_cac
                              probe_disk, rss_now)
 from moestream.config import format_bytes
 from moestream.server.protocol import GenRequest
-from moestream.server.scheduler import Delta, Done, Failed, Scheduler, SchedulerConfig
+from moestream.server.scheduler import Scheduler, SchedulerConfig
+from moestream.server.tickets import Delta, Done, Failed
 
 
 # ---- the job ---------------------------------------------------------------------------------------------------

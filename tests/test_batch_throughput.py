@@ -14,7 +14,8 @@ from moestream.models.attention import KVSlot, cached_attention, decode_attentio
 from moestream.engine.state import Segment, SeqState
 from moestream.server.prefix import rows_at
 from moestream.server.protocol import GenRequest
-from moestream.server.scheduler import Done, Failed, Scheduler, SchedulerConfig
+from moestream.server.scheduler import Scheduler, SchedulerConfig
+from moestream.server.tickets import Done, Failed
 from moestream.synth import synthesize
 from moestream.tokenizer import Tokenizer
 

@@ -20,7 +20,8 @@ pytest.importorskip("prometheus_client")
 
 from moestream.server.app import ServerConfig, ServerState  # noqa: E402
 from moestream.server.protocol import GenRequest, StopMatcher  # noqa: E402
-from moestream.server.scheduler import Delta, Done, Failed, Scheduler, SchedulerConfig  # noqa: E402
+from moestream.server.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from moestream.server.tickets import Delta, Done, Failed  # noqa: E402
 from moestream.tokenizer import Tokenizer  # noqa: E402
 
 from conftest import prompt_ids, save_reference  # noqa: E402

@@ -27,8 +27,8 @@ from moestream.server.handling import check_model, prompt_ids
 from moestream.server.protocol import Formatter, Parsed, ProtocolError, error_body, parse_chat, parse_completion
 from moestream.server.metrics import CONTENT_TYPE, ServerMetrics
 from moestream.server.responses import add_usage, collect
-from moestream.server.scheduler import (Delta, Done, Failed, QueueFull, Scheduler, SchedulerConfig, Ticket,
-                                        Unavailable)
+from moestream.server.scheduler import Scheduler, SchedulerConfig
+from moestream.server.tickets import Delta, Done, Failed, QueueFull, Ticket, Unavailable
 from moestream.tokenizer import Tokenizer
 
 Handler = Callable[[Request], Awaitable[Response]]

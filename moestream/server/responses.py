@@ -6,7 +6,7 @@ body); `add_usage` counts the shared prompt once and the choices' completions to
 from __future__ import annotations
 
 from moestream.server.protocol import Formatter, TokenLogprob, Usage, error_body
-from moestream.server.scheduler import Delta, Done, Ticket
+from moestream.server.tickets import Delta, Done, Ticket
 
 
 def add_usage(total: Usage | None, one: Usage) -> Usage:

@@ -9,7 +9,6 @@ waits on a dead thread or past --request-timeout (Ticket.next), and `drain` stop
 from __future__ import annotations
 
 import asyncio
-import itertools
 import queue
 import threading
 import time
@@ -18,11 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from moestream.engine.sampling import SamplingParams, sample
-from moestream.errors import BudgetError, MoestreamError, RequestError
+from moestream.errors import BudgetError, RequestError
 from moestream.server.prefix import PrefixCache, StateProfile, clone_state
 from moestream.server.protocol import GenRequest, StopMatcher, TokenLogprob, Usage
 from moestream.server.scoring import PromptScorer
 from moestream.server.structured import GuideFactory
+from moestream.server.tickets import Delta, Done, Failed, Outbox, QueueFull, Ticket, Unavailable, err_type
 from moestream.server.tools import KeepingTokenizer
 from moestream.tokenizer import StreamDecoder, Tokenizer
 
@@ -40,117 +40,7 @@ class SchedulerConfig:
     expert_room: int | None = None
 
 
-@dataclass
-class Delta:
-    text: str
-    logprobs: list[TokenLogprob]
-    index: int = 0  # the choice (of `n`) this belongs to
-
-
-@dataclass
-class Done:
-    finish_reason: str  # "stop" | "length"
-    usage: Usage
-    index: int = 0
-
-
-@dataclass
-class Failed:
-    status: int
-    message: str
-    err_type: str = "server_error"
-
-
-class QueueFull(MoestreamError):
-    """More requests are waiting than --max-queue allows."""
-
-
-class Unavailable(MoestreamError):
-    """The scheduler takes no requests: its thread is gone, or the server is draining for shutdown."""
-
-
-def _err_type(status: int) -> str:
-    return "invalid_request_error" if status < 500 else "server_error"
-
-
 STATS_EVERY_S = 0.25  # while streams run, /metrics engine figures are at most this old
-POLL_S = 0.5  # how often a waiting handler checks that the scheduler thread still runs
-
-
-class Outbox:
-    """Events from the scheduler thread to the handlers' event loops, held during an iteration and delivered with
-    one wake-up per loop: eight streams cost the loop one callback per engine step, not eight."""
-
-    def __init__(self) -> None:
-        self._held: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-
-    def send(self, ticket: "Ticket", event: Any) -> None:
-        self._held.setdefault(ticket.loop, []).append((ticket.events, event))
-
-    def flush(self) -> None:
-        held, self._held = self._held, {}
-        for loop, items in held.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
-                pass
-
-
-def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for q, event in items:
-        q.put_nowait(event)
-
-
-class Ticket:
-    """The handler's side of one request: an asyncio queue of Delta / Done / Failed events."""
-
-    _ids = itertools.count()
-
-    def __init__(self, req: GenRequest, loop: asyncio.AbstractEventLoop, outbox: Outbox,
-                 alive: Callable[[], bool] = lambda: True, timeout_s: float | None = None):
-        self.id = next(self._ids)
-        self.req = req
-        self.loop = loop
-        self.outbox = outbox
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.finished = False
-        self.alive = alive
-        self.submitted = time.monotonic()
-        self.timeout_s = timeout_s
-        self._open = req.n  # choices not yet done
-
-    def put(self, event: Any) -> None:
-        """Called from the scheduler thread (through its outbox, flushed after every iteration)."""
-        self.outbox.send(self, event)
-
-    async def next(self) -> Any:
-        """The next event; a Failed one (not from the scheduler) when its thread died or the request ran past its
-        timeout, so a handler never waits forever. The caller then cancels the ticket, which frees its state.
-        The ticket is finished after a Failed event or once all `n` choices are Done."""
-        while self.events.empty():
-            overdue = self._overdue()
-            if overdue is not None:
-                return overdue
-            try:
-                event = await asyncio.wait_for(self.events.get(), POLL_S)
-                break
-            except asyncio.TimeoutError:
-                continue
-        else:
-            event = self.events.get_nowait()
-        if isinstance(event, Done):
-            self._open -= 1
-        if isinstance(event, Failed) or self._open <= 0:
-            self.finished = True
-        return event
-
-    def _overdue(self) -> Failed | None:
-        if not self.alive():
-            return Failed(503, "the server's scheduler thread stopped; the request cannot finish")
-        if self.timeout_s is not None and time.monotonic() - self.submitted > self.timeout_s:
-            return Failed(504, f"the request did not finish within the server's --request-timeout of "
-                               f"{self.timeout_s:g} s", "timeout_error")
-        return None
 
 
 @dataclass
@@ -383,7 +273,7 @@ class Scheduler:
             except Exception as e:
                 self.counters["failed"] += 1
                 status = 507 if isinstance(e, BudgetError) else 400 if isinstance(e, RequestError) else 500
-                ticket.put(Failed(status, f"{type(e).__name__}: {e}", _err_type(status)))
+                ticket.put(Failed(status, f"{type(e).__name__}: {e}", err_type(status)))
             finally:
                 self._dequeued()  # only now: `idle` never sees a request between the queue and the batch
 
