@@ -13,7 +13,8 @@ from typing import Any, Callable
 from moestream.batch.inputs import BatchRequest
 from moestream.errors import MoestreamError
 from moestream.server.handling import check_model, prompt_ids
-from moestream.server.protocol import GenRequest, Parsed, ProtocolError, parse_chat, parse_completion
+from moestream.server.errors import ProtocolError
+from moestream.server.protocol import GenRequest, Parsed, parse_chat, parse_completion
 from moestream.tokenizer import Tokenizer
 
 URLS: dict[str, Callable[[Any], Parsed]] = {"/v1/chat/completions": parse_chat, "/v1/completions": parse_completion}

@@ -24,7 +24,8 @@ from starlette.routing import Route
 from moestream.config import parse_bytes, read_model_config
 from moestream.errors import MoestreamError
 from moestream.server.handling import check_model, prompt_ids
-from moestream.server.protocol import Formatter, Parsed, ProtocolError, error_body, parse_chat, parse_completion
+from moestream.server.errors import ProtocolError, error_body
+from moestream.server.protocol import Formatter, Parsed, parse_chat, parse_completion
 from moestream.server.metrics import CONTENT_TYPE, ServerMetrics
 from moestream.server.responses import add_usage, collect
 from moestream.server.scheduler import Scheduler, SchedulerConfig

@@ -6,7 +6,8 @@ events into the final body. A request gets the same tokens, body and errors whic
 """
 from __future__ import annotations
 
-from moestream.server.protocol import Parsed, ProtocolError
+from moestream.server.errors import ProtocolError
+from moestream.server.protocol import Parsed
 from moestream.server.tools import chat_prompt_ids
 from moestream.tokenizer import Tokenizer
 

@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from moestream.server.errors import bad_request as _bad
+
 MAX_N = 16
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 CHAT_EXTRA_FIELDS = {"n", "logit_bias", "response_format", "tools", "tool_choice", "parallel_tool_calls"}
@@ -36,10 +38,6 @@ class Extras:
     keep_token_ids: tuple[int, ...] = ()  # special tokens the text must keep (tool-call and reasoning markers)
 
 
-def _bad(param: str, message: str):
-    from moestream.server.protocol import ProtocolError  # late: protocol imports this module
-
-    return ProtocolError(400, message, param)
 
 
 def _n(body: dict) -> int:

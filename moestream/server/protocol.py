@@ -11,6 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from moestream.server.errors import ProtocolError
+from moestream.server.errors import bad_request as _bad
 from moestream.server.options import (CHAT_EXTRA_FIELDS, COMPLETION_EXTRA_FIELDS, MESSAGE_EXTRA_KEYS, Extras,
                                       message_extras, parse_extras)
 
@@ -25,24 +27,6 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"} | 
 # Fields accepted only at the value that leaves generation unchanged (clients often send the default).
 NEUTRAL = {"best_of": 1, "presence_penalty": 0, "frequency_penalty": 0}
 ROLES = {"system", "user", "assistant", "developer", "tool"}
-
-
-class ProtocolError(Exception):
-    """An OpenAI-shaped error response: HTTP status, message, offending field."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, err_type: str = "invalid_request_error",
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.err_type = status, message, param, err_type
-        self.code, self.headers = code, headers or {}
-
-    def body(self) -> dict:
-        return error_body(self.message, self.err_type, self.param, self.code)
-
-
-def error_body(message: str, err_type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
 @dataclass
@@ -100,10 +84,6 @@ class Parsed:
 
 
 # ---- validation ---------------------------------------------------------------------------------------------
-def _bad(param: str, message: str) -> ProtocolError:
-    return ProtocolError(400, message, param)
-
-
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

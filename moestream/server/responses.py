@@ -5,7 +5,8 @@ body); `add_usage` counts the shared prompt once and the choices' completions to
 """
 from __future__ import annotations
 
-from moestream.server.protocol import Formatter, TokenLogprob, Usage, error_body
+from moestream.server.errors import error_body
+from moestream.server.protocol import Formatter, TokenLogprob, Usage
 from moestream.server.tickets import Delta, Done, Ticket
 
 

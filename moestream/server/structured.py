@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from moestream.errors import RequestError
+from moestream.server.errors import bad_request as _bad
 from moestream.tokenizer import Tokenizer
 
 NEG_INF = float("-inf")
@@ -26,10 +27,6 @@ def _llguidance():
     return llguidance
 
 
-def _bad(param: str, message: str):
-    from moestream.server.protocol import ProtocolError  # late: protocol imports the options that import this
-
-    return ProtocolError(400, message, param)
 
 
 def _check(grammar: str, param: str) -> str:

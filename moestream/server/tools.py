@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from moestream.server.errors import bad_request as _bad
 from moestream.server.options import Extras
 from moestream.tokenizer import Tokenizer
 
@@ -49,10 +50,6 @@ def detect_format(template: str | None) -> ToolFormat | None:
 
 
 # ---- the prompt ---------------------------------------------------------------------------------------------
-def _bad(param: str, message: str):
-    from moestream.server.protocol import ProtocolError
-
-    return ProtocolError(400, message, param)
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict], ex: Extras) -> list[int]:
