@@ -29,7 +29,7 @@ import torch
 from moestream.errors import MoestreamError
 from moestream.fuzz import TARGETS, exercise, mutate
 from moestream.synth import synthesize
-from moestream.weights.pack import pack
+from moestream.pack import pack
 
 
 def make_bases(work: Path) -> dict[str, Path]:

@@ -7,6 +7,7 @@ types and ranges are checked by models/hfconfig.py; family-specific fields are r
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,3 +60,9 @@ def read_model_config(root: str | Path) -> dict:
     if not isinstance(cfg, dict) or "model_type" not in cfg:
         raise CheckpointError(f"{path}: config.json has no model_type")
     return cfg
+
+
+def default_cache_dir() -> Path:
+    """$XDG_CACHE_HOME/moestream, else ~/.cache/moestream (trained tokenizers, the demo checkpoint)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "moestream"

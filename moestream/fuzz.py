@@ -157,7 +157,7 @@ def exercise(root: Path, tokens: int = 3) -> None:
     from moestream.cli import main
     from moestream.tokenizer import Tokenizer
     from moestream.weights.index import PACK_MANIFEST
-    from moestream.weights.pack import verify_pack
+    from moestream.pack import verify_pack
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         main(["info", str(root)])  # a MoestreamError is printed as `error: ...` and returns 2

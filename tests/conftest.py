@@ -13,7 +13,7 @@ class FakeWeights:
     """A dict of tensors standing in for DenseWeights, to build one mixer without a checkpoint."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
-        from moestream.engine.memory import MemoryAccountant
+        from moestream.memory.accountant import MemoryAccountant
 
         self.t, self.memory = tensors, MemoryAccountant(None)
 

@@ -9,9 +9,9 @@ import torch
 
 from moestream import Engine
 from moestream.engine.engine import plan
-from moestream.engine.memory import MemoryAccountant
+from moestream.memory.accountant import MemoryAccountant
 from moestream.models.attention import KVSlot, cached_attention, decode_attention
-from moestream.engine.state import Segment, SeqState
+from moestream.memory.state import Segment, SeqState
 from moestream.server.prefix import rows_at
 from moestream.server.protocol import GenRequest
 from moestream.server.scheduler import Scheduler, SchedulerConfig
@@ -83,7 +83,7 @@ def test_decode_attention_equals_per_sequence(window, sinks):
 
 
 def testrows_at_replays_growing_buffer():
-    from moestream.engine.state import GrowingBuffer
+    from moestream.memory.state import GrowingBuffer
 
     for prompt, context, chunk in ((64, 128, 2048), (64, 128, 16), (300, 1000, 64), (5, 5, 1), (1, 600, 256)):
         buf, fed = GrowingBuffer(MemoryAccountant(None), (1,)), 0

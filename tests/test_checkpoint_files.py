@@ -15,7 +15,7 @@ from conftest import synth_tiny
 from moestream import Engine
 from moestream.errors import CheckpointError
 from moestream.weights.index import PACK_MANIFEST, CheckpointIndex
-from moestream.weights.pack import pack
+from moestream.pack import pack
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from conftest import synth_tiny
 from moestream.errors import MoestreamError
 from moestream.fuzz import TARGETS, exercise, mutate
-from moestream.weights.pack import pack
+from moestream.pack import pack
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import FakeWeights
-from moestream.engine.memory import MemoryAccountant
-from moestream.engine.state import Batch, SeqState
+from moestream.memory.accountant import MemoryAccountant
+from moestream.memory.state import Batch, SeqState
 from moestream.models.kda import KDAMixer, KDAOptions, kda_chunked, kda_recurrent, l2norm
 
 

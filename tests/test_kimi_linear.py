@@ -9,8 +9,8 @@ import torch
 
 from conftest import FakeWeights, decode_logits, max_rel_diff, prompt_ids
 from moestream import Engine
-from moestream.engine.memory import MemoryAccountant
-from moestream.engine.state import Batch, SeqState
+from moestream.memory.accountant import MemoryAccountant
+from moestream.memory.state import Batch, SeqState
 from moestream.errors import CheckpointError
 from moestream.models.kimi_linear import FULL, LINEAR, KimiLinearConfig, layer_types
 from moestream.models.mla import MLAMixer, MLAOptions

@@ -86,11 +86,11 @@ def test_blocks_linear_native_and_fallback_agree():
         x = torch.randn(t, 130, generator=_gen(t))
         auto = blocks.linear(x, w, b)
         with cpu.disabled():
-            assert not blocks.bf16_native(w, x)
+            assert not cpu.bf16_native(w, x)
             fallback = blocks.linear(x, w, b)
         _assert_close(auto - b.float(), x, w.float(), rtol=2e-5)
         _assert_close(fallback - b.float(), x, w.float(), rtol=2e-5)
-        assert blocks.bf16_native(w, x) == (cpu.available() and t <= cpu.MAX_TOKENS_BF16)
+        assert cpu.bf16_native(w, x) == (cpu.available() and t <= cpu.MAX_TOKENS_BF16)
 
 
 # --------------------------------------------------------------------------------------------------- MXFP4
@@ -376,7 +376,7 @@ def test_pool_works_in_a_forked_child():
 def test_autograd_inputs_keep_the_torch_path():
     x = torch.randn(2, 64, requires_grad=True)
     w = torch.randn(4, 64).bfloat16()
-    assert not blocks.bf16_native(w, x)
+    assert not cpu.bf16_native(w, x)
     blocks.linear(x, w).sum().backward()
     assert x.grad is not None
 

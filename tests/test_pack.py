@@ -16,7 +16,7 @@ from moestream.cli import main
 from moestream.engine.engine import plan
 from moestream.errors import CheckpointError, MoestreamError
 from moestream.weights.index import PACK_MANIFEST, CheckpointIndex
-from moestream.weights.pack import pack, verify_pack
+from moestream.pack import pack, verify_pack
 
 VOCAB = 200
 

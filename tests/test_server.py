@@ -167,7 +167,7 @@ def test_stop_matcher_across_pieces():
 def _kv_state(mem, n: int):
     import torch
 
-    from moestream.engine.state import SeqState
+    from moestream.memory.state import SeqState
     from moestream.models.attention import KVSlot
 
     st = SeqState(mem, 2)
@@ -182,7 +182,7 @@ def _kv_state(mem, n: int):
 def test_clone_state_deep_copies_and_accounts():
     import torch
 
-    from moestream.engine.memory import MemoryAccountant
+    from moestream.memory.accountant import MemoryAccountant
     from moestream.server.prefix import PrefixCache, clone_state, truncatable
 
     mem = MemoryAccountant(None)

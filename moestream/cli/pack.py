@@ -1,5 +1,5 @@
 """`moestream pack MODEL DST [--verify]` and `moestream pack --verify DST`: the command-line surface of
-moestream.weights.pack (progress bar, summary line). The layout and checks live there; see docs/pack.md.
+moestream.pack (progress bar, summary line). The layout and checks live there; see docs/pack.md.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def _with_bar(desc: str, work):
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
-    from moestream.weights.pack import pack, verify_pack
+    from moestream.pack import pack, verify_pack
 
     if args.dst is None:
         if not args.verify:

@@ -16,10 +16,10 @@ import torch
 
 from moestream.config import EngineOptions, format_bytes, parse_bytes, read_model_config
 from moestream.engine.allocator import return_freed_memory
-from moestream.engine.memory import MemoryAccountant
+from moestream.memory.accountant import MemoryAccountant
 from moestream.engine.residency import DenseStreamer, ResidencyPlan, plan_residency
 from moestream.engine.sampling import SamplingParams, sample
-from moestream.engine.state import Batch, SeqState
+from moestream.memory.state import Batch, SeqState
 from moestream.errors import BudgetError, CheckpointError, MoestreamError, RequestError
 from moestream.experts.dispatch import ExpertRunner
 from moestream.experts.reader import IO_THREADS

@@ -20,14 +20,14 @@ from typing import Callable, Iterator, Mapping
 import torch
 
 from moestream.config import format_bytes
-from moestream.engine.memory import MemoryAccountant
+from moestream.memory.accountant import MemoryAccountant
 from moestream.errors import BudgetError
 from moestream.experts.cache import ExpertCache
 from moestream.experts.policies import HeatPolicy, POLICIES, heat_path
 from moestream.experts.prefetch import Lookahead, RouterFn
 from moestream.experts.reader import AHEAD
 from moestream.experts.store import ExpertBlob, ExpertStore
-from moestream.models.blocks import bf16_native
+from moestream.kernels.cpu import bf16_native
 
 ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 # Several resident experts at once: (x, ids, weights, experts, their tensors, out) -> False when it declines.

@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from moestream.errors import CheckpointError
-from moestream.weights.index import drop_pages, pread_fill
+from moestream.weights.index import ALIGN, drop_pages, pread_fill
 
-ALIGN = 4096  # O_DIRECT needs block-aligned offsets, lengths and addresses; 4 KiB covers every common device
 GAP = 4096  # read through holes up to this size rather than issue a second request
 SMALL = 64  # buffered runs are packed at this alignment (cache line; every dtype's alignment)
 DIRECT_MIN = 32 * 1024  # runs below this are read buffered: widening them to 4 KiB would waste RAM

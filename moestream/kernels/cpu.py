@@ -66,7 +66,7 @@ def _cpu_flags() -> str:
 
 
 def _cache_dir() -> Path:
-    from moestream.synth import default_cache_dir
+    from moestream.config import default_cache_dir
     return default_cache_dir() / "kernels"
 
 
@@ -371,3 +371,14 @@ def kda_decode(states: Sequence[Tensor], q: Tensor, k: Tensor, v: Tensor, g: Ten
     handle.ms_kda_decode(b, h, dk, dv, _addresses([s.data_ptr() for s in states]), q.data_ptr(), k.data_ptr(),
                          v.data_ptr(), g.data_ptr(), beta.data_ptr(), out.data_ptr())
     return out
+
+
+def bf16_native(w: torch.Tensor, x: torch.Tensor | None = None, tokens: int | None = None) -> bool:
+    """Whether `linear` computes x @ w^T with the native bf16 kernel (x, or just its row count `tokens`)."""
+    if w.dtype != torch.bfloat16 or w.dim() != 2 or type(w) is not torch.Tensor:
+        return False
+    if x is not None:
+        if x.requires_grad:
+            return False
+        tokens = x.numel() // max(1, x.shape[-1])
+    return tokens is not None and tokens <= MAX_TOKENS_BF16 and available()

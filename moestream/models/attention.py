@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from moestream.engine.state import GrowingBuffer, Segment
+from moestream.memory.state import GrowingBuffer, Segment
 from moestream.errors import CheckpointError
 from moestream.kernels import cpu, fused
 from moestream.models.blocks import linear, linear_many, rms_norm

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from moestream.engine.state import Batch
+from moestream.memory.state import Batch
 from moestream.models.base import DecoderModel
 from moestream.models.blocks import rms_norm
 

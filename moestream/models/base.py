@@ -11,8 +11,8 @@ from typing import Any, Callable
 
 import torch
 
-from moestream.engine.memory import MemoryAccountant
-from moestream.engine.state import Batch, SeqState
+from moestream.memory.accountant import MemoryAccountant
+from moestream.memory.state import Batch, SeqState
 from moestream.errors import CheckpointError
 from moestream.experts.dispatch import ExpertRunner
 from moestream.experts.store import PartSpec

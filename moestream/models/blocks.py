@@ -26,7 +26,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """
     if b is not None and b.dtype != torch.float32:
         b = b.float()
-    if bf16_native(w, x):
+    if cpu.bf16_native(w, x):
         y = cpu.linear_bf16(x, w)
         return y if b is None else y + b
     if w.dtype == torch.float32:
@@ -53,21 +53,10 @@ def linear_many(x: torch.Tensor, ws: tuple[torch.Tensor, ...],
     """[linear(x, w, b) for each weight]: one native call for all of them when each would take the native kernel
     (x prepared once; the weights' rows split over the threads together), else one linear each."""
     bs = bs or (None,) * len(ws)
-    if len(ws) > 1 and all(bf16_native(w, x) and w.is_contiguous() and w.shape[1] == x.shape[-1] for w in ws):
+    if len(ws) > 1 and all(cpu.bf16_native(w, x) and w.is_contiguous() and w.shape[1] == x.shape[-1] for w in ws):
         ys = cpu.linear_bf16_many(x, ws)
         return [y if b is None else y + b.float() for y, b in zip(ys, bs)]
     return [linear(x, w, b) for w, b in zip(ws, bs)]
-
-
-def bf16_native(w: torch.Tensor, x: torch.Tensor | None = None, tokens: int | None = None) -> bool:
-    """Whether `linear` computes x @ w^T with the native bf16 kernel (x, or just its row count `tokens`)."""
-    if w.dtype != torch.bfloat16 or w.dim() != 2 or type(w) is not torch.Tensor:
-        return False
-    if x is not None:
-        if x.requires_grad:
-            return False
-        tokens = x.numel() // max(1, x.shape[-1])
-    return tokens is not None and tokens <= cpu.MAX_TOKENS_BF16 and cpu.available()
 
 
 NATIVE_NORM_ROWS = 64  # up to this many rows rms_norm runs natively (one call instead of seven small torch ops)

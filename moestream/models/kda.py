@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moestream.engine.state import Batch, SeqState
+from moestream.memory.state import Batch, SeqState
 from moestream.errors import CheckpointError, UnsupportedModelError
 from moestream.kernels import cpu
 from moestream.models.blocks import linear, rms_norm

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moestream.engine.state import Batch, GrowingBuffer, Segment
+from moestream.memory.state import Batch, GrowingBuffer, Segment
 from moestream.errors import UnsupportedModelError
 from moestream.models.attention import causal_mask
 from moestream.models.blocks import linear, rms_norm

@@ -10,8 +10,8 @@ import copy
 from collections import OrderedDict
 from typing import Any, Callable
 
-from moestream.engine.memory import MemoryAccountant
-from moestream.engine.state import GROW_TOKENS, GrowingBuffer, SeqState
+from moestream.memory.accountant import MemoryAccountant
+from moestream.memory.state import GROW_TOKENS, GrowingBuffer, SeqState
 
 
 def _is_tensor(x: Any) -> bool:

@@ -10,6 +10,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from moestream.config import default_cache_dir
 from moestream.errors import MoestreamError
 
 from moestream.synth.families import PRESETS, SYNTHS, Preset, SynthFamily, preset, register, supported, synth_family
@@ -18,11 +19,6 @@ from moestream.synth.writer import write_checkpoint
 __all__ = ["PRESETS", "SYNTHS", "Preset", "SynthFamily", "default_cache_dir", "preset", "register", "supported",
            "synth_family", "synthesize"]
 
-
-def default_cache_dir() -> Path:
-    """$XDG_CACHE_HOME/moestream, else ~/.cache/moestream (trained tokenizers, the demo checkpoint)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "moestream"
 
 
 def synthesize(family: str, out_dir: str | Path, preset_name: str = "tiny", seed: int = 0,

@@ -42,6 +42,8 @@ PACK_MANIFEST = "moestream-pack.json"  # marks a directory written by `moestream
 PACK_FORMAT, PACK_VERSION = "moestream-pack", 1
 REMOTE_MANIFEST = "moestream-remote.json"  # marks the local stub of a remote checkpoint (weights/remote.py)
 
+ALIGN = 4096  # O_DIRECT needs block-aligned offsets, lengths and addresses; 4 KiB covers every common device
+
 
 @dataclass(frozen=True)
 class TensorInfo:

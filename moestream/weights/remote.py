@@ -51,7 +51,7 @@ class RemoteSettings:
     def stub_root(self) -> Path:
         if self.disk_cache is not None:
             return self.disk_cache
-        from moestream.synth import default_cache_dir
+        from moestream.config import default_cache_dir
 
         return default_cache_dir() / "http"
 

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from moestream.engine.memory import MemoryAccountant
+from moestream.memory.accountant import MemoryAccountant
 
 GROW_TOKENS = 64  # small steps: a batch of short sequences holds ~its context, not 256 rows each
 

@@ -7,9 +7,13 @@ cache and a fixed compute scratch allowance, and the peak of their sum. It gives
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from moestream.config import format_bytes
 from moestream.errors import BudgetError
-from moestream.experts.cache import ExpertCache
+
+if TYPE_CHECKING:  # a type only: the accountant sits below experts/ (docs/ARCHITECTURE.md)
+    from moestream.experts.cache import ExpertCache
 
 UNLIMITED = 1 << 62
 

@@ -21,11 +21,10 @@ from pathlib import Path
 from typing import Callable
 
 from moestream.errors import CheckpointError, MoestreamError
-from moestream.experts.reader import ALIGN
-from moestream.weights.index import (PACK_FORMAT, PACK_MANIFEST, PACK_VERSION, CheckpointIndex, TensorInfo,
+from moestream.weights.index import (ALIGN, PACK_FORMAT, PACK_MANIFEST, PACK_VERSION, CheckpointIndex, TensorInfo,
                                      drop_file_pages, drop_pages, pread_fill)
 
-# every expert starts on the reader's O_DIRECT boundary (experts/reader.py: ALIGN), so it is read whole, no widening
+# every expert starts on the reader's O_DIRECT boundary (weights/index.py: ALIGN), so it is read whole, no widening
 PART_ALIGN = 64  # a part keeps the offset modulo 64 it had in the original's read buffer (see _lay_out)
 CHUNK = 8 << 20  # copy buffer: the packer's only sizeable allocation
 DENSE_SHARD_BYTES = 4 << 30
