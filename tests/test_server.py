@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from moestream.server.app import ServerConfig, ServerState, create_app  # noqa: E402
-from moestream.server.protocol import StopMatcher  # noqa: E402
+from moestream.server.stops import StopMatcher  # noqa: E402
 
 from conftest import expert_budget, prompt_ids, save_reference  # noqa: E402
 
@@ -31,7 +31,7 @@ STATE_ROOM = 256 << 10  # KV caches grow 256 rows (128 KiB here) at a time: leav
 def build_model(path) -> None:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from moestream.tokenizer import default_training_text, train_bpe_tokenizer
+    from moestream.bpe import default_training_text, train_bpe_tokenizer
 
     cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

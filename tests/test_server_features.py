@@ -69,7 +69,7 @@ def build_model(path, template: str) -> None:
     import tokenizers
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from moestream.tokenizer import default_training_text, train_bpe_tokenizer
+    from moestream.bpe import default_training_text, train_bpe_tokenizer
 
     cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

@@ -19,7 +19,8 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("prometheus_client")
 
 from moestream.server.app import ServerConfig, ServerState  # noqa: E402
-from moestream.server.protocol import GenRequest, StopMatcher  # noqa: E402
+from moestream.server.protocol import GenRequest  # noqa: E402
+from moestream.server.stops import StopMatcher  # noqa: E402
 from moestream.server.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from moestream.server.tickets import Delta, Done, Failed  # noqa: E402
 from moestream.tokenizer import Tokenizer  # noqa: E402
@@ -88,7 +89,7 @@ def streaming_model(tmp_path_factory):
     """Four layers whose attention weights (streamed, double-buffered) outweigh an expert."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from moestream.tokenizer import default_training_text, train_bpe_tokenizer
+    from moestream.bpe import default_training_text, train_bpe_tokenizer
 
     path = tmp_path_factory.mktemp("hard_streaming")
     cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,

@@ -10,13 +10,8 @@ from pathlib import Path
 import pytest
 
 from moestream.errors import MoestreamError, RequestError, TokenizerError
-from moestream.tokenizer import (
-    KIMI_PAT_STR,
-    StreamDecoder,
-    Tokenizer,
-    default_training_text,
-    train_bpe_tokenizer,
-)
+from moestream.bpe import default_training_text, train_bpe_tokenizer
+from moestream.tokenizer import KIMI_PAT_STR, StreamDecoder, Tokenizer
 
 MIXED_TEXT = "Hello, world! naïve café — 你好，世界 🌍🚀 emoji: 👩‍💻 Ünïcödé ✓\n\tdef f(x): return x ** 2\n"
 

@@ -85,7 +85,7 @@ def test_read_prompts_formats(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     from moestream.models.registry import FAMILIES
-    from moestream.tokenizer import default_training_text, train_bpe_tokenizer
+    from moestream.bpe import default_training_text, train_bpe_tokenizer
 
     if "kimi_k3" not in FAMILIES:
         pytest.skip("the kimi_k3 inference family is not registered")

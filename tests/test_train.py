@@ -66,7 +66,7 @@ def test_split_and_batches_are_deterministic():
 
 @pytest.fixture(scope="module")
 def corpus_text():
-    from moestream.tokenizer import default_training_text
+    from moestream.bpe import default_training_text
 
     return default_training_text(300_000)
 
@@ -107,7 +107,7 @@ def test_resume_continues_the_same_run(tmp_path, corpus_text):
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory, corpus_text):
-    from moestream.tokenizer import train_bpe_tokenizer
+    from moestream.bpe import train_bpe_tokenizer
 
     out = tmp_path_factory.mktemp("tok")
     train_bpe_tokenizer(corpus_text.splitlines(keepends=True), TINY.vocab_size, out)

@@ -19,7 +19,8 @@ from typing import Any, Callable
 from moestream.engine.sampling import SamplingParams, sample
 from moestream.errors import BudgetError, RequestError
 from moestream.server.prefix import PrefixCache, StateProfile, clone_state
-from moestream.server.protocol import GenRequest, StopMatcher, TokenLogprob, Usage
+from moestream.server.protocol import GenRequest, TokenLogprob, Usage
+from moestream.server.stops import StopMatcher
 from moestream.server.scoring import PromptScorer
 from moestream.server.structured import GuideFactory
 from moestream.server.tickets import Delta, Done, Failed, Outbox, QueueFull, Ticket, Unavailable, err_type

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from moestream.errors import MoestreamError
 from moestream.synth.families import TRANSFORMERS_VERSION, Preset, SpecialIds, SynthFamily, TensorSpec
-from moestream.tokenizer import default_training_text, train_bpe_tokenizer
+from moestream.bpe import default_training_text, train_bpe_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 TOKENIZER_CACHE_VERSION = 1  # bump when the training recipe changes

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from moestream.errors import MoestreamError
-from moestream.tokenizer import Tokenizer, default_training_text, train_bpe_tokenizer
+from moestream.bpe import default_training_text, train_bpe_tokenizer
+from moestream.tokenizer import Tokenizer
 
 BLOCK_CHARS = 65536
 HELDOUT_EVERY = 20  # one block in 20 (5%) is held out
