@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moestream.memory.state import Batch, SeqState
+from moestream.memory.state import Batch, SeqState, transient
 from moestream.errors import CheckpointError, UnsupportedModelError
 from moestream.kernels import cpu
 from moestream.models.blocks import linear, rms_norm
@@ -86,6 +86,7 @@ class KDAMixer:
         else:
             self.gate = (w.get(f"{p}.g_proj.weight"),)
         self.o_norm, self.o_proj = w.get(f"{p}.o_norm.weight"), w.get(f"{p}.o_proj.weight")
+        self.memory = w.memory
 
     def __call__(self, x: torch.Tensor, batch: Batch, index: int) -> torch.Tensor:
         o = self.opt
@@ -109,7 +110,9 @@ class KDAMixer:
             if seg.length == 1:  # decode: the plain recurrence
                 y, S = kda_recurrent(q, k, v, g[r], beta[r], st.S)
             else:
-                y, S = kda_chunked(q, k, v, g[r], beta[r], st.S, o.chunk)
+                with transient(self.memory, chunk_scratch_bytes(o.heads, seg.length, o.chunk, o.head_dim,
+                                                                o.head_dim), "KDA chunk scratch"):
+                    y, S = kda_chunked(q, k, v, g[r], beta[r], st.S, o.chunk)
             out[r] = y
             st.S.copy_(S)
         y = rms_norm(out, self.o_norm, o.eps) * torch.sigmoid(self._gate(x))  # [T, H, dv]
@@ -189,6 +192,16 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         S = S + k[t].unsqueeze(-1) * u.unsqueeze(-2)
         out[t] = torch.einsum("hk,hkv->hv", q[t], S)
     return out, S
+
+
+def chunk_scratch_bytes(heads: int, n: int, chunk: int, dk: int, dv: int) -> int:
+    """What kda_chunked allocates for an n-token segment besides its inputs: the head-major output and state copy,
+    and per head group of one chunk the [g, c, c, dk] decay scratch, the three [g, c, c] matrices (a_kk, a_qk,
+    the triangular system), and the [g, c, d] temporaries (G, the decayed q and k, rhs, u, output)."""
+    c = min(chunk, n)
+    g = min(heads, max(1, CHUNK_SCRATCH // (c * c * dk)))
+    per_group = g * c * c * dk + 3 * g * c * c + 4 * g * c * dk + 3 * g * c * dv + 2 * g * dk * dv
+    return 4 * (heads * n * dv + heads * dk * dv + per_group)
 
 
 def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
