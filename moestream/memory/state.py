@@ -47,6 +47,20 @@ def transient(memory: MemoryAccountant, nbytes: int, what: str) -> Iterator[None
         memory.release_state(nbytes)
 
 
+def scratch_budget(memory: MemoryAccountant, default: int) -> int:
+    """Bytes of scratch one compute phase should plan for: the fixed scratch allowance under a budget (the phases
+    that use scratch -- dense upcast slab, expert upcast, attention tiles, KDA chunks, gathered caches -- run one
+    after another, so they share it), `default` without one."""
+    return min(default, memory.scratch_bytes) if memory.limited else default
+
+
+@contextlib.contextmanager
+def scratch(memory: MemoryAccountant, nbytes: int, what: str) -> Iterator[None]:
+    """Use `nbytes` of compute scratch: the part the fixed scratch allowance does not cover is charged meanwhile."""
+    with transient(memory, max(0, nbytes - memory.scratch_bytes), what):
+        yield
+
+
 class BlockBuffer:
     """Rows [length, *row_shape] of one dtype in fixed blocks of `block` rows. Each block is charged to the budget
     when it is allocated (never an old + new copy), appends write in place, and with a `window` the blocks wholly

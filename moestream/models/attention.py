@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from moestream.memory.state import BLOCK_TOKENS, BlockBuffer, Segment, transient
+from moestream.memory.state import BLOCK_TOKENS, BlockBuffer, Segment, scratch, scratch_budget
 from moestream.errors import CheckpointError
 from moestream.kernels import cpu, fused
 from moestream.models.blocks import linear, linear_many, rms_norm
-from moestream.models.tiled import KEY_TILE, Tiles, attend_tiles, scratch_bytes
+from moestream.models.tiled import TILE_BYTES, Tiles, attend_tiles, tile_plan
 
 NATIVE_MAX_TOKENS = 16  # segments up to this long attend in one native call (decode); longer ones use torch bmm
 
@@ -35,7 +35,7 @@ class KVSlot:
         self.v = BlockBuffer(memory, (hkv, dv), "KV cache", dtype, window)
 
 
-def cache_tiles(slot: KVSlot, rows: int = KEY_TILE) -> Tiles:
+def cache_tiles(slot: KVSlot, rows: int) -> Tiles:
     """The cache as attend_tiles' key tiles: consecutive blocks merged up to `rows` keys, fp32 [1, Hkv, n, D]."""
     def merged(parts: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat([p.permute(1, 0, 2) for p in parts], dim=1).float().unsqueeze(0)
@@ -90,14 +90,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 def cached_attention(seg: Segment, slot: KVSlot, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Append this segment's k, v [T, Hkv, D] to the cache and attend its queries q [T, Hq, D] over the cache in
-    key tiles (online softmax; the tiles' scratch is charged to the budget while it exists) -> [T, Hq, Dv]."""
+    key tiles (online softmax) sized to the scratch allowance (anything over it is charged while it exists)
+    -> [T, Hq, Dv]."""
     slot.k.push(k)
     slot.v.push(v)
     t, hq, d = q.shape
-    nbytes = scratch_bytes(hq, k.shape[1], t, slot.k.kept, d, v.shape[-1])
-    with transient(slot.k.memory, nbytes, "attention scratch"):
-        out = attend_tiles(q.permute(1, 0, 2).unsqueeze(0), cache_tiles(slot), seg.pos, scale, window, sinks,
-                           slot.k.kept)
+    memory = slot.k.memory
+    rows, keys, nbytes = tile_plan(hq, k.shape[1], t, slot.k.kept, d, v.shape[-1], scratch_budget(memory, TILE_BYTES))
+    with scratch(memory, nbytes, "attention scratch"):
+        out = attend_tiles(q.permute(1, 0, 2).unsqueeze(0), cache_tiles(slot, keys), seg.pos, scale, window, sinks,
+                           rows, v.shape[-1])
     return out[0].permute(1, 0, 2)
 
 
@@ -123,7 +125,7 @@ def decode_attention(slots: list[KVSlot], q: torch.Tensor, k: torch.Tensor, v: t
             longest = max(longest, slots[end].k.kept)
             end += 1
         pad = (end - start) * longest * (row + 4 * q.shape[1])  # padded K and V, the scores
-        with transient(slots[start].k.memory, pad, "batched decode attention"):
+        with scratch(slots[start].k.memory, pad, "batched decode attention"):
             out[start:end] = _padded_decode(q[start:end], slots[start:end], longest, scale, window, sinks)
         start = end
     return out
@@ -240,7 +242,7 @@ class GQAMixer:
         are written back to the blocks."""
         whole = [len(b.blocks) == 1 and b.dtype == torch.float32 for b in (slot.k, slot.v)]
         nbytes = 0 if all(whole) else slot.k.gather_bytes() + slot.v.gather_bytes()
-        with transient(slot.k.memory, nbytes, "gathered KV cache"):
+        with scratch(slot.k.memory, nbytes, "gathered KV cache"):
             keys, values = slot.k.gather(), slot.v.gather()
             got = fused.gqa_attend(q, keys, values, new, self.scale, self.q_norm, self.k_norm, self.eps,
                                    self.rope.inv_freq, self.rope.attention_factor, self.window)

@@ -1,9 +1,9 @@
 """Softmax attention over key tiles with an online softmax: never a whole [heads, queries, keys] score matrix.
 
 Owns `tiled_attention` (dense q, k, v with GQA grouping, causal offsets, an optional sliding window and per-head
-sinks), `attend_tiles` (the same over any ordered source of key tiles, e.g. a KV cache's blocks), the tile sizes and
-`scratch_bytes`, what one call allocates besides its output (callers charge it to the budget). GQA (attention.py)
-and MLA (mla.py) prefill both use it; running max, sum and accumulator are fp32.
+sinks), `attend_tiles` (the same over any ordered source of key tiles, e.g. a KV cache's blocks) and `tile_plan`,
+the tile sizes that fit a scratch budget and what they allocate besides the output. GQA (attention.py) and MLA
+(mla.py) prefill both use it; running max, sum and accumulator are fp32.
 """
 from __future__ import annotations
 
@@ -11,58 +11,63 @@ from typing import Callable, Iterable
 
 import torch
 
-KEY_TILE = 512  # keys per tile
-TILE_BYTES = 4 << 20  # fp32 scores of one tile [batch * heads, query rows, keys]; query rows shrink to fit
+KEY_TILE = 512  # keys per tile at most
+MIN_KEY_TILE = 16  # a tight scratch budget shrinks key tiles down to this before it is exceeded
+TILE_BYTES = 4 << 20  # default scratch budget of one call (query rows shrink to fit it)
 
 Tiles = Callable[[], Iterable[tuple[int, torch.Tensor, torch.Tensor]]]  # fresh iterator of (first key pos, k, v)
 
 
-def tile_rows(batch_heads: int, tq: int, tk: int) -> tuple[int, int]:
-    """(query rows, keys) of one tile: KEY_TILE keys (fewer when there are fewer), as many queries as fit
-    TILE_BYTES of fp32 scores for all `batch_heads` query heads (at least one)."""
+def tile_plan(batch_heads: int, kv_heads: int, tq: int, tk: int, d: int, dv: int,
+              budget: int = TILE_BYTES) -> tuple[int, int, int]:
+    """(query rows, keys, scratch bytes) of one tile. Scratch besides the [.., Tq, Dv] output: per key tile its
+    fp32 keys and values (merged from blocks, then converted: two copies); per query row and key the fp32 score
+    (probabilities in place) and the mask byte; per query row the query copy, accumulator and its update, and four
+    running scalars. The most query rows (then keys, down to MIN_KEY_TILE) that fit `budget`; one row of the
+    smallest tile when nothing fits (its bytes are then over the budget and the caller charges the excess)."""
     kt = max(1, min(tk, KEY_TILE))
-    return max(1, min(tq, TILE_BYTES // (4 * batch_heads * kt))), kt
-
-
-def scratch_bytes(batch_heads: int, kv_heads: int, tq: int, tk: int, d: int, dv: int) -> int:
-    """What one call allocates besides its [.., Tq, Dv] output: the score tile (probabilities in place) and its
-    mask, the fp32 key / value tile (a converted or gathered copy), the per-query-block accumulator and its
-    rescaled copy, running max / sum."""
-    qt, kt = tile_rows(batch_heads, tq, tk)
-    return (4 * batch_heads * qt * kt + qt * kt + 4 * kv_heads * kt * (d + dv)
-            + 2 * 4 * batch_heads * qt * dv + 4 * 4 * batch_heads * qt)
+    while True:
+        per_tile = 8 * kv_heads * kt * (d + dv)
+        per_row = 4 * batch_heads * kt + kt + 4 * batch_heads * (d + 2 * dv + 4)
+        qt = min(tq, (budget - per_tile) // per_row)
+        if qt >= 1 or kt <= MIN_KEY_TILE:
+            qt = max(1, qt)
+            return qt, kt, per_tile + qt * per_row
+        kt = max(MIN_KEY_TILE, kt // 2)
 
 
 def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_pos: int = 0, k_pos: int = 0,
-                    window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    window: int | None = None, sinks: torch.Tensor | None = None,
+                    budget: int = TILE_BYTES) -> torch.Tensor:
     """Causal softmax attention. q [..., Hq, Tq, D], k [..., Hkv, Tk, D], v [..., Hkv, Tk, Dv] (Hq a multiple of
     Hkv: query head h uses KV head h // (Hq / Hkv)); query i sits at position q_pos + i, key j at k_pos + j, and
     sees keys at positions <= its own (and > its own - window with a window). sinks [Hq]: a per-head logit that
-    joins each softmax's denominator only (gpt-oss). Returns fp32 [..., Hq, Tq, Dv]."""
+    joins each softmax's denominator only (gpt-oss). Tiles fit `budget` bytes of scratch (tile_plan). Returns
+    fp32 [..., Hq, Tq, Dv]."""
     lead = q.shape[:-3]
     hq, tq, d = q.shape[-3:]
     hkv, tk, dv = k.shape[-3], k.shape[-2], v.shape[-1]
     qf = q.reshape(-1, hq, tq, d)
     kf, vf = k.reshape(-1, hkv, tk, d), v.reshape(-1, hkv, tk, dv)
-    _, kt = tile_rows(qf.shape[0] * hq, tq, tk)
+    qt, kt, _ = tile_plan(qf.shape[0] * hq, qf.shape[0] * hkv, tq, tk, d, dv, budget)
 
     def tiles():
         for s in range(0, tk, kt):
             yield k_pos + s, kf[:, :, s:s + kt], vf[:, :, s:s + kt]
 
-    return attend_tiles(qf, tiles, q_pos, scale, window, sinks, tk).reshape(*lead, hq, tq, dv)
+    return attend_tiles(qf, tiles, q_pos, scale, window, sinks, qt, dv).reshape(*lead, hq, tq, dv)
 
 
-def attend_tiles(q: torch.Tensor, tiles: Tiles, q_pos: int, scale: float, window: int | None = None,
-                 sinks: torch.Tensor | None = None, tk: int = KEY_TILE) -> torch.Tensor:
+def attend_tiles(q: torch.Tensor, tiles: Tiles, q_pos: int, scale: float, window: int | None, sinks: torch.Tensor | None,
+                 rows: int, dv: int) -> torch.Tensor:
     """q [B, Hq, Tq, D] over key tiles (first key position, k [B, Hkv, n, D], v [B, Hkv, n, Dv]) in increasing
-    position order; `tiles()` is called once per block of query rows. Same semantics as tiled_attention."""
-    b, hq, tq, d = q.shape
-    qt, _ = tile_rows(b * hq, tq, tk)
-    outs = []
-    for s in range(0, tq, qt):
-        outs.append(_query_block(q[:, :, s:s + qt].float(), tiles, q_pos + s, scale, window, sinks))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    position order, `rows` queries at a time (`tiles()` is called once per block of them). Same semantics as
+    tiled_attention; returns fp32 [B, Hq, Tq, Dv]."""
+    b, hq, tq, _ = q.shape
+    out = torch.empty(b, hq, tq, dv)
+    for s in range(0, tq, rows):
+        out[:, :, s:s + rows] = _query_block(q[:, :, s:s + rows].float(), tiles, q_pos + s, scale, window, sinks)
+    return out
 
 
 def _query_block(q: torch.Tensor, tiles: Tiles, q_pos: int, scale: float, window: int | None,
