@@ -55,6 +55,7 @@ class BenchOptions:
     plot: Path | None = None
     state_room: int | None = None  # budget the residency plan keeps for state when dense weights stream
     lookahead_reads: int | None = None  # None: the engine's default number of read-ahead experts per layer step
+    kv_dtype: str = "fp32"  # KV cache storage (EngineOptions.kv_dtype)
 
 
 @dataclass
@@ -190,7 +191,8 @@ def bench(path: str | Path, opts: BenchOptions) -> dict:
     probes = [probe_disk(files, probe_threads)] if opts.probe else []
     base_rss = rss_now()
     eng = Engine.open(path, ram_budget=opts.ram_budget, cache_policy=opts.policy, io_threads=opts.io_threads,
-                      threads=opts.threads, state_room=opts.state_room)
+                      threads=opts.threads, state_room=opts.state_room,
+                      kv_dtype=opts.kv_dtype)
     try:
         eng.runner.lookahead.enabled = opts.lookahead
         if opts.lookahead_reads is not None:
@@ -423,7 +425,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         raise MoestreamError("--prompt-len and --gen-len must be at least 1")
     return BenchOptions(budget, args.prompt_len, args.gen_len, args.cold, args.temperature, args.seed,
                         args.threads, args.io_threads, args.policy, args.lookahead, not args.buffered_io,
-                        not args.no_probe, args.plot, parse_bytes(args.state_room), args.lookahead_reads)
+                        not args.no_probe, args.plot, parse_bytes(args.state_room), args.lookahead_reads,
+                        args.kv_dtype)
 
 
 def run_bench(args: argparse.Namespace) -> int:

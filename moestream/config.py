@@ -38,6 +38,9 @@ def format_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
+KV_DTYPE_NAMES = ("fp32", "bf16")  # --kv-dtype choices (memory/state.py maps them to torch dtypes)
+
+
 @dataclass
 class EngineOptions:
     ram_budget: int | None = None  # bytes; None = no limit
@@ -46,6 +49,7 @@ class EngineOptions:
     io_threads: int = 2  # reads in flight (experts.reader.IO_THREADS)
     prefill_chunk: int = 512
     threads: int | None = None  # torch compute threads; None keeps torch's default (one per physical core)
+    kv_dtype: str = "fp32"  # KV / latent cache storage: "fp32" (the parity bounds are fp32's) or "bf16" (half)
 
 
 def read_model_config(root: str | Path) -> dict:

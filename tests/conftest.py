@@ -109,7 +109,7 @@ def check_parity():
 
     def run(path, ref, vocab: int, n_prompt: int = 75, n_gen: int = 32, tol: float = 1e-3, fraction=0.3):
         ids = prompt_ids(vocab, n_prompt)
-        budget = expert_budget(path, fraction)
+        budget = expert_budget(path, fraction) + n_prompt * vocab * 4  # + the all-position logits (charged)
         eng = Engine.open(path, ram_budget=budget)
         got = eng.logits(ids)
         want = reference_logits(ref, ids)

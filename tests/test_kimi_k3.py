@@ -46,7 +46,8 @@ def reference(k3_dir) -> dict:
 
 
 def budget(path: Path) -> int:
-    return expert_budget(path, 0.3) + STATE_HEADROOM
+    vocab = json.loads((path / "config.json").read_text())["text_config"]["vocab_size"]
+    return expert_budget(path, 0.3) + STATE_HEADROOM + N_PROMPT * vocab * 4  # + all-position logits (charged)
 
 
 def open_engine(path: Path, **options) -> Engine:

@@ -32,6 +32,7 @@ class JobConfig:
     ray: str | None = None  # a Ray address ("" starts or joins a local cluster); None runs in this process
     ray_workers: int | None = None
     ray_chunk: int | None = None
+    kv_dtype: str = "fp32"  # KV cache storage (EngineOptions.kv_dtype)
 
 
 def run_job(cfg: JobConfig) -> BatchReport:
@@ -63,7 +64,7 @@ def _run_local(cfg: JobConfig, todo, writer: OutputWriter, total: int, skipped: 
     from moestream.engine.engine import Engine
     from moestream.tokenizer import Tokenizer
 
-    engine = Engine.open(cfg.model, ram_budget=cfg.ram_budget, state_room=cfg.state_room)
+    engine = Engine.open(cfg.model, ram_budget=cfg.ram_budget, state_room=cfg.state_room, kv_dtype=cfg.kv_dtype)
     try:
         if cfg.threads:
             import torch

@@ -85,7 +85,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
                            args.model_name)
     cfg = JobConfig(args.model, args.input, args.output, parse_budget(args.ram_budget), args.state_room, args.threads,
                     options, progress=False if args.no_progress else None, price_per_hour=args.price_per_hour,
-                    group_lines=args.sync_every, ray=args.ray, ray_workers=args.ray_workers, ray_chunk=args.ray_chunk)
+                    group_lines=args.sync_every, ray=args.ray, ray_workers=args.ray_workers, ray_chunk=args.ray_chunk,
+                    kv_dtype=args.kv_dtype)
     report = run_job(cfg)
     if args.json:
         print(json.dumps(report.to_dict()))

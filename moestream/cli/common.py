@@ -15,7 +15,7 @@ from typing import Iterator
 
 from tqdm import tqdm
 
-from moestream.config import parse_bytes
+from moestream.config import KV_DTYPE_NAMES, parse_bytes
 from moestream.errors import MoestreamError
 
 PROGRESS_DELAY_S = 1.0  # show a bar only for work that takes longer than this
@@ -28,10 +28,14 @@ def add_budget_arg(p: argparse.ArgumentParser, help_extra: str = "") -> None:
 
 
 def add_state_room_arg(p: argparse.ArgumentParser) -> None:
+    """The sequence-state options: --state-room and --kv-dtype."""
     p.add_argument("--state-room", metavar="BYTES", default=None,
                    help="part of --ram-budget the residency plan keeps free for KV caches and recurrent state "
                         "when dense weights must stream (default: none reserved; state then takes room from "
                         "the expert cache and a too-long context fails with a budget error)")
+    p.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_NAMES), default="fp32",
+                   help="storage of KV and latent caches: fp32 (default; the parity bounds are fp32's) or bf16 "
+                        "(half the bytes, attention still computes in fp32)")
 
 
 def parse_budget(value: str | None) -> int | None:
@@ -118,11 +122,11 @@ def busy(desc: str) -> Iterator[None]:
         bar.close()
 
 
-def open_engine(path: Path, budget: int | None, state_room: str | None = None):
+def open_engine(path: Path, budget: int | None, state_room: str | None = None, kv_dtype: str = "fp32"):
     from moestream.engine.engine import Engine
 
     with busy(f"opening {path.name}"):  # a remote model: its dense weights are fetched here
-        return Engine.open(path, ram_budget=budget, state_room=state_room)
+        return Engine.open(path, ram_budget=budget, state_room=state_room, kv_dtype=kv_dtype)
 
 
 def now() -> float:

@@ -47,7 +47,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     budget = parse_budget(args.ram_budget) or default_budget(info)
     _narrate(path, info, budget, synthetic)
     prompt = args.prompt or (SYNTH_PROMPT if synthetic else demo_model.DEMO_PROMPT)
-    engine = open_engine(path, budget, args.state_room)
+    engine = open_engine(path, budget, args.state_room, args.kv_dtype)
     try:
         tok = Tokenizer.load(path)
         print(f"prompt:\n{prompt}", end="" if prompt.endswith("\n") else "\n")

@@ -60,7 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     path = model_dir(args.model)
-    engine = open_engine(path, parse_budget(args.ram_budget), args.state_room)
+    engine = open_engine(path, parse_budget(args.ram_budget), args.state_room, args.kv_dtype)
     try:
         tok = Tokenizer.load(path)
         ids = encode_prompt(tok, args.prompt, args.chat)

@@ -19,7 +19,7 @@ from moestream.engine.allocator import return_freed_memory
 from moestream.memory.accountant import MemoryAccountant
 from moestream.engine.residency import DenseStreamer, ResidencyPlan, plan_residency
 from moestream.engine.sampling import SamplingParams, sample
-from moestream.memory.state import Batch, SeqState
+from moestream.memory.state import Batch, SeqState, kv_dtype, transient
 from moestream.errors import BudgetError, CheckpointError, MoestreamError, RequestError
 from moestream.experts.dispatch import ExpertRunner
 from moestream.experts.reader import IO_THREADS
@@ -29,6 +29,7 @@ from moestream.kernels.quant import GROUP_DECODE_BYTES, SCRATCH_BYTES as QUANT_S
 from moestream.models.blocks import UPCAST_CHUNK_BYTES
 from moestream.models.base import DenseWeights, ExpertLayout, ModelContext
 from moestream.models.hfconfig import parse_config
+from moestream.models.kda import KDAOptions, chunk_plan
 from moestream.models.registry import family_for
 from moestream.weights.index import CheckpointIndex
 
@@ -61,7 +62,7 @@ def plan(path: str | Path, io_threads: int = IO_THREADS) -> ModelPlan:
     dense_bytes = sum(index[n].nbytes for n in dense)
     per_layer = [[store.expert_nbytes(l, e) for e in range(layout.num_experts)] for l in layout.moe_layers]
     sizes = [b for row in per_layer for b in row]
-    scratch = _scratch_bytes(index, dense, store, layout)
+    scratch = max(_scratch_bytes(index, dense, store, layout), _kda_scratch(cfg))
     return ModelPlan(family, cfg, layout, store, dense, dense_bytes, sum(sizes), max(sizes, default=0), scratch)
 
 
@@ -77,6 +78,16 @@ def _scratch_bytes(index: CheckpointIndex, dense: list[str], store: ExpertStore,
         if any(loc.dtype in ("U8", "I32", "F8_E4M3") for loc in locs):
             scratch += QUANT_SCRATCH_BYTES + GROUP_DECODE_BYTES
     return scratch
+
+
+def _kda_scratch(cfg) -> int:
+    """The smallest plan of a KDA chunked prefill (one head, one chunk): the scratch allowance holds at least that,
+    since the compute phases (dense upcast, experts, attention tiles, KDA chunks) use it one after another."""
+    raw = getattr(cfg, "raw", None) or {}
+    opt = getattr(cfg, "kda", None) or (KDAOptions.from_hf(raw) if "linear_attn_config" in raw else None)
+    if opt is None:
+        return 0
+    return chunk_plan(1, opt.chunk, opt.chunk, opt.head_dim, opt.head_dim, 0)[1]
 
 
 def _open_index(path: str | Path, family, cfg) -> CheckpointIndex:
@@ -101,6 +112,7 @@ class Engine:
         if device != "cpu":
             raise MoestreamError(f"device {device!r} is not supported yet; use device='cpu'")
         opts = EngineOptions(ram_budget=parse_bytes(ram_budget), device=device, **options)
+        kv_dtype(opts.kv_dtype)  # a bad --kv-dtype fails before anything is read
         if opts.threads:
             torch.set_num_threads(opts.threads)
             cpu.set_threads(opts.threads)  # the native kernels' pool too (without --threads: one per call)
@@ -127,7 +139,9 @@ class Engine:
 
     # ---- sequences and steps -------------------------------------------------------------------------
     def new_sequence(self) -> SeqState:
-        return self.model.new_state()
+        state = self.model.new_state()
+        state.kv_dtype = kv_dtype(self.options.kv_dtype)
+        return state
 
     def free(self, state: SeqState) -> None:
         state.release()
@@ -148,7 +162,9 @@ class Engine:
             rows = torch.arange(tokens.shape[0])
         else:
             rows = torch.tensor([seg.start + seg.length - 1 for seg in batch.segments])
-        with tensors_fit_config(self.path):
+        # every position's logits exist while the step runs (their consumer's copy is charged by prefill)
+        held = rows.shape[0] * self.vocab_size * 4 if all_logits else 0
+        with tensors_fit_config(self.path), transient(self.memory, held, "all-position logits"):
             logits = self.model.forward(tokens, batch, rows)
         for s, t in items:
             s.pos += len(t)
@@ -157,13 +173,19 @@ class Engine:
         return [logits[seg.rows] for seg in batch.segments]
 
     def prefill(self, state: SeqState, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
-        """Process a prompt in chunks of `prefill_chunk` tokens; returns the last (or all) logits."""
+        """Process a prompt in chunks of `prefill_chunk` tokens; returns the last (or all) logits. All positions'
+        logits [n, V] fp32 are charged to the budget while they are filled (a BudgetError before a prompt whose
+        logits do not fit starts); once returned they are the caller's."""
         chunk = max(1, self.options.prefill_chunk)
-        outs = []
-        for i in range(0, len(token_ids), chunk):
-            (out,) = self.step([(state, token_ids[i:i + chunk])], all_logits=all_logits)
-            outs.append(out)
-        return torch.cat(outs) if all_logits else outs[-1]
+        if not all_logits or len(token_ids) <= chunk:  # one step's own (charged) logits are the answer
+            for i in range(0, len(token_ids), chunk):
+                (out,) = self.step([(state, token_ids[i:i + chunk])], all_logits=all_logits)
+            return out
+        with transient(self.memory, len(token_ids) * self.vocab_size * 4, "all-position logits"):
+            out = torch.empty(len(token_ids), self.vocab_size)
+            for i in range(0, len(token_ids), chunk):
+                (out[i:i + chunk],) = self.step([(state, token_ids[i:i + chunk])], all_logits=True)
+        return out
 
     # ---- the contract ----------------------------------------------------------------------------------
     def logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -1,57 +1,188 @@
 """Per-sequence state and the batch layout one engine step works on.
 
-Owns `SeqState` (one slot per layer for KV caches or recurrent state, the token count) and the growable,
-budget-accounted tensors that hold KV caches. Models create their per-layer state lazily through `slot()`.
+Owns `SeqState` (one slot per layer for KV caches or recurrent state, the token count, the KV storage dtype), the
+block-allocated, budget-accounted `BlockBuffer` that holds KV / latent caches (fixed-size blocks, each charged when
+allocated, never copied to grow; sliding windows drop whole blocks), and `transient`, which charges a temporary.
+Models create their per-layer state lazily through `slot()`.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
+from moestream.config import KV_DTYPE_NAMES
+from moestream.errors import MoestreamError
 from moestream.memory.accountant import MemoryAccountant
 
-GROW_TOKENS = 64  # small steps: a batch of short sequences holds ~its context, not 256 rows each
+BLOCK_TOKENS = 64  # rows per KV block: a batch of short sequences holds ~its context, not 256 rows each
+GROW_TOKENS = BLOCK_TOKENS  # the old name (tests and docs speak of growth in 64-token steps)
+KV_DTYPES = dict(zip(KV_DTYPE_NAMES, (torch.float32, torch.bfloat16)))  # --kv-dtype: storage; compute stays fp32
 
 
-class GrowingBuffer:
-    """A [L, *shape] fp32 tensor appended along dim 0, grown in chunks; every allocated byte is accounted."""
+def kv_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a --kv-dtype name; a clear error for anything else."""
+    if name not in KV_DTYPES:
+        raise MoestreamError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}; got {name!r}")
+    return KV_DTYPES[name]
+
+
+def blocks_held(length: int, n: int, window: int | None, block: int = BLOCK_TOKENS) -> int:
+    """Blocks a BlockBuffer holding `length` rows holds after appending `n` more (its trim and growth replayed):
+    with a window, rows before the first new query's window (length - window + 1) go, a whole block at a time."""
+    first = 0 if window is None else max(0, length - window + 1) // block * block
+    return -(-(length + n - first) // block)
+
+
+@contextlib.contextmanager
+def transient(memory: MemoryAccountant, nbytes: int, what: str) -> Iterator[None]:
+    """Charge a temporary allocation (attention tiles, a gathered cache, all-position logits) for the duration:
+    experts are evicted to make room, and a budget that cannot hold it is a BudgetError before it is allocated."""
+    memory.grow_state(nbytes, what)
+    try:
+        yield
+    finally:
+        memory.release_state(nbytes)
+
+
+def scratch_budget(memory: MemoryAccountant, default: int) -> int:
+    """Bytes of scratch one compute phase should plan for: the fixed scratch allowance under a budget (the phases
+    that use scratch -- dense upcast slab, expert upcast, attention tiles, KDA chunks, gathered caches -- run one
+    after another, so they share it), `default` without one."""
+    return min(default, memory.scratch_bytes) if memory.limited else default
+
+
+@contextlib.contextmanager
+def scratch(memory: MemoryAccountant, nbytes: int, what: str) -> Iterator[None]:
+    """Use `nbytes` of compute scratch: the part the fixed scratch allowance does not cover is charged meanwhile."""
+    with transient(memory, max(0, nbytes - memory.scratch_bytes), what):
+        yield
+
+
+class BlockBuffer:
+    """Rows [length, *row_shape] of one dtype in fixed blocks of `block` rows. Each block is charged to the budget
+    when it is allocated (never an old + new copy), appends write in place, and with a `window` the blocks wholly
+    before the next query's window are dropped (reused for the next rows), so a sliding-window cache holds at most
+    window + chunk + one block of rows. Readers iterate `tiles()` or take a contiguous `gather()`."""
 
     def __init__(self, memory: MemoryAccountant, row_shape: tuple[int, ...], what: str = "KV cache",
-                 dtype: torch.dtype = torch.float32):
-        self.memory = memory
-        self.row_shape = row_shape
-        self.what = what
-        self.dtype = dtype
-        self.data = torch.empty((0, *row_shape), dtype=dtype)
-        self.length = 0
+                 dtype: torch.dtype = torch.float32, window: int | None = None, block: int = BLOCK_TOKENS):
+        self.memory, self.row_shape, self.what, self.dtype = memory, tuple(row_shape), what, dtype
+        self.window, self.block = window, block
+        self.blocks: list[torch.Tensor] = []
+        self.start = 0  # absolute index of blocks[0]'s first row (a multiple of block)
+        self.length = 0  # rows appended so far (absolute)
+
+    @property
+    def row_bytes(self) -> int:
+        n = 1
+        for d in self.row_shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block * self.row_bytes
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        return len(self.blocks) * self.block_bytes
+
+    @property
+    def kept(self) -> int:
+        """Rows held (from `start` to `length`)."""
+        return self.length - self.start
+
+    def growth(self, n: int) -> int:
+        """Bytes appending `n` rows will charge (blocks beyond those it holds now)."""
+        return max(0, blocks_held(self.length, n, self.window, self.block) - len(self.blocks)) * self.block_bytes
+
+    def push(self, rows: torch.Tensor) -> None:
+        """Append rows [n, *row_shape] (converted to the storage dtype)."""
+        n = rows.shape[0]
+        free = self._trim()
+        need = blocks_held(self.length, n, self.window, self.block) - len(self.blocks)
+        charge = max(0, need - len(free)) * self.block_bytes
+        self.memory.grow_state(charge, self.what)  # BudgetError before anything is allocated
+        for _ in range(need):
+            self.blocks.append(free.pop() if free else torch.empty((self.block, *self.row_shape), dtype=self.dtype))
+        self.memory.release_state(len(free) * self.block_bytes)  # dropped blocks this append did not reuse
+        at = 0
+        while at < n:
+            b, r = divmod(self.length - self.start, self.block)
+            take = min(self.block - r, n - at)
+            self.blocks[b][r:r + take] = rows[at:at + take]
+            at += take
+            self.length += take
+
+    def _trim(self) -> list[torch.Tensor]:
+        """Drop the blocks no query from `length` on can see (window only); returns them for reuse."""
+        if self.window is None:
+            return []
+        keep = max(0, self.length - self.window + 1) // self.block * self.block
+        dropped = []
+        while self.start < keep:
+            dropped.append(self.blocks.pop(0))
+            self.start += self.block
+        return dropped
+
+    def tiles(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[int, torch.Tensor]]:
+        """(absolute index of the first row, rows [n, *row_shape] in `dtype`) for each block, oldest first."""
+        for i, blk in enumerate(self.blocks):
+            first = self.start + i * self.block
+            yield first, blk[:min(self.block, self.length - first)].to(dtype)
+
+    def gather(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The held rows [kept, *row_shape] contiguous in `dtype`: a view when one block of that dtype holds them,
+        else a copy (a temporary the caller charges with `transient` when it can be large)."""
+        if len(self.blocks) == 1 and self.dtype == dtype:
+            return self.blocks[0][:self.kept]
+        if not self.blocks:
+            return torch.empty((0, *self.row_shape), dtype=dtype)
+        return torch.cat([rows for _, rows in self.tiles(dtype)])
+
+    def gather_bytes(self, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of a gathered copy of the held rows in `dtype`."""
+        return self.kept * self.row_bytes // self.dtype.itemsize * dtype.itemsize
 
     def append(self, rows: torch.Tensor) -> torch.Tensor:
-        """Append rows [n, *shape]; returns the whole filled view [length, *shape]."""
-        need = self.length + rows.shape[0]
-        if need > self.data.shape[0]:
-            cap = max(need, self.data.shape[0] + GROW_TOKENS, self.data.shape[0] * 5 // 4)
-            extra = (cap - self.data.shape[0]) * rows[0].numel() * self.data.element_size()
-            self.memory.grow_state(extra, self.what)
-            new = torch.empty((cap, *self.row_shape), dtype=self.dtype)
-            new[: self.length] = self.data[: self.length]
-            self.data = new
-        self.data[self.length:need] = rows
-        self.length = need
-        return self.data[:need]
+        """push(rows), then the held rows as fp32 (gather)."""
+        self.push(rows)
+        return self.gather()
 
     def view(self) -> torch.Tensor:
-        return self.data[: self.length]
+        """The held rows in the storage dtype (a copy past one block)."""
+        return self.gather(self.dtype)
+
+    def overwrite_tail(self, rows: torch.Tensor) -> None:
+        """Replace the last rows.shape[0] rows (a kernel that normalised and roped them in a gathered copy)."""
+        base = self.length - rows.shape[0]
+        for b, blk in enumerate(self.blocks):
+            first = self.start + b * self.block
+            lo, hi = max(first, base), min(first + self.block, self.length)
+            if lo < hi:
+                blk[lo - first:hi - first] = rows[lo - base:hi - base]
+
+    def clone(self, rows: int | None = None) -> "BlockBuffer":
+        """A copy holding the first `rows` rows (default all), not charged (the caller charges `clone_bytes`)."""
+        n = self.length if rows is None else rows
+        new = BlockBuffer(self.memory, self.row_shape, self.what, self.dtype, self.window, self.block)
+        new.start, new.length = self.start, n
+        new.blocks = [b.clone() for b in self.blocks[:-(-(n - self.start) // self.block)]]
+        return new
+
+    def clone_bytes(self, rows: int | None = None) -> int:
+        n = self.length if rows is None else rows
+        return -(-(n - self.start) // self.block) * self.block_bytes
 
     def release(self) -> None:
         self.memory.release_state(self.nbytes)
-        self.data = torch.empty((0, *self.row_shape), dtype=self.dtype)
-        self.length = 0
+        self.blocks, self.start, self.length = [], 0, 0
+
+
+GrowingBuffer = BlockBuffer  # the old name, kept for callers written against it (models/mla.py)
 
 
 @dataclass
@@ -63,6 +194,7 @@ class SeqState:
     pos: int = 0  # tokens already processed
     layers: list[Any] = field(default_factory=list)
     fixed_bytes: int = 0  # accounted fixed-size state (recurrent matrices, conv windows)
+    kv_dtype: torch.dtype = torch.float32  # storage of KV / latent caches (EngineOptions.kv_dtype)
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -72,6 +204,10 @@ class SeqState:
         if self.layers[layer] is None:
             self.layers[layer] = factory()
         return self.layers[layer]
+
+    def buffer(self, row_shape: tuple[int, ...], what: str = "KV cache", window: int | None = None) -> BlockBuffer:
+        """A new cache buffer of this sequence's KV dtype, charged to its accountant."""
+        return BlockBuffer(self.memory, row_shape, what, self.kv_dtype, window)
 
     def account_fixed(self, nbytes: int, what: str = "recurrent state") -> None:
         self.memory.grow_state(nbytes, what)
@@ -87,14 +223,14 @@ class SeqState:
         self.pos = 0
 
 
-def _buffers(slot: Any) -> list[GrowingBuffer]:
-    if isinstance(slot, GrowingBuffer):
+def _buffers(slot: Any) -> list[BlockBuffer]:
+    if isinstance(slot, BlockBuffer):
         return [slot]
     if isinstance(slot, (list, tuple)):
         return [b for s in slot for b in _buffers(s)]
     if isinstance(slot, dict):
         return [b for s in slot.values() for b in _buffers(s)]
-    return [v for v in vars(slot).values() if isinstance(v, GrowingBuffer)] if hasattr(slot, "__dict__") else []
+    return [v for v in vars(slot).values() if isinstance(v, BlockBuffer)] if hasattr(slot, "__dict__") else []
 
 
 @dataclass

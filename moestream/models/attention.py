@@ -1,16 +1,18 @@
 """Grouped-query softmax attention over a per-sequence KV cache (Mixtral, Qwen3-MoE, gpt-oss).
 
-Owns the cache layout ([L, Hkv, D] rows appended per step), causal and sliding-window masks and attention
-sinks. Projections, norms and rope are done by the caller; this module sees per-head q, k, v.
+Owns the cache layout ([Hkv, D] rows in a sequence's blocks, models/tiled.py's online softmax over them for
+prefill), causal and sliding-window masks and attention sinks, the padded batched decode and the native decode
+call. Projections, norms and rope are done by the caller; this module sees per-head q, k, v.
 """
 from __future__ import annotations
 
 import torch
 
-from moestream.memory.state import GrowingBuffer, Segment
+from moestream.memory.state import BLOCK_TOKENS, BlockBuffer, Segment, scratch, scratch_budget
 from moestream.errors import CheckpointError
 from moestream.kernels import cpu, fused
 from moestream.models.blocks import linear, linear_many, rms_norm
+from moestream.models.tiled import TILE_BYTES, Tiles, attend_tiles, tile_plan
 
 NATIVE_MAX_TOKENS = 16  # segments up to this long attend in one native call (decode); longer ones use torch bmm
 
@@ -25,9 +27,32 @@ def gqa_dims(c: dict) -> tuple[int, int, int]:
 
 
 class KVSlot:
-    def __init__(self, memory, hkv: int, dk: int, dv: int):
-        self.k = GrowingBuffer(memory, (hkv, dk), "KV cache")
-        self.v = GrowingBuffer(memory, (hkv, dv), "KV cache")
+    """One sequence's keys and values for one layer, in blocks of the sequence's KV dtype (a window drops old ones)."""
+
+    def __init__(self, memory, hkv: int, dk: int, dv: int, dtype: torch.dtype = torch.float32,
+                 window: int | None = None):
+        self.k = BlockBuffer(memory, (hkv, dk), "KV cache", dtype, window)
+        self.v = BlockBuffer(memory, (hkv, dv), "KV cache", dtype, window)
+
+
+def cache_tiles(slot: KVSlot, rows: int) -> Tiles:
+    """The cache as attend_tiles' key tiles: consecutive blocks merged up to `rows` keys, fp32 [1, Hkv, n, D]."""
+    def merged(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([p.permute(1, 0, 2) for p in parts], dim=1).float().unsqueeze(0)
+
+    def tiles():
+        ks, vs, first = [], [], 0
+        for (f, k), (_, v) in zip(slot.k.tiles(slot.k.dtype), slot.v.tiles(slot.v.dtype)):
+            if not ks:
+                first = f
+            ks.append(k)
+            vs.append(v)
+            if sum(x.shape[0] for x in ks) >= rows:
+                yield first, merged(ks), merged(vs)
+                ks, vs = [], []
+        if ks:
+            yield first, merged(ks), merged(vs)
+    return tiles
 
 
 def causal_mask(pos0: int, t: int, length: int, window: int | None = None) -> torch.Tensor:
@@ -64,11 +89,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 def cached_attention(seg: Segment, slot: KVSlot, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Append this segment's k, v to the cache and attend its queries over the whole cache."""
-    keys = slot.k.append(k)
-    values = slot.v.append(v)
-    mask = causal_mask(seg.pos, q.shape[0], keys.shape[0], window)
-    return attend(q, keys, values, mask, scale, sinks)
+    """Append this segment's k, v [T, Hkv, D] to the cache and attend its queries q [T, Hq, D] over the cache in
+    key tiles (online softmax) sized to the scratch allowance (anything over it is charged while it exists)
+    -> [T, Hq, Dv]."""
+    slot.k.push(k)
+    slot.v.push(v)
+    t, hq, d = q.shape
+    memory = slot.k.memory
+    rows, keys, nbytes = tile_plan(hq, k.shape[1], t, slot.k.kept, d, v.shape[-1], scratch_budget(memory, TILE_BYTES))
+    with scratch(memory, nbytes, "attention scratch"):
+        out = attend_tiles(q.permute(1, 0, 2).unsqueeze(0), cache_tiles(slot, keys), seg.pos, scale, window, sinks,
+                           rows, v.shape[-1])
+    return out[0].permute(1, 0, 2)
 
 
 DECODE_PAD_BYTES = 16 << 20  # padded K+V copy one batched decode attention call may make (bounds the temporary)
@@ -80,30 +112,43 @@ def decode_attention(slots: list[KVSlot], q: torch.Tensor, k: torch.Tensor, v: t
     caches padded to the longest (padding masked out, so the softmax is the per-sequence one). q [n, Hq, D],
     k [n, Hkv, D], v [n, Hkv, Dv] -> [n, Hq, Dv]. Replaces n small attention calls by a few batched ones; the
     padded copy is bounded by DECODE_PAD_BYTES per call."""
-    keys = [s.k.append(k[i:i + 1]) for i, s in enumerate(slots)]
-    values = [s.v.append(v[i:i + 1]) for i, s in enumerate(slots)]
+    for i, s in enumerate(slots):
+        s.k.push(k[i:i + 1])
+        s.v.push(v[i:i + 1])
     out = torch.empty(q.shape[0], q.shape[1], v.shape[-1])
     row = (k[0].numel() + v[0].numel()) * 4
     start = 0
     while start < len(slots):
         longest, end = 0, start
-        while end < len(slots) and (end == start or (end + 1 - start) * max(longest, keys[end].shape[0]) * row
+        while end < len(slots) and (end == start or (end + 1 - start) * max(longest, slots[end].k.kept) * row
                                     <= DECODE_PAD_BYTES):
-            longest = max(longest, keys[end].shape[0])
+            longest = max(longest, slots[end].k.kept)
             end += 1
-        out[start:end] = _padded_decode(q[start:end], keys[start:end], values[start:end], scale, window, sinks)
+        pad = (end - start) * longest * (row + 4 * q.shape[1])  # padded K and V, the scores
+        with scratch(slots[start].k.memory, pad, "batched decode attention"):
+            out[start:end] = _padded_decode(q[start:end], slots[start:end], longest, scale, window, sinks)
         start = end
     return out
 
 
-def _padded_decode(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float,
+def _padded(bufs: list[BlockBuffer], longest: int) -> torch.Tensor:
+    """[n, longest, *row] fp32: each buffer's held rows copied from its blocks, zero padding after."""
+    out = torch.zeros(len(bufs), longest, *bufs[0].row_shape)
+    for i, b in enumerate(bufs):
+        for first, rows in b.tiles(b.dtype):
+            at = first - b.start
+            out[i, at:at + rows.shape[0]] = rows
+    return out
+
+
+def _padded_decode(q: torch.Tensor, slots: list[KVSlot], longest: int, scale: float,
                    window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
     n, hq, _ = q.shape
-    kp = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True)  # [n, L, Hkv, D]
-    vp = torch.nn.utils.rnn.pad_sequence(values, batch_first=True)  # [n, L, Hkv, Dv]
+    kp = _padded([s.k for s in slots], longest)  # [n, L, Hkv, D]
+    vp = _padded([s.v for s in slots], longest)  # [n, L, Hkv, Dv]
     hkv, length = kp.shape[2], kp.shape[1]
     g = hq // hkv
-    lens = torch.tensor([t.shape[0] for t in keys])
+    lens = torch.tensor([s.k.kept for s in slots])
     col = torch.arange(length).unsqueeze(0)
     allowed = col < lens.unsqueeze(1)  # [n, L]: the query is each sequence's last position
     if window is not None:
@@ -147,39 +192,60 @@ class GQAMixer:
         cos, sin = self.rope.cos_sin(batch.positions)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
         out = torch.empty(t, self.heads, self.head_dim)
-        new_slot = lambda: KVSlot(self.memory, self.kv_heads, self.head_dim, self.head_dim)  # noqa: E731
         single = [seg for seg in batch.segments if seg.length == 1 and seg.pos > 0]
         if len(single) < 2:
             single = []
         else:  # decoding sequences: one batched attention instead of one small call each
             rows = torch.tensor([seg.start for seg in single])
-            slots = [seg.state.slot(index, new_slot) for seg in single]
+            slots = [self.slot(seg, index) for seg in single]
             out[rows] = decode_attention(slots, q[rows], k[rows], v[rows], self.scale, self.window, self.sinks)
         done = {id(seg) for seg in single}
         for seg in batch.segments:
             if id(seg) not in done:
                 r = seg.rows
-                out[r] = cached_attention(seg, seg.state.slot(index, new_slot), q[r], k[r], v[r], self.scale,
+                out[r] = cached_attention(seg, self.slot(seg, index), q[r], k[r], v[r], self.scale,
                                           self.window, self.sinks)
         return linear(out.reshape(t, -1), self.o, self.ob)
 
+    def slot(self, seg: Segment, index: int) -> KVSlot:
+        """This layer's cache of the segment's sequence (created in the sequence's KV dtype on first use)."""
+        return seg.state.slot(index, lambda: KVSlot(self.memory, self.kv_heads, self.head_dim, self.head_dim,
+                                                    seg.state.kv_dtype, self.window))
+
     def _native(self, x: torch.Tensor, batch) -> bool:
-        """Small segments, no sinks, rotate-half rope: q/k norms, rope, KV append and attention in one native call
-        per sequence (instead of some thirty small torch ops)."""
+        """Small segments, no sinks, rotate-half rope, a cache that still starts at position 0 (the kernel ropes
+        new keys at their index in the cache; a window that has dropped blocks goes the torch way): q/k norms,
+        rope, KV append and attention in one native call per sequence (instead of some thirty small torch ops)."""
         return (self.sinks is None and not self.rope.interleaved and not x.requires_grad and cpu.available()
                 and self.rope.inv_freq.numel() * 2 == self.head_dim
-                and all(seg.length <= NATIVE_MAX_TOKENS for seg in batch.segments))
+                and all(seg.length <= NATIVE_MAX_TOKENS and (self.window is None
+                                                             or seg.pos - self.window + 1 < BLOCK_TOKENS)
+                        for seg in batch.segments))
 
     def _attend_native(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, index: int) -> torch.Tensor:
         one = len(batch.segments) == 1
         out = None if one else torch.empty(q.shape[0], self.heads, self.head_dim)
         for seg in batch.segments:
-            slot = seg.state.slot(index, lambda: KVSlot(self.memory, self.kv_heads, self.head_dim, self.head_dim))
+            slot = self.slot(seg, index)
             r = seg.rows
-            keys, values = slot.k.append(k[r]), slot.v.append(v[r])  # normed and roped in place by the kernel
-            got = fused.gqa_attend(q[r].contiguous(), keys, values, seg.length, self.scale, self.q_norm, self.k_norm,
-                                 self.eps, self.rope.inv_freq, self.rope.attention_factor, self.window)
+            slot.k.push(k[r])
+            slot.v.push(v[r])
+            got = self._native_call(slot, q[r].contiguous(), seg.length)
             if one:
                 return got
             out[r] = got
         return out
+
+    def _native_call(self, slot: KVSlot, q: torch.Tensor, new: int) -> torch.Tensor:
+        """The kernel wants the cache contiguous fp32: one fp32 block is passed as it is (the kernel norms and
+        ropes the new keys in place); otherwise a gathered copy (charged while it exists) whose new, roped keys
+        are written back to the blocks."""
+        whole = [len(b.blocks) == 1 and b.dtype == torch.float32 for b in (slot.k, slot.v)]
+        nbytes = 0 if all(whole) else slot.k.gather_bytes() + slot.v.gather_bytes()
+        with scratch(slot.k.memory, nbytes, "gathered KV cache"):
+            keys, values = slot.k.gather(), slot.v.gather()
+            got = fused.gqa_attend(q, keys, values, new, self.scale, self.q_norm, self.k_norm, self.eps,
+                                   self.rope.inv_freq, self.rope.attention_factor, self.window)
+            if not whole[0]:
+                slot.k.overwrite_tail(keys[keys.shape[0] - new:])
+        return got

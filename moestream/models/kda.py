@@ -12,14 +12,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moestream.memory.state import Batch, SeqState
+from moestream.memory.state import Batch, SeqState, scratch, scratch_budget
 from moestream.errors import CheckpointError, UnsupportedModelError
 from moestream.kernels import cpu
 from moestream.models.blocks import linear, rms_norm
 
 DECAYS = ("softplus", "lower_bound_sigmoid")
 GATES = ("low_rank", "full_rank")
-CHUNK_SCRATCH = 1 << 23  # max elements of the [heads, c, c, dk] decay scratch per head group: 32 MiB fp32
+CHUNK_SCRATCH = 32 << 20  # bytes of chunk scratch per head group without a budget (with one: the scratch allowance)
 
 
 @dataclass
@@ -86,6 +86,7 @@ class KDAMixer:
         else:
             self.gate = (w.get(f"{p}.g_proj.weight"),)
         self.o_norm, self.o_proj = w.get(f"{p}.o_norm.weight"), w.get(f"{p}.o_proj.weight")
+        self.memory = w.memory
 
     def __call__(self, x: torch.Tensor, batch: Batch, index: int) -> torch.Tensor:
         o = self.opt
@@ -109,7 +110,10 @@ class KDAMixer:
             if seg.length == 1:  # decode: the plain recurrence
                 y, S = kda_recurrent(q, k, v, g[r], beta[r], st.S)
             else:
-                y, S = kda_chunked(q, k, v, g[r], beta[r], st.S, o.chunk)
+                group, nbytes = chunk_plan(o.heads, seg.length, o.chunk, o.head_dim, o.head_dim,
+                                           scratch_budget(self.memory, CHUNK_SCRATCH))
+                with scratch(self.memory, nbytes, "KDA chunk scratch"):
+                    y, S = kda_chunked(q, k, v, g[r], beta[r], st.S, o.chunk, group)
             out[r] = y
             st.S.copy_(S)
         y = rms_norm(out, self.o_norm, o.eps) * torch.sigmoid(self._gate(x))  # [T, H, dv]
@@ -191,11 +195,24 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     return out, S
 
 
+def chunk_plan(heads: int, n: int, chunk: int, dk: int, dv: int, budget: int) -> tuple[int, int]:
+    """(heads per group, scratch bytes) of kda_chunked on an n-token segment: per head of a group, one chunk's
+    [c, c, dk] decay scratch, three [c, c] matrices (a_kk, a_qk, the triangular system), the [c, dk] / [c, dv]
+    temporaries (G, decayed q and k, rhs, u, output) and the state update; as many heads as fit `budget`, at least
+    one (then over it: the caller charges the excess). The [H, n, dv] output and the state copy are outputs."""
+    c = min(chunk, n)
+    per_head = 4 * (c * c * dk + 3 * c * c + 4 * c * dk + 3 * c * dv + 2 * dk * dv)
+    group = min(heads, max(1, budget // per_head))
+    return group, group * per_head
+
+
 def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                S: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same delta rule in chunks (same arguments as kda_recurrent); any length, the last chunk may be short."""
-    heads, c, dk = q.shape[1], min(chunk, q.shape[0]), q.shape[2]
-    group = max(1, CHUNK_SCRATCH // (c * c * dk))
+                S: torch.Tensor, chunk: int = 64, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same delta rule in chunks (same arguments as kda_recurrent); any length, the last chunk may be short.
+    `group` heads at a time bound the scratch (default: chunk_plan's for CHUNK_SCRATCH)."""
+    heads = q.shape[1]
+    if group is None:
+        group, _ = chunk_plan(heads, q.shape[0], chunk, q.shape[2], v.shape[2], CHUNK_SCRATCH)
     hm = [z.transpose(0, 1) for z in (q, k, v, g, beta)]  # head-major [H, n, *]
     out = torch.empty(heads, q.shape[0], v.shape[2])
     S = S.clone()

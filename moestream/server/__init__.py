@@ -82,7 +82,8 @@ def run_serve(args: argparse.Namespace) -> int:
             return 2
     cfg = ServerConfig(model, args.host, args.port, args.ram_budget, args.max_batch, args.max_queue,
                        args.api_key, args.prefix_cache, args.prefill_chunk, args.max_body, name,
-                       threads=args.threads, state_room=args.state_room, request_timeout=args.request_timeout,
+                       threads=args.threads, state_room=args.state_room, kv_dtype=args.kv_dtype,
+                       request_timeout=args.request_timeout,
                        shutdown_timeout=args.shutdown_timeout)
     try:
         srv = ServerState.open(cfg)

@@ -1,8 +1,9 @@
 """Prefix reuse: saved sequence states keyed by the tokens they hold, cloned into new requests that extend them.
 
-Owns `clone_state` (a deep copy of a `SeqState`, every byte re-accounted in the budget, optionally cut back to a
-shorter prefix when the state is only KV rows), `PrefixCache` (LRU under a byte limit) and `step_growth`, the
-bytes a step will add to the states it advances (so saved prefixes can be evicted before the budget runs out).
+Owns `clone_state` (a deep copy of a `SeqState`, every block re-accounted in the budget, optionally cut back to a
+shorter prefix when the state is only KV rows), `PrefixCache` (LRU under a byte limit) and `StateProfile`, which
+replays the KV blocks' allocation to predict a sequence's state and the bytes a step will add (so admission and
+saved-prefix eviction happen before the budget runs out).
 """
 from __future__ import annotations
 
@@ -11,16 +12,16 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from moestream.memory.accountant import MemoryAccountant
-from moestream.memory.state import GROW_TOKENS, GrowingBuffer, SeqState
+from moestream.memory.state import BLOCK_TOKENS, BlockBuffer, SeqState, blocks_held
 
 
 def _is_tensor(x: Any) -> bool:
     return hasattr(x, "clone") and hasattr(x, "numel")  # a torch.Tensor, without importing torch here
 
 
-def _walk(slot: Any, on_buffer: Callable[[GrowingBuffer], Any], on_tensor: Callable[[Any], Any]) -> Any:
-    """Rebuild a per-layer slot, mapping its GrowingBuffers and tensors; immutable values are shared."""
-    if isinstance(slot, GrowingBuffer):
+def _walk(slot: Any, on_buffer: Callable[[BlockBuffer], Any], on_tensor: Callable[[Any], Any]) -> Any:
+    """Rebuild a per-layer slot, mapping its BlockBuffers and tensors; immutable values are shared."""
+    if isinstance(slot, BlockBuffer):
         return on_buffer(slot)
     if _is_tensor(slot):
         return on_tensor(slot)
@@ -41,8 +42,8 @@ def _walk(slot: Any, on_buffer: Callable[[GrowingBuffer], Any], on_tensor: Calla
 
 
 def _leaves(slot: Any) -> list[Any]:
-    """The GrowingBuffers and tensors inside a slot, in order, without copying anything."""
-    if isinstance(slot, GrowingBuffer) or _is_tensor(slot):
+    """The BlockBuffers and tensors inside a slot, in order, without copying anything."""
+    if isinstance(slot, BlockBuffer) or _is_tensor(slot):
         return [slot]
     if isinstance(slot, (list, tuple)):
         return [x for s in slot for x in _leaves(s)]
@@ -53,22 +54,15 @@ def _leaves(slot: Any) -> list[Any]:
     return []
 
 
-def buffers(state: SeqState) -> list[GrowingBuffer]:
-    return [x for x in _leaves(state.layers) if isinstance(x, GrowingBuffer)]
+def buffers(state: SeqState) -> list[BlockBuffer]:
+    return [x for x in _leaves(state.layers) if isinstance(x, BlockBuffer)]
 
 
 def truncatable(state: SeqState) -> bool:
     """Only KV rows (no recurrent matrices, no fixed state) can be cut back to a shorter prefix."""
     leaves = _leaves(state.layers)
-    return (state.fixed_bytes == 0 and all(isinstance(x, GrowingBuffer) for x in leaves)
-            and all(b.length == state.pos for b in leaves))
-
-
-def _row_bytes(b: GrowingBuffer) -> int:
-    row = 1
-    for d in b.row_shape:
-        row *= d
-    return row * b.data.element_size()
+    return (state.fixed_bytes == 0 and all(isinstance(x, BlockBuffer) for x in leaves)
+            and all(b.length == state.pos and b.start == 0 for b in leaves))  # a window's dropped rows are gone
 
 
 def state_bytes(state: SeqState) -> int:
@@ -80,87 +74,70 @@ def clone_state(state: SeqState, upto: int | None = None) -> SeqState:
     n = state.pos if upto is None else upto
     if n != state.pos and not truncatable(state):
         raise ValueError("only a KV-only state can be cloned at a shorter length")
-    keep = (lambda b: b.length) if upto is None else (lambda b: n)  # rows to copy from each buffer
-    total = sum(_row_bytes(b) * keep(b) for b in buffers(state)) + state.fixed_bytes
+    keep = None if upto is None else n  # rows to copy from each buffer
+    total = sum(b.clone_bytes(keep) for b in buffers(state)) + state.fixed_bytes
     state.memory.grow_state(total, "a reused prefix")
-
-    def copy_buffer(b: GrowingBuffer) -> GrowingBuffer:
-        new = GrowingBuffer(b.memory, b.row_shape, b.what, b.dtype)
-        new.data = b.data[:keep(b)].clone()
-        new.length = keep(b)
-        return new
-
     try:
-        layers = _walk(state.layers, copy_buffer, lambda t: t.clone())
+        layers = _walk(state.layers, lambda b: b.clone(keep), lambda t: t.clone())
     except BaseException:
         state.memory.release_state(total)
         raise
-    return SeqState(state.memory, state.num_layers, pos=n, layers=layers, fixed_bytes=state.fixed_bytes)
+    return SeqState(state.memory, state.num_layers, pos=n, layers=layers, fixed_bytes=state.fixed_bytes,
+                    kv_dtype=state.kv_dtype)
 
 
-def compact(state: SeqState) -> None:
-    """Drop the spare rows GrowingBuffers keep for appends (a saved state no longer grows)."""
-    for b in buffers(state):
-        spare = b.nbytes - b.length * _row_bytes(b)
-        if spare > 0:
-            b.data = b.data[:b.length].clone()
-            b.memory.release_state(spare)
-
-
-def _buffer_growth(b: GrowingBuffer, n: int) -> int:
-    """Bytes GrowingBuffer.append will account when `n` rows are appended (mirrors its growth rule)."""
-    need, cap = b.length + n, b.data.shape[0]
-    if need <= cap:
-        return 0
-    new_cap = max(need, cap + GROW_TOKENS, cap * 5 // 4)
-    return (new_cap - cap) * _row_bytes(b)
+def peak_blocks(prompt: int, context: int, chunk: int, window: int | None = None, block: int = BLOCK_TOKENS) -> int:
+    """The most blocks one BlockBuffer holds while its sequence is fed the prompt `chunk` rows at a time, then one
+    row per decoded token up to `context` (its trim and growth replayed). Without a window that is the end; with
+    one, the count is periodic once the window is full, so the decode replay stops after a window and two blocks."""
+    peak = length = 0
+    while length < min(prompt, context):
+        n = min(max(1, chunk), prompt - length)
+        peak = max(peak, blocks_held(length, n, window, block))
+        length += n
+    if window is None:
+        return max(peak, blocks_held(0, context, None, block)) if context > length else peak
+    stop = min(context, length + window + 2 * block)
+    while length < stop:
+        peak = max(peak, blocks_held(length, 1, window, block))
+        length += 1
+    return peak
 
 
 def rows_at(prompt: int, context: int, chunk: int) -> int:
-    """Rows a GrowingBuffer holds once a sequence reaches `context` tokens: the prompt appended `chunk` rows at a
-    time, then one row per decoded token (GrowingBuffer's growth rule replayed, one loop turn per growth)."""
-    cap = length = 0
-    while length < context:
-        if length < cap:  # appends fit until the buffer is full
-            length = min(cap, prompt if length < prompt else context)
-            continue
-        n = min(max(1, chunk), prompt - length) if length < prompt else 1
-        cap = max(length + n, cap + GROW_TOKENS, cap * 5 // 4)
-        length += n
-    return cap
+    """Rows of KV blocks a full-attention cache holds once a sequence reaches `context` tokens."""
+    return peak_blocks(prompt, context, chunk) * BLOCK_TOKENS
 
 
 class StateProfile:
     """What a fresh sequence's state will look like, learned from the first sequence that has state."""
 
     def __init__(self) -> None:
-        self.row_bytes: list[int] | None = None
+        self.shapes: list[tuple[int, int | None, int]] | None = None  # per buffer: block bytes, window, block rows
         self.fixed = 0
 
     def learn(self, state: SeqState) -> None:
-        if self.row_bytes is None and state.pos > 0:
-            bufs = buffers(state)
-            self.row_bytes = [_row_bytes(b) for b in bufs]
+        if self.shapes is None and state.pos > 0:
+            self.shapes = [(b.block_bytes, b.window, b.block) for b in buffers(state)]
             self.fixed = state.fixed_bytes
 
     @property
     def known(self) -> bool:
-        return self.row_bytes is not None
+        return self.shapes is not None
 
     def reserve(self, prompt: int, context: int, chunk: int) -> int:
         """Bytes one sequence's state reaches at `context` tokens when its `prompt` is fed `chunk` tokens at a time
         and the rest one by one, plus its fixed state. 0 before anything is learned."""
-        if self.row_bytes is None:
+        if self.shapes is None:
             return 0
-        rows = rows_at(prompt, context, chunk)
-        return sum(r * rows for r in self.row_bytes) + self.fixed
+        return sum(nb * peak_blocks(prompt, context, chunk, w, blk) for nb, w, blk in self.shapes) + self.fixed
 
     def growth(self, state: SeqState, n: int) -> int:
         if state.pos > 0:
-            return sum(_buffer_growth(b, n) for b in buffers(state))
-        if self.row_bytes is None:
+            return sum(b.growth(n) for b in buffers(state))
+        if self.shapes is None:
             return 0  # nothing learned yet: no state exists, so nothing saved can be evicted either
-        return sum(r * max(n, GROW_TOKENS) for r in self.row_bytes) + self.fixed
+        return sum(nb * blocks_held(0, n, w, blk) for nb, w, blk in self.shapes) + self.fixed
 
 
 def _common_prefix(a: list[int], b: tuple[int, ...]) -> int:
@@ -213,7 +190,6 @@ class PrefixCache:
     def save(self, tokens: list[int], state: SeqState) -> None:
         """Take ownership of `state` (holding exactly `tokens`); frees it when it cannot be kept."""
         key = tuple(tokens)
-        compact(state)
         nbytes = state_bytes(state)
         if key in self.entries or nbytes > self.limit or not key:
             state.release()
