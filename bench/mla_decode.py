@@ -3,6 +3,7 @@
 Builds the layer's bf16 weights directly (about 0.5 GB, no checkpoint), prefills a context of `--context` tokens,
 then times `--steps` single-token decode steps in each mode, side by side in one run. Run it under the bench lock:
     flock /work/bench.lock .venv/bin/python bench/mla_decode.py [--context 512] [--steps 8] [--modes expand,absorb]
+        [--gemv]
 """
 from __future__ import annotations
 
@@ -70,17 +71,50 @@ def run(mode: str, weights: LayerWeights, opts: MLAOptions, context: int, steps:
     return {"mode": mode, "median_s": times[len(times) // 2], "min_s": times[0]}
 
 
+def gemv_rates(weights: LayerWeights, opts: MLAOptions, repeats: int = 7) -> list[dict]:
+    """Each dense projection of the layer at one token through blocks.linear (the native bf16 kernel), and the
+    prepared kv_b per-head products of one absorbed decode step: median seconds and GB/s of weight bytes."""
+    from moestream.models.blocks import linear
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[repeats // 2]
+
+    rows = []
+    for name, w in weights.t.items():
+        if w.dim() == 2 and name != "a.kv_b_proj.weight":
+            x = torch.randn(1, w.shape[1])
+            sec = timed(lambda: linear(x, w))
+            rows.append({"weight": name, "shape": list(w.shape), "seconds": sec,
+                         "gb_per_s": w.numel() * w.element_size() / sec / 1e9})
+    opts.mode = "absorb"
+    heads = MLAMixer(weights, "a", opts).heads
+    q, ctx = torch.randn(opts.heads, 1, opts.qk_nope_head_dim), torch.randn(opts.heads, 1, opts.kv_lora_rank)
+    kv_b = weights.t["a.kv_b_proj.weight"]
+    sec = timed(lambda: (heads.fold_query(q), heads.unfold_context(ctx)))
+    rows.append({"weight": "kv_b per-head fold + unfold", "shape": list(kv_b.shape), "seconds": sec,
+                 "gb_per_s": kv_b.numel() * kv_b.element_size() / sec / 1e9})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--modes", default="expand,absorb")
+    ap.add_argument("--gemv", action="store_true", help="also time each projection's one-token GEMV")
     args = ap.parse_args()
     weights, opts = k3_layer()
     dense = sum(t.numel() * t.element_size() for t in weights.t.values())
     rows = [run(m, weights, opts, args.context, args.steps) for m in args.modes.split(",")]
-    print(json.dumps({"layer_weight_bytes": dense, "context": args.context, "threads": torch.get_num_threads(),
-                      "results": rows}, indent=1))
+    out = {"layer_weight_bytes": dense, "context": args.context, "threads": torch.get_num_threads(), "results": rows}
+    if args.gemv:
+        out["gemv"] = gemv_rates(weights, opts)
+    print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

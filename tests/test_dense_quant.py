@@ -75,3 +75,31 @@ def test_linear_many_mixes_quantised_and_plain_weights():
     a, b = linear_many(x, (w8, plain))
     assert torch.allclose(a, x @ ref8.T, rtol=1e-5, atol=1e-4)
     assert torch.allclose(b, x @ plain.float().T, rtol=1e-5, atol=1e-4)
+
+
+def test_checkpoint_dense_weights_load_as_stored_and_multiply(tmp_path):
+    """QuantDenseWeights answers `X.weight` for an FP8 weight (+ weight_scale_inv) and for an int4 one
+    (weight_packed + weight_scale + weight_shape), keeping the stored bytes as the resident dense bytes."""
+    from safetensors.torch import save_file
+
+    from moestream.memory.accountant import MemoryAccountant
+    from moestream.models.base import DenseWeights
+    from moestream.models.deepseek_v3 import QuantDenseWeights
+    from moestream.weights.index import CheckpointIndex
+
+    torch.manual_seed(5)
+    q, s = quantize_fp8_block(torch.randn(64, 96), (32, 32))
+    packed, scale = pack_int4(torch.randn(40, 100), 32)
+    tensors = {"a.weight": q, "a.weight_scale_inv": s, "b.weight_packed": packed, "b.weight_scale": scale,
+               "b.weight_shape": torch.tensor([40, 100]), "c.weight": torch.randn(8, 96).to(torch.bfloat16)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    memory = MemoryAccountant(None)
+    w = QuantDenseWeights(DenseWeights(CheckpointIndex.open(tmp_path), "", memory), (32, 32), 32)
+    a, b, c = w.get("a.weight"), w.get("b.weight"), w.get("c.weight")
+    assert isinstance(a, BlockFp8Weight) and isinstance(b, Int4Weight) and type(c) is torch.Tensor
+    assert "b.weight" in w and (b.out_features, b.in_features) == (40, 100) and w.get("b.weight") is b
+    assert memory.dense_bytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    x = torch.randn(3, 96)
+    assert torch.allclose(linear(x, a), x @ dequant_fp8_block(q, s, (32, 32)).T, rtol=1e-5, atol=1e-4)
+    x = torch.randn(3, 100)
+    assert torch.allclose(linear(x, b), x @ dequant_int4_packed(packed, scale, 32, (40, 100)).T, rtol=1e-5, atol=1e-4)

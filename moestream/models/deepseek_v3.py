@@ -3,7 +3,8 @@ group-limited sigmoid router with correction bias, first_k_dense_replace dense l
 
 Config (K2.5's multimodal wrapper unwrapped: text model under `text_config`, tensors under `language_model.`,
 vision tower never read), expert layouts (per-expert float, HF-fused float, block-FP8, int4 pack-quantized) and
-model assembly. MLA lives in mla.py; the FP8 / int4 arithmetic in kernels/quant.py.
+model assembly. Block-FP8 / int4 dense weights stay as stored (kernels/qweight.py, multiplied in row chunks); MLA
+lives in mla.py; the FP8 / int4 arithmetic in kernels/quant.py.
 """
 from __future__ import annotations
 
