@@ -25,6 +25,7 @@ from moestream.experts.dispatch import ExpertRunner
 from moestream.experts.reader import IO_THREADS
 from moestream.experts.store import ExpertStore, fp32_nbytes
 from moestream.kernels import cpu
+from moestream.kernels.qweight import dense_scratch_bytes
 from moestream.kernels.quant import GROUP_DECODE_BYTES, SCRATCH_BYTES as QUANT_SCRATCH_BYTES
 from moestream.models.blocks import UPCAST_CHUNK_BYTES
 from moestream.models.base import DenseWeights, ExpertLayout, ModelContext
@@ -68,10 +69,14 @@ def plan(path: str | Path, io_threads: int = IO_THREADS) -> ModelPlan:
 
 def _scratch_bytes(index: CheckpointIndex, dense: list[str], store: ExpertStore, layout: ExpertLayout) -> int:
     """Fixed compute scratch counted in the budget: one expert expanded to fp32, the slab that upcasts a
-    half-precision dense weight (blocks.linear), and the packed-expert decode slabs (kernels.quant, and the
-    grouped decode of several resident experts in latent_moe)."""
+    half-precision dense weight (blocks.linear), the chunk a quantised dense weight decodes into, and the
+    packed-expert decode slabs (kernels.quant, and the grouped decode of several resident experts in latent_moe)."""
     half = [index[n].nbytes * 2 for n in dense if index[n].dtype in ("BF16", "F16")]
     scratch = min(UPCAST_CHUNK_BYTES, max(half, default=0))
+    packed = [index[n].nbytes * (2 if index[n].dtype == "I32" else 1) for n in dense
+              if index[n].dtype in ("F8_E4M3", "I32")]  # elements of quantised dense weights (kernels/qweight.py)
+    if packed:
+        scratch += dense_scratch_bytes(max(packed))
     if layout.moe_layers:
         locs = store.locate(layout.moe_layers[0], 0)
         scratch += sum(fp32_nbytes(loc) for loc in locs)

@@ -290,7 +290,10 @@ def _fp8_decode(weight: Tensor, bits: Tensor, out: Tensor) -> None:
 
 def fp8_block_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, block: tuple[int, int] = FP8_BLOCK,
                      scratch: Tensor | None = None, rows_per_chunk: int | None = None) -> Tensor:
-    """y = x @ W^T for block-FP8 W, chunk by chunk; the per-block scale is folded into x (float32 [..., out])."""
+    """y = x @ W^T for block-FP8 W, chunk by chunk; the per-block scale is folded into x (float32 [..., out]).
+
+    Work memory: one chunk of rows as fp32 (`scratch`, or rows_per_chunk / SCRATCH_BYTES) and int16, and one
+    scaled copy of x; never a whole fp32 weight."""
     _fp8_check(weight, scale_inv, block)
     out_features, in_features = weight.shape
     lead = x.shape[:-1]
@@ -298,10 +301,11 @@ def fp8_block_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, block: tuple[
     rows = min(_rows_per_chunk(rows_per_chunk, in_features, scratch), block[0])
     buf = _scratch_rows(scratch, rows, in_features)
     bits = torch.empty(rows, in_features, dtype=torch.int16)
-    col_scales = scale_inv.to(torch.float32).repeat_interleave(block[1], 1)[:, :in_features]
+    xs = torch.empty_like(x2)  # x times one row block's column scales, reused block after block
     out = torch.empty(x2.shape[0], out_features, dtype=torch.float32)
     for row_block in range(scale_inv.shape[0]):
-        xs = x2 * col_scales[row_block]
+        col_scales = scale_inv[row_block].to(torch.float32).repeat_interleave(block[1])[:in_features]
+        torch.mul(x2, col_scales, out=xs)
         stop = min(out_features, (row_block + 1) * block[0])
         for r in range(row_block * block[0], stop, rows):
             n = min(rows, stop - r)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from moestream.kernels import cpu, fused
+from moestream.kernels.qweight import QuantWeight
 
 
 UPCAST_CHUNK_BYTES = 16 << 20  # fp32 scratch for one slab of upcast weight rows (counted in the engine's scratch)
@@ -21,11 +22,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """x [T, in] fp32 @ w[out, in]^T (+ b), fp32 out.
 
     A 2-D bf16 weight with at most cpu.MAX_TOKENS_BF16 rows of x goes to the native kernel (no upcast at all).
+    A quantised weight (block-FP8, int4: kernels/qweight.py) is decoded a bounded chunk of rows at a time.
     Otherwise a half-precision weight larger than the slab is upcast slab by slab into a bounded scratch, never as
     a whole fp32 copy: a whole copy of K3's lm_head would be a 4.7 GiB temporary outside the RAM budget.
     """
     if b is not None and b.dtype != torch.float32:
         b = b.float()
+    if isinstance(w, QuantWeight):
+        y = w.linear(x)
+        return y if b is None else y + b
     if cpu.bf16_native(w, x):
         y = cpu.linear_bf16(x, w)
         return y if b is None else y + b

@@ -3,7 +3,8 @@ group-limited sigmoid router with correction bias, first_k_dense_replace dense l
 
 Config (K2.5's multimodal wrapper unwrapped: text model under `text_config`, tensors under `language_model.`,
 vision tower never read), expert layouts (per-expert float, HF-fused float, block-FP8, int4 pack-quantized) and
-model assembly. MLA lives in mla.py; the FP8 / int4 arithmetic in kernels/quant.py.
+model assembly. Block-FP8 / int4 dense weights stay as stored (kernels/qweight.py, multiplied in row chunks); MLA
+lives in mla.py; the FP8 / int4 arithmetic in kernels/quant.py.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 
 from moestream.errors import UnsupportedModelError
 from moestream.experts.store import PartSpec
-from moestream.kernels.quant import FP8_BLOCK, dequant_fp8_block, fp8_block_linear, int4_linear
+from moestream.kernels.qweight import BlockFp8Weight, Int4Weight
+from moestream.kernels.quant import FP8_BLOCK, fp8_block_linear, int4_linear
 from moestream.models.base import (DenseWeights, ExpertLayout, Family, Layer, ModelContext, dense_glu, sigmoid_moe,
                                    standard_model)
 from moestream.models.blocks import expert_glu, linear
@@ -138,36 +140,26 @@ def expert_fn(cfg: DeepseekV3Config):
 # ---- dense weights -------------------------------------------------------------------------------------------
 
 
-class BlockFp8Weight(torch.Tensor):
-    """A block-FP8 dense weight kept as its stored e4m3 bytes plus scale_inv (1 byte a weight in RAM, as stored).
+class QuantDenseWeights(DenseWeights):
+    """DenseWeights that pairs `X.weight` (float8_e4m3fn) with `X.weight_scale_inv` (DeepSeek-V3, Kimi K2), and
+    answers `X.weight` with `X.weight_packed` + `X.weight_scale` where a dense weight is int4 pack-quantized. Both
+    stay as stored in RAM; blocks.linear multiplies them chunk by chunk (kernels/qweight.py)."""
 
-    Every consumer upcasts a weight per use with `.float()` (blocks.linear, mla.py), so that is where it is
-    dequantised, exactly, into fp32: the same per-use cost a bf16 weight pays. Torch ops on it are plain
-    (no subclass propagation); anything else than `.float()` sees raw unscaled codes, so reach values only that way.
-    """
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-    scale_inv: torch.Tensor
-    block: tuple[int, int]
-
-    @staticmethod
-    def wrap(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> "BlockFp8Weight":
-        out = weight.as_subclass(BlockFp8Weight)
-        out.scale_inv, out.block = scale_inv, block
-        return out
-
-    def float(self) -> torch.Tensor:  # type: ignore[override]
-        return dequant_fp8_block(self.as_subclass(torch.Tensor), self.scale_inv, self.block)
-
-
-class Fp8DenseWeights(DenseWeights):
-    """DenseWeights that pairs `X.weight` (float8_e4m3fn) with `X.weight_scale_inv` (DeepSeek-V3, Kimi K2)."""
-
-    def __init__(self, base: DenseWeights, block: tuple[int, int]):
+    def __init__(self, base: DenseWeights, block: tuple[int, int], int4_group: int):
         super().__init__(base.index, base.prefix, base.memory)
-        self.block = block
+        self.block, self.int4_group = block, int4_group
+
+    def __contains__(self, name: str) -> bool:
+        return super().__contains__(name) or (name.endswith(".weight") and super().__contains__(name + "_packed"))
 
     def get(self, name: str) -> torch.Tensor:
+        if name.endswith(".weight") and not super().__contains__(name) and super().__contains__(name + "_packed"):
+            if name not in self.loaded:
+                stem = name[:-len("weight")]
+                shape = super().get(stem + "weight_shape") if super().__contains__(stem + "weight_shape") else None
+                self.loaded[name] = Int4Weight.wrap(super().get(name + "_packed"), super().get(stem + "weight_scale"),
+                                                    self.int4_group, None if shape is None else shape.tolist())
+            return self.loaded[name]
         t = super().get(name)
         scale = name + "_scale_inv"
         if t.dtype == torch.float8_e4m3fn and scale in self and not isinstance(t, BlockFp8Weight):
@@ -190,7 +182,7 @@ def softmax_scale(cfg: DeepseekV3Config) -> float:
 
 
 def build(cfg: DeepseekV3Config, ctx: ModelContext):
-    w = Fp8DenseWeights(ctx.weights, cfg.fp8_block)
+    w = QuantDenseWeights(ctx.weights, cfg.fp8_block, cfg.int4_group)
     rope = build_rope(cfg.raw, cfg.raw.get("qk_rope_head_dim", 64), interleaved=cfg.raw.get("rope_interleave", True))
     opts = MLAOptions.from_hf(cfg.raw, rope=rope, scale=softmax_scale(cfg))
     fn = expert_fn(cfg)

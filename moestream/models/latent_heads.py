@@ -1,0 +1,96 @@
+"""MLA's kv_b_proj split per head, prepared once: the key half W_UK [H, dn, r] and the value half W_UV [H, dv, r].
+
+Owns the three products attention needs from kv_b: the query folded into the latent space (q_nope W_UK, absorbed
+form), the latent context brought back out (ctx W_UV^T), and per-head keys / values of a tile of latents (expanded
+form). A resident bf16 kv_b keeps W_UK transposed once (counted as dense bytes) so a decode step's per-head
+products run on the native bf16 kernel with no upcast; a quantised one (block-FP8, int4) is dequantised once to
+fp32 at load (exact, counted); a streamed kv_b (refilled each step) is upcast a bounded chunk of heads at a time.
+"""
+from __future__ import annotations
+
+import torch
+
+from moestream.kernels import cpu
+from moestream.kernels.qweight import QuantWeight, dense_float_rows
+from moestream.memory.accountant import MemoryAccountant
+
+HEAD_CHUNK_BYTES = 16 << 20  # fp32 bytes of kv_b heads upcast at once where a product cannot use the stored form
+
+
+class LatentHeads:
+    def __init__(self, kv_b: torch.Tensor, heads: int, dn: int, dv: int, rank: int,
+                 memory: MemoryAccountant | None):
+        """memory None: kv_b streams (its storage refilled before each use), so nothing is prepared from it."""
+        self.kv_b, self.heads, self.dn, self.dv, self.rank = kv_b, heads, dn, dv, rank
+        self.w32: torch.Tensor | None = None  # [H, dn + dv, r] fp32, when resident in (or dequantised to) fp32
+        self.uk_t: torch.Tensor | None = None  # [H, r, dn] bf16 contiguous: native per-head query fold
+        if memory is None:
+            return
+        if isinstance(kv_b, QuantWeight) or kv_b.dtype not in (torch.bfloat16, torch.float32):
+            self.w32 = self._dequantised()
+            memory.add_dense(self.w32.numel() * 4)
+        elif kv_b.dtype == torch.float32:
+            self.w32 = kv_b.view(heads, dn + dv, rank)
+        elif cpu.available():
+            self.uk_t = self._per_head(kv_b)[:, :dn].transpose(1, 2).contiguous()
+            memory.add_dense(self.uk_t.numel() * self.uk_t.element_size())
+
+    def _per_head(self, w: torch.Tensor) -> torch.Tensor:
+        return w.view(self.heads, self.dn + self.dv, self.rank)
+
+    def _dequantised(self) -> torch.Tensor:
+        """kv_b as fp32 [H, dn + dv, r], decoded a bounded chunk of rows at a time (no whole-tensor temporaries)."""
+        rows = self.heads * (self.dn + self.dv)
+        out = torch.empty(rows, self.rank)
+        step = max(1, HEAD_CHUNK_BYTES // (4 * self.rank))
+        for r in range(0, rows, step):
+            out[r:r + step] = dense_float_rows(self.kv_b, r, min(rows, r + step))
+        return self._per_head(out)
+
+    def _native(self, tokens: int) -> bool:
+        return self.uk_t is not None and tokens <= cpu.MAX_TOKENS_BF16
+
+    def _chunks(self):
+        """(h0, h1, fp32 [h1 - h0, dn + dv, r]) over all heads: views of w32, else a bounded upcast of kv_b."""
+        if self.w32 is not None:
+            yield 0, self.heads, self.w32
+            return
+        per = self.dn + self.dv
+        step = max(1, HEAD_CHUNK_BYTES // (4 * per * self.rank))
+        for h0 in range(0, self.heads, step):
+            h1 = min(self.heads, h0 + step)
+            yield h0, h1, dense_float_rows(self.kv_b, h0 * per, h1 * per).view(h1 - h0, per, self.rank)
+
+    def fold_query(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [H, n, dn] -> [H, n, r]: each head's query through its key half (absorbed attention)."""
+        h, n, _ = q_nope.shape
+        out = torch.empty(h, n, self.rank)
+        if self._native(n):
+            for i in range(h):
+                out[i] = cpu.linear_bf16(q_nope[i].contiguous(), self.uk_t[i])
+            return out
+        for h0, h1, w in self._chunks():
+            torch.matmul(q_nope[h0:h1], w[:, :self.dn], out=out[h0:h1])
+        return out
+
+    def unfold_context(self, ctx: torch.Tensor) -> torch.Tensor:
+        """ctx [H, n, r] (attention over the latents) -> [H, n, dv] through each head's value half."""
+        h, n, _ = ctx.shape
+        out = torch.empty(h, n, self.dv)
+        if self._native(n):
+            values = self._per_head(self.kv_b)
+            for i in range(h):
+                out[i] = cpu.linear_bf16(ctx[i].contiguous(), values[i, self.dn:])
+            return out
+        for h0, h1, w in self._chunks():
+            torch.matmul(ctx[h0:h1], w[:, self.dn:].transpose(1, 2), out=out[h0:h1])
+        return out
+
+    def expand(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents c [k, r] -> per-head keys [H, k, dn] and values [H, k, dv] (expanded attention, one key tile)."""
+        keys = torch.empty(self.heads, c.shape[0], self.dn)
+        values = torch.empty(self.heads, c.shape[0], self.dv)
+        for h0, h1, w in self._chunks():
+            torch.matmul(c, w[:, :self.dn].transpose(1, 2), out=keys[h0:h1])
+            torch.matmul(c, w[:, self.dn:].transpose(1, 2), out=values[h0:h1])
+        return keys, values

@@ -1,0 +1,124 @@
+"""MLA's kv_b prepared once per head (latent_heads.py) and the key-tiled online-softmax attention: every storage
+form of kv_b (bf16 native, fp32, block-FP8, streamed) gives the same products as the dequantised matrix, the tiled
+attention equals a full softmax, and the mixer's modes agree on bf16 weights and a bf16 latent cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FakeWeights, max_rel_diff
+from moestream.kernels import cpu
+from moestream.kernels.qweight import BlockFp8Weight
+from moestream.kernels.quant import dequant_fp8_block, quantize_fp8_block
+from moestream.memory.accountant import MemoryAccountant
+from moestream.memory.state import Batch, SeqState
+from moestream.models import mla
+from moestream.models.latent_heads import LatentHeads
+from moestream.models.mla import MLAMixer, MLAOptions, tiled_causal_attention
+
+H, DN, DV, R = 4, 16, 12, 32
+
+
+def _kv_b(form: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv_b in `form`, its exact fp32 values [H * (dn + dv), r])."""
+    w = torch.randn(H * (DN + DV), R) * 0.2
+    if form == "fp8":
+        q, s = quantize_fp8_block(w, (32, 32))
+        return BlockFp8Weight.wrap(q, s, (32, 32)), dequant_fp8_block(q, s, (32, 32))
+    if form == "fp32":
+        return w, w
+    b = w.to(torch.bfloat16)
+    return b, b.float()
+
+
+@pytest.mark.parametrize("form", ["bf16", "fp32", "fp8", "bf16-streamed"])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_latent_heads_products_match_the_dequantised_kv_b(form, tokens):
+    torch.manual_seed(0)
+    kv_b, ref = _kv_b(form.split("-")[0])
+    memory = MemoryAccountant(None)
+    heads = LatentHeads(kv_b, H, DN, DV, R, None if form.endswith("streamed") else memory)
+    ref = ref.view(H, DN + DV, R)
+    q, ctx, c = torch.randn(H, tokens, DN), torch.randn(H, tokens, R), torch.randn(tokens, R)
+    assert torch.allclose(heads.fold_query(q), torch.einsum("htd,hdr->htr", q, ref[:, :DN]), atol=1e-5)
+    assert torch.allclose(heads.unfold_context(ctx), torch.einsum("htr,hvr->htv", ctx, ref[:, DN:]), atol=1e-5)
+    keys, values = heads.expand(c)
+    assert torch.allclose(keys, torch.einsum("hdr,lr->hld", ref[:, :DN], c), atol=1e-5)
+    assert torch.allclose(values, torch.einsum("hvr,lr->hlv", ref[:, DN:], c), atol=1e-5)
+
+
+def test_prepared_bytes_are_counted_once_at_load():
+    torch.manual_seed(1)
+    memory = MemoryAccountant(None)
+    LatentHeads(_kv_b("fp8")[0], H, DN, DV, R, memory)
+    assert memory.dense_bytes == H * (DN + DV) * R * 4  # dequantised once to fp32
+    memory = MemoryAccountant(None)
+    heads = LatentHeads(_kv_b("bf16")[0], H, DN, DV, R, memory)
+    if cpu.available():  # the key half transposed for the native kernel: half of kv_b's bf16 bytes
+        assert memory.dense_bytes == H * DN * R * 2 and heads.uk_t.shape == (H, R, DN)
+    memory = MemoryAccountant(None)
+    LatentHeads(_kv_b("fp32")[0], H, DN, DV, R, memory)
+    assert memory.dense_bytes == 0  # fp32 kv_b is used in place
+    LatentHeads(_kv_b("bf16")[0], H, DN, DV, R, None)  # streamed: nothing prepared, nothing counted
+
+
+@pytest.mark.parametrize("pos0,n,length", [(0, 37, 37), (20, 1, 21), (10, 9, 19), (0, 200, 200)])
+def test_tiled_attention_equals_full_softmax(monkeypatch, pos0, n, length):
+    """Small score blocks force several query blocks and key tiles (and tiles wholly in a block's future)."""
+    monkeypatch.setattr(mla, "SCORE_BLOCK", 3 * 8 * 8)
+    monkeypatch.setattr(mla, "MIN_KEY_TILE", 8)
+    torch.manual_seed(2)
+    h, d, dr, dv = 3, 10, 4, 6
+    q, q_r = torch.randn(h, n, d), torch.randn(h, n, dr)
+    keys, k_r, values = torch.randn(h, length, d), torch.randn(length, dr), torch.randn(h, length, dv)
+    calls = []
+
+    def tile(l0, l1):
+        calls.append((l0, l1))
+        return keys[:, l0:l1], k_r[l0:l1], values[:, l0:l1]
+
+    got = tiled_causal_attention(q, q_r, tile, length, dv, pos0, 0.3)
+    scores = (q @ keys.transpose(1, 2) + q_r @ k_r.T) * 0.3
+    seen = torch.arange(length).unsqueeze(0) <= torch.arange(pos0, pos0 + n).unsqueeze(1)
+    want = torch.softmax(scores.masked_fill(~seen, float("-inf")), -1) @ values
+    assert torch.allclose(got, want, atol=1e-5)
+    assert max(l1 - l0 for l0, l1 in calls) <= max(8, 3 * 8 * 8 // (h * 1))
+    if n > 1:
+        assert len(calls) > 1
+
+
+def _mixer_tensors(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    torch.manual_seed(3)
+    hidden, dr = 64, 8
+    shapes = {"q_proj.weight": (H * (DN + dr), hidden), "kv_a_proj_with_mqa.weight": (R + dr, hidden),
+              "kv_a_layernorm.weight": (R,), "kv_b_proj.weight": (H * (DN + DV), R), "o_proj.weight": (hidden, H * DV)}
+    return {f"attn.{k}": (torch.randn(s) * 0.3 + (1.0 if len(s) == 1 else 0.0)).to(dtype) for k, s in shapes.items()}
+
+
+def _run(tensors, mode: str, splits: list[int], kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    opts = MLAOptions(heads=H, kv_lora_rank=R, qk_nope_head_dim=DN, qk_rope_head_dim=8, v_head_dim=DV, mode=mode)
+    mixer = MLAMixer(FakeWeights(tensors), "attn", opts)
+    x = torch.randn(sum(splits), 64, generator=torch.Generator().manual_seed(4))
+    state, outs = SeqState(MemoryAccountant(None), 1), []
+    state.kv_dtype = kv_dtype  # the field memory/state.py's SeqState carries when --kv-dtype exists
+    for n in splits:
+        outs.append(mixer(x[state.pos:state.pos + n], Batch.build([(state, n)]), 0))
+        state.pos += n
+    assert state.layers[0].latents.dtype == kv_dtype
+    return torch.cat(outs)
+
+
+def test_bf16_weights_every_mode_matches_the_fp32_expansion():
+    """bf16 kv_b takes the prepared per-head path (native kernel for decode rows); its result is the fp32 one."""
+    bf16 = _mixer_tensors(torch.bfloat16)
+    want = _run({k: v.float() for k, v in bf16.items()}, "expand", [30])
+    for mode in ("expand", "absorb", "auto"):
+        for splits in ([30], [5, 1, 1, 1, 22], [29, 1]):
+            assert max_rel_diff(_run(bf16, mode, splits), want) < 1e-5, (mode, splits)
+
+
+def test_bf16_latent_cache_stays_close():
+    bf16 = _mixer_tensors(torch.bfloat16)
+    want = _run(bf16, "auto", [20, 1, 1])
+    got = _run(bf16, "auto", [20, 1, 1], kv_dtype=torch.bfloat16)
+    assert max_rel_diff(got, want) < 2e-2
