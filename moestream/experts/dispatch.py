@@ -25,7 +25,7 @@ from moestream.errors import BudgetError
 from moestream.experts.cache import ExpertCache
 from moestream.experts.policies import HeatPolicy, POLICIES, heat_path
 from moestream.experts.prefetch import Lookahead, RouterFn
-from moestream.experts.reader import AHEAD
+from moestream.experts.reader import AHEAD, SCAN_DEPTH
 from moestream.experts.store import ExpertBlob, ExpertStore
 from moestream.kernels.cpu import bf16_native
 
@@ -104,6 +104,8 @@ class ExpertRunner:
         hits = [e for e in uniq if (layer, e) in self.cache]
         waiting = [e for e in uniq if (layer, e) not in self.cache]
         self.scan = self._scan_window(layer, len(uniq), ids.shape[1])
+        reader = self.store.reader
+        reader.set_depth(max(SCAN_DEPTH, reader.threads) if self.scan else reader.threads)
         started = self._start(layer, waiting, need, evict=not self.scan)
         if self.scan and not waiting:
             self._scan_ahead(layer, x, need)
