@@ -34,16 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disk-bw", type=float, default=1.2e9, help="bytes/s for the I/O floor")
     ap.add_argument("--state-per-seq", type=int, default=4 << 20, help="bytes of state room per sequence")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--cpu", action="store_true", help="profile the main thread's CPU time instead of wall time")
     args = ap.parse_args(argv)
     from moestream import Engine
-    from moestream.models import attention
 
     budget = default_budget(args.model) + args.batch * args.state_per_seq
     eng = Engine.open(args.model, budget, threads=args.threads)
     rate = matmul_rate(torch.float32)
     flops = FlopModel.of(eng)
-    attn_s = [0.0]
-    inner = attention.attend if hasattr(attention, "attend") else None
     gen = torch.Generator().manual_seed(0)
     states = [eng.new_sequence() for _ in range(args.batch)]
     prompts = torch.randint(3, eng.vocab_size, (args.batch, args.prompt_len), generator=gen).tolist()
@@ -55,9 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     nxt = [[int(torch.randint(3, eng.vocab_size, (1,), generator=gen))] for _ in states]
     out = {"batch": args.batch, "budget": budget, "prefill_s": prefill_s, "fp32_flops_per_s": rate, "steps": []}
     for k in range(args.steps):
-        r, io = eng.runner.times, eng.plan.store.reader.stats
-        before = (r.io_wait_s, r.expert_s, r.lookahead_s, eng.plan.store.bytes_read, io.busy_s)
-        prof = cProfile.Profile() if args.profile and k == args.steps - 1 else None
+        r, stats = eng.runner.times, eng.plan.store.reader.stats
+        before = (r.io_wait_s, r.expert_s, r.lookahead_s, eng.plan.store.bytes_read, stats.busy_s, time.thread_time(),
+                  time.process_time())
+        last = args.profile and k == args.steps - 1
+        prof = (cProfile.Profile(time.thread_time) if args.cpu else cProfile.Profile()) if last else None
         t = time.perf_counter()
         if prof:
             prof.enable()
@@ -65,28 +65,32 @@ def main(argv: list[str] | None = None) -> int:
         if prof:
             prof.disable()
         wall = time.perf_counter() - t
+        main_cpu, proc_cpu = time.thread_time() - before[5], time.process_time() - before[6]
         nbytes = eng.plan.store.bytes_read - before[3]
         s = Step(wall, nbytes, args.batch, args.batch, args.batch * (args.prompt_len + k + 1), args.batch)
         f = flops.step(s)
         out["steps"].append({
             "wall_s": wall, "io_wait_s": r.io_wait_s - before[0], "expert_s": r.expert_s - before[1],
-            "lookahead_s": r.lookahead_s - before[2], "bytes_read": nbytes, "disk_busy_s": io.busy_s - before[4],
-            "read_rate_while_busy": nbytes / max(1e-9, io.busy_s - before[4]), "flops": f,
+            "lookahead_s": r.lookahead_s - before[2], "main_thread_cpu_s": main_cpu, "process_cpu_s": proc_cpu,
+            "bytes_read": nbytes, "disk_busy_s": stats.busy_s - before[4],
+            "read_rate_while_busy": nbytes / max(1e-9, stats.busy_s - before[4]), "flops": f,
             "io_floor_s": nbytes / args.disk_bw, "compute_floor_s": f / rate,
             "roofline_fraction": max(nbytes / args.disk_bw, f / rate) / wall,
             "hit_rate": eng.stats["expert_hit_rate"]})
         if prof:
-            buf = io_ = io.StringIO() if False else __import__("io").StringIO()
-            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-            out["profile_tottime"] = buf.getvalue()
-            buf = __import__("io").StringIO()
-            pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
-            out["profile_cumulative"] = buf.getvalue()
+            out["profile_tottime"] = _table(prof, "tottime", 25)
+            out["profile_cumulative"] = _table(prof, "cumulative", 40)
     prof_text = (out.pop("profile_tottime", ""), out.pop("profile_cumulative", ""))
     print(json.dumps(out, indent=1))
     for p in prof_text:
         print(p)
     return 0
+
+
+def _table(prof: cProfile.Profile, key: str, n: int) -> str:
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(n)
+    return buf.getvalue()
 
 
 if __name__ == "__main__":
