@@ -81,3 +81,20 @@ def test_grouped_native_experts_match_per_expert_and_refuse_scale_255():
     bad[3]["w2_scale"][1, 0] = 255
     with pytest.raises(CheckpointError, match="255|0xFF|NaN"):
         mxfp4_group(act)(z, ids, w, list(range(n_exp)), bad, torch.zeros(6, latent))
+
+
+def test_routing_slices_match_per_expert_nonzero():
+    """A multi-row step's pairs sorted once by expert: each expert's slice is exactly the rows (ascending) and the
+    routing weights that a compare + nonzero per expert finds, and the experts are the step's sorted union."""
+    from moestream.experts.dispatch import Routing
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(37)])  # [37, 4], distinct per row
+    weights = torch.rand(37, 4, generator=g).to(torch.bfloat16)
+    route = Routing.of(ids, weights)
+    assert route.experts == torch.unique(ids).tolist()
+    for e in route.experts:
+        rows, w = route.pairs(e)
+        want_rows, slots = torch.nonzero(ids == e, as_tuple=True)
+        assert torch.equal(rows, want_rows)
+        assert torch.equal(w, weights[want_rows, slots].unsqueeze(-1).float())

@@ -70,6 +70,33 @@ def test_reads_return_file_bytes(data_file, direct):
         reader.close()
 
 
+def test_depth_bounds_reads_in_flight(data_file):
+    """A scan raises the depth (more I/O threads, more reads in flight) and lowers it again; never more runs in
+    flight than the depth, every read lands with the file's bytes."""
+    path, data = data_file
+    reader = Reader(threads=2)
+    seen = []
+    real = reader._read_run
+
+    def counting(run, view):
+        seen.append(reader._running)
+        return real(run, view)
+
+    reader._read_run = counting
+    try:
+        for depth in (4, 1, 2):
+            reader.set_depth(depth)
+            spans = [Span(path, i * 4096, DIRECT_MIN) for i in range(12)]
+            futs = [reader.submit(plan_reads([s])) for s in spans]
+            for s, f in zip(spans, futs):
+                assert bytes(f.result()[:s.nbytes]) == data[s.offset:s.offset + s.nbytes]
+            assert max(seen) <= depth
+            seen.clear()
+        assert len(reader._workers) == 4
+    finally:
+        reader.close()
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_reads_do_not_fill_the_page_cache(data_file, direct):
     path, data = data_file

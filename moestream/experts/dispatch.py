@@ -4,9 +4,9 @@ Owns the order of work in one MoE layer step: reads for missing experts are queu
 has room for, the rest as room frees), resident experts compute while those reads are in flight, then each
 read expert computes as it lands; the lookahead's reads for the next layer are queued behind this layer's
 reads (at the reader's lower priority), promoted if the next layer routes to them and withdrawn, if not yet
-started, when it does not. Also the fp32 combine, the expert statistics and the phase timings. The family
-supplies the router output and a function computing one expert from its tensors; this module never parses
-weight names.
+started, when it does not. Also the fp32 combine (a multi-row step's pairs sorted by expert once), the expert
+statistics and the phase timings. The family supplies the router output and a function computing one expert from
+its tensors; this module never parses weight names.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from moestream.errors import BudgetError
 from moestream.experts.cache import ExpertCache
 from moestream.experts.policies import HeatPolicy, POLICIES, heat_path
 from moestream.experts.prefetch import Lookahead, RouterFn
-from moestream.experts.reader import AHEAD
+from moestream.experts.reader import AHEAD, SCAN_DEPTH
 from moestream.experts.store import ExpertBlob, ExpertStore
 from moestream.kernels.cpu import bf16_native
 
@@ -92,7 +92,8 @@ class ExpertRunner:
         With `group`, the experts already resident are computed by one grouped call (fewer, larger kernels:
         what lets a batch of sequences share a layer step); experts still being read go one by one."""
         out = torch.zeros(x.shape[0], out_dim or x.shape[1], dtype=torch.float32)
-        uniq = torch.unique(ids).tolist()
+        route = Routing.of(ids, weights) if x.shape[0] > 1 else None
+        uniq = route.experts if route is not None else torch.unique(ids).tolist()
         if self.times.steps == 0:
             self.configure_pins(layer)
         self.times.steps += 1
@@ -103,6 +104,8 @@ class ExpertRunner:
         hits = [e for e in uniq if (layer, e) in self.cache]
         waiting = [e for e in uniq if (layer, e) not in self.cache]
         self.scan = self._scan_window(layer, len(uniq), ids.shape[1])
+        reader = self.store.reader
+        reader.set_depth(max(SCAN_DEPTH, reader.threads) if self.scan else reader.threads)
         started = self._start(layer, waiting, need, evict=not self.scan)
         if self.scan and not waiting:
             self._scan_ahead(layer, x, need)
@@ -116,12 +119,12 @@ class ExpertRunner:
         for e, blob in zip(hits, blobs):
             self._use(layer, e, hit=True)
             if not grouped:
-                self._apply(out, x, ids, weights, e, blob, fn)
+                self._apply(out, x, route or ids, weights, e, blob, fn)
             need.discard((layer, e))
         for e in ahead:
             self._spill((layer, e))
         self.times.expert_s += time.perf_counter() - t
-        self._drain(layer, x, (out, ids, weights, fn), started, waiting, need)
+        self._drain(layer, x, (out, route or ids, weights, fn), started, waiting, need)
         self.store.reader.pool.trim()  # buffers evicted beyond what this step re-used: back to the OS
         self.memory.observe()
         return out
@@ -149,7 +152,7 @@ class ExpertRunner:
     def _drain(self, layer: int, x: torch.Tensor, work: tuple, started: dict[Future, int], waiting: list[int],
                need: set[Key]) -> None:
         """Compute each read expert once it lands, in queue order; start the rest of `waiting` as computed experts
-        free room. `work` is (out, ids, weights, fn) for `_apply`."""
+        free room. `work` is (out, routing or ids, weights, fn) for `_apply`."""
         out, ids, weights, fn = work
         while started or waiting:
             if not started:
@@ -293,14 +296,42 @@ class ExpertRunner:
         if isinstance(self.cache.policy, HeatPolicy):
             self.cache.policy.save()
 
-    def _apply(self, out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e: int,
-               blob: ExpertBlob, fn: ExpertFn) -> None:
-        rows, slots = torch.nonzero(ids == e, as_tuple=True)
+    def _apply(self, out: torch.Tensor, x: torch.Tensor, route: "Routing | torch.Tensor", weights: torch.Tensor,
+               e: int, blob: ExpertBlob, fn: ExpertFn) -> None:
+        if isinstance(route, Routing):
+            rows, w = route.pairs(e)
+        else:
+            rows, slots = torch.nonzero(route == e, as_tuple=True)
+            w = weights[rows, slots].unsqueeze(-1).float()
         # one row: the native bf16 kernel (a GEMV reads the stored bytes once); several rows: expand once and run
         # one fp32 GEMM over all of them, 8 to 60x faster than the native kernel at 2 to 16 rows (docs/performance.md)
         native_rows = rows.numel() if rows.numel() <= NATIVE_MAX_ROWS else None
-        y = fn(x[rows], self.upcast(blob.tensors(), native_rows)).float()  # [n, D]
-        out.index_add_(0, rows, y * weights[rows, slots].unsqueeze(-1).float())
+        y = fn(x.index_select(0, rows), self.upcast(blob.tensors(), native_rows)).float()  # [n, D]
+        out.index_add_(0, rows, y * w)
+
+
+class Routing:
+    """A multi-row step's (row, slot) pairs sorted by expert once (one argsort instead of a compare and a nonzero
+    per expert): each expert's pairs are one contiguous slice, rows ascending as nonzero would give them, so its
+    GEMM sees the same input and the combine adds the same products in the same order."""
+
+    def __init__(self, rows: torch.Tensor, weights: torch.Tensor, experts: list[int], spans: dict[int, slice]):
+        self.rows, self.weights, self.experts, self._spans = rows, weights, experts, spans
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, weights: torch.Tensor) -> "Routing":
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        ends = torch.cumsum(counts, 0).tolist()
+        spans = {e: slice(end - n, end) for e, n, end in zip(experts.tolist(), counts.tolist(), ends)}
+        rows = torch.div(order, ids.shape[1], rounding_mode="floor")
+        return cls(rows, weights.reshape(-1)[order].float().unsqueeze(-1), list(spans), spans)
+
+    def pairs(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows routed to `e` (ascending) and their routing weights [n, 1] fp32."""
+        span = self._spans[e]
+        return self.rows[span], self.weights[span]
 
 
 class Upcast:

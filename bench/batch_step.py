@@ -1,0 +1,97 @@
+"""Where one large batch step's time goes (issue #11): B sequences decoding together on a checkpoint at a budget of
+dense + scratch + a quarter of the experts + their state, a few timed decode steps after a short prefill.
+
+    python bench/batch_step.py /work/synth/q3m_med --batch 256 [--prompt-len 4] [--steps 2] [--profile]
+
+Reports per step: wall, I/O wait and expert time (the runner's own clocks), attention (models' attend calls),
+bytes read and the disk's rate while reading, and the step roofline (bytes / --disk-bw vs FLOPs / the fp32 matmul
+rate measured here). --profile adds a cProfile table of the last step (cumulative time, top functions).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from batch_throughput import FlopModel, Step, default_budget, matmul_rate  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", type=Path, nargs="?", default=Path("/work/synth/q3m_med"))
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--disk-bw", type=float, default=1.2e9, help="bytes/s for the I/O floor")
+    ap.add_argument("--state-per-seq", type=int, default=4 << 20, help="bytes of state room per sequence")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--cpu", action="store_true", help="profile the main thread's CPU time instead of wall time")
+    args = ap.parse_args(argv)
+    from moestream import Engine
+
+    budget = default_budget(args.model) + args.batch * args.state_per_seq
+    eng = Engine.open(args.model, budget, threads=args.threads)
+    rate = matmul_rate(torch.float32)
+    flops = FlopModel.of(eng)
+    gen = torch.Generator().manual_seed(0)
+    states = [eng.new_sequence() for _ in range(args.batch)]
+    prompts = torch.randint(3, eng.vocab_size, (args.batch, args.prompt_len), generator=gen).tolist()
+    t = time.perf_counter()
+    per = max(1, 2048 // args.prompt_len)
+    for i in range(0, args.batch, per):
+        logits = eng.step(list(zip(states[i:i + per], prompts[i:i + per])))
+    prefill_s = time.perf_counter() - t
+    nxt = [[int(torch.randint(3, eng.vocab_size, (1,), generator=gen))] for _ in states]
+    out = {"batch": args.batch, "budget": budget, "prefill_s": prefill_s, "fp32_flops_per_s": rate, "steps": []}
+    for k in range(args.steps):
+        r, stats = eng.runner.times, eng.plan.store.reader.stats
+        before = (r.io_wait_s, r.expert_s, r.lookahead_s, eng.plan.store.bytes_read, stats.busy_s, time.thread_time(),
+                  time.process_time())
+        last = args.profile and k == args.steps - 1
+        prof = (cProfile.Profile(time.thread_time) if args.cpu else cProfile.Profile()) if last else None
+        t = time.perf_counter()
+        if prof:
+            prof.enable()
+        eng.step(list(zip(states, nxt)))
+        if prof:
+            prof.disable()
+        wall = time.perf_counter() - t
+        main_cpu, proc_cpu = time.thread_time() - before[5], time.process_time() - before[6]
+        nbytes = eng.plan.store.bytes_read - before[3]
+        s = Step(wall, nbytes, args.batch, args.batch, args.batch * (args.prompt_len + k + 1), args.batch)
+        f = flops.step(s)
+        out["steps"].append({
+            "wall_s": wall, "io_wait_s": r.io_wait_s - before[0], "expert_s": r.expert_s - before[1],
+            "lookahead_s": r.lookahead_s - before[2], "main_thread_cpu_s": main_cpu, "process_cpu_s": proc_cpu,
+            "bytes_read": nbytes, "disk_busy_s": stats.busy_s - before[4],
+            "read_rate_while_busy": nbytes / max(1e-9, stats.busy_s - before[4]), "flops": f,
+            "io_floor_s": nbytes / args.disk_bw, "compute_floor_s": f / rate,
+            "roofline_fraction": max(nbytes / args.disk_bw, f / rate) / wall,
+            "hit_rate": eng.stats["expert_hit_rate"]})
+        if prof:
+            out["profile_tottime"] = _table(prof, "tottime", 25)
+            out["profile_cumulative"] = _table(prof, "cumulative", 40)
+    prof_text = (out.pop("profile_tottime", ""), out.pop("profile_cumulative", ""))
+    print(json.dumps(out, indent=1))
+    for p in prof_text:
+        print(p)
+    return 0
+
+
+def _table(prof: cProfile.Profile, key: str, n: int) -> str:
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(n)
+    return buf.getvalue()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
