@@ -26,11 +26,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def decode(path: Path, budget: str, prompt: list[int], gen: int, lookahead_reads: int | None) -> dict:
+def decode(path: Path, budget: str, prompt: list[int], gen: int, lookahead_reads: int | None, threads: int) -> dict:
     """One decode from a fresh engine: prefill, then `gen` tokens; network counters over the decode only."""
     from moestream.engine.engine import Engine
 
-    eng = Engine.open(path, ram_budget=budget)
+    eng = Engine.open(path, ram_budget=budget, threads=threads)
     if lookahead_reads is not None:
         eng.runner.lookahead.reads = lookahead_reads
     stats = getattr(eng.plan.store.index, "stats", lambda: {})
@@ -65,6 +65,9 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--io-threads", type=int, default=8, help="range requests in flight (default 8)")
     ap.add_argument("--lookahead-reads", type=int, default=None, help="predicted experts read ahead per layer")
+    ap.add_argument("--threads", type=int, default=1, help="compute threads (default 1: on a shared machine more "
+                    "threads wait on each other's barriers, docs/performance.md)")
+    ap.add_argument("--tmp", type=Path, default=None, help="where the SSD tier goes (default: the system's temp dir)")
     a = ap.parse_args()
 
     from moestream.weights import remote
@@ -74,11 +77,11 @@ def main() -> int:
                               stdout=subprocess.PIPE, text=True)
     try:
         os.environ["HF_ENDPOINT"] = server.stdout.readline().strip()
-        with tempfile.TemporaryDirectory(dir=a.dir.parent) as tmp:
+        with tempfile.TemporaryDirectory(dir=a.tmp) as tmp:
             remote.SETTINGS.disk_cache, remote.SETTINGS.io_threads = Path(tmp), a.io_threads
             prompt = [(i * 7919) % 1000 + 5 for i in range(a.prompt_len)]
             stub = remote.resolve("hf://bench/model")
-            runs = {name: decode(p, a.ram_budget, prompt, a.gen, a.lookahead_reads)
+            runs = {name: decode(p, a.ram_budget, prompt, a.gen, a.lookahead_reads, a.threads)
                     for name, p in (("cold", stub), ("warm", stub), ("local", a.dir))}
     finally:
         server.terminate()

@@ -140,14 +140,18 @@ class RemoteFile:
             self._fetch_group(group)
 
     def _fetch_group(self, group: list[tuple[int, memoryview]]) -> None:
+        """One request for neighbouring pieces; each piece is kept on disk as its own range, so a later read of
+        one expert is one whole range file (read straight into its buffer) rather than part of a larger one."""
         if len(group) == 1:
             self._download(*group[0])
             return
         lo, hi = group[0][0], max(o + len(v) for o, v in group)
         buf = memoryview(bytearray(hi - lo))
-        self._download(lo, buf)
+        self._download(lo, buf, keep=False)
         for off, view in group:
             view[:] = buf[off - lo:off - lo + len(view)]
+            if self.cache is not None:
+                self.cache.put(self.key, off, view)
 
     def _clip(self, offset: int, out: memoryview) -> memoryview:
         """The part of `out` inside the file; the rest (alignment padding past the end) is zeroed."""
@@ -166,14 +170,15 @@ class RemoteFile:
             return
         self._download(offset, out)
 
-    def _download(self, offset: int, out: memoryview) -> None:
-        """One range request (offline: the error naming the missing bytes); the bytes are then kept on disk."""
+    def _download(self, offset: int, out: memoryview, keep: bool = True) -> None:
+        """One range request (offline: the error naming the missing bytes); the bytes are then kept on disk
+        (unless `keep` is False: the caller keeps its parts)."""
         if self.client is None:
             raise CheckpointError(f"offline: bytes [{offset}, {offset + len(out)}) of {self.name} ({self.url}) are not "
                                   f"in the disk cache {self.cache.root if self.cache else '(none)'}; run once online "
                                   f"with --disk-cache or `moestream fetch` it first")
         self.client.get_range(self.url, offset, out, self.size, self.etag)
-        if self.cache is not None:
+        if keep and self.cache is not None:
             self.cache.put(self.key, offset, out)
 
 
