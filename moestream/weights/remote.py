@@ -288,6 +288,15 @@ def _warm_worker(jobs: queue.Queue) -> None:
 
 
 # ---- opening ----------------------------------------------------------------------------------------
+def model_path(spec: str | Path, full: bool = True) -> Path:
+    """The local directory behind any model argument: a remote spec (hf://, http(s)://) becomes its stub
+    (`resolve`; `full` False: headers only, as `info` and `plan` need), anything else is a path. Every entry point
+    that takes a model (Engine.open, engine.plan, the CLI's commands) resolves through here."""
+    if is_remote(spec):
+        return resolve(str(spec), full=full)
+    return Path(spec).expanduser()
+
+
 def resolve(spec: str, settings: RemoteSettings | None = None, full: bool = True) -> Path:
     """The local stub directory of a remote checkpoint (weights/stub.py): config.json, the index json and every
     shard's header, plus the tokenizer and other run-time files unless `full` is False."""
