@@ -46,19 +46,38 @@ class HttpStats:
     bytes_fetched: int = 0  # body bytes received from the network
     retries: int = 0
     inflight: int = 0
-    max_inflight: int = 0  # most range requests in flight at once
+    max_inflight: int = 0  # most requests in flight at once
+    inflight_s: float = 0.0  # integral of requests in flight over time (/ an interval: the mean in flight)
+    busy_s: float = 0.0  # time with at least one request in flight
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _last: float = field(default_factory=time.perf_counter, repr=False)
 
     def begin(self) -> None:
         with self.lock:
+            self._tick()
             self.requests += 1
             self.inflight += 1
             self.max_inflight = max(self.max_inflight, self.inflight)
 
     def end(self, nbytes: int) -> None:
         with self.lock:
+            self._tick()
             self.inflight -= 1
             self.bytes_fetched += nbytes
+
+    def _tick(self) -> None:
+        """Caller holds the lock: add the time since the last change to the in-flight integrals."""
+        now = time.perf_counter()
+        self.inflight_s += self.inflight * (now - self._last)
+        self.busy_s += (now - self._last) if self.inflight else 0.0
+        self._last = now
+
+    def snapshot(self) -> dict[str, float]:
+        with self.lock:
+            self._tick()
+            return {"http_requests": self.requests, "http_bytes": self.bytes_fetched, "http_retries": self.retries,
+                    "http_max_inflight": self.max_inflight, "http_inflight_s": self.inflight_s,
+                    "http_busy_s": self.busy_s}
 
 
 class _Retry(Exception):

@@ -24,6 +24,9 @@ from moestream.weights.index import REMOTE_MANIFEST, CheckpointIndex, tensors_fr
 MANIFEST_FORMAT, MANIFEST_VERSION = "moestream-remote", 1
 INDEX_JSON = "model.safetensors.index.json"
 REMOTE_IO_THREADS = 8  # expert range requests in flight (a link with latency needs depth a local disk does not)
+# predicted experts of the next layer fetched ahead per step (experts/prefetch.py): a local disk reads one, but
+# over a link every unpredicted miss costs a round trip after the router, so all of a token's predictions go
+REMOTE_LOOKAHEAD_READS = 8
 WARM_THREADS, WARM_PIECE = 4, 4 << 20  # dense weights fetched ahead while the model opens: requests, bytes each
 _HF = re.compile(r"hf://([\w.-]+/[\w.-]+)(?:@([\w./-]+))?/?")
 
@@ -37,6 +40,7 @@ class RemoteSettings:
     disk_budget: int | None = None  # bytes of ranges on disk; None: no limit
     offline: bool = False
     io_threads: int = REMOTE_IO_THREADS
+    lookahead_reads: int = REMOTE_LOOKAHEAD_READS
     http_timeout_s: float = 30.0  # connect / read timeout of one request (a stalled one is retried)
 
     @classmethod
@@ -191,6 +195,7 @@ class RemoteIndex(CheckpointIndex):
         super().__init__(root, tensors)
         self.manifest, self.client, self.cache = manifest, client, cache
         self.min_io_threads = SETTINGS.io_threads
+        self.lookahead_reads = SETTINGS.lookahead_reads
         self.dense_filter: Callable[[str], bool] | None = None  # set by ExpertStore: which tensors are dense
         self._warm: dict[str, list[_WarmPiece]] | None = None
         self._warm_lock = threading.Lock()
@@ -227,11 +232,10 @@ class RemoteIndex(CheckpointIndex):
 
     def stats(self) -> dict[str, int]:
         """Network and SSD-tier counters of this process's reads of the model."""
-        out = {"http_requests": 0, "http_bytes": 0, "http_retries": 0, "http_max_inflight": 0}
+        out = {"http_requests": 0, "http_bytes": 0, "http_retries": 0, "http_max_inflight": 0, "http_inflight_s": 0.0,
+               "http_busy_s": 0.0}
         if self.client is not None:
-            s = self.client.stats
-            out.update(http_requests=s.requests, http_bytes=s.bytes_fetched, http_retries=s.retries,
-                       http_max_inflight=s.max_inflight)
+            out.update(self.client.stats.snapshot())
         if self.cache is not None:
             c = self.cache.stats
             out.update(disk_hit_bytes=c.hit_bytes, disk_put_bytes=c.put_bytes, disk_corrupt_ranges=c.corrupt_ranges,
