@@ -1,12 +1,14 @@
 """Issue #15 kill-and-resume check: `moestream fetch` SIGKILLed at random points, then resumed to completion.
 
 A hub-style server (tests/hfserver.py, its own process, throttled so a fetch takes several seconds) logs every
-range it sends. The fetch is started and killed --kills times at random moments, then run to completion. Then:
+range it sends. The fetch is started and SIGKILLed --kills times, each time at a random moment mid-transfer (up to
+--max-delay seconds after that run stored its first range), then run to completion. Then:
   corrupt ranges     every range file in the SSD tier re-verified (crc32 per MiB) and compared byte for byte with
                      the checkpoint's shards: must be 0;
   fetched twice      bytes of shard ranges the server sent more than once in full, beyond what was in flight when
                      a kill landed (at most --io-threads requests of 16 MiB per kill): must be 0.
-Prints one JSON object. Not timed (no flock needed).
+`ranges_cut_by_kills` counts the bodies the kills cut off (each one a request in flight). Prints one JSON object.
+Not timed (no flock needed).
 
     python bench/http_fetch_resume.py DIR [--kills 20] [--bandwidth 100e6]
 """
@@ -57,6 +59,10 @@ def check_ranges(cache: Path, ckpt: Path) -> tuple[int, int]:
     return ranges, corrupt
 
 
+def _ranges_on_disk(cache: Path) -> int:
+    return sum(1 for _ in (cache / "ranges").rglob("*.rng")) if (cache / "ranges").is_dir() else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dir", type=Path, help="a local checkpoint directory (served over HTTP)")
@@ -64,9 +70,12 @@ def main() -> int:
     ap.add_argument("--bandwidth", type=float, default=100e6)
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-delay", type=float, default=1.0,
+                    help="a kill lands up to this many seconds after the run stored its first range (default 1)")
+    ap.add_argument("--tmp", type=Path, default=None, help="where the SSD tier goes (default: the system's temp dir)")
     a = ap.parse_args()
     rng = random.Random(a.seed)
-    with tempfile.TemporaryDirectory(dir=a.dir.parent) as tmp:
+    with tempfile.TemporaryDirectory(dir=a.tmp) as tmp:
         log = Path(tmp) / "served.jsonl"
         server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "hfserver.py"), str(a.dir), "--repo",
                                   "org/model", "--bandwidth", str(a.bandwidth), "--log", str(log)],
@@ -76,9 +85,14 @@ def main() -> int:
         kills, t0 = 0, time.time()
         try:
             while kills < a.kills:
+                before = _ranges_on_disk(cache)
                 p = subprocess.Popen(fetch_cmd(cache, a.io_threads), env=env, stderr=subprocess.DEVNULL)
+                # the kill lands mid-transfer: once this run has stored a range (its other requests are then
+                # under way; start-up takes seconds on a loaded machine), after a random further delay
+                while p.poll() is None and _ranges_on_disk(cache) <= before:
+                    time.sleep(0.02)
                 try:
-                    p.wait(timeout=rng.uniform(2.0, 6.0))  # the interpreter's start-up is about 1.5 s of it
+                    p.wait(timeout=rng.uniform(0.0, a.max_delay))
                     break  # finished before the kill
                 except subprocess.TimeoutExpired:
                     p.send_signal(signal.SIGKILL)
@@ -95,10 +109,12 @@ def main() -> int:
             if path.endswith(".safetensors") and start >= 8 and end - start > 1 << 20 and sent == end - start:
                 full[(path, start, end)] = full.get((path, start, end), 0) + 1
         twice = sum((c - 1) * (k[2] - k[1]) for k, c in full.items() if c > 1)
+        cut = [r for r in rows if r[0].endswith(".safetensors") and r[3] < r[2] - r[1]]  # bodies a kill cut off
         allowed = kills * a.io_threads * (16 << 20)
         ranges, corrupt = check_ranges(cache, a.dir)
         report = {"kills": kills, "final_rc": final.returncode, "seconds": round(time.time() - t0, 1),
                   "shard_bytes": shard_bytes, "bytes_served": sum(r[3] for r in rows),
+                  "ranges_cut_by_kills": len(cut), "bytes_of_cut_ranges": sum(r[3] for r in cut),
                   "complete_ranges_sent_twice_bytes": twice, "in_flight_allowance_bytes": allowed,
                   "fetched_twice_beyond_in_flight_bytes": max(0, twice - allowed),
                   "ranges": ranges, "corrupt_ranges": corrupt}

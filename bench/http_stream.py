@@ -2,14 +2,17 @@
 
 A hub-style server (tests/hfserver.py) runs in its own process on loopback, throttled to --bandwidth bytes/s (one
 link shared by all connections) with --latency seconds added to every response. Three decodes of the same prompt
-and seed under the same RAM budget, side by side:
+and seed under the same RAM budget, side by side in one run:
   cold   hf://... with an empty SSD tier: decode tokens/s against the link bound (network bytes fetched per
-         decoded token / bandwidth), requests in flight;
-  warm   the same again with the SSD tier the cold run filled: network bytes (should be 0), tokens/s;
-  local  the checkpoint directory itself: tokens/s (the warm run should be near it).
-Run under `flock /work/bench.lock`. Prints one JSON object (and a short table on stderr).
+         decoded token / bandwidth), requests in flight (most, and the mean over the decode), the link's busy share;
+  warm   the same again from the SSD tier the cold run filled (its pages dropped from the page cache first):
+         network requests (must be 0), tokens/s and io_roofline_fraction;
+  local  the checkpoint directory itself: tokens/s and io_roofline_fraction (the warm run should match it).
+io_roofline_fraction is `moestream bench`'s: (bytes read per token / the disk's O_DIRECT bandwidth) / seconds
+per token, one disk probe for both runs. Run under `flock /work/bench.lock`. Prints one JSON object (and a short
+summary on stderr); exits 1 if the warm run touched the network.
 
-    python bench/http_stream.py DIR [--bandwidth 200e6] [--latency 0.02] [--ram-budget 600MiB] [--gen 12]
+    python bench/http_stream.py DIR [--bandwidth 200e6] [--latency 0.02] [--ram-budget 300MiB] [--gen 16]
 """
 from __future__ import annotations
 
@@ -26,33 +29,48 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def decode(path: Path, budget: str, prompt: list[int], gen: int, lookahead_reads: int | None) -> dict:
-    """One decode from a fresh engine: prefill, then `gen` tokens; network counters over the decode only."""
+def decode(path: Path, a: argparse.Namespace, prompt: list[int]) -> dict:
+    """One decode from a fresh engine: prefill, then `a.gen` tokens; counters over the decode only."""
     from moestream.engine.engine import Engine
 
-    eng = Engine.open(path, ram_budget=budget)
-    if lookahead_reads is not None:
-        eng.runner.lookahead.reads = lookahead_reads
-    stats = getattr(eng.plan.store.index, "stats", lambda: {})
+    eng = Engine.open(path, ram_budget=a.ram_budget, threads=a.threads)
+    net = getattr(eng.plan.store.index, "stats", lambda: {})
+    read = lambda: eng.plan.store.bytes_read  # noqa: E731 - expert bytes through the reader (disk or SSD tier)
     try:
-        t0, first, n = time.perf_counter(), None, 0
-        at_first: dict = {}
-        for _ in eng.stream(prompt, gen, temperature=1.0, seed=0, stop_token_ids=[]):
+        first, n, at_first, read_first = None, 0, {}, 0
+        for _ in eng.stream(prompt, a.gen, temperature=1.0, seed=0, stop_token_ids=[]):
             n += 1
             if first is None:
-                first, at_first = time.perf_counter(), stats()
-        end, last = time.perf_counter(), stats()
+                first, at_first, read_first = time.perf_counter(), net(), read()
+        end, last, read_last = time.perf_counter(), net(), read()
+        t = eng.runner.times
+        prefetch = {"reads": t.prefetch_reads, "used": t.prefetch_used, "withdrawn": t.prefetch_withdrawn}
     finally:
         eng.close()
-    steps = max(1, n - 1)  # forward passes after the first token
-    out = {"tokens": n, "ttft_s": first - t0, "decode_tok_s": steps / (end - first)}
+    steps, secs = max(1, n - 1), end - first  # forward passes after the first token
+    out = {"tokens": n, "decode_tok_s": steps / secs, "read_bytes_per_token": (read_last - read_first) / steps,
+           "prefetch": prefetch}
     if last:
-        net = last["http_bytes"] - at_first["http_bytes"]
-        out.update(net_bytes_per_token=net / steps, requests_per_token=(last["http_requests"]
-                   - at_first["http_requests"]) / steps, max_inflight=last["http_max_inflight"],
-                   retries=last["http_retries"], total_http_bytes=last["http_bytes"],
-                   disk_hit_bytes=last.get("disk_hit_bytes", 0), corrupt_ranges=last.get("disk_corrupt_ranges", 0))
+        d = {k: last[k] - at_first[k] for k in ("http_bytes", "http_requests", "http_inflight_s", "http_busy_s")}
+        out.update(net_bytes_per_token=d["http_bytes"] / steps, requests_per_token=d["http_requests"] / steps,
+                   net_requests=d["http_requests"], max_inflight=last["http_max_inflight"],
+                   mean_inflight=d["http_inflight_s"] / secs, link_busy_share=d["http_busy_s"] / secs,
+                   retries=last["http_retries"], disk_hit_bytes=last.get("disk_hit_bytes", 0),
+                   corrupt_ranges=last.get("disk_corrupt_ranges", 0))
     return out
+
+
+def drop_cache_pages(root: Path) -> None:
+    """Write back and drop the SSD tier's range files from the page cache: the warm run reads the disk."""
+    from moestream.weights.index import drop_pages
+
+    os.sync()
+    for f in root.rglob("*.rng"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            drop_pages(fd, 0, 0)
+        finally:
+            os.close(fd)
 
 
 def main() -> int:
@@ -60,47 +78,68 @@ def main() -> int:
     ap.add_argument("dir", type=Path, help="a local checkpoint directory (served over HTTP)")
     ap.add_argument("--bandwidth", type=float, default=200e6, help="link bytes/s (default 200e6)")
     ap.add_argument("--latency", type=float, default=0.02, help="seconds added to each response (default 0.02)")
-    ap.add_argument("--ram-budget", default="600MiB")
-    ap.add_argument("--gen", type=int, default=12, help="tokens decoded per run")
-    ap.add_argument("--prompt-len", type=int, default=8)
-    ap.add_argument("--io-threads", type=int, default=8, help="range requests in flight (default 8)")
-    ap.add_argument("--lookahead-reads", type=int, default=None, help="predicted experts read ahead per layer")
+    ap.add_argument("--ram-budget", default="300MiB")
+    ap.add_argument("--gen", type=int, default=16, help="tokens decoded per run")
+    ap.add_argument("--prompt-len", type=int, default=2)
+    ap.add_argument("--io-threads", type=int, default=None, help="range requests in flight (default: remote.py's)")
+    ap.add_argument("--lookahead-reads", type=int, default=None,
+                    help="predicted experts fetched ahead per layer step over HTTP (default: remote.py's)")
+    ap.add_argument("--threads", type=int, default=1, help="compute threads (default 1: on a shared machine more "
+                    "threads wait on each other's barriers, docs/performance.md)")
+    ap.add_argument("--tmp", type=Path, default=None, help="where the SSD tier goes (default: the system's temp dir)")
+    ap.add_argument("--runs", default="cold,warm,local", help="which decodes, in order (default cold,warm,local)")
     a = ap.parse_args()
 
+    from moestream.bench import model_files, probe_disk
     from moestream.weights import remote
 
+    if a.io_threads is not None:
+        remote.SETTINGS.io_threads = a.io_threads
+    if a.lookahead_reads is not None:
+        remote.SETTINGS.lookahead_reads = a.lookahead_reads
     server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "hfserver.py"), str(a.dir), "--repo",
                                "bench/model", "--bandwidth", str(a.bandwidth), "--latency", str(a.latency)],
                               stdout=subprocess.PIPE, text=True)
+    runs: dict[str, dict] = {}
     try:
         os.environ["HF_ENDPOINT"] = server.stdout.readline().strip()
-        with tempfile.TemporaryDirectory(dir=a.dir.parent) as tmp:
-            remote.SETTINGS.disk_cache, remote.SETTINGS.io_threads = Path(tmp), a.io_threads
-            prompt = [(i * 7919) % 1000 + 5 for i in range(a.prompt_len)]
+        with tempfile.TemporaryDirectory(dir=a.tmp) as tmp:
+            remote.SETTINGS.disk_cache = Path(tmp)
+            prompt = [(i * 7919) % 500 + 5 for i in range(a.prompt_len)]
             stub = remote.resolve("hf://bench/model")
-            runs = {name: decode(p, a.ram_budget, prompt, a.gen, a.lookahead_reads)
-                    for name, p in (("cold", stub), ("warm", stub), ("local", a.dir))}
+            for name in a.runs.split(","):
+                if name == "warm":
+                    drop_cache_pages(Path(tmp))
+                runs[name] = decode(a.dir if name == "local" else stub, a, prompt)
+            disk_bw = probe_disk(model_files(a.dir), 4)
     finally:
         server.terminate()
         server.wait()
-    cold = runs["cold"]
-    link_s = cold["net_bytes_per_token"] / a.bandwidth
     report = {"bandwidth_bytes_per_s": a.bandwidth, "latency_s": a.latency, "ram_budget": a.ram_budget,
-              "io_threads": a.io_threads, **{f"{k}_{n}": v for n, r in runs.items() for k, v in r.items()},
-              "link_bound_s_per_token": link_s,
-              "link_bound_fraction": link_s * cold["decode_tok_s"],
-              # the slower of the link and this machine's own decode of the local checkpoint bounds a cold run
-              "cold_vs_bound": cold["decode_tok_s"] / min(1 / link_s if link_s else float("inf"),
-                                                         runs["local"]["decode_tok_s"]),
-              "warm_vs_local": runs["warm"]["decode_tok_s"] / runs["local"]["decode_tok_s"]}
+              "io_threads": remote.SETTINGS.io_threads, "lookahead_reads": remote.SETTINGS.lookahead_reads,
+              "compute_threads": a.threads, "disk_bandwidth_bytes_per_s": disk_bw,
+              "load_average": os.getloadavg(), "runs": runs}
+    for r in runs.values():
+        r["io_roofline_fraction"] = r["read_bytes_per_token"] / disk_bw * r["decode_tok_s"] if disk_bw else None
+    lines = []
+    if "cold" in runs:
+        cold = runs["cold"]
+        link_s = cold["net_bytes_per_token"] / a.bandwidth
+        report.update(link_bound_tok_s=1 / link_s if link_s else None, link_bound_fraction=link_s * cold["decode_tok_s"])
+        lines.append(f"cold: {cold['decode_tok_s']:.2f} tok/s, {cold['net_bytes_per_token'] / 2**20:.1f} MiB fetched "
+                     f"per token, link bound {report['link_bound_tok_s']:.2f} tok/s -> {report['link_bound_fraction']:.2f} "
+                     f"of it; requests in flight: mean {cold['mean_inflight']:.1f}, most {cold['max_inflight']}; link "
+                     f"busy {cold['link_busy_share']:.2f} of the decode")
+    if "warm" in runs and "local" in runs:
+        w, loc = runs["warm"], runs["local"]
+        report["warm_vs_local_tok_s"] = w["decode_tok_s"] / loc["decode_tok_s"]
+        lines.append(f"warm: {w['decode_tok_s']:.2f} tok/s, {w['net_requests']} network requests, io_roofline "
+                     f"{w['io_roofline_fraction']:.3f}; local: {loc['decode_tok_s']:.2f} tok/s, io_roofline "
+                     f"{loc['io_roofline_fraction']:.3f} (warm/local {report['warm_vs_local_tok_s']:.2f}); disk "
+                     f"{disk_bw / 1e6:.0f} MB/s; load average {report['load_average'][0]:.1f}")
     print(json.dumps(report, indent=1))
-    print(f"cold: {cold['decode_tok_s']:.2f} tok/s, {cold['net_bytes_per_token'] / 2**20:.1f} MiB fetched/token, "
-          f"link bound {1 / link_s if link_s else float('inf'):.2f} tok/s -> {report['link_bound_fraction']:.2f} of it, "
-          f"max {cold['max_inflight']} requests in flight; {report['cold_vs_bound']:.2f} of min(link, local)\n"
-          f"warm: {runs['warm']['decode_tok_s']:.2f} tok/s, {runs['warm']['net_bytes_per_token']:.0f} B fetched/token; "
-          f"local: {runs['local']['decode_tok_s']:.2f} tok/s (warm/local {report['warm_vs_local']:.2f})",
-          file=sys.stderr)
-    return 0
+    print("\n".join(lines), file=sys.stderr)
+    return 1 if runs.get("warm", {}).get("net_requests") else 0
 
 
 if __name__ == "__main__":

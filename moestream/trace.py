@@ -258,11 +258,14 @@ def read_prompts(path: Path) -> list[str]:
 
 # ---- CLI ------------------------------------------------------------------------------------------------------
 def add_trace_parser(subparsers) -> argparse.ArgumentParser:
+    from moestream.cli.common import add_remote_args
+
     p = subparsers.add_parser("trace", help="record expert routing on prompts and report skew, reuse and cache "
                               "hit rates", description="Run prompts through MODEL, record which experts every "
                               "token uses, and report usage skew per layer, next-token expert reuse and the hit "
                               "rate each cache policy would get at several cache sizes.")
-    p.add_argument("model", help="checkpoint directory ('demo' for the built-in demo model)")
+    p.add_argument("model", help="checkpoint directory, hf://ORG/NAME[@REV] or https://.../DIR/ ('demo' for the "
+                   "built-in demo model)")
     p.add_argument("--prompts", type=Path, required=True, help="prompts file (.jsonl, '---'-separated, or one "
                    "per line)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens generated per prompt (32)")
@@ -270,6 +273,7 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
                    "activates across all layers (default 0.5,1,2,4,8)")
     p.add_argument("--save", type=Path, default=None, help="also write the trace as JSON lines")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_remote_args(p)
     p.set_defaults(func=run_trace)
     return p
 
@@ -299,11 +303,14 @@ def run_trace(args: argparse.Namespace) -> int:
 
 
 def resolve_model(name: str) -> Path:
+    """'demo', a checkpoint directory, or a remote spec (its stub, through the CLI's one resolve path)."""
     if name == "demo":
         from moestream.demo_model import path
 
         return path()
-    return Path(name)
+    from moestream.cli.common import model_dir
+
+    return model_dir(name)
 
 
 def save_trace(trace: Trace, path: Path) -> None:

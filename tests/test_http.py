@@ -290,3 +290,51 @@ def test_retry_after_and_etag_forms():
     assert retry_after("3") == 3.0 and retry_after(None) is None and retry_after("soon") is None
     assert 5 < retry_after(email.utils.formatdate(_time.time() + 10, usegmt=True)) <= 10
     assert normalize_etag('W/"abc"') == normalize_etag('"abc"') == '"abc"'
+
+
+def test_engine_open_and_plan_take_a_remote_spec(env, server, local, tmp_path):
+    from moestream.engine.engine import plan
+
+    env.disk_cache = tmp_path / "dc"
+    p = plan("hf://org/tiny")  # headers only: no tokenizer fetched, no weight bytes
+    try:
+        assert p.store.index.root.name == SHA and not (p.store.index.root / "tokenizer.json").exists()
+        assert p.store.index.stats()["http_bytes"] == 0
+    finally:
+        p.store.close()
+    eng = Engine.open("hf://org/tiny")  # the Python API resolves the spec itself
+    try:
+        assert eng.path.name == SHA and (eng.path / "tokenizer.json").exists()
+        assert eng.generate(PROMPT, NEW, stop_token_ids=[]) == local[0]
+    finally:
+        eng.close()
+    eng = Engine.open(f"{server.url}/plain/org/tiny/")
+    try:
+        assert eng.generate(PROMPT, NEW, stop_token_ids=[]) == local[0]
+    finally:
+        eng.close()
+
+
+def test_trace_bench_and_batch_take_a_remote_spec(env, server, tmp_path, capsys):
+    from moestream.cli import main
+
+    dc = str(tmp_path / "dc")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\nimport os\n")
+    assert main(["trace", "hf://org/tiny", "--prompts", str(prompts), "--max-new-tokens", "2",
+                 "--disk-cache", dc]) == 0
+    assert "cache hit rate" in capsys.readouterr().out
+    assert main(["bench", "hf://org/tiny", "--prompt-len", "4", "--gen-len", "2", "--json", "--no-probe",
+                 "--threads", "1", "--disk-cache", dc]) == 0
+    assert json.loads(capsys.readouterr().out)["decode_tokens_per_s"] > 0
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    body = {"model": "hf://org/tiny", "prompt": "Once upon", "max_tokens": 2, "temperature": 0}
+    inp.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+    assert main(["batch", "hf://org/tiny", str(inp), "-o", str(out), "--disk-cache", dc, "--no-progress"]) == 0
+    line = json.loads(out.read_text())
+    assert line["custom_id"] == "a" and line["response"]["status_code"] == 200, line
+    served = server.bytes_served()
+    env.offline = True  # everything those runs read is in the disk cache now
+    assert main(["trace", "hf://org/tiny", "--prompts", str(prompts), "--max-new-tokens", "2", "--disk-cache", dc,
+                 "--offline"]) == 0
+    assert server.bytes_served() == served

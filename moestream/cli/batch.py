@@ -10,9 +10,10 @@ import json
 import signal
 import sys
 
-from moestream.cli.common import add_budget_arg, add_state_room_arg, model_dir, parse_budget
+from moestream.cli.common import add_budget_arg, add_remote_args, add_state_room_arg, model_dir, parse_budget
 from moestream.config import parse_bytes
 from moestream.errors import MoestreamError
+from moestream.weights.remote import is_remote
 
 DESCRIPTION = """\
 Run every request of INPUT (the OpenAI Batch API format: one JSON object a line with custom_id, method "POST",
@@ -25,7 +26,8 @@ command continues where it stopped; each custom_id ends up in OUTPUT exactly onc
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("batch", help="run a file of OpenAI batch requests (resumable)", description=DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", metavar="MODEL", help="checkpoint directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("model", metavar="MODEL", help="checkpoint directory (config.json, *.safetensors, tokenizer), "
+                   "hf://ORG/NAME[@REV] or https://.../DIR/")
     p.add_argument("input", metavar="INPUT.jsonl", help="the requests, one JSON object a line")
     p.add_argument("-o", "--output", required=True, metavar="OUTPUT.jsonl",
                    help="results, appended in fsynced groups; OUTPUT.state beside it records the input's sha256")
@@ -41,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="max_tokens for bodies that set none (default: as serve, the rest of the context)")
     p.add_argument("--model-name", default=None,
-                   help="the model id bodies must name in 'model' (default: the directory name, as serve)")
+                   help="the model id bodies must name in 'model' (default: the directory name, or a remote "
+                        "model's spec as typed, as serve)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the forward pass (default: all cores)")
     p.add_argument("--sync-every", type=int, default=64, metavar="N",
                    help="results per fsynced group (also at least every 2 s); a kill redoes at most these")
@@ -56,6 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="Ray workers, one engine each (default: one per node of the cluster)")
     p.add_argument("--ray-chunk", type=int, default=None, metavar="N",
                    help="requests sent to a worker at a time (default: 4 x --max-batch)")
+    add_remote_args(p)
     p.set_defaults(func=cmd_batch)
 
 
@@ -79,11 +83,12 @@ def cmd_batch(args: argparse.Namespace) -> int:
     from moestream.batch.runner import BatchOptions
 
     _check(args)
-    model_dir(args.model)
+    path = model_dir(args.model)  # a remote model: its local stub (bodies still name it as typed)
     signal.signal(signal.SIGTERM, _interrupt)
+    name = args.model_name or (args.model if is_remote(args.model) else None)
     options = BatchOptions(args.max_batch, args.prefill_chunk, parse_bytes(args.prefix_cache) or 0, args.max_tokens,
-                           args.model_name)
-    cfg = JobConfig(args.model, args.input, args.output, parse_budget(args.ram_budget), args.state_room, args.threads,
+                           name)
+    cfg = JobConfig(str(path), args.input, args.output, parse_budget(args.ram_budget), args.state_room, args.threads,
                     options, progress=False if args.no_progress else None, price_per_hour=args.price_per_hour,
                     group_lines=args.sync_every, ray=args.ray, ray_workers=args.ray_workers, ray_chunk=args.ray_chunk,
                     kv_dtype=args.kv_dtype)

@@ -75,21 +75,21 @@ def configure_remote(args: argparse.Namespace) -> None:
 
 
 def model_dir(value: str, full: bool = True) -> Path:
-    """A local checkpoint directory; a remote spec (hf://, http(s)://) becomes its local stub (weights/remote.py),
-    with the tokenizer and other run-time files unless `full` is False (headers only, for `info`)."""
-    from moestream.weights.remote import is_remote
+    """A local checkpoint directory; a remote spec (hf://, http(s)://) becomes its local stub (weights/remote.py's
+    `model_path`, which Engine.open uses too), with the tokenizer and other run-time files unless `full` is False
+    (headers only, for `info` and `plan`)."""
+    from moestream.weights.remote import is_remote, model_path
 
     if is_remote(value):
-        from moestream.weights.remote import resolve
-
         with busy(f"contacting {value}"):
-            stub = resolve(value, full=full)
+            stub = model_path(value, full=full)
         if full:  # `info` prints the pinned revision itself
             _report_revision(value, stub)
         return stub
-    path = Path(value).expanduser()
+    path = model_path(value)
     if not path.is_dir():
-        raise MoestreamError(f"{value}: no such model directory (pass a local checkpoint directory)")
+        raise MoestreamError(f"{value}: no such model directory (pass a local checkpoint directory, hf://ORG/NAME "
+                             f"or https://.../DIR/)")
     return path
 
 

@@ -33,6 +33,7 @@ from moestream.models.hfconfig import parse_config
 from moestream.models.kda import KDAOptions, chunk_plan
 from moestream.models.registry import family_for
 from moestream.weights.index import CheckpointIndex
+from moestream.weights.remote import model_path
 
 
 @dataclass
@@ -51,6 +52,7 @@ class ModelPlan:
 
 
 def plan(path: str | Path, io_threads: int = IO_THREADS) -> ModelPlan:
+    path = model_path(path, full=False)  # hf://, https://: its stub (config and headers only)
     raw = read_model_config(path)
     family = family_for(raw)
     cfg = parse_config(family.parse, raw, path)
@@ -112,10 +114,11 @@ class Engine:
     @classmethod
     def open(cls, path: str | Path, ram_budget: str | int | None = None, device: str = "cpu",
              state_room: str | int | None = None, **options) -> "Engine":
-        """Open a checkpoint under `ram_budget`. The residency plan keeps `state_room` bytes of the budget for KV
+        """Open a checkpoint (a directory, or a remote hf:// or https:// spec) under `ram_budget`. The residency plan keeps `state_room` bytes of the budget for KV
         caches and recurrent state when it decides which dense weights stream (default: none set aside)."""
         if device != "cpu":
             raise MoestreamError(f"device {device!r} is not supported yet; use device='cpu'")
+        path = model_path(path)  # a remote checkpoint (hf://ORG/NAME[@REV], https://.../DIR/): its local stub
         opts = EngineOptions(ram_budget=parse_bytes(ram_budget), device=device, **options)
         kv_dtype(opts.kv_dtype)  # a bad --kv-dtype fails before anything is read
         if opts.threads:

@@ -64,6 +64,8 @@ class ExpertRunner:
         self.cache = ExpertCache(memory.cache_capacity, pol, on_evict=self._on_evict)
         memory.cache = self.cache
         self.lookahead = Lookahead(enabled=lookahead)
+        # an index over a link with latency (weights/remote.py) asks for more of the predictions read ahead
+        self.lookahead.reads = getattr(store.index, "lookahead_reads", self.lookahead.reads)
         self.times = RunnerTimes()
         self.upcast = Upcast()
         self._inflight: dict[Key, tuple[Future, int]] = {}  # reads started, room reserved, not yet cached

@@ -1,7 +1,7 @@
 """HTTP transport for remote checkpoints: whole-file GETs and validated byte-range GETs with retries.
 
-Owns the httpx client (connection pool, redirects followed and the final location remembered so later ranges of a
-file skip the hub's resolve hop, auth headers sent only to the origin that issued them), the retry policy
+Owns the urllib3 connection pool (several connections; redirects followed and the final location remembered so
+later ranges of a file skip the hub's resolve hop; auth headers sent only to the origin that issued them), the retry policy
 (resets, timeouts, 429 with Retry-After, 5xx: exponential backoff with jitter) and the checks that keep a bad
 response out of every cache: status 206, the exact Content-Range, the full body length and the pinned ETag.
 It knows nothing about safetensors or caching.
@@ -14,9 +14,9 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from urllib.parse import urljoin, urlsplit
 
-import httpx
+import urllib3
 
 from moestream.errors import CheckpointError
 
@@ -46,19 +46,38 @@ class HttpStats:
     bytes_fetched: int = 0  # body bytes received from the network
     retries: int = 0
     inflight: int = 0
-    max_inflight: int = 0  # most range requests in flight at once
+    max_inflight: int = 0  # most requests in flight at once
+    inflight_s: float = 0.0  # integral of requests in flight over time (/ an interval: the mean in flight)
+    busy_s: float = 0.0  # time with at least one request in flight
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _last: float = field(default_factory=time.perf_counter, repr=False)
 
     def begin(self) -> None:
         with self.lock:
+            self._tick()
             self.requests += 1
             self.inflight += 1
             self.max_inflight = max(self.max_inflight, self.inflight)
 
     def end(self, nbytes: int) -> None:
         with self.lock:
+            self._tick()
             self.inflight -= 1
             self.bytes_fetched += nbytes
+
+    def _tick(self) -> None:
+        """Caller holds the lock: add the time since the last change to the in-flight integrals."""
+        now = time.perf_counter()
+        self.inflight_s += self.inflight * (now - self._last)
+        self.busy_s += (now - self._last) if self.inflight else 0.0
+        self._last = now
+
+    def snapshot(self) -> dict[str, float]:
+        with self.lock:
+            self._tick()
+            return {"http_requests": self.requests, "http_bytes": self.bytes_fetched, "http_retries": self.retries,
+                    "http_max_inflight": self.max_inflight, "http_inflight_s": self.inflight_s,
+                    "http_busy_s": self.busy_s}
 
 
 class _Retry(Exception):
@@ -93,7 +112,8 @@ def retry_after(value: str | None) -> float | None:
 
 
 class HttpClient:
-    """One pooled client for a checkpoint's files. `auth` headers go only to `auth_origin` (scheme://host:port)."""
+    """One pooled client for a checkpoint's files. `auth` headers go only to `auth_origin` (scheme://host:port);
+    urllib3 strips them from a redirect to another host as well."""
 
     def __init__(self, auth: dict[str, str] | None = None, auth_origin: str | None = None,
                  timeout_s: float = 30.0, connections: int = 32, retry: RetryPolicy | None = None):
@@ -101,20 +121,26 @@ class HttpClient:
         self.auth_origin = auth_origin
         self.retry = retry or RetryPolicy()
         self.stats = HttpStats()
-        self._client = httpx.Client(
-            follow_redirects=True, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
-            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
+        # urllib3 rather than httpx for the bodies: a range lands in the caller's buffer with one copy and large
+        # reads, about a third of the CPU per request (which a loaded machine turns into wall time)
+        self._pool = urllib3.PoolManager(num_pools=8, maxsize=connections, block=False, timeout=urllib3.Timeout(
+            connect=min(timeout_s, 10.0), read=timeout_s))
         self._where: dict[str, str] = {}  # file URL -> where its last redirect led (a CDN location)
         self._lock = threading.Lock()
 
     def close(self) -> None:
-        self._client.close()
+        self._pool.clear()
 
     def _headers(self, url: str, extra: dict[str, str]) -> dict[str, str]:
         h = dict(extra)
         if self.auth and self.auth_origin and origin(url) == self.auth_origin:
             h.update(self.auth)
         return h
+
+    def _open(self, url: str, headers: dict[str, str], preload: bool) -> urllib3.BaseHTTPResponse:
+        """One GET with redirects followed by urllib3 (our own retry loop handles everything else)."""
+        return self._pool.request("GET", url, headers=self._headers(url, headers), redirect=True,
+                                  retries=_REDIRECTS_ONLY, preload_content=preload, decode_content=preload)
 
     # ---- whole files -------------------------------------------------------------------------------
     def get(self, url: str, missing_ok: bool = False) -> tuple[bytes, str | None] | None:
@@ -123,15 +149,12 @@ class HttpClient:
             self.stats.begin()
             got = 0
             try:
-                r = self._client.get(url, headers=self._headers(url, {}))
-                if r.status_code == 404 and missing_ok:
+                r = self._open(url, {}, preload=True)  # a short body raises (urllib3 enforces Content-Length)
+                if r.status == 404 and missing_ok:
                     return None
                 self._check_status(url, r, (200,))
-                body = r.content
+                body = r.data
                 got = len(body)
-                length = r.headers.get("content-length")
-                if length is not None and "content-encoding" not in r.headers and int(length) != got:
-                    raise _Retry(f"short body ({got} of {length} bytes)")
                 return body, normalize_etag(r.headers.get("etag"))
             finally:
                 self.stats.end(got)
@@ -150,51 +173,61 @@ class HttpClient:
             target = self._where.get(url, url)
             self.stats.begin()
             got = 0
+            r = None
             try:
-                with self._client.stream("GET", target, headers=self._headers(
-                        target, {"Range": f"bytes={offset}-{offset + len(out) - 1}",
-                                 "Accept-Encoding": "identity"})) as r:
-                    if r.status_code in (401, 403, 404, 410) and target != url:
-                        self._forget(url)  # an expired signed CDN location: ask the origin again
-                        raise _Retry(f"HTTP {r.status_code} from a remembered redirect", 0.0)
-                    self._check_status(url, r, (206,))
-                    total = self._check_range(url, r, offset, len(out), size)
-                    got_etag = normalize_etag(r.headers.get("etag"))
-                    if etag is not None and got_etag is not None and got_etag != etag:
-                        raise RemoteChangedError(
-                            f"{url}: the file changed on the server (ETag {got_etag}, pinned {etag}); its cached "
-                            f"bytes belong to the old version: open the model again to pin the new one")
-                    got = _read_body(r, out)
-                    if str(r.url) != url:
-                        with self._lock:
-                            self._where[url] = str(r.url)
-                    return got_etag, total
+                r = self._open(target, {"Range": f"bytes={offset}-{offset + len(out) - 1}",
+                                        "Accept-Encoding": "identity"}, preload=False)
+                if r.status in (401, 403, 404, 410) and target != url:
+                    self._forget(url)  # an expired signed CDN location: ask the origin again
+                    raise _Retry(f"HTTP {r.status} from a remembered redirect", 0.0)
+                self._check_status(url, r, (206,))
+                total = self._check_range(url, r, offset, len(out), size)
+                got_etag = normalize_etag(r.headers.get("etag"))
+                if etag is not None and got_etag is not None and got_etag != etag:
+                    raise RemoteChangedError(
+                        f"{url}: the file changed on the server (ETag {got_etag}, pinned {etag}); its cached "
+                        f"bytes belong to the old version: open the model again to pin the new one")
+                got = _read_body(r, out)
+                self._remember(url, target, r)
+                return got_etag, total
             finally:
+                if r is not None:
+                    if got == len(out):
+                        r.release_conn()  # read to its end: the connection is reusable
+                    else:
+                        r.close()  # a half-read body must not go back to the pool
                 self.stats.end(got)
         return self._with_retries(url, once)
+
+    def _remember(self, url: str, target: str, r: urllib3.BaseHTTPResponse) -> None:
+        """Where the redirects of `target` led (the last hop's Location, resolved against its URL)."""
+        hops = [h for h in (r.retries.history if r.retries else ()) if h.redirect_location]
+        if hops and target == url:
+            with self._lock:
+                self._where[url] = urljoin(hops[-1].url, hops[-1].redirect_location)
 
     def _forget(self, url: str) -> None:
         with self._lock:
             self._where.pop(url, None)
 
     @staticmethod
-    def _check_status(url: str, r: httpx.Response, ok: tuple[int, ...]) -> None:
-        if r.status_code in ok:
+    def _check_status(url: str, r: urllib3.BaseHTTPResponse, ok: tuple[int, ...]) -> None:
+        if r.status in ok:
             return
-        if r.status_code in RETRY_STATUS:
-            raise _Retry(f"HTTP {r.status_code}", retry_after(r.headers.get("retry-after")))
-        if r.status_code in (401, 403):
-            raise RemoteError(f"{url}: HTTP {r.status_code}: access denied (for a gated or private Hugging Face "
+        if r.status in RETRY_STATUS:
+            raise _Retry(f"HTTP {r.status}", retry_after(r.headers.get("retry-after")))
+        if r.status in (401, 403):
+            raise RemoteError(f"{url}: HTTP {r.status}: access denied (for a gated or private Hugging Face "
                               f"repository set HF_TOKEN to a token that has accepted its terms)")
-        if r.status_code == 404:
+        if r.status == 404:
             raise RemoteError(f"{url}: HTTP 404: no such file on the server")
-        if r.status_code == 200 and 206 in ok:
+        if r.status == 200 and 206 in ok:
             raise RemoteError(f"{url}: the server ignored the Range header (HTTP 200); moestream needs byte "
                               f"ranges to stream a checkpoint")
-        raise RemoteError(f"{url}: unexpected HTTP {r.status_code}")
+        raise RemoteError(f"{url}: unexpected HTTP {r.status}")
 
     @staticmethod
-    def _check_range(url: str, r: httpx.Response, offset: int, nbytes: int, size: int | None) -> int | None:
+    def _check_range(url: str, r: urllib3.BaseHTTPResponse, offset: int, nbytes: int, size: int | None) -> int | None:
         m = _CONTENT_RANGE.fullmatch(r.headers.get("content-range", "").strip())
         want_end = offset + nbytes - 1
         if m is None or int(m.group(1)) != offset or int(m.group(2)) != want_end \
@@ -202,6 +235,9 @@ class HttpClient:
             # a proxy or server that answered some other range: never trust the body
             raise _Retry(f"wrong Content-Range {r.headers.get('content-range')!r} for bytes {offset}-{want_end}"
                          + (f"/{size}" if size is not None else ""))
+        length = r.headers.get("content-length")
+        if length is not None and int(length) != nbytes:
+            raise _Retry(f"Content-Length {length} for a range of {nbytes} bytes")
         return None if m.group(3) == "*" else int(m.group(3))
 
     def _with_retries(self, url: str, once):
@@ -211,7 +247,7 @@ class HttpClient:
                 return once()
             except _Retry as e:
                 last, delay = str(e), e.delay
-            except (httpx.TransportError, httpx.StreamError) as e:  # resets, timeouts, truncated bodies
+            except (urllib3.exceptions.HTTPError, OSError) as e:  # resets, timeouts, truncated bodies
                 last, delay = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__, None
             if attempt + 1 == pol.attempts:
                 break
@@ -224,14 +260,17 @@ class HttpClient:
                           f"run with --offline on a complete disk cache")
 
 
-def _read_body(r: httpx.Response, out: memoryview) -> int:
-    """Copy the response body into `out`; a body shorter or longer than `out` is a transient failure."""
+# redirects are urllib3's to follow (auth stripped across hosts); every failure comes back to our retry loop
+_REDIRECTS_ONLY = urllib3.Retry(total=None, connect=0, read=0, status=0, other=0, redirect=10, raise_on_status=False)
+
+
+def _read_body(r: urllib3.BaseHTTPResponse, out: memoryview) -> int:
+    """Read the body into `out` (large reads, one copy); a body shorter than `out` is a transient failure."""
     got = 0
-    for chunk in r.iter_raw():
-        n = len(chunk)
-        if got + n > len(out):
-            raise _Retry(f"body longer than the {len(out)} bytes asked for")
-        out[got:got + n] = chunk
+    while got < len(out):
+        n = r.readinto(out[got:])
+        if not n:
+            break
         got += n
     if got != len(out):
         raise _Retry(f"short body ({got} of {len(out)} bytes)")

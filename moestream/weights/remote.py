@@ -24,6 +24,9 @@ from moestream.weights.index import REMOTE_MANIFEST, CheckpointIndex, tensors_fr
 MANIFEST_FORMAT, MANIFEST_VERSION = "moestream-remote", 1
 INDEX_JSON = "model.safetensors.index.json"
 REMOTE_IO_THREADS = 8  # expert range requests in flight (a link with latency needs depth a local disk does not)
+# predicted experts of the next layer fetched ahead per step (experts/prefetch.py): a local disk reads one, but
+# over a link every unpredicted miss costs a round trip after the router, so all of a token's predictions go
+REMOTE_LOOKAHEAD_READS = 8
 WARM_THREADS, WARM_PIECE = 4, 4 << 20  # dense weights fetched ahead while the model opens: requests, bytes each
 _HF = re.compile(r"hf://([\w.-]+/[\w.-]+)(?:@([\w./-]+))?/?")
 
@@ -37,6 +40,7 @@ class RemoteSettings:
     disk_budget: int | None = None  # bytes of ranges on disk; None: no limit
     offline: bool = False
     io_threads: int = REMOTE_IO_THREADS
+    lookahead_reads: int = REMOTE_LOOKAHEAD_READS
     http_timeout_s: float = 30.0  # connect / read timeout of one request (a stalled one is retried)
 
     @classmethod
@@ -140,14 +144,18 @@ class RemoteFile:
             self._fetch_group(group)
 
     def _fetch_group(self, group: list[tuple[int, memoryview]]) -> None:
+        """One request for neighbouring pieces; each piece is kept on disk as its own range, so a later read of
+        one expert is one whole range file (read straight into its buffer) rather than part of a larger one."""
         if len(group) == 1:
             self._download(*group[0])
             return
         lo, hi = group[0][0], max(o + len(v) for o, v in group)
         buf = memoryview(bytearray(hi - lo))
-        self._download(lo, buf)
+        self._download(lo, buf, keep=False)
         for off, view in group:
             view[:] = buf[off - lo:off - lo + len(view)]
+            if self.cache is not None:
+                self.cache.put(self.key, off, view)
 
     def _clip(self, offset: int, out: memoryview) -> memoryview:
         """The part of `out` inside the file; the rest (alignment padding past the end) is zeroed."""
@@ -166,14 +174,15 @@ class RemoteFile:
             return
         self._download(offset, out)
 
-    def _download(self, offset: int, out: memoryview) -> None:
-        """One range request (offline: the error naming the missing bytes); the bytes are then kept on disk."""
+    def _download(self, offset: int, out: memoryview, keep: bool = True) -> None:
+        """One range request (offline: the error naming the missing bytes); the bytes are then kept on disk
+        (unless `keep` is False: the caller keeps its parts)."""
         if self.client is None:
             raise CheckpointError(f"offline: bytes [{offset}, {offset + len(out)}) of {self.name} ({self.url}) are not "
                                   f"in the disk cache {self.cache.root if self.cache else '(none)'}; run once online "
                                   f"with --disk-cache or `moestream fetch` it first")
         self.client.get_range(self.url, offset, out, self.size, self.etag)
-        if self.cache is not None:
+        if keep and self.cache is not None:
             self.cache.put(self.key, offset, out)
 
 
@@ -186,6 +195,7 @@ class RemoteIndex(CheckpointIndex):
         super().__init__(root, tensors)
         self.manifest, self.client, self.cache = manifest, client, cache
         self.min_io_threads = SETTINGS.io_threads
+        self.lookahead_reads = SETTINGS.lookahead_reads
         self.dense_filter: Callable[[str], bool] | None = None  # set by ExpertStore: which tensors are dense
         self._warm: dict[str, list[_WarmPiece]] | None = None
         self._warm_lock = threading.Lock()
@@ -222,11 +232,10 @@ class RemoteIndex(CheckpointIndex):
 
     def stats(self) -> dict[str, int]:
         """Network and SSD-tier counters of this process's reads of the model."""
-        out = {"http_requests": 0, "http_bytes": 0, "http_retries": 0, "http_max_inflight": 0}
+        out = {"http_requests": 0, "http_bytes": 0, "http_retries": 0, "http_max_inflight": 0, "http_inflight_s": 0.0,
+               "http_busy_s": 0.0}
         if self.client is not None:
-            s = self.client.stats
-            out.update(http_requests=s.requests, http_bytes=s.bytes_fetched, http_retries=s.retries,
-                       http_max_inflight=s.max_inflight)
+            out.update(self.client.stats.snapshot())
         if self.cache is not None:
             c = self.cache.stats
             out.update(disk_hit_bytes=c.hit_bytes, disk_put_bytes=c.put_bytes, disk_corrupt_ranges=c.corrupt_ranges,
@@ -283,6 +292,15 @@ def _warm_worker(jobs: queue.Queue) -> None:
 
 
 # ---- opening ----------------------------------------------------------------------------------------
+def model_path(spec: str | Path, full: bool = True) -> Path:
+    """The local directory behind any model argument: a remote spec (hf://, http(s)://) becomes its stub
+    (`resolve`; `full` False: headers only, as `info` and `plan` need), anything else is a path. Every entry point
+    that takes a model (Engine.open, engine.plan, the CLI's commands) resolves through here."""
+    if is_remote(spec):
+        return resolve(str(spec), full=full)
+    return Path(spec).expanduser()
+
+
 def resolve(spec: str, settings: RemoteSettings | None = None, full: bool = True) -> Path:
     """The local stub directory of a remote checkpoint (weights/stub.py): config.json, the index json and every
     shard's header, plus the tokenizer and other run-time files unless `full` is False."""

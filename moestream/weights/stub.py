@@ -135,7 +135,7 @@ def _hf_listing(src: Source) -> tuple[str, list[str]]:
 def _require_extra(src: Source) -> None:
     import importlib.util
 
-    for module in ("httpx", "huggingface_hub") if src.kind == "hf" else ("httpx",):
+    for module in ("urllib3", "huggingface_hub") if src.kind == "hf" else ("urllib3",):
         if importlib.util.find_spec(module) is None:
             raise MoestreamError(f"remote checkpoints need the http extra ({module} is missing): "
                                  f"pip install 'moestream[http]'")
