@@ -87,9 +87,20 @@ class ModelInfo:
 def model_info(path: str | Path, ram_budget: int | None = None) -> ModelInfo:
     p = plan(path)
     try:
-        return _build(path, p, ram_budget)
+        return info_from_plan(path, p, ram_budget)
     finally:
         p.store.close()
+
+
+def info_from_plan(path: str | Path, p: ModelPlan, ram_budget: int | None = None) -> ModelInfo:
+    """model_info of a checkpoint already planned (the caller keeps `p` open, e.g. to fit several budgets)."""
+    return _build(path, p, ram_budget)
+
+
+def budget_fit(info: ModelInfo, p: ModelPlan, ram_budget: int) -> BudgetFit:
+    """The residency plan and expert cache of one more budget for a checkpoint `info` describes."""
+    n_experts = info.num_experts * len(info.moe_layers)
+    return _fit(info, p, ram_budget, n_experts, p.expert_bytes / max(1, n_experts))
 
 
 def _build(path: str | Path, p: ModelPlan, ram_budget: int | None) -> ModelInfo:
@@ -117,7 +128,7 @@ def _build(path: str | Path, p: ModelPlan, ram_budget: int | None) -> ModelInfo:
     info.total_bytes = info.dense_bytes + info.expert_bytes
     info.config_only = index.virtual
     if ram_budget is not None:
-        info.budget = _fit(info, p, ram_budget, n_experts, p.expert_bytes / max(1, n_experts))
+        info.budget = budget_fit(info, p, ram_budget)
     return info
 
 
