@@ -2,7 +2,7 @@
 budget, and batch throughput for one model, side by side in one run.
 
     flock /work/bench.lock python bench/plan_accuracy.py MODEL... --budgets e0.25,e0.5,e1 [--batch 8]
-        [--prompt-len 64] [--gen-len 16] [--skew 0] [--json]
+        [--prompt-len 64] [--gen-len 16] [--skew 0] [--reuse R] [--json]
 
 Budgets: bytes ("1.5GB") or `eF`: every dense weight resident plus the share F of the expert bytes. For each
 model the planner calibrates once (`plan --calibrate`: kernels, matmul, engine overhead, disk); then per budget
@@ -47,7 +47,7 @@ def probe(model: Path) -> float:
 
 def plan(model: Path, budget: int, args, disk: float | None, calibrate: bool = False, batch: int | None = None) -> dict:
     cmd = [PY, "-m", "moestream", "plan", str(model), "--json", "--ram-budget", str(budget), "--prompt-len",
-           str(args.prompt_len), "--gen-len", str(args.gen_len), "--skew", str(args.skew)]
+           str(args.prompt_len), "--gen-len", str(args.gen_len), "--skew", str(args.skew), "--reuse", str(args.reuse)]
     cmd += ["--disk-bandwidth", str(int(disk))] if disk else []
     cmd += ["--calibrate"] if calibrate else []
     cmd += ["--batch", str(batch)] if batch else []
@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen-len", type=int, default=16)
     ap.add_argument("--skew", type=float, default=0.0, help="0 (default): synthetic checkpoints route uniformly")
+    ap.add_argument("--reuse", type=float, default=0.0,
+                    help="P(reuse next) to plan with (`moestream trace` of the synthetic family; see docs/plan.md)")
     ap.add_argument("--batch", type=int, default=0, help="also measure N sequences on the last model")
     ap.add_argument("--batch-gen-len", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2, help="batch run's torch threads (the engine default here)")

@@ -67,7 +67,7 @@ def test_tiny_checkpoint_json_keys(tiny, capsys):
     assert out["max_sequences"] >= 4 and out["batch_sequences"] == 4
     assert out["cost_per_million_tokens"] == pytest.approx(2 / 3600 / out["decode_tokens_per_s"] * 1e6)
     assert out["rates"]["disk"] == 1e9
-    assert any("uniform routing" in a for a in out["assumptions"])
+    assert any("uniform popularity" in a for a in out["assumptions"])
     assert 0.3 < out["expert_hit_rate"] < 0.7  # half the experts cached, uniform routing
 
 
@@ -141,6 +141,7 @@ def test_batch_shares_reads_when_io_bound(tiny):
     (["--ram-budget", "1KB"], "too small"),
     (["--batch", "0"], "--batch must be at least 1"),
     (["--skew", "-1"], "--skew must be"),
+    (["--reuse", "2"], "--reuse must be a probability"),
 ])
 def test_bad_options(tiny, capsys, argv, message):
     assert main(["plan", str(tiny), *argv]) == 2
@@ -172,6 +173,10 @@ def test_skew_arithmetic():
     s = fit_exponent(0.19, 64, 4)
     assert top_share(64, 4, s) == pytest.approx(0.19, abs=1e-3)
     assert fit_exponent(0.05, 64, 4) == 0.0
+    # reuse of the last token's experts beyond chance (8/64) adds hits once the cache can hold them
+    assert hit_rate(64, 8, 0.0, 16, reuse=0.125) == pytest.approx(0.25)
+    assert hit_rate(64, 8, 0.0, 16, reuse=0.5) == pytest.approx(1 - 0.75 * (1 - 0.375 / 0.875))
+    assert distinct(64, 8, 0.0, 1, 16, reuse=0.5)[1] == pytest.approx(8 * (1 - hit_rate(64, 8, 0.0, 16, 0.5)))
 
 
 def test_calibration_is_cached(seeded_cache, tiny):

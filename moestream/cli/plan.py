@@ -32,6 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--skew", type=float, default=None, metavar="S",
                    help=f"expert popularity exponent: rank-i expert weight i^-S; 0 = uniform (synthetic "
                         f"checkpoints); default {DEFAULT_SKEW.exponent:g}, fitted to the trained demo model")
+    p.add_argument("--reuse", type=float, default=None, metavar="R",
+                   help=f"P(an expert routed for a token is routed again for the next), `moestream trace`'s "
+                        f"P(reuse next); default {DEFAULT_SKEW.reuse:g}, the trained demo model's")
     p.add_argument("--price-per-hour", type=float, default=None, metavar="P", help="machine price: prints cost "
                                                                                    "per million tokens")
     p.add_argument("--machine", choices=sorted(MACHINES), default=None,
@@ -55,7 +58,11 @@ def options(args: argparse.Namespace) -> PlanOptions:
                                  f"{args.disk_bandwidth!r}") from None
         if disk <= 0:
             raise MoestreamError(f"--disk-bandwidth must be positive, got {args.disk_bandwidth!r}")
-    skew = DEFAULT_SKEW if args.skew is None else Skew(args.skew, "--skew")
+    skew = DEFAULT_SKEW
+    if args.skew is not None or args.reuse is not None:
+        given = " and ".join(n for n, v in (("--skew", args.skew), ("--reuse", args.reuse)) if v is not None)
+        skew = Skew(DEFAULT_SKEW.exponent if args.skew is None else args.skew, given,
+                    DEFAULT_SKEW.reuse if args.reuse is None else args.reuse)
     return PlanOptions(parse_budget(args.ram_budget), args.batch, args.prompt_len, args.gen_len, disk,
                        args.price_per_hour, skew, args.calibrate, args.machine, args.reference,
                        log=lambda msg: print(msg, file=sys.stderr))

@@ -24,11 +24,11 @@ DEFAULT_BUDGET_SHARE = 0.75  # no --ram-budget: plan for this share of the machi
 SCHEDULER_CHUNK = 256  # the server scheduler's default prompt tokens per step (SchedulerConfig.prefill_chunk)
 ENGINE_CHUNK = 512  # the engine's default prefill chunk (EngineOptions.prefill_chunk)
 OS_RESERVE = 8 << 30  # a reference machine's RAM the budget leaves to the OS and the interpreter
-# Default skew: the Zipf exponent fitted (skew.fit_exponent) to `moestream trace` of the built-in demo model, a
-# trained K3-architecture router: top-10% shares 0.17-0.21 per layer give 0.30-0.40, mean 0.34 (docs/plan.md).
-# Synthetic checkpoints' random routers are near-uniform: plan those with --skew 0.
-DEFAULT_SKEW = Skew(0.35, "default: fitted to `moestream trace` of the trained demo model; random-weight "
-                          "synthetic routers are near-uniform, plan those with --skew 0")
+# Default routing: `moestream trace` of the built-in demo model, a trained K3-architecture router: top-10% shares
+# 0.17-0.21 per layer fit Zipf exponents 0.30-0.40 (skew.fit_exponent; mean 0.34), P(reuse next) 0.07-0.16 (mean
+# 0.12) (docs/plan.md). Random-weight synthetic routers have uniform popularity: plan those with --skew 0.
+DEFAULT_SKEW = Skew(0.35, "default: `moestream trace` of the trained demo model; random-weight synthetic "
+                          "checkpoints: --skew 0", 0.12)
 # A reference machine's engine overhead per layer step (not measurable from here): 0.3 ms of non-kernel work per
 # decode layer measured on one idle Zen 3 core (docs/performance.md, decode step split), 0.05 ms per extra row,
 # 5 ms per prefill chunk.
@@ -103,6 +103,8 @@ class PlanOptions:
             raise MoestreamError(f"unknown --machine {self.machine!r}; choose from {', '.join(MACHINES)}")
         if self.skew.exponent < 0 or not math.isfinite(self.skew.exponent):
             raise MoestreamError(f"--skew must be a finite exponent >= 0, got {self.skew.exponent}")
+        if not 0.0 <= self.skew.reuse <= 1.0:
+            raise MoestreamError(f"--reuse must be a probability in [0, 1], got {self.skew.reuse}")
 
 
 def machine_ram() -> int:
@@ -214,7 +216,7 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
     src = r.get("source", {})
     o = r["overhead"].get(f.model_type) or next(iter(r["overhead"].values()), None)
     lines = [
-        f"routing: {opts.skew.describe()}; tokens route independently (no temporal reuse counted)",
+        f"routing: {opts.skew.describe()}; the cache also holds the previous token's experts when it has room",
         "expert cache: the budget's cache holds each MoE layer's most popular experts, shared evenly by the "
         f"{f.moe_layers} MoE layers (LFRU's steady state); sequence state grows into the same room",
         f"disk: {r['disk'] / 1e9:.3g} GB/s for expert reads and streamed dense layers "

@@ -17,7 +17,7 @@ from moestream.info import BudgetFit
 from moestream.kernels.cpu import MAX_TOKENS_BF16
 from moestream.planner.calibrate import Rates
 from moestream.planner.facts import ModelFacts
-from moestream.planner.skew import Skew, distinct, hit_rate, single_row
+from moestream.planner.skew import Skew, distinct, single_row
 
 # Share of the shorter of I/O and compute hidden behind the longer: reads of a layer's missing experts run while
 # its resident experts compute and the lookahead reads one expert ahead, but attention and dense work mostly wait.
@@ -109,7 +109,7 @@ class Scenario:
         """One decode step of `sequences` sequences (one new token each) at `context` tokens of context."""
         f, s = self.facts, self.skew
         cached = self.cached_per_layer(state_bytes)
-        used, missing = distinct(f.num_experts, f.top_k, s.exponent, sequences, cached)
+        used, missing = distinct(f.num_experts, f.top_k, s.exponent, sequences, cached, s.reuse)
         one = single_row(f.num_experts, f.top_k, s.exponent, sequences)
         multi = max(0.0, used - one)
         rows = max(0.0, sequences * f.top_k - one) / max(1e-9, multi)  # mean rows of a multi-row expert
@@ -119,8 +119,7 @@ class Scenario:
                    + self._state_read(sequences, context))
         reads = f.moe_layers * missing
         io = reads * f.expert_bytes / self.rates.disk + self._streamed() if self.rates.disk > 0 else 0.0
-        hit = hit_rate(f.num_experts, f.top_k, s.exponent, cached) if sequences == 1 else 1.0 - missing / max(
-            1e-9, used)
+        hit = 1.0 - missing / max(1e-9, used)
         return Step(io, compute, self._overhead("decode", sequences), reads, hit)
 
     def prefill(self, tokens: int, chunk: int, cold: bool) -> list[Step]:
