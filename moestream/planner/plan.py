@@ -46,31 +46,32 @@ class Machine:
     gemv_bf16: float
     gemv_mxfp4: float
     expand_bf16: float
+    expand_mxfp4: float
     gemm_flops: float
     memory: float
     note: str
 
     def rates(self, here: Rates) -> Rates:
-        """Its rates; quantised formats scale from this machine's ratio to bf16, overheads are this machine's."""
-        scale = {k: (self.gemv_mxfp4 if k == "mxfp4" else self.gemv_bf16 * here.gemv[k] / here.gemv["bf16"])
-                 for k in here.gemv}
-        scale["bf16"] = self.gemv_bf16
+        """Its rates: bf16 and MXFP4 as stated, other formats at this machine's ratio to bf16; overheads assumed."""
+        gemv = {k: self.gemv_bf16 * v / here.gemv["bf16"] for k, v in here.gemv.items()}
         expand = {k: self.expand_bf16 * v / here.expand["bf16"] for k, v in here.expand.items()}
+        gemv.update(bf16=self.gemv_bf16, mxfp4=self.gemv_mxfp4)
+        expand.update(bf16=self.expand_bf16, mxfp4=self.expand_mxfp4)
         overhead = {k: REFERENCE_OVERHEAD for k in here.overhead}
-        return Rates(scale, expand, self.gemm_flops, self.memory, self.disk, overhead,
+        return Rates(gemv, expand, self.gemm_flops, self.memory, self.disk, overhead,
                      {"all": f"reference machine {self.name}: {self.note}"})
 
     def describe(self) -> str:
         return (f"{self.name}: {format_bytes(self.ram)} RAM, disk {self.disk / 1e9:g} GB/s, one-row bf16 "
-                f"{self.gemv_bf16 / 1e9:g} GB/s, MXFP4 {self.gemv_mxfp4 / 1e9:g} GB/s, fp32 expansion "
-                f"{self.expand_bf16 / 1e9:g} GB/s, fp32 GEMM {self.gemm_flops / 1e12:g} TFLOP/s, memory "
+                f"{self.gemv_bf16 / 1e9:g} GB/s, MXFP4 {self.gemv_mxfp4 / 1e9:g} GB/s, fp32 expansion bf16 "
+                f"{self.expand_bf16 / 1e9:g} GB/s, MXFP4 {self.expand_mxfp4 / 1e9:g} GB/s, fp32 GEMM {self.gemm_flops / 1e12:g} TFLOP/s, memory "
                 f"{self.memory / 1e9:g} GB/s ({self.note})")
 
 
 MACHINES = {m.name: m for m in (
-    Machine("desktop-64g", 64 << 30, 7e9, 40e9, 30e9, 12e9, 1.0e12, 60e9,
+    Machine("desktop-64g", 64 << 30, 7e9, 40e9, 30e9, 12e9, 8e9, 1.0e12, 60e9,
             "8-core desktop, dual-channel DDR5, PCIe 4 NVMe"),
-    Machine("server-512g", 512 << 30, 14e9, 150e9, 100e9, 40e9, 5.0e12, 300e9,
+    Machine("server-512g", 512 << 30, 14e9, 150e9, 100e9, 40e9, 30e9, 5.0e12, 300e9,
             "32-core server, 8-channel DDR5, PCIe 5 NVMe"),
 )}
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moestream.info import BudgetFit
-from moestream.kernels.cpu import MAX_TOKENS_BF16
+from moestream.experts.dispatch import NATIVE_MAX_ROWS
+from moestream.kernels.cpu import MAX_TOKENS_BF16, MAX_TOKENS_MXFP4
 from moestream.planner.calibrate import Rates
 from moestream.planner.facts import ModelFacts
 from moestream.planner.skew import Skew, distinct, single_row
@@ -22,7 +23,10 @@ from moestream.planner.skew import Skew, distinct, single_row
 # Share of the shorter of I/O and compute hidden behind the longer: reads of a layer's missing experts run while
 # its resident experts compute and the lookahead reads one expert ahead, but attention and dense work mostly wait.
 OVERLAP = 0.5
-NATIVE_ROWS = {"bf16": MAX_TOKENS_BF16, "mxfp4": MAX_TOKENS_BF16}  # rows the one-row kernels take in one pass
+NATIVE_ROWS = {"bf16": MAX_TOKENS_BF16, "mxfp4": MAX_TOKENS_MXFP4}  # rows the one-row kernels take in one pass
+# rows a routed expert runs in the one-row kernel: bf16 experts over more rows are expanded to fp32 once
+# (experts/dispatch.py); MXFP4 experts go through kernels.quant, native up to its row limit
+EXPERT_ROWS = {"bf16": NATIVE_MAX_ROWS, "mxfp4": MAX_TOKENS_MXFP4}
 
 
 @dataclass
@@ -68,12 +72,12 @@ class Scenario:
         per = o.prefill_s if kind == "prefill" else o.decode_s + o.decode_row_s * max(0, rows - 1)
         return per * self.facts.num_layers
 
-    def _weights(self, nbytes: float, kind: str, params: float, rows: int) -> float:
+    def _weights(self, nbytes: float, kind: str, params: float, rows: float, limit: dict = NATIVE_ROWS) -> float:
         """Seconds to multiply `rows` activation rows through weights of `nbytes` stored bytes and `params`
         parameters: the one-row kernel's byte rate (extra rows it takes in the same pass at the GEMM rate), or,
         above its row limit, expansion to fp32 and a GEMM."""
         r = self.rates
-        if rows <= NATIVE_ROWS.get(kind, 1):
+        if rows <= limit.get(kind, 1):
             return nbytes / r.gemv[kind] + 2.0 * params * (rows - 1) / r.gemm_flops
         return self._expanded(nbytes, kind, params, rows)
 
@@ -114,12 +118,13 @@ class Scenario:
         multi = max(0.0, used - one)
         rows = max(0.0, sequences * f.top_k - one) / max(1e-9, multi)  # mean rows of a multi-row expert
         experts = f.moe_layers * (one * f.expert_bytes / self.rates.gemv[f.expert_kind]
-                                  + multi * self._expanded(f.expert_bytes, f.expert_kind, f.expert_params, rows))
+                                  + multi * self._weights(f.expert_bytes, f.expert_kind, f.expert_params, rows,
+                                                          EXPERT_ROWS))
         compute = (self._dense(sequences, sequences) + experts + self._attention(sequences, context)
                    + self._state_read(sequences, context))
         reads = f.moe_layers * missing
         io = reads * f.expert_bytes / self.rates.disk + self._streamed() if self.rates.disk > 0 else 0.0
-        hit = 1.0 - missing / max(1e-9, used)
+        hit = max(0.0, 1.0 - missing / max(1e-9, used))
         return Step(io, compute, self._overhead("decode", sequences), reads, hit)
 
     def prefill(self, tokens: int, chunk: int, cold: bool) -> list[Step]:
@@ -132,12 +137,11 @@ class Scenario:
             cached = min(cap, distinct(f.num_experts, f.top_k, s.exponent, done)[0]) if cold else cap
             used, missing = distinct(f.num_experts, f.top_k, s.exponent, n, cached)
             rows = n * f.top_k / max(1e-9, used)
-            experts = f.moe_layers * used * self._expanded(f.expert_bytes, f.expert_kind, f.expert_params, rows)
-            if n == 1:
-                experts = f.moe_layers * f.top_k * f.expert_bytes / self.rates.gemv[f.expert_kind]
+            experts = f.moe_layers * used * self._weights(f.expert_bytes, f.expert_kind, f.expert_params, rows,
+                                                          EXPERT_ROWS)
             compute = self._dense(n, 1) + experts + self._attention(n, done + n / 2)
             reads = f.moe_layers * missing
             io = reads * f.expert_bytes / self.rates.disk + self._streamed() if self.rates.disk > 0 else 0.0
-            steps.append(Step(io, compute, self._overhead("prefill"), reads, 1.0 - missing / max(1e-9, used)))
+            steps.append(Step(io, compute, self._overhead("prefill"), reads, max(0.0, 1.0 - missing / max(1e-9, used))))
             done += n
         return steps
