@@ -97,10 +97,11 @@ def info_from_plan(path: str | Path, p: ModelPlan, ram_budget: int | None = None
     return _build(path, p, ram_budget)
 
 
-def budget_fit(info: ModelInfo, p: ModelPlan, ram_budget: int) -> BudgetFit:
-    """The residency plan and expert cache of one more budget for a checkpoint `info` describes."""
+def budget_fit(info: ModelInfo, p: ModelPlan, ram_budget: int, state_room: int = 0) -> BudgetFit:
+    """The residency plan and expert cache of one more budget for a checkpoint `info` describes (keeping
+    `state_room` for sequence state when deciding which dense layers stream, as `--state-room` does)."""
     n_experts = info.num_experts * len(info.moe_layers)
-    return _fit(info, p, ram_budget, n_experts, p.expert_bytes / max(1, n_experts))
+    return _fit(info, p, ram_budget, n_experts, p.expert_bytes / max(1, n_experts), state_room)
 
 
 def _build(path: str | Path, p: ModelPlan, ram_budget: int | None) -> ModelInfo:
@@ -161,9 +162,10 @@ def _layer_expert_bytes(p: ModelPlan, layer: int) -> int:
     return sum(loc.nbytes for e in range(p.layout.num_experts) for loc in p.store.locate(layer, e))
 
 
-def _fit(info: ModelInfo, p: ModelPlan, budget: int, n_experts: int, resident_per_expert: float) -> BudgetFit:
+def _fit(info: ModelInfo, p: ModelPlan, budget: int, n_experts: int, resident_per_expert: float,
+         state_room: int = 0) -> BudgetFit:
     try:
-        residency = plan_residency(p, budget)
+        residency = plan_residency(p, budget, state_room)
     except BudgetError:
         residency = None
     cache = max(0, residency.cache_bytes) if residency is not None else 0

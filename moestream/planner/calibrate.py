@@ -24,6 +24,7 @@ from moestream import __version__
 from moestream.config import default_cache_dir
 
 KINDS = ("bf16", "mxfp4", "fp8", "int4", "f32")
+PROBES_VERSION = 2  # part of the cache key: a change to what a probe measures measures again
 PROBE_FILE_BYTES = 256 << 20  # written once where the weights would live when the model has no local shards
 BURST_S = 0.15
 
@@ -76,7 +77,8 @@ def machine_key() -> str:
     except OSError:
         pass
     simd = cpu.simd() if cpu.available() else "torch"
-    return f"{model}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads|{simd}|moestream {__version__}"
+    return (f"{model}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads|{simd}|moestream {__version__}"
+            f"|probes {PROBES_VERSION}")
 
 
 def cache_path() -> Path:

@@ -159,10 +159,10 @@ def _probe_target(path: Path) -> tuple[list[Path], Path]:
 
 
 def _predict(facts: ModelFacts, p, rates: Rates, budget: int, opts: PlanOptions, machine: str) -> dict:
-    fit = facts.fit(p, budget)
+    per_seq = facts.state.at(opts.prompt_len, opts.prompt_len + opts.gen_len, SCHEDULER_CHUNK)
+    fit = facts.fit(p, budget, per_seq)  # dense residency keeps room for one sequence (as --state-room would)
     sc = Scenario(facts, fit, rates, opts.skew)
     context = opts.prompt_len + opts.gen_len / 2  # mean context over the generated tokens
-    per_seq = facts.state.at(opts.prompt_len, opts.prompt_len + opts.gen_len, SCHEDULER_CHUNK)
     one = sc.decode(1, context, per_seq)
     warm = sc.prefill(opts.prompt_len, ENGINE_CHUNK, cold=False)
     cold = sc.prefill(opts.prompt_len, ENGINE_CHUNK, cold=True)
@@ -227,6 +227,8 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
                                                                  for k, v in r["expand"].items())
         + f" then fp32 GEMM at {r['gemm_flops'] / 1e9:.3g} GFLOP/s; state read at {r['memory'] / 1e9:.3g} GB/s",
         f"overlap: step = overhead + max(io, compute) + {1 - OVERLAP:g} x min(io, compute)",
+        "dense residency planned keeping one sequence's state free (`--state-room` that size; the engine's "
+        "default keeps none, so state then squeezes the expert cache)",
         f"state: {f.state.describe()}; sequences sized at {opts.prompt_len} prompt + {opts.gen_len} generated "
         "tokens, admitted while their state fits the budget less the scheduler's room for 2 x top_k experts",
         f"decode at the mean context ({opts.prompt_len} + {opts.gen_len}/2 tokens); prefill in chunks of "
