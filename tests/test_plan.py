@@ -190,6 +190,8 @@ def test_calibration_is_cached(seeded_cache, tiny):
     assert bw > 0 and again.measured
     cached = calibrate.Calibrator(seconds=0.05)
     assert cached.disk([], tiny)[0] == bw and not cached.measured
+    scratch = tiny.parent / "probe-here"  # a config-only or remote model: a scratch file where shards would go
+    assert calibrate.disk_rate_at(scratch, 0.05, 16 << 20) > 0 and not list(scratch.iterdir())
     fresh = calibrate.Calibrator(fresh=True, seconds=0.05)
     fresh.rates({"bf16"}, "qwen3_moe")
     assert fresh.measured

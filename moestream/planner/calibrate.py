@@ -178,17 +178,17 @@ def disk_rate(files: list[Path], seconds: float) -> float:
     """bench's direct-I/O probe (random 4 MiB reads, a deep queue) over the model's shards."""
     from moestream.bench import PROBE_THREADS, probe_disk
 
-    return probe_disk(files, PROBE_THREADS, seconds)
+    return probe_disk(files, PROBE_THREADS, max(0.5, seconds))  # shorter, a loaded machine may finish no read
 
 
-def disk_rate_at(directory: Path, seconds: float) -> float:
+def disk_rate_at(directory: Path, seconds: float, nbytes: int = PROBE_FILE_BYTES) -> float:
     """The probe over a scratch file written in `directory` (a model with no local shards: where they would go)."""
     directory.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix="plan-probe-", suffix=".bin", dir=directory)
     try:
         block = os.urandom(1 << 20)
         with os.fdopen(fd, "wb") as fh:
-            for _ in range(PROBE_FILE_BYTES >> 20):
+            for _ in range(max(8, nbytes >> 20)):
                 fh.write(block)
             fh.flush()
             os.fsync(fh.fileno())
