@@ -9,7 +9,7 @@ and the JSON-ready result. The arithmetic is predict.py's; the rates are calibra
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
