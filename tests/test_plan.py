@@ -195,3 +195,23 @@ def test_calibration_is_cached(seeded_cache, tiny):
     fresh = calibrate.Calibrator(fresh=True, seconds=0.05)
     fresh.rates({"bf16"}, "qwen3_moe")
     assert fresh.measured
+
+
+def test_remote_checkpoint_headers_only(tiny, tmp_path, monkeypatch, capsys):
+    """hf://: plan from the stub (config, index, shard headers) a real loopback hub serves; no tensor data."""
+    from hfserver import CheckpointServer
+    from moestream.weights import remote
+
+    with CheckpointServer({"org/tiny": tiny}) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        for k, v in vars(remote.RemoteSettings()).items():
+            monkeypatch.setattr(remote.SETTINGS, k, v)
+        args = ("--disk-bandwidth", "1GB", "--ram-budget", str(budget_of(tiny, 0.5)), "--prompt-len", "16",
+                "--gen-len", "8", "--skew", "0")
+        out = plan_json("hf://org/tiny", *args, capsys=capsys)
+        served = server.bytes_served()
+    local = plan_json(str(tiny), *args, capsys=capsys)
+    assert out["decode_tokens_per_s"] == pytest.approx(local["decode_tokens_per_s"])
+    shards = sum(f.stat().st_size for f in tiny.glob("*.safetensors"))
+    assert served < shards / 4  # headers and JSON, not the weights
