@@ -86,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default="e0.25,e0.5,e1")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen-len", type=int, default=16)
-    ap.add_argument("--skew", type=float, default=0.0, help="0 (default): synthetic checkpoints route uniformly")
-    ap.add_argument("--reuse", type=float, default=0.0,
+    ap.add_argument("--skew", type=float, default=0.64,
+                    help="Zipf exponent to plan with (default 0.64: `moestream trace` of a synthetic qwen3_moe)")
+    ap.add_argument("--reuse", type=float, default=0.25,
                     help="P(reuse next) to plan with (`moestream trace` of the synthetic family; see docs/plan.md)")
     ap.add_argument("--batch", type=int, default=0, help="also measure N sequences on the last model")
     ap.add_argument("--batch-gen-len", type=int, default=8)

@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Predict what a checkpoint does on this machine (or a reference machine) from "
                                    "config.json and safetensors headers alone, calibrated by a few seconds of "
                                    "probes (cached per CPU and disk). Every assumption is printed.")
-    p.add_argument("model", help="checkpoint directory (a directory holding only config.json is enough), "
+    p.add_argument("model", help="checkpoint directory (for Kimi K3 a directory holding only config.json is enough), "
                                  "hf://ORG/NAME[@REV] or https://.../DIR/")
     add_budget_arg(p, "; default: 75%% of this machine's RAM")
     p.add_argument("--batch", type=int, default=None, metavar="N", help="also predict N sequences decoding together")
@@ -30,8 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disk-bandwidth", default="auto", metavar="auto|BYTES/s",
                    help="disk read bandwidth, e.g. 7GB (per second), or auto: probe it (cached; default)")
     p.add_argument("--skew", type=float, default=None, metavar="S",
-                   help=f"expert popularity exponent: rank-i expert weight i^-S; 0 = uniform (synthetic "
-                        f"checkpoints); default {DEFAULT_SKEW.exponent:g}, fitted to the trained demo model")
+                   help=f"expert popularity exponent: rank-i expert weight i^-S; 0 = uniform; default "
+                        f"{DEFAULT_SKEW.exponent:g}, fitted to the trained demo model (random-weight synthetic "
+                        f"checkpoints: 0.64, docs/plan.md)")
     p.add_argument("--reuse", type=float, default=None, metavar="R",
                    help=f"P(an expert routed for a token is routed again for the next), `moestream trace`'s "
                         f"P(reuse next); default {DEFAULT_SKEW.reuse:g}, the trained demo model's")

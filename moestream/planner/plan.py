@@ -26,9 +26,9 @@ ENGINE_CHUNK = 512  # the engine's default prefill chunk (EngineOptions.prefill_
 OS_RESERVE = 8 << 30  # a reference machine's RAM the budget leaves to the OS and the interpreter
 # Default routing: `moestream trace` of the built-in demo model, a trained K3-architecture router: top-10% shares
 # 0.17-0.21 per layer fit Zipf exponents 0.30-0.40 (skew.fit_exponent; mean 0.34), P(reuse next) 0.07-0.16 (mean
-# 0.12) (docs/plan.md). Random-weight synthetic routers have uniform popularity: plan those with --skew 0.
+# 0.12) (docs/plan.md). Random-weight synthetic routers measured more skewed: --skew 0.64 --reuse 0.25.
 DEFAULT_SKEW = Skew(0.35, "default: `moestream trace` of the trained demo model; random-weight synthetic "
-                          "checkpoints: --skew 0", 0.12)
+                          "checkpoints trace at --skew 0.64 --reuse 0.25", 0.12)
 # A reference machine's engine overhead per layer step (not measurable from here): 0.3 ms of non-kernel work per
 # decode layer measured on one idle Zen 3 core (docs/performance.md, decode step split), 0.05 ms per extra row,
 # 5 ms per prefill chunk.
