@@ -87,9 +87,21 @@ class ModelInfo:
 def model_info(path: str | Path, ram_budget: int | None = None) -> ModelInfo:
     p = plan(path)
     try:
-        return _build(path, p, ram_budget)
+        return info_from_plan(path, p, ram_budget)
     finally:
         p.store.close()
+
+
+def info_from_plan(path: str | Path, p: ModelPlan, ram_budget: int | None = None) -> ModelInfo:
+    """model_info of a checkpoint already planned (the caller keeps `p` open, e.g. to fit several budgets)."""
+    return _build(path, p, ram_budget)
+
+
+def budget_fit(info: ModelInfo, p: ModelPlan, ram_budget: int, state_room: int = 0) -> BudgetFit:
+    """The residency plan and expert cache of one more budget for a checkpoint `info` describes (keeping
+    `state_room` for sequence state when deciding which dense layers stream, as `--state-room` does)."""
+    n_experts = info.num_experts * len(info.moe_layers)
+    return _fit(info, p, ram_budget, n_experts, p.expert_bytes / max(1, n_experts), state_room)
 
 
 def _build(path: str | Path, p: ModelPlan, ram_budget: int | None) -> ModelInfo:
@@ -117,7 +129,7 @@ def _build(path: str | Path, p: ModelPlan, ram_budget: int | None) -> ModelInfo:
     info.total_bytes = info.dense_bytes + info.expert_bytes
     info.config_only = index.virtual
     if ram_budget is not None:
-        info.budget = _fit(info, p, ram_budget, n_experts, p.expert_bytes / max(1, n_experts))
+        info.budget = budget_fit(info, p, ram_budget)
     return info
 
 
@@ -150,9 +162,10 @@ def _layer_expert_bytes(p: ModelPlan, layer: int) -> int:
     return sum(loc.nbytes for e in range(p.layout.num_experts) for loc in p.store.locate(layer, e))
 
 
-def _fit(info: ModelInfo, p: ModelPlan, budget: int, n_experts: int, resident_per_expert: float) -> BudgetFit:
+def _fit(info: ModelInfo, p: ModelPlan, budget: int, n_experts: int, resident_per_expert: float,
+         state_room: int = 0) -> BudgetFit:
     try:
-        residency = plan_residency(p, budget)
+        residency = plan_residency(p, budget, state_room)
     except BudgetError:
         residency = None
     cache = max(0, residency.cache_bytes) if residency is not None else 0

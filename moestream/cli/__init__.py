@@ -28,7 +28,7 @@ EXTRA_COMMANDS: list[tuple[str, str]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from moestream.cli import batch, demo, fetch, info, run, synth
+    from moestream.cli import batch, demo, fetch, info, plan, run, synth
 
     parser = argparse.ArgumentParser(
         prog="moestream",
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "safetensors shards into a byte-budgeted cache.")
     parser.add_argument("--version", action="version", version=f"moestream {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (run, batch, info, synth, demo, fetch):
+    for module in (run, batch, info, plan, synth, demo, fetch):
         module.add_parser(sub)
     for module_name, function in EXTRA_COMMANDS:
         _add_extra(sub, module_name, function)

@@ -1,0 +1,292 @@
+"""Calibration: the rates of this machine the planner's model multiplies by, measured in a few seconds, cached.
+
+Owns the probes (the disk by bench's direct-I/O probe, the one-row weight kernels the engine's decode takes per
+weight format, the multi-row path's fp32 expansion, the fp32 GEMM rate, memory read bandwidth, and the engine's
+fixed cost per layer step measured on a tiny synthetic checkpoint of the family) and their cache, a JSON file
+under the user cache directory keyed by CPU (and, for the disk, by the filesystem's device), so that repeated
+plans are instant; `--calibrate` measures again.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from moestream import __version__
+from moestream.config import default_cache_dir
+
+KINDS = ("bf16", "mxfp4", "fp8", "int4", "f32")
+PROBES_VERSION = 2  # part of the cache key: a change to what a probe measures measures again
+PROBE_FILE_BYTES = 256 << 20  # written once where the weights would live when the model has no local shards
+BURST_S = 0.15
+
+
+@dataclass
+class Overhead:
+    """The engine's fixed wall time per layer step beyond bytes and FLOPs (Python, dispatch, small ops), measured on
+    a tiny checkpoint whose weights cost nothing: decode_s + decode_row_s x rows per decode step, prefill_s per
+    prefill chunk."""
+
+    decode_s: float
+    decode_row_s: float
+    prefill_s: float
+    source: str = ""
+
+
+@dataclass
+class Rates:
+    """What the planner assumes this machine does (every field is stated in its output)."""
+
+    gemv: dict[str, float]  # weight bytes/s of one activation row through the engine's kernel, per format
+    expand: dict[str, float]  # stored weight bytes/s expanded to fp32 for a multi-row GEMM, per format
+    gemm_flops: float  # fp32 torch.mm FLOP/s (multi-row experts and dense layers)
+    memory: float  # fp32 bytes/s read (KV rows, recurrent state)
+    disk: float = 0.0  # expert and streamed-dense reads, bytes/s
+    overhead: dict[str, Overhead] = field(default_factory=dict)  # per model_type
+    source: dict[str, str] = field(default_factory=dict)  # what each rate came from
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Rates":
+        out = cls(dict(d["gemv"]), dict(d["expand"]), float(d["gemm_flops"]), float(d["memory"]),
+                  float(d.get("disk", 0.0)), {}, dict(d.get("source", {})))
+        out.overhead = {k: Overhead(**v) for k, v in d.get("overhead", {}).items()}
+        return out
+
+
+# ---- the cache ------------------------------------------------------------------------------------------------
+def machine_key() -> str:
+    """CPU model, core count, compute threads, native SIMD level and moestream version: a change in any of them
+    measures again."""
+    from moestream.kernels import cpu
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            model = next((l.split(":", 1)[1].strip() for l in fh if l.startswith("model name")), model)
+    except OSError:
+        pass
+    simd = cpu.simd() if cpu.available() else "torch"
+    return (f"{model}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads|{simd}|moestream {__version__}"
+            f"|probes {PROBES_VERSION}")
+
+
+def cache_path() -> Path:
+    return default_cache_dir() / "plan-calibration.json"
+
+
+def _load() -> dict:
+    try:
+        return json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save(data: dict) -> None:
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def disk_key(where: Path) -> str:
+    return f"dev {os.stat(where).st_dev}"
+
+
+# ---- probes ---------------------------------------------------------------------------------------------------
+def _rate(work: Callable[[], None], units: float, seconds: float) -> float:
+    """units/s of `work`: the median of short bursts over `seconds` (a loaded machine: typical, not best)."""
+    work()
+    rates, deadline = [], time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(rates) < 2:
+        t, n = time.perf_counter(), 0
+        while time.perf_counter() - t < BURST_S / 3 or n == 0:
+            work()
+            n += 1
+        rates.append(n * units / (time.perf_counter() - t))
+    return statistics.median(rates)
+
+
+def _weights(kind: str, out: int, inp: int, count: int) -> tuple[list, int, Callable, Callable]:
+    """`count` weight matrices of one format: (weights, stored bytes, the engine's linear fn(x, w), its expansion
+    to fp32 fn(w) as a multi-row step does before its GEMM)."""
+    from moestream.kernels import quant
+    from moestream.models.blocks import linear
+
+    gen = torch.Generator().manual_seed(0)
+    dense = [torch.randn(out, inp, generator=gen) * 0.02 for _ in range(count)]
+    if kind in ("bf16", "f32"):
+        ws = [w.to(torch.bfloat16 if kind == "bf16" else torch.float32) for w in dense]
+        scratch = torch.empty(out, inp)  # the engine expands into a reused fp32 scratch (no fresh pages)
+        return ws, sum(w.numel() * w.element_size() for w in ws), linear, scratch.copy_
+    one = torch.ones(1, inp)
+    if kind == "mxfp4":
+        ws = [quant.quantize_mxfp4(w) for w in dense]
+        return (ws, sum(p.numel() + s.numel() for p, s in ws), lambda x, w: quant.mxfp4_linear(x, *w),
+                lambda w: quant.mxfp4_linear(one, *w, native=False))  # decoded chunk by chunk into scratch
+    if kind == "fp8":
+        ws = [quant.quantize_fp8_block(w) for w in dense]
+        return (ws, sum(q.numel() + s.numel() * 4 for q, s in ws), lambda x, w: quant.fp8_block_linear(x, *w),
+                lambda w: quant.fp8_block_linear(one, *w))
+    ws = [quant.pack_int4(w) for w in dense]
+    return (ws, sum(p.numel() * 4 + s.numel() * 2 for p, s in ws),
+            lambda x, w: quant.int4_linear(x, *w, shape=(out, inp)),
+            lambda w: quant.int4_linear(one, *w, shape=(out, inp)))
+
+
+def weight_rates(kind: str, seconds: float = 0.6) -> tuple[float, float]:
+    """(one-row bytes/s through the engine's linear for the format, stored bytes/s expanded to fp32 for a multi-row
+    GEMM) over 32 MiB of bf16-equivalent weights in an expert projection's shape (past the last-level cache)."""
+    ws, nbytes, fn, expand = _weights(kind, 2048, 1024, 8)
+    x = torch.randn(1, 1024)
+    few = 8 if kind in ("bf16", "f32") else 1  # torch's decode of a packed format is slow: one matrix per burst
+
+    def one() -> None:
+        for w in ws:
+            fn(x, w)
+
+    def wide() -> None:
+        for w in ws[:few]:
+            expand(w)
+
+    return _rate(one, nbytes, seconds / 2), _rate(wide, nbytes * few / len(ws), seconds / 2)
+
+
+def gemm_rate(seconds: float = 0.5) -> float:
+    """fp32 torch.mm FLOP/s at an expert's shape over 64 rows."""
+    a, b = torch.randn(64, 1024), torch.randn(1024, 2048)
+    return _rate(lambda: torch.mm(a, b), 2 * 64 * 1024 * 2048, seconds)
+
+
+def memory_rate(seconds: float = 0.3) -> float:
+    data = torch.ones(32 << 20, dtype=torch.float32)  # 128 MiB
+    return _rate(lambda: torch.sum(data), data.numel() * 4, seconds)
+
+
+def disk_rate(files: list[Path], seconds: float) -> float:
+    """bench's direct-I/O probe (random 4 MiB reads, a deep queue) over the model's shards."""
+    from moestream.bench import PROBE_THREADS, probe_disk
+
+    return probe_disk(files, PROBE_THREADS, max(0.5, seconds))  # shorter, a loaded machine may finish no read
+
+
+def disk_rate_at(directory: Path, seconds: float, nbytes: int = PROBE_FILE_BYTES) -> float:
+    """The probe over a scratch file written in `directory` (a model with no local shards: where they would go)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix="plan-probe-", suffix=".bin", dir=directory)
+    try:
+        block = os.urandom(1 << 20)
+        with os.fdopen(fd, "wb") as fh:
+            for _ in range(max(8, nbytes >> 20)):
+                fh.write(block)
+            fh.flush()
+            os.fsync(fh.fileno())
+        return disk_rate([Path(name)], seconds)
+    finally:
+        os.unlink(name)
+
+
+def overhead(model_type: str, seconds: float = 1.0) -> Overhead:
+    """The engine's per-layer-step fixed cost for `model_type`: a tiny synthetic checkpoint (weights of a few KB)
+    decoded warm one row and eight rows at a time, and prefilled in 64-token chunks; time per layer."""
+    from moestream import Engine
+    from moestream.synth import supported, synthesize
+
+    family = model_type if model_type in supported() else "qwen3_moe"
+    with tempfile.TemporaryDirectory(prefix="moestream-plan-") as tmp:
+        synthesize(family, Path(tmp) / "m", "tiny", progress=False)
+        eng = Engine.open(Path(tmp) / "m")
+        try:
+            layers = len(eng.model.layers)
+            one = _step_time(eng, 1, 1, seconds / 3)
+            eight = _step_time(eng, 8, 1, seconds / 3)
+            chunk = _step_time(eng, 1, 64, seconds / 3)
+        finally:
+            eng.close()
+    note = "" if family == model_type else f" (no synthetic {model_type}: measured on {family})"
+    return Overhead(one / layers, max(0.0, (eight - one) / 7 / layers), chunk / layers,
+                    f"tiny synthetic {family}, {layers} layers{note}")
+
+
+def _step_time(eng, rows: int, tokens: int, seconds: float) -> float:
+    """Median seconds of one engine step over `rows` sequences of `tokens` tokens each (fresh states per step)."""
+    times, deadline = [], time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 3:
+        states = [eng.new_sequence() for _ in range(rows)]
+        try:
+            eng.step([(s, [1 + i % 7] * 8) for i, s in enumerate(states)])  # some context to attend over
+            t = time.perf_counter()
+            eng.step([(s, list(range(3, 3 + tokens))) for s in states])
+            times.append(time.perf_counter() - t)
+        finally:
+            for s in states:
+                eng.free(s)
+    return statistics.median(times)
+
+
+# ---- the calibration ---------------------------------------------------------------------------------------------
+@dataclass
+class Calibrator:
+    """Measures what is missing (or everything with `fresh`) and keeps the results in the cache file."""
+
+    fresh: bool = False
+    seconds: float = 1.0  # per probe (disk, each weight format, overhead); tests pass less
+    log: Callable[[str], None] = lambda msg: None
+
+    def __post_init__(self) -> None:
+        self.data = _load()
+        self.key = machine_key()
+        self.measured: list[str] = []
+        self.disk_done: set[str] = set()  # disks probed in this run (`fresh` probes each once)
+        if self.fresh:
+            self.data.get("machines", {}).pop(self.key, None)
+
+    def _entry(self) -> dict:
+        return self.data.setdefault("machines", {}).setdefault(self.key, {})
+
+    def rates(self, kinds: set[str], model_type: str) -> Rates:
+        e = self._entry()
+        src = e.setdefault("source", {})
+        for kind in sorted(kinds | {"bf16", "f32"}):
+            if kind not in e.setdefault("gemv", {}):
+                self.log(f"calibrating: {kind} weight kernels")
+                e["gemv"][kind], e.setdefault("expand", {})[kind] = weight_rates(kind, self.seconds)
+                src[f"gemv {kind}"] = self._stamp()
+        if "gemm_flops" not in e:
+            self.log("calibrating: fp32 matmul and memory bandwidth")
+            e["gemm_flops"], e["memory"] = gemm_rate(self.seconds / 2), memory_rate(self.seconds / 3)
+            src["gemm_flops"] = src["memory"] = self._stamp()
+        if model_type not in e.setdefault("overhead", {}):
+            self.log(f"calibrating: engine overhead per layer step ({model_type})")
+            o = overhead(model_type, self.seconds)
+            o.source += f", {self._stamp()}"
+            e["overhead"][model_type] = asdict(o)
+        _save(self.data)
+        return Rates.from_json(e)
+
+    def disk(self, files: list[Path], where: Path) -> tuple[float, str]:
+        """Disk bytes/s for the filesystem holding `where` (probing `files`, or a scratch file there if none)."""
+        disks = self.data.setdefault("disks", {})
+        key = f"{self.key}|{disk_key(where)}"
+        if key not in disks or (self.fresh and key not in self.disk_done):
+            self.disk_done.add(key)
+            self.log("calibrating: disk probe")
+            bw = disk_rate(files, self.seconds) if files else disk_rate_at(where, self.seconds)
+            disks[key] = {"bytes_per_s": bw, "source": f"direct-I/O probe of {where}, {self._stamp()}"}
+            _save(self.data)
+        return disks[key]["bytes_per_s"], disks[key]["source"]
+
+    def _stamp(self) -> str:
+        self.measured.append(time.strftime("%Y-%m-%dT%H:%M:%S"))
+        return f"measured {time.strftime('%Y-%m-%d %H:%M')}"

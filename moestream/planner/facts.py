@@ -1,0 +1,122 @@
+"""What the planner needs to know about a checkpoint, from its headers alone (or config.json through the family's
+tensor inventory): sizes from moestream.info, the residency plan of a budget, the weight formats a token is
+multiplied through, and the shapes that set attention work and sequence state.
+
+Owns the sorting of dense bytes into the kernel each format takes (bf16 native, MXFP4, block FP8, int4, fp32) and
+of the lm_head apart (one row per prefill chunk, every row in a batch step). It never reads tensor data.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from moestream.engine.engine import ModelPlan, plan
+from moestream.engine.residency import EMBED, HEAD, layer_of
+from moestream.errors import BudgetError
+from moestream.info import BudgetFit, ModelInfo, budget_fit, info_from_plan, tensor_params
+from moestream.planner.state import StateShape, state_shape
+
+_KIND = {"BF16": "bf16", "F16": "bf16", "F32": "f32", "F8_E4M3": "fp8", "U8": "mxfp4", "I32": "int4"}
+
+
+def kind_of(dtype: str) -> str:
+    return _KIND.get(dtype, "bf16")
+
+
+@dataclass
+class ModelFacts:
+    path: str
+    model_type: str
+    info: ModelInfo
+    num_layers: int
+    moe_layers: int
+    num_experts: int
+    top_k: int
+    expert_bytes: float  # one routed expert, on disk (mean)
+    expert_params: float  # one routed expert's multiplied parameters
+    expert_kind: str  # the weight format of routed experts
+    dense_bytes: dict[str, int]  # per format: dense bytes one token is multiplied through (lm_head apart)
+    dense_params: int  # parameters of those
+    head_bytes: int
+    head_kind: str
+    head_params: int
+    attention: list[tuple[int, int, int]]  # per softmax-attention layer: (heads, qk dim, v dim)
+    kda: tuple[int, int, int]  # (layers, heads, head dim) of linear-attention layers
+    state: StateShape
+
+    @property
+    def cold_bytes_per_token(self) -> float:
+        return self.moe_layers * self.top_k * self.expert_bytes
+
+    def fit(self, p: ModelPlan, budget: int, state_room: int = 0) -> BudgetFit:
+        """The budget's residency plan (keeping `state_room` for state, as `--state-room`) and expert cache;
+        BudgetError when the engine could not open under it."""
+        b = budget_fit(self.info, p, budget, state_room)
+        if b.residency is None and state_room:  # no room for the state as well: plan the engine's default
+            b = budget_fit(self.info, p, budget)
+        if not b.fits or b.residency is None:
+            raise BudgetError(f"--ram-budget {budget} bytes is too small for {self.path}: the engine needs at least "
+                              f"{b.min_ram_budget} bytes (every dense layer streamed, one expert cached)")
+        return b
+
+
+def open_plan(path: str | Path) -> ModelPlan:
+    return plan(path)
+
+
+def model_facts(path: str | Path, p: ModelPlan) -> ModelFacts:
+    info = info_from_plan(path, p)
+    index, prefix, layout = p.store.index, p.family.prefix, p.layout
+    n_layers = int(getattr(p.config, "num_layers", info.num_layers))
+    dense: dict[str, int] = {}
+    dense_params = head_bytes = head_params = 0
+    head_kind = "bf16"
+    tied = not any(n == prefix + HEAD for n in p.dense_names)
+    for full in p.dense_names:
+        name, t = full[len(prefix):], index[full]
+        layer = layer_of(name)
+        if layer is not None and layer >= n_layers:
+            continue  # multi-token-prediction layers: never loaded
+        if name == HEAD or (tied and name == EMBED):
+            head_bytes, head_params, head_kind = t.nbytes, tensor_params(t), kind_of(t.dtype)
+            continue
+        if name == EMBED:
+            continue  # a row lookup, not a multiply
+        k = kind_of(t.dtype)
+        dense[k] = dense.get(k, 0) + t.nbytes
+        if len(t.shape) == 2:
+            dense_params += tensor_params(t)
+    locs = p.store.locate(layout.moe_layers[0], 0) if layout.moe_layers else []
+    expert_kind = kind_of(max(locs, key=lambda l: l.nbytes).dtype) if locs else "bf16"
+    expert_params = sum(tensor_params(index[prefix + part.tensor.format(layer=layout.moe_layers[0], expert=0)])
+                        for part in layout.parts if not part.fused) if locs else 0
+    if locs and not expert_params:  # a fused layout: the layer's tensor holds every expert
+        expert_params = (info.expert_params / max(1, len(layout.moe_layers) * layout.num_experts))
+    return ModelFacts(str(path), info.model_type, info, n_layers, len(layout.moe_layers), layout.num_experts,
+                      layout.top_k, info.bytes_per_expert, expert_params, expert_kind, dense, dense_params,
+                      head_bytes, head_kind, head_params, _attention(p.config, n_layers), _kda(p.config, n_layers),
+                      state_shape(p.config))
+
+
+def _attention(cfg, n_layers: int) -> list[tuple[int, int, int]]:
+    """(heads, qk dim, v dim) per softmax-attention layer (GQA everywhere, or the MLA layers)."""
+    raw = getattr(cfg, "raw", {}) or {}
+    if hasattr(cfg, "mla_layers"):
+        return [(cfg.heads, cfg.nope_dim + cfg.rope_dim, cfg.v_dim)] * len(cfg.mla_layers)
+    if hasattr(cfg, "mla") and hasattr(cfg, "layer_types"):
+        m = cfg.mla
+        full = sum(1 for t in cfg.layer_types if t == "full_attention")
+        return [(m.heads, m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim)] * full
+    if hasattr(cfg, "heads") and hasattr(cfg, "head_dim"):
+        return [(cfg.heads, cfg.head_dim, cfg.head_dim)] * n_layers
+    heads = int(raw.get("num_attention_heads", 1))
+    qk = int(raw.get("qk_nope_head_dim", 128)) + int(raw.get("qk_rope_head_dim", 64))
+    return [(heads, qk, int(raw.get("v_head_dim") or 128))] * n_layers
+
+
+def _kda(cfg, n_layers: int) -> tuple[int, int, int]:
+    if hasattr(cfg, "mla_layers"):
+        return n_layers - len(cfg.mla_layers), cfg.kda_heads, cfg.kda_dim
+    if hasattr(cfg, "kda") and hasattr(cfg, "layer_types"):
+        return sum(1 for t in cfg.layer_types if t != "full_attention"), cfg.kda.heads, cfg.kda.head_dim
+    return 0, 0, 0

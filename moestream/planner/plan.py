@@ -1,0 +1,250 @@
+"""`moestream plan`'s result: a checkpoint's facts, a budget, this machine's calibrated rates (or a stated
+reference machine's) and a skew assumption turned into decode / prefill / batch speed, TTFT, how many sequences'
+state fits, and cost per million tokens, with every assumption listed.
+
+Owns the options, the default budget (a share of this machine's RAM), the reference machines, where the disk
+probe reads (the model's shards; for a config-only or remote checkpoint, a scratch file where they would live)
+and the JSON-ready result. The arithmetic is predict.py's; the rates are calibrate.py's.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from moestream.config import format_bytes
+from moestream.errors import MoestreamError
+from moestream.planner.calibrate import Calibrator, Overhead, Rates
+from moestream.planner.facts import ModelFacts, model_facts, open_plan
+from moestream.planner.predict import OVERLAP, Scenario
+from moestream.planner.skew import Skew
+
+DEFAULT_BUDGET_SHARE = 0.75  # no --ram-budget: plan for this share of the machine's RAM
+SCHEDULER_CHUNK = 256  # the server scheduler's default prompt tokens per step (SchedulerConfig.prefill_chunk)
+ENGINE_CHUNK = 512  # the engine's default prefill chunk (EngineOptions.prefill_chunk)
+OS_RESERVE = 8 << 30  # a reference machine's RAM the budget leaves to the OS and the interpreter
+# Default routing: `moestream trace` of the built-in demo model, a trained K3-architecture router: top-10% shares
+# 0.17-0.21 per layer fit Zipf exponents 0.30-0.40 (skew.fit_exponent; mean 0.34), P(reuse next) 0.07-0.16 (mean
+# 0.12) (docs/plan.md). Random-weight synthetic routers measured more skewed: --skew 0.64 --reuse 0.25.
+DEFAULT_SKEW = Skew(0.35, "default: `moestream trace` of the trained demo model; random-weight synthetic "
+                          "checkpoints trace at --skew 0.64 --reuse 0.25", 0.12)
+# A reference machine's engine overhead per layer step (not measurable from here): 0.3 ms of non-kernel work per
+# decode layer measured on one idle Zen 3 core (docs/performance.md, decode step split), 0.05 ms per extra row,
+# 5 ms per prefill chunk.
+REFERENCE_OVERHEAD = Overhead(0.3e-3, 0.05e-3, 5e-3, "assumed for reference machines: docs/performance.md's "
+                                                       "0.3 ms of non-kernel work per decode layer")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A stated reference machine: RAM, disk, and the rates assumed for its kernels."""
+
+    name: str
+    ram: int
+    disk: float
+    gemv_bf16: float
+    gemv_mxfp4: float
+    expand_bf16: float
+    expand_mxfp4: float
+    gemm_flops: float
+    memory: float
+    note: str
+
+    def rates(self, here: Rates) -> Rates:
+        """Its rates: bf16 and MXFP4 as stated, other formats at this machine's ratio to bf16; overheads assumed."""
+        gemv = {k: self.gemv_bf16 * v / here.gemv["bf16"] for k, v in here.gemv.items()}
+        expand = {k: self.expand_bf16 * v / here.expand["bf16"] for k, v in here.expand.items()}
+        gemv.update(bf16=self.gemv_bf16, mxfp4=self.gemv_mxfp4)
+        expand.update(bf16=self.expand_bf16, mxfp4=self.expand_mxfp4)
+        overhead = {k: REFERENCE_OVERHEAD for k in here.overhead}
+        return Rates(gemv, expand, self.gemm_flops, self.memory, self.disk, overhead,
+                     {"all": f"reference machine {self.name}: {self.note}"})
+
+    def describe(self) -> str:
+        return (f"{self.name}: {format_bytes(self.ram)} RAM, disk {self.disk / 1e9:g} GB/s, one-row bf16 "
+                f"{self.gemv_bf16 / 1e9:g} GB/s, MXFP4 {self.gemv_mxfp4 / 1e9:g} GB/s, fp32 expansion bf16 "
+                f"{self.expand_bf16 / 1e9:g} GB/s, MXFP4 {self.expand_mxfp4 / 1e9:g} GB/s, fp32 GEMM {self.gemm_flops / 1e12:g} TFLOP/s, memory "
+                f"{self.memory / 1e9:g} GB/s ({self.note})")
+
+
+MACHINES = {m.name: m for m in (
+    Machine("desktop-64g", 64 << 30, 7e9, 40e9, 30e9, 12e9, 8e9, 1.0e12, 60e9,
+            "8-core desktop, dual-channel DDR5, PCIe 4 NVMe"),
+    Machine("server-512g", 512 << 30, 14e9, 150e9, 100e9, 40e9, 30e9, 5.0e12, 300e9,
+            "32-core server, 8-channel DDR5, PCIe 5 NVMe"),
+)}
+
+
+@dataclass
+class PlanOptions:
+    ram_budget: int | None = None
+    batch: int | None = None
+    prompt_len: int = 512
+    gen_len: int = 256
+    disk_bandwidth: float | None = None  # None: probe (cached)
+    price_per_hour: float | None = None
+    skew: Skew = DEFAULT_SKEW
+    calibrate: bool = False
+    machine: str | None = None  # plan for a reference machine instead of this one
+    reference: bool = False  # also plan every reference machine
+    probe_seconds: float = 1.0
+    log: Callable[[str], None] = field(default=lambda msg: None)
+
+    def check(self) -> None:
+        if self.batch is not None and self.batch < 1:
+            raise MoestreamError(f"--batch must be at least 1, got {self.batch}")
+        if self.prompt_len < 1 or self.gen_len < 1:
+            raise MoestreamError("--prompt-len and --gen-len must be at least 1")
+        if self.disk_bandwidth is not None and not (self.disk_bandwidth > 0 and math.isfinite(self.disk_bandwidth)):
+            raise MoestreamError(f"--disk-bandwidth must be a positive number of bytes/s, got {self.disk_bandwidth}")
+        if self.price_per_hour is not None and not self.price_per_hour >= 0:
+            raise MoestreamError(f"--price-per-hour must be >= 0, got {self.price_per_hour}")
+        if self.machine is not None and self.machine not in MACHINES:
+            raise MoestreamError(f"unknown --machine {self.machine!r}; choose from {', '.join(MACHINES)}")
+        if self.skew.exponent < 0 or not math.isfinite(self.skew.exponent):
+            raise MoestreamError(f"--skew must be a finite exponent >= 0, got {self.skew.exponent}")
+        if not 0.0 <= self.skew.reuse <= 1.0:
+            raise MoestreamError(f"--reuse must be a probability in [0, 1], got {self.skew.reuse}")
+
+
+def machine_ram() -> int:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16 << 30
+
+
+def make_plan(path: str | Path, opts: PlanOptions) -> dict:
+    opts.check()
+    p = open_plan(path)
+    try:
+        facts = model_facts(path, p)
+        cal = Calibrator(fresh=opts.calibrate, seconds=opts.probe_seconds, log=opts.log)
+        kinds = set(facts.dense_bytes) | {facts.expert_kind, facts.head_kind}
+        here = cal.rates(kinds, facts.model_type)
+        if opts.disk_bandwidth is not None:
+            here.disk, here.source["disk"] = opts.disk_bandwidth, "--disk-bandwidth"
+        elif opts.machine is None:
+            here.disk, here.source["disk"] = cal.disk(*_probe_target(Path(path)))
+        if opts.machine is not None:
+            m = MACHINES[opts.machine]
+            out = _predict(facts, p, m.rates(here), opts.ram_budget or m.ram - OS_RESERVE, opts, m.describe())
+        else:
+            budget = opts.ram_budget or int(DEFAULT_BUDGET_SHARE * machine_ram())
+            out = _predict(facts, p, here, budget, opts, "this machine (calibrated)")
+        if opts.reference:
+            out["reference_machines"] = [_predict(facts, p, m.rates(here), m.ram - OS_RESERVE, opts, m.describe())
+                                         for m in MACHINES.values()]
+    finally:
+        p.store.close()
+    out["model"] = _model_summary(facts)
+    out["assumptions"] = assumptions(facts, opts, out)
+    return out
+
+
+def _probe_target(path: Path) -> tuple[list[Path], Path]:
+    """(files to probe, where): the model's local shards, or a scratch file where the shards would be."""
+    from moestream.bench import model_files
+    from moestream.weights.remote import SETTINGS, manifest_of
+
+    if manifest_of(path):  # remote: shards are read through the disk cache (or over HTTP: not modelled)
+        where = SETTINGS.disk_cache or path
+        return [], Path(where)
+    return [f for f in model_files(path) if f.stat().st_size >= 8 << 20], path
+
+
+def _predict(facts: ModelFacts, p, rates: Rates, budget: int, opts: PlanOptions, machine: str) -> dict:
+    per_seq = facts.state.at(opts.prompt_len, opts.prompt_len + opts.gen_len, SCHEDULER_CHUNK)
+    fit = facts.fit(p, budget, per_seq)  # dense residency keeps room for one sequence (as --state-room would)
+    sc = Scenario(facts, fit, rates, opts.skew)
+    context = opts.prompt_len + opts.gen_len / 2  # mean context over the generated tokens
+    one = sc.decode(1, context, per_seq)
+    warm = sc.prefill(opts.prompt_len, ENGINE_CHUNK, cold=False)
+    cold = sc.prefill(opts.prompt_len, ENGINE_CHUNK, cold=True)
+    ttft, ttft_cold = sum(s.seconds for s in warm), sum(s.seconds for s in cold)
+    room = fit.cache_bytes - 2 * facts.top_k * p.max_expert_bytes  # the scheduler's expert room
+    max_seq = max(0, room // per_seq) if per_seq > 0 else None
+    out = {
+        "machine": machine, "ram_budget_bytes": budget,
+        "decode_tokens_per_s": 1.0 / one.seconds, "decode_step": _step_json(one),
+        "prefill_tokens_per_s": opts.prompt_len / ttft, "ttft_s": ttft,
+        "prefill_cold_tokens_per_s": opts.prompt_len / ttft_cold, "ttft_cold_s": ttft_cold,
+        "max_sequences": max_seq, "state_bytes_per_sequence": per_seq, "state_room_bytes": max(0, room),
+        "expert_hit_rate": one.hit_rate, "experts_cached": fit.experts_fit, "experts_total": fit.experts_total,
+        "cache_bytes": fit.cache_bytes, "resident_dense_bytes": fit.residency.resident_dense_bytes,
+        "streamed_dense_bytes_per_step": fit.residency.streamed_bytes_per_step,
+        "disk_bytes_per_token": one.expert_reads * facts.expert_bytes + fit.residency.streamed_bytes_per_step,
+        "rates": rates.to_json(),
+    }
+    if opts.batch is not None:
+        n = max(1, min(opts.batch, max_seq or 1)) if max_seq is not None else opts.batch
+        step = sc.decode(n, context, n * per_seq)
+        out.update({"batch": opts.batch, "batch_sequences": n, "batch_tokens_per_s": n / step.seconds,
+                    "batch_step": _step_json(step)})
+    if opts.price_per_hour is not None:
+        out["cost_per_million_tokens"] = _cost(opts.price_per_hour, out["decode_tokens_per_s"])
+        if "batch_tokens_per_s" in out:
+            out["batch_cost_per_million_tokens"] = _cost(opts.price_per_hour, out["batch_tokens_per_s"])
+    return out
+
+
+def _cost(price_per_hour: float, tokens_per_s: float) -> float:
+    return price_per_hour / 3600.0 / tokens_per_s * 1e6 if tokens_per_s > 0 else math.inf
+
+
+def _step_json(s) -> dict:
+    return {"seconds": s.seconds, "io_s": s.io_s, "compute_s": s.compute_s, "overhead_s": s.overhead_s,
+            "experts_read": s.expert_reads, "hit_rate": s.hit_rate}
+
+
+def _model_summary(f: ModelFacts) -> dict:
+    i = f.info
+    return {"path": f.path, "model_type": f.model_type, "layers": f.num_layers, "moe_layers": f.moe_layers,
+            "experts": f.num_experts, "top_k": f.top_k, "expert_bytes": f.expert_bytes, "expert_format": f.expert_kind,
+            "dense_bytes": i.dense_bytes, "expert_bytes_total": i.expert_bytes,
+            "cold_expert_bytes_per_token": i.expert_bytes_per_token_cold, "active_params": i.active_params,
+            "total_params": i.total_params, "min_ram_budget": i.min_ram_budget, "config_only": i.config_only,
+            "state": f.state.describe()}
+
+
+def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
+    r = out["rates"]
+    src = r.get("source", {})
+    o = r["overhead"].get(f.model_type) or next(iter(r["overhead"].values()), None)
+    lines = [
+        f"routing: {opts.skew.describe()}; the cache also holds the previous token's experts when it has room",
+        "expert cache: the budget's cache holds each MoE layer's most popular experts, shared evenly by the "
+        f"{f.moe_layers} MoE layers (LFRU's steady state); sequence state grows into the same room",
+        f"disk: {r['disk'] / 1e9:.3g} GB/s for expert reads and streamed dense layers "
+        f"({src.get('disk', src.get('all', ''))})",
+        "compute: one-row weight kernels at " + ", ".join(f"{k} {v / 1e9:.3g} GB/s" for k, v in r["gemv"].items())
+        + "; multi-row weights expanded to fp32 at " + ", ".join(f"{k} {v / 1e9:.3g} GB/s"
+                                                                 for k, v in r["expand"].items())
+        + f" then fp32 GEMM at {r['gemm_flops'] / 1e9:.3g} GFLOP/s; state read at {r['memory'] / 1e9:.3g} GB/s",
+        f"overlap: step = overhead + max(io, compute) + {1 - OVERLAP:g} x min(io, compute)",
+        "dense residency planned keeping one sequence's state free (`--state-room` that size; the engine's "
+        "default keeps none, so state then squeezes the expert cache)",
+        f"state: {f.state.describe()}; sequences sized at {opts.prompt_len} prompt + {opts.gen_len} generated "
+        "tokens, admitted while their state fits the budget less the scheduler's room for 2 x top_k experts",
+        f"decode at the mean context ({opts.prompt_len} + {opts.gen_len}/2 tokens); prefill in chunks of "
+        f"{ENGINE_CHUNK}; ttft_s with the cache at its steady share, ttft_cold_s with an empty cache",
+    ]
+    if o is not None:
+        lines.append(f"engine overhead per layer step: {o['decode_s'] * 1e3:.3g} ms decode + "
+                     f"{o['decode_row_s'] * 1e3:.3g} ms per extra row, {o['prefill_s'] * 1e3:.3g} ms per prefill "
+                     f"chunk ({o['source']})")
+    if not opts.ram_budget:
+        lines.append(f"no --ram-budget: planned at {DEFAULT_BUDGET_SHARE:.0%} of the machine's RAM "
+                     "(a reference machine: its RAM less 8 GiB)")
+    if out["max_sequences"] == 0:
+        lines.append("not one sequence's state fits beside the scheduler's expert room: the server would refuse "
+                     "requests of this length (raise --ram-budget or shorten --prompt-len / --gen-len)")
+    if opts.batch is not None and out.get("batch_sequences", opts.batch) < opts.batch:
+        lines.append(f"--batch {opts.batch}: only {out['batch_sequences']} sequences' state fits; the batch "
+                     "figures are for that many")
+    return lines

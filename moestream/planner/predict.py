@@ -1,0 +1,147 @@
+"""The planner's timing model: decode, prefill and batch-step time from a checkpoint's facts, a budget's residency
+plan, a routing-skew assumption and a machine's rates.
+
+Owns the arithmetic `moestream plan` prints, term by term (docs/plan.md states it):
+- I/O per step: experts not in the cache x expert bytes, plus streamed dense bytes, at the disk's bandwidth;
+- compute per step: weights touched at the one-row kernel's byte rate (a multi-row step: expanded to fp32 at the
+  expansion rate plus rows x FLOPs at the fp32 GEMM rate), sequence state read at memory bandwidth, attention
+  FLOPs at the GEMM rate;
+- the engine's fixed cost per layer step (calibrated);
+- overlap: step = overhead + max(io, compute) + (1 - OVERLAP) x min(io, compute).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moestream.info import BudgetFit
+from moestream.experts.dispatch import NATIVE_MAX_ROWS
+from moestream.kernels.cpu import MAX_TOKENS_BF16, MAX_TOKENS_MXFP4
+from moestream.planner.calibrate import Rates
+from moestream.planner.facts import ModelFacts
+from moestream.planner.skew import Skew, distinct, single_row
+
+# Share of the shorter of I/O and compute hidden behind the longer: reads of a layer's missing experts run while
+# its resident experts compute and the lookahead reads one expert ahead, but attention and dense work mostly wait.
+OVERLAP = 0.5
+NATIVE_ROWS = {"bf16": MAX_TOKENS_BF16, "mxfp4": MAX_TOKENS_MXFP4}  # rows the one-row kernels take in one pass
+# rows a routed expert runs in the one-row kernel: bf16 experts over more rows are expanded to fp32 once
+# (experts/dispatch.py); MXFP4 experts go through kernels.quant, native up to its row limit
+EXPERT_ROWS = {"bf16": NATIVE_MAX_ROWS, "mxfp4": MAX_TOKENS_MXFP4}
+
+
+@dataclass
+class Step:
+    """One engine step's predicted seconds, by term."""
+
+    io_s: float
+    compute_s: float
+    overhead_s: float
+    expert_reads: float  # experts read from disk (all layers)
+    hit_rate: float
+
+    @property
+    def seconds(self) -> float:
+        longer, shorter = max(self.io_s, self.compute_s), min(self.io_s, self.compute_s)
+        return self.overhead_s + longer + (1.0 - OVERLAP) * shorter
+
+
+@dataclass
+class Scenario:
+    """A budget on a machine: the cache it leaves and the rates that price each byte and FLOP."""
+
+    facts: ModelFacts
+    fit: BudgetFit
+    rates: Rates
+    skew: Skew
+
+    @property
+    def residency(self):
+        return self.fit.residency
+
+    def cached_per_layer(self, state_bytes: float = 0.0) -> float:
+        """Experts a layer keeps cached (the cache shared evenly by the MoE layers), after `state_bytes` of
+        sequence state grew into the cache's room."""
+        room = max(0.0, self.fit.cache_bytes - state_bytes)
+        fit = min(self.fit.experts_total, room / max(1.0, self.fit.resident_bytes_per_expert))
+        return fit / max(1, self.facts.moe_layers)
+
+    def _overhead(self, kind: str, rows: int = 1) -> float:
+        o = self.rates.overhead.get(self.facts.model_type) or next(iter(self.rates.overhead.values()), None)
+        if o is None:
+            return 0.0
+        per = o.prefill_s if kind == "prefill" else o.decode_s + o.decode_row_s * max(0, rows - 1)
+        return per * self.facts.num_layers
+
+    def _weights(self, nbytes: float, kind: str, params: float, rows: float, limit: dict = NATIVE_ROWS) -> float:
+        """Seconds to multiply `rows` activation rows through weights of `nbytes` stored bytes and `params`
+        parameters: the one-row kernel's byte rate (extra rows it takes in the same pass at the GEMM rate), or,
+        above its row limit, expansion to fp32 and a GEMM."""
+        r = self.rates
+        if rows <= limit.get(kind, 1):
+            return nbytes / r.gemv[kind] + 2.0 * params * (rows - 1) / r.gemm_flops
+        return self._expanded(nbytes, kind, params, rows)
+
+    def _expanded(self, nbytes: float, kind: str, params: float, rows: float) -> float:
+        """Expansion to fp32, then a GEMM bound by reading the fp32 copy or by its FLOPs, whichever is longer."""
+        r = self.rates
+        gemm = max(4.0 * params / r.memory, 2.0 * params * rows / r.gemm_flops)
+        return nbytes / r.expand.get(kind, r.expand["bf16"]) + gemm
+
+    def _dense(self, rows: int, head_rows: int) -> float:
+        f = self.facts
+        total_bytes = sum(f.dense_bytes.values()) or 1
+        t = sum(self._weights(b, k, f.dense_params * b / total_bytes, rows) for k, b in f.dense_bytes.items())
+        return t + self._weights(f.head_bytes, f.head_kind, f.head_params, head_rows)
+
+    def _attention(self, rows: int, context: float) -> float:
+        """Score and value FLOPs of `rows` queries over `context` keys, plus KDA's per-token state update."""
+        f = self.facts
+        flops = sum(2.0 * rows * context * h * (qk + v) for h, qk, v in f.attention)
+        layers, heads, dim = f.kda
+        flops += 4.0 * rows * layers * heads * dim * dim
+        return flops / self.rates.gemm_flops
+
+    def _state_read(self, sequences: int, context: float) -> float:
+        s = self.facts.state
+        return sequences * (s.bytes_per_token * context + 2 * s.fixed_bytes) / self.rates.memory
+
+    def _streamed(self) -> float:
+        return self.residency.streamed_bytes_per_step / self.rates.disk if self.rates.disk > 0 else 0.0
+
+    # ---- the three predictions ------------------------------------------------------------------------------
+    def decode(self, sequences: int, context: float, state_bytes: float = 0.0) -> Step:
+        """One decode step of `sequences` sequences (one new token each) at `context` tokens of context."""
+        f, s = self.facts, self.skew
+        cached = self.cached_per_layer(state_bytes)
+        used, missing = distinct(f.num_experts, f.top_k, s.exponent, sequences, cached, s.reuse)
+        one = single_row(f.num_experts, f.top_k, s.exponent, sequences)
+        multi = max(0.0, used - one)
+        rows = max(0.0, sequences * f.top_k - one) / max(1e-9, multi)  # mean rows of a multi-row expert
+        experts = f.moe_layers * (one * f.expert_bytes / self.rates.gemv[f.expert_kind]
+                                  + multi * self._weights(f.expert_bytes, f.expert_kind, f.expert_params, rows,
+                                                          EXPERT_ROWS))
+        compute = (self._dense(sequences, sequences) + experts + self._attention(sequences, context)
+                   + self._state_read(sequences, context))
+        reads = f.moe_layers * missing
+        io = reads * f.expert_bytes / self.rates.disk + self._streamed() if self.rates.disk > 0 else 0.0
+        hit = max(0.0, 1.0 - missing / max(1e-9, used))
+        return Step(io, compute, self._overhead("decode", sequences), reads, hit)
+
+    def prefill(self, tokens: int, chunk: int, cold: bool) -> list[Step]:
+        """The steps of one prompt of `tokens` tokens fed `chunk` at a time; `cold`: the expert cache starts
+        empty (the first request after open), else it holds its steady share."""
+        f, s = self.facts, self.skew
+        steps, done, cap = [], 0, self.cached_per_layer()
+        while done < tokens:
+            n = min(chunk, tokens - done)
+            cached = min(cap, distinct(f.num_experts, f.top_k, s.exponent, done)[0]) if cold else cap
+            used, missing = distinct(f.num_experts, f.top_k, s.exponent, n, cached)
+            rows = n * f.top_k / max(1e-9, used)
+            experts = f.moe_layers * used * self._weights(f.expert_bytes, f.expert_kind, f.expert_params, rows,
+                                                          EXPERT_ROWS)
+            compute = self._dense(n, 1) + experts + self._attention(n, done + n / 2)
+            reads = f.moe_layers * missing
+            io = reads * f.expert_bytes / self.rates.disk + self._streamed() if self.rates.disk > 0 else 0.0
+            steps.append(Step(io, compute, self._overhead("prefill"), reads, max(0.0, 1.0 - missing / max(1e-9, used))))
+            done += n
+        return steps

@@ -1,0 +1,217 @@
+"""`moestream plan`: predictions from headers (tiny checkpoint, config-only dir, Kimi K3's real config), the JSON
+keys, monotonic sanity, errors on bad input, the skew arithmetic and the calibration cache. Nothing is timed:
+rates are seeded into the cache (except the one test that measures them, asserting only the cache's reuse)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import synth_tiny
+from moestream.cli import main
+from moestream.planner import calibrate
+from moestream.planner.plan import PlanOptions, make_plan
+from moestream.planner.skew import Skew, distinct, fit_exponent, hit_rate, selection, top_share
+
+K3_CONFIG = Path(__file__).parent / "data" / "kimi_k3_config.json"
+RATES = {"gemv": {k: 8e9 for k in calibrate.KINDS}, "expand": {k: 4e9 for k in calibrate.KINDS},
+         "gemm_flops": 5e10, "memory": 1e10,
+         "overhead": {t: {"decode_s": 3e-4, "decode_row_s": 5e-5, "prefill_s": 5e-3, "source": "seeded by the test"}
+                      for t in ("qwen3_moe", "kimi_k3", "kimi_linear", "mixtral")}}
+
+
+@pytest.fixture(autouse=True)
+def seeded_cache(tmp_path, monkeypatch):
+    """A private cache dir holding fixed rates for this machine's key (no probe runs unless a test clears it)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    path = calibrate.cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"machines": {calibrate.machine_key(): RATES}}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return synth_tiny(tmp_path_factory, "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def k3_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("k3_plan")
+    shutil.copy(K3_CONFIG, d / "config.json")
+    return d
+
+
+def plan_json(*argv: str, capsys) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def budget_of(path: Path, share: float) -> int:
+    from moestream.info import model_info
+
+    i = model_info(path)
+    return int(i.all_resident_budget + share * i.expert_bytes)
+
+
+def test_tiny_checkpoint_json_keys(tiny, capsys):
+    out = plan_json(str(tiny), "--ram-budget", str(budget_of(tiny, 0.5)), "--batch", "4", "--disk-bandwidth",
+                    "1GB", "--price-per-hour", "2", "--skew", "0", "--prompt-len", "16", "--gen-len", "8",
+                    capsys=capsys)
+    for key in ("decode_tokens_per_s", "prefill_tokens_per_s", "ttft_s", "max_sequences", "batch_tokens_per_s",
+                "cost_per_million_tokens", "assumptions", "rates", "model"):
+        assert key in out, key
+    assert out["decode_tokens_per_s"] > 0 and out["prefill_tokens_per_s"] > 0 and out["ttft_s"] > 0
+    assert out["max_sequences"] >= 4 and out["batch_sequences"] == 4
+    assert out["cost_per_million_tokens"] == pytest.approx(2 / 3600 / out["decode_tokens_per_s"] * 1e6)
+    assert out["rates"]["disk"] == 1e9
+    assert any("uniform popularity" in a for a in out["assumptions"])
+    assert 0.3 < out["expert_hit_rate"] < 0.7  # half the experts cached, uniform routing
+
+
+def test_text_output_states_assumptions(tiny, capsys):
+    assert main(["plan", str(tiny), "--disk-bandwidth", "2e9", "--ram-budget", str(budget_of(tiny, 0.25))]) == 0
+    text = capsys.readouterr().out
+    assert "decode:" in text and "ttft" in text and "assumptions:" in text and "Zipf-like" in text
+
+
+def test_config_only_dir(tmp_path_factory, tmp_path, capsys):
+    """A family with a tensor inventory (K3) plans from config.json alone, as it would from its shards."""
+    k3 = synth_tiny(tmp_path_factory, "kimi_k3")
+    d = tmp_path / "cfg"
+    d.mkdir()
+    shutil.copy(k3 / "config.json", d / "config.json")
+    args = ("--disk-bandwidth", "1GB", "--ram-budget", str(budget_of(k3, 0.5)), "--prompt-len", "16", "--gen-len", "8")
+    out = plan_json(str(d), *args, capsys=capsys)
+    full = plan_json(str(k3), *args, capsys=capsys)
+    assert out["model"]["config_only"] and not full["model"]["config_only"]
+    assert out["decode_tokens_per_s"] == pytest.approx(full["decode_tokens_per_s"], rel=0.05)
+
+
+def test_kimi_k3_real_config_reference_machines(k3_dir, capsys):
+    out = plan_json(str(k3_dir), "--ram-budget", "64GB", "--disk-bandwidth", "3GB", "--reference", "--batch", "4",
+                    capsys=capsys)
+    assert out["model"]["model_type"] == "kimi_k3" and out["model"]["config_only"]
+    assert out["model"]["cold_expert_bytes_per_token"] == 16 * 92 * 17_547_264
+    assert "MLA latent" in out["model"]["state"] and "KDA state" in out["model"]["state"]
+    refs = {r["machine"].split(":")[0]: r for r in out["reference_machines"]}
+    assert set(refs) == {"desktop-64g", "server-512g"}
+    assert refs["server-512g"]["decode_tokens_per_s"] > refs["desktop-64g"]["decode_tokens_per_s"]
+    assert refs["server-512g"]["max_sequences"] > 0
+
+
+def test_monotonic(tiny):
+    def decode(budget_share: float, disk: float, batch: int | None = None) -> dict:
+        opts = PlanOptions(budget_of(tiny, budget_share), batch, 8, 4, disk, skew=Skew(0.0, "test"))
+        return make_plan(tiny, opts)
+
+    small, big = decode(0.1, 1e8), decode(0.9, 1e8)
+    assert big["decode_tokens_per_s"] >= small["decode_tokens_per_s"]
+    assert big["ttft_s"] <= small["ttft_s"]
+    fast = decode(0.1, 1e10)
+    assert fast["decode_tokens_per_s"] >= small["decode_tokens_per_s"]
+    assert decode(0.5, 1e8, batch=2)["batch_sequences"] == 2
+
+
+def test_batch_shares_reads_when_io_bound(tiny):
+    """At the same cache, N rows of one step read the union of their experts once: tokens/s >= one stream's."""
+    from moestream.planner.facts import model_facts, open_plan
+    from moestream.planner.predict import Scenario
+
+    p = open_plan(tiny)
+    try:
+        facts = model_facts(tiny, p)
+        fit = facts.fit(p, budget_of(tiny, 0.25))
+        rates = calibrate.Rates.from_json({**RATES, "disk": 1e6})  # a slow disk: I/O-bound
+        for skew in (0.0, 1.0):
+            sc = Scenario(facts, fit, rates, Skew(skew, "test"))
+            one, four = sc.decode(1, 32), sc.decode(4, 32)
+            assert one.io_s > one.compute_s
+            assert 4 / four.seconds >= 1 / one.seconds
+            assert four.expert_reads < 4 * one.expert_reads
+    finally:
+        p.store.close()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--disk-bandwidth", "fast"], "--disk-bandwidth must be auto or bytes per second"),
+    (["--disk-bandwidth", "0"], "--disk-bandwidth must be"),
+    (["--ram-budget", "1KB"], "too small"),
+    (["--batch", "0"], "--batch must be at least 1"),
+    (["--skew", "-1"], "--skew must be"),
+    (["--reuse", "2"], "--reuse must be a probability"),
+])
+def test_bad_options(tiny, capsys, argv, message):
+    assert main(["plan", str(tiny), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_model_dirs(tmp_path, capsys):
+    assert main(["plan", str(tmp_path / "missing")]) == 2
+    assert "no such model directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["plan", str(tmp_path / "empty"), "--disk-bandwidth", "1GB"]) == 2
+    assert "config.json" in capsys.readouterr().err
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text(json.dumps({"model_type": "no_such_family"}))
+    assert main(["plan", str(tmp_path / "odd"), "--disk-bandwidth", "1GB"]) == 2
+    assert "no_such_family" in capsys.readouterr().err
+
+
+def test_skew_arithmetic():
+    q = selection(64, 8, 0.0)
+    assert sum(q) == pytest.approx(8) and max(q) == pytest.approx(8 / 64)
+    assert hit_rate(64, 8, 0.0, 16) == pytest.approx(0.25)
+    skewed = selection(64, 8, 1.5)
+    assert sum(skewed) == pytest.approx(8) and max(skewed) <= 1.0 + 1e-12
+    assert hit_rate(64, 8, 1.0, 16) > hit_rate(64, 8, 0.0, 16)
+    used, outside = distinct(64, 8, 0.0, 1, 16)
+    assert used == pytest.approx(8) and outside == pytest.approx(6)
+    assert distinct(64, 8, 0.0, 1000)[0] == pytest.approx(64)
+    s = fit_exponent(0.19, 64, 4)
+    assert top_share(64, 4, s) == pytest.approx(0.19, abs=1e-3)
+    assert fit_exponent(0.05, 64, 4) == 0.0
+    # reuse of the last token's experts beyond chance (8/64) adds hits once the cache can hold them
+    assert hit_rate(64, 8, 0.0, 16, reuse=0.125) == pytest.approx(0.25)
+    assert hit_rate(64, 8, 0.0, 16, reuse=0.5) == pytest.approx(1 - 0.75 * (1 - 0.375 / 0.875))
+    assert distinct(64, 8, 0.0, 1, 16, reuse=0.5)[1] == pytest.approx(8 * (1 - hit_rate(64, 8, 0.0, 16, 0.5)))
+
+
+def test_calibration_is_cached(seeded_cache, tiny):
+    seeded_cache.unlink()  # measure for real (briefly), then reuse
+    first = calibrate.Calibrator(seconds=0.05)
+    rates = first.rates({"bf16"}, "qwen3_moe")
+    assert first.measured and rates.gemv["bf16"] > 0 and rates.overhead["qwen3_moe"].decode_s > 0
+    again = calibrate.Calibrator(seconds=0.05)
+    assert again.rates({"bf16"}, "qwen3_moe").to_json() == rates.to_json() and not again.measured
+    bw, _ = again.disk([f for f in tiny.iterdir() if f.suffix == ".safetensors"], tiny)
+    assert bw > 0 and again.measured
+    cached = calibrate.Calibrator(seconds=0.05)
+    assert cached.disk([], tiny)[0] == bw and not cached.measured
+    scratch = tiny.parent / "probe-here"  # a config-only or remote model: a scratch file where shards would go
+    assert calibrate.disk_rate_at(scratch, 0.05, 16 << 20) > 0 and not list(scratch.iterdir())
+    fresh = calibrate.Calibrator(fresh=True, seconds=0.05)
+    fresh.rates({"bf16"}, "qwen3_moe")
+    assert fresh.measured
+
+
+def test_remote_checkpoint_headers_only(tiny, tmp_path, monkeypatch, capsys):
+    """hf://: plan from the stub (config, index, shard headers) a real loopback hub serves; no tensor data."""
+    from hfserver import CheckpointServer
+    from moestream.weights import remote
+
+    with CheckpointServer({"org/tiny": tiny}) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        for k, v in vars(remote.RemoteSettings()).items():
+            monkeypatch.setattr(remote.SETTINGS, k, v)
+        args = ("--disk-bandwidth", "1GB", "--ram-budget", str(budget_of(tiny, 0.5)), "--prompt-len", "16",
+                "--gen-len", "8", "--skew", "0")
+        out = plan_json("hf://org/tiny", *args, capsys=capsys)
+        served = server.bytes_served()
+    local = plan_json(str(tiny), *args, capsys=capsys)
+    assert out["decode_tokens_per_s"] == pytest.approx(local["decode_tokens_per_s"])
+    shards = sum(f.stat().st_size for f in tiny.glob("*.safetensors"))
+    assert served < shards / 4  # headers and JSON, not the weights
