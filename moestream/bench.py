@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from moestream.cgroup import rss_now  # noqa: F401  (bench/batch_throughput.py imports it from here)
 from moestream.cli.common import add_remote_args, add_state_room_arg
 from moestream.config import format_bytes, parse_bytes
 from moestream.errors import MoestreamError
@@ -151,14 +152,6 @@ def _open_probe(f: Path) -> tuple[int, bool]:
         return os.open(f, os.O_RDONLY | getattr(os, "O_DIRECT", 0)), hasattr(os, "O_DIRECT")
     except OSError:
         return os.open(f, os.O_RDONLY), False
-
-
-def rss_now() -> int:
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * mmap.PAGESIZE
-    except OSError:
-        return 0
 
 
 def peak_rss() -> int:
@@ -461,7 +454,7 @@ def bench_in_cgroup(path: str | Path, opts: BenchOptions, cap: int | None, timeo
 
 
 def _run_capped(path: Path, opts: BenchOptions, allowance: str, as_json: bool) -> int:
-    from moestream.cgroup import cap_for, rss_now
+    from moestream.cgroup import cap_for
 
     if opts.ram_budget is None:
         raise MoestreamError("--cap needs --ram-budget: the kernel limit is the budget + this process's RSS + "
