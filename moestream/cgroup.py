@@ -258,7 +258,7 @@ def watch_peak(path: str | Path | None = None, interval: float = 0.02) -> thread
                 frame = sys._current_frames().get(main)
                 frames = traceback.extract_stack(frame) if frame is not None else []
                 stack = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames
-                         if not f.filename.startswith("<frozen")][-10:]  # imports are noise here
+                         if not f.filename.startswith("<frozen")][-14:]  # imports are noise here
                 _write_json(Path(path), {"rss_bytes": rss, "stack": stack[::-1]})
             time.sleep(interval)
 
