@@ -32,13 +32,14 @@ def one(model: Path, opts: BenchOptions, cap: int | None, label: str) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    ref = rows[0].get("generated_ids")
+    ref = rows[0].get("generated_ids") if rows[0]["run"] == "uncapped" else None
     head = f"{'run':<9} {'cap':>11} {'peak':>11} {'failcnt':>8} {'oom':>4} {'tokens equal':>13} " \
            f"{'prefill tok/s':>14} {'decode tok/s':>13}"
     lines = [head, "-" * len(head)]
     for r in rows:
         ids = r.get("generated_ids")
-        same = "n/a" if ids is None or ref is None else ("yes" if ids == ref else "NO")
+        same = "reference" if r is rows[0] and ref is not None else \
+            "n/a" if ids is None or ref is None else ("yes" if ids == ref else "NO")
         cap = "none" if r["cap_bytes"] is None else format_bytes(r["cap_bytes"])
         speed = (f"{r['prefill_tokens_per_s']:>14.2f} {r['decode_tokens_per_s']:>13.3f}" if ids is not None
                  else f"{'-':>14} {'-':>13}")
