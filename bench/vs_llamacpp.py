@@ -14,8 +14,8 @@ runner). Both report aggregate prefill and decode tokens/s.
 `forced` feeds both engines the same fixed token stream one token per step (identical routing, so identical
 expert traffic); `greedy` lets each pick argmax (a random-weight model soon repeats one token, which makes the
 routing static and flatters every cache). Each engine runs in a fresh child process placed in its own memory
-cgroup; the parent reads the group's peak charge (memory.max_usage_in_bytes) and prints one JSON line per run
-and a summary. Needs root for cgroup v1; without it, runs uncapped and says so.
+cgroup (moestream/cgroup.py: v1, or v2 with its memory controller); the parent reads the group's peak charge and
+prints one JSON line per run and a summary. Without a writable memory cgroup it runs uncapped and says so.
 
 `--warm` is the in-RAM comparison instead: no cap, each engine in a fresh child that first runs the whole
 workload once (experts cached / GGUF pages mapped), then times it --passes times: prefill of the 16-token prompt,
@@ -33,9 +33,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-CGROOT = Path("/sys/fs/cgroup/memory")
-
 
 # ---- GGUF conversion ---------------------------------------------------------------------------------------
 def convert(model: Path, out: Path) -> None:
@@ -424,42 +421,26 @@ def child_moestream_batch(args: argparse.Namespace) -> dict:
                           "expert_hit_rate": eng.stats["expert_hit_rate"], "all_bytes_read": _read_io() - io0})
 
 
-# ---- cgroup v1 orchestration -------------------------------------------------------------------------------
+# ---- the memory cap (moestream/cgroup.py) ---------------------------------------------------------------------
 def run_capped(cmd: list[str], cap: int | None, name: str) -> tuple[dict, dict]:
-    """Run `cmd` in a fresh memory cgroup limited to `cap` bytes; returns (its JSON line, cgroup figures)."""
-    group = CGROOT / f"moestream-bench-{name}-{os.getpid()}"
-    capped = cap is not None and CGROOT.is_dir() and os.access(CGROOT, os.W_OK)
-    if capped:
-        group.mkdir()
-        (group / "memory.limit_in_bytes").write_text(str(cap))
-        (group / "memory.swappiness").write_text("0")
-    tasks = str(group / "cgroup.procs")
+    """Run `cmd` in a fresh memory cgroup limited to `cap` bytes (moestream.cgroup); uncapped, and saying so, where
+    no memory controller is writable. Returns (its JSON line, cgroup figures)."""
+    from moestream.cgroup import find_controller
+    from moestream.cgroup import run_capped as capped_run
 
-    def enter() -> None:
-        if capped:
-            with open(tasks, "w") as fh:
-                fh.write(str(os.getpid()))
-
-    try:
-        proc = subprocess.run(cmd, preexec_fn=enter, capture_output=True, text=True)
-        info = {"capped": capped, "cap_bytes": cap, "returncode": proc.returncode}
-        if capped:
-            info["cgroup_peak_bytes"] = int((group / "memory.max_usage_in_bytes").read_text())
-            info["cgroup_failcnt"] = int((group / "memory.failcnt").read_text())
-            oom = dict(line.split() for line in (group / "memory.oom_control").read_text().splitlines())
-            info["oom_kills"] = int(oom.get("oom_kill", 0))
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            return {"error": proc.stderr[-2000:]}, info
-        return json.loads(lines[-1]), info
-    finally:
-        if capped:
-            for _ in range(50):
-                try:
-                    group.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+    if cap is None or find_controller()[0] is None:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        rc, out, err, info = proc.returncode, proc.stdout, proc.stderr, {"capped": False, "cap_bytes": cap}
+    else:
+        run = capped_run(cmd, cap, name, trace_peak=False)
+        rc, out, err = run.returncode, run.stdout, run.stderr
+        info = {"capped": True, "cap_bytes": cap, "cgroup_peak_bytes": run.peak_bytes,
+                "cgroup_failcnt": run.failcnt, "oom_kills": run.oom_kills}
+    info["returncode"] = rc
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if rc != 0 or not lines:
+        return {"error": err[-2000:]}, info
+    return json.loads(lines[-1]), info
 
 
 def run(args: argparse.Namespace) -> int:

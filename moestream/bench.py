@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from moestream.cgroup import rss_now  # noqa: F401  (bench/batch_throughput.py imports it from here)
 from moestream.cli.common import add_remote_args, add_state_room_arg
 from moestream.config import format_bytes, parse_bytes
 from moestream.errors import MoestreamError
@@ -154,14 +155,6 @@ def _open_probe(f: Path) -> tuple[int, bool]:
         return os.open(f, os.O_RDONLY), False
 
 
-def rss_now() -> int:
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * mmap.PAGESIZE
-    except OSError:
-        return 0
-
-
 def peak_rss() -> int:
     """This process image's peak RSS: VmHWM on Linux (getrusage's ru_maxrss also carries the RSS of a parent that
     forked us before exec, e.g. a 400 MB test runner), else ru_maxrss."""
@@ -230,12 +223,13 @@ def _run(eng, opts: BenchOptions) -> dict:
         tok = _pick(logits, opts.temperature, gen)
         ttft = time.perf_counter() - t0
         start = _snapshot(eng, clock)
-        records = []
+        records, tokens = [], [tok]
         for _ in range(opts.gen_len):
             before = _counters(eng)
             t = time.perf_counter()
             (logits,) = eng.step([(state, [tok])])
             tok = _pick(logits, opts.temperature, gen)
+            tokens.append(tok)
             after = _counters(eng)
             records.append(TokenRecord(time.perf_counter() - t, after[0] - before[0], after[1] - before[1],
                                        after[2] - before[2]))
@@ -243,7 +237,7 @@ def _run(eng, opts: BenchOptions) -> dict:
     finally:
         clock.unwrap()
         eng.free(state)
-    return _summarise(eng, opts, records, ttft, start, end, timed)
+    return {**_summarise(eng, opts, records, ttft, start, end, timed), "generated_ids": tokens[:opts.gen_len]}
 
 
 def _pick(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> int:
@@ -409,6 +403,10 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-probe", action="store_true", help="skip the direct-I/O disk bandwidth probe")
     p.add_argument("--plot", type=Path, default=None, metavar="PNG", help="write hit rate and tokens/s per token")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of text")
+    p.add_argument("--cap", nargs="?", const="512MiB", default=None, metavar="ALLOWANCE",
+                   help="run the benchmark in a child process under a kernel memory limit (cgroup) of --ram-budget + "
+                        "this process's RSS + ALLOWANCE (default 512MiB), page cache included; reports the peak, "
+                        "times the limit was hit and any OOM kill")
     p.set_defaults(func=run_bench)
     return p
 
@@ -433,9 +431,60 @@ def run_bench(args: argparse.Namespace) -> int:
     from moestream.cli.common import model_dir
 
     path = model_dir(args.model)  # a remote spec becomes its stub; its shards then read over HTTP + SSD tier
-    report = bench(path, options_from_args(args))
+    opts = options_from_args(args)
+    if args.cap is not None:
+        return _run_capped(path, opts, args.cap, args.json)
+    report = bench(path, opts)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
         print(format_report(report))
     return 0
+
+
+# ---- under a kernel memory cap (--cap): the run in a child process inside a cgroup -----------------------------
+def bench_in_cgroup(path: str | Path, opts: BenchOptions, cap: int | None, timeout: float | None = None):
+    """(the child's report or None, the CappedRun) for `bench(path, opts)` in a fresh memory cgroup limited to
+    `cap` bytes (None: no limit, the group only measures)."""
+    from dataclasses import asdict
+
+    from moestream.cgroup import run_capped
+
+    payload = json.dumps({"path": str(path), "opts": {k: (str(v) if isinstance(v, Path) else v)
+                                                      for k, v in asdict(opts).items()}})
+    run = run_capped([sys.executable, "-m", "moestream.bench", payload], cap, "bench", timeout=timeout)
+    return (json.loads(run.stdout) if run.returncode == 0 and run.stdout.strip() else None), run
+
+
+def _run_capped(path: Path, opts: BenchOptions, allowance: str, as_json: bool) -> int:
+    from moestream.cgroup import cap_for
+
+    if opts.ram_budget is None:
+        raise MoestreamError("--cap needs --ram-budget: the kernel limit is the budget + this process's RSS + "
+                             "the allowance")
+    cap = cap_for(opts.ram_budget, rss_now(), parse_bytes(allowance))
+    report, run = bench_in_cgroup(path, opts, cap)
+    if report is None:
+        what = "was OOM-killed by the kernel" if run.oom_killed else f"failed (exit status {run.returncode})"
+        raise MoestreamError(f"the capped benchmark {what}\n{run.describe()}\n{run.stderr.strip()[-1500:]}")
+    report["cgroup"] = run.summary()
+    print(json.dumps(report, indent=1) if as_json else format_report(report) + "\n" + run.describe())
+    return 0
+
+
+def _child(payload: str) -> None:
+    """`python -m moestream.bench PAYLOAD`: the capped child; prints its JSON report."""
+    from moestream.cgroup import watch_peak
+
+    watch_peak()
+    spec = json.loads(payload)
+    opts = spec["opts"]
+    opts["plot"] = Path(opts["plot"]) if opts["plot"] else None
+    try:
+        print(json.dumps(bench(spec["path"], BenchOptions(**opts))))
+    except MoestreamError as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])

@@ -16,7 +16,7 @@ from moestream.errors import MoestreamError
 from moestream.synth import PRESETS, synth_family, synthesize
 from moestream.tokenizer import Tokenizer
 
-FAMILIES = ["qwen3_moe", "mixtral", "kimi_linear"]
+FAMILIES = ["qwen3_moe", "mixtral", "kimi_linear"]  # transformers writes these configs itself
 FP32 = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias")  # fp32 in real checkpoints
 
 
@@ -145,3 +145,111 @@ def test_layer_and_vocab_overrides(tmp_path, cache_dir):
     assert cfg["hidden_size"] == PRESETS["tiny"].hidden
     with pytest.raises(MoestreamError, match="--layers"):
         synthesize("qwen3_moe", tmp_path / "bad", "tiny", layers=0, cache_dir=cache_dir, progress=False)
+
+
+# ---- DeepSeek-V3 (block-FP8, published layout) and the full-width preset ----------------------------------------
+def _dequantised_reference(path: Path, out: Path):
+    """DeepseekV3ForCausalLM loaded by transformers from the checkpoint's dequantised values (experts fused the way
+    transformers stores them): the independent reference for the FP8 synth."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from moestream.kernels.quant import dequant_fp8_block
+
+    cfg = json.loads((path / "config.json").read_text())
+    block = tuple(cfg.pop("quantization_config")["weight_block_size"])
+    raw = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            raw.update({k: f.get_tensor(k) for k in f.keys()})
+    plain = {k: (dequant_fp8_block(t, raw[k + "_scale_inv"], block) if t.dtype == torch.float8_e4m3fn
+                 else t.float()) for k, t in raw.items() if not k.endswith("_scale_inv")}
+    for i in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}.mlp.experts."
+        n = cfg["n_routed_experts"]
+        plain[p + "gate_up_proj"] = torch.stack([torch.cat([plain.pop(f"{p}{e}.gate_proj.weight"),
+                                                            plain.pop(f"{p}{e}.up_proj.weight")]) for e in range(n)])
+        plain[p + "down_proj"] = torch.stack([plain.pop(f"{p}{e}.down_proj.weight") for e in range(n)])
+    out.mkdir()
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in plain.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg))
+    return DeepseekV3ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
+def test_deepseek_v3_layout_is_published(tiny):
+    path = tiny("deepseek_v3")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["quantization_config"] == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                          "weight_block_size": [32, 32]}
+    dtypes = {}
+    for shard in path.glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            dtypes.update({k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()})
+    assert dtypes["model.layers.1.mlp.experts.3.up_proj.weight"] == ("F8_E4M3", (64, 64))
+    assert dtypes["model.layers.1.mlp.experts.3.up_proj.weight_scale_inv"] == ("F32", (2, 2))
+    assert dtypes["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"] == ("F32", (1, 2))  # 24 rows: ragged
+    assert dtypes["model.layers.0.mlp.down_proj.weight"][0] == "F8_E4M3"
+    assert dtypes["model.layers.1.mlp.gate.weight"][0] == "BF16"
+    assert dtypes["model.layers.1.mlp.gate.e_score_correction_bias"][0] == "F32"
+    assert {dtypes[k][0] for k in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")} == {"BF16"}
+
+
+def test_deepseek_v3_agrees_with_transformers_on_dequantised_weights(tiny, tmp_path):
+    path = tiny("deepseek_v3")
+    ref = _dequantised_reference(path, tmp_path / "reference")
+    ids = prompt_ids(PRESETS["tiny"].vocab, 40)
+    want = reference_logits(ref, ids)
+    assert max_rel_diff(Engine.open(path).logits(ids), want) < 1e-3
+    assert 0.3 < float(want.std()) < 3.0, "output scale should be about unit"
+
+
+def test_large_tensors_are_written_in_row_blocks(tmp_path, cache_dir, monkeypatch):
+    """With tiny chunks every 2-D tensor is made and written block by block; the files stay valid safetensors and
+    FP8 tiles keep whole 128-row blocks, so the model still runs to finite logits."""
+    import moestream.synth.stream as stream
+
+    monkeypatch.setattr(stream, "CHUNK_ELEMENTS", 1024)
+    synthesize("deepseek_v3", tmp_path / "m", "tiny", cache_dir=cache_dir, progress=False)
+    assert stream.chunk_rows(stream.TensorSpec("w", (512, 64), "proj")) == 128
+    logits = Engine.open(tmp_path / "m").logits(prompt_ids(PRESETS["tiny"].vocab, 20))
+    assert torch.isfinite(logits).all()
+
+
+def test_full_width_sizes_are_the_published_shapes():
+    from moestream.synth import full_width_sizes
+
+    k3 = full_width_sizes("kimi_k3", 2, vocab=32768)
+    assert k3["moe"] == [False, True]
+    expert = 17_547_264  # one K3 expert's six MXFP4 tensors (spec: kimi-k3.md section 3)
+    assert 896 * expert < k3["layers"][1] < 896 * expert + 2**30  # + MLA, shared expert, latent projections
+    v3 = full_width_sizes("deepseek_v3", 4)
+    assert v3["moe"] == [False, False, False, True]  # first_k_dense_replace 3 kept when the layers allow it
+    v3_expert = 3 * (2048 * 7168 + 16 * 56 * 4)  # e4m3 codes + fp32 scale_inv per 128 x 128 tile
+    assert 256 * v3_expert < v3["layers"][3] < 257 * v3_expert + 300 * 2**20
+    assert v3["other"] > 2 * 129280 * 7168 * 2  # bf16 embeddings and lm_head at the published vocabulary
+
+
+def test_full_width_needs_layers_and_a_family_that_has_it(tmp_path, cache_dir):
+    with pytest.raises(MoestreamError, match="needs --layers"):
+        synthesize("deepseek_v3", tmp_path / "a", "full-width", cache_dir=cache_dir, progress=False)
+    with pytest.raises(MoestreamError, match="not available for qwen3_moe"):
+        synthesize("qwen3_moe", tmp_path / "b", "full-width", layers=2, cache_dir=cache_dir, progress=False)
+    assert not any(tmp_path.iterdir())
+
+
+def test_synth_help_sizes_are_true():
+    """The disk sizes `synth --help` prints are the inventory's (GiB, two decimals)."""
+    from moestream.cli.synth import FULL_WIDTH_SIZES
+    from moestream.synth import full_width_sizes
+
+    def gib(n: int) -> str:
+        return f"{n / 2**30:.2f} GiB"
+
+    for family, layers in (("kimi_k3", 2), ("deepseek_v3", 2)):
+        full, small = full_width_sizes(family, layers), full_width_sizes(family, layers, 32768)
+        for figure in (full["layers"][0], full["layers"][1], full["other"], small["other"], full["total"],
+                       small["total"]):
+            assert gib(figure) in FULL_WIDTH_SIZES, (family, gib(figure))
+    kda = full_width_sizes("kimi_k3", 5)  # 0-based 0-2 use KDA mixers
+    assert gib(kda["layers"][0]) in FULL_WIDTH_SIZES and gib(kda["layers"][1]) in FULL_WIDTH_SIZES

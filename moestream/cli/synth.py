@@ -9,18 +9,32 @@ import argparse
 from moestream.config import format_bytes
 from moestream.synth import PRESETS, supported, synthesize
 
+# Disk per layer at the published widths (tests/test_synth.py checks these against synth.full_width_sizes);
+# embeddings + lm_head at the published vocabulary / at --vocab 32768.
+FULL_WIDTH_SIZES = """\
+full-width disk sizes (every tensor at the published shape and dtype; only --layers and --vocab reduced):
+  kimi_k3      dense layer 1.79 GiB (MLA mixer; 2.18 GiB with KDA), MoE layer (896 MXFP4 experts) 15.43 GiB
+               (15.82 GiB with KDA), embeddings + lm_head 4.39 GiB (0.89 GiB at --vocab 32768);
+               --layers 2 (one dense + one MoE layer, both MLA): 21.60 GiB, 18.10 GiB at --vocab 32768
+  deepseek_v3  dense layer 0.54 GiB, MoE layer (256 block-FP8 experts) 10.72 GiB, embeddings + lm_head
+               3.45 GiB (0.88 GiB at --vocab 32768); --layers 2: 14.72 GiB, 12.14 GiB at --vocab 32768
+Writing streams one bounded chunk at a time (peak RSS well under 1 GiB whatever the size)."""
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("synth", help="write a random-weight checkpoint (for tests, demos, benchmarks)",
-                       description="Write a random-weight checkpoint: config.json, tokenizer, sharded bf16 "
-                                   "safetensors. Its text is noise; its sizes and I/O are real.")
+                       description="Write a random-weight checkpoint: config.json, tokenizer, sharded "
+                                   "safetensors. Its text is noise; its sizes and I/O are real.",
+                       epilog=FULL_WIDTH_SIZES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("family", metavar="FAMILY", help=f"one of {', '.join(supported())} (hyphens work too)")
     p.add_argument("dir", metavar="DIR", help="output directory (must not exist or be empty)")
     p.add_argument("--preset", choices=list(PRESETS), default="tiny",
-                   help="tiny (a few MB), small (a few hundred MB), medium (a few GB); default tiny")
+                   help="tiny (a few MB), small (a few hundred MB), medium (a few GB), full-width (the published "
+                        "model's widths, kimi_k3 / deepseek_v3 only, needs --layers; sizes below); default tiny")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
     p.add_argument("--layers", type=int, metavar="N", help="override the preset's number of layers")
-    p.add_argument("--vocab", type=int, metavar="N", help="override the preset's vocabulary size")
+    p.add_argument("--vocab", type=int, metavar="N", help="override the preset's vocabulary size (full-width: keeps "
+                                                          "embeddings and lm_head small)")
     p.set_defaults(func=cmd_synth)
 
 

@@ -8,13 +8,14 @@ are written by synth/writer.py. A few random vision tensors are included; the en
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
 
 from moestream.models.kimi_k3 import PREFIX, KimiK3Config, expert_tensors, layer_dense_tensors, top_tensors
-from moestream.synth.families import TRANSFORMERS_VERSION, Preset, SpecialIds, SynthFamily, TensorSpec
+from moestream.synth.families import (FULL_WIDTH, TRANSFORMERS_VERSION, Preset, SpecialIds, SynthFamily, TensorSpec,
+                                      random_bytes)
 
 E2M1_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)  # of uniformly random codes
 DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "U8": torch.uint8}
@@ -55,6 +56,8 @@ _SHAPES = {
 
 
 def dims_for(p: Preset) -> K3Dims:
+    if p.name == FULL_WIDTH:  # the published widths; only layers (and optionally the vocabulary) reduced
+        return replace(REAL, layers=p.layers, vocab=p.vocab)
     s = _SHAPES.get(p.name, dict(layers=max(p.layers, 6), block=3, top_k=p.top_k, experts=p.experts))
     h = p.hidden
     return K3Dims(h, s["layers"], p.vocab, s["block"], 4 * h, s["experts"], s["top_k"], p.moe_intermediate,
@@ -126,7 +129,7 @@ def _proj(gain: float = 1.0):
 
 
 def _codes(shape, gen) -> torch.Tensor:
-    return torch.randint(0, 256, shape, generator=gen).float()  # two uniform E2M1 codes per byte
+    return random_bytes(shape, gen)  # two uniform E2M1 codes per byte
 
 
 def _scales(target_std: float):
@@ -176,7 +179,9 @@ VISION_GARBAGE = _normal(1e4)
 
 
 def vision_tensors(h: int) -> list[TensorSpec]:
-    """Random vision-tower tensors: present in the shards, never to be read by a text engine."""
+    """Random vision-tower tensors: present in the shards, never to be read by a text engine (at most 1024 wide:
+    they stand for the tower, they are not its shape, and full width would add 0.7 GB of noise)."""
+    h = min(h, 1024)
     return [TensorSpec("mm_projector.proj.0.weight", (h, 4 * h), VISION_GARBAGE),
             TensorSpec("vision_tower.patch_embed.proj.weight", (h, 3 * 14 * 14), VISION_GARBAGE),
             TensorSpec("vision_tower.encoder.blocks.0.attn.qkv.weight", (3 * h, h), VISION_GARBAGE)]
@@ -202,4 +207,4 @@ def k3_tensors(config: dict) -> Iterator[TensorSpec]:
     yield from vision[1:]
 
 
-SYNTH = SynthFamily("kimi_k3", preset_config, k3_tensors, aliases=("kimi-k3", "k3"))
+SYNTH = SynthFamily("kimi_k3", preset_config, k3_tensors, aliases=("kimi-k3", "k3"), full_vocab=REAL.vocab)

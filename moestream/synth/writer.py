@@ -1,8 +1,9 @@
 """Writes a random-weight checkpoint directory: sharded safetensors, index, config, generation config, tokenizer.
 
-Owns the random inits (seeded per tensor name, so a tensor does not depend on sharding), the shard writer and
-the per-vocab-size tokenizer cache. Peak memory: one shard (`Preset.shard_bytes`) plus one tensor; the whole
-model is never held in RAM. Everything is written into a sibling temporary directory and renamed at the end, so
+Owns the random inits (seeded per tensor name and row block, so a tensor does not depend on sharding), the
+`ShardWriter` for tensors already in memory (train-demo's export) and the per-vocab-size tokenizer cache.
+Synthetic checkpoints stream through synth/stream.py: peak memory is one bounded chunk of one tensor, whatever
+the checkpoint's size. Everything is written into a sibling temporary directory and renamed at the end, so
 a directory that exists is complete.
 """
 from __future__ import annotations
@@ -13,26 +14,46 @@ import os
 import shutil
 import sys
 import tempfile
-import zlib
 from pathlib import Path
-from typing import Iterable
+from dataclasses import replace
+from typing import Iterator
 
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from moestream.bpe import default_training_text, train_bpe_tokenizer
+from moestream.config import format_bytes
 from moestream.errors import MoestreamError
 from moestream.synth.families import TRANSFORMERS_VERSION, Preset, SpecialIds, SynthFamily, TensorSpec
-from moestream.bpe import default_training_text, train_bpe_tokenizer
+from moestream.synth.stream import chunk_rows, chunk_seed, nbytes, plan_shards, write_shards
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 TOKENIZER_CACHE_VERSION = 1  # bump when the training recipe changes
 DTYPE = torch.bfloat16
+# BPE training stops finding merges in its text well before a real 130-160k vocabulary; a config may name more ids
+# than the tokenizer has (the rows past it are never produced by encoding)
+MAX_TOKENIZER_VOCAB = 32768
 
 
 def init_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
     """A fresh random tensor for `spec` (fp32 maths, cast to the stored dtype)."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(spec.name.encode()))
+    return _values(spec, torch.Generator().manual_seed(chunk_seed(spec, seed, 0)))
+
+
+def init_chunks(spec: TensorSpec, seed: int) -> Iterator[torch.Tensor]:
+    """`spec`'s values in row blocks of bounded size (one block, the same as init_tensor's, for a small tensor)."""
+    rows = chunk_rows(spec)
+    total = spec.shape[0] if spec.shape else 1
+    if rows >= total:
+        yield init_tensor(spec, seed)
+        return
+    for i, start in enumerate(range(0, total, rows)):
+        part = replace(spec, shape=(min(rows, total - start), *spec.shape[1:]))
+        yield _values(part, torch.Generator().manual_seed(chunk_seed(spec, seed, i)))
+
+
+def _values(spec: TensorSpec, gen: torch.Generator) -> torch.Tensor:
     shape = spec.shape
     if callable(spec.init):
         t = spec.init(shape, gen)
@@ -164,7 +185,7 @@ def _umask_permissions(root: Path) -> None:
 
 
 def _write_into(family: SynthFamily, p: Preset, out: Path, seed: int, cache_dir: Path, progress: bool) -> dict:
-    tok_dir = cached_tokenizer(p.vocab, cache_dir)
+    tok_dir = cached_tokenizer(min(p.vocab, MAX_TOKENIZER_VOCAB), cache_dir)
     for name in TOKENIZER_FILES:
         shutil.copyfile(tok_dir / name, out / name)
     ids = special_ids(tok_dir)
@@ -172,24 +193,27 @@ def _write_into(family: SynthFamily, p: Preset, out: Path, seed: int, cache_dir:
     write_json(out / "config.json", config)
     write_json(out / "generation_config.json", _generation_config(ids))
     specs = list(family.tensors(config))
-    total = sum(s.numel * _itemsize(s) for s in specs)
+    total = sum(nbytes(s) for s in specs)
+    _check_room(out, total)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, delay=1.0,
                desc=f"writing {p.name} {family.model_type}", disable=not progress)
+    shards = plan_shards(specs, p.shard_bytes)
     with bar:
-        writer = ShardWriter(out, p.shard_bytes, bar)
-        _add_all(writer, specs, seed)
-        shards = writer.finish()
-    return {"model_type": family.model_type, "preset": p.name, "shards": shards, "bytes": writer.total_bytes,
-            "params": writer.total_params, "seed": seed}
+        weight_map = write_shards(out, shards, init_chunks, seed, bar)
+    params = sum(s.numel for s in specs)
+    index = {"metadata": {"total_parameters": params, "total_size": total},
+             "weight_map": dict(sorted(weight_map.items()))}
+    write_json(out / "model.safetensors.index.json", index)
+    return {"model_type": family.model_type, "preset": p.name, "shards": len(shards), "bytes": total,
+            "params": params, "seed": seed}
 
 
-def _add_all(writer: ShardWriter, specs: Iterable[TensorSpec], seed: int) -> None:
-    for spec in specs:
-        writer.add(spec.name, init_tensor(spec, seed))
-
-
-def _itemsize(spec: TensorSpec) -> int:
-    return torch.empty((), dtype=spec.dtype or DTYPE).element_size()
+def _check_room(out: Path, total: int) -> None:
+    """Refuse before writing a byte when the disk cannot hold the checkpoint (full-width ones are tens of GB)."""
+    free = shutil.disk_usage(out).free
+    if total > free:
+        raise MoestreamError(f"the checkpoint needs {format_bytes(total)} but {out.parent} has "
+                             f"{format_bytes(free)} free; use fewer --layers or a smaller --vocab")
 
 
 def _generation_config(ids: SpecialIds) -> dict:
