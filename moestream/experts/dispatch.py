@@ -135,7 +135,7 @@ class ExpertRunner:
         layer); False, with nothing done, otherwise."""
         if self._inflight or not self.times.steps:
             return False
-        uniq = sorted(set(ids.view(-1).tolist()))
+        uniq = sorted(set(ids.reshape(-1).tolist()))
         keys = [(layer, e) for e in uniq]
         cache = self.cache
         if any(key not in cache or key in self._fresh for key in keys):
