@@ -200,9 +200,10 @@ int ms_router_softmax_topk(const float *x, int64_t T, int64_t K, const uint16_t 
                            int64_t *ids, float *wts) {
     if (T <= 0 || E <= 0 || k <= 0 || k > E) return 0;
     const int64_t ldx = bf16_stride(K);
-    float *mem = malloc(sizeof(float) * (size_t)(T * ldx + T * E));
+    float *mem = malloc(sizeof(float) * (size_t)(T * ldx + T * E) + (size_t)E);
     if (!mem) return -1;
     float *xp = mem, *logits = mem + T * ldx;
+    char *taken = (char *)(logits + T * E);
     bf16_prepare(x, T, K, xp);
     bf16_rows(xp, ldx, T, K, w, 0, E, logits, E);
     for (int64_t t = 0; t < T; t++) {
@@ -211,14 +212,16 @@ int ms_router_softmax_topk(const float *x, int64_t T, int64_t K, const uint16_t 
         for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - m));
         for (int64_t e = 0; e < E; e++) p[e] /= sum;
         float picked = 0.0f;
-        for (int64_t j = 0; j < k; j++) { /* selection: k passes over E (k = 8 of 64-512 experts) */
+        memset(taken, 0, (size_t)E);
+        for (int64_t j = 0; j < k; j++) { /* selection: k passes over E (k = 8 of 64-512 experts); a NaN ranks
+                                           * first, as in torch.topk, and an index is always chosen */
             int64_t best = -1;
             for (int64_t e = 0; e < E; e++)
-                if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
+                if (!taken[e] && (best < 0 || p[e] > p[best] || (isnan(p[e]) && !isnan(p[best])))) best = e;
+            taken[best] = 1;
             ids[t * k + j] = best;
             wts[t * k + j] = p[best];
             picked += p[best];
-            p[best] = -1.0f; /* taken */
         }
         if (renorm)
             for (int64_t j = 0; j < k; j++) wts[t * k + j] /= picked;
