@@ -205,7 +205,7 @@ static int rows_for(int tt) {
 
 /* One token: rows [n0, n1) of w [N, K] dotted with the prepared x, out[n - n0]. Each row is read start to end
  * (one sequential stream over the whole block, which the hardware prefetcher follows without software prefetch:
- * measured equal or better than the four-row tile with it, /work/tmp/kernels/kcmp.c) with four independent
+ * measured equal to or better than the four-row tile with it, docs/performance.md) with four independent
  * accumulators, so the FMA latency never limits the stream. */
 static void bf16_gemv(const float *x, int64_t K, const uint16_t *w, int64_t n0, int64_t n1, float *out) {
     for (int64_t n = n0; n < n1; n++) {
