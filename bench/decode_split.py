@@ -63,6 +63,7 @@ def instrumented():
         (base, "rms_norm", "norms (layer + final)", False),
         (base, "linear", "router (linear + softmax top-k)", False),
         (base, "softmax_topk", "router (linear + softmax top-k)", False),
+        (base, "softmax_route", "router (linear + softmax top-k)", False),
         (base.DecoderModel, "head", "lm_head (+ final norm)", True),
         (dispatch.ExpertRunner, "run", "routed experts: runner and Python", False),
         (prefetch.Lookahead, "predict", "lookahead (next layer's router)", True),

@@ -1,6 +1,7 @@
 """Weight-kernel throughput: memory bandwidth, mxfp4_linear packed bytes/s, and bf16/fp32 GEMV streaming rates.
 
 Usage: python bench/kernels.py --rows 3072 --cols 3584 --tokens 1 8 [--chunks 64 128 256] [--baseline]
+       python bench/kernels.py --batched [--batch-rows 16 64 128 512] [--expert 512x1024] [--threads 2]
        python bench/kernels.py --native [--shapes 768x2048 2048x768 3072x3584] [--tokens 1 8] [--thread-counts 1 2]
                                [--p10]
 --native prints the native kernels (moestream.kernels.cpu) and the torch paths side by side, each shape, token
@@ -20,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from moestream.kernels import cpu, quant
+from moestream.kernels import cpu, fused, quant
 from moestream.models import blocks
 
 
@@ -43,6 +44,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--formats", nargs="+", default=["bf16", "mxfp4"], help="weight formats for --native")
     parser.add_argument("--p10", action="store_true",
                         help="--native: 10th percentile of single-call wall times (free cores) instead of best mean")
+    parser.add_argument("--batched", action="store_true",
+                        help="batched expert matmul (--batch-rows rows through one --expert) vs the fp32 GEMM rate")
+    parser.add_argument("--batch-rows", type=int, nargs="+", default=[16, 64, 128, 512])
+    parser.add_argument("--expert", default="512x1024", help="INTERxHIDDEN of the --batched expert (peer: 512x1024)")
     return parser.parse_args()
 
 
@@ -151,8 +156,39 @@ def native_table(args: argparse.Namespace) -> None:
     print(json.dumps({"native": results}))
 
 
+def batched_table(args: argparse.Namespace) -> None:
+    """One expert (gate, up: [I, H], down: [H, I], bf16) over R rows, as a prefill step runs it (each bf16 part
+    upcast to fp32, then torch's fp32 GEMM; blocks.linear) and through the native grouped kernel, in GFLOP/s
+    against torch's fp32 GEMM rate on a square matrix (the machine's measured matmul rate, same threads)."""
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    cpu.set_threads(torch.get_num_threads())
+    g = torch.Generator().manual_seed(0)
+    inter, hidden = (int(v) for v in args.expert.split("x"))
+    a, b = torch.randn(1024, 1024, generator=g), torch.randn(1024, 1024, generator=g)
+    peak = 2 * 1024 ** 3 * rate(lambda i: torch.mm(a, b), 1, args.seconds) / 1e9
+    print(f"fp32 GEMM 1024^3: {peak:.1f} GFLOP/s   threads {torch.get_num_threads()}   expert {inter}x{hidden}")
+    print(f"{'rows':>6}{'upcast+GEMM GFLOP/s':>22}{'of GEMM':>9}{'native GFLOP/s':>16}{'of GEMM':>9}", flush=True)
+    parts = [torch.randn(*s, generator=g).bfloat16() for s in ((inter, hidden), (inter, hidden), (hidden, inter))]
+    ptrs = [tuple(p.data_ptr() for p in parts)]
+    results = []
+    for rows in args.batch_rows:
+        x = torch.randn(rows, hidden, generator=g)
+        flops = 2 * rows * 3 * inter * hidden
+        with cpu.disabled():
+            torch_rate = flops * rate(lambda i: blocks.glu_mlp(x, *parts), 1, args.seconds) / 1e9
+        out = torch.zeros(rows, hidden)
+        native_rate = flops * rate(lambda i: fused.moe_glu_bf16(x, [0], ptrs, inter, out), 1, args.seconds) / 1e9
+        results.append({"rows": rows, "torch_GFLOPs": torch_rate, "native_GFLOPs": native_rate, "gemm_GFLOPs": peak})
+        print(f"{rows:>6}{torch_rate:>22.1f}{torch_rate / peak:>9.0%}{native_rate:>16.1f}{native_rate / peak:>9.0%}",
+              flush=True)
+    print(json.dumps({"batched": results, "gemm_GFLOPs": peak}))
+
+
 def main() -> None:
     args = parse_args()
+    if args.batched:
+        batched_table(args)
+        return
     if args.native:
         native_table(args)
         return

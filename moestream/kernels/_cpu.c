@@ -31,7 +31,7 @@
 #endif
 #define MS_AVX512 (MS_SIMD == 2)
 
-#define MS_ABI 7
+#define MS_ABI 8
 #define TILE_T 8   /* tokens per register tile */
 #ifndef PF_BYTES
 #define PF_BYTES 16384  /* software prefetch distance of the bf16 kernel (measured: 16-32 KiB best) */
@@ -76,6 +76,7 @@ typedef __m512i vw_t;
 INLINE vf vzero(void) { return _mm512_setzero_ps(); }
 INLINE vf vloadf(const float *p) { return _mm512_loadu_ps(p); }
 INLINE vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 INLINE vw_t vloadw(const uint16_t *p) { return _mm512_loadu_si512((const void *)p); }
 INLINE vf veven(vw_t v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
 INLINE vf vodd(vw_t v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u))); }
@@ -87,6 +88,7 @@ typedef __m256i vw_t;
 INLINE vf vzero(void) { return _mm256_setzero_ps(); }
 INLINE vf vloadf(const float *p) { return _mm256_loadu_ps(p); }
 INLINE vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 INLINE vw_t vloadw(const uint16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 INLINE vf veven(vw_t v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 INLINE vf vodd(vw_t v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u))); }
@@ -102,6 +104,7 @@ typedef uint32_t vw_t;
 INLINE vf vzero(void) { return 0.0f; }
 INLINE vf vloadf(const float *p) { return *p; }
 INLINE vf vfma(vf a, vf b, vf c) { return a * b + c; }
+INLINE vf vadd(vf a, vf b) { return a + b; }
 INLINE vw_t vloadw(const uint16_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 16; }
 INLINE vf veven(vw_t v) { return bits_f32(v << 16); }
 INLINE vf vodd(vw_t v) { return bits_f32(v & 0xFFFF0000u); }
@@ -200,9 +203,46 @@ static int rows_for(int tt) {
 #endif
 }
 
+/* One token: rows [n0, n1) of w [N, K] dotted with the prepared x, out[n - n0]. Each row is read start to end
+ * (one sequential stream over the whole block, which the hardware prefetcher follows without software prefetch:
+ * measured equal to or better than the four-row tile with it, docs/performance.md) with four independent
+ * accumulators, so the FMA latency never limits the stream. */
+static void bf16_gemv(const float *x, int64_t K, const uint16_t *w, int64_t n0, int64_t n1, float *out) {
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *row = w + n * K;
+        vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+        int64_t k = 0;
+        for (; k + 2 * GW <= K; k += 2 * GW) {
+            vw_t v0 = vloadw(row + k), v1 = vloadw(row + k + GW);
+            a0 = vfma(veven(v0), vloadf(x + k), a0);
+            a1 = vfma(vodd(v0), vloadf(x + k + VW), a1);
+            a2 = vfma(veven(v1), vloadf(x + k + GW), a2);
+            a3 = vfma(vodd(v1), vloadf(x + k + GW + VW), a3);
+        }
+        for (; k + GW <= K; k += GW) {
+            vw_t v = vloadw(row + k);
+            a0 = vfma(veven(v), vloadf(x + k), a0);
+            a1 = vfma(vodd(v), vloadf(x + k + VW), a1);
+        }
+        if (k < K) { /* a partial group: its weights copied into zero padding (x is zero padded already) */
+            uint16_t tail[GW];
+            memset(tail, 0, sizeof(tail));
+            memcpy(tail, row + k, sizeof(uint16_t) * (size_t)(K - k));
+            vw_t v = vloadw(tail);
+            a0 = vfma(veven(v), vloadf(x + k), a0);
+            a1 = vfma(vodd(v), vloadf(x + k + VW), a1);
+        }
+        out[n - n0] = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
+    }
+}
+
 /* out[t * ldo + (n - n0)] for rows [n0, n1) of w [N, K] and every token of x (prepared, row stride ldx) */
 static void bf16_rows(const float *x, int64_t ldx, int64_t T, int64_t K, const uint16_t *w, int64_t n0, int64_t n1,
                       float *out, int64_t ldo) {
+    if (T == 1) {
+        bf16_gemv(x, K, w, n0, n1, out);
+        return;
+    }
     int64_t n = n0;
     while (n < n1) {
         int64_t left = n1 - n;
@@ -385,7 +425,7 @@ static int pool_parts = 1;        /* threads per call, the caller included */
 /* how long a worker polls for the next job before sleeping on the condition variable (a sleeping worker costs a
  * futex wake-up, tens of microseconds, per call; a polling one costs a core); the caller polls for completion
  * up to 2000 pauses */
-static int64_t pool_spin_ns = 50000;
+static int64_t pool_spin_ns = 300000;
 static const int pool_spin = 2000;
 
 static int64_t now_ns(void) {

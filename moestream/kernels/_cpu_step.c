@@ -192,6 +192,44 @@ int ms_linear_mxfp4(int64_t E, const int64_t *xs, const int64_t *Ts, const int64
     return 0;
 }
 
+/* ------------------------------------------------------------------------------------ softmax top-k router */
+/* For T tokens: logits = x[t] @ w^T (bf16 w [E, K]), probs = softmax(logits) in fp32, the k largest (best first)
+ * into ids[t * k ..] and their probabilities into wts (divided by their sum when renorm). One call instead of a
+ * GEMV and four small torch ops per MoE layer of a decode step. Returns 0, or -1 when out of memory. */
+int ms_router_softmax_topk(const float *x, int64_t T, int64_t K, const uint16_t *w, int64_t E, int64_t k, int renorm,
+                           int64_t *ids, float *wts) {
+    if (T <= 0 || E <= 0 || k <= 0 || k > E) return 0;
+    const int64_t ldx = bf16_stride(K);
+    float *mem = malloc(sizeof(float) * (size_t)(T * ldx + T * E) + (size_t)E);
+    if (!mem) return -1;
+    float *xp = mem, *logits = mem + T * ldx;
+    char *taken = (char *)(logits + T * E);
+    bf16_prepare(x, T, K, xp);
+    bf16_rows(xp, ldx, T, K, w, 0, E, logits, E);
+    for (int64_t t = 0; t < T; t++) {
+        float *p = logits + t * E, m = -INFINITY, sum = 0.0f;
+        for (int64_t e = 0; e < E; e++) m = p[e] > m ? p[e] : m;
+        for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - m));
+        for (int64_t e = 0; e < E; e++) p[e] /= sum;
+        float picked = 0.0f;
+        memset(taken, 0, (size_t)E);
+        for (int64_t j = 0; j < k; j++) { /* selection: k passes over E (k = 8 of 64-512 experts); a NaN ranks
+                                           * first, as in torch.topk, and an index is always chosen */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (!taken[e] && (best < 0 || p[e] > p[best] || (isnan(p[e]) && !isnan(p[best])))) best = e;
+            taken[best] = 1;
+            ids[t * k + j] = best;
+            wts[t * k + j] = p[best];
+            picked += p[best];
+        }
+        if (renorm)
+            for (int64_t j = 0; j < k; j++) wts[t * k + j] /= picked;
+    }
+    free(mem);
+    return 0;
+}
+
 /* --------------------------------------------------------------------------- norms, rope, GQA attention */
 /* rms-normalise n rows of width H in place: x * rsqrt(mean(x^2) + eps) * w, w fp32 (wbf16 0) or bf16 (1), or
  * NULL for none */

@@ -39,10 +39,10 @@ DEFAULT_THREADS = 1
 MIN_ROWS_PER_THREAD = 256
 # How long a pool worker polls for the next call before it sleeps (MOESTREAM_NATIVE_SPIN_US): a decode step's
 # Python between two native calls takes tens to hundreds of microseconds, and waking a sleeping worker costs tens.
-SPIN_US = 50
+SPIN_US = 300
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
-_ABI = 7
+_ABI = 8
 _SOURCE = Path(__file__).with_name("_cpu.c")
 _SOURCES = (_SOURCE, Path(__file__).with_name("_cpu_step.c"))  # _cpu.c #includes the other
 _LAYOUTS = {"low_first": 0, "gguf": 1}
@@ -117,6 +117,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_moe_glu_bf16.argtypes = [i64, p, p, p, p, i64, i64, i64, p, i64, p, p, i64, p, ctypes.c_int,
                                     ctypes.c_float, ctypes.c_float]
     lib.ms_moe_glu_bf16.restype = ctypes.c_int
+    lib.ms_router_softmax_topk.argtypes = [p, i64, i64, p, i64, i64, ctypes.c_int, p, p]
+    lib.ms_router_softmax_topk.restype = ctypes.c_int
     lib.ms_rms_norm.argtypes = [p, i64, i64, p, ctypes.c_int, ctypes.c_float, p]
     lib.ms_rms_norm.restype = None
     lib.ms_gqa_attend.argtypes = [i64, i64, i64, i64, i64, p, p, p, i64, p, p, ctypes.c_int, ctypes.c_float, p,

@@ -1,4 +1,5 @@
-"""Fused native kernels for a decode step: the grouped GLU experts of a layer step, rms_norm and GQA attention.
+"""Fused native kernels for a decode step: the grouped GLU experts of a layer step, the softmax top-k router,
+rms_norm and GQA attention.
 
 Thin, checked wrappers over `_cpu.c` (loaded by kernels/cpu.py): shapes and dtypes are validated here, pointers
 passed there. Callers (models/blocks.py, models/attention.py) decide when to use them and keep torch paths.
@@ -44,6 +45,27 @@ def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, i
                                   ACTIVATIONS[act], beta, linear_beta)
     if code != 0:
         raise MemoryError("native GLU expert kernel could not allocate its scratch")
+
+
+def router_softmax_topk(x: Tensor, gate: Tensor, k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """The Mixtral / Qwen3-MoE router in one native call: softmax(x @ gate^T) over all experts in fp32, the top k
+    (best first) and their probabilities (divided by their sum when renormalize). x fp32 [T, K] contiguous, gate
+    contiguous bf16 [E, K]. Returns (ids int64 [T, k], weights fp32 [T, k]), what blocks.softmax_topk returns."""
+    handle = required()
+    t, k_in = x.shape
+    e = gate.shape[0]
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError("router_softmax_topk wants a contiguous fp32 x [T, K]")
+    if gate.dtype != torch.bfloat16 or not gate.is_contiguous() or gate.dim() != 2 or gate.shape[1] != k_in:
+        raise ValueError(f"router_softmax_topk wants a contiguous bf16 gate [E, {k_in}], got {tuple(gate.shape)}")
+    if not 0 < k <= e:
+        raise ValueError(f"router_softmax_topk: top-{k} of {e} experts")
+    ids = torch.empty(t, k, dtype=torch.int64)
+    wts = torch.empty(t, k, dtype=torch.float32)
+    if handle.ms_router_softmax_topk(x.data_ptr(), t, k_in, gate.data_ptr(), e, k, int(renormalize), ids.data_ptr(),
+                                     wts.data_ptr()):
+        raise MemoryError("native router could not allocate its scratch")
+    return ids, wts
 
 
 def norm_weight(w: Tensor | None) -> tuple[int | None, int]:

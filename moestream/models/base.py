@@ -17,7 +17,7 @@ from moestream.errors import CheckpointError
 from moestream.experts.dispatch import ExpertRunner
 from moestream.experts.store import PartSpec
 from moestream.models.blocks import (embed, expert_glu, glu_group, glu_mlp, linear, rms_norm, sigmoid_topk,
-                                     silu_glu, softmax_topk)
+                                     silu_glu, softmax_route)
 from moestream.weights.index import CheckpointIndex
 
 
@@ -207,10 +207,10 @@ def softmax_moe(ctx: ModelContext, layer: int, p: str, top_k: int,
     gate = router(ctx, f"{p}.gate.weight")
     fn, group = expert_glu(), glu_group()
     # lets the runner predict this layer's experts from the previous layer's input (lookahead prefetch)
-    ctx.experts.register_router(layer, lambda x: softmax_topk(linear(x, gate), top_k, False)[0])
+    ctx.experts.register_router(layer, lambda x: softmax_route(x, gate, top_k, False)[0])
 
     def ffn(x: torch.Tensor) -> torch.Tensor:
-        ids, wts = softmax_topk(linear(x, gate), top_k, renormalize)
+        ids, wts = softmax_route(x, gate, top_k, renormalize)
         return ctx.experts.run(layer, x, ids, wts, fn, group=group)
 
     return ffn

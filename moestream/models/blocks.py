@@ -208,6 +208,15 @@ def glu_group(act=silu_glu) -> Callable[..., bool]:
     return run
 
 
+def softmax_route(x: torch.Tensor, gate: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax_topk(linear(x, gate), k, renormalize), in one native call (GEMV, softmax, top-k) for the few rows of
+    a decode step with a bf16 router; the same values up to fp32 rounding."""
+    if (x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and gate.is_contiguous()
+            and cpu.bf16_native(gate, x) and gate.shape[1] == x.shape[1]):
+        return fused.router_softmax_topk(x, gate, k, renormalize)
+    return softmax_topk(linear(x, gate), k, renormalize)
+
+
 def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over all experts in fp32, then top-k (Mixtral, Qwen3-MoE). Returns (ids, weights) [T, k]."""
     probs = torch.softmax(logits.float(), dim=-1)
