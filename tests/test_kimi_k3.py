@@ -195,7 +195,7 @@ def test_official_layout_in_place(k3_dir):
     eng.logits([1, 2, 3])
     mixer = eng.model.layers[0].mixer
     assert mixer.A_log.dtype == torch.float32 and mixer.conv[0].dtype == torch.float32
-    assert eng.model.layers[1].ffn.bias.dtype == torch.float32
+    assert eng.model.layers[1].ffn.route.bias.dtype == torch.float32
     blobs = [v for v, _ in eng.runner.cache._items.values()]
     assert blobs and all(t.dtype == torch.uint8 for b in blobs for t in b.tensors().values()), \
         "experts stay packed in the cache"

@@ -86,11 +86,14 @@ class ExpertRunner:
 
     # ---- one layer step --------------------------------------------------------------------------------
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fn: ExpertFn,
-            out_dim: int | None = None, group: GroupFn | None = None) -> torch.Tensor:
+            out_dim: int | None = None, group: GroupFn | None = None,
+            router_input: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H]; ids, weights [T, k]. Returns sum_j weights[t, j] * fn(x[t], expert ids[t, j]) as fp32 [T, D].
 
         With `group`, the experts already resident are computed by one grouped call (fewer, larger kernels:
-        what lets a batch of sequences share a layer step); experts still being read go one by one."""
+        what lets a batch of sequences share a layer step); experts still being read go one by one.
+        `router_input`: what this layer's router read, when the experts get something else (K3's latent MoE:
+        experts see the narrow z, the routers the full-width x); the lookahead runs the next router on it."""
         out = torch.zeros(x.shape[0], out_dim or x.shape[1], dtype=torch.float32)
         uniq = torch.unique(ids).tolist()
         if self.times.steps == 0:
@@ -104,10 +107,11 @@ class ExpertRunner:
         waiting = [e for e in uniq if (layer, e) not in self.cache]
         self.scan = self._scan_window(layer, len(uniq), ids.shape[1])
         started = self._start(layer, waiting, need, evict=not self.scan)
+        route_x = x if router_input is None else router_input
         if self.scan and not waiting:
-            self._scan_ahead(layer, x, need)
+            self._scan_ahead(layer, route_x, need)
         elif not self.scan:
-            self._prefetch_next(layer, x, need)
+            self._prefetch_next(layer, route_x, need)
         t = time.perf_counter()
         blobs = [self.cache.get((layer, e)) for e in hits]
         ahead = [e for e in hits if (layer, e) in self._fresh]  # read ahead: used once, like a miss
@@ -121,7 +125,7 @@ class ExpertRunner:
         for e in ahead:
             self._spill((layer, e))
         self.times.expert_s += time.perf_counter() - t
-        self._drain(layer, x, (out, ids, weights, fn), started, waiting, need)
+        self._drain(layer, x, (out, ids, weights, fn), started, waiting, need, route_x)
         self.store.reader.pool.trim()  # buffers evicted beyond what this step re-used: back to the OS
         self.memory.observe()
         return out
@@ -147,9 +151,10 @@ class ExpertRunner:
         return started
 
     def _drain(self, layer: int, x: torch.Tensor, work: tuple, started: dict[Future, int], waiting: list[int],
-               need: set[Key]) -> None:
+               need: set[Key], route_x: torch.Tensor) -> None:
         """Compute each read expert once it lands, in queue order; start the rest of `waiting` as computed experts
-        free room. `work` is (out, ids, weights, fn) for `_apply`."""
+        free room. `work` is (out, ids, weights, fn) for `_apply`; `route_x` is what the next layer's router
+        reads ahead from."""
         out, ids, weights, fn = work
         while started or waiting:
             if not started:
@@ -174,7 +179,7 @@ class ExpertRunner:
             if waiting:
                 started.update(self._start(layer, waiting, need, evict=not self.scan))
                 if self.scan and not waiting:
-                    self._scan_ahead(layer, x, need)
+                    self._scan_ahead(layer, route_x, need)
 
     def _land(self, key: Key, need: set[Key]) -> ExpertBlob:
         """A finished read becomes a cache entry (or, if the budget shrank meanwhile, is used once and dropped)."""
