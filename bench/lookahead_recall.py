@@ -101,11 +101,11 @@ def _prompts(family: str, vocab: int, n: int, length: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (length,), generator=gen).tolist() for _ in range(n)]
 
 
-def _totals(eng) -> dict[str, int]:
-    gates, t = eng.runner.lookahead.gates.values(), eng.runner.times
-    return {"predicted": sum(g.predicted for g in gates), "correct": sum(g.correct for g in gates),
-            "routed": sum(g.routed for g in gates), "reads": t.prefetch_reads, "used": t.prefetch_used,
-            "withdrawn": t.prefetch_withdrawn}
+def _totals(eng) -> dict:
+    gates, t = eng.runner.lookahead.gates, eng.runner.times
+    return {"predicted": sum(g.predicted for g in gates.values()), "correct": sum(g.correct for g in gates.values()),
+            "routed": sum(g.routed for g in gates.values()), "reads": t.prefetch_reads, "used": t.prefetch_used,
+            "withdrawn": t.prefetch_withdrawn, "layers": {n: (g.correct, g.routed) for n, g in gates.items()}}
 
 
 def measure(family: str, path: Path, args: argparse.Namespace) -> dict:
@@ -119,6 +119,7 @@ def measure(family: str, path: Path, args: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
     temperature = 0.7 if family == "demo" else 1.0  # random weights loop on one token under greedy
     diff = {k: 0 for k in ("predicted", "correct", "routed", "reads", "used", "withdrawn")}
+    layers: dict[int, list[int]] = {}  # layer -> [correct, routed] over decode steps
     try:
         for prompt in _prompts(family, eng.vocab_size, args.prompts, args.prompt_len):
             state = eng.new_sequence()
@@ -133,6 +134,10 @@ def measure(family: str, path: Path, args: argparse.Namespace) -> dict:
             eng.free(state)
             for k in diff:
                 diff[k] += after[k] - before[k]
+            for n, (correct, routed) in after["layers"].items():
+                c0, r0 = before["layers"].get(n, (0, 0))
+                got = layers.setdefault(n, [0, 0])
+                got[0], got[1] = got[0] + correct - c0, got[1] + routed - r0
         per = eng.plan.store.resident_nbytes(layout.moe_layers[0], 0)
         on = sum(1 for g in la.gates.values() if g.recall >= 0.5)  # Lookahead's default threshold
     finally:
@@ -143,7 +148,8 @@ def measure(family: str, path: Path, args: argparse.Namespace) -> dict:
             "recall": diff["correct"] / max(1, diff["routed"]), "precision": diff["correct"] / max(1, diff["predicted"]),
             "read_ahead": diff["reads"], "used": diff["used"], "wasted": wasted, "withdrawn": diff["withdrawn"],
             "used_bytes": diff["used"] * per, "wasted_bytes": wasted * per, "gates_on_default": on,
-            "gates": len(la.gates)}
+            "gates": len(la.gates),
+            "layer_recall": {n: round(c / max(1, r), 3) for n, (c, r) in sorted(layers.items())}}
 
 
 def table(rows: list[dict]) -> str:
@@ -156,6 +162,8 @@ def table(rows: list[dict]) -> str:
                      f"{r['precision']:>9.3f} {r['read_ahead']:>10} {r['used']:>5} {r['wasted']:>6} "
                      f"{r['withdrawn']:>9} {r['used_bytes'] / 2**20:>9.1f} {r['wasted_bytes'] / 2**20:>10.1f} "
                      f"{r['gates_on_default']:>3}/{r['gates']:<3}")
+    lines.append("recall per predicted layer (decode steps):")
+    lines += [f"  {r['family']:<12} " + " ".join(f"{v:.2f}" for v in r["layer_recall"].values()) for r in rows]
     return "\n".join(lines)
 
 
