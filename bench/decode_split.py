@@ -23,7 +23,7 @@ import torch
 from moestream import Engine
 from moestream.experts import dispatch, prefetch
 from moestream.kernels import cpu
-from moestream.models import attention, base
+from moestream.models import attention, base, blocks
 
 try:
     from moestream.kernels import fused
@@ -61,9 +61,10 @@ def instrumented():
         (attention, "linear_many", "attention projections q/k/v/o", False),
         (attention.GQAMixer, "__call__", "attention: qk-norm, rope, KV, scores", False),
         (base, "rms_norm", "norms (layer + final)", False),
-        (base, "linear", "router (linear + softmax top-k)", False),
-        (base, "softmax_topk", "router (linear + softmax top-k)", False),
-        (base, "softmax_route", "router (linear + softmax top-k)", False),
+        # every family's router (linear + top-k); an older tree's softmax router lived in base
+        *[(getattr(blocks, cls, None), "__call__", "router (linear + top-k)", False)
+          for cls in ("SoftmaxRouter", "SigmoidRouter", "BiasedRouter")],
+        (base, "softmax_topk", "router (linear + top-k)", False),
         (base.DecoderModel, "head", "lm_head (+ final norm)", True),
         (dispatch.ExpertRunner, "run", "routed experts: runner and Python", False),
         (prefetch.Lookahead, "predict", "lookahead (next layer's router)", True),

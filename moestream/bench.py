@@ -395,10 +395,12 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--io-threads", type=int, default=IO_THREADS, help=f"reads in flight (default {IO_THREADS})")
     p.add_argument("--policy", default="lfru", help="expert cache policy: lfru (default), lru, heat")
     p.add_argument("--no-lookahead", dest="lookahead", action="store_false",
-                   help="do not prefetch the next layer's experts by router lookahead (on by default, behind a "
-                        "per-layer recall gate)")
+                   help="do not read the next MoE layer's experts ahead. Router lookahead (on by default, every "
+                        "family) runs the next MoE layer's own router on this layer's router input; a layer's "
+                        "reads are issued only while that prediction's recall (EMA) is at least 0.5")
     p.add_argument("--lookahead-reads", type=int, default=None, metavar="N",
-                   help="predicted, not resident experts each layer step reads ahead, best first (default 1)")
+                   help="predicted, not resident experts each layer step reads ahead, best first, where the "
+                        "layer's recall gate is open (default 1)")
     p.add_argument("--buffered-io", action="store_true", help="buffered reads + page drop instead of O_DIRECT")
     p.add_argument("--no-probe", action="store_true", help="skip the direct-I/O disk bandwidth probe")
     p.add_argument("--plot", type=Path, default=None, metavar="PNG", help="write hit rate and tokens/s per token")

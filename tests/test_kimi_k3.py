@@ -102,12 +102,13 @@ def _seal_2l(monkeypatch):
 
 
 def _bias_in_weights(monkeypatch):
-    def route(logits, bias, k, scale):
-        ids, _ = sigmoid_topk(logits, bias, k, True, scale)
-        w = (torch.sigmoid(logits.float()) + bias.float()).gather(1, ids)
-        return ids, w / (w.sum(-1, keepdim=True) + 1e-20) * scale
+    def route(self, x):  # K3's router is the only SigmoidRouter of this model
+        logits = blocks.linear(x, self.weight)
+        ids, _ = sigmoid_topk(logits, self.bias, self.top_k, True, self.scale)
+        w = (torch.sigmoid(logits.float()) + self.bias.float()).gather(1, ids)
+        return ids, w / (w.sum(-1, keepdim=True) + 1e-20) * self.scale
 
-    monkeypatch.setattr(latent_moe, "route", route)
+    monkeypatch.setattr(blocks.SigmoidRouter, "__call__", route)
 
 
 def _silu(monkeypatch):
@@ -196,7 +197,7 @@ def test_official_layout_in_place(k3_dir):
     eng.logits([1, 2, 3])
     mixer = eng.model.layers[0].mixer
     assert mixer.A_log.dtype == torch.float32 and mixer.conv[0].dtype == torch.float32
-    assert eng.model.layers[1].ffn.bias.dtype == torch.float32
+    assert eng.model.layers[1].ffn.route.bias.dtype == torch.float32
     blobs = [v for v, _ in eng.runner.cache._items.values()]
     assert blobs and all(t.dtype == torch.uint8 for b in blobs for t in b.tensors().values()), \
         "experts stay packed in the cache"

@@ -88,13 +88,18 @@ class ExpertRunner:
 
     # ---- one layer step --------------------------------------------------------------------------------
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fn: ExpertFn,
-            out_dim: int | None = None, group: GroupFn | None = None) -> torch.Tensor:
+            out_dim: int | None = None, group: GroupFn | None = None,
+            router_input: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H]; ids, weights [T, k]. Returns sum_j weights[t, j] * fn(x[t], expert ids[t, j]) as fp32 [T, D].
 
         With `group`, the experts already resident are computed by one grouped call (fewer, larger kernels:
-        what lets a batch of sequences share a layer step); experts still being read go one by one."""
+        what lets a batch of sequences share a layer step); experts still being read go one by one.
+        `router_input`: what this layer's router read, when the experts get something else (K3's latent MoE:
+        experts see the narrow z, the routers the full-width x); the lookahead runs the next router on it."""
         out = torch.zeros(x.shape[0], out_dim or x.shape[1], dtype=torch.float32)
-        if group is not None and x.shape[0] == 1 and self._resident_step(layer, x, ids, weights, fn, group, out):
+        route_x = x if router_input is None else router_input
+        if group is not None and x.shape[0] == 1 and self._resident_step(layer, x, ids, weights, fn, group, out,
+                                                                         route_x):
             return out
         route = Routing.of(ids, weights) if x.shape[0] > 1 else None
         uniq = route.experts if route is not None else torch.unique(ids).tolist()
@@ -112,9 +117,9 @@ class ExpertRunner:
         reader.set_depth(max(SCAN_DEPTH, reader.threads) if self.scan else reader.threads)
         started = self._start(layer, waiting, need, evict=not self.scan)
         if self.scan and not waiting:
-            self._scan_ahead(layer, x, need)
+            self._scan_ahead(layer, route_x, need)
         elif not self.scan:
-            self._prefetch_next(layer, x, need)
+            self._prefetch_next(layer, route_x, need)
         t = time.perf_counter()
         blobs = [self.cache.get((layer, e)) for e in hits]
         ahead = [e for e in hits if (layer, e) in self._fresh]  # read ahead: used once, like a miss
@@ -128,7 +133,7 @@ class ExpertRunner:
         for e in ahead:
             self._spill((layer, e))
         self.times.expert_s += time.perf_counter() - t
-        self._drain(layer, x, (out, route or ids, weights, fn), started, waiting, need)
+        self._drain(layer, x, (out, route or ids, weights, fn), started, waiting, need, route_x)
         # buffers evicted beyond what this step re-used go back to the OS, except during a scan: there up to the
         # window of free room stays mapped for the next layer's reads (a fresh buffer faults in and zeroes every
         # page before the read lands: a quarter of a 256-request job's CPU was system time)
@@ -137,7 +142,7 @@ class ExpertRunner:
         return out
 
     def _resident_step(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fn: ExpertFn,
-                       group: GroupFn, out: torch.Tensor) -> bool:
+                       group: GroupFn, out: torch.Tensor, route_x: torch.Tensor) -> bool:
         """The warm decode step of one token: every routed expert cached, no read in flight, not the first step.
         Does what `run` does for that case with a fraction of its Python (a decode token runs this once per MoE
         layer); False, with nothing done, otherwise."""
@@ -153,7 +158,7 @@ class ExpertRunner:
         self.scan = 0
         # with every expert of every routed layer cached there is nothing to read ahead: skip the next router
         if len(cache) < len(self.lookahead.routers) * self.store.num_experts:
-            self._prefetch_next(layer, x, set(keys))
+            self._prefetch_next(layer, route_x, set(keys))
         t = time.perf_counter()
         blobs = [cache.get(key) for key in keys]
         if not group(x, ids, weights, uniq, [b.tensors() for b in blobs], out):
@@ -186,9 +191,10 @@ class ExpertRunner:
         return started
 
     def _drain(self, layer: int, x: torch.Tensor, work: tuple, started: dict[Future, int], waiting: list[int],
-               need: set[Key]) -> None:
+               need: set[Key], route_x: torch.Tensor) -> None:
         """Compute each read expert once it lands, in queue order; start the rest of `waiting` as computed experts
-        free room. `work` is (out, routing or ids, weights, fn) for `_apply`."""
+        free room. `work` is (out, routing or ids, weights, fn) for `_apply`; `route_x` is what the next layer's
+        router reads ahead from."""
         out, ids, weights, fn = work
         while started or waiting:
             if not started:
@@ -213,7 +219,7 @@ class ExpertRunner:
             if waiting:
                 started.update(self._start(layer, waiting, need, evict=not self.scan))
                 if self.scan and not waiting:
-                    self._scan_ahead(layer, x, need)
+                    self._scan_ahead(layer, route_x, need)
 
     def _land(self, key: Key, need: set[Key]) -> ExpertBlob:
         """A finished read becomes a cache entry (or, if the budget shrank meanwhile, is used once and dropped)."""

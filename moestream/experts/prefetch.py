@@ -2,8 +2,9 @@
 
 Owns the registered routers (a family hands `layer -> fn(x) -> expert ids`), the predictions made one layer
 ahead, and the gate: every prediction is scored against what the layer really routed to (recall, an EMA), and
-a layer's prefetch is issued only while its recall pays. Predictions are always made (a router is one small
-GEMV), so a gate that switched off keeps measuring and can switch on again. No I/O here: dispatch.py reads.
+a layer's prefetch is issued only while its recall pays. A gate that switched off keeps measuring (one step in
+`probe`: at published widths a router is a 13 MB GEMV, not free), so it can switch on again. No I/O here:
+dispatch.py reads.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class Gate:
     correct: int = 0
     routed: int = 0
     issued_steps: int = 0
+    closed_steps: int = 0  # steps the gate was closed (one in Lookahead.probe of them still predicts)
 
     def score(self, predicted: set[int], routed: set[int], ema: float) -> None:
         r = len(predicted & routed) / max(1, len(routed))
@@ -50,6 +52,7 @@ class Lookahead:
     # disk's idle time between layers. One beat two (fewer wasted bytes once the disk is busy) and none on the
     # medium synthetic model (docs/performance.md)
     reads: int = 1
+    probe: int = 4  # a closed gate's layer is predicted (and scored) on one step in this many
     enabled: bool = True
     routers: dict[int, RouterFn] = field(default_factory=dict)
     gates: dict[int, Gate] = field(default_factory=dict)
@@ -81,11 +84,16 @@ class Lookahead:
         nxt = self.next_layer(layer)
         if nxt is None:
             return None
+        gate = self.gates.setdefault(nxt, Gate())
+        closed = gate.scored >= self.warmup and gate.recall < self.threshold
+        if closed:
+            gate.closed_steps += 1
+            if gate.closed_steps % self.probe:
+                return None
         ids = self.routers[nxt](x)  # [T, k], each row best first
         ranked = list(dict.fromkeys(ids.t().reshape(-1).tolist()))
         self._pending[nxt] = set(ranked)
-        gate = self.gates.setdefault(nxt, Gate())
-        if gate.scored < self.warmup or gate.recall < self.threshold or len(ranked) > self.max_share * num_experts:
+        if closed or gate.scored < self.warmup or len(ranked) > self.max_share * num_experts:
             return None
         gate.issued_steps += 1
         return nxt, ranked

@@ -16,8 +16,8 @@ from moestream.memory.state import Batch, SeqState
 from moestream.errors import CheckpointError
 from moestream.experts.dispatch import ExpertRunner
 from moestream.experts.store import PartSpec
-from moestream.models.blocks import (embed, expert_glu, glu_group, glu_mlp, linear, rms_norm, sigmoid_topk,
-                                     silu_glu, softmax_route)
+from moestream.models.blocks import (Router, SigmoidRouter, SoftmaxRouter, embed, expert_glu, glu_group, glu_mlp,
+                                     linear, rms_norm, silu_glu)
 from moestream.weights.index import CheckpointIndex
 
 
@@ -186,15 +186,24 @@ def router(ctx: ModelContext, name: str) -> torch.Tensor:
     return gate
 
 
+def routed(ctx: ModelContext, layer: int, r: Router) -> Router:
+    """Every family's MoE layer registers its router here: the runner's lookahead then runs `r.select` (this
+    layer's exact selection rule) on the previous MoE layer's router input and reads the predicted experts ahead."""
+    ctx.experts.register_router(layer, r.select)
+    return r
+
+
 def sigmoid_moe(ctx: ModelContext, layer: int, p: str, fn, top_k: int, renormalize: bool, scale: float,
                 n_group: int = 1, topk_group: int = 1, shared=None) -> Callable[[torch.Tensor], torch.Tensor]:
     """DeepSeek-V3 / Kimi Linear MoE at `p`: sigmoid router (the correction bias only selects), routed experts
     through the runner, plus the shared MLP on the full-width input when there is one."""
-    gate, bias = router(ctx, f"{p}.gate.weight"), ctx.weights.maybe(f"{p}.gate.e_score_correction_bias")
+    route = routed(ctx, layer, SigmoidRouter(router(ctx, f"{p}.gate.weight"),
+                                             ctx.weights.maybe(f"{p}.gate.e_score_correction_bias"), top_k,
+                                             renormalize, scale, n_group, topk_group))
     group = glu_group()  # bf16 SiLU-GLU experts; declines other stored forms (fp8, int4), which go one by one
 
     def ffn(x: torch.Tensor) -> torch.Tensor:
-        ids, wts = sigmoid_topk(linear(x, gate), bias, top_k, renormalize, scale, n_group, topk_group)
+        ids, wts = route(x)
         y = ctx.experts.run(layer, x, ids, wts, fn, group=group)
         return y + shared(x) if shared is not None else y
 
@@ -204,13 +213,11 @@ def sigmoid_moe(ctx: ModelContext, layer: int, p: str, fn, top_k: int, renormali
 def softmax_moe(ctx: ModelContext, layer: int, p: str, top_k: int,
                 renormalize: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     """Mixtral / Qwen3-MoE MoE at `p`: softmax router over all experts in fp32, top-k, SiLU-GLU experts."""
-    gate = router(ctx, f"{p}.gate.weight")
+    route = routed(ctx, layer, SoftmaxRouter(router(ctx, f"{p}.gate.weight"), top_k, renormalize))
     fn, group = expert_glu(), glu_group()
-    # lets the runner predict this layer's experts from the previous layer's input (lookahead prefetch)
-    ctx.experts.register_router(layer, lambda x: softmax_route(x, gate, top_k, False)[0])
 
     def ffn(x: torch.Tensor) -> torch.Tensor:
-        ids, wts = softmax_route(x, gate, top_k, renormalize)
+        ids, wts = route(x)
         return ctx.experts.run(layer, x, ids, wts, fn, group=group)
 
     return ffn

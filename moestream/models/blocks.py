@@ -245,5 +245,61 @@ def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor | None, k: int, renorm
     return ids, w * scale
 
 
+class Router:
+    """A MoE layer's router: x [T, H] -> (expert ids, weights) [T, k], each row best first.
+
+    `select` is the ids alone, by the same computation: the lookahead runs it one layer early (on the previous MoE
+    layer's router input), so a prediction names exactly the experts this router would pick for that input."""
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x)[0]
+
+
+@dataclass(frozen=True, eq=False)
+class SoftmaxRouter(Router):
+    """Mixtral / Qwen3-MoE: softmax over all experts in fp32, top-k, optionally renormalised."""
+
+    weight: torch.Tensor  # [E, H]
+    top_k: int
+    renormalize: bool
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return softmax_route(x, self.weight, self.top_k, self.renormalize)
+
+
+@dataclass(frozen=True, eq=False)
+class SigmoidRouter(Router):
+    """DeepSeek-V3 / Kimi K2 / Kimi Linear / Kimi K3: sigmoid scores; the correction bias and the group limit
+    (top `topk_group` of `n_group` groups, each scored by its best two) only select, the unbiased scores weigh."""
+
+    weight: torch.Tensor  # [E, H]
+    bias: torch.Tensor | None  # e_score_correction_bias [E]
+    top_k: int
+    renormalize: bool
+    scale: float
+    n_group: int = 1
+    topk_group: int = 1
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return sigmoid_topk(linear(x, self.weight), self.bias, self.top_k, self.renormalize, self.scale,
+                            self.n_group, self.topk_group)
+
+
+@dataclass(frozen=True, eq=False)
+class BiasedRouter(Router):
+    """gpt-oss: top-k of the biased logits, softmax over those k."""
+
+    weight: torch.Tensor  # [E, H]
+    bias: torch.Tensor  # [E]
+    top_k: int
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, ids = torch.topk(linear(x, self.weight, self.bias), self.top_k, dim=-1)
+        return ids, torch.softmax(top, dim=-1)
+
+
 def embed(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return table.index_select(0, tokens).float()

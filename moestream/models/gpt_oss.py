@@ -14,8 +14,8 @@ from moestream.errors import UnsupportedModelError
 from moestream.experts.store import PartSpec
 from moestream.kernels.quant import mxfp4_linear
 from moestream.models.attention import GQAMixer, gqa_dims
-from moestream.models.base import ExpertLayout, Family, Layer, ModelContext, router, standard_model
-from moestream.models.blocks import linear
+from moestream.models.base import ExpertLayout, Family, Layer, ModelContext, routed, router, standard_model
+from moestream.models.blocks import BiasedRouter
 from moestream.models.rope import build_rope
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -101,12 +101,12 @@ def build(cfg: GptOssConfig, ctx: ModelContext):
 
 
 def _moe(cfg: GptOssConfig, ctx: ModelContext, i: int):
-    gate_w = router(ctx, f"model.layers.{i}.mlp.router.weight")
-    gate_b = ctx.weights.get(f"model.layers.{i}.mlp.router.bias")
+    p = f"model.layers.{i}.mlp.router"
+    route = routed(ctx, i, BiasedRouter(router(ctx, p + ".weight"), ctx.weights.get(p + ".bias"), cfg.top_k))
 
     def ffn(x: torch.Tensor) -> torch.Tensor:
-        top, ids = torch.topk(linear(x, gate_w, gate_b), cfg.top_k, dim=-1)  # [T, k]
-        return ctx.experts.run(i, x, ids, torch.softmax(top, dim=-1), expert_fn)
+        ids, weights = route(x)  # [T, k]
+        return ctx.experts.run(i, x, ids, weights, expert_fn)
 
     return ffn
 

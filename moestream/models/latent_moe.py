@@ -15,19 +15,14 @@ from moestream.experts.store import PartViews
 from moestream.kernels import cpu
 from moestream.kernels.quant import (GROUP_DECODE_BYTES, check_mxfp4_scales, mxfp4_decode_planes, mxfp4_linear,
                                      mxfp4_permute_input)
-from moestream.models.base import router
-from moestream.models.blocks import Situ, expert_glu, glu_group, glu_mlp, linear, rms_norm, sigmoid_topk
+from moestream.models.base import routed, router
+from moestream.models.blocks import SigmoidRouter, Situ, expert_glu, glu_group, glu_mlp, linear, rms_norm
 
 Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def make_act(beta: float, linear_beta: float) -> Act:
     return Situ(beta, linear_beta)
-
-
-def route(logits: torch.Tensor, bias: torch.Tensor, k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """top-k of sigmoid(logits) + bias; weights are the unbiased scores, renormalised (+1e-20), times scale."""
-    return sigmoid_topk(logits, bias, k, renormalize=True, scale=scale)
 
 
 def latent_norm(y: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -196,8 +191,10 @@ class LatentMoE:
     def __init__(self, ctx, layer: int, top_k: int, scale: float, use_norm: bool, eps: float, act: Act,
                  quantized: bool):
         w, p = ctx.weights, f"model.layers.{layer}.block_sparse_moe"
-        self.runner, self.layer, self.top_k, self.scale, self.eps = ctx.experts, layer, top_k, scale, eps
-        self.gate, self.bias = router(ctx, f"{p}.gate.weight"), w.get(f"{p}.gate.e_score_correction_bias")
+        self.runner, self.layer, self.eps = ctx.experts, layer, eps
+        # top-k of sigmoid(logits) + bias on the full width; weights: the unbiased scores, renormalised, times scale
+        self.route = routed(ctx, layer, SigmoidRouter(router(ctx, f"{p}.gate.weight"),
+                                                      w.get(f"{p}.gate.e_score_correction_bias"), top_k, True, scale))
         self.down, self.up = w.get(f"{p}.routed_expert_down_proj.weight"), w.get(f"{p}.routed_expert_up_proj.weight")
         self.norm = w.get(f"{p}.routed_expert_norm.weight") if use_norm else None
         names = [f"{p}.shared_experts.{n}_proj.weight" for n in ("gate", "up", "down")]
@@ -207,10 +204,11 @@ class LatentMoE:
         self.group = mxfp4_group(act) if quantized else glu_group(act)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = route(linear(x, self.gate), self.bias, self.top_k, self.scale)  # [T, k] each
+        ids, weights = self.route(x)  # [T, k] each
         z = linear(x, self.down)  # [T, latent]
+        # the experts see z; the lookahead runs the next layer's full-width router on x
         y = self.runner.run(self.layer, z, ids, weights, self.fn, out_dim=self.down.shape[0],
-                            group=self.group)  # [T, latent]
+                            group=self.group, router_input=x)  # [T, latent]
         if self.norm is not None:
             y = latent_norm(y, self.norm, self.eps)
         y = linear(y, self.up)  # [T, H]
