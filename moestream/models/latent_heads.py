@@ -4,7 +4,8 @@ Owns the three products attention needs from kv_b: the query folded into the lat
 form), the latent context brought back out (ctx W_UV^T), and per-head keys / values of a tile of latents (expanded
 form). A resident bf16 kv_b keeps W_UK transposed once (counted as dense bytes) so a decode step's per-head
 products run on the native bf16 kernel with no upcast; a quantised one (block-FP8, int4) is dequantised once to
-fp32 at load (exact, counted); a streamed kv_b (refilled each step) is upcast a bounded chunk of heads at a time.
+fp32 at load (exact, counted). A streamed kv_b (refilled each step) is used as it is: the same native products
+(each head's key half transposed per step), and for larger steps a bounded chunk of heads upcast at a time.
 """
 from __future__ import annotations
 
@@ -48,7 +49,14 @@ class LatentHeads:
         return self._per_head(out)
 
     def _native(self, tokens: int) -> bool:
-        return self.uk_t is not None and tokens <= cpu.MAX_TOKENS_BF16
+        """bf16 kv_b and few rows: per-head native products (a streamed kv_b too, so streaming changes no bit)."""
+        return self.w32 is None and cpu.bf16_native(self.kv_b, tokens=tokens)
+
+    def _key_half_t(self, head: int) -> torch.Tensor:
+        """Head `head`'s W_UK^T [r, dn] bf16 contiguous: prepared at load, or transposed now when kv_b streams."""
+        if self.uk_t is not None:
+            return self.uk_t[head]
+        return self._per_head(self.kv_b)[head, :self.dn].T.contiguous()
 
     def _chunks(self):
         """(h0, h1, fp32 [h1 - h0, dn + dv, r]) over all heads: views of w32, else a bounded upcast of kv_b."""
@@ -67,7 +75,7 @@ class LatentHeads:
         out = torch.empty(h, n, self.rank)
         if self._native(n):
             for i in range(h):
-                out[i] = cpu.linear_bf16(q_nope[i].contiguous(), self.uk_t[i])
+                out[i] = cpu.linear_bf16(q_nope[i].contiguous(), self._key_half_t(i))
             return out
         for h0, h1, w in self._chunks():
             torch.matmul(q_nope[h0:h1], w[:, :self.dn], out=out[h0:h1])
