@@ -99,6 +99,8 @@ def test_routing_slices_match_per_expert_nonzero():
         want_rows, slots = torch.nonzero(ids == e, as_tuple=True)
         assert torch.equal(rows, want_rows)
         assert torch.equal(w, weights[want_rows, slots].unsqueeze(-1).float())
+
+
 def test_warm_decode_short_path_adds_what_the_full_step_adds(tmp_path, monkeypatch):
     """A warm one-token step (every routed expert cached) takes the runner's short path: the same logits, bit for
     bit, as the full step, cache hits and no misses; the first, cold step does not take it."""
@@ -107,6 +109,7 @@ def test_warm_decode_short_path_adds_what_the_full_step_adds(tmp_path, monkeypat
 
     synthesize("qwen3_moe", tmp_path / "q", "tiny")
     eng = Engine.open(tmp_path / "q")  # no budget: everything read stays cached
+    eng.runner.lookahead.reads = 0  # no read ahead: whether one is still in flight would depend on thread timing
     ids = prompt_ids(eng.vocab_size, 12)
     taken = []
     real = ExpertRunner._resident_step
@@ -122,9 +125,7 @@ def test_warm_decode_short_path_adds_what_the_full_step_adds(tmp_path, monkeypat
     stats = eng.runner.cache.stats
     hits, misses = stats.hits, stats.misses
     warm = decode_logits(eng, ids)  # the same tokens again: every expert is cached now
-    # the rest meet an expert read ahead but not yet used (counted as a prefetch hit by the full step) or a read
-    # still in flight
-    assert taken and sum(taken) >= 0.8 * len(taken)
+    assert taken and all(taken)  # nothing read ahead, nothing in flight: every warm step takes the short path
     assert stats.misses == misses and stats.hits > hits
     monkeypatch.setattr(ExpertRunner, "_resident_step", lambda *a: False)
     full = decode_logits(eng, ids)
