@@ -90,6 +90,8 @@ def main() -> int:
     ap.add_argument("--io-threads", type=int, default=None, help="range requests in flight (default: remote.py's)")
     ap.add_argument("--lookahead-reads", type=int, default=None,
                     help="predicted experts fetched ahead per layer step over HTTP (default: remote.py's)")
+    ap.add_argument("--split-max", type=int, default=None,
+                    help="parallel requests one large range may go as (default: weights/http.py's SPLIT_MAX)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads (default 1: on a shared machine more "
                     "threads wait on each other's barriers, docs/performance.md)")
     ap.add_argument("--tmp", type=Path, default=None, help="where the SSD tier goes (default: the system's temp dir)")
@@ -103,6 +105,10 @@ def main() -> int:
 
     if a.io_threads is not None:
         remote.SETTINGS.io_threads = a.io_threads
+    if a.split_max is not None:
+        from moestream.weights import http
+
+        http.SPLIT_MAX = a.split_max
     if a.lookahead_reads is not None:
         remote.SETTINGS.lookahead_reads = a.lookahead_reads
     server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "hfserver.py"), str(a.dir), "--repo",
