@@ -115,7 +115,10 @@ def main() -> int:
         report = {"kills": kills, "final_rc": final.returncode, "seconds": round(time.time() - t0, 1),
                   "shard_bytes": shard_bytes, "bytes_served": sum(r[3] for r in rows),
                   "ranges_cut_by_kills": len(cut), "bytes_of_cut_ranges": sum(r[3] for r in cut),
-                  "complete_ranges_sent_twice_bytes": twice, "in_flight_allowance_bytes": allowed,
+                  "complete_ranges_sent_twice_bytes": twice,
+                  # every range sent again (cut or complete) must have been in flight at a kill
+                  "ranges_sent_again": len(cut) + sum(c - 1 for c in full.values()),
+                  "requests_in_flight_at_kills": kills * a.io_threads, "in_flight_allowance_bytes": allowed,
                   "fetched_twice_beyond_in_flight_bytes": max(0, twice - allowed),
                   "ranges": ranges, "corrupt_ranges": corrupt}
     print(json.dumps(report, indent=1))

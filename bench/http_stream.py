@@ -7,7 +7,8 @@ and seed under the same RAM budget, side by side in one run:
          decoded token / bandwidth), requests in flight (most, and the mean over the decode), the link's busy share;
   warm   the same again from the SSD tier the cold run filled (its pages dropped from the page cache first):
          network requests (must be 0), tokens/s and io_roofline_fraction;
-  local  the checkpoint directory itself: tokens/s and io_roofline_fraction (the warm run should match it).
+  local  the checkpoint directory itself: tokens/s and io_roofline_fraction (the warm run should match it);
+  local_remote_io  the same with the remote run's reads in flight and lookahead reads (the SSD tier's own cost).
 io_roofline_fraction is `moestream bench`'s: (bytes read per token / the disk's O_DIRECT bandwidth) / seconds
 per token, one disk probe for both runs. Run under `flock /work/bench.lock`. Prints one JSON object (and a short
 summary on stderr); exits 1 if the warm run touched the network.
@@ -29,11 +30,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def decode(path: Path, a: argparse.Namespace, prompt: list[int]) -> dict:
-    """One decode from a fresh engine: prefill, then `a.gen` tokens; counters over the decode only."""
+def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None = None,
+           lookahead_reads: int | None = None) -> dict:
+    """One decode from a fresh engine: prefill, then `a.gen` tokens; counters over the decode only. `io` and
+    `lookahead_reads` override the engine's I/O settings (the local run with the remote run's)."""
+    io = io or {}
     from moestream.engine.engine import Engine
 
-    eng = Engine.open(path, ram_budget=a.ram_budget, threads=a.threads)
+    eng = Engine.open(path, ram_budget=a.ram_budget, threads=a.threads, **io)
+    if lookahead_reads is not None:
+        eng.runner.lookahead.reads = lookahead_reads
     net = getattr(eng.plan.store.index, "stats", lambda: {})
     read = lambda: eng.plan.store.bytes_read  # noqa: E731 - expert bytes through the reader (disk or SSD tier)
     try:
@@ -84,10 +90,14 @@ def main() -> int:
     ap.add_argument("--io-threads", type=int, default=None, help="range requests in flight (default: remote.py's)")
     ap.add_argument("--lookahead-reads", type=int, default=None,
                     help="predicted experts fetched ahead per layer step over HTTP (default: remote.py's)")
+    ap.add_argument("--split-max", type=int, default=None,
+                    help="parallel requests one large range may go as (default: weights/http.py's SPLIT_MAX)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads (default 1: on a shared machine more "
                     "threads wait on each other's barriers, docs/performance.md)")
     ap.add_argument("--tmp", type=Path, default=None, help="where the SSD tier goes (default: the system's temp dir)")
-    ap.add_argument("--runs", default="cold,warm,local", help="which decodes, in order (default cold,warm,local)")
+    ap.add_argument("--runs", default="cold,warm,local,local_remote_io",
+                    help="which decodes, in order (default cold,warm,local,local_remote_io: the local checkpoint "
+                         "with the remote run's requests in flight and lookahead reads)")
     a = ap.parse_args()
 
     from moestream.bench import model_files, probe_disk
@@ -95,6 +105,10 @@ def main() -> int:
 
     if a.io_threads is not None:
         remote.SETTINGS.io_threads = a.io_threads
+    if a.split_max is not None:
+        from moestream.weights import http
+
+        http.SPLIT_MAX = a.split_max
     if a.lookahead_reads is not None:
         remote.SETTINGS.lookahead_reads = a.lookahead_reads
     server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "hfserver.py"), str(a.dir), "--repo",
@@ -110,7 +124,11 @@ def main() -> int:
             for name in a.runs.split(","):
                 if name == "warm":
                     drop_cache_pages(Path(tmp))
-                runs[name] = decode(a.dir if name == "local" else stub, a, prompt)
+                if name == "local_remote_io":  # the local checkpoint read with the remote run's I/O settings
+                    runs[name] = decode(a.dir, a, prompt, {"io_threads": remote.SETTINGS.io_threads},
+                                        remote.SETTINGS.lookahead_reads)
+                else:
+                    runs[name] = decode(a.dir if name == "local" else stub, a, prompt)
             disk_bw = probe_disk(model_files(a.dir), 4)
     finally:
         server.terminate()
@@ -130,6 +148,11 @@ def main() -> int:
                      f"per token, link bound {report['link_bound_tok_s']:.2f} tok/s -> {report['link_bound_fraction']:.2f} "
                      f"of it; requests in flight: mean {cold['mean_inflight']:.1f}, most {cold['max_inflight']}; link "
                      f"busy {cold['link_busy_share']:.2f} of the decode")
+    if "warm" in runs and "local_remote_io" in runs:
+        report["warm_vs_local_remote_io_tok_s"] = runs["warm"]["decode_tok_s"] / runs["local_remote_io"]["decode_tok_s"]
+        lines.append(f"local with the remote I/O settings: {runs['local_remote_io']['decode_tok_s']:.2f} tok/s, io_roofline "
+                     f"{runs['local_remote_io']['io_roofline_fraction']:.3f} (warm/it "
+                     f"{report['warm_vs_local_remote_io_tok_s']:.2f})")
     if "warm" in runs and "local" in runs:
         w, loc = runs["warm"], runs["local"]
         report["warm_vs_local_tok_s"] = w["decode_tok_s"] / loc["decode_tok_s"]

@@ -338,3 +338,25 @@ def test_trace_bench_and_batch_take_a_remote_spec(env, server, tmp_path, capsys)
     assert main(["trace", "hf://org/tiny", "--prompts", str(prompts), "--max-new-tokens", "2", "--disk-cache", dc,
                  "--offline"]) == 0
     assert server.bytes_served() == served
+
+
+def test_large_range_goes_as_parallel_requests(tmp_path):
+    import os
+
+    from moestream.weights.http import SPLIT_PART, HttpClient
+
+    blob = os.urandom(3 * SPLIT_PART + 5000)
+    (tmp_path / "blob.bin").write_bytes(blob)
+    with CheckpointServer({"org/blob": tmp_path}) as srv:
+        client = HttpClient()
+        try:
+            url = f"{srv.url}/plain/org/blob/blob.bin"
+            etag, size = client.get_range(url, 0, memoryview(bytearray(8)))
+            out = bytearray(len(blob) - 100)
+            assert client.get_range(url, 100, memoryview(out), size, etag) == (etag, size)
+        finally:
+            client.close()
+        assert bytes(out) == blob[100:]
+        parts = sorted((a, b) for _, a, b, _ in srv.log[1:])
+        assert len(parts) == 3 and parts[0][0] == 100 and parts[-1][1] == len(blob)
+        assert all(parts[i][1] == parts[i + 1][0] for i in range(2))  # contiguous, no byte twice

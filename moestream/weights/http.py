@@ -13,6 +13,7 @@ import random
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 
@@ -21,6 +22,8 @@ import urllib3
 from moestream.errors import CheckpointError
 
 RETRY_STATUS = {429, 500, 502, 503, 504}
+SPLIT_PART = 1 << 20  # a range of at least two of these goes as parallel requests of about this size ...
+SPLIT_MAX = 4  # ... at most this many
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
@@ -127,8 +130,10 @@ class HttpClient:
             connect=min(timeout_s, 10.0), read=timeout_s))
         self._where: dict[str, str] = {}  # file URL -> where its last redirect led (a CDN location)
         self._lock = threading.Lock()
+        self._parts = ThreadPoolExecutor(connections, thread_name_prefix="moestream-http")
 
     def close(self) -> None:
+        self._parts.shutdown(wait=False)
         self._pool.clear()
 
     def _headers(self, url: str, extra: dict[str, str]) -> dict[str, str]:
@@ -165,7 +170,23 @@ class HttpClient:
                   etag: str | None = None) -> tuple[str | None, int | None]:
         """Fill `out` with bytes [offset, offset + len(out)) of `url`. `size` (the file's length) and `etag`
         (pinned at first contact), when given, must match the response. Returns the response's (ETag, file
-        length from Content-Range)."""
+        length from Content-Range). A large range of a pinned file goes as up to SPLIT_MAX requests in parallel
+        (one connection each): one connection's rate is bounded by round trips and by how often this process
+        gets a CPU, so an expert lands sooner on several, and the link stays busier."""
+        cuts = _split(len(out)) if etag is not None else [0, len(out)]
+        if len(cuts) == 2:
+            return self._get_range(url, offset, out, size, etag)
+        rest = [self._parts.submit(self._get_range, url, offset + a, out[a:b], size, etag)
+                for a, b in zip(cuts[1:-1], cuts[2:])]
+        try:
+            return self._get_range(url, offset, out[:cuts[1]], size, etag)
+        finally:
+            for f in rest:  # every part has landed (or failed) before `out` goes back to the caller
+                f.result()
+
+    def _get_range(self, url: str, offset: int, out: memoryview, size: int | None,
+                   etag: str | None) -> tuple[str | None, int | None]:
+        """One range request (with retries) for all of `out`."""
         if len(out) == 0:
             return etag, size
 
@@ -262,6 +283,16 @@ class HttpClient:
 
 # redirects are urllib3's to follow (auth stripped across hosts); every failure comes back to our retry loop
 _REDIRECTS_ONLY = urllib3.Retry(total=None, connect=0, read=0, status=0, other=0, redirect=10, raise_on_status=False)
+
+
+def _split(n: int) -> list[int]:
+    """Cut points [0, ..., n] of a range into parallel requests: about SPLIT_PART each (4 KiB aligned), at most
+    SPLIT_MAX; [0, n] for a range too small to split."""
+    k = min(SPLIT_MAX, n // SPLIT_PART)
+    if k < 2:
+        return [0, n]
+    step = -(-n // k // 4096) * 4096
+    return [min(i * step, n) for i in range(k)] + [n]
 
 
 def _read_body(r: urllib3.BaseHTTPResponse, out: memoryview) -> int:
