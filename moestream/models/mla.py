@@ -55,8 +55,8 @@ class MLAOptions:
 class MLASlot:
     """One sequence's MLA cache for one layer: rows [c | k_r], kv_lora_rank + rope_dim fp32 numbers per token."""
 
-    def __init__(self, memory, width: int):
-        self.latents = GrowingBuffer(memory, (width,), "MLA latent cache")
+    def __init__(self, memory, width: int, dtype: torch.dtype = torch.float32):
+        self.latents = GrowingBuffer(memory, (width,), "MLA latent cache", dtype)
 
 
 class MLAMixer:
@@ -92,7 +92,7 @@ class MLAMixer:
         w_uk, w_uv = kv_b[:, :o.qk_nope_head_dim], kv_b[:, o.qk_nope_head_dim:]  # [H, dn, r], [H, dv, r]
         caches = []
         for seg in batch.segments:
-            slot = seg.state.slot(index, lambda: MLASlot(self.memory, r + o.qk_rope_head_dim))
+            slot = seg.state.slot(index, lambda: MLASlot(self.memory, r + o.qk_rope_head_dim, seg.state.kv_dtype))
             caches.append(slot.latents.append(latents[seg.rows]))  # [L, r + dr]
         if self._batched_decode(batch, caches):
             out = self._decode_batch(q_nope, q_r, caches, w_uk, w_uv)
