@@ -82,16 +82,24 @@ def test_decode_attention_equals_per_sequence(window, sinks):
         assert max_rel_diff(got[i:i + 1], want) < 1e-6
 
 
-def testrows_at_replays_growing_buffer():
-    from moestream.memory.state import GrowingBuffer
+def test_peak_blocks_replays_block_buffer():
+    """The admission profile's replay of KV blocks equals what a BlockBuffer charges at its peak, with and without
+    a sliding window."""
+    from moestream.memory.state import BlockBuffer
+    from moestream.server.prefix import peak_blocks
 
-    for prompt, context, chunk in ((64, 128, 2048), (64, 128, 16), (300, 1000, 64), (5, 5, 1), (1, 600, 256)):
-        buf, fed = GrowingBuffer(MemoryAccountant(None), (1,)), 0
-        while fed < context:
-            n = min(chunk, prompt - fed) if fed < prompt else 1
-            buf.append(torch.zeros(n, 1))
-            fed += n
-        assert rows_at(prompt, context, chunk) == buf.data.shape[0]
+    for prompt, context, chunk in ((64, 128, 2048), (64, 128, 16), (300, 1000, 64), (5, 5, 1), (1, 600, 256),
+                                   (700, 900, 256)):
+        for window in (None, 1, 20, 64, 100, 4096):
+            mem = MemoryAccountant(None)
+            buf, fed, peak = BlockBuffer(mem, (1,), window=window), 0, 0
+            while fed < context:
+                n = min(chunk, prompt - fed) if fed < prompt else 1
+                buf.push(torch.zeros(n, 1))
+                peak = max(peak, mem.state_bytes)
+                fed += n
+            assert peak_blocks(prompt, context, chunk, window) * buf.block_bytes == peak, (prompt, context, chunk, window)
+        assert rows_at(prompt, context, chunk) == -(-max(context, min(prompt, context)) // 64) * 64
 
 
 def _run_job(eng: Engine, tok: Tokenizer, reqs: list[GenRequest], cfg: SchedulerConfig):

@@ -95,11 +95,14 @@ def test_block_buffer_never_exceeds_the_budget():
     assert mem.state_bytes == 3 * block and buf.length == 150 and mem.peak <= mem.budget
 
 
-def test_sliding_window_cache_is_bounded_and_exact():
+@pytest.mark.parametrize("allowance", [None, 3000])
+def test_sliding_window_cache_is_bounded_and_exact(allowance):
     """A window of 20 over 600 tokens fed in chunks, then decoded: the cache keeps at most window + chunk + one
-    block of rows, and every step's output equals attention over the full history."""
+    block of rows, and every step's output equals attention over the full history (also with a scratch allowance
+    so small that key tiles are cut inside blocks)."""
     torch.manual_seed(0)
-    mem, window, total = MemoryAccountant(None), 20, 600
+    mem, window, total = MemoryAccountant(None if allowance is None else 1 << 30), 20, 600
+    mem.scratch_bytes = allowance or 0
     slot = KVSlot(mem, 2, 8, 8, window=window)
     q, k, v = torch.randn(total, 4, 8), torch.randn(total, 2, 8), torch.randn(total, 2, 8)
     sinks = torch.randn(4)

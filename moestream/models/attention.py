@@ -40,16 +40,22 @@ def cache_tiles(slot: KVSlot, rows: int) -> Tiles:
     def merged(parts: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat([p.permute(1, 0, 2) for p in parts], dim=1).float().unsqueeze(0)
 
-    def tiles():
-        ks, vs, first = [], [], 0
+    def pieces():  # (first position, k, v) of at most `rows` rows: blocks, cut when tiles are smaller
         for (f, k), (_, v) in zip(slot.k.tiles(slot.k.dtype), slot.v.tiles(slot.v.dtype)):
+            for s in range(0, k.shape[0], rows):
+                yield f + s, k[s:s + rows], v[s:s + rows]
+
+    def tiles():
+        ks, vs, first, n = [], [], 0, 0
+        for f, k, v in pieces():
+            if n + k.shape[0] > rows:
+                yield first, merged(ks), merged(vs)
+                ks, vs, n = [], [], 0
             if not ks:
                 first = f
             ks.append(k)
             vs.append(v)
-            if sum(x.shape[0] for x in ks) >= rows:
-                yield first, merged(ks), merged(vs)
-                ks, vs = [], []
+            n += k.shape[0]
         if ks:
             yield first, merged(ks), merged(vs)
     return tiles

@@ -98,8 +98,7 @@ class MLAMixer:
         latents = torch.cat([c, k_r], dim=-1)  # [T, r + dr]
         caches = []
         for seg in batch.segments:
-            dtype = getattr(seg.state, "kv_dtype", torch.float32)
-            slot = seg.state.slot(index, lambda: MLASlot(self.memory, r + o.qk_rope_head_dim, dtype))
+            slot = seg.state.slot(index, lambda: MLASlot(self.memory, r + o.qk_rope_head_dim, seg.state.kv_dtype))
             caches.append(slot.latents.append(latents[seg.rows]))  # [L, r + dr]
         if self._batched_decode(batch, caches):
             out = self._decode_batch(q_nope, q_r, caches)

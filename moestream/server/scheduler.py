@@ -401,7 +401,7 @@ class Scheduler:
         mem = self.engine.memory
         if not mem.limited:
             return items
-        if self.profile.row_bytes is None:  # growth unknown until one sequence has state: step one fresh at a time
+        if not self.profile.known:  # growth unknown until one sequence has state: step one fresh at a time
             fresh = [i for i, (seq, _) in enumerate(items) if seq.state.pos == 0]
             for i in reversed(fresh[1:]):
                 self._defer(*items.pop(i))
