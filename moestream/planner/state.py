@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moestream.errors import UnsupportedModelError
+from moestream.memory.state import BLOCK_TOKENS
 from moestream.models.kimi_linear import FULL
 from moestream.server.prefix import StateProfile
 
@@ -29,8 +30,9 @@ class StateShape:
         return sum(self.row_bytes)
 
     def profile(self) -> StateProfile:
-        prof = StateProfile()
-        prof.row_bytes, prof.fixed = list(self.row_bytes), self.fixed_bytes
+        prof = StateProfile()  # every buffer in fixed blocks of BLOCK_TOKENS rows, no window (full context)
+        prof.shapes = [(row * BLOCK_TOKENS, None, BLOCK_TOKENS) for row in self.row_bytes]
+        prof.fixed = self.fixed_bytes
         return prof
 
     def at(self, prompt: int, context: int, chunk: int) -> int:
