@@ -144,7 +144,11 @@ def test_k3_streamed_equals_all_resident(k3, small_buffers):
         eng, logits, tokens = _run(k3, budget, ids, state_room=room)
         r = eng.residency
         seen.add((len(r.streamed_layers), r.embed_streamed, r.head_streamed))
-        assert torch.equal(logits, want_logits) and tokens == want_tokens
+        # the router lookahead's reads land on I/O threads, so which experts a step finds resident (computed in
+        # one grouped call) or waits for (computed as each lands) varies, and with it the fp32 order in which
+        # expert outputs are summed: equal to rounding, not bit for bit
+        torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+        assert tokens == want_tokens
         assert eng.stats["peak_resident_bytes"] <= budget
     assert (8, True, True) in seen and len(seen) == 2  # every layer, the embedding and the head at the floor
 
