@@ -339,3 +339,21 @@ def test_sigterm_drains_then_exits_zero(model_dir):
     bad = subprocess.run([sys.executable, "-m", "moestream", "serve", str(model_dir), "--shutdown-timeout", "-1",
                           "--request-timeout", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--request-timeout" in bad.stderr
+
+
+def test_a_dead_thread_failure_finishes_the_ticket():
+    """The Failed event a ticket makes up itself (scheduler thread dead, or --request-timeout) finishes it, as the
+    scheduler's own Failed does: the streaming handler loops until `finished`, and without it streamed error
+    bodies forever (seen as a hang of test_sigterm_drains_then_exits_zero when the thread stopped mid-stream)."""
+    from moestream.server.tickets import Outbox, Ticket
+
+    async def go():
+        ticket = Ticket(GenRequest([1, 2], 4), asyncio.get_running_loop(), Outbox(), alive=lambda: False)
+        event = await ticket.next()
+        assert isinstance(event, Failed) and event.status == 503
+        assert ticket.finished
+        late = Ticket(GenRequest([1, 2], 4), asyncio.get_running_loop(), Outbox(), timeout_s=0.0)
+        event = await late.next()
+        assert isinstance(event, Failed) and event.status == 504 and late.finished
+
+    asyncio.run(go())

@@ -105,6 +105,7 @@ class Ticket:
         while self.events.empty():
             overdue = self._overdue()
             if overdue is not None:
+                self.finished = True  # a streaming handler stops at its first Failed event, as for the scheduler's
                 return overdue
             try:
                 event = await asyncio.wait_for(self.events.get(), POLL_S)
