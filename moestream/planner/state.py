@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moestream.errors import UnsupportedModelError
-from moestream.memory.state import BLOCK_TOKENS
 from moestream.models.kimi_linear import FULL
 from moestream.server.prefix import StateProfile
 
@@ -30,10 +29,7 @@ class StateShape:
         return sum(self.row_bytes)
 
     def profile(self) -> StateProfile:
-        prof = StateProfile()  # every buffer in fixed blocks of BLOCK_TOKENS rows, no window (full context)
-        prof.shapes = [(row * BLOCK_TOKENS, None, BLOCK_TOKENS) for row in self.row_bytes]
-        prof.fixed = self.fixed_bytes
-        return prof
+        return StateProfile.of_rows(self.row_bytes, self.fixed_bytes)
 
     def at(self, prompt: int, context: int, chunk: int) -> int:
         """Bytes one sequence holds at `context` tokens (prompt fed `chunk` at a time), growth slack included."""

@@ -121,6 +121,15 @@ class StateProfile:
             self.shapes = [(b.block_bytes, b.window, b.block) for b in buffers(state)]
             self.fixed = state.fixed_bytes
 
+    @classmethod
+    def of_rows(cls, row_bytes: list[int], fixed: int) -> "StateProfile":
+        """A profile known ahead of any sequence: one full-context buffer per entry of `row_bytes` (bytes per
+        token), in the engine's fixed blocks, plus `fixed` bytes (the planner's state from a config alone)."""
+        prof = cls()
+        prof.shapes = [(row * BLOCK_TOKENS, None, BLOCK_TOKENS) for row in row_bytes]
+        prof.fixed = fixed
+        return prof
+
     @property
     def known(self) -> bool:
         return self.shapes is not None
