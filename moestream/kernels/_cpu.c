@@ -599,3 +599,4 @@ int ms_linear_bf16(const float *x, int64_t T, int64_t K, const uint16_t *w, int6
 }
 
 #include "_cpu_step.c"
+#include "_cpu_paged.c"

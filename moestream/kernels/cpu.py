@@ -44,7 +44,8 @@ SPIN_US = 300
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
 _ABI = 8
 _SOURCE = Path(__file__).with_name("_cpu.c")
-_SOURCES = (_SOURCE, Path(__file__).with_name("_cpu_step.c"))  # _cpu.c #includes the other
+# _cpu.c #includes the others
+_SOURCES = (_SOURCE, *(Path(__file__).with_name(f) for f in ("_cpu_step.c", "_cpu_paged.c")))
 _LAYOUTS = {"low_first": 0, "gguf": 1}
 
 _lock = threading.Lock()
@@ -124,6 +125,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_gqa_attend.argtypes = [i64, i64, i64, i64, i64, p, p, p, i64, p, p, ctypes.c_int, ctypes.c_float, p,
                                   ctypes.c_float, ctypes.c_float, i64, p]
     lib.ms_gqa_attend.restype = ctypes.c_int
+    lib.ms_gqa_decode_paged.argtypes = [i64, i64, i64, i64, i64, p, p, p, p, p, p, p, i64, ctypes.c_int, p, p,
+                                        ctypes.c_int, ctypes.c_float, p, ctypes.c_float, ctypes.c_float, p]
+    lib.ms_gqa_decode_paged.restype = ctypes.c_int
     lib.ms_conv_decode.argtypes = [i64, i64, i64, p, p, p, p]
     lib.ms_conv_decode.restype = None
     lib.ms_kda_decode.argtypes = [i64, i64, i64, i64, p, p, p, p, p, p, p]

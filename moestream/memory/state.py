@@ -102,13 +102,7 @@ class BlockBuffer:
     def push(self, rows: torch.Tensor) -> None:
         """Append rows [n, *row_shape] (converted to the storage dtype)."""
         n = rows.shape[0]
-        free = self._trim()
-        need = blocks_held(self.length, n, self.window, self.block) - len(self.blocks)
-        charge = max(0, need - len(free)) * self.block_bytes
-        self.memory.grow_state(charge, self.what)  # BudgetError before anything is allocated
-        for _ in range(need):
-            self.blocks.append(free.pop() if free else torch.empty((self.block, *self.row_shape), dtype=self.dtype))
-        self.memory.release_state(len(free) * self.block_bytes)  # dropped blocks this append did not reuse
+        self._room(n)
         at = 0
         while at < n:
             b, r = divmod(self.length - self.start, self.block)
@@ -116,6 +110,24 @@ class BlockBuffer:
             self.blocks[b][r:r + take] = rows[at:at + take]
             at += take
             self.length += take
+
+    def reserve(self, n: int) -> None:
+        """Make room for `n` more rows and count them as appended, without writing them: a kernel writes them in
+        place (kernels/paged.py). Charged like `push`."""
+        self._room(n)
+        self.length += n
+
+    def _room(self, n: int) -> None:
+        """Blocks for `n` more rows: dropped ones reused first, new ones charged before they are allocated."""
+        if self.window is None and self.length - self.start + n <= len(self.blocks) * self.block:
+            return  # the last block has room (most decode appends): nothing to trim, charge or allocate
+        free = self._trim()
+        need = blocks_held(self.length, n, self.window, self.block) - len(self.blocks)
+        charge = max(0, need - len(free)) * self.block_bytes
+        self.memory.grow_state(charge, self.what)  # BudgetError before anything is allocated
+        for _ in range(need):
+            self.blocks.append(free.pop() if free else torch.empty((self.block, *self.row_shape), dtype=self.dtype))
+        self.memory.release_state(len(free) * self.block_bytes)  # dropped blocks this append did not reuse
 
     def _trim(self) -> list[torch.Tensor]:
         """Drop the blocks no query from `length` on can see (window only); returns them for reuse."""

@@ -10,11 +10,12 @@ import torch
 
 from moestream.memory.state import BLOCK_TOKENS, BlockBuffer, Segment, scratch, scratch_budget
 from moestream.errors import CheckpointError
-from moestream.kernels import cpu, fused
+from moestream.kernels import cpu, fused, paged
 from moestream.models.blocks import linear, linear_many, rms_norm
 from moestream.models.tiled import TILE_BYTES, Tiles, attend_tiles, tile_plan
 
 NATIVE_MAX_TOKENS = 16  # segments up to this long attend in one native call (decode); longer ones use torch bmm
+PAGED_MIN_SEQUENCES = 2  # this many sequences decoding together attend in one paged call (kernels/paged.py)
 
 
 def gqa_dims(c: dict) -> tuple[int, int, int]:
@@ -229,6 +230,8 @@ class GQAMixer:
                         for seg in batch.segments))
 
     def _attend_native(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, index: int) -> torch.Tensor:
+        if self._paged(batch):
+            return self._attend_paged(q, k, v, batch, index)
         one = len(batch.segments) == 1
         out = None if one else torch.empty(q.shape[0], self.heads, self.head_dim)
         for seg in batch.segments:
@@ -241,6 +244,23 @@ class GQAMixer:
                 return got
             out[r] = got
         return out
+
+    def _paged(self, batch) -> bool:
+        """Several sequences decoding one token each, no window: one paged native call for all of them."""
+        segs = batch.segments
+        return len(segs) >= PAGED_MIN_SEQUENCES and self.window is None and all(
+            seg.length == 1 and seg.start == i for i, seg in enumerate(segs))
+
+    def _attend_paged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, index: int) -> torch.Tensor:
+        """Reserve each sequence's new row in its blocks; the kernel writes it and attends over the blocks in place."""
+        slots = [self.slot(seg, index) for seg in batch.segments]
+        for slot in slots:
+            slot.k.reserve(1)
+            slot.v.reserve(1)
+        return paged.gqa_decode_paged(q.contiguous(), k.contiguous(), v.contiguous(), [s.k.length for s in slots],
+                                      [s.k.blocks for s in slots], [s.v.blocks for s in slots], self.scale,
+                                      self.q_norm, self.k_norm, self.eps, self.rope.inv_freq,
+                                      self.rope.attention_factor)
 
     def _native_call(self, slot: KVSlot, q: torch.Tensor, new: int) -> torch.Tensor:
         """The kernel wants the cache contiguous fp32: one fp32 block is passed as it is (the kernel norms and

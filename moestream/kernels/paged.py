@@ -1,0 +1,62 @@
+"""Paged GQA decode attention for a batch of sequences in one native call (`_cpu_paged.c`).
+
+The caller (models/attention.py) has reserved each sequence's new row in its KV blocks; the kernel norms and ropes
+the new query and key, writes key and value into those rows (fp32 or bf16 blocks) and attends over each sequence's
+blocks in place: no per-sequence Python, no gathered copy of a bf16 cache. Same values as `fused.gqa_attend` per
+sequence, bit for bit (tests/test_paged_attention.py).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from moestream.kernels.cpu import _addresses, required
+from moestream.kernels.fused import norm_weight
+
+_STORAGE = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def gqa_decode_paged(q: Tensor, k: Tensor, v: Tensor, lengths: Sequence[int], kblocks: Sequence[Sequence[Tensor]],
+                     vblocks: Sequence[Sequence[Tensor]], scale: float, q_norm: Tensor | None = None,
+                     k_norm: Tensor | None = None, eps: float = 1e-6, inv_freq: Tensor | None = None,
+                     factor: float = 1.0) -> Tensor:
+    """B sequences decoding one token each: q [B, Hq, D], k [B, Hkv, D], v [B, Hkv, Dv] fp32 contiguous (q is
+    normed and roped in place). Sequence s holds lengths[s] rows including this token, in its blocks kblocks[s] /
+    vblocks[s] (each [block, Hkv, D|Dv], all of one dtype, fp32 or bf16; the row lengths[s] - 1 is written here).
+    Returns out [B, Hq, Dv] fp32."""
+    handle = required()
+    b, hq, d = q.shape
+    hkv, dv = v.shape[1], v.shape[2]
+    for name, m in (("q", q), ("k", k), ("v", v)):
+        if m.dtype != torch.float32 or not m.is_contiguous() or m.shape[0] != b:
+            raise ValueError(f"gqa_decode_paged wants contiguous fp32 {name} with {b} rows")
+    if k.shape != (b, hkv, d) or hq % hkv or len(lengths) != b or len(kblocks) != b or len(vblocks) != b:
+        raise ValueError(f"gqa_decode_paged: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"{len(lengths)} lengths")
+    first = kblocks[0][0]
+    block, storage = first.shape[0], _STORAGE.get(first.dtype)
+    if storage is None or first.shape[1:] != (hkv, d) or vblocks[0][0].shape[1:] != (hkv, dv) \
+            or vblocks[0][0].dtype != first.dtype:
+        raise ValueError(f"gqa_decode_paged wants fp32 or bf16 blocks [block, {hkv}, {d}|{dv}]")
+    offsets, kptrs, vptrs = [], [], []
+    for n, ks, vs in zip(lengths, kblocks, vblocks):
+        if not 0 < n <= block * min(len(ks), len(vs)) or ks[0].dtype != first.dtype or vs[0].dtype != first.dtype:
+            raise ValueError(f"gqa_decode_paged: {n} rows do not fit {len(ks)} blocks of {block} {first.dtype}")
+        offsets.append(len(kptrs))
+        kptrs += [t.data_ptr() for t in ks[:len(vs)]]
+        vptrs += [t.data_ptr() for t in vs[:len(ks)]]
+    if inv_freq is not None and (inv_freq.dtype != torch.float32 or inv_freq.numel() * 2 != d):
+        raise ValueError("gqa_decode_paged wants fp32 inv_freq [D/2]")
+    qn, qbf16 = norm_weight(q_norm)
+    kn, kbf16 = norm_weight(k_norm)
+    if q_norm is not None and k_norm is not None and qbf16 != kbf16:
+        raise ValueError("gqa_decode_paged wants q_norm and k_norm of one dtype")
+    out = torch.empty(b, hq, dv, dtype=torch.float32)
+    if handle.ms_gqa_decode_paged(b, hq, hkv, d, dv, q.data_ptr(), k.data_ptr(), v.data_ptr(), _addresses(lengths),
+                                  _addresses(offsets), _addresses(kptrs), _addresses(vptrs), block, storage, qn, kn,
+                                  qbf16 or kbf16, eps, None if inv_freq is None else inv_freq.data_ptr(), factor,
+                                  scale, out.data_ptr()):
+        raise MemoryError("native paged attention could not allocate its scores")
+    return out
