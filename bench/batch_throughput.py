@@ -171,7 +171,7 @@ def single_stream(model: Path, budget: int, args: argparse.Namespace) -> dict:
     """`moestream bench` on the same budget in a child process (cold page cache, same prompt length)."""
     cmd = [sys.executable, "-m", "moestream", "bench", str(model), "--ram-budget", str(budget), "--cold", "--json",
            "--prompt-len", str(args.prompt_len), "--gen-len", str(args.single_gen_len), "--temperature",
-           str(args.temperature), "--seed", str(args.seed), "--no-probe"]
+           str(args.temperature), "--seed", str(args.seed), "--no-probe", "--kv-dtype", args.kv_dtype]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
@@ -195,7 +195,7 @@ def measure_batch(args: argparse.Namespace, budget: int, runner=run_scheduler) -
     drop_page_cache(files)
     probes = [probe_disk(files, PROBE_THREADS)] if args.probe else []
     base_rss = rss_now()
-    eng = Engine.open(args.model, ram_budget=budget, threads=args.threads)
+    eng = Engine.open(args.model, ram_budget=budget, threads=args.threads, kv_dtype=args.kv_dtype)
     rate = matmul_rate(torch.float32)
     rate_bf16 = matmul_rate(torch.bfloat16)
     tok = Tokenizer.load(args.model)
@@ -242,7 +242,7 @@ def _report(args, budget, rep, results, steps, flops, bw, probes, rate, rate_bf1
         **roof, "roofline_fraction": roof["roofline_s"] / wall,
         "ram_budget_bytes": budget, "peak_accounted_bytes": stats["peak_resident_bytes"], "peak_rss_bytes": peak,
         "rss_bound_bytes": bound, "rss_within_bound": peak <= bound, "interpreter_rss_bytes": base_rss,
-        "compute_threads": torch.get_num_threads(),
+        "compute_threads": torch.get_num_threads(), "kv_dtype": args.kv_dtype,
     }
 
 
@@ -264,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per step, across prompts")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch compute threads (default 1: on a shared CPU, 2 threads made small ops 10-100x slower)")
+    ap.add_argument("--kv-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="KV cache storage: bf16 halves each sequence's state, so about twice as many run at once")
     ap.add_argument("--single-gen-len", type=int, default=16, help="one-stream decode tokens (0: skip it)")
     ap.add_argument("--no-probe", dest="probe", action="store_false",
                     help="skip the disk probe (no I/O floor in the roofline: for runs that must not load the disk)")
