@@ -357,3 +357,24 @@ def test_a_dead_thread_failure_finishes_the_ticket():
         assert isinstance(event, Failed) and event.status == 504 and late.finished
 
     asyncio.run(go())
+
+
+def test_waiting_tickets_share_one_watchdog():
+    """A thousand waiting requests (a batch job) cost the event loop one watchdog task, not a timed wait each; the
+    watchdog still fails a ticket whose scheduler thread stops while it waits, and goes away when none waits."""
+    from moestream.server import tickets as tk
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        alive = {"ok": True}
+        waiting = [tk.Ticket(GenRequest([1, 2], 4), loop, tk.Outbox(), alive=lambda: alive["ok"]) for _ in range(200)]
+        handlers = [asyncio.ensure_future(t.next()) for t in waiting]
+        await asyncio.sleep(0.05)
+        assert len(asyncio.all_tasks()) == 1 + len(handlers) + 1  # this coroutine, the handlers, one watchdog
+        alive["ok"] = False
+        done = await asyncio.wait_for(asyncio.gather(*handlers), 10 * tk.POLL_S)
+        assert all(isinstance(e, Failed) and e.status == 503 for e in done)
+        await asyncio.sleep(2 * tk.POLL_S)
+        assert len(asyncio.all_tasks()) == 1 and not tk._Watchdog._loops
+
+    asyncio.run(go())
