@@ -166,3 +166,27 @@ def test_greedy_job_equals_each_request_alone(tiny):
         want = alone.generate(r.prompt_ids, 6, stop_token_ids=sorted(set(tok.eos_token_ids) | set(alone.eos_token_ids)))
         assert isinstance(ev, Done) and ev.usage.completion_tokens == len(want)
         assert ev.text == tok.decode(want, skip_special_tokens=True)
+
+
+def test_a_large_step_charges_its_activations(tiny):
+    """A batch step of many rows (a prefill chunk across prompts) holds activations and logits beyond the fixed
+    scratch: the scheduler charges them around the step (the expert cache makes room), and releases them after."""
+    from moestream.engine.engine import ACT_FREE_ROWS
+
+    eng = Engine.open(tiny, ram_budget=expert_budget(tiny, 0.3) + (8 << 20))
+    assert eng.plan.activation_row_bytes > 0
+    seen = []
+    real = eng.model.forward
+
+    def spy(tokens, batch, rows):
+        seen.append((tokens.shape[0], len(batch.segments), eng.memory.state_bytes, eng.memory.peak))
+        return real(tokens, batch, rows)
+
+    eng.model.forward = spy
+    reqs = [GenRequest(prompt_ids(512, 30, seed=i), 2, 0.0) for i in range(6)]
+    cfg = SchedulerConfig(max_batch=8, max_queue=10, prefill_chunk=180)
+    events, _, _ = _run_job(eng, Tokenizer.load(tiny), reqs, cfg)
+    assert all(isinstance(e, Done) for e in events)
+    rows, segs, charged, _ = max(seen)  # the widest step: rows beyond ACT_FREE_ROWS are charged while it runs
+    assert rows > ACT_FREE_ROWS and charged >= eng.activation_bytes(rows, segs) > 0
+    assert eng.memory.state_bytes == 0 and eng.stats["peak_resident_bytes"] <= eng.memory.budget

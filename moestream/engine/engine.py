@@ -49,6 +49,7 @@ class ModelPlan:
     expert_bytes: int  # all routed experts
     max_expert_bytes: int
     scratch_bytes: int
+    activation_row_bytes: int = 0  # fp32 activations one token of a step holds at its widest (activation_bytes)
 
 
 def plan(path: str | Path, io_threads: int = IO_THREADS) -> ModelPlan:
@@ -65,8 +66,29 @@ def plan(path: str | Path, io_threads: int = IO_THREADS) -> ModelPlan:
     dense_bytes = sum(index[n].nbytes for n in dense)
     per_layer = [[store.expert_nbytes(l, e) for e in range(layout.num_experts)] for l in layout.moe_layers]
     sizes = [b for row in per_layer for b in row]
-    scratch = max(_scratch_bytes(index, dense, store, layout), _kda_scratch(cfg))
-    return ModelPlan(family, cfg, layout, store, dense, dense_bytes, sum(sizes), max(sizes, default=0), scratch)
+    act, logit = _activation_row_bytes(index, dense)
+    scratch = max(_scratch_bytes(index, dense, store, layout), _kda_scratch(cfg)) + ACT_FREE_ROWS * (act + logit)
+    return ModelPlan(family, cfg, layout, store, dense, dense_bytes, sum(sizes), max(sizes, default=0), scratch, act)
+
+
+ACT_HIDDEN_COPIES = 8  # [T, hidden] fp32 tensors a layer holds at once: residual, norm, attention in/out, MoE sum...
+ACT_WIDE_COPIES = 3  # [T, widest] ones: a dense MLP's gate, up and activation (or q and its roped copy)
+# The fixed scratch allowance holds the activations of a step of this many tokens (decode batches, short prompts);
+# a larger step charges the rest while it runs (Engine.activation_bytes), so a warm cache is not squeezed each step.
+ACT_FREE_ROWS = 16
+
+
+def _activation_row_bytes(index: CheckpointIndex, dense: list[str]) -> tuple[int, int]:
+    """(fp32 activation bytes per token of a step at its widest point, fp32 bytes of one row of logits): a few
+    hidden-wide rows plus the widest dense projection's outputs (a dense MLP's intermediate, the query heads). A step
+    of thousands of rows (a batch job's prefill chunk) holds tens of MB of them."""
+    shapes = [index[n].shape for n in dense if len(index[n].shape) == 2]
+    if not shapes:
+        return 0, 0
+    vocab = max(max(s) for s in shapes)  # embeddings and lm_head: their rows are the vocabulary, not activations
+    hidden = max(min(s) for s in shapes)
+    widest = max((s[0] for s in shapes if s[0] != vocab), default=hidden)
+    return 4 * (ACT_HIDDEN_COPIES * hidden + ACT_WIDE_COPIES * widest), 4 * vocab
 
 
 def _scratch_bytes(index: CheckpointIndex, dense: list[str], store: ExpertStore, layout: ExpertLayout) -> int:
@@ -170,7 +192,8 @@ class Engine:
             rows = torch.arange(tokens.shape[0])
         else:
             rows = torch.tensor([seg.start + seg.length - 1 for seg in batch.segments])
-        # every position's logits exist while the step runs (their consumer's copy is charged by prefill)
+        # every position's logits exist while the step runs (their consumer's copy is charged by prefill); a batch
+        # scheduler charges the rest of a large step's activations around it (activation_bytes)
         held = rows.shape[0] * self.vocab_size * 4 if all_logits else 0
         with tensors_fit_config(self.path), transient(self.memory, held, "all-position logits"):
             logits = self.model.forward(tokens, batch, rows)
@@ -179,6 +202,14 @@ class Engine:
         if not all_logits:
             return list(logits.unbind(0))
         return [logits[seg.rows] for seg in batch.segments]
+
+    def activation_bytes(self, rows: int, logit_rows: int) -> int:
+        """What a step of `rows` tokens returning `logit_rows` rows of logits holds while it runs beyond the fixed
+        scratch allowance (which holds ACT_FREE_ROWS rows of activations and as many rows of logits). The batch
+        scheduler charges it around each step (a batch job's prefill chunk of thousands of tokens holds tens of MB);
+        a single sequence's steps are bounded by --prefill-chunk and fit the allowance's order of size."""
+        acts = max(0, rows - ACT_FREE_ROWS) * self.plan.activation_row_bytes
+        return acts + max(0, logit_rows - ACT_FREE_ROWS) * self.vocab_size * 4
 
     def prefill(self, state: SeqState, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
         """Process a prompt in chunks of `prefill_chunk` tokens; returns the last (or all) logits. All positions'

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from moestream.engine.sampling import SamplingParams, sample
 from moestream.errors import BudgetError, RequestError
+from moestream.memory.state import transient
 from moestream.server.prefix import PrefixCache, StateProfile, clone_state
 from moestream.server.protocol import GenRequest, TokenLogprob, Usage
 from moestream.server.stops import StopMatcher
@@ -195,7 +196,9 @@ class Scheduler:
             return
         scoring = [seq.scorer is not None and not seq.prefilled for seq, _ in items]
         try:
-            logits = self.engine.step([(seq.state, toks) for seq, toks in items], all_logits=any(scoring))
+            acts = self.engine.activation_bytes(sum(len(toks) for _, toks in items), len(items))
+            with transient(self.engine.memory, acts, "the step's activations"):
+                logits = self.engine.step([(seq.state, toks) for seq, toks in items], all_logits=any(scoring))
         except Exception as e:
             status = 507 if isinstance(e, BudgetError) else 500
             for seq, _ in items:
@@ -396,8 +399,9 @@ class Scheduler:
 
     def _make_room(self, items: list[tuple[_Seq, list[int]]]) -> list[tuple[_Seq, list[int]]]:
         """Evict saved prefixes, then hold back the newest sequences for a later step (failing one only when it
-        would not fit even alone), until the step's state growth fits the budget with the dense stream buffers
-        and `expert_reserve` left free: a BudgetError inside `engine.step` would fail every sequence in it."""
+        would not fit even alone), until the step's state growth and activations fit the budget with the dense
+        stream buffers and `expert_reserve` left free: a BudgetError inside `engine.step` would fail every sequence
+        in it."""
         mem = self.engine.memory
         if not mem.limited:
             return items
@@ -407,6 +411,7 @@ class Scheduler:
                 self._defer(*items.pop(i))
         while items:
             need = sum(self.profile.growth(seq.state, len(toks)) for seq, toks in items)
+            need += self.engine.activation_bytes(sum(len(toks) for _, toks in items), len(items))
             room = mem.budget - mem.fixed() - mem.state_bytes - self.expert_reserve
             if need == 0 or need <= room:
                 return items
