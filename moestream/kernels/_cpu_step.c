@@ -193,6 +193,29 @@ int ms_linear_mxfp4(int64_t E, const int64_t *xs, const int64_t *Ts, const int64
 }
 
 /* ------------------------------------------------------------------------------------ softmax top-k router */
+/* softmax over one row of E router logits (in place, fp32), then the k largest (best first) into ids / wts,
+ * divided by their sum when renorm; `taken` is E bytes of scratch */
+static void softmax_topk_row(float *p, int64_t E, int64_t k, int renorm, char *taken, int64_t *ids, float *wts) {
+    float m = -INFINITY, sum = 0.0f;
+    for (int64_t e = 0; e < E; e++) m = p[e] > m ? p[e] : m;
+    for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - m));
+    for (int64_t e = 0; e < E; e++) p[e] /= sum;
+    float picked = 0.0f;
+    memset(taken, 0, (size_t)E);
+    for (int64_t j = 0; j < k; j++) { /* selection: k passes over E (k = 8 of 64-512 experts); a NaN ranks first,
+                                       * as in torch.topk, and an index is always chosen */
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (!taken[e] && (best < 0 || p[e] > p[best] || (isnan(p[e]) && !isnan(p[best])))) best = e;
+        taken[best] = 1;
+        ids[j] = best;
+        wts[j] = p[best];
+        picked += p[best];
+    }
+    if (renorm)
+        for (int64_t j = 0; j < k; j++) wts[j] /= picked;
+}
+
 /* For T tokens: logits = x[t] @ w^T (bf16 w [E, K]), probs = softmax(logits) in fp32, the k largest (best first)
  * into ids[t * k ..] and their probabilities into wts (divided by their sum when renorm). One call instead of a
  * GEMV and four small torch ops per MoE layer of a decode step. Returns 0, or -1 when out of memory. */
@@ -206,26 +229,7 @@ int ms_router_softmax_topk(const float *x, int64_t T, int64_t K, const uint16_t 
     char *taken = (char *)(logits + T * E);
     bf16_prepare(x, T, K, xp);
     bf16_rows(xp, ldx, T, K, w, 0, E, logits, E);
-    for (int64_t t = 0; t < T; t++) {
-        float *p = logits + t * E, m = -INFINITY, sum = 0.0f;
-        for (int64_t e = 0; e < E; e++) m = p[e] > m ? p[e] : m;
-        for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - m));
-        for (int64_t e = 0; e < E; e++) p[e] /= sum;
-        float picked = 0.0f;
-        memset(taken, 0, (size_t)E);
-        for (int64_t j = 0; j < k; j++) { /* selection: k passes over E (k = 8 of 64-512 experts); a NaN ranks
-                                           * first, as in torch.topk, and an index is always chosen */
-            int64_t best = -1;
-            for (int64_t e = 0; e < E; e++)
-                if (!taken[e] && (best < 0 || p[e] > p[best] || (isnan(p[e]) && !isnan(p[best])))) best = e;
-            taken[best] = 1;
-            ids[t * k + j] = best;
-            wts[t * k + j] = p[best];
-            picked += p[best];
-        }
-        if (renorm)
-            for (int64_t j = 0; j < k; j++) wts[t * k + j] /= picked;
-    }
+    for (int64_t t = 0; t < T; t++) softmax_topk_row(logits + t * E, E, k, renorm, taken, ids + t * k, wts + t * k);
     free(mem);
     return 0;
 }
