@@ -69,6 +69,9 @@ def instrumented():
         (dispatch.ExpertRunner, "run", "routed experts: runner and Python", False),
         (prefetch.Lookahead, "predict", "lookahead (next layer's router)", True),
         (fused, "moe_glu_bf16", "routed experts: native kernel", False),
+        # the one-call decode layer (GQAMixer.decode_block): its native call, and its Python (KV row, checks)
+        (getattr(fused, "DecodeBlock", None), "__call__", "decode block: native (attention half + router)", False),
+        (attention.GQAMixer, "decode_block", "decode block: Python (KV row, checks)", False),
     ]
     # what an older tree lacks (run with PYTHONPATH=<tree>) is simply not timed
     patches = [(obj, attr, timed(name, getattr(obj, attr), fold)) for obj, attr, name, fold in wanted
