@@ -1,7 +1,7 @@
 """The one-call decode layer (fused.DecodeBlock / ms_gqa_decode_block, GQAMixer.decode_block, Layer._decode): the
 same values bit for bit as the separate native calls it replaces (norms, q/k/v, attention with the KV append,
 o_proj, residual, router), across KV blocks and with 1 and 2 threads; a sliding window against the torch path;
-the warm one-token step actually takes it (counters); bad operands get clear errors."""
+the warm one-token step actually takes it (counters); bad operands get clear errors; the pool's counters.
 from __future__ import annotations
 
 import json
@@ -119,3 +119,20 @@ def test_decode_block_rejects_bad_operands():
         block(torch.randn(2, h), [], [], 0, 1)
     with pytest.raises(ValueError, match="bad cache rows"):
         block(torch.randn(1, h), [], [], 0, 0)
+
+
+@native
+def test_pool_stats_count_threaded_calls(threads):
+    """ms_pool_stats: a call split over two threads counts once; a one-thread call does not count."""
+    w, x = torch.randn(1024, 64).bfloat16(), torch.randn(1, 64)
+    threads(1)
+    before = cpu.pool_stats()
+    cpu.linear_bf16(x, w)
+    assert cpu.pool_stats()["runs"] == before["runs"]
+    threads(2)
+    got = cpu.linear_bf16(x, w)
+    after = cpu.pool_stats()
+    assert after["runs"] == before["runs"] + 1
+    assert set(after) == {"runs", "caller_sleeps", "worker_sleeps", "long_waits"}
+    assert all(after[k] >= before[k] for k in after)
+    assert torch.allclose(got, x @ w.float().T, rtol=1e-4, atol=1e-4)

@@ -31,7 +31,7 @@
 #endif
 #define MS_AVX512 (MS_SIMD == 2)
 
-#define MS_ABI 9
+#define MS_ABI 10
 #define TILE_T 8   /* tokens per register tile */
 #ifndef PF_BYTES
 #define PF_BYTES 16384  /* software prefetch distance of the bf16 kernel (measured: 16-32 KiB best) */
@@ -422,11 +422,13 @@ static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER; /* one multi-threa
 static pthread_t pool_threads[MAX_THREADS];
 static int pool_workers = 0;      /* started workers */
 static int pool_parts = 1;        /* threads per call, the caller included */
-/* how long a worker polls for the next job before sleeping on the condition variable (a sleeping worker costs a
- * futex wake-up, tens of microseconds, per call; a polling one costs a core); the caller polls for completion
- * up to 2000 pauses */
+/* how long a worker polls for the next job before sleeping on the condition variable, and the caller for the
+ * workers to finish before it sleeps: a sleeping thread costs a futex wake-up per call, tens of microseconds and
+ * far more when its idle vCPU has halted; a polling one costs a core. (The caller used to poll 2000 pauses, about
+ * 40 us on Zen 3: less than two parts of one call differ by when they stream a few MB each, so the caller slept
+ * and waited for a wake-up on a good share of a decode step's calls.) */
 static int64_t pool_spin_ns = 300000;
-static const int pool_spin = 2000;
+static atomic_long pool_stat_runs, pool_stat_caller_sleeps, pool_stat_worker_sleeps, pool_stat_long_waits;
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -457,6 +459,7 @@ static void *pool_main(void *arg) {
             if ((spins & 63) == 0 && now_ns() >= until) break;
         }
         pthread_mutex_lock(&pool_mu);
+        if (pool_gen == seen) atomic_fetch_add_explicit(&pool_stat_worker_sleeps, 1, memory_order_relaxed);
         while (pool_gen == seen) {
             pool_sleepers++;
             pthread_cond_wait(&pool_cv, &pool_mu);
@@ -522,16 +525,34 @@ static void pool_run(job_fn fn, void *arg, int parts) {
     if (pool_sleepers) pthread_cond_broadcast(&pool_cv);
     pthread_mutex_unlock(&pool_mu);
     fn(arg, 0, parts);
-    /* a worker that is not scheduled (a shared machine) must not cost a spinning core: poll briefly, then sleep */
-    for (int spins = 0; atomic_load_explicit(&pool_pending, memory_order_acquire) > 0 && spins < pool_spin; spins++)
+    atomic_fetch_add_explicit(&pool_stat_runs, 1, memory_order_relaxed);
+    /* a worker that is not scheduled (a shared machine) must not cost a spinning core for long: poll up to the
+     * spin time, then sleep */
+    const int64_t until = now_ns() + __atomic_load_n(&pool_spin_ns, __ATOMIC_RELAXED);
+    int spins = 1;
+    for (; atomic_load_explicit(&pool_pending, memory_order_acquire) > 0; spins++) {
         cpu_relax();
+        if ((spins & 63) == 0 && now_ns() >= until) break;
+    }
+    if (spins > 2000) atomic_fetch_add_explicit(&pool_stat_long_waits, 1, memory_order_relaxed);
     if (atomic_load_explicit(&pool_pending, memory_order_acquire) > 0) {
+        atomic_fetch_add_explicit(&pool_stat_caller_sleeps, 1, memory_order_relaxed);
         pthread_mutex_lock(&pool_mu);
         while (atomic_load_explicit(&pool_pending, memory_order_acquire) > 0)
             pthread_cond_wait(&pool_done_cv, &pool_mu);
         pthread_mutex_unlock(&pool_mu);
     }
     pthread_mutex_unlock(&pool_busy);
+}
+
+/* multi-threaded calls so far, how many of them the caller slept waiting for a worker, how often a worker went
+ * to sleep between calls (each such call then paid a wake-up), and how many calls the caller polled more than
+ * 2000 pauses for (the old poll, after which it slept) */
+void ms_pool_stats(int64_t *out) {
+    out[0] = atomic_load(&pool_stat_runs);
+    out[1] = atomic_load(&pool_stat_caller_sleeps);
+    out[2] = atomic_load(&pool_stat_worker_sleeps);
+    out[3] = atomic_load(&pool_stat_long_waits);
 }
 
 void ms_set_spin_us(int64_t us) { __atomic_store_n(&pool_spin_ns, us < 0 ? 0 : us * 1000, __ATOMIC_RELAXED); }
