@@ -1,7 +1,7 @@
 """The one-call decode layer (fused.DecodeBlock / ms_gqa_decode_block, GQAMixer.decode_block, Layer._decode): the
 same values bit for bit as the separate native calls it replaces (norms, q/k/v, attention with the KV append,
 o_proj, residual, router), across KV blocks and with 1 and 2 threads; a sliding window against the torch path;
-the warm one-token step actually takes it (counters); bad operands get clear errors; the pool's counters.
+the warm one-token step actually takes it (counters); bad operands get clear errors; the pool's counters."""
 from __future__ import annotations
 
 import json
