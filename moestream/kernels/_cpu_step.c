@@ -9,7 +9,9 @@
  *   pass 2 (output columns split over the threads): out[token] += weight_a * down_e h_a for each assignment a.
  * Each thread owns whole output columns in pass 2 and adds the experts in their given order, so the result does
  * not depend on the thread count. */
+#ifndef GLU_ROWS
 #define GLU_ROWS 16   /* gate/up rows per unit of pass 1 */
+#endif
 #define MIN_BYTES_PER_PART (128 << 10)
 #define DOWN_ROWS 32  /* down rows per block of pass 2 (the same scratch: 2 * GLU_ROWS floats per token) */
 
