@@ -562,6 +562,35 @@ void ms_pool_stats(int64_t *out) {
     out[3] = atomic_load(&pool_stat_long_waits);
 }
 
+/* Dynamic split: `chunks` pieces of work handed out one at a time to whichever thread is free (the caller
+ * included), so a thread that is descheduled or streams slower (a shared machine) leaves its share to the others
+ * instead of making them wait. fn(arg, chunk, chunks, slot): slot < parts is the running thread's index (for
+ * per-thread scratch). Each chunk is computed by the same code whichever thread runs it, so results do not depend
+ * on the thread count or the timing. */
+typedef void (*chunk_fn)(void *arg, int64_t chunk, int64_t chunks, int slot);
+
+typedef struct {
+    chunk_fn fn;
+    void *arg;
+    int64_t chunks;
+    atomic_llong next;
+} chunk_job;
+
+static void chunk_part(void *a, int part, int parts) {
+    chunk_job *j = a;
+    (void)parts;
+    for (int64_t c; (c = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed)) < j->chunks;)
+        j->fn(j->arg, c, j->chunks, part);
+}
+
+static void pool_run_chunks(chunk_fn fn, void *arg, int64_t chunks, int parts) {
+    chunk_job j = {fn, arg, chunks, 0};
+    atomic_init(&j.next, 0);
+    pool_run(chunk_part, &j, parts > chunks ? (int)chunks : parts);
+}
+
+#define CHUNK_ROWS 64 /* rows per chunk of a dynamically split bf16 call (128 KiB of a 1024-wide weight) */
+
 void ms_set_spin_us(int64_t us) { __atomic_store_n(&pool_spin_ns, us < 0 ? 0 : us * 1000, __ATOMIC_RELAXED); }
 
 void ms_set_threads(int n) { pool_parts = n < 1 ? 1 : (n > MAX_THREADS ? MAX_THREADS : n); }
@@ -595,6 +624,22 @@ static void bf16_part(void *arg, int part, int parts) {
     }
 }
 
+static void bf16_chunk(void *arg, int64_t chunk, int64_t chunks, int slot) {
+    (void)slot;
+    bf16_part(arg, (int)chunk, (int)chunks);
+}
+
+/* the job's rows over `parts` threads, in chunks of about CHUNK_ROWS rows handed out dynamically */
+static void bf16_run(bf16_job *j, int parts) {
+    if (parts <= 1) {
+        bf16_part(j, 0, 1);
+        return;
+    }
+    int64_t chunks = (j->total + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    if (chunks < parts) chunks = parts;
+    pool_run_chunks(bf16_chunk, j, chunks, parts);
+}
+
 /* For i < nw: out_i[T, N[i]] = x[T, K] (contiguous fp32) @ w_i[N[i], K]^T (contiguous bf16), w_i and out_i at the
  * addresses ws[i], outs[i]: x is prepared once and all the weights' rows split over the threads (when there are at
  * least `min_rows_per_thread` rows per thread). Returns 0, or -1 when out of memory. */
@@ -614,7 +659,7 @@ int ms_linear_bf16_many(const float *x, int64_t T, int64_t K, int64_t nw, const 
     bf16_job j = {xp, ldx, T, K, nw, total, ws, Ns, outs};
     int parts = pool_parts;
     while (parts > 1 && total / parts < min_rows_per_thread) parts--;
-    pool_run(bf16_part, &j, parts);
+    bf16_run(&j, parts);
     free(xp);
     return 0;
 }

@@ -95,7 +95,7 @@ int ms_gqa_decode_block(const int64_t *cfg, const float *fcfg, float *h, const i
     const int64_t ws[3] = {cfg[DL_WQ], cfg[DL_WK], cfg[DL_WV]}, Ns[3] = {nq, nk, nv};
     const int64_t outs[3] = {(int64_t)(intptr_t)q, (int64_t)(intptr_t)kout, (int64_t)(intptr_t)vout};
     bf16_job qkv = {xp, ldx, 1, H, 3, nq + nk + nv, ws, Ns, outs};
-    pool_run(bf16_part, &qkv, dl_parts(nq + nk + nv, min_rows));
+    bf16_run(&qkv, dl_parts(nq + nk + nv, min_rows));
 
     const void *qn = (const void *)(intptr_t)cfg[DL_QN], *kn = (const void *)(intptr_t)cfg[DL_KN];
     const float *inv_freq = (const float *)(intptr_t)cfg[DL_INV_FREQ];
@@ -111,7 +111,7 @@ int ms_gqa_decode_block(const int64_t *cfg, const float *fcfg, float *h, const i
     bf16_prepare_row(att, na, ap);
     const int64_t wo = cfg[DL_WO], yo = (int64_t)(intptr_t)y;
     bf16_job oj = {ap, lda, 1, na, 1, H, &wo, &H, &yo};
-    pool_run(bf16_part, &oj, dl_parts(H, min_rows));
+    bf16_run(&oj, dl_parts(H, min_rows));
     for (int64_t c = 0; c < H; c++) h[c] += y[c];
 
     memcpy(x2, h, sizeof(float) * (size_t)H);

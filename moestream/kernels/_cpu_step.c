@@ -37,10 +37,11 @@ INLINE float glu_act(int act, float g, float u, float beta, float lbeta) {
     return g / (1.0f + expf(-g)) * u; /* SiLU-GLU */
 }
 
-static void glu_up_part(void *arg, int part, int parts) {
+/* chunk `part` of `parts` of the (expert, row block) units; `slot` picks the thread's scratch */
+static void glu_up_part(void *arg, int64_t part, int64_t parts, int slot) {
     const glu_job *j = arg;
     const int64_t blocks = (j->I + GLU_ROWS - 1) / GLU_ROWS, units = j->E * blocks;
-    float *g = j->scratch + (int64_t)part * 2 * GLU_ROWS * j->maxcount, *u = g + GLU_ROWS * j->maxcount;
+    float *g = j->scratch + (int64_t)slot * 2 * GLU_ROWS * j->maxcount, *u = g + GLU_ROWS * j->maxcount;
     for (int64_t unit = units * part / parts; unit < units * (part + 1) / parts; unit++) {
         const int64_t e = unit / blocks, n0 = unit % blocks * GLU_ROWS, T = j->count[e];
         const int64_t n1 = n0 + GLU_ROWS < j->I ? n0 + GLU_ROWS : j->I;
@@ -57,11 +58,12 @@ static void glu_up_part(void *arg, int part, int parts) {
 }
 
 
-static void glu_down_part(void *arg, int part, int parts) {
+/* output columns of chunk `part` of `parts` (each column's experts added in their given order) */
+static void glu_down_part(void *arg, int64_t part, int64_t parts, int slot) {
     const glu_job *j = arg;
     int64_t c0, c1;
-    split(j->D, part, parts, &c0, &c1);
-    float *y = j->scratch + (int64_t)part * 2 * GLU_ROWS * j->maxcount;
+    split(j->D, (int)part, (int)parts, &c0, &c1);
+    float *y = j->scratch + (int64_t)slot * 2 * GLU_ROWS * j->maxcount;
     for (int64_t e = 0; e < j->E; e++) {
         const int64_t T = j->count[e], a0 = j->start[e];
         if (T <= 0) continue;
@@ -131,8 +133,14 @@ int ms_moe_glu_bf16(int64_t E, const int64_t *experts, const int64_t *gates, con
     memset(h, 0, sizeof(float) * (size_t)(A * ldh)); /* the padding of each row stays zero */
     glu_job j = {E, I, K, D, ldx, ldh, maxcount, D, (const uint16_t *const *)gates, (const uint16_t *const *)ups,
                  (const uint16_t *const *)downs, start, count, row, wt, xa, h, scratch, out, act, beta, lbeta};
-    pool_run(glu_up_part, &j, parts);
-    pool_run(glu_down_part, &j, parts);
+    if (parts <= 1) {
+        glu_up_part(&j, 0, 1, 0);
+        glu_down_part(&j, 0, 1, 0);
+    } else { /* chunks handed out dynamically: about 8 expert row blocks, or 64 output columns, each */
+        const int64_t units = E * ((I + GLU_ROWS - 1) / GLU_ROWS);
+        pool_run_chunks(glu_up_part, &j, units / 8 > parts ? units / 8 : parts, parts);
+        pool_run_chunks(glu_down_part, &j, (D + 63) / 64 > parts ? (D + 63) / 64 : parts, parts);
+    }
     free(scratch);
     free(mem);
     return 0;
