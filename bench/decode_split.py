@@ -69,6 +69,9 @@ def instrumented():
         (dispatch.ExpertRunner, "run", "routed experts: runner and Python", False),
         (prefetch.Lookahead, "predict", "lookahead (next layer's router)", True),
         (fused, "moe_glu_bf16", "routed experts: native kernel", False),
+        # the one-call decode layer (GQAMixer.decode_block): its native call, and its Python (KV row, checks)
+        (getattr(fused, "DecodeBlock", None), "__call__", "decode block: native (attention half + router)", False),
+        (attention.GQAMixer, "decode_block", "decode block: Python (KV row, checks)", False),
     ]
     # what an older tree lacks (run with PYTHONPATH=<tree>) is simply not timed
     patches = [(obj, attr, timed(name, getattr(obj, attr), fold)) for obj, attr, name, fold in wanted
@@ -97,6 +100,11 @@ def decode(eng: Engine, prompt: list[int], tokens: int) -> tuple[list[int], floa
     return out, dt
 
 
+def _pool_stats() -> dict[str, int]:
+    """The native pool's counters (an older tree has none: {})."""
+    return cpu.pool_stats() if hasattr(cpu, "pool_stats") else {}
+
+
 def split(total: float, tokens: int) -> dict[str, float]:
     rows = dict(sorted(SPENT.items(), key=lambda kv: -kv[1]))
     rows["other (embed, residuals, engine)"] = total - sum(rows.values())
@@ -122,8 +130,10 @@ def main() -> None:
     ctx = cpu.disabled() if args.no_native else contextmanager(lambda: (yield))()
     with ctx:
         first, _ = decode(eng, prompt, args.tokens)  # warm: every expert these tokens route to is cached
+        pool0 = _pool_stats()
         with instrumented():
             again, total = decode(eng, prompt, args.tokens)
+        pool = {k: v - pool0.get(k, 0) for k, v in _pool_stats().items()}
     assert again == first, "the warm run decoded other tokens"
     rows = split(total, args.tokens)
     ms = total / args.tokens * 1e3
@@ -133,8 +143,14 @@ def main() -> None:
     # (an older tree's simd() said only whether AVX-512 was in: True/False)
     for name, sec in rows.items():
         print(f"  {name:<40}{sec * 1e3:>8.2f} ms {sec * 1e3 / ms:>7.1%}")
+    if pool:
+        print(f"  native pool per token: {pool['runs'] / args.tokens:.1f} threaded calls, the caller slept in "
+              f"{pool['caller_sleeps'] / args.tokens:.1f}, a worker slept between calls "
+              f"{pool['worker_sleeps'] / args.tokens:.1f} times; the caller polled > 2000 pauses in "
+              f"{pool.get('long_waits', 0) / args.tokens:.1f}")
     print(json.dumps({"tokens_per_s": args.tokens / total, "ms_per_token": ms, "threads": args.threads,
-                      "clock": clock, "split_ms": {k: v * 1e3 for k, v in rows.items()}, "tokens": first[:8]}))
+                      "clock": clock, "split_ms": {k: v * 1e3 for k, v in rows.items()}, "tokens": first[:8],
+                      "pool": pool}))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@
 Usage: python bench/kernels.py --rows 3072 --cols 3584 --tokens 1 8 [--chunks 64 128 256] [--baseline]
        python bench/kernels.py --batched [--batch-rows 16 64 128 512] [--expert 512x1024] [--threads 2]
        python bench/kernels.py --native [--shapes 768x2048 2048x768 3072x3584] [--tokens 1 8] [--thread-counts 1 2]
-                               [--p10]
+                               [--p10] [--formats bf16 mxfp4 glu8]
 --native prints the native kernels (moestream.kernels.cpu) and the torch paths side by side, each shape, token
 count and thread count measured back to back in one process (torch.set_num_threads and cpu.set_threads alike).
-Every weight is cycled through enough copies to exceed the last-level cache, so rates are streaming rates.
+Every weight is cycled through enough copies to exceed the last-level cache, so rates are streaming rates; "of bw"
+is the native rate over the memory read bandwidth measured first with the same thread count.
 Prints a table and then one JSON line. On a shared machine wall time mostly measures the other tenants:
 `--threads 1 --cpu-time` times the calling thread's CPU time instead.
 """
@@ -41,7 +42,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--shapes", nargs="+", default=["768x2048", "2048x768", "128x128", "3072x3584"],
                         help="ROWSxCOLS weights for --native (demo model experts: 128x128)")
     parser.add_argument("--thread-counts", type=int, nargs="+", default=[1, 2], help="threads for --native")
-    parser.add_argument("--formats", nargs="+", default=["bf16", "mxfp4"], help="weight formats for --native")
+    parser.add_argument("--formats", nargs="+", default=["bf16", "mxfp4"],
+                        help="weight formats for --native: bf16, mxfp4, glu8 (8 grouped bf16 GLU experts INTERxHIDDEN)")
     parser.add_argument("--p10", action="store_true",
                         help="--native: 10th percentile of single-call wall times (free cores) instead of best mean")
     parser.add_argument("--batched", action="store_true",
@@ -112,12 +114,31 @@ def native_table(args: argparse.Namespace) -> None:
     clock_name = "p10 of single calls" if args.p10 else ("thread CPU" if args.cpu_time else "wall")
     print(f"native kernels: simd {cpu.simd()}   clock {clock_name}   "
           f"(GB/s of stored weight bytes; each pair measured back to back)")
-    print(f"{'format':<7}{'shape':>11}{'T':>4}{'thr':>4}{'native ms':>11}{'GB/s':>7}{'torch ms':>10}{'GB/s':>7}"
-          f"{'speedup':>9}", flush=True)
+    bandwidth = {}
+    for threads in args.thread_counts:  # the read rate the weight streams compare against, same thread count
+        torch.set_num_threads(threads)
+        bandwidth[threads] = quant.bandwidth_probe(args.probe_mb << 20)
+        print(f"memory read bandwidth, {threads} thread(s): {bandwidth[threads] / 1e9:.2f} GB/s (torch.sum)")
+    print(f"{'format':<7}{'shape':>11}{'T':>4}{'thr':>4}{'native ms':>11}{'GB/s':>7}{'of bw':>7}{'torch ms':>10}"
+          f"{'GB/s':>7}{'speedup':>9}", flush=True)
     for shape in args.shapes:
         rows, cols = (int(v) for v in shape.split("x"))
         for fmt in args.formats:
-            if fmt == "bf16":
+            if fmt == "glu8":  # a decode step's 8 routed experts (gate, up [rows, cols], down [cols, rows]), one call
+                nbytes = 8 * 3 * rows * cols * 2
+                n = copies_for(nbytes, footprint)
+                sets = [[tuple(torch.randn(*s, generator=g).bfloat16() for s in ((rows, cols), (rows, cols),
+                                                                                   (cols, rows))) for _ in range(8)]
+                        for _ in range(n)]
+                ptrs = [[tuple(m.data_ptr() for m in e) for e in es] for es in sets]
+                ids, wts = torch.arange(8).view(1, 8), torch.full((1, 8), 0.125)
+                native = lambda x, i: fused.moe_glu_bf16(x, list(range(8)), ptrs[i], rows,  # noqa: E731
+                                                         torch.zeros(x.shape[0], cols), ids, wts)
+
+                def torch_path(x, i):
+                    with cpu.disabled():
+                        return sum(blocks.glu_mlp(x, *e) for e in sets[i])
+            elif fmt == "bf16":
                 nbytes = rows * cols * 2
                 n = copies_for(nbytes, footprint)
                 ws = clones(torch.randn(rows, cols, generator=g).bfloat16(), n)
@@ -149,11 +170,12 @@ def native_table(args: argparse.Namespace) -> None:
                         b = rate(lambda i: torch_path(x, i), n, args.seconds, clock)
                     r = {"format": fmt, "rows": rows, "cols": cols, "tokens": tokens, "threads": threads,
                          "native_ms": 1e3 / a, "native_GBps": nbytes * a / 1e9, "torch_ms": 1e3 / b,
-                         "torch_GBps": nbytes * b / 1e9}
+                         "torch_GBps": nbytes * b / 1e9, "of_bandwidth": nbytes * a / bandwidth[threads]}
                     results.append(r)
                     print(f"{fmt:<7}{shape:>11}{tokens:>4}{threads:>4}{r['native_ms']:>11.3f}{r['native_GBps']:>7.2f}"
-                          f"{r['torch_ms']:>10.3f}{r['torch_GBps']:>7.2f}{a / b:>8.2f}x", flush=True)
-    print(json.dumps({"native": results}))
+                          f"{r['of_bandwidth']:>7.0%}{r['torch_ms']:>10.3f}{r['torch_GBps']:>7.2f}{a / b:>8.2f}x",
+                          flush=True)
+    print(json.dumps({"native": results, "bandwidth_Bps": bandwidth}))
 
 
 def batched_table(args: argparse.Namespace) -> None:

@@ -47,6 +47,7 @@ class RunnerTimes:
     expert_s: float = 0.0  # expert functions and the weighted combine
     lookahead_s: float = 0.0  # next-layer router and queuing its reads
     steps: int = 0
+    resident_steps: int = 0  # ... of which took the warm one-token path (_resident_step)
     prefetch_reads: int = 0  # experts read ahead by the lookahead
     prefetch_used: int = 0  # ... of which were routed to before being evicted
     prefetch_joined: int = 0  # misses that joined a read the lookahead had already started
@@ -154,6 +155,7 @@ class ExpertRunner:
         if any(key not in cache or key in self._fresh for key in keys):
             return False
         self.times.steps += 1
+        self.times.resident_steps += 1
         self.lookahead.observe(layer, uniq)
         self.scan = 0
         # with every expert of every routed layer cached there is nothing to read ahead: skip the next router

@@ -6,7 +6,7 @@
  * memory. AVX-512 (F+BW+VL) and AVX2 (+FMA) paths are chosen by the compiler's feature macros (-march=native); the
  * scalar code computes the same thing anywhere (bf16: the same code with one-lane "vectors"; MXFP4 has no AVX2 path).
  * A tiny persistent pthread pool can split the rows of one call over several threads (ms_set_threads).
- * _cpu_step.c (included at the end) holds the fused decode-step kernels built on these.
+ * _cpu_step.c and _cpu_layer.c (included at the end) hold the fused decode-step kernels built on these.
  *
  * Layouts (see kernels/quant.py): packed uint8 [N, K/2], scales uint8 [N, K/32] (E8M0, 255 rejected by the caller).
  * layout 0 "low_first": byte j holds inputs 2j (low nibble) and 2j+1 (high nibble).
@@ -31,7 +31,7 @@
 #endif
 #define MS_AVX512 (MS_SIMD == 2)
 
-#define MS_ABI 8
+#define MS_ABI 10
 #define TILE_T 8   /* tokens per register tile */
 #ifndef PF_BYTES
 #define PF_BYTES 16384  /* software prefetch distance of the bf16 kernel (measured: 16-32 KiB best) */
@@ -204,15 +204,22 @@ static int rows_for(int tt) {
 }
 
 /* One token: rows [n0, n1) of w [N, K] dotted with the prepared x, out[n - n0]. Each row is read start to end
- * (one sequential stream over the whole block, which the hardware prefetcher follows without software prefetch:
- * measured equal to or better than the four-row tile with it, docs/performance.md) with four independent
- * accumulators, so the FMA latency never limits the stream. */
+ * (one sequential stream over the whole block) with four independent accumulators, so the FMA latency never limits
+ * the stream. A non-temporal software prefetch GEMV_PF bytes ahead carries the stream over 4 KiB page boundaries,
+ * where the hardware prefetcher stops: a peer layer's 8 grouped experts on one core went from 13.4-14.5 to
+ * 15.3-18.2 GB/s (thread CPU time, loaded machine; 512 B and 2 KiB ahead were no better than none). */
+#ifndef GEMV_PF
+#define GEMV_PF 1024
+#endif
 static void bf16_gemv(const float *x, int64_t K, const uint16_t *w, int64_t n0, int64_t n1, float *out) {
     for (int64_t n = n0; n < n1; n++) {
         const uint16_t *row = w + n * K;
         vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
         int64_t k = 0;
         for (; k + 2 * GW <= K; k += 2 * GW) {
+#if GEMV_PF > 0
+            __builtin_prefetch((const char *)(row + k) + GEMV_PF, 0, 0);
+#endif
             vw_t v0 = vloadw(row + k), v1 = vloadw(row + k + GW);
             a0 = vfma(veven(v0), vloadf(x + k), a0);
             a1 = vfma(vodd(v0), vloadf(x + k + VW), a1);
@@ -422,11 +429,13 @@ static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER; /* one multi-threa
 static pthread_t pool_threads[MAX_THREADS];
 static int pool_workers = 0;      /* started workers */
 static int pool_parts = 1;        /* threads per call, the caller included */
-/* how long a worker polls for the next job before sleeping on the condition variable (a sleeping worker costs a
- * futex wake-up, tens of microseconds, per call; a polling one costs a core); the caller polls for completion
- * up to 2000 pauses */
+/* how long a worker polls for the next job before sleeping on the condition variable, and the caller for the
+ * workers to finish before it sleeps: a sleeping thread costs a futex wake-up per call, tens of microseconds and
+ * far more when its idle vCPU has halted; a polling one costs a core. (The caller used to poll 2000 pauses, about
+ * 40 us on Zen 3: less than two parts of one call differ by when they stream a few MB each, so the caller slept
+ * and waited for a wake-up on a good share of a decode step's calls.) */
 static int64_t pool_spin_ns = 300000;
-static const int pool_spin = 2000;
+static atomic_long pool_stat_runs, pool_stat_caller_sleeps, pool_stat_worker_sleeps, pool_stat_long_waits;
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -457,6 +466,7 @@ static void *pool_main(void *arg) {
             if ((spins & 63) == 0 && now_ns() >= until) break;
         }
         pthread_mutex_lock(&pool_mu);
+        if (pool_gen == seen) atomic_fetch_add_explicit(&pool_stat_worker_sleeps, 1, memory_order_relaxed);
         while (pool_gen == seen) {
             pool_sleepers++;
             pthread_cond_wait(&pool_cv, &pool_mu);
@@ -522,10 +532,18 @@ static void pool_run(job_fn fn, void *arg, int parts) {
     if (pool_sleepers) pthread_cond_broadcast(&pool_cv);
     pthread_mutex_unlock(&pool_mu);
     fn(arg, 0, parts);
-    /* a worker that is not scheduled (a shared machine) must not cost a spinning core: poll briefly, then sleep */
-    for (int spins = 0; atomic_load_explicit(&pool_pending, memory_order_acquire) > 0 && spins < pool_spin; spins++)
+    atomic_fetch_add_explicit(&pool_stat_runs, 1, memory_order_relaxed);
+    /* a worker that is not scheduled (a shared machine) must not cost a spinning core for long: poll up to the
+     * spin time, then sleep */
+    const int64_t until = now_ns() + __atomic_load_n(&pool_spin_ns, __ATOMIC_RELAXED);
+    int spins = 1;
+    for (; atomic_load_explicit(&pool_pending, memory_order_acquire) > 0; spins++) {
         cpu_relax();
+        if ((spins & 63) == 0 && now_ns() >= until) break;
+    }
+    if (spins > 2000) atomic_fetch_add_explicit(&pool_stat_long_waits, 1, memory_order_relaxed);
     if (atomic_load_explicit(&pool_pending, memory_order_acquire) > 0) {
+        atomic_fetch_add_explicit(&pool_stat_caller_sleeps, 1, memory_order_relaxed);
         pthread_mutex_lock(&pool_mu);
         while (atomic_load_explicit(&pool_pending, memory_order_acquire) > 0)
             pthread_cond_wait(&pool_done_cv, &pool_mu);
@@ -533,6 +551,45 @@ static void pool_run(job_fn fn, void *arg, int parts) {
     }
     pthread_mutex_unlock(&pool_busy);
 }
+
+/* multi-threaded calls so far, how many of them the caller slept waiting for a worker, how often a worker went
+ * to sleep between calls (each such call then paid a wake-up), and how many calls the caller polled more than
+ * 2000 pauses for (the old poll, after which it slept) */
+void ms_pool_stats(int64_t *out) {
+    out[0] = atomic_load(&pool_stat_runs);
+    out[1] = atomic_load(&pool_stat_caller_sleeps);
+    out[2] = atomic_load(&pool_stat_worker_sleeps);
+    out[3] = atomic_load(&pool_stat_long_waits);
+}
+
+/* Dynamic split: `chunks` pieces of work handed out one at a time to whichever thread is free (the caller
+ * included), so a thread that is descheduled or streams slower (a shared machine) leaves its share to the others
+ * instead of making them wait. fn(arg, chunk, chunks, slot): slot < parts is the running thread's index (for
+ * per-thread scratch). Each chunk is computed by the same code whichever thread runs it, so results do not depend
+ * on the thread count or the timing. */
+typedef void (*chunk_fn)(void *arg, int64_t chunk, int64_t chunks, int slot);
+
+typedef struct {
+    chunk_fn fn;
+    void *arg;
+    int64_t chunks;
+    atomic_llong next;
+} chunk_job;
+
+static void chunk_part(void *a, int part, int parts) {
+    chunk_job *j = a;
+    (void)parts;
+    for (int64_t c; (c = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed)) < j->chunks;)
+        j->fn(j->arg, c, j->chunks, part);
+}
+
+static void pool_run_chunks(chunk_fn fn, void *arg, int64_t chunks, int parts) {
+    chunk_job j = {fn, arg, chunks, 0};
+    atomic_init(&j.next, 0);
+    pool_run(chunk_part, &j, parts > chunks ? (int)chunks : parts);
+}
+
+#define CHUNK_ROWS 64 /* rows per chunk of a dynamically split bf16 call (128 KiB of a 1024-wide weight) */
 
 void ms_set_spin_us(int64_t us) { __atomic_store_n(&pool_spin_ns, us < 0 ? 0 : us * 1000, __ATOMIC_RELAXED); }
 
@@ -567,6 +624,22 @@ static void bf16_part(void *arg, int part, int parts) {
     }
 }
 
+static void bf16_chunk(void *arg, int64_t chunk, int64_t chunks, int slot) {
+    (void)slot;
+    bf16_part(arg, (int)chunk, (int)chunks);
+}
+
+/* the job's rows over `parts` threads, in chunks of about CHUNK_ROWS rows handed out dynamically */
+static void bf16_run(bf16_job *j, int parts) {
+    if (parts <= 1) {
+        bf16_part(j, 0, 1);
+        return;
+    }
+    int64_t chunks = (j->total + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    if (chunks < parts) chunks = parts;
+    pool_run_chunks(bf16_chunk, j, chunks, parts);
+}
+
 /* For i < nw: out_i[T, N[i]] = x[T, K] (contiguous fp32) @ w_i[N[i], K]^T (contiguous bf16), w_i and out_i at the
  * addresses ws[i], outs[i]: x is prepared once and all the weights' rows split over the threads (when there are at
  * least `min_rows_per_thread` rows per thread). Returns 0, or -1 when out of memory. */
@@ -586,7 +659,7 @@ int ms_linear_bf16_many(const float *x, int64_t T, int64_t K, int64_t nw, const 
     bf16_job j = {xp, ldx, T, K, nw, total, ws, Ns, outs};
     int parts = pool_parts;
     while (parts > 1 && total / parts < min_rows_per_thread) parts--;
-    pool_run(bf16_part, &j, parts);
+    bf16_run(&j, parts);
     free(xp);
     return 0;
 }
@@ -600,3 +673,4 @@ int ms_linear_bf16(const float *x, int64_t T, int64_t K, const uint16_t *w, int6
 
 #include "_cpu_step.c"
 #include "_cpu_paged.c"
+#include "_cpu_layer.c"

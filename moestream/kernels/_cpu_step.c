@@ -9,7 +9,9 @@
  *   pass 2 (output columns split over the threads): out[token] += weight_a * down_e h_a for each assignment a.
  * Each thread owns whole output columns in pass 2 and adds the experts in their given order, so the result does
  * not depend on the thread count. */
+#ifndef GLU_ROWS
 #define GLU_ROWS 16   /* gate/up rows per unit of pass 1 */
+#endif
 #define MIN_BYTES_PER_PART (128 << 10)
 #define DOWN_ROWS 32  /* down rows per block of pass 2 (the same scratch: 2 * GLU_ROWS floats per token) */
 
@@ -35,10 +37,11 @@ INLINE float glu_act(int act, float g, float u, float beta, float lbeta) {
     return g / (1.0f + expf(-g)) * u; /* SiLU-GLU */
 }
 
-static void glu_up_part(void *arg, int part, int parts) {
+/* chunk `part` of `parts` of the (expert, row block) units; `slot` picks the thread's scratch */
+static void glu_up_part(void *arg, int64_t part, int64_t parts, int slot) {
     const glu_job *j = arg;
     const int64_t blocks = (j->I + GLU_ROWS - 1) / GLU_ROWS, units = j->E * blocks;
-    float *g = j->scratch + (int64_t)part * 2 * GLU_ROWS * j->maxcount, *u = g + GLU_ROWS * j->maxcount;
+    float *g = j->scratch + (int64_t)slot * 2 * GLU_ROWS * j->maxcount, *u = g + GLU_ROWS * j->maxcount;
     for (int64_t unit = units * part / parts; unit < units * (part + 1) / parts; unit++) {
         const int64_t e = unit / blocks, n0 = unit % blocks * GLU_ROWS, T = j->count[e];
         const int64_t n1 = n0 + GLU_ROWS < j->I ? n0 + GLU_ROWS : j->I;
@@ -55,11 +58,12 @@ static void glu_up_part(void *arg, int part, int parts) {
 }
 
 
-static void glu_down_part(void *arg, int part, int parts) {
+/* output columns of chunk `part` of `parts` (each column's experts added in their given order) */
+static void glu_down_part(void *arg, int64_t part, int64_t parts, int slot) {
     const glu_job *j = arg;
     int64_t c0, c1;
-    split(j->D, part, parts, &c0, &c1);
-    float *y = j->scratch + (int64_t)part * 2 * GLU_ROWS * j->maxcount;
+    split(j->D, (int)part, (int)parts, &c0, &c1);
+    float *y = j->scratch + (int64_t)slot * 2 * GLU_ROWS * j->maxcount;
     for (int64_t e = 0; e < j->E; e++) {
         const int64_t T = j->count[e], a0 = j->start[e];
         if (T <= 0) continue;
@@ -129,8 +133,14 @@ int ms_moe_glu_bf16(int64_t E, const int64_t *experts, const int64_t *gates, con
     memset(h, 0, sizeof(float) * (size_t)(A * ldh)); /* the padding of each row stays zero */
     glu_job j = {E, I, K, D, ldx, ldh, maxcount, D, (const uint16_t *const *)gates, (const uint16_t *const *)ups,
                  (const uint16_t *const *)downs, start, count, row, wt, xa, h, scratch, out, act, beta, lbeta};
-    pool_run(glu_up_part, &j, parts);
-    pool_run(glu_down_part, &j, parts);
+    if (parts <= 1) {
+        glu_up_part(&j, 0, 1, 0);
+        glu_down_part(&j, 0, 1, 0);
+    } else { /* chunks handed out dynamically: about 8 expert row blocks, or 64 output columns, each */
+        const int64_t units = E * ((I + GLU_ROWS - 1) / GLU_ROWS);
+        pool_run_chunks(glu_up_part, &j, units / 8 > parts ? units / 8 : parts, parts);
+        pool_run_chunks(glu_down_part, &j, (D + 63) / 64 > parts ? (D + 63) / 64 : parts, parts);
+    }
     free(scratch);
     free(mem);
     return 0;
@@ -193,6 +203,29 @@ int ms_linear_mxfp4(int64_t E, const int64_t *xs, const int64_t *Ts, const int64
 }
 
 /* ------------------------------------------------------------------------------------ softmax top-k router */
+/* softmax over one row of E router logits (in place, fp32), then the k largest (best first) into ids / wts,
+ * divided by their sum when renorm; `taken` is E bytes of scratch */
+static void softmax_topk_row(float *p, int64_t E, int64_t k, int renorm, char *taken, int64_t *ids, float *wts) {
+    float m = -INFINITY, sum = 0.0f;
+    for (int64_t e = 0; e < E; e++) m = p[e] > m ? p[e] : m;
+    for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - m));
+    for (int64_t e = 0; e < E; e++) p[e] /= sum;
+    float picked = 0.0f;
+    memset(taken, 0, (size_t)E);
+    for (int64_t j = 0; j < k; j++) { /* selection: k passes over E (k = 8 of 64-512 experts); a NaN ranks first,
+                                       * as in torch.topk, and an index is always chosen */
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (!taken[e] && (best < 0 || p[e] > p[best] || (isnan(p[e]) && !isnan(p[best])))) best = e;
+        taken[best] = 1;
+        ids[j] = best;
+        wts[j] = p[best];
+        picked += p[best];
+    }
+    if (renorm)
+        for (int64_t j = 0; j < k; j++) wts[j] /= picked;
+}
+
 /* For T tokens: logits = x[t] @ w^T (bf16 w [E, K]), probs = softmax(logits) in fp32, the k largest (best first)
  * into ids[t * k ..] and their probabilities into wts (divided by their sum when renorm). One call instead of a
  * GEMV and four small torch ops per MoE layer of a decode step. Returns 0, or -1 when out of memory. */
@@ -206,26 +239,7 @@ int ms_router_softmax_topk(const float *x, int64_t T, int64_t K, const uint16_t 
     char *taken = (char *)(logits + T * E);
     bf16_prepare(x, T, K, xp);
     bf16_rows(xp, ldx, T, K, w, 0, E, logits, E);
-    for (int64_t t = 0; t < T; t++) {
-        float *p = logits + t * E, m = -INFINITY, sum = 0.0f;
-        for (int64_t e = 0; e < E; e++) m = p[e] > m ? p[e] : m;
-        for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - m));
-        for (int64_t e = 0; e < E; e++) p[e] /= sum;
-        float picked = 0.0f;
-        memset(taken, 0, (size_t)E);
-        for (int64_t j = 0; j < k; j++) { /* selection: k passes over E (k = 8 of 64-512 experts); a NaN ranks
-                                           * first, as in torch.topk, and an index is always chosen */
-            int64_t best = -1;
-            for (int64_t e = 0; e < E; e++)
-                if (!taken[e] && (best < 0 || p[e] > p[best] || (isnan(p[e]) && !isnan(p[best])))) best = e;
-            taken[best] = 1;
-            ids[t * k + j] = best;
-            wts[t * k + j] = p[best];
-            picked += p[best];
-        }
-        if (renorm)
-            for (int64_t j = 0; j < k; j++) wts[t * k + j] /= picked;
-    }
+    for (int64_t t = 0; t < T; t++) softmax_topk_row(logits + t * E, E, k, renorm, taken, ids + t * k, wts + t * k);
     free(mem);
     return 0;
 }

@@ -42,10 +42,10 @@ MIN_ROWS_PER_THREAD = 256
 SPIN_US = 300
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
-_ABI = 8
+_ABI = 10
 _SOURCE = Path(__file__).with_name("_cpu.c")
 # _cpu.c #includes the others
-_SOURCES = (_SOURCE, *(Path(__file__).with_name(f) for f in ("_cpu_step.c", "_cpu_paged.c")))
+_SOURCES = (_SOURCE, *(Path(__file__).with_name(n) for n in ("_cpu_step.c", "_cpu_paged.c", "_cpu_layer.c")))
 _LAYOUTS = {"low_first": 0, "gguf": 1}
 
 _lock = threading.Lock()
@@ -115,6 +115,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_get_threads.restype = ctypes.c_int
     lib.ms_set_spin_us.argtypes = [i64]
     lib.ms_set_spin_us.restype = None
+    lib.ms_pool_stats.argtypes = [p]
+    lib.ms_pool_stats.restype = None
     lib.ms_moe_glu_bf16.argtypes = [i64, p, p, p, p, i64, i64, i64, p, i64, p, p, i64, p, ctypes.c_int,
                                     ctypes.c_float, ctypes.c_float]
     lib.ms_moe_glu_bf16.restype = ctypes.c_int
@@ -132,6 +134,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_conv_decode.restype = None
     lib.ms_kda_decode.argtypes = [i64, i64, i64, i64, p, p, p, p, p, p, p]
     lib.ms_kda_decode.restype = None
+    lib.ms_gqa_decode_block.argtypes = [p, p, p, p, p, i64, i64, p, p, p]
+    lib.ms_gqa_decode_block.restype = ctypes.c_int
 
 
 def _load() -> None:
@@ -213,6 +217,16 @@ def set_spin_us(us: int) -> None:
     """How long a pool worker polls for the next call before sleeping, in microseconds (0: sleep at once)."""
     if (handle := lib()) is not None:
         handle.ms_set_spin_us(int(us))
+
+
+def pool_stats() -> dict[str, int]:
+    """Counters of the native thread pool since load: multi-threaded calls, calls whose caller slept waiting for
+    a worker, times a worker slept between calls (each cost a wake-up), and calls whose caller polled longer than
+    2000 pauses (~40 us); zeros without the library."""
+    out = (ctypes.c_int64 * 4)()
+    if (handle := lib()) is not None:
+        handle.ms_pool_stats(out)
+    return {"runs": out[0], "caller_sleeps": out[1], "worker_sleeps": out[2], "long_waits": out[3]}
 
 
 def threads() -> int:

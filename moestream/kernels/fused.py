@@ -6,12 +6,13 @@ passed there. Callers (models/blocks.py, models/attention.py) decide when to use
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from moestream.kernels.cpu import _addresses, required
+from moestream.kernels.cpu import MIN_ROWS_PER_THREAD, _addresses, required
 
 
 ACTIVATIONS = {"silu": 0, "situ": 1}  # the GLU activations ms_moe_glu_bf16 computes
@@ -119,3 +120,80 @@ def gqa_attend(q: Tensor, keys: Tensor, values: Tensor, new: int, scale: float, 
         raise MemoryError("native attention could not allocate its scores")
     return out
 
+
+
+# ms_gqa_decode_block's cfg slots (the enum in _cpu_layer.c)
+_DL_SLOTS = ("hidden", "heads", "kv_heads", "head_dim", "v_dim", "in_norm", "in_bf16", "wq", "wk", "wv", "wo",
+             "q_norm", "k_norm", "qk_bf16", "inv_freq", "window", "post_norm", "post_bf16", "router", "experts",
+             "top_k", "renorm", "block", "min_rows")
+
+
+class DecodeBlock:
+    """The attention half of one GQA decoder layer for one decode token, in one native call
+    (ms_gqa_decode_block): rms_norm -> q/k/v GEMVs (k, v written into the cache row the caller appended) -> q/k
+    rms_norm and rotate-half rope -> attention over the cache's blocks -> o_proj -> residual add, then the
+    post-attention rms_norm and, with a router, its softmax top-k. The same pieces in the same order as the
+    separate calls (rms_norm, linear_many, gqa_attend, linear, router_softmax_topk), so the same values bit for
+    bit. Holds the layer's tensors (their addresses are baked into the call's operands)."""
+
+    def __init__(self, weights: dict[str, Tensor | None], heads: int, kv_heads: int, head_dim: int, eps: float,
+                 factor: float, scale: float, window: int | None, block: int, top_k: int = 0,
+                 renormalize: bool = False, min_rows: int = MIN_ROWS_PER_THREAD):
+        wq, wk, wv, wo = (weights[n] for n in ("q", "k", "v", "o"))
+        hidden = wq.shape[1]
+        shapes = {"q": (heads * head_dim, hidden), "k": (kv_heads * head_dim, hidden),
+                  "v": (kv_heads * head_dim, hidden), "o": (hidden, heads * head_dim)}
+        for name, shape in shapes.items():
+            m = weights[name]
+            if m.dtype != torch.bfloat16 or not m.is_contiguous() or tuple(m.shape) != shape:
+                raise ValueError(f"DecodeBlock wants a contiguous bf16 {name} weight {shape}, got {tuple(m.shape)}")
+        router = weights.get("router")
+        if router is not None and (router.dtype != torch.bfloat16 or not router.is_contiguous()
+                                   or router.dim() != 2 or router.shape[1] != hidden
+                                   or not 0 < top_k <= router.shape[0]):
+            raise ValueError(f"DecodeBlock wants a contiguous bf16 router [E, {hidden}] and 0 < top_k <= E")
+        inv_freq = weights.get("inv_freq")
+        if inv_freq is not None and (inv_freq.dtype != torch.float32 or not inv_freq.is_contiguous()
+                                     or inv_freq.numel() * 2 != head_dim):
+            raise ValueError("DecodeBlock wants fp32 inv_freq [head_dim / 2]")
+        qn, qbf16 = norm_weight(weights.get("q_norm"))
+        kn, kbf16 = norm_weight(weights.get("k_norm"))
+        if qn is not None and kn is not None and qbf16 != kbf16:
+            raise ValueError("DecodeBlock wants q_norm and k_norm of one dtype")
+        in_norm, in_bf16 = norm_weight(weights["in_norm"])
+        post_norm, post_bf16 = norm_weight(weights["post_norm"])
+        self.hidden, self.top_k, self.heads, self.kv_heads, self.head_dim = hidden, top_k, heads, kv_heads, head_dim
+        self._keep = dict(weights)  # the addresses below stay valid while this object lives
+        vals = {"hidden": hidden, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "v_dim": head_dim,
+                "in_norm": in_norm, "in_bf16": in_bf16, "wq": wq.data_ptr(), "wk": wk.data_ptr(),
+                "wv": wv.data_ptr(), "wo": wo.data_ptr(), "q_norm": qn, "k_norm": kn, "qk_bf16": qbf16 or kbf16,
+                "inv_freq": None if inv_freq is None else inv_freq.data_ptr(), "window": window or 0,
+                "post_norm": post_norm, "post_bf16": post_bf16,
+                "router": None if router is None else router.data_ptr(),
+                "experts": 0 if router is None else router.shape[0], "top_k": top_k, "renorm": int(renormalize),
+                "block": block, "min_rows": min_rows}
+        self._cfg = _addresses([vals[n] or 0 for n in _DL_SLOTS])
+        self._fcfg = (ctypes.c_float * 3)(eps, factor, scale)
+
+    def __call__(self, h: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor], start: int,
+                 length: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """h fp32 [1, H] -> (h after attention and residual (a new tensor), the post-norm x2 [1, H], and with a
+        router its ids int64 [1, k] and weights fp32 [1, k]). keys / values: the cache's fp32 blocks [block,
+        Hkv, D], holding absolute rows [start, length), the last one appended (its contents are written here)."""
+        handle = required()
+        if h.dtype != torch.float32 or h.shape != (1, self.hidden):
+            raise ValueError(f"DecodeBlock wants fp32 h [1, {self.hidden}], got {tuple(h.shape)} {h.dtype}")
+        out = h.clone(memory_format=torch.contiguous_format)
+        x2 = torch.empty(1, self.hidden)
+        ids = wts = None
+        if self.top_k:
+            ids, wts = torch.empty(1, self.top_k, dtype=torch.int64), torch.empty(1, self.top_k)
+        code = handle.ms_gqa_decode_block(self._cfg, self._fcfg, out.data_ptr(),
+                                          _addresses([b.data_ptr() for b in keys]),
+                                          _addresses([b.data_ptr() for b in values]), start, length,
+                                          x2.data_ptr(), None if ids is None else ids.data_ptr(),
+                                          None if wts is None else wts.data_ptr())
+        if code:
+            raise MemoryError("native decode block could not allocate its scratch") if code == -1 else \
+                ValueError(f"DecodeBlock: bad cache rows [{start}, {length})")
+        return out, x2, ids, wts

@@ -186,6 +186,8 @@ class GQAMixer:
         self.rope, self.eps, self.window = rope, eps, window
         self.scale = scale if scale is not None else head_dim ** -0.5
         self.memory = w.memory
+        self.decode_blocks = 0  # one-token steps done by decode_block's single native call
+        self._blocks: dict[tuple, fused.DecodeBlock | None] = {}
 
     def __call__(self, x: torch.Tensor, batch, index: int) -> torch.Tensor:
         t = x.shape[0]
@@ -213,6 +215,52 @@ class GQAMixer:
                 out[r] = cached_attention(seg, self.slot(seg, index), q[r], k[r], v[r], self.scale,
                                           self.window, self.sinks)
         return linear(out.reshape(t, -1), self.o, self.ob)
+
+    def decode_block(self, h: torch.Tensor, batch, index: int, in_norm: torch.Tensor, post_norm: torch.Tensor,
+                     eps: float, router=None):
+        """A decoder layer's attention half for a step of one sequence's one token, in one native call
+        (fused.DecodeBlock: norm, q/k/v, q/k norm + rope, KV append, attention, o_proj, residual, then the post
+        norm and, given a SoftmaxRouter, its top-k). Returns (h + attention, post-norm x, ids, weights), ids and
+        weights None without a router; None (nothing done) when the step or the layer does not fit (the caller
+        then runs the layer the usual way)."""
+        seg = batch.segments[0]
+        if (h.shape[0] != 1 or len(batch.segments) != 1 or seg.state.kv_dtype != torch.float32 or h.requires_grad
+                or self.memory.streamer is not None or not cpu.available()):
+            return None
+        block = self._decode_plan(in_norm, post_norm, eps, router)
+        if block is None:
+            return None
+        slot = self.slot(seg, index)
+        if slot.k.block != BLOCK_TOKENS:
+            return None
+        slot.k.reserve(1)  # the row is charged and allocated here; the kernel writes its contents
+        slot.v.reserve(1)
+        self.decode_blocks += 1
+        return block(h, slot.k.blocks, slot.v.blocks, slot.k.start, slot.k.length)
+
+    def _decode_plan(self, in_norm: torch.Tensor, post_norm: torch.Tensor, eps: float,
+                     router) -> "fused.DecodeBlock | None":
+        """The layer's DecodeBlock (built once per router), or None when its weights or options do not fit it:
+        biases, sinks, interleaved rope, or weights that are not plain contiguous bf16 matrices."""
+        key = (id(in_norm), id(post_norm), eps, id(router))
+        if key in self._blocks:
+            return self._blocks[key]
+        weights = {"q": self.q, "k": self.k, "v": self.v, "o": self.o, "q_norm": self.q_norm, "k_norm": self.k_norm,
+                   "inv_freq": self.rope.inv_freq, "in_norm": in_norm, "post_norm": post_norm}
+        block = None
+        if (self.sinks is None and not self.rope.interleaved and all(b is None for b in (self.qb, self.kb, self.vb, self.ob))
+                and all(type(m) is torch.Tensor for m in (self.q, self.k, self.v, self.o))):
+            options = [(router.weight, router.top_k, router.renormalize)] if router is not None else []
+            for gate, top_k, renorm in options + [(None, 0, False)]:  # without the router if only it does not fit
+                try:
+                    block = fused.DecodeBlock({**weights, "router": gate}, self.heads, self.kv_heads, self.head_dim,
+                                              eps, self.rope.attention_factor, self.scale, self.window, BLOCK_TOKENS,
+                                              top_k, renorm)
+                    break
+                except ValueError:
+                    continue
+        self._blocks[key] = block
+        return block
 
     def slot(self, seg: Segment, index: int) -> KVSlot:
         """This layer's cache of the segment's sequence (created in the sequence's KV dtype on first use)."""

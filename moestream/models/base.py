@@ -95,8 +95,24 @@ class Layer:
     eps: float
 
     def __call__(self, h: torch.Tensor, batch: Batch, index: int) -> torch.Tensor:
+        if h.shape[0] == 1 and (fast := self._decode(h, batch, index)) is not None:
+            return fast
         h = h + self.mixer(rms_norm(h, self.in_norm, self.eps), batch, index)
         return h + self.ffn(rms_norm(h, self.post_norm, self.eps))
+
+    def _decode(self, h: torch.Tensor, batch: Batch, index: int) -> torch.Tensor | None:
+        """One decode token: the mixer's attention half and the router in one native call when the mixer has one
+        (GQAMixer.decode_block), then the routed experts from that routing (one grouped call when resident):
+        the same values as the two lines above with a fraction of their Python. None when it does not apply."""
+        block = getattr(self.mixer, "decode_block", None)
+        if block is None:
+            return None
+        moe = self.ffn if isinstance(self.ffn, SoftmaxMoE) else None
+        got = block(h, batch, index, self.in_norm, self.post_norm, self.eps, moe.router if moe else None)
+        if got is None:
+            return None
+        h, x, ids, weights = got
+        return h + (moe.experts(x, ids, weights) if moe is not None and ids is not None else self.ffn(x))
 
 
 @dataclass
@@ -210,14 +226,26 @@ def sigmoid_moe(ctx: ModelContext, layer: int, p: str, fn, top_k: int, renormali
     return ffn
 
 
-def softmax_moe(ctx: ModelContext, layer: int, p: str, top_k: int,
-                renormalize: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Mixtral / Qwen3-MoE MoE at `p`: softmax router over all experts in fp32, top-k, SiLU-GLU experts."""
-    route = routed(ctx, layer, SoftmaxRouter(router(ctx, f"{p}.gate.weight"), top_k, renormalize))
-    fn, group = expert_glu(), glu_group()
+@dataclass(eq=False)
+class SoftmaxMoE:
+    """Mixtral / Qwen3-MoE MoE layer: softmax router over all experts in fp32, top-k, SiLU-GLU experts through the
+    runner. `experts` runs the routed experts for a routing computed elsewhere (the native decode block's)."""
 
-    def ffn(x: torch.Tensor) -> torch.Tensor:
-        ids, wts = route(x)
-        return ctx.experts.run(layer, x, ids, wts, fn, group=group)
+    ctx: ModelContext
+    layer: int
+    router: SoftmaxRouter
+    fn: Callable = field(default_factory=expert_glu)
+    group: Callable = field(default_factory=glu_group)
 
-    return ffn
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ids, wts = self.router(x)
+        return self.experts(x, ids, wts)
+
+    def experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.ctx.experts.run(self.layer, x, ids, weights, self.fn, group=self.group)
+
+
+def softmax_moe(ctx: ModelContext, layer: int, p: str, top_k: int, renormalize: bool) -> SoftmaxMoE:
+    """The SoftmaxMoE at `p` (its router registered for the lookahead)."""
+    return SoftmaxMoE(ctx, layer, routed(ctx, layer, SoftmaxRouter(router(ctx, f"{p}.gate.weight"), top_k,
+                                                                    renormalize)))

@@ -203,7 +203,8 @@ def glu_group(act=silu_glu) -> Callable[..., bool]:
         parts = [glu_parts(t) for t in tensors]
         if any(p is None for p in parts):
             return False
-        return _native_glu(cpu.rows(x, x.shape[-1]), parts, spec, out, experts, ids, weights)
+        flat = x if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() else cpu.rows(x, x.shape[-1])
+        return _native_glu(flat, parts, spec, out, experts, ids, weights)
 
     return run
 

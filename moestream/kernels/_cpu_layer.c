@@ -1,0 +1,126 @@
+/* moestream native CPU kernels, part 3 (#included at the end of _cpu.c, one translation unit): the attention half
+ * of a GQA decoder layer for one decode token in one call, so that a warm decode step's layer costs two native
+ * calls (this one and the grouped experts) instead of some fifteen small ones with Python between them.
+ * Built from the same pieces, in the same order, as the separate calls (rms_rows, the bf16 GEMV rows through the
+ * pool, rms_rows + rope_heads on q and the new key, the softmax-weighted V sum, softmax_topk_row), so its results
+ * equal theirs bit for bit. */
+
+/* the static operands of one layer (ms_gqa_decode_block's cfg): int64 sizes and addresses, 0 for "none" */
+enum {
+    DL_H, DL_HQ, DL_HKV, DL_D, DL_DV, DL_IN_NORM, DL_IN_BF16, DL_WQ, DL_WK, DL_WV, DL_WO, DL_QN, DL_KN, DL_QK_BF16,
+    DL_INV_FREQ, DL_WINDOW, DL_POST_NORM, DL_POST_BF16, DL_ROUTER, DL_E, DL_TOPK, DL_RENORM, DL_BLOCK,
+    DL_MIN_ROWS, DL_COUNT
+};
+enum { DLF_EPS, DLF_FACTOR, DLF_SCALE, DLF_COUNT };
+
+#define ATTN_SPLIT_BYTES (256 << 10) /* below this much K+V the attention runs on the calling thread alone */
+
+typedef struct {
+    int64_t Hq, Hkv, D, Dv, start, length, j0, block;
+    const int64_t *kb, *vb;
+    const float *q;
+    float *out, *scores; /* scores: per part, length floats */
+    float scale;
+} dl_attn_job;
+
+/* heads [h0, h1) of part `part`: the loops of ms_gqa_attend for one query, keys read from the cache's blocks */
+static void dl_attn_part(void *arg, int part, int parts) {
+    const dl_attn_job *j = arg;
+    const int64_t h0 = j->Hq * part / parts, h1 = j->Hq * (part + 1) / parts, G = j->Hq / j->Hkv;
+    float *p = j->scores + (int64_t)part * j->length;
+    for (int64_t h = h0; h < h1; h++) {
+        const float *qh = j->q + h * j->D;
+        const int64_t g = h / G;
+        float m = -INFINITY;
+        for (int64_t i = j->j0; i < j->length; i++) {
+            const int64_t r = i - j->start;
+            const float *kj = (const float *)(intptr_t)j->kb[r / j->block] + ((r % j->block) * j->Hkv + g) * j->D;
+            float sdot = 0.0f;
+            for (int64_t d = 0; d < j->D; d++) sdot += qh[d] * kj[d];
+            p[i] = sdot * j->scale;
+            if (p[i] > m) m = p[i];
+        }
+        float sum = 0.0f;
+        for (int64_t i = j->j0; i < j->length; i++) {
+            p[i] = expf(p[i] - m);
+            sum += p[i];
+        }
+        float *oh = j->out + h * j->Dv;
+        for (int64_t d = 0; d < j->Dv; d++) oh[d] = 0.0f;
+        for (int64_t i = j->j0; i < j->length; i++) {
+            const int64_t r = i - j->start;
+            const float w = p[i] / sum;
+            const float *vj = (const float *)(intptr_t)j->vb[r / j->block] + ((r % j->block) * j->Hkv + g) * j->Dv;
+            for (int64_t d = 0; d < j->Dv; d++) oh[d] += w * vj[d];
+        }
+    }
+}
+
+static int dl_parts(int64_t rows, int64_t min_rows) {
+    int parts = pool_parts;
+    while (parts > 1 && rows / parts < min_rows) parts--;
+    return parts;
+}
+
+/* The attention half of one decode token's layer, h fp32 [H] updated in place:
+ *   x = rms_norm(h) * in_norm;  q, k, v = x Wq^T, x Wk^T, x Wv^T (k, v written straight into the cache row of
+ *   position length - 1, which the caller has appended); per-head q/k rms_norm and rotate-half rope at that
+ *   position; softmax(q k^T scale) v over the held keys [start, length) (the last `window` positions when
+ *   window > 0); h += o Wo^T;
+ * then x2 = rms_norm(h) * post_norm and, with a router, the softmax top-k of x2 Wr^T into ids / wts.
+ * The cache is in blocks of cfg[DL_BLOCK] rows at the addresses kb[i], vb[i] (fp32 [block, Hkv, D] / [.., Dv]),
+ * blocks[0] starting at absolute row `start`. Returns 0, or -1 when out of memory. */
+int ms_gqa_decode_block(const int64_t *cfg, const float *fcfg, float *h, const int64_t *kb, const int64_t *vb,
+                        int64_t start, int64_t length, float *x2, int64_t *ids, float *wts) {
+    const int64_t H = cfg[DL_H], Hq = cfg[DL_HQ], Hkv = cfg[DL_HKV], D = cfg[DL_D], Dv = cfg[DL_DV];
+    const int64_t block = cfg[DL_BLOCK], window = cfg[DL_WINDOW], E = cfg[DL_E], min_rows = cfg[DL_MIN_ROWS];
+    const float eps = fcfg[DLF_EPS];
+    const int64_t nq = Hq * D, nk = Hkv * D, nv = Hkv * Dv, na = Hq * Dv, ldx = bf16_stride(H), lda = bf16_stride(na);
+    const int64_t row = length - 1 - start;
+    if (length <= start || H <= 0 || Hkv <= 0 || Hq % Hkv) return -2;
+    const int64_t j0 = window > 0 && length > window ? length - window : 0, first = j0 > start ? j0 : start;
+    const int attn_parts = (length - first) * nk * 8 < ATTN_SPLIT_BYTES ? 1 : dl_parts(Hq, 1);
+    float *mem = malloc(sizeof(float) * (size_t)(2 * ldx + H + nq + na + lda + H + attn_parts * length + E) +
+                        (size_t)E + 64);
+    if (!mem) return -1;
+    float *xp = (float *)(((uintptr_t)mem + 63) & ~(uintptr_t)63), *x = xp + ldx, *q = x + H, *att = q + nq;
+    float *ap = att + na, *y = ap + lda, *scores = y + H, *logits = scores + attn_parts * length;
+    char *taken = (char *)(logits + E);
+
+    memcpy(x, h, sizeof(float) * (size_t)H);
+    rms_rows(x, 1, H, (const void *)(intptr_t)cfg[DL_IN_NORM], (int)cfg[DL_IN_BF16], eps);
+    bf16_prepare_row(x, H, xp);
+    float *kout = (float *)(intptr_t)kb[row / block] + (row % block) * nk;
+    float *vout = (float *)(intptr_t)vb[row / block] + (row % block) * nv;
+    const int64_t ws[3] = {cfg[DL_WQ], cfg[DL_WK], cfg[DL_WV]}, Ns[3] = {nq, nk, nv};
+    const int64_t outs[3] = {(int64_t)(intptr_t)q, (int64_t)(intptr_t)kout, (int64_t)(intptr_t)vout};
+    bf16_job qkv = {xp, ldx, 1, H, 3, nq + nk + nv, ws, Ns, outs};
+    bf16_run(&qkv, dl_parts(nq + nk + nv, min_rows));
+
+    const void *qn = (const void *)(intptr_t)cfg[DL_QN], *kn = (const void *)(intptr_t)cfg[DL_KN];
+    const float *inv_freq = (const float *)(intptr_t)cfg[DL_INV_FREQ];
+    if (qn) rms_rows(q, Hq, D, qn, (int)cfg[DL_QK_BF16], eps);
+    if (kn) rms_rows(kout, Hkv, D, kn, (int)cfg[DL_QK_BF16], eps);
+    if (inv_freq) {
+        rope_heads(q, Hq, D, length - 1, inv_freq, fcfg[DLF_FACTOR]);
+        rope_heads(kout, Hkv, D, length - 1, inv_freq, fcfg[DLF_FACTOR]);
+    }
+    dl_attn_job aj = {Hq, Hkv, D, Dv, start, length, first, block, kb, vb, q, att, scores, fcfg[DLF_SCALE]};
+    pool_run(dl_attn_part, &aj, attn_parts);
+
+    bf16_prepare_row(att, na, ap);
+    const int64_t wo = cfg[DL_WO], yo = (int64_t)(intptr_t)y;
+    bf16_job oj = {ap, lda, 1, na, 1, H, &wo, &H, &yo};
+    bf16_run(&oj, dl_parts(H, min_rows));
+    for (int64_t c = 0; c < H; c++) h[c] += y[c];
+
+    memcpy(x2, h, sizeof(float) * (size_t)H);
+    rms_rows(x2, 1, H, (const void *)(intptr_t)cfg[DL_POST_NORM], (int)cfg[DL_POST_BF16], eps);
+    if (cfg[DL_ROUTER] && E > 0) {
+        bf16_prepare_row(x2, H, xp);
+        bf16_rows(xp, ldx, 1, H, (const uint16_t *)(intptr_t)cfg[DL_ROUTER], 0, E, logits, E);
+        softmax_topk_row(logits, E, cfg[DL_TOPK], (int)cfg[DL_RENORM], taken, ids, wts);
+    }
+    free(mem);
+    return 0;
+}

@@ -1,0 +1,138 @@
+"""The one-call decode layer (fused.DecodeBlock / ms_gqa_decode_block, GQAMixer.decode_block, Layer._decode): the
+same values bit for bit as the separate native calls it replaces (norms, q/k/v, attention with the KV append,
+o_proj, residual, router), across KV blocks and with 1 and 2 threads; a sliding window against the torch path;
+the warm one-token step actually takes it (counters); bad operands get clear errors; the pool's counters."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import max_rel_diff, prompt_ids
+from moestream import Engine
+from moestream.kernels import cpu, fused
+from moestream.memory.state import BLOCK_TOKENS, Batch
+from moestream.models.attention import GQAMixer
+from moestream.models.blocks import rms_norm
+from moestream.synth import synthesize
+
+native = pytest.mark.skipif(not cpu.available(), reason=f"no native kernels here ({cpu.reason()})")
+
+
+@pytest.fixture
+def threads():
+    before = cpu.threads()
+    yield cpu.set_threads
+    cpu.set_threads(before)
+
+
+def _decode(eng: Engine, ids: list[int], fast: bool, monkeypatch) -> torch.Tensor:
+    """Logits of a fresh sequence fed one token per step, with the decode block on or off."""
+    with monkeypatch.context() as m:
+        if not fast:
+            m.setattr(GQAMixer, "decode_block", lambda *a, **k: None)
+        state = eng.new_sequence()
+        try:
+            return torch.stack([eng.step([(state, [t])])[0] for t in ids])
+        finally:
+            eng.free(state)
+
+
+@native
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_decode_block_equals_separate_calls_and_is_taken(family, n_threads, tmp_path, monkeypatch, threads):
+    """Warm (every expert cached, so both paths take the grouped kernel): identical logits over more than one KV
+    block, and every layer of every step went through the decode block and the resident expert step."""
+    synthesize(family, tmp_path / family, "tiny", progress=False)
+    eng = Engine.open(tmp_path / family, ram_budget="1GB")
+    threads(n_threads)
+    ids = prompt_ids(eng.vocab_size, BLOCK_TOKENS + 6, seed=5)
+    _decode(eng, ids, True, monkeypatch)  # warm the expert cache
+    _decode(eng, ids, False, monkeypatch)
+    layers = eng.model.layers
+    blocks0, resident0 = sum(ly.mixer.decode_blocks for ly in layers), eng.runner.times.resident_steps
+    got = _decode(eng, ids, True, monkeypatch)
+    assert sum(ly.mixer.decode_blocks for ly in layers) - blocks0 == len(layers) * len(ids)
+    assert eng.runner.times.resident_steps - resident0 == len(layers) * len(ids)
+    want = _decode(eng, ids, False, monkeypatch)
+    assert torch.equal(got, want)
+
+
+@native
+def test_decode_block_layer_pieces_bit_for_bit(tmp_path):
+    """One layer, step by step: h after attention, the post-norm input, the router's ids and weights, and the
+    cache's new key and value rows equal the separate calls'."""
+    synthesize("qwen3_moe", tmp_path / "m", "tiny", progress=False)
+    eng = Engine.open(tmp_path / "m", ram_budget="1GB")
+    layer = eng.model.layers[0]
+    fast, slow = eng.new_sequence(), eng.new_sequence()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(BLOCK_TOKENS + 3):
+        h = torch.randn(1, layer.in_norm.shape[0], generator=g)
+        h1, x2, ids, wts = layer.mixer.decode_block(h, Batch.build([(fast, 1)]), 0, layer.in_norm, layer.post_norm,
+                                                    layer.eps, layer.ffn.router)
+        h_want = h + layer.mixer(rms_norm(h, layer.in_norm, layer.eps), Batch.build([(slow, 1)]), 0)
+        x_want = rms_norm(h_want, layer.post_norm, layer.eps)
+        ids_want, wts_want = layer.ffn.router(x_want)
+        assert torch.equal(h1, h_want) and torch.equal(x2, x_want)
+        assert torch.equal(ids, ids_want) and torch.equal(wts, wts_want)
+        fast.pos += 1
+        slow.pos += 1
+    for a, b in ((fast.layers[0].k, slow.layers[0].k), (fast.layers[0].v, slow.layers[0].v)):
+        assert len(a.blocks) == 2 and torch.equal(a.gather(), b.gather())
+
+
+@native
+def test_decode_block_sliding_window_matches_torch(tmp_path, monkeypatch):
+    """A window shorter than the context drops whole KV blocks: the block kernel (absolute positions, keys from
+    the held blocks) agrees with the torch path's windowed attention."""
+    synthesize("mixtral", tmp_path / "w", "tiny", progress=False)
+    cfg_path = tmp_path / "w" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["sliding_window"] = 20
+    cfg_path.write_text(json.dumps(cfg))
+    eng = Engine.open(tmp_path / "w", ram_budget="1GB")
+    ids = prompt_ids(eng.vocab_size, 2 * BLOCK_TOKENS + 10, seed=7)
+    got = _decode(eng, ids, True, monkeypatch)
+    assert eng.model.layers[0].mixer.decode_blocks == len(ids)
+    with cpu.disabled():
+        want = _decode(eng, ids, True, monkeypatch)  # the torch path (the decode block needs the native kernels)
+    assert max_rel_diff(got, want) < 1e-4
+    assert [int(torch.argmax(r)) for r in got] == [int(torch.argmax(r)) for r in want]
+
+
+@native
+def test_decode_block_rejects_bad_operands():
+    h, d = 32, 8
+    w = {n: torch.randn(*s).bfloat16() for n, s in (("q", (4 * d, h)), ("k", (2 * d, h)), ("v", (2 * d, h)),
+                                                       ("o", (h, 4 * d)))}
+    w.update(in_norm=torch.ones(h), post_norm=torch.ones(h))
+    with pytest.raises(ValueError, match="contiguous bf16 o weight"):
+        fused.DecodeBlock({**w, "o": w["o"].float()}, 4, 2, d, 1e-6, 1.0, 0.3, None, BLOCK_TOKENS)
+    with pytest.raises(ValueError, match="router"):
+        fused.DecodeBlock({**w, "router": torch.randn(8, h).bfloat16()}, 4, 2, d, 1e-6, 1.0, 0.3, None,
+                          BLOCK_TOKENS, top_k=9)
+    block = fused.DecodeBlock(w, 4, 2, d, 1e-6, 1.0, 0.3, None, BLOCK_TOKENS)
+    with pytest.raises(ValueError, match="fp32 h"):
+        block(torch.randn(2, h), [], [], 0, 1)
+    with pytest.raises(ValueError, match="bad cache rows"):
+        block(torch.randn(1, h), [], [], 0, 0)
+
+
+@native
+def test_pool_stats_count_threaded_calls(threads):
+    """ms_pool_stats: a call split over two threads counts once; a one-thread call does not count."""
+    w, x = torch.randn(1024, 64).bfloat16(), torch.randn(1, 64)
+    threads(1)
+    before = cpu.pool_stats()
+    cpu.linear_bf16(x, w)
+    assert cpu.pool_stats()["runs"] == before["runs"]
+    threads(2)
+    got = cpu.linear_bf16(x, w)
+    after = cpu.pool_stats()
+    assert after["runs"] == before["runs"] + 1
+    assert set(after) == {"runs", "caller_sleeps", "worker_sleeps", "long_waits"}
+    assert all(after[k] >= before[k] for k in after)
+    assert torch.allclose(got, x @ w.float().T, rtol=1e-4, atol=1e-4)
