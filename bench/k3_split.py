@@ -25,6 +25,7 @@ import torch
 from moestream import Engine
 from moestream.bench import drop_page_cache, model_files, probe_disk
 from moestream.config import parse_bytes
+from moestream.kernels import cpu
 from moestream.kernels.quant import bandwidth_probe
 from moestream.models import attnres, base, blocks, kda, latent_moe, mla
 
@@ -199,6 +200,10 @@ def run_once(path: Path, opts, lookahead: bool, mem_bw: float) -> dict:
     finally:
         base.DenseWeights.__init__ = init
     try:
+        if opts.native_threads:
+            cpu.set_threads(opts.native_threads)
+        if opts.torch_threads:
+            torch.set_num_threads(opts.torch_threads)
         eng.runner.lookahead.enabled = lookahead
         instrument(eng, split, captured[0])
         r = decode(eng, opts, split)
@@ -219,7 +224,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", type=Path)
     ap.add_argument("--ram-budget", default="4.5GiB")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="the engine's --threads (torch and native alike)")
+    ap.add_argument("--native-threads", type=int, default=None, help="then override the native kernels' threads")
+    ap.add_argument("--torch-threads", type=int, default=None, help="then override torch's intra-op threads")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--gen-len", type=int, default=16)
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -228,11 +235,12 @@ def main() -> None:
     ap.add_argument("--lookahead", default="on", help="on, off or on,off (one fresh engine each)")
     opts = ap.parse_args()
     opts.ram_budget = parse_bytes(opts.ram_budget)
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
+    if opts.threads or opts.torch_threads:
+        torch.set_num_threads(opts.torch_threads or opts.threads)
     mem_bw = bandwidth_probe(512 << 20)
     out = [run_once(opts.model, opts, v == "on", mem_bw) for v in opts.lookahead.split(",")]
-    print(json.dumps({"threads": opts.threads, "runs": out}, indent=1, default=float))
+    print(json.dumps({"threads": opts.threads, "native_threads": cpu.threads(), "torch_threads": torch.get_num_threads(),
+                      "runs": out}, indent=1, default=float))
 
 
 if __name__ == "__main__":
