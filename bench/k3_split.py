@@ -111,7 +111,8 @@ def instrument(eng, split: Split, weights) -> None:
 
     for mod in (mla, blocks, latent_moe, base, kda):
         split.patch(mod, "linear", lin_key, lin_bytes)
-    split.patch(mla, "tiled_causal_attention", "mla attention")
+    # MLA's attention core: tiled.attend_tiles since the cache is read by blocks (tiled_causal_attention before)
+    split.patch(mla, "attend_tiles" if hasattr(mla, "attend_tiles") else "tiled_causal_attention", "mla attention")
     split.patch(attnres, "attn_res_read", "attnres + norms")
     model = eng.model
     for layer in model.layers:
