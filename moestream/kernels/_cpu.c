@@ -361,13 +361,6 @@ INLINE void mx_tile(const float *xp, int64_t ldx, const uint8_t *p, const uint8_
     for (int t = 0; t < TT; t++) out[t * ldo] = _mm512_reduce_add_ps(acc[t]);
 }
 
-#define MX_CASE(TT) \
-    case TT: mx_tile(xp, ldx, p, s, K, out, ldo, TT); break;
-
-static void mx_row(const float *xp, int64_t ldx, int tt, const uint8_t *p, const uint8_t *s, int64_t K, float *out,
-                   int64_t ldo) {
-    switch (tt) { MX_CASE(1) MX_CASE(2) MX_CASE(3) MX_CASE(4) MX_CASE(5) MX_CASE(6) MX_CASE(7) MX_CASE(8) }
-}
 #else
 /* x reordered so that each block of 32 lists the inputs of its bytes' low nibbles, then of their high nibbles */
 static int64_t mx_stride(int64_t K) { return K; }
@@ -446,13 +439,6 @@ static void mx_rows2(const float *xp, const uint8_t *p, const uint8_t *s, int64_
         out[r] = vsum(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
 }
 
-#define MX_CASE(TT) \
-    case TT: mx_tile(xp, ldx, p, s, K, out, ldo, TT); break;
-
-static void mx_row(const float *xp, int64_t ldx, int tt, const uint8_t *p, const uint8_t *s, int64_t K, float *out,
-                   int64_t ldo) {
-    switch (tt) { MX_CASE(1) MX_CASE(2) MX_CASE(3) MX_CASE(4) MX_CASE(5) MX_CASE(6) MX_CASE(7) MX_CASE(8) }
-}
 #else
 static void mx_row(const float *xp, int64_t ldx, int tt, const uint8_t *p, const uint8_t *s, int64_t K, float *out,
                    int64_t ldo) {
@@ -472,6 +458,16 @@ static void mx_row(const float *xp, int64_t ldx, int tt, const uint8_t *p, const
     }
 }
 #endif
+#endif
+
+#if MS_SIMD
+#define MX_CASE(TT) \
+    case TT: mx_tile(xp, ldx, p, s, K, out, ldo, TT); break;
+
+static void mx_row(const float *xp, int64_t ldx, int tt, const uint8_t *p, const uint8_t *s, int64_t K, float *out,
+                   int64_t ldo) {
+    switch (tt) { MX_CASE(1) MX_CASE(2) MX_CASE(3) MX_CASE(4) MX_CASE(5) MX_CASE(6) MX_CASE(7) MX_CASE(8) }
+}
 #endif
 
 /* rows [n0, n1) of every token; x prepared (row stride ldx) */
