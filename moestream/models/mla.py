@@ -27,6 +27,7 @@ EXPAND_LIMIT = 1 << 24  # max expanded k/v elements (keys * H * (dn + dv)) befor
 # scratch one attention call plans its tiles in (tiled.tile_plan; under a budget, the scratch allowance caps it):
 # expanded tiles of K3's 96 heads need ~32 MiB for 128 keys; an absorbed decode tile of 512 latents ~5 MiB
 TILE_BYTES_MLA = 64 << 20
+EXPAND_KEY_TILE = 64  # keys per expanded tile at most (a query block re-expands them, so blocks should be tall)
 BATCH_PAD_LIMIT = 1 << 22  # max padded latent elements (sequences * longest cache * width) for batched decode
 
 
@@ -148,7 +149,9 @@ class MLAMixer:
             return first, torch.cat([keys, k_r], -1).unsqueeze(0), values.unsqueeze(0)
 
         q = torch.cat([q_nope, q_r], -1).transpose(0, 1).unsqueeze(0)  # [1, H, n, dn + dr]
-        rows, keys, nbytes = tile_plan(h, h, n, buf.kept, o.qk_nope_head_dim + dr, o.v_head_dim, budget)
+        # every query block expands its key tiles again: narrow tiles, and as many query rows as then fit
+        rows, keys, nbytes = tile_plan(h, h, n, min(buf.kept, EXPAND_KEY_TILE), o.qk_nope_head_dim + dr,
+                                       o.v_head_dim, budget)
         with scratch(self.memory, nbytes, "MLA attention scratch"):
             ctx = attend_tiles(q, latent_tiles(buf, keys, expanded_tile), seg.pos, o.softmax_scale, None, None, rows,
                                o.v_head_dim)
