@@ -240,8 +240,8 @@ def main() -> None:
         torch.set_num_threads(opts.torch_threads or opts.threads)
     mem_bw = bandwidth_probe(512 << 20)
     out = [run_once(opts.model, opts, v == "on", mem_bw) for v in opts.lookahead.split(",")]
-    print(json.dumps({"threads": opts.threads, "native_threads": cpu.threads(), "torch_threads": torch.get_num_threads(),
-                      "runs": out}, indent=1, default=float))
+    threads = {"threads": opts.threads, "native_threads": cpu.threads(), "torch_threads": torch.get_num_threads()}
+    print(json.dumps({**threads, "runs": out}, indent=1, default=float))
 
 
 if __name__ == "__main__":

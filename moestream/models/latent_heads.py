@@ -4,8 +4,9 @@ Owns the three products attention needs from kv_b: the query folded into the lat
 form), the latent context brought back out (ctx W_UV^T), and per-head keys / values of a tile of latents (expanded
 form). A resident bf16 kv_b keeps W_UK transposed once (counted as dense bytes) so a decode step's fold and
 unfold are one threaded native bf16 call each (all heads at once, no upcast, no loop over heads); a quantised
-one (block-FP8, int4) is dequantised once to fp32 at load (exact, counted). A streamed kv_b (refilled each step) is used as it is: the same native products
-(the key halves transposed per step), and for larger steps a bounded chunk of heads upcast at a time.
+one (block-FP8, int4) is dequantised once to fp32 at load (exact, counted). A streamed kv_b (refilled each step)
+is used as it is: the same native products (the key halves transposed per step), and for larger steps a bounded
+chunk of heads upcast at a time.
 """
 from __future__ import annotations
 
