@@ -96,7 +96,7 @@ def gemv_rates(weights: LayerWeights, opts: MLAOptions, repeats: int = 7) -> lis
     q, ctx = torch.randn(opts.heads, 1, opts.qk_nope_head_dim), torch.randn(opts.heads, 1, opts.kv_lora_rank)
     kv_b = weights.t["a.kv_b_proj.weight"]
     sec = timed(lambda: (heads.fold_query(q), heads.unfold_context(ctx)))
-    rows.append({"weight": "kv_b per-head fold + unfold", "shape": list(kv_b.shape), "seconds": sec,
+    rows.append({"weight": "kv_b fold + unfold (all heads)", "shape": list(kv_b.shape), "seconds": sec,
                  "gb_per_s": kv_b.numel() * kv_b.element_size() / sec / 1e9})
     return rows
 

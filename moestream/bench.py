@@ -26,11 +26,13 @@ from moestream.config import format_bytes, parse_bytes
 from moestream.errors import MoestreamError
 from moestream.plot import pyplot
 from moestream.experts.reader import IO_THREADS, align_down
+from moestream.kernels.quant import bandwidth_probe
 from moestream.weights.index import drop_file_pages
 
 PROBE_CHUNK = 4 << 20
 PROBE_SECONDS = 2.0
 PROBE_THREADS = 8  # the probe asks the disk for its best at a deep queue, whatever depth the engine reads at
+MEMORY_PROBE_BYTES = 256 << 20  # read by the memory bandwidth probe (best of three passes; 8x the LLC here)
 
 
 # The stated fixed overhead: peak RSS stays within the budget plus the interpreter's own RSS before the engine opens
@@ -182,6 +184,8 @@ def bench(path: str | Path, opts: BenchOptions) -> dict:
     # each; the roofline uses their mean (the disk's average around the run) and the report keeps the better one
     probe_threads = max(PROBE_THREADS, opts.io_threads)
     probes = [probe_disk(files, probe_threads)] if opts.probe else []
+    # before the engine opens: its buffer comes and goes while RSS is the interpreter's (a --cap run's group)
+    mem_bw = bandwidth_probe(MEMORY_PROBE_BYTES) if opts.probe else 0.0
     base_rss = rss_now()
     eng = Engine.open(path, ram_budget=opts.ram_budget, cache_policy=opts.policy, io_threads=opts.io_threads,
                       threads=opts.threads, state_room=opts.state_room,
@@ -199,6 +203,7 @@ def bench(path: str | Path, opts: BenchOptions) -> dict:
     peak = peak_rss()  # the engine's peak, before the second probe's own buffers
     if opts.probe:
         probes.append(probe_disk(files, probe_threads, seed=1))
+        report["memory_bandwidth_bytes_per_s"] = mem_bw
     report.update(_context(eng, opts, cold, sum(probes) / len(probes) if probes else 0.0, base_rss, peak))
     report["disk_bandwidth_best_probe_bytes_per_s"] = max(probes, default=0.0)
     if opts.ram_budget is not None:
@@ -258,6 +263,7 @@ def _snapshot(eng, clock: PhaseClock) -> dict:
             "busy": io.busy_s, "bytes": io.bytes_read, "layer_hits": dict(eng.runner.cache.stats.layer_hits),
             "layer_misses": dict(eng.runner.cache.stats.layer_misses), "prefetch_reads": t.prefetch_reads,
             "prefetch_used": t.prefetch_used, "prefetch_withdrawn": t.prefetch_withdrawn,
+            "streamed": eng.memory.streamer.bytes_read if eng.memory.streamer is not None else 0,
             "wall": time.perf_counter()}
 
 
@@ -282,6 +288,10 @@ def _summarise(eng, opts: BenchOptions, records: list[TokenRecord], ttft: float,
         "prefill_tokens_per_s": opts.prompt_len / ttft if ttft > 0 else 0.0,
         "ttft_s": ttft,
         "bytes_read_per_token": nbytes / n,
+        "streamed_dense_bytes_per_token": (b["streamed"] - a["streamed"]) / n,
+        # RAM a token reads: the resident dense weights (all but the embedding table, of which it reads one row)
+        # and its cached experts
+        "resident_bytes_per_token": _resident_dense_bytes(eng) + hits / n * _mean_expert_bytes(eng),
         "expert_hit_rate": hits / max(1, hits + misses),
         "read_bandwidth_bytes_per_s": nbytes / d["busy"] if d["busy"] > 0 else 0.0,
         "disk_busy_fraction": d["busy"] / decode_s,  # share of decode time with at least one read in flight
@@ -294,6 +304,18 @@ def _summarise(eng, opts: BenchOptions, records: list[TokenRecord], ttft: float,
         "per_token": [{"s": round(r.seconds, 5), "bytes": r.bytes_read,
                        "hit_rate": round(r.hits / max(1, r.hits + r.misses), 4)} for r in records],
     }
+
+
+def _resident_dense_bytes(eng) -> int:
+    table = getattr(eng.model, "embed_tokens", None)
+    streamer = eng.memory.streamer
+    embed_resident = table is not None and (streamer is None or not streamer.plan.embed_streamed)
+    return eng.memory.dense_bytes - (table.numel() * table.element_size() if embed_resident else 0)
+
+
+def _mean_expert_bytes(eng) -> float:
+    count = len(eng.plan.layout.moe_layers) * eng.plan.layout.num_experts
+    return eng.plan.expert_bytes / max(1, count)
 
 
 def _context(eng, opts: BenchOptions, cold: str, disk_bw: float, base_rss: int, peak: int) -> dict:
@@ -309,12 +331,22 @@ def _context(eng, opts: BenchOptions, cold: str, disk_bw: float, base_rss: int, 
 
 def finish_report(r: dict) -> dict:
     """Derived figures: io_roofline_fraction = (bytes per token / disk bandwidth) / seconds per token, against the
-    probes' mean and (io_roofline_fraction_best_probe) against the faster probe."""
+    probes' mean and (io_roofline_fraction_best_probe) against the faster probe; every_byte_roofline_fraction =
+    (expert and streamed dense bytes at the disk bandwidth + resident dense and cached expert bytes at the memory
+    bandwidth, no overlap credited) / seconds per token (issue #12's K3 roofline)."""
     per_tok = 1.0 / r["decode_tokens_per_s"] if r["decode_tokens_per_s"] > 0 else 0.0
     for key, bw_key in (("io_roofline_fraction", "disk_bandwidth_bytes_per_s"),
                         ("io_roofline_fraction_best_probe", "disk_bandwidth_best_probe_bytes_per_s")):
         bw = r.get(bw_key) or 0.0
         r[key] = (r["bytes_read_per_token"] / bw) / per_tok if bw > 0 and per_tok > 0 else None
+    disk, mem = r.get("disk_bandwidth_bytes_per_s") or 0.0, r.get("memory_bandwidth_bytes_per_s") or 0.0
+    if disk > 0 and mem > 0 and per_tok > 0:
+        roof_s = ((r["bytes_read_per_token"] + r.get("streamed_dense_bytes_per_token", 0.0)) / disk
+                  + r.get("resident_bytes_per_token", 0.0) / mem)
+        r["every_byte_roofline_tokens_per_s"] = 1.0 / roof_s if roof_s > 0 else None
+        r["every_byte_roofline_fraction"] = roof_s / per_tok
+    else:
+        r["every_byte_roofline_tokens_per_s"] = r["every_byte_roofline_fraction"] = None
     return r
 
 
@@ -335,6 +367,8 @@ def format_report(r: dict) -> str:
            if r.get("disk_bandwidth_best_probe_bytes_per_s") else "skipped (--no-probe)"),
         f"I/O roofline     {_pct(r['io_roofline_fraction'])} of decode time is the disk at full speed "
         f"({_pct(r.get('io_roofline_fraction_best_probe'))} against the better probe)",
+        f"every-byte roof  {_pct(r.get('every_byte_roofline_fraction'))} (disk bytes at the disk's, RAM bytes at "
+        f"the memory's bandwidth: {r.get('every_byte_roofline_tokens_per_s') or 0:.2f} tok/s)",
         f"peak RSS         {format_bytes(r['peak_rss_bytes'])} (interpreter and libraries "
         f"{format_bytes(r['interpreter_rss_bytes'])}; accounted peak {format_bytes(r['peak_accounted_bytes'])})"
         + (f"; bound budget + interpreter + {format_bytes(RSS_LIBRARY_ALLOWANCE)}: "

@@ -48,6 +48,11 @@ def test_report_fields_and_consistency(tiny, tmp_path):
     best = r["bytes_read_per_token"] / max(probes) / per_tok
     assert r["io_roofline_fraction_best_probe"] == pytest.approx(best)
     assert r["io_roofline_fraction_best_probe"] <= r["io_roofline_fraction"]
+    # every byte: expert and streamed dense bytes at the disk's bandwidth, resident bytes at the memory's
+    roof = ((r["bytes_read_per_token"] + r["streamed_dense_bytes_per_token"]) / r["disk_bandwidth_bytes_per_s"]
+            + r["resident_bytes_per_token"] / r["memory_bandwidth_bytes_per_s"])
+    assert r["resident_bytes_per_token"] > 0 and r["every_byte_roofline_fraction"] == pytest.approx(roof / per_tok)
+    assert r["every_byte_roofline_fraction"] >= r["io_roofline_fraction"]
     assert 0.0 <= r["disk_busy_fraction"] <= 1.0
     ph = r["decode_phases_s"]
     assert sum(v for v in ph.values()) == pytest.approx(6 * per_tok, rel=1e-6)
@@ -64,6 +69,7 @@ def test_cli_json(tiny, capsys):
     assert rc == 0
     r = json.loads(capsys.readouterr().out)
     assert r["ram_budget_bytes"] is None and r["io_roofline_fraction"] is None  # no probe: no roofline
+    assert r["every_byte_roofline_fraction"] is None
 
 
 def test_cli_rejects_bad_policy(tiny, capsys):

@@ -14,7 +14,7 @@ from moestream.memory.accountant import MemoryAccountant
 from moestream.memory.state import Batch, SeqState
 from moestream.models import mla
 from moestream.models.latent_heads import LatentHeads
-from moestream.models.mla import MLAMixer, MLAOptions, tiled_causal_attention
+from moestream.models.mla import MLAMixer, MLAOptions
 
 H, DN, DV, R = 4, 16, 12, 32
 
@@ -62,31 +62,6 @@ def test_prepared_bytes_are_counted_once_at_load():
     LatentHeads(_kv_b("bf16")[0], H, DN, DV, R, None)  # streamed: nothing prepared, nothing counted
 
 
-@pytest.mark.parametrize("pos0,n,length", [(0, 37, 37), (20, 1, 21), (10, 9, 19), (0, 200, 200)])
-def test_tiled_attention_equals_full_softmax(monkeypatch, pos0, n, length):
-    """Small score blocks force several query blocks and key tiles (and tiles wholly in a block's future)."""
-    monkeypatch.setattr(mla, "SCORE_BLOCK", 3 * 8 * 8)
-    monkeypatch.setattr(mla, "MIN_KEY_TILE", 8)
-    torch.manual_seed(2)
-    h, d, dr, dv = 3, 10, 4, 6
-    q, q_r = torch.randn(h, n, d), torch.randn(h, n, dr)
-    keys, k_r, values = torch.randn(h, length, d), torch.randn(length, dr), torch.randn(h, length, dv)
-    calls = []
-
-    def tile(l0, l1):
-        calls.append((l0, l1))
-        return keys[:, l0:l1], k_r[l0:l1], values[:, l0:l1]
-
-    got = tiled_causal_attention(q, q_r, tile, length, dv, pos0, 0.3)
-    scores = (q @ keys.transpose(1, 2) + q_r @ k_r.T) * 0.3
-    seen = torch.arange(length).unsqueeze(0) <= torch.arange(pos0, pos0 + n).unsqueeze(1)
-    want = torch.softmax(scores.masked_fill(~seen, float("-inf")), -1) @ values
-    assert torch.allclose(got, want, atol=1e-5)
-    assert max(l1 - l0 for l0, l1 in calls) <= max(8, 3 * 8 * 8 // (h * 1))
-    if n > 1:
-        assert len(calls) > 1
-
-
 def _mixer_tensors(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     torch.manual_seed(3)
     hidden, dr = 64, 8
@@ -122,3 +97,48 @@ def test_bf16_latent_cache_stays_close():
     want = _run(bf16, "auto", [20, 1, 1])
     got = _run(bf16, "auto", [20, 1, 1], kv_dtype=torch.bfloat16)
     assert max_rel_diff(got, want) < 2e-2
+
+
+def test_attention_reads_the_cache_blocks_without_gathering_them(monkeypatch):
+    """A cache of several blocks is attended tile by tile: BlockBuffer never hands out a gathered whole-cache copy
+    (the old `append` returned one, fp32 and uncharged). Modes still agree, one sequence or a batched decode."""
+    from moestream.memory.state import BLOCK_TOKENS, BlockBuffer
+
+    def refuse(*_a, **_kw):
+        raise AssertionError("MLA gathered the whole latent cache")
+
+    monkeypatch.setattr(BlockBuffer, "gather", refuse)
+    bf16 = _mixer_tensors(torch.bfloat16)
+    splits = [2 * BLOCK_TOKENS + 7, 1, 1]
+    want = _run(bf16, "expand", splits)
+    assert max_rel_diff(_run(bf16, "absorb", splits), want) < 1e-5
+    opts = MLAOptions(heads=H, kv_lora_rank=R, qk_nope_head_dim=DN, qk_rope_head_dim=8, v_head_dim=DV)
+    mixer = MLAMixer(FakeWeights(bf16), "attn", opts)
+    x = torch.randn(2 * BLOCK_TOKENS + 1, 64, generator=torch.Generator().manual_seed(5))
+
+    def prefilled() -> list[SeqState]:  # two sequences of one and two blocks and a bit
+        memory, states = MemoryAccountant(None), []
+        for n in (BLOCK_TOKENS + 3, 2 * BLOCK_TOKENS):
+            states.append(SeqState(memory, 1))
+            mixer(x[:n], Batch.build([(states[-1], n)]), 0)
+            states[-1].pos += n
+        return states
+
+    s = prefilled()
+    both = mixer(x[-2:], Batch.build([(s[0], 1), (s[1], 1)]), 0)  # one batched absorbed decode step
+    s = prefilled()
+    alone = [mixer(x[-2 + i:x.shape[0] - 1 + i], Batch.build([(s[i], 1)]), 0) for i in range(2)]
+    assert max_rel_diff(both, torch.cat(alone)) < 1e-5
+
+
+def test_heads_kernel_matches_per_head_products():
+    if not cpu.available():
+        pytest.skip(cpu.reason())
+    torch.manual_seed(6)
+    w = torch.randn(5 * 40, 24).to(torch.bfloat16)  # 5 heads of [dn 16 | dv 24] rows, rank 24
+    x = torch.randn(5, 3, 24)
+    got = cpu.linear_bf16_heads(x, w, 16 * 24, 40 * 24, 24)  # each head's value half, read in place
+    want = torch.einsum("htr,hvr->htv", x, w.float().view(5, 40, 24)[:, 16:])
+    assert torch.allclose(got, want, atol=1e-5)
+    with pytest.raises(ValueError, match="overrun"):
+        cpu.linear_bf16_heads(x, w, 17 * 24, 40 * 24, 24)

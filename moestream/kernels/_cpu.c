@@ -368,13 +368,6 @@ INLINE void mx_tile(const float *xp, int64_t ldx, const uint8_t *p, const uint8_
     for (int t = 0; t < TT; t++) out[t * ldo] = _mm512_reduce_add_ps(acc[t]);
 }
 
-#define MX_CASE(TT) \
-    case TT: mx_tile(xp, ldx, p, s, K, out, ldo, TT); break;
-
-static void mx_row(const float *xp, int64_t ldx, int tt, const uint8_t *p, const uint8_t *s, int64_t K, float *out,
-                   int64_t ldo) {
-    switch (tt) { MX_CASE(1) MX_CASE(2) MX_CASE(3) MX_CASE(4) MX_CASE(5) MX_CASE(6) MX_CASE(7) MX_CASE(8) }
-}
 #else
 /* x reordered so that each block of 32 lists the inputs of its bytes' low nibbles, then of their high nibbles */
 static int64_t mx_stride(int64_t K) { return K; }
@@ -388,6 +381,72 @@ static void mx_prepare(const float *x, int64_t T, int64_t K, int layout, float *
             }
 }
 
+#if MS_SIMD == 1
+/* AVX2: a block's 16 bytes give 32 codes; one in-register byte lookup per nibble half maps each code to twice its
+ * E2M1 value as an int8 (exact), sign extension and conversion make 4 x 8 fp32 weights in the prepared x order,
+ * and the block's scale (2^(s - 127) / 2, exact) multiplies them once for all tokens. */
+INLINE void mx_tile(const float *xp, int64_t ldx, const uint8_t *p, const uint8_t *s, int64_t K, float *out,
+                    int64_t ldo, const int TT) {
+    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    const int64_t nb = K / 32;
+    __m256 acc[TILE_T][2];
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(p + b * 16));
+        const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(v, nib));
+        const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), nib));
+        const __m256 scale = _mm256_set1_ps(e8m0(s[b]) * 0.5f);
+        __m256 f[4];
+        f[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), scale);
+        f[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), scale);
+        f[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), scale);
+        f[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), scale);
+#pragma GCC unroll 8
+        for (int t = 0; t < TT; t++) {
+            const float *xt = xp + t * ldx + b * 32;
+            acc[t][0] = _mm256_fmadd_ps(f[0], _mm256_loadu_ps(xt), acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xt + 8), acc[t][1]);
+            acc[t][0] = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xt + 16), acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xt + 24), acc[t][1]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; t++) out[t * ldo] = vsum(_mm256_add_ps(acc[t][0], acc[t][1]));
+}
+
+/* one token, two rows at once: eight independent accumulator chains hide the FMA latency */
+static void mx_rows2(const float *xp, const uint8_t *p, const uint8_t *s, int64_t K, float *out) {
+    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    const int64_t nb = K / 32, half = K / 2;
+    __m256 a[2][4];
+    for (int r = 0; r < 2; r++)
+        for (int i = 0; i < 4; i++) a[r][i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = xp + b * 32;
+        const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
+        const __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
+#pragma GCC unroll 2
+        for (int r = 0; r < 2; r++) {
+            const __m128i v = _mm_loadu_si128((const __m128i *)(p + r * half + b * 16));
+            const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(v, nib));
+            const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), nib));
+            const __m256 scale = _mm256_set1_ps(e8m0(s[r * nb + b]) * 0.5f);
+            a[r][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), scale), x0, a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(
+                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), scale), x1, a[r][1]);
+            a[r][2] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), scale), x2, a[r][2]);
+            a[r][3] = _mm256_fmadd_ps(
+                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), scale), x3, a[r][3]);
+        }
+    }
+    for (int r = 0; r < 2; r++)
+        out[r] = vsum(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
+}
+
+#else
 static void mx_row(const float *xp, int64_t ldx, int tt, const uint8_t *p, const uint8_t *s, int64_t K, float *out,
                    int64_t ldo) {
     const int64_t nb = K / 32;
@@ -406,11 +465,27 @@ static void mx_row(const float *xp, int64_t ldx, int tt, const uint8_t *p, const
     }
 }
 #endif
+#endif
+
+#if MS_SIMD
+#define MX_CASE(TT) \
+    case TT: mx_tile(xp, ldx, p, s, K, out, ldo, TT); break;
+
+static void mx_row(const float *xp, int64_t ldx, int tt, const uint8_t *p, const uint8_t *s, int64_t K, float *out,
+                   int64_t ldo) {
+    switch (tt) { MX_CASE(1) MX_CASE(2) MX_CASE(3) MX_CASE(4) MX_CASE(5) MX_CASE(6) MX_CASE(7) MX_CASE(8) }
+}
+#endif
 
 /* rows [n0, n1) of every token; x prepared (row stride ldx) */
 static void mx_rows(const float *xp, int64_t ldx, int64_t T, int64_t K, const uint8_t *p, const uint8_t *s,
                     int64_t n0, int64_t n1, float *out, int64_t N) {
     const int64_t half = K / 2, nb = K / 32;
+#if MS_SIMD == 1
+    if (T == 1) { /* decode: two rows per pass */
+        for (; n0 + 2 <= n1; n0 += 2) mx_rows2(xp, p + n0 * half, s + n0 * nb, K, out + n0);
+    }
+#endif
     for (int64_t n = n0; n < n1; n++)
         for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
             int tt = (int)(T - t0 < TILE_T ? T - t0 : TILE_T);
@@ -669,6 +744,44 @@ int ms_linear_bf16(const float *x, int64_t T, int64_t K, const uint16_t *w, int6
                    int64_t min_rows_per_thread) {
     const int64_t wa = (int64_t)(intptr_t)w, oa = (int64_t)(intptr_t)out;
     return ms_linear_bf16_many(x, T, K, 1, &wa, &N, &oa, min_rows_per_thread);
+}
+
+/* For h < H: out[h] [T, N] = x[h] [T, K] (fp32, contiguous) @ w_h [N, K]^T, w_h the bf16 rows at w + h * ws
+ * (contiguous rows of K): per-head products (MLA's kv_b fold / unfold) in one call, every head's rows split over
+ * the threads together. Returns 0, or -1 when out of memory. */
+typedef struct {
+    const float *x; int64_t ldx, T, K, H, N, ws; const uint16_t *w; float *out;
+} bf16_heads_job;
+
+static void bf16_heads_part(void *arg, int part, int parts) {
+    const bf16_heads_job *j = arg;
+    int64_t r0, r1;
+    split(j->H * j->N, part, parts, &r0, &r1);
+    for (int64_t h = r0 / j->N; h < j->H && h * j->N < r1; h++) {
+        const int64_t off = h * j->N, lo = r0 > off ? r0 - off : 0, hi = r1 - off < j->N ? r1 - off : j->N;
+        if (lo < hi)
+            bf16_rows(j->x + h * j->T * j->ldx, j->ldx, j->T, j->K, j->w + h * j->ws, lo, hi,
+                      j->out + h * j->T * j->N + lo, j->N);
+    }
+}
+
+int ms_linear_bf16_heads(const float *x, int64_t H, int64_t T, int64_t K, const uint16_t *w, int64_t ws, int64_t N,
+                         float *out, int64_t min_rows_per_thread) {
+    if (H <= 0 || T <= 0 || N <= 0) return 0;
+    if (K <= 0) {
+        memset(out, 0, sizeof(float) * (size_t)(H * T * N));
+        return 0;
+    }
+    const int64_t ldx = bf16_stride(K);
+    float *xp = malloc(sizeof(float) * (size_t)(H * T * ldx));
+    if (!xp) return -1;
+    bf16_prepare(x, H * T, K, xp);
+    bf16_heads_job j = {xp, ldx, T, K, H, N, ws, w, out};
+    int parts = pool_parts;
+    while (parts > 1 && H * N / parts < min_rows_per_thread) parts--;
+    pool_run(bf16_heads_part, &j, parts);
+    free(xp);
+    return 0;
 }
 
 #include "_cpu_step.c"

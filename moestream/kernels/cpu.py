@@ -109,6 +109,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_linear_bf16.restype = ctypes.c_int
     lib.ms_linear_bf16_many.argtypes = [p, i64, i64, i64, p, p, p, i64]
     lib.ms_linear_bf16_many.restype = ctypes.c_int
+    lib.ms_linear_bf16_heads.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64]
+    lib.ms_linear_bf16_heads.restype = ctypes.c_int
     lib.ms_linear_mxfp4.argtypes = [i64, p, p, p, p, p, i64, i64, ctypes.c_int, i64, ctypes.c_int]
     lib.ms_linear_mxfp4.restype = ctypes.c_int
     lib.ms_set_threads.argtypes = [ctypes.c_int]
@@ -283,6 +285,25 @@ def linear_bf16_many(x: Tensor, ws: Sequence[Tensor], min_rows_per_thread: int =
                                   min_rows_per_thread):
         raise MemoryError("native bf16 kernel could not allocate its input scratch")
     return outs
+
+
+def linear_bf16_heads(x: Tensor, w: Tensor, first: int, stride: int, n: int,
+                      min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> Tensor:
+    """Per-head products in one native call: out[h] = x[h] @ W_h^T for x fp32 [H, T, K], where W_h is the bf16
+    [n, K] block of contiguous rows starting `first + h * stride` elements into the contiguous bf16 tensor w (so
+    MLA's kv_b value halves are read in place). Returns float32 [H, T, n]. Needs available()."""
+    handle = required()
+    h, t, k = x.shape
+    if w.dtype != torch.bfloat16 or not w.is_contiguous():
+        raise ValueError(f"linear_bf16_heads wants a contiguous bfloat16 weight, got {w.dtype}")
+    if h and first + (h - 1) * stride + n * k > w.numel():
+        raise ValueError(f"linear_bf16_heads: {h} heads of [{n}, {k}] at {first} + h * {stride} overrun the weight")
+    x = _f32(x)
+    out = torch.empty(h, t, n, dtype=torch.float32)
+    if handle.ms_linear_bf16_heads(x.data_ptr(), h, t, k, w.data_ptr() + 2 * first, stride, n, out.data_ptr(),
+                                   min_rows_per_thread):
+        raise MemoryError("native bf16 kernel could not allocate its input scratch")
+    return out
 
 
 def find_byte(t: Tensor, value: int) -> int:

@@ -2,10 +2,11 @@
 
 Owns the three products attention needs from kv_b: the query folded into the latent space (q_nope W_UK, absorbed
 form), the latent context brought back out (ctx W_UV^T), and per-head keys / values of a tile of latents (expanded
-form). A resident bf16 kv_b keeps W_UK transposed once (counted as dense bytes) so a decode step's per-head
-products run on the native bf16 kernel with no upcast; a quantised one (block-FP8, int4) is dequantised once to
-fp32 at load (exact, counted). A streamed kv_b (refilled each step) is used as it is: the same native products
-(each head's key half transposed per step), and for larger steps a bounded chunk of heads upcast at a time.
+form). A resident bf16 kv_b keeps W_UK transposed once (counted as dense bytes) so a decode step's fold and
+unfold are one threaded native bf16 call each (all heads at once, no upcast, no loop over heads); a quantised
+one (block-FP8, int4) is dequantised once to fp32 at load (exact, counted). A streamed kv_b (refilled each step)
+is used as it is: the same native products (the key halves transposed per step), and for larger steps a bounded
+chunk of heads upcast at a time.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class LatentHeads:
         elif kv_b.dtype == torch.float32:
             self.w32 = kv_b.view(heads, dn + dv, rank)
         elif cpu.available():
-            self.uk_t = self._per_head(kv_b)[:, :dn].transpose(1, 2).contiguous()
+            self.uk_t = self._key_halves_t()
             memory.add_dense(self.uk_t.numel() * self.uk_t.element_size())
 
     def _per_head(self, w: torch.Tensor) -> torch.Tensor:
@@ -52,11 +53,9 @@ class LatentHeads:
         """bf16 kv_b and few rows: per-head native products (a streamed kv_b too, so streaming changes no bit)."""
         return self.w32 is None and cpu.bf16_native(self.kv_b, tokens=tokens)
 
-    def _key_half_t(self, head: int) -> torch.Tensor:
-        """Head `head`'s W_UK^T [r, dn] bf16 contiguous: prepared at load, or transposed now when kv_b streams."""
-        if self.uk_t is not None:
-            return self.uk_t[head]
-        return self._per_head(self.kv_b)[head, :self.dn].T.contiguous()
+    def _key_halves_t(self) -> torch.Tensor:
+        """Every head's W_UK^T [H, r, dn] bf16 contiguous, transposed now (a streamed kv_b: 1/2 of its bytes)."""
+        return self._per_head(self.kv_b)[:, :self.dn].transpose(1, 2).contiguous()
 
     def _chunks(self):
         """(h0, h1, fp32 [h1 - h0, dn + dv, r]) over all heads: views of w32, else a bounded upcast of kv_b."""
@@ -72,11 +71,10 @@ class LatentHeads:
     def fold_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [H, n, dn] -> [H, n, r]: each head's query through its key half (absorbed attention)."""
         h, n, _ = q_nope.shape
+        if self._native(n):  # every head in one threaded native call on the transposed key halves
+            uk_t = self.uk_t if self.uk_t is not None else self._key_halves_t()
+            return cpu.linear_bf16_heads(q_nope, uk_t, 0, self.rank * self.dn, self.rank)
         out = torch.empty(h, n, self.rank)
-        if self._native(n):
-            for i in range(h):
-                out[i] = cpu.linear_bf16(q_nope[i].contiguous(), self._key_half_t(i))
-            return out
         for h0, h1, w in self._chunks():
             torch.matmul(q_nope[h0:h1], w[:, :self.dn], out=out[h0:h1])
         return out
@@ -84,12 +82,10 @@ class LatentHeads:
     def unfold_context(self, ctx: torch.Tensor) -> torch.Tensor:
         """ctx [H, n, r] (attention over the latents) -> [H, n, dv] through each head's value half."""
         h, n, _ = ctx.shape
+        if self._native(n):  # the value halves are contiguous row blocks of kv_b: read in place, one call
+            kv_b = self.kv_b if self.kv_b.is_contiguous() else self.kv_b.contiguous()
+            return cpu.linear_bf16_heads(ctx, kv_b, self.dn * self.rank, (self.dn + self.dv) * self.rank, self.dv)
         out = torch.empty(h, n, self.dv)
-        if self._native(n):
-            values = self._per_head(self.kv_b)
-            for i in range(h):
-                out[i] = cpu.linear_bf16(ctx[i].contiguous(), values[i, self.dn:])
-            return out
         for h0, h1, w in self._chunks():
             torch.matmul(ctx[h0:h1], w[:, self.dn:].transpose(1, 2), out=out[h0:h1])
         return out

@@ -4,8 +4,9 @@ Owns the MLA projections (low-rank or direct q, the shared latent [c | k_r], per
 optional rope on the 64-wide part (DeepSeek) or none (NoPE: Kimi Linear, K3), the optional sigmoid output gate
 (K3), and the decode cache, which keeps only [c (normed) | k_r (roped)] per token (in the sequence's kv dtype).
 Attention runs either on keys expanded through kv_b or in the absorbed form (q folded through kv_b's key half,
-the latent context through its value half); both are exact up to rounding, both walk the cache in key tiles with
-an online softmax. kv_b's per-head matrices are prepared once at load (latent_heads.py).
+the latent context through its value half); both are exact up to rounding, and both walk the cache's blocks in key
+tiles with tiled.attend_tiles' online softmax: no copy of the whole cache is made, and tile scratch beyond the
+scratch allowance is charged. kv_b's per-head matrices are prepared once at load (latent_heads.py).
 """
 from __future__ import annotations
 
@@ -14,16 +15,19 @@ from typing import Callable
 
 import torch
 
-from moestream.memory.state import Batch, GrowingBuffer, Segment
 from moestream.errors import UnsupportedModelError
+from moestream.memory.state import Batch, BlockBuffer, Segment, scratch, scratch_budget, transient
 from moestream.models.blocks import linear, rms_norm
 from moestream.models.latent_heads import LatentHeads
 from moestream.models.rope import Rope
+from moestream.models.tiled import Tiles, attend_tiles, tile_plan
 
 MODES = ("auto", "expand", "absorb")
 EXPAND_LIMIT = 1 << 24  # max expanded k/v elements (keys * H * (dn + dv)) before auto mode absorbs instead
-SCORE_BLOCK = 1 << 22  # max score elements (H * queries * keys) of one key tile: 16 MiB in fp32
-MIN_KEY_TILE = 64  # keys per tile at least (a query block shrinks before a tile does)
+# scratch one attention call plans its tiles in (tiled.tile_plan; under a budget, the scratch allowance caps it):
+# expanded tiles of K3's 96 heads need ~32 MiB for 128 keys; an absorbed decode tile of 512 latents ~5 MiB
+TILE_BYTES_MLA = 64 << 20
+EXPAND_KEY_TILE = 64  # keys per expanded tile at most (a query block re-expands them, so blocks should be tall)
 BATCH_PAD_LIMIT = 1 << 22  # max padded latent elements (sequences * longest cache * width) for batched decode
 
 
@@ -60,7 +64,7 @@ class MLASlot:
     """One sequence's MLA cache for one layer: rows [c | k_r], kv_lora_rank + rope_dim numbers per token."""
 
     def __init__(self, memory, width: int, dtype: torch.dtype = torch.float32):
-        self.latents = GrowingBuffer(memory, (width,), "MLA latent cache", dtype)
+        self.latents = BlockBuffer(memory, (width,), "MLA latent cache", dtype)
 
 
 class MLAMixer:
@@ -96,16 +100,17 @@ class MLAMixer:
             q_r = o.rope.apply(q_r, cos, sin)
             k_r = o.rope.apply(k_r.unsqueeze(1), cos, sin).squeeze(1)  # k_r is shared by all heads
         latents = torch.cat([c, k_r], dim=-1)  # [T, r + dr]
-        caches = []
+        bufs = []
         for seg in batch.segments:
             slot = seg.state.slot(index, lambda: MLASlot(self.memory, r + o.qk_rope_head_dim, seg.state.kv_dtype))
-            caches.append(slot.latents.append(latents[seg.rows]))  # [L, r + dr]
-        if self._batched_decode(batch, caches):
-            out = self._decode_batch(q_nope, q_r, caches)
+            slot.latents.push(latents[seg.rows])  # the cache's blocks are read in tiles, never gathered whole
+            bufs.append(slot.latents)
+        if self._batched_decode(batch, bufs):
+            out = self._decode_batch(q_nope, q_r, bufs)
         else:
             out = torch.empty(t, o.heads, o.v_head_dim)
-            for seg, cache in zip(batch.segments, caches):
-                out[seg.rows] = self._attend(seg, q_nope[seg.rows], q_r[seg.rows], cache)
+            for seg, buf in zip(batch.segments, bufs):
+                out[seg.rows] = self._attend(seg, q_nope[seg.rows], q_r[seg.rows], buf)
         y = out.reshape(t, -1)
         if self.g_proj is not None:
             y = y * torch.sigmoid(linear(x, self.g_proj))
@@ -119,50 +124,67 @@ class MLAMixer:
             q = linear(rms_norm(linear(x, self.q_a, self.q_a_bias), self.q_a_norm, o.latent_eps), self.q_b)
         return q.view(x.shape[0], o.heads, o.qk_nope_head_dim + o.qk_rope_head_dim)
 
-    def _attend(self, seg: Segment, q_nope: torch.Tensor, q_r: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-        """One segment's queries [n, H, *] over its whole cache [L, r + dr] -> [n, H, dv], key tile by key tile."""
-        o, r = self.opt, self.opt.kv_lora_rank
-        if self._absorb(q_nope.shape[0], cache.shape[0]):
-            def latent_tile(l0: int, l1: int):  # the shared latent is both key and value: [1, k, r]
-                rows = cache[l0:l1].float()
-                return rows[:, :r].unsqueeze(0), rows[:, r:], rows[:, :r].unsqueeze(0)
+    def _attend(self, seg: Segment, q_nope: torch.Tensor, q_r: torch.Tensor, buf: BlockBuffer) -> torch.Tensor:
+        """One segment's queries [n, H, *] over its cache's blocks -> [n, H, dv], key tile by key tile (online
+        softmax, tiles sized to the scratch allowance; the excess is charged while it exists)."""
+        o, r, n = self.opt, self.opt.kv_lora_rank, q_nope.shape[0]
+        h, dr = o.heads, o.qk_rope_head_dim
+        budget = scratch_budget(self.memory, TILE_BYTES_MLA)
+        if self._absorb(n, buf.kept):  # the shared latent row [c | k_r] is the key of every head, c its value
+            q = torch.cat([self.heads.fold_query(q_nope.transpose(0, 1)), q_r.transpose(0, 1)], -1)  # [H, n, r+dr]
+            rows, keys, nbytes = tile_plan(h, 1, n, buf.kept, r + dr, r, budget)
 
-            q_c = self.heads.fold_query(q_nope.transpose(0, 1))  # [H, n, r]: q_nope through kv_b's key half
-            ctx = tiled_causal_attention(q_c, q_r.transpose(0, 1), latent_tile, cache.shape[0], r, seg.pos,
-                                         o.softmax_scale)  # [H, n, r]
-            return self.heads.unfold_context(ctx).transpose(0, 1)  # latent context through kv_b's value half
+            def latent_tile(first: int, lat: torch.Tensor):
+                lat = lat.unsqueeze(0).unsqueeze(0)  # [1, 1, k, r + dr]
+                return first, lat, lat[..., :r]
 
-        def expanded_tile(l0: int, l1: int):  # per-head keys and values of this tile only
-            rows = cache[l0:l1].float()
-            keys, values = self.heads.expand(rows[:, :r])
-            return keys, rows[:, r:], values
+            with scratch(self.memory, nbytes, "MLA attention scratch"):
+                ctx = attend_tiles(q.unsqueeze(0), latent_tiles(buf, keys, latent_tile), seg.pos, o.softmax_scale,
+                                   None, None, rows, r)  # [1, H, n, r]
+            return self.heads.unfold_context(ctx[0]).transpose(0, 1)  # latent context through kv_b's value half
 
-        ctx = tiled_causal_attention(q_nope.transpose(0, 1), q_r.transpose(0, 1), expanded_tile, cache.shape[0],
-                                     o.v_head_dim, seg.pos, o.softmax_scale)  # [H, n, dv]
-        return ctx.transpose(0, 1)
+        def expanded_tile(first: int, lat: torch.Tensor):  # per-head keys [nope | shared rope] and values
+            keys, values = self.heads.expand(lat[:, :r])  # [H, k, dn], [H, k, dv]
+            k_r = lat[:, r:].unsqueeze(0).expand(h, -1, -1)
+            return first, torch.cat([keys, k_r], -1).unsqueeze(0), values.unsqueeze(0)
 
-    def _batched_decode(self, batch: Batch, caches: list[torch.Tensor]) -> bool:
+        q = torch.cat([q_nope, q_r], -1).transpose(0, 1).unsqueeze(0)  # [1, H, n, dn + dr]
+        # every query block expands its key tiles again: narrow tiles, and as many query rows as then fit
+        rows, keys, nbytes = tile_plan(h, h, n, min(buf.kept, EXPAND_KEY_TILE), o.qk_nope_head_dim + dr,
+                                       o.v_head_dim, budget)
+        with scratch(self.memory, nbytes, "MLA attention scratch"):
+            ctx = attend_tiles(q, latent_tiles(buf, keys, expanded_tile), seg.pos, o.softmax_scale, None, None, rows,
+                               o.v_head_dim)
+        return ctx[0].transpose(0, 1)
+
+    def _batched_decode(self, batch: Batch, bufs: list[BlockBuffer]) -> bool:
         """Several sequences with one new token each (a decode step) and short enough caches go through one
         padded, absorbed attention instead of one small attention per sequence."""
-        if len(caches) < 2 or any(seg.length != 1 for seg in batch.segments):
+        if len(bufs) < 2 or any(seg.length != 1 for seg in batch.segments):
             return False
-        longest = max(c.shape[0] for c in caches)
-        return self._absorb(1, longest) and len(caches) * longest * caches[0].shape[1] <= BATCH_PAD_LIMIT
+        longest = max(b.kept for b in bufs)
+        return self._absorb(1, longest) and len(bufs) * longest * bufs[0].row_shape[0] <= BATCH_PAD_LIMIT
 
-    def _decode_batch(self, q_nope: torch.Tensor, q_r: torch.Tensor, caches: list[torch.Tensor]) -> torch.Tensor:
+    def _decode_batch(self, q_nope: torch.Tensor, q_r: torch.Tensor, bufs: list[BlockBuffer]) -> torch.Tensor:
         """B single-token queries [B, H, *] over their own caches, padded to the longest: -> [B, H, dv].
 
-        Row b attends to the first len(caches[b]) latents (its whole cache: the new token is the last one), so
-        the causal mask is only the padding mask; padded keys get probability exactly 0."""
+        Row b attends to the first len(bufs[b]) latents (its whole cache: the new token is the last one), so
+        the causal mask is only the padding mask; padded keys get probability exactly 0. The padded fp32 copy
+        (at most BATCH_PAD_LIMIT numbers) is written block by block and charged while it exists."""
         o = self.opt
-        lens = torch.tensor([c.shape[0] for c in caches])
-        padded = torch.nn.utils.rnn.pad_sequence([c.float() for c in caches], batch_first=True)  # [B, Lmax, r+dr]
-        q_c = self.heads.fold_query(q_nope.transpose(0, 1)).transpose(0, 1)  # [B, H, r]
-        q = torch.cat([q_c, q_r], dim=-1)  # [B, H, r + dr]
-        scores = torch.bmm(q, padded.transpose(1, 2)) * o.softmax_scale  # [B, H, Lmax]
-        pad = torch.arange(padded.shape[1]).unsqueeze(0) >= lens.unsqueeze(1)  # [B, Lmax]
-        probs = torch.softmax(scores.masked_fill(pad.unsqueeze(1), float("-inf")), dim=-1)
-        ctx = torch.bmm(probs, padded[:, :, :o.kv_lora_rank])  # [B, H, r]
+        lens = torch.tensor([b.kept for b in bufs])
+        width = bufs[0].row_shape[0]
+        with transient(self.memory, len(bufs) * int(lens.max()) * width * 4, "MLA batched decode latents"):
+            padded = torch.zeros(len(bufs), int(lens.max()), width)  # [B, Lmax, r + dr]
+            for i, buf in enumerate(bufs):
+                for first, lat in buf.tiles():
+                    padded[i, first - buf.start:first - buf.start + lat.shape[0]] = lat
+            q_c = self.heads.fold_query(q_nope.transpose(0, 1)).transpose(0, 1)  # [B, H, r]
+            q = torch.cat([q_c, q_r], dim=-1)  # [B, H, r + dr]
+            scores = torch.bmm(q, padded.transpose(1, 2)) * o.softmax_scale  # [B, H, Lmax]
+            pad = torch.arange(padded.shape[1]).unsqueeze(0) >= lens.unsqueeze(1)  # [B, Lmax]
+            probs = torch.softmax(scores.masked_fill(pad.unsqueeze(1), float("-inf")), dim=-1)
+            ctx = torch.bmm(probs, padded[:, :, :o.kv_lora_rank])  # [B, H, r]
         return self.heads.unfold_context(ctx.transpose(0, 1)).transpose(0, 1)
 
     def _absorb(self, n: int, length: int) -> bool:
@@ -176,39 +198,22 @@ class MLAMixer:
         return absorb_cost <= expand_cost or length * o.heads * (dn + dv) > EXPAND_LIMIT
 
 
-KeyTile = Callable[[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-def tiled_causal_attention(q: torch.Tensor, q_r: torch.Tensor, tile: KeyTile, length: int, dv: int, pos0: int,
-                           scale: float) -> torch.Tensor:
-    """softmax((q . keys + q_r . k_r) * scale) @ values, causal from absolute position pos0, over key tiles with
-    an online softmax: no score matrix longer than one tile, and keys past a query block's last position unread.
-
-    q [H, n, d], q_r [H, n, dr]; tile(l0, l1) -> (keys [H or 1, k, d], k_r [k, dr], values [H or 1, k, dv]) for
-    keys l0..l1-1 of `length`. Returns [H, n, dv]. (A general tiled attention may replace this function.)
-    """
-    h, n, _ = q.shape
-    block = max(1, min(n, SCORE_BLOCK // (h * MIN_KEY_TILE)))
-    out = torch.empty(h, n, dv)
-    for s in range(0, n, block):
-        e = min(n, s + block)
-        stop = min(length, pos0 + e)  # the block's last query sees keys 0..pos0+e-1
-        width = max(MIN_KEY_TILE, SCORE_BLOCK // (h * (e - s)))
-        best = torch.full((h, e - s, 1), float("-inf"))
-        total = torch.zeros(h, e - s, 1)
-        acc = torch.zeros(h, e - s, dv)
-        for l0 in range(0, stop, width):
-            l1 = min(stop, l0 + width)
-            keys, k_r, values = tile(l0, l1)
-            scores = (torch.matmul(q[:, s:e], keys.transpose(-1, -2)) + torch.matmul(q_r[:, s:e], k_r.T)) * scale
-            if l1 > pos0 + s:  # the tile reaches past the block's first query: mask what each query cannot see
-                seen = torch.arange(l0, l1).unsqueeze(0) <= torch.arange(pos0 + s, pos0 + e).unsqueeze(1)
-                scores.masked_fill_(~seen, float("-inf"))
-            new_best = torch.maximum(best, scores.amax(-1, keepdim=True))  # finite: key 0 is in the first tile
-            probs = torch.exp(scores - new_best)
-            keep = torch.exp(best - new_best)
-            total = total * keep + probs.sum(-1, keepdim=True)
-            acc = acc * keep + torch.matmul(probs, values)
-            best = new_best
-        out[:, s:e] = acc / total
-    return out
+def latent_tiles(buf: BlockBuffer, rows: int,
+                 make: Callable[[int, torch.Tensor], tuple[int, torch.Tensor, torch.Tensor]]) -> Tiles:
+    """attend_tiles' key tiles over a latent cache: consecutive blocks merged (as fp32) up to `rows` latents,
+    each turned into (first position, keys, values) by `make` -- one tile's copy at a time, never the cache's."""
+    def tiles():
+        parts, first, n = [], 0, 0
+        for f, lat in buf.tiles(buf.dtype):
+            for s in range(0, lat.shape[0], rows):
+                piece = lat[s:s + rows]
+                if n + piece.shape[0] > rows:
+                    yield make(first, torch.cat(parts).float())
+                    parts, n = [], 0
+                if not parts:
+                    first = f + s
+                parts.append(piece)
+                n += piece.shape[0]
+        if parts:
+            yield make(first, torch.cat(parts).float())
+    return tiles
