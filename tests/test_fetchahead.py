@@ -78,6 +78,10 @@ def test_readers_of_one_range_share_one_request(blob):
 def test_fill_brings_ranges_to_disk_with_requests_in_flight(blob):
     data, srv, f = blob
     q = FillQueue(f.flights, threads=4)
+    q.replace([(f, 0, PIECE)])  # no read has needed the network yet: predictions are not fetched
+    f.read_into(9 * PIECE, [memoryview(bytearray(PIECE))])
+    srv.log.clear()
+    assert f.flights.stats.filled == 0
     q.replace([(f, i * PIECE, PIECE) for i in range(8)])
     wait_for(lambda: f.flights.stats.filled == 8)
     f.cache.flush()
@@ -96,6 +100,7 @@ def test_fill_waits_while_a_read_is_on_the_link_and_newest_predictions_win(blob)
     q = FillQueue(f.flights, threads=1)
     with f.flights.cv:
         f.flights.reading = 1  # a read's own request is in flight
+        f.flights.last_read_fetch = time.monotonic()
     q.replace([(f, 0, PIECE)])
     q.replace([(f, 5 * PIECE, PIECE), (f, 6 * PIECE, PIECE)])  # replaces the first prediction before it started
     time.sleep(0.5)

@@ -10,6 +10,7 @@ fetch is on the link (its latency is on the decode's critical path; a guess must
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
 # than the bandwidth-delay product of a 200 MB/s link with 20 ms latency (4 MB), on the link between reads
 FILL_THREADS = 2
 IDLE_S = 5.0  # a fill thread with nothing queued for this long exits (a later prediction starts it again)
+# predictions are fetched only this soon after a read needed the network: once the SSD tier holds what the decode
+# reads (a warm tier, a `moestream fetch`), the link stays quiet instead of fetching guesses
+RECENT_S = 5.0
 
 Piece = tuple[int, memoryview]  # (file offset, where its bytes go)
 
@@ -53,6 +57,7 @@ class Flights:
         self.cv = threading.Condition()
         self._table: dict[tuple[str, int, int], _Flight] = {}
         self.reading = 0  # fetches made for reads (not fill) in flight: the fill queue waits while any are
+        self.last_read_fetch = float("-inf")  # time.monotonic() of the last read that needed the network
         self.stats = FetchStats()
 
     def fetch(self, file: RemoteFile, pieces: list[Piece], fetch: Callable[[list[Piece]], None],
@@ -67,6 +72,8 @@ class Flights:
         try:
             rest = [(o, v) for o, v in mine if not (file.cache is not None and file.cache.read(file.key, o, v))]
             if rest:
+                if for_read:
+                    self.last_read_fetch = time.monotonic()
                 fetch(rest)
             fetched, ok = len(rest), True
         except BaseException:
@@ -130,8 +137,11 @@ class FillQueue:
         self._running = 0  # fill threads alive
 
     def replace(self, jobs: list[tuple[RemoteFile, int, int]]) -> None:
-        """Fetch `jobs` (file, offset, length) ahead, in order, instead of whatever is still queued."""
+        """Fetch `jobs` (file, offset, length) ahead, in order, instead of whatever is still queued; nothing while
+        the decode's reads find their bytes on disk (none needed the network in the last RECENT_S)."""
         cv = self.flights.cv
+        if time.monotonic() - self.flights.last_read_fetch > RECENT_S:
+            jobs = []
         with cv:
             self._jobs = deque(jobs)
             for i in range(self._running, min(self.threads, len(jobs))):
