@@ -2,9 +2,10 @@
 
 Owns the process's remote settings (disk cache, budget, offline, requests in flight), parsing a spec, and the
 read side: `RemoteFile` stands in for a shard's path (its reads go to the SSD tier, diskcache.py, and on a miss
-to HTTP range requests, http.py, neighbouring pieces in one request), and `RemoteIndex` is the CheckpointIndex of
-a stub directory (weights/stub.py builds it: config, index json, headers and the pinned revision in a
-`moestream-remote.json` manifest). Nothing in a checkpoint is executed.
+to HTTP range requests, http.py, neighbouring pieces in one request, each range fetched once across threads,
+fetchahead.py), and `RemoteIndex` is the CheckpointIndex of a stub directory (weights/stub.py builds it: config,
+index json, headers and the pinned revision in a `moestream-remote.json` manifest), which also takes the
+lookahead's predictions for its fetch-ahead. Nothing in a checkpoint is executed.
 """
 from __future__ import annotations
 
