@@ -40,6 +40,9 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
     eng = Engine.open(path, ram_budget=a.ram_budget, threads=a.threads, **io)
     if lookahead_reads is not None:
         eng.runner.lookahead.reads = lookahead_reads
+    if a.fill_depth is not None:  # the remote fetch-ahead into the SSD tier: 0 turns it off
+        la = eng.runner.lookahead
+        la.fill, la.fill_depth = (la.fill if a.fill_depth else None), max(1, a.fill_depth)
     net = getattr(eng.plan.store.index, "stats", lambda: {})
     read = lambda: eng.plan.store.bytes_read  # noqa: E731 - expert bytes through the reader (disk or SSD tier)
     try:
@@ -51,19 +54,30 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
         end, last, read_last = time.perf_counter(), net(), read()
         t = eng.runner.times
         prefetch = {"reads": t.prefetch_reads, "used": t.prefetch_used, "withdrawn": t.prefetch_withdrawn}
+        phases = {"io_wait_s": t.io_wait_s, "expert_s": t.expert_s, "lookahead_s": t.lookahead_s}
+        fills = {k: v for k, v in net().items() if k.startswith(("fill_", "fetch_"))}
     finally:
         eng.close()
     steps, secs = max(1, n - 1), end - first  # forward passes after the first token
     out = {"tokens": n, "decode_tok_s": steps / secs, "read_bytes_per_token": (read_last - read_first) / steps,
-           "prefetch": prefetch}
+           "prefetch": prefetch, "phases_s_whole_run": phases, "fetch_ahead_whole_run": fills}
     if last:
         d = {k: last[k] - at_first[k] for k in ("http_bytes", "http_requests", "http_inflight_s", "http_busy_s")}
         out.update(net_bytes_per_token=d["http_bytes"] / steps, requests_per_token=d["http_requests"] / steps,
                    net_requests=d["http_requests"], max_inflight=last["http_max_inflight"],
                    mean_inflight=d["http_inflight_s"] / secs, link_busy_share=d["http_busy_s"] / secs,
                    retries=last["http_retries"], disk_hit_bytes=last.get("disk_hit_bytes", 0),
-                   corrupt_ranges=last.get("disk_corrupt_ranges", 0))
+                   corrupt_ranges=last.get("disk_corrupt_ranges", 0),
+                   inflight_share=_hist_share(at_first.get("http_inflight_hist", {}), last.get("http_inflight_hist", {})))
     return out
+
+
+def _hist_share(before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
+    """Share of the decode's wall time spent with 0, 1-3, 4-7, 8-15 and 16+ requests in flight."""
+    bins = {"0": (0, 0), "1-3": (1, 3), "4-7": (4, 7), "8-15": (8, 15), "16+": (16, 1 << 30)}
+    secs = {n: after.get(n, 0.0) - before.get(n, 0.0) for n in after}
+    total = sum(secs.values()) or 1.0
+    return {b: round(sum(s for n, s in secs.items() if lo <= n <= hi) / total, 3) for b, (lo, hi) in bins.items()}
 
 
 def drop_cache_pages(root: Path) -> None:
@@ -90,6 +104,9 @@ def main() -> int:
     ap.add_argument("--io-threads", type=int, default=None, help="range requests in flight (default: remote.py's)")
     ap.add_argument("--lookahead-reads", type=int, default=None,
                     help="predicted experts fetched ahead per layer step over HTTP (default: remote.py's)")
+    ap.add_argument("--fill-depth", type=int, default=None,
+                    help="MoE layers ahead whose predicted experts are fetched into the SSD tier (0: none; default: "
+                         "experts/prefetch.py's)")
     ap.add_argument("--split-max", type=int, default=None,
                     help="parallel requests one large range may go as (default: weights/http.py's SPLIT_MAX)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads (default 1: on a shared machine more "

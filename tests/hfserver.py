@@ -56,6 +56,8 @@ class CheckpointServer:
         self.etag_salt = ""  # change to make every ETag change (a new upload)
         self.lock = threading.Lock()
         self.requests = 0
+        self.active = 0  # requests being answered now (latency included) ...
+        self.max_active = 0  # ... and the most at once: the requests a client kept in flight
         handler = type("Handler", (_Handler,), {"srv": self})
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.httpd.daemon_threads = True
@@ -110,6 +112,16 @@ class _Handler(BaseHTTPRequestHandler):
         srv = self.srv
         with srv.lock:
             srv.requests += 1
+            srv.active += 1
+            srv.max_active = max(srv.max_active, srv.active)
+        try:
+            self._answer(head)
+        finally:
+            with srv.lock:
+                srv.active -= 1
+
+    def _answer(self, head: bool) -> None:
+        srv = self.srv
         if srv.latency:
             time.sleep(srv.latency)
         path = self.path.split("?", 1)[0]

@@ -67,6 +67,7 @@ class ExpertRunner:
         self.lookahead = Lookahead(enabled=lookahead)
         # an index over a link with latency (weights/remote.py) asks for more of the predictions read ahead
         self.lookahead.reads = getattr(store.index, "lookahead_reads", self.lookahead.reads)
+        self.lookahead.fill = store.fill_hook()  # ... and fetches predictions into its SSD tier (None: local)
         self.times = RunnerTimes()
         self.upcast = Upcast()
         self._inflight: dict[Key, tuple[Future, int]] = {}  # reads started, room reserved, not yet cached

@@ -4,7 +4,7 @@ Owns the registered routers (a family hands `layer -> fn(x) -> expert ids`), the
 ahead, and the gate: every prediction is scored against what the layer really routed to (recall, an EMA), and
 a layer's prefetch is issued only while its recall pays. A gate that switched off keeps measuring (one step in
 `probe`: at published widths a router is a 13 MB GEMV, not free), so it can switch on again. No I/O here:
-dispatch.py reads.
+dispatch.py reads, and a remote checkpoint's fetch-ahead (`fill`) gets the predictions two layers deep.
 """
 from __future__ import annotations
 
@@ -54,6 +54,11 @@ class Lookahead:
     reads: int = 1
     probe: int = 4  # a closed gate's layer is predicted (and scored) on one step in this many
     enabled: bool = True
+    # a remote checkpoint's fetch-ahead into its SSD tier (ExpertStore.fill_hook): each prediction, and those of the
+    # `fill_depth - 1` MoE layers after it (their routers on the same input), go there too, gate or no gate:
+    # over a link a round trip costs more than a wrong guess, which the link fetches while it would be idle
+    fill: Callable[[list[tuple[int, list[int]]]], None] | None = None
+    fill_depth: int = 2
     routers: dict[int, RouterFn] = field(default_factory=dict)
     gates: dict[int, Gate] = field(default_factory=dict)
     _pending: dict[int, set[int]] = field(default_factory=dict)
@@ -93,10 +98,22 @@ class Lookahead:
         ids = self.routers[nxt](x)  # [T, k], each row best first
         ranked = list(dict.fromkeys(ids.t().reshape(-1).tolist()))
         self._pending[nxt] = set(ranked)
+        if self.fill is not None and len(ranked) <= self.max_share * num_experts:
+            self._fill_ahead(nxt, x, ranked)
         if closed or gate.scored < self.warmup or len(ranked) > self.max_share * num_experts:
             return None
         gate.issued_steps += 1
         return nxt, ranked
+
+    def _fill_ahead(self, nxt: int, x: torch.Tensor, ranked: list[int]) -> None:
+        preds, layer = [(nxt, ranked)], nxt
+        for _ in range(self.fill_depth - 1):
+            layer = self.next_layer(layer)
+            if layer is None:
+                break
+            ids = self.routers[layer](x)
+            preds.append((layer, list(dict.fromkeys(ids.t().reshape(-1).tolist()))))
+        self.fill(preds)
 
     def report(self) -> dict[int, dict]:
         return {layer: {"recall": round(g.recall, 3), "on": g.scored >= self.warmup and g.recall >= self.threshold,

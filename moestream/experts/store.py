@@ -13,6 +13,7 @@ import re
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -228,6 +229,16 @@ class ExpertStore:
         rp, parts = self.read_plan(layer, expert)
         return self.reader.submit(rp, priority, then=lambda buf: self._checked((layer, expert), buf, parts))
 
+    def fill_hook(self) -> Callable[[list[tuple[int, list[int]]]], None] | None:
+        """For a remote checkpoint with an SSD tier: a function taking the lookahead's predictions [(layer, experts
+        best first)] whose bytes are then fetched into that tier ahead of need (weights/fetchahead.py); None
+        otherwise (a local disk needs no fetch-ahead)."""
+        fill = getattr(self.index, "fill_ahead", None)
+        if fill is None:
+            return None
+        return lambda preds: fill([(r.file, r.start, r.length) for layer, experts in preds for e in experts
+                                   for r in self.read_plan(layer, e)[0].runs])
+
     def read_many(self, keys: list[tuple[int, int]]) -> list[ExpertBlob]:
         futures = [self.submit(*k) for k in keys]
         return [f.result() for f in futures]
@@ -239,6 +250,9 @@ class ExpertStore:
 
     def close(self) -> None:
         self.reader.close()
+        close = getattr(self.index, "close", None)  # a remote index writes what it fetched to its SSD tier
+        if close is not None:
+            close()
 
 
 def _part(p: tuple | None) -> str:

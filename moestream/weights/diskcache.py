@@ -9,8 +9,11 @@ is exceeded. Processes sharing a directory serialise usage accounting and evicti
 """
 from __future__ import annotations
 
+import atexit
 import bisect
 import ctypes
+import queue
+import weakref
 import fcntl
 import os
 import struct
@@ -32,6 +35,9 @@ DATA_ALIGN = 4096
 HEADERS_KEPT = 1 << 16  # range headers remembered (a few hundred bytes each)
 RESCAN_S = 1.0  # a missing range re-lists its file's directory at most this often (other processes add ranges)
 EVICT_TO = 0.9  # evict down to this share of the budget, so eviction does not run on every insert
+# bytes handed to `put_soon` and not yet on disk, at most (beyond it the caller writes itself); a put costs a few ms
+# of renames and locking that a read which fetched the bytes should not wait for
+PENDING_MAX = 64 << 20
 
 
 @dataclass
@@ -74,12 +80,17 @@ class DiskCache:
         self._mu = threading.Lock()
         self._headers: dict[Path, list[int]] = {}  # range file -> its block checksums (checked when first read)
         self._direct = hasattr(os, "O_DIRECT")
+        self._pending: dict[tuple[str, int], bytes] = {}  # (key, offset) -> bytes queued for the writer
+        self._pending_bytes = 0
+        self._writes: queue.Queue | None = None
         self._clean_orphans()
 
     # ---- lookup and read ---------------------------------------------------------------------------
     def read(self, key: str, offset: int, out: memoryview) -> bool:
         """Fill `out` from cached ranges of file `key` starting at `offset`; False (out untouched or partly
         written) when they do not cover it or a covering range fails its checksum (that range is deleted)."""
+        if self._from_pending(key, offset, out):
+            return True
         for attempt in range(2):
             cover = self._cover(key, offset, len(out))
             if cover is None and attempt == 0 and self._stale(key):
@@ -95,8 +106,8 @@ class DiskCache:
         return False
 
     def covered(self, key: str, offset: int, length: int) -> bool:
-        """Whether [offset, offset + length) of `key` is on disk (no verification)."""
-        if self._cover(key, offset, length) is not None:
+        """Whether [offset, offset + length) of `key` is on disk or queued for it (no verification)."""
+        if self._pending_range(key, offset, length) is not None or self._cover(key, offset, length) is not None:
             return True
         if self._stale(key):
             self._scan(key)
@@ -230,6 +241,59 @@ class DiskCache:
         return False
 
     # ---- insert -------------------------------------------------------------------------------------
+    def put_soon(self, key: str, offset: int, data: bytes | bytearray) -> None:
+        """`put` on a writer thread: until the range is on disk, `read` and `covered` serve it from `data` (which
+        the caller must not change afterwards). A process that dies first loses it (fetched again when next
+        needed), like a range whose request was in flight. Past PENDING_MAX queued, the caller writes."""
+        with self._mu:
+            if self._pending_bytes + len(data) > PENDING_MAX:
+                wait = True
+            else:
+                wait = False
+                self._pending[(key, offset)] = data
+                self._pending_bytes += len(data)
+                if self._writes is None:
+                    self._writes = queue.Queue()
+                    ref = weakref.ref(self)
+                    threading.Thread(target=_writer, args=(ref, self._writes), name="moestream-ssd-writer",
+                                     daemon=True).start()
+                    atexit.register(_flush_at_exit, ref)
+                self._writes.put((key, offset))
+        if wait:
+            self.put(key, offset, data)
+
+    def flush(self) -> None:
+        """Wait until every `put_soon` range is on disk."""
+        if self._writes is not None:
+            self._writes.join()
+
+    def _write_pending(self, key: str, offset: int) -> None:
+        with self._mu:
+            data = self._pending.get((key, offset))
+        try:
+            if data is not None:
+                self.put(key, offset, data)
+        finally:
+            with self._mu:
+                if self._pending.pop((key, offset), None) is not None:
+                    self._pending_bytes -= len(data)
+
+    def _pending_range(self, key: str, offset: int, length: int) -> tuple[int, bytes] | None:
+        with self._mu:
+            for (k, off), data in self._pending.items():
+                if k == key and off <= offset and offset + length <= off + len(data):
+                    return off, data
+        return None
+
+    def _from_pending(self, key: str, offset: int, out: memoryview) -> bool:
+        got = self._pending_range(key, offset, len(out)) if self._pending else None
+        if got is None:
+            return False
+        off, data = got
+        out[:] = memoryview(data)[offset - off:offset - off + len(out)]
+        self.stats.hit_bytes += len(out)
+        return True
+
     def put(self, key: str, offset: int, data: memoryview | bytes) -> None:
         """Store bytes [offset, offset + len(data)) of `key` atomically, then evict past the budget."""
         data = memoryview(data).cast("B")
@@ -368,6 +432,27 @@ class DiskCache:
             if not self._read_piece(key, r, r.offset, memoryview(bytearray(r.length))):
                 bad += 1
         return checked, bad
+
+
+def _writer(ref: weakref.ref, jobs: queue.Queue) -> None:
+    """The writer thread of one DiskCache's `put_soon` ranges (holds it only while writing)."""
+    while True:
+        key, offset = jobs.get()
+        cache = ref()
+        try:
+            if cache is not None:
+                cache._write_pending(key, offset)
+        except OSError:  # a full or failing disk: the range is fetched again when next needed
+            pass
+        finally:
+            del cache
+            jobs.task_done()
+
+
+def _flush_at_exit(ref: weakref.ref) -> None:
+    cache = ref()
+    if cache is not None:
+        cache.flush()
 
 
 class _FileLock:

@@ -52,6 +52,7 @@ class HttpStats:
     max_inflight: int = 0  # most requests in flight at once
     inflight_s: float = 0.0  # integral of requests in flight over time (/ an interval: the mean in flight)
     busy_s: float = 0.0  # time with at least one request in flight
+    inflight_hist: dict[int, float] = field(default_factory=dict)  # requests in flight -> seconds spent at it
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _last: float = field(default_factory=time.perf_counter, repr=False)
 
@@ -73,6 +74,7 @@ class HttpStats:
         now = time.perf_counter()
         self.inflight_s += self.inflight * (now - self._last)
         self.busy_s += (now - self._last) if self.inflight else 0.0
+        self.inflight_hist[self.inflight] = self.inflight_hist.get(self.inflight, 0.0) + now - self._last
         self._last = now
 
     def snapshot(self) -> dict[str, float]:
@@ -80,7 +82,7 @@ class HttpStats:
             self._tick()
             return {"http_requests": self.requests, "http_bytes": self.bytes_fetched, "http_retries": self.retries,
                     "http_max_inflight": self.max_inflight, "http_inflight_s": self.inflight_s,
-                    "http_busy_s": self.busy_s}
+                    "http_busy_s": self.busy_s, "http_inflight_hist": dict(self.inflight_hist)}
 
 
 class _Retry(Exception):

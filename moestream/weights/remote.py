@@ -2,9 +2,10 @@
 
 Owns the process's remote settings (disk cache, budget, offline, requests in flight), parsing a spec, and the
 read side: `RemoteFile` stands in for a shard's path (its reads go to the SSD tier, diskcache.py, and on a miss
-to HTTP range requests, http.py, neighbouring pieces in one request), and `RemoteIndex` is the CheckpointIndex of
-a stub directory (weights/stub.py builds it: config, index json, headers and the pinned revision in a
-`moestream-remote.json` manifest). Nothing in a checkpoint is executed.
+to HTTP range requests, http.py, neighbouring pieces in one request, each range fetched once across threads,
+fetchahead.py), and `RemoteIndex` is the CheckpointIndex of a stub directory (weights/stub.py builds it: config,
+index json, headers and the pinned revision in a `moestream-remote.json` manifest), which also takes the
+lookahead's predictions for its fetch-ahead. Nothing in a checkpoint is executed.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from moestream.errors import CheckpointError, MoestreamError
+from moestream.weights.fetchahead import FillQueue, Flights
 from moestream.weights.index import REMOTE_MANIFEST, CheckpointIndex, tensors_from_header
 
 MANIFEST_FORMAT, MANIFEST_VERSION = "moestream-remote", 1
@@ -108,6 +110,7 @@ class RemoteFile:
     ident: str  # what the file is, whatever the endpoint: "hf:ORG/NAME@COMMIT/FILE", or its URL
     client: object = field(compare=False, hash=False, repr=False)  # http.HttpClient, or None offline
     cache: object = field(compare=False, hash=False, repr=False)  # diskcache.DiskCache or None
+    flights: Flights | None = field(default=None, compare=False, hash=False, repr=False)  # fetches in flight
 
     def __str__(self) -> str:
         return self.url
@@ -125,37 +128,53 @@ class RemoteFile:
             at += len(v)
         self.read_pieces(pieces)
 
-    def read_pieces(self, pieces: list[tuple[int, memoryview]]) -> None:
+    def read_pieces(self, pieces: list[tuple[int, memoryview]], behind: bool = True) -> None:
         """Fill each (offset, view): from the SSD tier where it holds the bytes, the rest with one range request
-        per group of neighbouring pieces (overlaps and holes up to 4 KiB read through)."""
+        per group of neighbouring pieces (overlaps and holes up to 4 KiB read through), kept in the SSD tier after
+        (`behind`: by its writer thread, so the read does not wait for the disk)."""
         missing = []
         for off, view in pieces:
             view = self._clip(off, view)
             if len(view) and not (self.cache is not None and self.cache.read(self.key, off, view)):
                 missing.append((off, view))
+        if self.flights is not None:  # a range another thread is fetching is waited for, not fetched again
+            self.flights.fetch(self, missing, lambda rest: self._fetch_missing(rest, behind))
+        else:
+            self._fetch_missing(missing, behind)
+
+    def _fetch_missing(self, missing: list[tuple[int, memoryview]], behind: bool) -> None:
+        """One range request per group of neighbouring pieces (overlaps and holes up to 4 KiB read through)."""
         missing.sort(key=lambda p: p[0])
         group: list[tuple[int, memoryview]] = []
         for off, view in missing:
             if group and off > max(o + len(v) for o, v in group) + 4096:
-                self._fetch_group(group)
+                self._fetch_group(group, behind)
                 group = []
             group.append((off, view))
         if group:
-            self._fetch_group(group)
+            self._fetch_group(group, behind)
 
-    def _fetch_group(self, group: list[tuple[int, memoryview]]) -> None:
+    def _keep(self, offset: int, view: memoryview, behind: bool) -> None:
+        if self.cache is None:
+            return
+        if behind:  # a copy: the view is the caller's buffer (an expert's, recycled once it is evicted)
+            self.cache.put_soon(self.key, offset, bytes(view))
+        else:
+            self.cache.put(self.key, offset, view)
+
+    def _fetch_group(self, group: list[tuple[int, memoryview]], behind: bool) -> None:
         """One request for neighbouring pieces; each piece is kept on disk as its own range, so a later read of
         one expert is one whole range file (read straight into its buffer) rather than part of a larger one."""
         if len(group) == 1:
             self._download(*group[0])
+            self._keep(*group[0], behind)
             return
         lo, hi = group[0][0], max(o + len(v) for o, v in group)
         buf = memoryview(bytearray(hi - lo))
-        self._download(lo, buf, keep=False)
+        self._download(lo, buf)
         for off, view in group:
             view[:] = buf[off - lo:off - lo + len(view)]
-            if self.cache is not None:
-                self.cache.put(self.key, off, view)
+            self._keep(off, view, behind)
 
     def _clip(self, offset: int, out: memoryview) -> memoryview:
         """The part of `out` inside the file; the rest (alignment padding past the end) is zeroed."""
@@ -166,24 +185,28 @@ class RemoteFile:
         return out
 
     def fetch(self, offset: int, out: memoryview) -> None:
-        """Bytes [offset, offset + len(out)): from the SSD tier, else one range request (then kept on disk)."""
-        out = self._clip(offset, out)
-        if len(out) == 0:
-            return
-        if self.cache is not None and self.cache.read(self.key, offset, out):
-            return
-        self._download(offset, out)
+        """Bytes [offset, offset + len(out)): from the SSD tier, else one range request, on disk when this returns
+        (`moestream fetch`: what it reports done is done)."""
+        self.read_pieces([(offset, out)], behind=False)
 
-    def _download(self, offset: int, out: memoryview, keep: bool = True) -> None:
-        """One range request (offline: the error naming the missing bytes); the bytes are then kept on disk
-        (unless `keep` is False: the caller keeps its parts)."""
+    def fill(self, offset: int, nbytes: int) -> bool:
+        """Bring bytes [offset, offset + nbytes) into the SSD tier (the fetch-ahead) unless they are there or being
+        fetched; True when this call fetched them. Needs an SSD tier and the network."""
+        n = min(nbytes, self.size - offset)
+        if self.cache is None or self.client is None or self.flights is None or n <= 0 \
+                or self.cache.covered(self.key, offset, n):
+            return False
+        got = self.flights.fetch(self, [(offset, memoryview(bytearray(n)))],
+                                 lambda rest: self._fetch_missing(rest, True), for_read=False)
+        return got > 0
+
+    def _download(self, offset: int, out: memoryview) -> None:
+        """One range request (offline: the error naming the missing bytes)."""
         if self.client is None:
             raise CheckpointError(f"offline: bytes [{offset}, {offset + len(out)}) of {self.name} ({self.url}) are not "
                                   f"in the disk cache {self.cache.root if self.cache else '(none)'}; run once online "
                                   f"with --disk-cache or `moestream fetch` it first")
         self.client.get_range(self.url, offset, out, self.size, self.etag)
-        if keep and self.cache is not None:
-            self.cache.put(self.key, offset, out)
 
 
 class RemoteIndex(CheckpointIndex):
@@ -191,9 +214,12 @@ class RemoteIndex(CheckpointIndex):
 
     min_io_threads = REMOTE_IO_THREADS
 
-    def __init__(self, root: Path, tensors: dict, manifest: dict, client, cache):
+    def __init__(self, root: Path, tensors: dict, manifest: dict, client, cache, flights: Flights | None = None):
         super().__init__(root, tensors)
         self.manifest, self.client, self.cache = manifest, client, cache
+        self.flights = flights or Flights()
+        # predictions go to the network only with somewhere to keep them and a network to fetch them from
+        self._fill = FillQueue(self.flights) if cache is not None and client is not None else None
         self.min_io_threads = SETTINGS.io_threads
         self.lookahead_reads = SETTINGS.lookahead_reads
         self.dense_filter: Callable[[str], bool] | None = None  # set by ExpertStore: which tensors are dense
@@ -230,10 +256,26 @@ class RemoteIndex(CheckpointIndex):
                 threading.Thread(target=_warm_worker, args=(jobs,), name=f"moestream-warm-{i}", daemon=True).start()
             return self._warm
 
+    def fill_ahead(self, ranges: list[tuple[RemoteFile, int, int]]) -> None:
+        """Fetch these (file, offset, length) ranges into the SSD tier ahead of need, best first, in place of the
+        ranges an earlier call queued that have not started (weights/fetchahead.py); a no-op without an SSD tier
+        or offline."""
+        if self._fill is not None:
+            self._fill.replace([r for r in ranges if isinstance(r[0], RemoteFile)])
+
+    def close(self) -> None:
+        """Every range fetched so far is on disk when this returns (the SSD tier writes behind reads)."""
+        if self._fill is not None:
+            self._fill.replace([])
+        if self.cache is not None:
+            self.cache.flush()
+
     def stats(self) -> dict[str, int]:
         """Network and SSD-tier counters of this process's reads of the model."""
+        f = self.flights.stats
         out = {"http_requests": 0, "http_bytes": 0, "http_retries": 0, "http_max_inflight": 0, "http_inflight_s": 0.0,
-               "http_busy_s": 0.0}
+               "http_busy_s": 0.0, "fetch_joined": f.joined, "fetch_joined_bytes": f.joined_bytes,
+               "fill_ranges": f.filled, "fill_bytes": f.filled_bytes}
         if self.client is not None:
             out.update(self.client.stats.snapshot())
         if self.cache is not None:
@@ -329,7 +371,7 @@ def open_remote_index(root: Path, settings: RemoteSettings | None = None) -> Rem
         from moestream.weights.diskcache import DiskCache
 
         cache = DiskCache(s.disk_cache, s.disk_budget)
-    tensors = {}
+    tensors, flights = {}, Flights()
     for name, sh in shards.items():
         url, ident = sh["url"], sh["url"]
         if src.kind == "hf":  # the current endpoint (HF_ENDPOINT may name a mirror since the stub was made)
@@ -337,9 +379,9 @@ def open_remote_index(root: Path, settings: RemoteSettings | None = None) -> Rem
 
             url = hf_hub_url(src.repo, name, revision=m["revision"], endpoint=endpoint())
             ident = f"hf:{src.repo}@{m['revision']}/{name}"
-        f = RemoteFile(name, url, int(sh["size"]), sh.get("etag"), ident, client, cache)
+        f = RemoteFile(name, url, int(sh["size"]), sh.get("etag"), ident, client, cache, flights)
         tensors.update(tensors_from_header(f, sh["header"].encode(), f.size))
-    return RemoteIndex(root, tensors, m, client, cache)
+    return RemoteIndex(root, tensors, m, client, cache, flights)
 
 
 def manifest_of(root: Path) -> dict | None:

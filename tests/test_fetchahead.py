@@ -1,0 +1,165 @@
+"""Fetch-ahead over HTTP (weights/fetchahead.py), against the real loopback hub server: a range is fetched once
+however many readers want it, the lookahead's predictions land in the SSD tier with several requests in flight
+and wait while a read is on the link, and the SSD tier writes behind reads without losing a range."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hfserver import CheckpointServer  # noqa: E402
+
+from moestream.engine.engine import Engine  # noqa: E402
+from moestream.weights import remote  # noqa: E402
+from moestream.weights.diskcache import DiskCache  # noqa: E402
+from moestream.weights.fetchahead import FillQueue, Flights  # noqa: E402
+from moestream.weights.http import HttpClient  # noqa: E402
+from moestream.weights.remote import RemoteFile  # noqa: E402
+
+PIECE = 200_000
+
+
+@pytest.fixture
+def blob(tmp_path):
+    """A 2 MB file served by a hub server that answers each request after 0.2 s, and a RemoteFile reading it
+    through an SSD tier."""
+    data = os.urandom(10 * PIECE + 123)
+    (tmp_path / "srv").mkdir()
+    (tmp_path / "srv" / "blob.bin").write_bytes(data)
+    with CheckpointServer({"org/blob": tmp_path / "srv"}, latency=0.2) as srv:
+        client = HttpClient()
+        url = f"{srv.url}/plain/org/blob/blob.bin"
+        etag, size = client.get_range(url, 0, memoryview(bytearray(8)))
+        f = RemoteFile("blob.bin", url, size, etag, "test:blob", client, DiskCache(tmp_path / "dc"), Flights())
+        wait_for(lambda: srv.log)  # the server logs a range after sending it: the probe's entry may come late
+        srv.log.clear()
+        srv.max_active = 0
+        try:
+            yield data, srv, f
+        finally:
+            client.close()
+
+
+def ranges_sent(srv) -> Counter:
+    return Counter((a, b) for p, a, b, n in srv.log if p.endswith("blob.bin") and n == b - a)
+
+
+def wait_for(cond, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
+
+
+def test_readers_of_one_range_share_one_request(blob):
+    data, srv, f = blob
+    outs = [bytearray(PIECE) for _ in range(4)]
+    go = threading.Barrier(len(outs))
+
+    def read(out: bytearray) -> None:
+        go.wait()
+        f.read_into(PIECE, [memoryview(out)])
+
+    threads = [threading.Thread(target=read, args=(o,)) for o in outs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(bytes(o) == data[PIECE:2 * PIECE] for o in outs)
+    wait_for(lambda: ranges_sent(srv))
+    time.sleep(0.3)  # a second request, were there one, would be logged by now
+    assert ranges_sent(srv) == Counter({(PIECE, 2 * PIECE): 1})  # four readers, one request
+    assert f.flights.stats.joined == 3
+
+
+def test_fill_brings_ranges_to_disk_with_requests_in_flight(blob):
+    data, srv, f = blob
+    q = FillQueue(f.flights, threads=4)
+    q.replace([(f, 0, PIECE)])  # no read has needed the network yet: predictions are not fetched
+    f.read_into(9 * PIECE, [memoryview(bytearray(PIECE))])
+    wait_for(lambda: srv.log)
+    srv.log.clear()
+    assert f.flights.stats.filled == 0
+    q.replace([(f, i * PIECE, PIECE) for i in range(8)])
+    wait_for(lambda: f.flights.stats.filled == 8 and len(ranges_sent(srv)) == 8)
+    f.cache.flush()
+    assert srv.max_active >= 4  # four fill threads, each request 0.2 s on the server: all four overlapped
+    assert ranges_sent(srv) == Counter({(i * PIECE, (i + 1) * PIECE): 1 for i in range(8)})
+    for i in range(8):  # on disk, verified; reading them sends nothing
+        out = memoryview(bytearray(PIECE))
+        assert DiskCache(f.cache.root).read(f.key, i * PIECE, out) and bytes(out) == data[i * PIECE:(i + 1) * PIECE]
+    before = len(srv.log)
+    f.read_into(3 * PIECE, [memoryview(bytearray(PIECE))])
+    assert len(srv.log) == before
+
+
+def test_fill_waits_while_a_read_is_on_the_link_and_newest_predictions_win(blob):
+    data, srv, f = blob
+    q = FillQueue(f.flights, threads=1)
+    with f.flights.cv:
+        f.flights.reading = 1  # a read's own request is in flight
+        f.flights.last_read_fetch = time.monotonic()
+    q.replace([(f, 0, PIECE)])
+    q.replace([(f, 5 * PIECE, PIECE), (f, 6 * PIECE, PIECE)])  # replaces the first prediction before it started
+    time.sleep(0.5)
+    assert not srv.log
+    with f.flights.cv:
+        f.flights.reading = 0
+        f.flights.cv.notify_all()
+    wait_for(lambda: f.flights.stats.filled == 2 and len(ranges_sent(srv)) == 2)
+    assert set(ranges_sent(srv)) == {(5 * PIECE, 6 * PIECE), (6 * PIECE, 7 * PIECE)}
+
+
+def test_write_behind_serves_pending_ranges_and_flushes(tmp_path):
+    cache = DiskCache(tmp_path / "dc")
+    data = os.urandom(3 << 20)
+    cache.put_soon("k", 4096, data)
+    out = memoryview(bytearray(1 << 20))
+    assert cache.covered("k", 4096, len(data)) and cache.read("k", 4096 + 5, out)  # before or after the write
+    assert bytes(out) == data[5:5 + (1 << 20)]
+    cache.flush()
+    fresh = DiskCache(tmp_path / "dc")  # another process's view: only what is on disk
+    got = memoryview(bytearray(len(data)))
+    assert fresh.read("k", 4096, got) and bytes(got) == data
+    assert fresh.verify_all() == (1, 0)
+
+
+def test_decode_fetches_predictions_ahead_once(tmp_path, monkeypatch):
+    """A remote decode with an SSD tier hands the lookahead's predictions to the fetch-ahead, and no range of the
+    checkpoint is sent twice in full (reads join fetches in flight); tokens equal the local run's."""
+    from moestream.synth import synthesize
+
+    ckpt = tmp_path / "tiny"
+    synthesize("qwen3_moe", ckpt, "tiny", cache_dir=tmp_path / "synth", progress=False)
+    prompt = [5, 17, 42, 99]
+    eng = Engine.open(ckpt)
+    try:
+        want = eng.generate(prompt, 8, stop_token_ids=[])
+    finally:
+        eng.close()
+    with CheckpointServer({"org/tiny": ckpt}, latency=0.01) as srv:
+        monkeypatch.setenv("HF_ENDPOINT", srv.url)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+        for k, v in vars(remote.RemoteSettings()).items():
+            monkeypatch.setattr(remote.SETTINGS, k, v)
+        monkeypatch.setattr(remote.SETTINGS, "disk_cache", tmp_path / "dc")
+        stub = remote.resolve("hf://org/tiny")
+        srv.log.clear()
+        eng = Engine.open(stub)
+        try:
+            assert eng.runner.lookahead.fill is not None
+            eng.runner.lookahead.warmup = 0
+            got = eng.generate(prompt, 8, stop_token_ids=[])
+            stats = eng.plan.store.index.stats()
+        finally:
+            eng.close()
+        sent = Counter((p, a, b) for p, a, b, n in srv.log if n == b - a)
+    assert got == want
+    assert stats["fill_ranges"] > 0
+    assert [r for r, n in sent.items() if n > 1] == []
