@@ -88,6 +88,7 @@ class PlanOptions:
     calibrate: bool = False
     machine: str | None = None  # plan for a reference machine instead of this one
     reference: bool = False  # also plan every reference machine
+    kv_dtype: str = "fp32"  # KV / latent cache storage (--kv-dtype): sets the state per sequence
     probe_seconds: float = 1.0
     log: Callable[[str], None] = field(default=lambda msg: None)
 
@@ -123,7 +124,7 @@ def make_plan(path: str | Path, opts: PlanOptions) -> dict:
     opts.check()
     p = open_plan(path)
     try:
-        facts = model_facts(path, p)
+        facts = model_facts(path, p, opts.kv_dtype)
         cal = Calibrator(fresh=opts.calibrate, seconds=opts.probe_seconds, log=opts.log)
         kinds = set(facts.dense_bytes) | {facts.expert_kind, facts.head_kind}
         here = cal.rates(kinds, facts.model_type)
