@@ -31,11 +31,15 @@ from pathlib import Path
 PY = sys.executable
 
 
+class RunFailed(RuntimeError):
+    pass
+
+
 def _run(cmd: list[str], cal: Path | None = None) -> dict:
     env = dict(os.environ, MOESTREAM_PLAN_CALIBRATION=str(cal)) if cal else None
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
+        raise RunFailed(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
     return json.loads(r.stdout)
 
 
@@ -140,13 +144,25 @@ def measure(args) -> dict:
             run["bench"] = bench(model, run["budget_bytes"], a)
             out["decode"].append(predict_decode(run))
             print(_line(decode_row(run)), file=sys.stderr, flush=True)
+            _save(args.out, out)  # a later failure keeps what was measured
         if args.batch:
             run = {"model": str(model), "spec": specs[0], "budget_bytes": budget_bytes(model, specs[0]), "args": a,
                    "calibration": str(cal.resolve() / f"{model.name}.json")}
-            run["batch_run"] = batch(model, run["budget_bytes"], a)
+            try:
+                run["batch_run"] = batch(model, run["budget_bytes"], a)
+            except RunFailed as e:
+                out.setdefault("failed", []).append(str(e)[-600:])
+                print(e, file=sys.stderr, flush=True)
+                continue
             out["batch"].append(predict_batch(run))
             print(_batch_line(batch_row(run)), file=sys.stderr, flush=True)
+            _save(args.out, out)
     return out
+
+
+def _save(path: Path | None, out: dict) -> None:
+    if path:
+        path.write_text(json.dumps(out, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replan", type=Path, default=None, metavar="RESULTS",
                     help="predict again for a saved run (no measurement) and print the table")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--markdown", action="store_true", help="print the table as docs/plan.md's markdown rows")
     args = ap.parse_args(argv)
     if args.replan:
         out = json.loads(args.replan.read_text())
@@ -175,10 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         out = measure(args)
     else:
         ap.error("give model directories to measure, or --replan RESULTS")
-    if args.out:
-        args.out.write_text(json.dumps(out, indent=1))
+    _save(args.out, out)
     rows, brows = [decode_row(r) for r in out["decode"]], [batch_row(r) for r in out["batch"]]
-    print(json.dumps({"decode": rows, "batch": brows}, indent=1) if args.json else _table(rows, brows))
+    if args.json:
+        print(json.dumps({"decode": rows, "batch": brows}, indent=1))
+    else:
+        print(_markdown(rows, brows) if args.markdown else _table(rows, brows))
     return 0
 
 
@@ -194,6 +213,25 @@ def _batch_line(b: dict) -> str:
             f"{b['measured']:.3f} tok/s, ratio {b['ratio']:.2f}; MB/token measured "
             f"{b['bytes_per_token_measured'] / 1e6:.0f}, hit {b['hit_measured']:.2f} (predicted "
             f"{b['step_predicted']['hit_rate']:.2f})")
+
+
+def _markdown(rows: list[dict], batch_rows: list[dict]) -> str:
+    out = []
+    for r in rows:
+        ph = r["phases_measured_per_token"]
+        st = r["step_predicted"]
+        out.append(f"| {r['model']} | {r['budget']} | {r['predicted']:.3g} | {r['predicted_benchdisk']:.3g} | "
+                   f"{r['measured']:.3g} | {100 * (r['ratio_benchdisk'] - 1):+.0f}% | {r['hit_predicted']:.2f} / "
+                   f"{r['hit_measured']:.2f} | {r['bytes_per_token_predicted'] / 1e6:.0f} / "
+                   f"{r['bytes_per_token_measured'] / 1e6:.0f} | {r['disk_probe'] / 1e9:.2f} / "
+                   f"{r['disk_bench'] / 1e9:.2f} | {st['io_s']:.3f} / {st['compute_s']:.3f} / {st['overhead_s']:.3f} | "
+                   f"{ph['io_wait_s']:.3f} / {ph['expert_compute_s']:.3f} / {ph['attention_mixer_s'] or 0:.3f} / "
+                   f"{ph['other_s']:.3f} |")
+    for b in batch_rows:
+        out.append(f"| {b['model']} batch {b['batch']} | {b['budget']} | | {b['predicted']:.3g} | {b['measured']:.3g} "
+                   f"| {100 * (b['ratio'] - 1):+.0f}% | {b['step_predicted']['hit_rate']:.2f} / {b['hit_measured']:.2f} "
+                   f"| | | {b['disk_bench'] / 1e9:.2f} | | |")
+    return "\n".join(out)
 
 
 def _table(rows: list[dict], batch_rows: list[dict]) -> str:
