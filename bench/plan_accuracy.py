@@ -1,31 +1,45 @@
 """`moestream plan` against measurement (issue #12 item 5): predicted and measured decode tok/s per model and
-budget, and batch throughput for one model, side by side in one run.
+budget, and batch throughput, side by side in one run.
 
     flock /work/bench.lock python bench/plan_accuracy.py MODEL... --budgets e0.25,e0.5,e1 [--batch 8]
-        [--prompt-len 64] [--gen-len 16] [--skew 0] [--reuse R] [--json]
+        [--prompt-len 64] [--gen-len 16] [--skew 0.64] [--reuse 0.25] [--out RESULTS.json] [--json]
+    python bench/plan_accuracy.py --replan RESULTS.json [--json]
 
 Budgets: bytes ("1.5GB") or `eF`: every dense weight resident plus the share F of the expert bytes. For each
-model the planner calibrates once (`plan --calibrate`: kernels, matmul, engine overhead, disk); then per budget
-the disk is probed again right before the cold `moestream bench` (the disk here drifts +-40% within minutes) and
-plan predicts with that probe. A second prediction uses the bench's own before/after probe mean (`ratio_benchdisk`),
-separating the disk's drift from the model's error. With --batch N, the last model's first budget also runs N
-requests through the server Scheduler (bench/batch_throughput.py) against plan's batch prediction.
+model the planner calibrates once (`plan --calibrate`: kernels, matmul, engine overhead, disk) into a calibration
+file of this run (`--out` with the suffix `.cal/MODEL.json`, MOESTREAM_PLAN_CALIBRATION), so that the rates
+behind a prediction are the ones measured in the same locked run as the measurement. Per budget the disk is probed again right
+before the cold `moestream bench` (the disk here drifts +-40% within minutes) and plan predicts with that probe;
+a second prediction uses the bench's own before/after probe mean (`ratio_benchdisk`), separating the disk's
+drift from the model's error. With --batch N, each model's first budget also runs N requests through the server
+Scheduler (bench/batch_throughput.py) against plan's batch prediction.
+
+Every measurement (the bench's and batch run's JSON, the probes) is kept in RESULTS.json, so `--replan` predicts
+again with the current planner and the run's own calibration, without measuring anything: a change to the model
+is checked against the same measurements, term by term (bytes read, hit rate, the bench's phase times).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 PY = sys.executable
 
 
-def _run(cmd: list[str]) -> dict:
-    r = subprocess.run(cmd, capture_output=True, text=True)
+class RunFailed(RuntimeError):
+    pass
+
+
+def _run(cmd: list[str], cal: Path | None = None) -> dict:
+    env = dict(os.environ, MOESTREAM_PLAN_CALIBRATION=str(cal)) if cal else None
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
+        raise RunFailed(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
     return json.loads(r.stdout)
 
 
@@ -45,44 +59,115 @@ def probe(model: Path) -> float:
     return probe_disk(model_files(model), PROBE_THREADS)
 
 
-def plan(model: Path, budget: int, args, disk: float | None, calibrate: bool = False, batch: int | None = None) -> dict:
-    cmd = [PY, "-m", "moestream", "plan", str(model), "--json", "--ram-budget", str(budget), "--prompt-len",
-           str(args.prompt_len), "--gen-len", str(args.gen_len), "--skew", str(args.skew), "--reuse", str(args.reuse)]
+def plan(run: dict, disk: float | None, calibrate: bool = False, batch: int | None = None) -> dict:
+    a = run["args"]
+    cmd = [PY, "-m", "moestream", "plan", run["model"], "--json", "--ram-budget", str(run["budget_bytes"]),
+           "--prompt-len", str(a["prompt_len"]), "--gen-len", str(a["batch_gen_len"] if batch else a["gen_len"]),
+           "--skew", str(a["skew"]), "--reuse", str(a["reuse"])]
     cmd += ["--disk-bandwidth", str(int(disk))] if disk else []
     cmd += ["--calibrate"] if calibrate else []
     cmd += ["--batch", str(batch)] if batch else []
-    return _run(cmd)
+    return _run(cmd, Path(run["calibration"]))
 
 
-def bench(model: Path, budget: int, args) -> dict:
-    return _run([PY, "-m", "moestream", "bench", str(model), "--cold", "--json", "--ram-budget", str(budget),
-                 "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--temperature", "1.0",
-                 "--seed", "0"])
+def bench(model: Path, budget: int, a: dict) -> dict:
+    out = _run([PY, "-m", "moestream", "bench", str(model), "--cold", "--json", "--ram-budget", str(budget),
+                "--prompt-len", str(a["prompt_len"]), "--gen-len", str(a["gen_len"]), "--temperature", "1.0",
+                "--seed", "0"])
+    out.pop("generated_ids", None)
+    return out
 
 
-def batch(model: Path, budget: int, args) -> dict:
+def batch(model: Path, budget: int, a: dict) -> dict:
     here = Path(__file__).resolve().parent
     return _run([PY, str(here / "batch_throughput.py"), str(model), "--json", "--budget", str(budget),
-                 "--requests", str(args.batch), "--max-batch", str(args.batch), "--prompt-len", str(args.prompt_len),
-                 "--gen-len", str(args.batch_gen_len), "--single-gen-len", "0", "--threads", str(args.threads)])
+                 "--requests", str(a["batch"]), "--max-batch", str(a["batch"]), "--prompt-len", str(a["prompt_len"]),
+                 "--gen-len", str(a["batch_gen_len"]), "--single-gen-len", "0", "--threads", str(a["threads"])])
 
 
-def row(model: Path, spec: str, budget: int, pred: dict, pred_b: dict, meas: dict) -> dict:
+# ---- predictions from saved measurements -------------------------------------------------------------------------
+def predict_decode(run: dict, calibrate: bool = False) -> dict:
+    """Fill in a decode run's predictions: with the pre-bench probe, and with the bench's own probe mean."""
+    meas = run["bench"]
+    run["plan"] = plan(run, run["disk_probe"], calibrate)
+    run["plan_benchdisk"] = plan(run, meas["disk_bandwidth_bytes_per_s"])
+    return run
+
+
+def predict_batch(run: dict) -> dict:
+    run["plan"] = plan(run, run["batch_run"]["disk_bandwidth_bytes_per_s"], batch=run["args"]["batch"])
+    return run
+
+
+def decode_row(run: dict) -> dict:
+    pred, pred_b, meas = run["plan"], run["plan_benchdisk"], run["bench"]
     m = meas["decode_tokens_per_s"]
-    return {"model": model.name, "budget": spec, "budget_bytes": budget,
+    ph = meas["decode_phases_s"]
+    n = len(meas["per_token"])  # the decode tokens the bench timed (the phases are their sums)
+    return {"model": Path(run["model"]).name, "budget": run["spec"], "budget_bytes": run["budget_bytes"],
             "predicted": pred["decode_tokens_per_s"], "measured": m, "ratio": pred["decode_tokens_per_s"] / m,
-            "predicted_benchdisk": pred_b["decode_tokens_per_s"],
-            "ratio_benchdisk": pred_b["decode_tokens_per_s"] / m,
+            "predicted_benchdisk": pred_b["decode_tokens_per_s"], "ratio_benchdisk": pred_b["decode_tokens_per_s"] / m,
             "hit_predicted": pred["expert_hit_rate"], "hit_measured": meas["expert_hit_rate"],
-            "bytes_per_token_predicted": pred["disk_bytes_per_token"], "bytes_per_token_measured":
-            meas["bytes_read_per_token"], "disk_probe": pred["rates"]["disk"],
-            "disk_bench": meas["disk_bandwidth_bytes_per_s"], "step_predicted": pred["decode_step"],
-            "prefill_predicted": pred["prefill_cold_tokens_per_s"], "prefill_measured": meas["prefill_tokens_per_s"]}
+            # the bench counts expert reads only (the dense streamer's reads are in Engine.stats, not its JSON)
+            "bytes_per_token_predicted": pred["disk_bytes_per_token"] - pred["streamed_dense_bytes_per_step"],
+            "streamed_dense_bytes_per_token": pred["streamed_dense_bytes_per_step"],
+            "bytes_per_token_measured": meas["bytes_read_per_token"], "disk_probe": pred["rates"]["disk"],
+            "disk_bench": meas["disk_bandwidth_bytes_per_s"], "step_predicted": pred_b["decode_step"],
+            "phases_measured_per_token": {k: (v / n if v is not None else None) for k, v in ph.items()},
+            "prefill_predicted": pred_b["prefill_cold_tokens_per_s"], "prefill_measured": meas["prefill_tokens_per_s"]}
+
+
+def batch_row(run: dict) -> dict:
+    pred, meas = run["plan"], run["batch_run"]
+    m = meas["decode_only_tokens_per_s"]
+    return {"model": Path(run["model"]).name, "budget": run["spec"], "batch": run["args"]["batch"],
+            "predicted": pred["batch_tokens_per_s"], "measured": m, "ratio": pred["batch_tokens_per_s"] / m,
+            "step_predicted": pred["batch_step"], "hit_measured": meas["expert_hit_rate"],
+            "bytes_per_token_measured": meas["bytes_read_per_generated_token"],
+            "disk_bench": meas["disk_bandwidth_bytes_per_s"]}
+
+
+# ---- the measured run --------------------------------------------------------------------------------------------
+def measure(args) -> dict:
+    a = {k: getattr(args, k) for k in ("prompt_len", "gen_len", "skew", "reuse", "batch", "batch_gen_len",
+                                        "threads")}
+    cal = args.out.with_suffix(".cal") if args.out else Path(f"plan-accuracy-{int(time.time())}.cal")
+    out = {"args": a, "decode": [], "batch": [], "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    for model in args.models:
+        specs = args.budgets.split(",")
+        for i, spec in enumerate(specs):
+            run = {"model": str(model), "spec": spec, "budget_bytes": budget_bytes(model, spec), "args": a,
+                   "calibration": str(cal.resolve() / f"{model.name}.json")}
+            if i == 0:  # calibrate before anything else of this model, in this locked run
+                plan(run, 1e9, calibrate=True)
+            run["disk_probe"] = probe(model)
+            run["bench"] = bench(model, run["budget_bytes"], a)
+            out["decode"].append(predict_decode(run))
+            print(_line(decode_row(run)), file=sys.stderr, flush=True)
+            _save(args.out, out)  # a later failure keeps what was measured
+        if args.batch:
+            run = {"model": str(model), "spec": specs[0], "budget_bytes": budget_bytes(model, specs[0]), "args": a,
+                   "calibration": str(cal.resolve() / f"{model.name}.json")}
+            try:
+                run["batch_run"] = batch(model, run["budget_bytes"], a)
+            except RunFailed as e:
+                out.setdefault("failed", []).append(str(e)[-600:])
+                print(e, file=sys.stderr, flush=True)
+                continue
+            out["batch"].append(predict_batch(run))
+            print(_batch_line(batch_row(run)), file=sys.stderr, flush=True)
+            _save(args.out, out)
+    return out
+
+
+def _save(path: Path | None, out: dict) -> None:
+    if path:
+        path.write_text(json.dumps(out, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("models", type=Path, nargs="+")
+    ap.add_argument("models", type=Path, nargs="*")
     ap.add_argument("--budgets", default="e0.25,e0.5,e1")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--gen-len", type=int, default=16)
@@ -90,51 +175,69 @@ def main(argv: list[str] | None = None) -> int:
                     help="Zipf exponent to plan with (default 0.64: `moestream trace` of a synthetic qwen3_moe)")
     ap.add_argument("--reuse", type=float, default=0.25,
                     help="P(reuse next) to plan with (`moestream trace` of the synthetic family; see docs/plan.md)")
-    ap.add_argument("--batch", type=int, default=0, help="also measure N sequences on the last model")
+    ap.add_argument("--batch", type=int, default=0, help="also measure N sequences on each model's first budget")
     ap.add_argument("--batch-gen-len", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2, help="batch run's torch threads (the engine default here)")
+    ap.add_argument("--out", type=Path, default=None, help="write every measurement and prediction here")
+    ap.add_argument("--replan", type=Path, default=None, metavar="RESULTS",
+                    help="predict again for a saved run (no measurement) and print the table")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--markdown", action="store_true", help="print the table as docs/plan.md's markdown rows")
     args = ap.parse_args(argv)
-    rows, batch_rows = [], []
-    for model in args.models:
-        for i, spec in enumerate(args.budgets.split(",")):
-            budget = budget_bytes(model, spec)
-            disk = probe(model)
-            pred = plan(model, budget, args, disk, calibrate=i == 0)
-            meas = bench(model, budget, args)
-            pred_b = plan(model, budget, args, meas["disk_bandwidth_bytes_per_s"])
-            rows.append(row(model, spec, budget, pred, pred_b, meas))
-            print(_line(rows[-1]), file=sys.stderr, flush=True)
-    if args.batch:
-        model, spec = args.models[-1], args.budgets.split(",")[0]
-        budget = budget_bytes(model, spec)
-        disk = probe(model)
-        pred = plan(model, budget, args, disk, batch=args.batch)
-        meas = batch(model, budget, args)
-        m = meas["decode_only_tokens_per_s"]
-        batch_rows.append({"model": model.name, "budget": spec, "batch": args.batch,
-                           "predicted": pred["batch_tokens_per_s"], "measured": m,
-                           "ratio": pred["batch_tokens_per_s"] / m, "step_predicted": pred["batch_step"],
-                           "bytes_per_token_measured": meas["bytes_read_per_generated_token"],
-                           "disk_bench": meas["disk_bandwidth_bytes_per_s"]})
-    print(json.dumps({"decode": rows, "batch": batch_rows}, indent=1) if args.json else _table(rows, batch_rows))
+    if args.replan:
+        out = json.loads(args.replan.read_text())
+        out["decode"] = [predict_decode(r) for r in out["decode"]]
+        out["batch"] = [predict_batch(r) for r in out["batch"]]
+    elif args.models:
+        out = measure(args)
+    else:
+        ap.error("give model directories to measure, or --replan RESULTS")
+    _save(args.out, out)
+    rows, brows = [decode_row(r) for r in out["decode"]], [batch_row(r) for r in out["batch"]]
+    if args.json:
+        print(json.dumps({"decode": rows, "batch": brows}, indent=1))
+    else:
+        print(_markdown(rows, brows) if args.markdown else _table(rows, brows))
     return 0
 
 
 def _line(r: dict) -> str:
-    return (f"{r['model']:<12} {r['budget']:<6} {r['predicted']:>9.3f} {r['measured']:>9.3f} {r['ratio']:>6.2f} "
-            f"{r['ratio_benchdisk']:>6.2f}  hit {r['hit_predicted']:.2f}/{r['hit_measured']:.2f}  "
-            f"MB/tok {r['bytes_per_token_predicted'] / 1e6:.0f}/{r['bytes_per_token_measured'] / 1e6:.0f}  "
-            f"disk {r['disk_probe'] / 1e9:.2f}/{r['disk_bench'] / 1e9:.2f} GB/s")
+    return (f"{r['model']:<10} {r['budget']:<6} {r['predicted']:>8.3f} {r['measured']:>8.3f} {r['ratio']:>6.2f} "
+            f"{r['predicted_benchdisk']:>8.3f} {r['ratio_benchdisk']:>6.2f}  hit {r['hit_predicted']:.2f}/"
+            f"{r['hit_measured']:.2f}  expert MB/tok {r['bytes_per_token_predicted'] / 1e6:.0f}/"
+            f"{r['bytes_per_token_measured'] / 1e6:.0f} (+{r['streamed_dense_bytes_per_token'] / 1e6:.0f} dense)  disk {r['disk_probe'] / 1e9:.2f}/{r['disk_bench'] / 1e9:.2f}")
+
+
+def _batch_line(b: dict) -> str:
+    return (f"batch {b['batch']} on {b['model']} {b['budget']}: predicted {b['predicted']:.3f} tok/s, measured "
+            f"{b['measured']:.3f} tok/s, ratio {b['ratio']:.2f}; MB/token measured "
+            f"{b['bytes_per_token_measured'] / 1e6:.0f}, hit {b['hit_measured']:.2f} (predicted "
+            f"{b['step_predicted']['hit_rate']:.2f})")
+
+
+def _markdown(rows: list[dict], batch_rows: list[dict]) -> str:
+    out = []
+    for r in rows:
+        ph = r["phases_measured_per_token"]
+        st = r["step_predicted"]
+        out.append(f"| {r['model']} | {r['budget']} | {r['predicted']:.3g} | {r['predicted_benchdisk']:.3g} | "
+                   f"{r['measured']:.3g} | {100 * (r['ratio_benchdisk'] - 1):+.0f}% | {r['hit_predicted']:.2f} / "
+                   f"{r['hit_measured']:.2f} | {r['bytes_per_token_predicted'] / 1e6:.0f} / "
+                   f"{r['bytes_per_token_measured'] / 1e6:.0f} | {r['disk_probe'] / 1e9:.2f} / "
+                   f"{r['disk_bench'] / 1e9:.2f} | {st['io_s']:.3f} / {st['compute_s']:.3f} / {st['overhead_s']:.3f} | "
+                   f"{ph['io_wait_s']:.3f} / {ph['expert_compute_s']:.3f} / {ph['attention_mixer_s'] or 0:.3f} / "
+                   f"{ph['other_s']:.3f} |")
+    for b in batch_rows:
+        out.append(f"| {b['model']} batch {b['batch']} | {b['budget']} | | {b['predicted']:.3g} | {b['measured']:.3g} "
+                   f"| {100 * (b['ratio'] - 1):+.0f}% | {b['step_predicted']['hit_rate']:.2f} / {b['hit_measured']:.2f} "
+                   f"| | | {b['disk_bench'] / 1e9:.2f} | | |")
+    return "\n".join(out)
 
 
 def _table(rows: list[dict], batch_rows: list[dict]) -> str:
-    out = ["model        budget  pred tok/s  meas tok/s  ratio  ratio(bench disk)  hit pred/meas  MB/token pred/meas"
-           "  disk probe/bench"]
-    out += [_line(r) for r in rows]
-    for b in batch_rows:
-        out.append(f"batch {b['batch']} on {b['model']} {b['budget']}: predicted {b['predicted']:.3f} tok/s, "
-                   f"measured {b['measured']:.3f} tok/s, ratio {b['ratio']:.2f}")
+    out = ["model      budget  pred   meas    ratio  pred(bench disk) ratio  hit pred/meas  expert MB/token pred/meas"
+           " (+ dense streamed)  disk GB/s probe/bench"]
+    out += [_line(r) for r in rows] + [_batch_line(b) for b in batch_rows]
     return "\n".join(out)
 
 

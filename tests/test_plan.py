@@ -215,3 +215,47 @@ def test_remote_checkpoint_headers_only(tiny, tmp_path, monkeypatch, capsys):
     assert out["decode_tokens_per_s"] == pytest.approx(local["decode_tokens_per_s"])
     shards = sum(f.stat().st_size for f in tiny.glob("*.safetensors"))
     assert served < shards / 4  # headers and JSON, not the weights
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "kimi_linear"])
+def test_kv_dtype_state_matches_engine(tmp_path_factory, family):
+    """The planner's state per sequence is what the engine accounts for a sequence at that context, for each
+    --kv-dtype: bf16 halves the KV / latent rows, the recurrent state stays fp32."""
+    from moestream import Engine
+    from moestream.planner.facts import model_facts, open_plan
+
+    path = synth_tiny(tmp_path_factory, family)
+    shapes = {}
+    for dtype in ("fp32", "bf16"):
+        p = open_plan(path)
+        try:
+            shapes[dtype] = model_facts(path, p, dtype).state
+        finally:
+            p.store.close()
+        eng = Engine.open(path, kv_dtype=dtype)
+        try:
+            s = eng.new_sequence()
+            eng.step([(s, list(range(3, 19)))])  # a 16-token prompt in one chunk
+            for i in range(8):
+                eng.step([(s, [5 + i])])
+            assert eng.memory.state_bytes == shapes[dtype].at(16, 24, 256), dtype
+        finally:
+            eng.close()
+    assert shapes["bf16"].bytes_per_token * 2 == shapes["fp32"].bytes_per_token > 0
+    assert shapes["bf16"].fixed_bytes == shapes["fp32"].fixed_bytes
+
+
+def test_kv_dtype_option(tiny, k3_dir, capsys):
+    args = ("--ram-budget", str(budget_of(tiny, 0.5)), "--disk-bandwidth", "1GB", "--prompt-len", "200",
+            "--gen-len", "56")
+    f32, b16 = (plan_json(str(tiny), *args, "--kv-dtype", d, capsys=capsys) for d in ("fp32", "bf16"))
+    assert b16["state_bytes_per_sequence"] * 2 == f32["state_bytes_per_sequence"]  # GQA only: all of it halves
+    assert b16["max_sequences"] >= 2 * f32["max_sequences"] > 0
+    assert "bf16 KV" in b16["model"]["state"]
+    k3 = [plan_json(str(k3_dir), "--ram-budget", "64GB", "--disk-bandwidth", "3GB", "--kv-dtype", d, capsys=capsys)
+          for d in ("fp32", "bf16")]
+    assert k3[0]["state_bytes_per_sequence"] > k3[1]["state_bytes_per_sequence"] > k3[0]["state_bytes_per_sequence"] / 2
+    with pytest.raises(SystemExit) as exc:  # argparse's choices: exit status 2, naming the valid ones
+        main(["plan", str(tiny), "--kv-dtype", "fp16"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--kv-dtype" in err and "bf16" in err

@@ -10,7 +10,7 @@ import json
 import sys
 
 from moestream.cli.common import add_budget_arg, add_remote_args, model_dir, parse_budget
-from moestream.config import format_bytes, parse_bytes
+from moestream.config import KV_DTYPE_NAMES, format_bytes, parse_bytes
 from moestream.errors import MoestreamError
 from moestream.planner.plan import DEFAULT_SKEW, MACHINES, PlanOptions, make_plan
 from moestream.planner.skew import Skew
@@ -36,6 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reuse", type=float, default=None, metavar="R",
                    help=f"P(an expert routed for a token is routed again for the next), `moestream trace`'s "
                         f"P(reuse next); default {DEFAULT_SKEW.reuse:g}, the trained demo model's")
+    p.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_NAMES), default="fp32",
+                   help="KV / latent cache storage the engine would run with (--kv-dtype of run / serve): bf16 "
+                        "halves those caches, so more sequences fit (default fp32)")
     p.add_argument("--price-per-hour", type=float, default=None, metavar="P", help="machine price: prints cost "
                                                                                    "per million tokens")
     p.add_argument("--machine", choices=sorted(MACHINES), default=None,
@@ -65,7 +68,7 @@ def options(args: argparse.Namespace) -> PlanOptions:
         skew = Skew(DEFAULT_SKEW.exponent if args.skew is None else args.skew, given,
                     DEFAULT_SKEW.reuse if args.reuse is None else args.reuse)
     return PlanOptions(parse_budget(args.ram_budget), args.batch, args.prompt_len, args.gen_len, disk,
-                       args.price_per_hour, skew, args.calibrate, args.machine, args.reference,
+                       args.price_per_hour, skew, args.calibrate, args.machine, args.reference, args.kv_dtype,
                        log=lambda msg: print(msg, file=sys.stderr))
 
 

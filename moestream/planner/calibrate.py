@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -50,7 +51,13 @@ class Rates:
     gemm_flops: float  # fp32 torch.mm FLOP/s (multi-row experts and dense layers)
     memory: float  # fp32 bytes/s read (KV rows, recurrent state)
     disk: float = 0.0  # expert and streamed-dense reads, bytes/s
-    overhead: dict[str, Overhead] = field(default_factory=dict)  # per model_type
+    overhead: dict[str, Overhead] = field(default_factory=dict)  # per overhead_key (family, top-k)
+
+    def overhead_for(self, model_type: str, top_k: int) -> Overhead | None:
+        """The family's overhead at this top-k, else the family's, else any measured one."""
+        o = self.overhead
+        return (o.get(overhead_key(model_type, top_k)) or o.get(model_type)
+                or next(iter(o.values()), None))
     source: dict[str, str] = field(default_factory=dict)  # what each rate came from
 
     def to_json(self) -> dict:
@@ -81,8 +88,11 @@ def machine_key() -> str:
             f"|probes {PROBES_VERSION}")
 
 
+CACHE_ENV = "MOESTREAM_PLAN_CALIBRATION"  # a calibration file of its own (bench/plan_accuracy.py: one per run)
+
+
 def cache_path() -> Path:
-    return default_cache_dir() / "plan-calibration.json"
+    return Path(os.environ.get(CACHE_ENV) or default_cache_dir() / "plan-calibration.json")
 
 
 def _load() -> dict:
@@ -197,15 +207,42 @@ def disk_rate_at(directory: Path, seconds: float, nbytes: int = PROBE_FILE_BYTES
         os.unlink(name)
 
 
-def overhead(model_type: str, seconds: float = 1.0) -> Overhead:
-    """The engine's per-layer-step fixed cost for `model_type`: a tiny synthetic checkpoint (weights of a few KB)
-    decoded warm one row and eight rows at a time, and prefilled in 64-token chunks; time per layer."""
+def overhead_key(model_type: str, top_k: int) -> str:
+    """The overhead cache's key: the family and its routed experts per token (each is a call with a fixed cost)."""
+    return f"{model_type} top-{top_k}" if top_k else model_type
+
+
+def _tiny(family: str, out: Path, top_k: int, experts: int) -> str:
+    """Write a tiny checkpoint of `family` routing `top_k` of `experts` (at most 64) experts per token, like the
+    planned model; the plain tiny preset where the family's synthesizer cannot take those counts. Returns what was
+    written, for the calibration's source."""
+    from dataclasses import replace
+
+    from moestream.synth import synthesize
+    from moestream.synth.families import preset, synth_family
+    from moestream.synth.writer import write_checkpoint
+
+    if top_k:
+        shape = replace(preset("tiny"), name="plan-overhead", top_k=top_k, experts=max(top_k, min(experts, 64)))
+        try:
+            write_checkpoint(synth_family(family), shape, out, 0, default_cache_dir(), False)
+            return f"tiny synthetic {family} routing top-{top_k} of {shape.experts} experts"
+        except Exception:  # noqa: BLE001 - a family with routing constraints (groups): the plain tiny preset
+            shutil.rmtree(out, ignore_errors=True)
+    synthesize(family, out, "tiny", progress=False)
+    return f"tiny synthetic {family} (its own top-k)"
+
+
+def overhead(model_type: str, seconds: float = 1.0, top_k: int = 0, experts: int = 0) -> Overhead:
+    """The engine's per-layer-step fixed cost for `model_type` routing `top_k` of `experts` experts per token: a
+    tiny synthetic checkpoint (weights of a few KB) decoded warm one row and eight rows at a time, and prefilled in
+    64-token chunks; time per layer. What it leaves out is what the weights' bytes and FLOPs add (priced apart)."""
     from moestream import Engine
-    from moestream.synth import supported, synthesize
+    from moestream.synth import supported
 
     family = model_type if model_type in supported() else "qwen3_moe"
     with tempfile.TemporaryDirectory(prefix="moestream-plan-") as tmp:
-        synthesize(family, Path(tmp) / "m", "tiny", progress=False)
+        what = _tiny(family, Path(tmp) / "m", top_k, experts)
         eng = Engine.open(Path(tmp) / "m")
         try:
             layers = len(eng.model.layers)
@@ -216,7 +253,7 @@ def overhead(model_type: str, seconds: float = 1.0) -> Overhead:
             eng.close()
     note = "" if family == model_type else f" (no synthetic {model_type}: measured on {family})"
     return Overhead(one / layers, max(0.0, (eight - one) / 7 / layers), chunk / layers,
-                    f"tiny synthetic {family}, {layers} layers{note}")
+                    f"{what}, {layers} layers{note}")
 
 
 def _step_time(eng, rows: int, tokens: int, seconds: float) -> float:
@@ -255,7 +292,7 @@ class Calibrator:
     def _entry(self) -> dict:
         return self.data.setdefault("machines", {}).setdefault(self.key, {})
 
-    def rates(self, kinds: set[str], model_type: str) -> Rates:
+    def rates(self, kinds: set[str], model_type: str, top_k: int = 0, experts: int = 0) -> Rates:
         e = self._entry()
         src = e.setdefault("source", {})
         for kind in sorted(kinds | {"bf16", "f32"}):
@@ -267,11 +304,12 @@ class Calibrator:
             self.log("calibrating: fp32 matmul and memory bandwidth")
             e["gemm_flops"], e["memory"] = gemm_rate(self.seconds / 2), memory_rate(self.seconds / 3)
             src["gemm_flops"] = src["memory"] = self._stamp()
-        if model_type not in e.setdefault("overhead", {}):
-            self.log(f"calibrating: engine overhead per layer step ({model_type})")
-            o = overhead(model_type, self.seconds)
+        key = overhead_key(model_type, top_k)
+        if key not in e.setdefault("overhead", {}):
+            self.log(f"calibrating: engine overhead per layer step ({key})")
+            o = overhead(model_type, self.seconds, top_k, experts)
             o.source += f", {self._stamp()}"
-            e["overhead"][model_type] = asdict(o)
+            e["overhead"][key] = asdict(o)
         _save(self.data)
         return Rates.from_json(e)
 

@@ -64,7 +64,7 @@ def open_plan(path: str | Path) -> ModelPlan:
     return plan(path)
 
 
-def model_facts(path: str | Path, p: ModelPlan) -> ModelFacts:
+def model_facts(path: str | Path, p: ModelPlan, kv_dtype: str = "fp32") -> ModelFacts:
     info = info_from_plan(path, p)
     index, prefix, layout = p.store.index, p.family.prefix, p.layout
     n_layers = int(getattr(p.config, "num_layers", info.num_layers))
@@ -95,7 +95,7 @@ def model_facts(path: str | Path, p: ModelPlan) -> ModelFacts:
     return ModelFacts(str(path), info.model_type, info, n_layers, len(layout.moe_layers), layout.num_experts,
                       layout.top_k, info.bytes_per_expert, expert_params, expert_kind, dense, dense_params,
                       head_bytes, head_kind, head_params, _attention(p.config, n_layers), _kda(p.config, n_layers),
-                      state_shape(p.config))
+                      state_shape(p.config, kv_dtype))
 
 
 def _attention(cfg, n_layers: int) -> list[tuple[int, int, int]]:

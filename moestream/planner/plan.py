@@ -88,6 +88,7 @@ class PlanOptions:
     calibrate: bool = False
     machine: str | None = None  # plan for a reference machine instead of this one
     reference: bool = False  # also plan every reference machine
+    kv_dtype: str = "fp32"  # KV / latent cache storage (--kv-dtype): sets the state per sequence
     probe_seconds: float = 1.0
     log: Callable[[str], None] = field(default=lambda msg: None)
 
@@ -123,10 +124,10 @@ def make_plan(path: str | Path, opts: PlanOptions) -> dict:
     opts.check()
     p = open_plan(path)
     try:
-        facts = model_facts(path, p)
+        facts = model_facts(path, p, opts.kv_dtype)
         cal = Calibrator(fresh=opts.calibrate, seconds=opts.probe_seconds, log=opts.log)
         kinds = set(facts.dense_bytes) | {facts.expert_kind, facts.head_kind}
-        here = cal.rates(kinds, facts.model_type)
+        here = cal.rates(kinds, facts.model_type, facts.top_k, facts.num_experts)
         if opts.disk_bandwidth is not None:
             here.disk, here.source["disk"] = opts.disk_bandwidth, "--disk-bandwidth"
         elif opts.machine is None:
@@ -199,7 +200,7 @@ def _cost(price_per_hour: float, tokens_per_s: float) -> float:
 
 def _step_json(s) -> dict:
     return {"seconds": s.seconds, "io_s": s.io_s, "compute_s": s.compute_s, "overhead_s": s.overhead_s,
-            "experts_read": s.expert_reads, "hit_rate": s.hit_rate}
+            "experts_read": s.expert_reads, "hit_rate": s.hit_rate, "compute_parts": s.parts}
 
 
 def _model_summary(f: ModelFacts) -> dict:
@@ -215,7 +216,7 @@ def _model_summary(f: ModelFacts) -> dict:
 def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
     r = out["rates"]
     src = r.get("source", {})
-    o = r["overhead"].get(f.model_type) or next(iter(r["overhead"].values()), None)
+    o = Rates.from_json(r).overhead_for(f.model_type, f.top_k)
     lines = [
         f"routing: {opts.skew.describe()}; the cache also holds the previous token's experts when it has room",
         "expert cache: the budget's cache holds each MoE layer's most popular experts, shared evenly by the "
@@ -235,9 +236,9 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
         f"{ENGINE_CHUNK}; ttft_s with the cache at its steady share, ttft_cold_s with an empty cache",
     ]
     if o is not None:
-        lines.append(f"engine overhead per layer step: {o['decode_s'] * 1e3:.3g} ms decode + "
-                     f"{o['decode_row_s'] * 1e3:.3g} ms per extra row, {o['prefill_s'] * 1e3:.3g} ms per prefill "
-                     f"chunk ({o['source']})")
+        lines.append(f"engine overhead per layer step: {o.decode_s * 1e3:.3g} ms decode + "
+                     f"{o.decode_row_s * 1e3:.3g} ms per extra row, {o.prefill_s * 1e3:.3g} ms per prefill "
+                     f"chunk ({o.source})")
     if not opts.ram_budget:
         lines.append(f"no --ram-budget: planned at {DEFAULT_BUDGET_SHARE:.0%} of the machine's RAM "
                      "(a reference machine: its RAM less 8 GiB)")

@@ -11,7 +11,7 @@ Owns the arithmetic `moestream plan` prints, term by term (docs/plan.md states i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moestream.info import BudgetFit
 from moestream.experts.dispatch import NATIVE_MAX_ROWS
@@ -38,6 +38,7 @@ class Step:
     overhead_s: float
     expert_reads: float  # experts read from disk (all layers)
     hit_rate: float
+    parts: dict[str, float] = field(default_factory=dict)  # compute_s by term (experts, dense, attention, state)
 
     @property
     def seconds(self) -> float:
@@ -66,7 +67,7 @@ class Scenario:
         return fit / max(1, self.facts.moe_layers)
 
     def _overhead(self, kind: str, rows: int = 1) -> float:
-        o = self.rates.overhead.get(self.facts.model_type) or next(iter(self.rates.overhead.values()), None)
+        o = self.rates.overhead_for(self.facts.model_type, self.facts.top_k)
         if o is None:
             return 0.0
         per = o.prefill_s if kind == "prefill" else o.decode_s + o.decode_row_s * max(0, rows - 1)
@@ -120,12 +121,12 @@ class Scenario:
         experts = f.moe_layers * (one * f.expert_bytes / self.rates.gemv[f.expert_kind]
                                   + multi * self._weights(f.expert_bytes, f.expert_kind, f.expert_params, rows,
                                                           EXPERT_ROWS))
-        compute = (self._dense(sequences, sequences) + experts + self._attention(sequences, context)
-                   + self._state_read(sequences, context))
+        parts = {"experts_s": experts, "dense_s": self._dense(sequences, sequences),
+                 "attention_s": self._attention(sequences, context), "state_s": self._state_read(sequences, context)}
         reads = f.moe_layers * missing
         io = reads * f.expert_bytes / self.rates.disk + self._streamed() if self.rates.disk > 0 else 0.0
         hit = max(0.0, 1.0 - missing / max(1e-9, used))
-        return Step(io, compute, self._overhead("decode", sequences), reads, hit)
+        return Step(io, sum(parts.values()), self._overhead("decode", sequences), reads, hit, parts)
 
     def prefill(self, tokens: int, chunk: int, cold: bool) -> list[Step]:
         """The steps of one prompt of `tokens` tokens fed `chunk` at a time; `cold`: the expert cache starts

@@ -2,18 +2,20 @@
 
 Owns the per-layer formulas the models allocate by (attention.KVSlot: K and V rows of kv_heads x head_dim;
 mla.MLASlot: kv_lora_rank + qk_rope_head_dim per token; kda.KDAState: the [H, dk, dv] matrix and the q/k/v conv
-windows, fixed size), all fp32 as the engine keeps them, and feeds them to the server's `StateProfile`, so the
-bytes a sequence reaches at a context replay GrowingBuffer's growth exactly as admission does.
+windows, fixed size), KV and latent rows in the `--kv-dtype` storage (fp32 or bf16) and recurrent state in fp32 as
+the engine keeps them, and feeds them to the server's `StateProfile`, so the bytes a sequence reaches at a context
+replay the engine's block allocation exactly as admission does.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moestream.errors import UnsupportedModelError
+from moestream.errors import MoestreamError, UnsupportedModelError
 from moestream.models.kimi_linear import FULL
 from moestream.server.prefix import StateProfile
 
 FP32 = 4
+KV_BYTES = {"fp32": 4, "bf16": 2}  # bytes per stored KV / latent element for each --kv-dtype (memory/state.py)
 
 
 @dataclass
@@ -23,6 +25,7 @@ class StateShape:
     row_bytes: list[int]
     fixed_bytes: int
     kinds: dict[str, int]  # layer kind -> how many layers ("GQA KV", "MLA latent", "KDA state")
+    kv_dtype: str = "fp32"  # storage of the growing rows (recurrent state stays fp32)
 
     @property
     def bytes_per_token(self) -> int:
@@ -37,38 +40,46 @@ class StateShape:
 
     def describe(self) -> str:
         parts = [f"{n} {kind}" for kind, n in self.kinds.items() if n]
-        return (f"{', '.join(parts)}: {self.bytes_per_token} bytes per token of context + {self.fixed_bytes} "
-                "fixed bytes per sequence (fp32, as the engine keeps them)")
+        return (f"{', '.join(parts)}: {self.bytes_per_token} bytes per token of context ({self.kv_dtype} KV / latent "
+                f"rows, --kv-dtype) + {self.fixed_bytes} fixed bytes per sequence (recurrent state, fp32)")
 
 
-def _mla_row(raw: dict) -> int:
-    return (int(raw.get("kv_lora_rank", 512)) + int(raw.get("qk_rope_head_dim", 64))) * FP32
+def _mla_row(raw: dict, kv: int) -> int:
+    return (int(raw.get("kv_lora_rank", 512)) + int(raw.get("qk_rope_head_dim", 64))) * kv
 
 
 def _kda_fixed(heads: int, dim: int, conv: int) -> int:
     return (heads * dim * dim + 3 * (conv - 1) * heads * dim) * FP32
 
 
-def state_shape(config) -> StateShape:
-    """The StateShape of a family's parsed config (ModelPlan.config)."""
+def state_shape(config, kv_dtype: str = "fp32") -> StateShape:
+    """The StateShape of a family's parsed config (ModelPlan.config), KV / latent rows stored as `kv_dtype`."""
+    if kv_dtype not in KV_BYTES:
+        raise MoestreamError(f"--kv-dtype must be one of {', '.join(KV_BYTES)}; got {kv_dtype!r}")
+    shape = _shape(config, KV_BYTES[kv_dtype])
+    shape.kv_dtype = kv_dtype
+    return shape
+
+
+def _shape(config, kv: int) -> StateShape:
     n = int(config.num_layers)
     kind = type(config).__name__
     if hasattr(config, "mla_layers"):  # Kimi K3: MLA at the listed layers, KDA elsewhere
         mla = len(config.mla_layers)
-        row = (config.kv_lora_rank + config.rope_dim) * FP32
+        row = (config.kv_lora_rank + config.rope_dim) * kv
         return StateShape([row] * mla, (n - mla) * _kda_fixed(config.kda_heads, config.kda_dim, config.conv_size),
                           {"MLA latent": mla, "KDA state": n - mla})
     if hasattr(config, "layer_types") and hasattr(config, "kda"):  # Kimi Linear: "full" layers are MLA
         kda = config.kda
         full = [t for t in config.layer_types if t == FULL]
         mla = config.mla
-        row = (mla.kv_lora_rank + mla.qk_rope_head_dim) * FP32
+        row = (mla.kv_lora_rank + mla.qk_rope_head_dim) * kv
         rest = n - len(full)
         return StateShape([row] * len(full), rest * _kda_fixed(kda.heads, kda.head_dim, kda.conv_kernel),
                           {"MLA latent": len(full), "KDA state": rest})
     if hasattr(config, "kv_heads") and hasattr(config, "head_dim"):  # GQA: K and V buffers per layer
-        row = config.kv_heads * config.head_dim * FP32
+        row = config.kv_heads * config.head_dim * kv
         return StateShape([row, row] * n, 0, {"GQA KV": n})
     if hasattr(config, "fp8_block"):  # DeepSeek-V3 / Kimi K2: MLA everywhere
-        return StateShape([_mla_row(config.raw)] * n, 0, {"MLA latent": n})
+        return StateShape([_mla_row(config.raw, kv)] * n, 0, {"MLA latent": n})
     raise UnsupportedModelError(f"plan: no state formula for {kind}")
