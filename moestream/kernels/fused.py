@@ -91,6 +91,19 @@ def rms_norm(x: Tensor, w: Tensor | None, eps: float) -> Tensor:
     return out
 
 
+def qk_prep(kernel: str, d: int, q_norm: Tensor | None, k_norm: Tensor | None,
+            inv_freq: Tensor | None) -> tuple[int | None, int | None, int, int | None]:
+    """The attention kernels' q/k norm and rope operands checked: (q_norm address, k_norm address, 1 if the norms
+    are bf16, inv_freq address); None for what is not given. ValueError for mismatched ones."""
+    if inv_freq is not None and (inv_freq.dtype != torch.float32 or inv_freq.numel() * 2 != d):
+        raise ValueError(f"{kernel} wants fp32 inv_freq [D/2]")
+    qn, qbf16 = norm_weight(q_norm)
+    kn, kbf16 = norm_weight(k_norm)
+    if q_norm is not None and k_norm is not None and qbf16 != kbf16:
+        raise ValueError(f"{kernel} wants q_norm and k_norm of one dtype")
+    return qn, kn, qbf16 or kbf16, None if inv_freq is None else inv_freq.data_ptr()
+
+
 def gqa_attend(q: Tensor, keys: Tensor, values: Tensor, new: int, scale: float, q_norm: Tensor | None = None,
                k_norm: Tensor | None = None, eps: float = 1e-6, inv_freq: Tensor | None = None,
                factor: float = 1.0, window: int | None = None) -> Tensor:
@@ -107,16 +120,10 @@ def gqa_attend(q: Tensor, keys: Tensor, values: Tensor, new: int, scale: float, 
             raise ValueError(f"gqa_attend wants contiguous fp32 {name}")
     if keys.shape != (length, hkv, d) or hq % hkv or new != t or new > length:
         raise ValueError(f"gqa_attend: q {tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}")
-    if inv_freq is not None and (inv_freq.dtype != torch.float32 or inv_freq.numel() * 2 != d):
-        raise ValueError("gqa_attend wants fp32 inv_freq [D/2]")
-    qn, qbf16 = norm_weight(q_norm)
-    kn, kbf16 = norm_weight(k_norm)
-    if q_norm is not None and k_norm is not None and qbf16 != kbf16:
-        raise ValueError("gqa_attend wants q_norm and k_norm of one dtype")
+    qn, kn, nbf16, freq = qk_prep("gqa_attend", d, q_norm, k_norm, inv_freq)
     out = torch.empty(t, hq, dv, dtype=torch.float32)
     if handle.ms_gqa_attend(t, hq, hkv, d, dv, q.data_ptr(), keys.data_ptr(), values.data_ptr(), length, qn, kn,
-                            qbf16 or kbf16, eps, None if inv_freq is None else inv_freq.data_ptr(), factor, scale,
-                            window or 0, out.data_ptr()):
+                            nbf16, eps, freq, factor, scale, window or 0, out.data_ptr()):
         raise MemoryError("native attention could not allocate its scores")
     return out
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from moestream.kernels.cpu import _addresses, required
-from moestream.kernels.fused import norm_weight
+from moestream.kernels.fused import qk_prep
 
 _STORAGE = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -47,16 +47,10 @@ def gqa_decode_paged(q: Tensor, k: Tensor, v: Tensor, lengths: Sequence[int], kb
         offsets.append(len(kptrs))
         kptrs += [t.data_ptr() for t in ks[:len(vs)]]
         vptrs += [t.data_ptr() for t in vs[:len(ks)]]
-    if inv_freq is not None and (inv_freq.dtype != torch.float32 or inv_freq.numel() * 2 != d):
-        raise ValueError("gqa_decode_paged wants fp32 inv_freq [D/2]")
-    qn, qbf16 = norm_weight(q_norm)
-    kn, kbf16 = norm_weight(k_norm)
-    if q_norm is not None and k_norm is not None and qbf16 != kbf16:
-        raise ValueError("gqa_decode_paged wants q_norm and k_norm of one dtype")
+    qn, kn, nbf16, freq = qk_prep("gqa_decode_paged", d, q_norm, k_norm, inv_freq)
     out = torch.empty(b, hq, dv, dtype=torch.float32)
     if handle.ms_gqa_decode_paged(b, hq, hkv, d, dv, q.data_ptr(), k.data_ptr(), v.data_ptr(), _addresses(lengths),
                                   _addresses(offsets), _addresses(kptrs), _addresses(vptrs), block, storage, qn, kn,
-                                  qbf16 or kbf16, eps, None if inv_freq is None else inv_freq.data_ptr(), factor,
-                                  scale, out.data_ptr()):
+                                  nbf16, eps, freq, factor, scale, out.data_ptr()):
         raise MemoryError("native paged attention could not allocate its scores")
     return out
