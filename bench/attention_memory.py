@@ -13,11 +13,9 @@ import sys
 
 
 def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    from moestream.cgroup import proc_kib
+
+    return (proc_kib("VmRSS") or 0) / 1024
 
 
 def run(form: str, tokens: int) -> None:

@@ -20,10 +20,12 @@ OUT, IN, BLOCK = 7168, 16384, (128, 128)
 
 
 def _kib(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(field)
+    from moestream.cgroup import proc_kib
+
+    got = proc_kib(field)
+    if got is None:
+        raise RuntimeError(field)
+    return got
 
 
 def weight():

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from fuzz_server import leaks, outside_caches, settled, start_server
+from moestream.cgroup import proc_kib
 
 HANG_S = 120.0  # an answer slower than this counts as a hang
 
@@ -137,9 +138,9 @@ async def flood(url: str, model: str, args, deadline: float, t: Tally) -> None:
 
 async def sample_rss(pid: int | None, start: float, deadline: float, t: Tally) -> None:
     while pid is not None and time.monotonic() < deadline:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                t.rss.append((round(time.monotonic() - start, 1), int(line.split()[1]) * 1024))
+        rss = proc_kib("VmRSS", f"/proc/{pid}/status")
+        if rss is not None:
+            t.rss.append((round(time.monotonic() - start, 1), rss * 1024))
         await asyncio.sleep(10)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from moestream.cgroup import rss_now  # noqa: F401  (bench/batch_throughput.py imports it from here)
+from moestream.cgroup import proc_kib, rss_now  # noqa: F401  (bench/batch_throughput.py imports rss_now here)
 from moestream.cli.common import add_remote_args, add_state_room_arg
 from moestream.config import format_bytes, parse_bytes
 from moestream.errors import MoestreamError
@@ -160,13 +160,9 @@ def _open_probe(f: Path) -> tuple[int, bool]:
 def peak_rss() -> int:
     """This process image's peak RSS: VmHWM on Linux (getrusage's ru_maxrss also carries the RSS of a parent that
     forked us before exec, e.g. a 400 MB test runner), else ru_maxrss."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    hwm = proc_kib("VmHWM")
+    if hwm is not None:
+        return hwm * 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 

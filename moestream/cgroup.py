@@ -5,7 +5,8 @@ enabled; otherwise a clear reason to skip), the group's life (limit, entry throu
 pid before exec'ing the command, removal), the figures read back (peak charge, times the limit was hit, OOM kills)
 and where the memory was at the peak (the parent samples the group's anonymous vs page-cache split; a child that
 calls `watch_peak` records its Python stack at each new RSS high-water mark, so an OOM kill still leaves one).
-The cap is `budget + interpreter RSS + allowance`, page cache included (v1 charges it to the group).
+The cap is `budget + interpreter RSS + allowance`, page cache included (v1 charges it to the group). Also the
+process's own memory figures from /proc (`rss_now`, `proc_kib`).
 """
 from __future__ import annotations
 
@@ -117,6 +118,18 @@ def _enable_v2_memory(root: Path) -> bool:
 def cap_for(budget: int, baseline_rss: int, allowance: int = DEFAULT_ALLOWANCE) -> int:
     """The kernel limit for a run under `budget`: the budget, the interpreter's own RSS, a stated allowance."""
     return budget + baseline_rss + allowance
+
+
+def proc_kib(field: str, path: str | Path = "/proc/self/status") -> int | None:
+    """A `Field:   N kB` line of a /proc file (status, meminfo) as N KiB; None when the file or field is missing."""
+    try:
+        with open(path) as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 def rss_now() -> int:

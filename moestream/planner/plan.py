@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from moestream.cgroup import proc_kib
 from moestream.config import format_bytes
 from moestream.errors import MoestreamError
 from moestream.planner.calibrate import Calibrator, Overhead, Rates
@@ -110,14 +111,8 @@ class PlanOptions:
 
 
 def machine_ram() -> int:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 16 << 30
+    total = proc_kib("MemTotal", "/proc/meminfo")
+    return total * 1024 if total is not None else 16 << 30
 
 
 def make_plan(path: str | Path, opts: PlanOptions) -> dict:
