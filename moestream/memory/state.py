@@ -1,8 +1,8 @@
 """Per-sequence state and the batch layout one engine step works on.
 
 Owns `SeqState` (one slot per layer for KV caches or recurrent state, the token count, the KV storage dtype), the
-block-allocated, budget-accounted `BlockBuffer` that holds KV / latent caches (fixed-size blocks, each charged when
-allocated, never copied to grow; sliding windows drop whole blocks), and `transient`, which charges a temporary.
+block-allocated, budget-accounted `BlockBuffer` that holds KV / latent caches (fixed-size blocks on slab slots,
+memory/slabs.py, each charged when allocated, never copied to grow; sliding windows drop whole blocks), and `transient`, which charges a temporary.
 Models create their per-layer state lazily through `slot()`.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from moestream.config import KV_DTYPE_NAMES
 from moestream.errors import MoestreamError
 from moestream.memory.accountant import MemoryAccountant
+from moestream.memory.slabs import free_block, new_block
 
 BLOCK_TOKENS = 64  # rows per KV block: a batch of short sequences holds ~its context, not 256 rows each
 GROW_TOKENS = BLOCK_TOKENS  # the old name (tests and docs speak of growth in 64-token steps)
@@ -126,8 +127,10 @@ class BlockBuffer:
         charge = max(0, need - len(free)) * self.block_bytes
         self.memory.grow_state(charge, self.what)  # BudgetError before anything is allocated
         for _ in range(need):
-            self.blocks.append(free.pop() if free else torch.empty((self.block, *self.row_shape), dtype=self.dtype))
-        self.memory.release_state(len(free) * self.block_bytes)  # dropped blocks this append did not reuse
+            self.blocks.append(free.pop() if free else new_block((self.block, *self.row_shape), self.dtype))
+        for blk in free:  # dropped blocks this append did not reuse
+            free_block(blk)
+        self.memory.release_state(len(free) * self.block_bytes)
 
     def _trim(self) -> list[torch.Tensor]:
         """Drop the blocks no query from `length` on can see (window only); returns them for reuse."""
@@ -182,7 +185,9 @@ class BlockBuffer:
         n = self.length if rows is None else rows
         new = BlockBuffer(self.memory, self.row_shape, self.what, self.dtype, self.window, self.block)
         new.start, new.length = self.start, n
-        new.blocks = [b.clone() for b in self.blocks[:-(-(n - self.start) // self.block)]]
+        for b in self.blocks[:-(-(n - self.start) // self.block)]:
+            new.blocks.append(new_block(tuple(b.shape), b.dtype))
+            new.blocks[-1].copy_(b)
         return new
 
     def clone_bytes(self, rows: int | None = None) -> int:
@@ -190,7 +195,10 @@ class BlockBuffer:
         return -(-(n - self.start) // self.block) * self.block_bytes
 
     def release(self) -> None:
+        """Give every block back (its pages to the kernel) and its bytes to the budget."""
         self.memory.release_state(self.nbytes)
+        for blk in self.blocks:
+            free_block(blk)
         self.blocks, self.start, self.length = [], 0, 0
 
 
