@@ -33,12 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--disk-bw", type=float, default=1.2e9, help="bytes/s for the I/O floor")
     ap.add_argument("--state-per-seq", type=int, default=4 << 20, help="bytes of state room per sequence")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="RAM budget in bytes (default: dense + scratch + experts / 4 + the state room; 0: none, "
+                         "so steps after the first run with every expert resident: the compute alone)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cpu", action="store_true", help="profile the main thread's CPU time instead of wall time")
     args = ap.parse_args(argv)
     from moestream import Engine
 
-    budget = default_budget(args.model) + args.batch * args.state_per_seq
+    budget = default_budget(args.model) + args.batch * args.state_per_seq if args.budget is None else \
+        (int(args.budget) or None)
     eng = Engine.open(args.model, budget, threads=args.threads)
     rate = matmul_rate(torch.float32)
     flops = FlopModel.of(eng)

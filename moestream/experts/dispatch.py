@@ -30,6 +30,8 @@ from moestream.experts.store import ExpertBlob, ExpertStore
 from moestream.kernels.cpu import bf16_native
 
 ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+# An ExpertFn may carry `fn.native(tensors, rows) -> bool`: True when it computes that many rows from the stored
+# bytes, so the runner hands it the expert as stored instead of expanding it to fp32 (models/blocks.expert_glu).
 # Several resident experts at once: (x, ids, weights, experts, their tensors, out) -> False when it declines.
 # It must add exactly what _apply would add for each expert (sum of weights x expert output over its rows).
 GroupFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[dict[str, torch.Tensor]],
@@ -348,10 +350,16 @@ class ExpertRunner:
         else:
             rows, slots = torch.nonzero(route == e, as_tuple=True)
             w = weights[rows, slots].unsqueeze(-1).float()
-        # one row: the native bf16 kernel (a GEMV reads the stored bytes once); several rows: expand once and run
-        # one fp32 GEMM over all of them, 8 to 60x faster than the native kernel at 2 to 16 rows (docs/performance.md)
-        native_rows = rows.numel() if rows.numel() <= NATIVE_MAX_ROWS else None
-        y = fn(x.index_select(0, rows), self.upcast(blob.tensors(), native_rows)).float()  # [n, D]
+        # an expert function that computes these rows from the stored bytes (a fused native GLU over up to a few
+        # dozen rows) gets them as stored; otherwise one row takes the native GEMV and more rows are expanded once
+        # to fp32 for one GEMM over all of them (docs/performance.md)
+        n = rows.numel()
+        stored = getattr(fn, "native", None)
+        if stored is not None and stored(blob.tensors(), n):
+            tensors = blob.tensors()
+        else:
+            tensors = self.upcast(blob.tensors(), n if n <= NATIVE_MAX_ROWS else None)
+        y = fn(x.index_select(0, rows), tensors).float()  # [n, D]
         out.index_add_(0, rows, y * w)
 
 

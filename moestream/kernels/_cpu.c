@@ -77,6 +77,7 @@ INLINE vf vzero(void) { return _mm512_setzero_ps(); }
 INLINE vf vloadf(const float *p) { return _mm512_loadu_ps(p); }
 INLINE vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 INLINE vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+INLINE void vstoref(float *p, vf v) { _mm512_storeu_ps(p, v); }
 INLINE vw_t vloadw(const uint16_t *p) { return _mm512_loadu_si512((const void *)p); }
 INLINE vf veven(vw_t v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
 INLINE vf vodd(vw_t v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u))); }
@@ -89,6 +90,7 @@ INLINE vf vzero(void) { return _mm256_setzero_ps(); }
 INLINE vf vloadf(const float *p) { return _mm256_loadu_ps(p); }
 INLINE vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 INLINE vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+INLINE void vstoref(float *p, vf v) { _mm256_storeu_ps(p, v); }
 INLINE vw_t vloadw(const uint16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 INLINE vf veven(vw_t v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
 INLINE vf vodd(vw_t v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u))); }
@@ -105,6 +107,7 @@ INLINE vf vzero(void) { return 0.0f; }
 INLINE vf vloadf(const float *p) { return *p; }
 INLINE vf vfma(vf a, vf b, vf c) { return a * b + c; }
 INLINE vf vadd(vf a, vf b) { return a + b; }
+INLINE void vstoref(float *p, vf v) { *p = v; }
 INLINE vw_t vloadw(const uint16_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 16; }
 INLINE vf veven(vw_t v) { return bits_f32(v << 16); }
 INLINE vf vodd(vw_t v) { return bits_f32(v & 0xFFFF0000u); }
@@ -243,11 +246,99 @@ static void bf16_gemv(const float *x, int64_t K, const uint16_t *w, int64_t n0, 
     }
 }
 
+/* Many tokens: the weights converted once per call instead of once per token tile. GEMM_R rows of w at a time are
+ * converted to fp32 in the prepared layout (even / odd halves of each group, as x is prepared), GEMM_KC columns
+ * at a time, into a block that stays in L1; then every token tile of GEMM_TT tokens runs over it with GEMM_R x
+ * GEMM_TT accumulators, the x vectors in registers shared by the rows. */
+#ifndef GEMM_R
+#define GEMM_R 4
+#endif
+#ifndef GEMM_TT
+#define GEMM_TT 3
+#endif
+#ifndef GEMM_KC
+#define GEMM_KC 1024 /* prepared columns per block: GEMM_R * GEMM_KC * 4 bytes = 16 KiB */
+#endif
+#ifndef GEMM_MIN_T
+#define GEMM_MIN_T 8
+#endif
+
+static void gemm_pack(const uint16_t *w, int64_t K, int rr, int64_t kc, int64_t kk, float *pk) {
+    for (int r = 0; r < GEMM_R; r++) {
+        float *dst = pk + r * GEMM_KC;
+        if (r >= rr) {
+            memset(dst, 0, sizeof(float) * (size_t)kk);
+            continue;
+        }
+        const uint16_t *row = w + r * K;
+        for (int64_t p = 0; p < kk; p += GW) {
+            const int64_t k = kc + p; /* prepared column p of the block = input group starting at k */
+            vw_t v;
+            if (k + GW <= K) {
+                v = vloadw(row + k);
+            } else {
+                uint16_t tail[GW];
+                memset(tail, 0, sizeof(tail));
+                if (k < K) memcpy(tail, row + k, sizeof(uint16_t) * (size_t)(K - k));
+                v = vloadw(tail);
+            }
+            vstoref(dst + p, veven(v));
+            vstoref(dst + p + VW, vodd(v));
+        }
+    }
+}
+
+INLINE void gemm_tile(const float *x, int64_t ldx, const float *pk, int64_t kk, float *out, int64_t ldo, int rr,
+                      int first, const int TT) {
+    vf acc[GEMM_R][GEMM_TT];
+#pragma GCC unroll 4
+    for (int r = 0; r < GEMM_R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < TT; t++) acc[r][t] = vzero();
+    for (int64_t k = 0; k < kk; k += VW) {
+        vf xv[GEMM_TT];
+#pragma GCC unroll 4
+        for (int t = 0; t < TT; t++) xv[t] = vloadf(x + t * ldx + k);
+#pragma GCC unroll 4
+        for (int r = 0; r < GEMM_R; r++) {
+            const vf wv = vloadf(pk + r * GEMM_KC + k);
+#pragma GCC unroll 4
+            for (int t = 0; t < TT; t++) acc[r][t] = vfma(wv, xv[t], acc[r][t]);
+        }
+    }
+    for (int r = 0; r < rr; r++)
+        for (int t = 0; t < TT; t++) {
+            float *o = out + t * ldo + r;
+            *o = first ? vsum(acc[r][t]) : *o + vsum(acc[r][t]);
+        }
+}
+
+static void bf16_gemm(const float *x, int64_t ldx, int64_t T, int64_t K, const uint16_t *w, int64_t n0, int64_t n1,
+                      float *out, int64_t ldo) {
+    _Alignas(64) float pk[GEMM_R * GEMM_KC];
+    for (int64_t n = n0; n < n1; n += GEMM_R) {
+        const int rr = (int)(n1 - n < GEMM_R ? n1 - n : GEMM_R);
+        for (int64_t kc = 0; kc < ldx; kc += GEMM_KC) {
+            const int64_t kk = ldx - kc < GEMM_KC ? ldx - kc : GEMM_KC;
+            gemm_pack(w + n * K, K, rr, kc, kk, pk);
+            float *o = out + (n - n0);
+            int64_t t = 0;
+            for (; t + GEMM_TT <= T; t += GEMM_TT) gemm_tile(x + t * ldx + kc, ldx, pk, kk, o + t * ldo, ldo, rr, kc == 0, GEMM_TT);
+            if (T - t == 2) gemm_tile(x + t * ldx + kc, ldx, pk, kk, o + t * ldo, ldo, rr, kc == 0, 2);
+            else if (T - t == 1) gemm_tile(x + t * ldx + kc, ldx, pk, kk, o + t * ldo, ldo, rr, kc == 0, 1);
+        }
+    }
+}
+
 /* out[t * ldo + (n - n0)] for rows [n0, n1) of w [N, K] and every token of x (prepared, row stride ldx) */
 static void bf16_rows(const float *x, int64_t ldx, int64_t T, int64_t K, const uint16_t *w, int64_t n0, int64_t n1,
                       float *out, int64_t ldo) {
     if (T == 1) {
         bf16_gemv(x, K, w, n0, n1, out);
+        return;
+    }
+    if (T >= GEMM_MIN_T) {
+        bf16_gemm(x, ldx, T, K, w, n0, n1, out, ldo);
         return;
     }
     int64_t n = n0;

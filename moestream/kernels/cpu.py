@@ -32,7 +32,7 @@ from torch import Tensor
 MAX_TOKENS_BF16 = 16
 MAX_TOKENS_MXFP4 = 32
 # Up to this many tokens a layer step's bf16 GLU experts go through one fused native call (moe_glu_bf16).
-MAX_TOKENS_GLU = 32
+MAX_TOKENS_GLU = 64
 # Threads per call (the caller included). Two threads won on expert-sized matrices in bench/kernels.py; small
 # matrices stay on one (below MIN_ROWS_PER_THREAD rows per thread the wake-up costs more than it saves).
 DEFAULT_THREADS = 1

@@ -188,6 +188,13 @@ def expert_glu(act=silu_glu):
             return linear(act(gate, up), got[1])
         return glu_mlp(x, *got, act)
 
+    def native(t: Mapping[str, torch.Tensor], rows: int) -> bool:
+        """Whether fn computes `rows` rows of the expert `t` from its stored bf16 bytes (the runner then skips
+        its fp32 upcast): the fused kernel converts each weight once per call and beat upcast + fp32 GEMM up to
+        MAX_TOKENS_GLU rows (docs/performance.md)."""
+        return spec is not None and rows <= cpu.MAX_TOKENS_GLU and cpu.available() and glu_parts(t) is not None
+
+    fn.native = native  # type: ignore[attr-defined]
     return fn
 
 
