@@ -418,18 +418,29 @@ def test_conv_decode_matches_unfolded_conv(kernel):
 
 @native
 def test_glu_experts_of_dozens_of_rows_run_from_stored_bytes():
-    """Up to MAX_TOKENS_GLU rows a bf16 GLU expert runs in the fused kernel straight from its stored bytes (the
-    converted-weights GEMM path for 8+ rows, odd row counts and widths included): fp32-reference results."""
+    """Up to MAX_TOKENS_GLU routed rows a bf16 GLU expert is added into the step's output by one fused kernel call
+    straight from its stored bytes (the converted-weights GEMM path for 8+ rows, odd counts and widths included):
+    fp32-reference results, only for the rows routed to it."""
     fn = blocks.expert_glu()
     g = _gen(21)
     t = {"gate": torch.randn(24, 70, generator=g).bfloat16(), "up": torch.randn(24, 70, generator=g).bfloat16(),
          "down": torch.randn(37, 24, generator=g).bfloat16()}
     ref = {k: v.float() for k, v in t.items()}
-    for rows in (2, 8, 17, 40, cpu.MAX_TOKENS_GLU):
-        assert fn.native(t, rows)
-        x = torch.randn(rows, 70, generator=g)
-        assert max_rel_diff(fn(x, t), blocks.glu_mlp(x, ref["gate"], ref["up"], ref["down"])) < 1e-5
-    assert not fn.native(t, cpu.MAX_TOKENS_GLU + 1) and not fn.native(ref, 4)  # too many rows; fp32 weights
+    for T in (3, 16, 40, 2 * cpu.MAX_TOKENS_GLU):
+        x = torch.randn(T, 70, generator=g)
+        ids = torch.randint(0, 4, (T, 2), generator=g)
+        ids[:, 1] = (ids[:, 0] + 1) % 4  # two distinct experts per row
+        wts = torch.rand(T, 2, generator=g)
+        rows, slots = torch.nonzero(ids == 2, as_tuple=True)
+        out = torch.zeros(T, 37)
+        assert fn.accumulate(x, ids, wts, 2, rows.numel(), t, out)
+        want = torch.zeros(T, 37)
+        want[rows] = wts[rows, slots].unsqueeze(-1) * blocks.glu_mlp(x[rows], ref["gate"], ref["up"], ref["down"])
+        assert max_rel_diff(out, want) < 1e-5
+    out = torch.zeros(4, 37)
+    assert not fn.accumulate(torch.randn(4, 70), ids[:4], wts[:4], 2, cpu.MAX_TOKENS_GLU + 1, t, out)  # too many
+    assert not fn.accumulate(torch.randn(4, 70), ids[:4], wts[:4], 2, 2, ref, out)  # fp32 weights: not its kernel
+    assert out.abs().sum() == 0
 
 
 @native

@@ -30,8 +30,8 @@ from moestream.experts.store import ExpertBlob, ExpertStore
 from moestream.kernels.cpu import bf16_native
 
 ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
-# An ExpertFn may carry `fn.native(tensors, rows) -> bool`: True when it computes that many rows from the stored
-# bytes, so the runner hands it the expert as stored instead of expanding it to fp32 (models/blocks.expert_glu).
+# An ExpertFn may carry `fn.accumulate(x, ids, weights, expert, rows, tensors, out) -> bool`: it adds the expert's
+# weighted output for its `rows` routed rows into out itself, from the stored bytes, or declines (models/blocks).
 # Several resident experts at once: (x, ids, weights, experts, their tensors, out) -> False when it declines.
 # It must add exactly what _apply would add for each expert (sum of weights x expert output over its rows).
 GroupFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[dict[str, torch.Tensor]],
@@ -350,16 +350,13 @@ class ExpertRunner:
         else:
             rows, slots = torch.nonzero(route == e, as_tuple=True)
             w = weights[rows, slots].unsqueeze(-1).float()
-        # an expert function that computes these rows from the stored bytes (a fused native GLU over up to a few
-        # dozen rows) gets them as stored; otherwise one row takes the native GEMV and more rows are expanded once
-        # to fp32 for one GEMM over all of them (docs/performance.md)
         n = rows.numel()
-        stored = getattr(fn, "native", None)
-        if stored is not None and stored(blob.tensors(), n):
-            tensors = blob.tensors()
-        else:
-            tensors = self.upcast(blob.tensors(), n if n <= NATIVE_MAX_ROWS else None)
-        y = fn(x.index_select(0, rows), tensors).float()  # [n, D]
+        acc = getattr(fn, "accumulate", None)
+        if acc is not None and isinstance(route, Routing) and acc(x, route.ids, route.raw, e, n, blob.tensors(), out):
+            return  # a fused native GLU over up to a few dozen rows, from the stored bytes, added in place
+        # one row: the native GEMV reads the stored bytes; more rows: expanded once to fp32 for one GEMM over all
+        # of them (docs/performance.md)
+        y = fn(x.index_select(0, rows), self.upcast(blob.tensors(), n if n <= NATIVE_MAX_ROWS else None)).float()
         out.index_add_(0, rows, y * w)
 
 
@@ -368,8 +365,10 @@ class Routing:
     per expert): each expert's pairs are one contiguous slice, rows ascending as nonzero would give them, so its
     GEMM sees the same input and the combine adds the same products in the same order."""
 
-    def __init__(self, rows: torch.Tensor, weights: torch.Tensor, experts: list[int], spans: dict[int, slice]):
+    def __init__(self, rows: torch.Tensor, weights: torch.Tensor, experts: list[int], spans: dict[int, slice],
+                 ids: torch.Tensor | None = None, raw: torch.Tensor | None = None):
         self.rows, self.weights, self.experts, self._spans = rows, weights, experts, spans
+        self.ids, self.raw = ids, raw  # the step's routing as given: ids [T, k] and their weights [T, k]
 
     @classmethod
     def of(cls, ids: torch.Tensor, weights: torch.Tensor) -> "Routing":
@@ -379,7 +378,8 @@ class Routing:
         ends = torch.cumsum(counts, 0).tolist()
         spans = {e: slice(end - n, end) for e, n, end in zip(experts.tolist(), counts.tolist(), ends)}
         rows = torch.div(order, ids.shape[1], rounding_mode="floor")
-        return cls(rows, weights.reshape(-1)[order].float().unsqueeze(-1), list(spans), spans)
+        return cls(rows, weights.reshape(-1)[order].float().unsqueeze(-1), list(spans), spans,
+                   ids.long().contiguous(), weights.float().contiguous())
 
     def pairs(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows routed to `e` (ascending) and their routing weights [n, 1] fp32."""

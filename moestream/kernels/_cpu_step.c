@@ -100,11 +100,11 @@ int ms_moe_glu_bf16(int64_t E, const int64_t *experts, const int64_t *gates, con
     int parts = pool_parts; /* a thread's wake-up costs about as much as streaming 100-200 KB */
     while (parts > 1 && E * (2 * I * K + D * I) * 2 / parts < MIN_BYTES_PER_PART) parts--;
     const size_t meta = sizeof(int64_t) * (size_t)(2 * E + A) + sizeof(float) * (size_t)A;
-    char *mem = malloc(meta + 64 + sizeof(float) * (size_t)(T * ldx + A * (ldx + ldh)));
+    char *mem = malloc(meta + 64 + sizeof(float) * (size_t)(A * (ldx + ldh)));
     if (!mem) return -1;
     int64_t *start = (int64_t *)mem, *count = start + E, *row = count + E;
     float *wt = (float *)(row + A);
-    float *xp = (float *)(((uintptr_t)(mem + meta) + 63) & ~(uintptr_t)63), *xa = xp + T * ldx, *h = xa + A * ldx;
+    float *xa = (float *)(((uintptr_t)(mem + meta) + 63) & ~(uintptr_t)63), *h = xa + A * ldx;
     int64_t a = 0, maxcount = 0;
     for (int64_t e = 0; e < E; e++) {
         start[e] = a;
@@ -128,8 +128,8 @@ int ms_moe_glu_bf16(int64_t E, const int64_t *experts, const int64_t *gates, con
         free(mem);
         return -1;
     }
-    bf16_prepare(x, T, K, xp);
-    for (a = 0; a < A; a++) memcpy(xa + a * ldx, xp + row[a] * ldx, sizeof(float) * (size_t)ldx);
+    /* only the rows some expert takes (a batch step hands every expert of a layer the whole step's x) */
+    for (a = 0; a < A; a++) bf16_prepare_row(x + row[a] * K, K, xa + a * ldx);
     memset(h, 0, sizeof(float) * (size_t)(A * ldh)); /* the padding of each row stays zero */
     glu_job j = {E, I, K, D, ldx, ldh, maxcount, D, (const uint16_t *const *)gates, (const uint16_t *const *)ups,
                  (const uint16_t *const *)downs, start, count, row, wt, xa, h, scratch, out, act, beta, lbeta};

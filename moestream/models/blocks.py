@@ -188,13 +188,21 @@ def expert_glu(act=silu_glu):
             return linear(act(gate, up), got[1])
         return glu_mlp(x, *got, act)
 
-    def native(t: Mapping[str, torch.Tensor], rows: int) -> bool:
-        """Whether fn computes `rows` rows of the expert `t` from its stored bf16 bytes (the runner then skips
-        its fp32 upcast): the fused kernel converts each weight once per call and beat upcast + fp32 GEMM up to
-        MAX_TOKENS_GLU rows (docs/performance.md)."""
-        return spec is not None and rows <= cpu.MAX_TOKENS_GLU and cpu.available() and glu_parts(t) is not None
+    def accumulate(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert: int, rows: int,
+                   t: Mapping[str, torch.Tensor], out: torch.Tensor) -> bool:
+        """out[r] += weights[r, j] * fn(x[r]) for the `rows` rows r with ids[r, j] == expert, in one fused native
+        call straight from the stored bf16 bytes (no row gather, no fp32 upcast, no index_add); False, with nothing
+        done, where that kernel does not apply. The kernel converts each weight once per call and beat upcast +
+        fp32 GEMM up to MAX_TOKENS_GLU rows (docs/performance.md)."""
+        if spec is None or rows > cpu.MAX_TOKENS_GLU or x.requires_grad or not cpu.available():
+            return False
+        parts = glu_parts(t)
+        if parts is None:
+            return False
+        flat = x if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() else cpu.rows(x, x.shape[-1])
+        return _native_glu(flat, [parts], spec, out, [expert], ids, weights)
 
-    fn.native = native  # type: ignore[attr-defined]
+    fn.accumulate = accumulate  # type: ignore[attr-defined]
     return fn
 
 
