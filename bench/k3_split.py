@@ -10,7 +10,7 @@ claims is "python/other". The every-byte roofline of a token is
 summed (no overlap credited: `roofline_overlap_tok_s` is the stricter bound that credits full overlap).
 Run it under the bench lock, e.g.
     flock /work/bench.lock python bench/k3_split.py /work/synth/k3_fw --ram-budget 4.5GiB --threads 2 \
-        --prompt-len 32 --gen-len 16 --cold --lookahead on,off
+        --prompt-len 32 --gen-len 16 --cold --lookahead on,off,open
 """
 from __future__ import annotations
 
@@ -182,7 +182,9 @@ def roofline(r: dict, expert_bytes: int, resident_bytes: float, disk_bw: float, 
             "roofline_overlap_tok_s": 1.0 / max(t_disk, t_ram)}
 
 
-def run_once(path: Path, opts, lookahead: bool, mem_bw: float) -> dict:
+def run_once(path: Path, opts, lookahead: str, mem_bw: float) -> dict:
+    """One fresh engine; `lookahead` "on" (the default recall gate), "off", or "open" (gate forced open from the
+    first step, `--lookahead-reads` predicted experts read ahead per layer step)."""
     files = model_files(path)
     if opts.cold:
         drop_page_cache(files)
@@ -205,7 +207,10 @@ def run_once(path: Path, opts, lookahead: bool, mem_bw: float) -> dict:
             cpu.set_threads(opts.native_threads)
         if opts.torch_threads:
             torch.set_num_threads(opts.torch_threads)
-        eng.runner.lookahead.enabled = lookahead
+        la = eng.runner.lookahead
+        la.enabled = lookahead != "off"
+        if lookahead == "open":
+            la.threshold, la.warmup, la.reads = 0.0, 0, opts.lookahead_reads
         instrument(eng, split, captured[0])
         r = decode(eng, opts, split)
         resident = r["resident_dense_bytes_per_token"]
@@ -213,7 +218,8 @@ def run_once(path: Path, opts, lookahead: bool, mem_bw: float) -> dict:
         store = eng.plan.store
         one = store.expert_nbytes(eng.plan.layout.moe_layers[0], 0)  # K3's experts are all alike
         r.update(roofline(r, one, resident, disk_bw, mem_bw))
-        r.update({"lookahead": lookahead, "disk_bw": disk_bw, "mem_bw": mem_bw, "expert_bytes": one})
+        r.update({"lookahead": lookahead, "disk_bw": disk_bw, "mem_bw": mem_bw, "expert_bytes": one,
+                  "prefetch_reads": eng.runner.times.prefetch_reads, "prefetch_used": eng.runner.times.prefetch_used})
     finally:
         split.restore()
         eng.runner.finish()
@@ -233,13 +239,18 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cold", action="store_true", help="drop the model's pages before each run")
-    ap.add_argument("--lookahead", default="on", help="on, off or on,off (one fresh engine each)")
+    ap.add_argument("--lookahead", default="on",
+                    help="comma-separated runs, one fresh engine each: on (default gate), off, open (gate forced open)")
+    ap.add_argument("--lookahead-reads", type=int, default=4, help="experts read ahead per layer step with `open`")
     opts = ap.parse_args()
     opts.ram_budget = parse_bytes(opts.ram_budget)
     if opts.threads or opts.torch_threads:
         torch.set_num_threads(opts.torch_threads or opts.threads)
     mem_bw = bandwidth_probe(512 << 20)
-    out = [run_once(opts.model, opts, v == "on", mem_bw) for v in opts.lookahead.split(",")]
+    variants = opts.lookahead.split(",")
+    if any(v not in ("on", "off", "open") for v in variants):
+        ap.error(f"--lookahead takes on, off and open; got {opts.lookahead!r}")
+    out = [run_once(opts.model, opts, v, mem_bw) for v in variants]
     threads = {"threads": opts.threads, "native_threads": cpu.threads(), "torch_threads": torch.get_num_threads()}
     print(json.dumps({**threads, "runs": out}, indent=1, default=float))
 

@@ -131,6 +131,31 @@ def test_attention_reads_the_cache_blocks_without_gathering_them(monkeypatch):
     assert max_rel_diff(both, torch.cat(alone)) < 1e-5
 
 
+def test_decode_never_allocates_a_whole_cache_copy():
+    """At K3's latent width (512 + 64) and a 4096-token bf16 cache, no single allocation of a decode step comes near
+    an fp32 copy of the cache (9.4 MB; the old `append` made one, uncharged): the largest is one key tile's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    r, dr, hidden = 512, 64, 64
+    gen = torch.Generator().manual_seed(7)
+    shapes = {"q_proj.weight": (H * (DN + dr), hidden), "kv_a_proj_with_mqa.weight": (r + dr, hidden),
+              "kv_a_layernorm.weight": (r,), "kv_b_proj.weight": (H * (DN + DV), r), "o_proj.weight": (hidden, H * DV)}
+    tensors = {f"attn.{k}": (torch.randn(s, generator=gen) * 0.3 + (1.0 if len(s) == 1 else 0.0)).bfloat16()
+               for k, s in shapes.items()}
+    opts = MLAOptions(heads=H, kv_lora_rank=r, qk_nope_head_dim=DN, qk_rope_head_dim=dr, v_head_dim=DV)
+    mixer = MLAMixer(FakeWeights(tensors), "attn", opts)
+    state, x = SeqState(MemoryAccountant(None), 1), torch.randn(2, hidden, generator=gen)
+    state.kv_dtype = torch.bfloat16
+    mixer(x[:1], Batch.build([(state, 1)]), 0)
+    cache = 4096
+    state.layers[0].latents.push(torch.randn(cache - 1, r + dr, generator=gen))  # as a long prefill would leave it
+    state.pos = cache
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        mixer(x[1:], Batch.build([(state, 1)]), 0)
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert largest < (cache + 1) * (r + dr) * 4 // 4, largest
+
+
 def test_heads_kernel_matches_per_head_products():
     if not cpu.available():
         pytest.skip(cpu.reason())

@@ -204,14 +204,67 @@ def test_deepseek_v3_agrees_with_transformers_on_dequantised_weights(tiny, tmp_p
     assert 0.3 < float(want.std()) < 3.0, "output scale should be about unit"
 
 
+# ---- gpt-oss (MXFP4 experts, published layout) --------------------------------------------------------------
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    raw = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            raw.update({k: f.get_tensor(k) for k in f.keys()})
+    return raw
+
+
+def test_gpt_oss_layout_is_published(tiny):
+    path = tiny("gpt_oss")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "mxfp4"
+    t = _tensors(path)
+    e, h, i = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
+    p = "model.layers.1.mlp.experts."
+    assert (t[p + "gate_up_proj_blocks"].dtype, t[p + "gate_up_proj_blocks"].shape) == (torch.uint8,
+                                                                                        (e, 2 * i, h // 32, 16))
+    assert t[p + "gate_up_proj_scales"].shape == (e, 2 * i, h // 32)
+    assert (t[p + "down_proj_blocks"].shape, t[p + "down_proj_scales"].shape) == ((e, h, i // 32, 16), (e, h, i // 32))
+    assert t[p + "down_proj_bias"].dtype == t["model.layers.1.self_attn.sinks"].dtype == torch.bfloat16
+    assert cfg["layer_types"][:2] == ["sliding_attention", "full_attention"]
+
+
+def test_gpt_oss_agrees_with_transformers_on_dequantised_experts(tiny, tmp_path):
+    """GptOssForCausalLM built from the synth's config (minus quantization) and its tensors with every MXFP4 expert
+    dequantised and transposed to transformers' fused [E, in, out]: the independent reference."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from moestream.kernels.quant import dequant_mxfp4
+
+    path = tiny("gpt_oss")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("quantization_config")
+    raw = _tensors(path)
+    plain = {k: v.float() for k, v in raw.items() if not k.endswith(("_blocks", "_scales"))}
+    for k in [k for k in raw if k.endswith("_blocks")]:
+        base = k[:-len("_blocks")]
+        blocks, scales = raw[k], raw[base + "_scales"]
+        plain[base] = torch.stack([dequant_mxfp4(b.reshape(b.shape[0], -1), s).T for b, s in zip(blocks, scales)])
+    ref = GptOssForCausalLM(GptOssConfig(**cfg)).eval()
+    ref.load_state_dict(plain, strict=True)
+    ids = prompt_ids(PRESETS["tiny"].vocab, 40)
+    want = reference_logits(ref, ids)
+    assert max_rel_diff(Engine.open(path).logits(ids), want) < 1e-3
+    assert 0.3 < float(want.std()) < 3.0, "output scale should be about unit"
+
+
 def test_large_tensors_are_written_in_row_blocks(tmp_path, cache_dir, monkeypatch):
-    """With tiny chunks every 2-D tensor is made and written block by block; the files stay valid safetensors and
-    FP8 tiles keep whole 128-row blocks, so the model still runs to finite logits."""
+    """With tiny chunks every 2-D tensor is made and written block by block, fused expert tensors a few experts at a
+    time; the files stay valid safetensors and FP8 tiles keep whole 128-row blocks, so the models still run to
+    finite logits."""
     import moestream.synth.stream as stream
 
     monkeypatch.setattr(stream, "CHUNK_ELEMENTS", 1024)
     synthesize("deepseek_v3", tmp_path / "m", "tiny", cache_dir=cache_dir, progress=False)
     assert stream.chunk_rows(stream.TensorSpec("w", (512, 64), "proj")) == 128
+    fused = stream.TensorSpec("b", (128, 64, 2, 16), "proj")  # gpt-oss's [E, out, in/32, 16]: no 128-row rule
+    assert stream.chunk_rows(fused) == 1
+    synthesize("gpt_oss", tmp_path / "oss", "tiny", cache_dir=cache_dir, progress=False)  # fused experts in pieces
+    assert torch.isfinite(Engine.open(tmp_path / "oss").logits(prompt_ids(PRESETS["tiny"].vocab, 20))).all()
     logits = Engine.open(tmp_path / "m").logits(prompt_ids(PRESETS["tiny"].vocab, 20))
     assert torch.isfinite(logits).all()
 
@@ -228,6 +281,10 @@ def test_full_width_sizes_are_the_published_shapes():
     v3_expert = 3 * (2048 * 7168 + 16 * 56 * 4)  # e4m3 codes + fp32 scale_inv per 128 x 128 tile
     assert 256 * v3_expert < v3["layers"][3] < 257 * v3_expert + 300 * 2**20
     assert v3["other"] > 2 * 129280 * 7168 * 2  # bf16 embeddings and lm_head at the published vocabulary
+    oss = full_width_sizes("gpt_oss", 2)
+    assert oss["moe"] == [True, True]  # gpt-oss has no dense layer
+    oss_expert = 3 * 2880 * 2880 // 2 + 3 * 2880 * 90 + 3 * 2880 * 2  # E2M1 codes + E8M0 scales + bf16 biases
+    assert 128 * oss_expert < oss["layers"][0] < 128 * oss_expert + 60 * 2**20  # + bf16 attention (~53 MiB)
 
 
 def test_full_width_needs_layers_and_a_family_that_has_it(tmp_path, cache_dir):
@@ -246,7 +303,7 @@ def test_synth_help_sizes_are_true():
     def gib(n: int) -> str:
         return f"{n / 2**30:.2f} GiB"
 
-    for family, layers in (("kimi_k3", 2), ("deepseek_v3", 2)):
+    for family, layers in (("kimi_k3", 2), ("deepseek_v3", 2), ("gpt_oss", 2)):
         full, small = full_width_sizes(family, layers), full_width_sizes(family, layers, 32768)
         for figure in (full["layers"][0], full["layers"][1], full["other"], small["other"], full["total"],
                        small["total"]):

@@ -78,6 +78,21 @@ def random_bytes(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     return words.view(torch.uint8)[:n].reshape(shape)
 
 
+E2M1_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)  # of uniformly random codes
+
+
+def mxfp4_codes(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Packed MXFP4 bytes: two uniform random E2M1 codes per byte."""
+    return random_bytes(shape, gen)
+
+
+def mxfp4_scales(target_std: float) -> Callable[[tuple[int, ...], torch.Generator], torch.Tensor]:
+    """An init of E8M0 scale bytes around the exponent giving weights of about `target_std` with uniform codes
+    (one block in three a step off either way)."""
+    base = 127 + round(math.log2(target_std / E2M1_RMS))
+    return lambda shape, gen: (base + torch.randint(-1, 2, shape, generator=gen)).float()
+
+
 @dataclass(frozen=True)
 class SpecialIds:
     """Token ids the config must name, taken from the trained tokenizer."""
@@ -282,6 +297,7 @@ SYNTHS: dict[str, SynthFamily] = {
 EXTRA_MODULES: dict[str, str] = {
     "kimi_k3": "moestream.synth.kimi_k3",
     "deepseek_v3": "moestream.synth.deepseek_v3",
+    "gpt_oss": "moestream.synth.gpt_oss",
 }
 
 

@@ -15,9 +15,8 @@ import torch
 
 from moestream.models.kimi_k3 import PREFIX, KimiK3Config, expert_tensors, layer_dense_tensors, top_tensors
 from moestream.synth.families import (FULL_WIDTH, TRANSFORMERS_VERSION, Preset, SpecialIds, SynthFamily, TensorSpec,
-                                      random_bytes)
+                                      mxfp4_codes, mxfp4_scales)
 
-E2M1_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)  # of uniformly random codes
 DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "U8": torch.uint8}
 
 
@@ -128,16 +127,6 @@ def _proj(gain: float = 1.0):
     return lambda shape, gen: torch.randn(shape, generator=gen) * (gain / math.sqrt(shape[-1]))
 
 
-def _codes(shape, gen) -> torch.Tensor:
-    return random_bytes(shape, gen)  # two uniform E2M1 codes per byte
-
-
-def _scales(target_std: float):
-    """E8M0 bytes around the exponent giving rows of about `target_std` (one in three a step off)."""
-    base = 127 + round(math.log2(target_std / E2M1_RMS))
-    return lambda shape, gen: (base + torch.randint(-1, 2, shape, generator=gen)).float()
-
-
 def _a_log(heads: int):
     """Real entries log(U(0.5, 3)) for the first `heads`, zero padding after (as in K3's [128] for 96 heads)."""
     def init(shape, gen):
@@ -158,10 +147,10 @@ def _init_for(name: str, cfg: KimiK3Config):
     is far from unit RMS (so its norm matters), decays range from long to short memory."""
     leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
     if name.endswith("weight_packed"):
-        return _codes
+        return mxfp4_codes
     if name.endswith("weight_scale"):
         fan_in = cfg.latent if ".w2." not in name else cfg.moe_intermediate_size
-        return _scales((0.2 if ".w2." in name else 3.0) / math.sqrt(fan_in))
+        return mxfp4_scales((0.2 if ".w2." in name else 3.0) / math.sqrt(fan_in))
     table = {
         "embed_tokens": "embed", "A_log": _a_log(cfg.kda_heads), "dt_bias": _normal(1.0, -3.0),
         "e_score_correction_bias": _normal(0.2), "gate": "router", "gate_proj": _proj(3.0), "up_proj": _proj(3.0),

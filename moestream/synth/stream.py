@@ -66,11 +66,13 @@ def header(specs: list[TensorSpec]) -> bytes:
 
 
 def chunk_rows(spec: TensorSpec) -> int:
-    """Rows of dim 0 made at once: all of them for a small tensor, else whole 128-row blocks under the limit."""
+    """Rows of dim 0 made at once: all of them for a small tensor, else whole 128-row blocks (a 2-D linear: FP8
+    tiles) or as many dim-0 slices as fit (fused experts [E, ...]: one expert can be 8 MB) under the limit."""
     if len(spec.shape) < 2 or spec.numel <= CHUNK_ELEMENTS:
         return spec.shape[0] if spec.shape else 1
     row = spec.numel // spec.shape[0]
-    return max(ROW_MULTIPLE, CHUNK_ELEMENTS // row // ROW_MULTIPLE * ROW_MULTIPLE)
+    multiple = ROW_MULTIPLE if len(spec.shape) == 2 else 1
+    return max(multiple, CHUNK_ELEMENTS // row // multiple * multiple)
 
 
 def chunk_seed(spec: TensorSpec, seed: int, index: int) -> int:
