@@ -189,16 +189,18 @@ class RemoteFile:
         (`moestream fetch`: what it reports done is done)."""
         self.read_pieces([(offset, out)], behind=False)
 
-    def fill(self, offset: int, nbytes: int) -> bool:
-        """Bring bytes [offset, offset + nbytes) into the SSD tier (the fetch-ahead) unless they are there or being
-        fetched; True when this call fetched them. Needs an SSD tier and the network."""
-        n = min(nbytes, self.size - offset)
-        if self.cache is None or self.client is None or self.flights is None or n <= 0 \
-                or self.cache.covered(self.key, offset, n):
-            return False
-        got = self.flights.fetch(self, [(offset, memoryview(bytearray(n)))],
-                                 lambda rest: self._fetch_missing(rest, True), for_read=False)
-        return got > 0
+    def fill(self, ranges: list[tuple[int, int]]) -> int:
+        """Bring these (offset, length) ranges into the SSD tier (the fetch-ahead), except those there or being
+        fetched; neighbours go as one request, each kept as its own range. Returns the bytes this call fetched.
+        Needs an SSD tier and the network."""
+        if self.cache is None or self.client is None or self.flights is None:
+            return 0
+        pieces = [(off, memoryview(bytearray(n))) for off, n in
+                  ((off, min(n, self.size - off)) for off, n in ranges)
+                  if n > 0 and not self.cache.covered(self.key, off, n)]
+        if not pieces:
+            return 0
+        return self.flights.fetch(self, pieces, lambda rest: self._fetch_missing(rest, True), for_read=False)
 
     def _download(self, offset: int, out: memoryview) -> None:
         """One range request (offline: the error naming the missing bytes)."""
