@@ -193,6 +193,7 @@ def test_decode_fetches_predictions_ahead_once(tmp_path, monkeypatch):
         eng = Engine.open(stub)
         try:
             assert eng.runner.lookahead.fill is not None
+            assert eng.runner.lookahead.reads == 1  # the SSD tier takes the predictions: RAM reads ahead as locally
             eng.runner.lookahead.warmup = 0
             got = eng.generate(prompt, 8, stop_token_ids=[])
             stats = eng.plan.store.index.stats()
