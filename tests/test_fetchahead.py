@@ -139,20 +139,31 @@ def test_fill_shares_the_link_with_reads_and_newest_predictions_win(blob):
 
 
 def test_fill_goes_while_a_read_is_on_the_link(blob):
-    """The fetch-ahead's requests overlap a read's own (each answered 0.2 s late by the server)."""
+    """The fetch-ahead's requests go while a read's own fetch is still in flight (held here until both
+    predictions have landed: a fill that waited for the read would never land)."""
     data, srv, f = blob
     f.read_into(9 * PIECE, [memoryview(bytearray(PIECE))])
     wait_for(lambda: srv.log)
-    srv.log.clear()
-    srv.max_active = 0
-    q = FillQueue(f.flights, threads=2)
-    reader = threading.Thread(target=f.read_into, args=(3 * PIECE, [memoryview(bytearray(PIECE))]))
+    held = threading.Event()
+    out = memoryview(bytearray(PIECE))
+
+    def fetch_when_released(rest):
+        held.wait()
+        f._fetch_missing(rest, True)
+
+    reader = threading.Thread(target=f.flights.fetch, args=(f, [(3 * PIECE, out)], fetch_when_released))
     reader.start()
-    wait_for(lambda: f.flights.read_bytes)  # the read's request is on the link
+    wait_for(lambda: f.flights.read_bytes == PIECE)  # the read's fetch is on the link
+    q = FillQueue(f.flights, threads=2)
     q.replace([(f, 0, PIECE), (f, 6 * PIECE, PIECE)])
-    reader.join()
-    wait_for(lambda: f.flights.stats.filled == 2)
-    assert srv.max_active == 3  # the read and both predictions at once
+    try:
+        wait_for(lambda: f.flights.stats.filled == 2)
+        assert f.flights.read_bytes == PIECE  # still in flight
+    finally:
+        held.set()
+        reader.join()
+    assert bytes(out) == data[3 * PIECE:4 * PIECE] and f.flights.read_bytes == 0
+    assert {(0, PIECE), (6 * PIECE, 7 * PIECE), (3 * PIECE, 4 * PIECE)} <= set(ranges_sent(srv))
 
 
 def test_write_behind_serves_pending_ranges_and_flushes(tmp_path):
