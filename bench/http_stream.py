@@ -80,6 +80,11 @@ def _hist_share(before: dict[int, float], after: dict[int, float]) -> dict[str, 
     return {b: round(sum(s for n, s in secs.items() if lo <= n <= hi) / total, 3) for b, (lo, hi) in bins.items()}
 
 
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+
 def drop_cache_pages(root: Path) -> None:
     """Write back and drop the SSD tier's range files from the page cache: the warm run reads the disk."""
     from moestream.weights.index import drop_pages
@@ -103,7 +108,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=2)
     ap.add_argument("--io-threads", type=int, default=None, help="range requests in flight (default: remote.py's)")
     ap.add_argument("--lookahead-reads", type=int, default=None,
-                    help="predicted experts fetched ahead per layer step over HTTP (default: remote.py's)")
+                    help="predicted experts read ahead into RAM per layer step (default: remote.py's, 1 with an SSD "
+                         "tier)")
     ap.add_argument("--fill-depth", type=int, default=None,
                     help="MoE layers ahead whose predicted experts are fetched into the SSD tier (0: none; default: "
                          "experts/prefetch.py's)")
@@ -114,7 +120,9 @@ def main() -> int:
     ap.add_argument("--tmp", type=Path, default=None, help="where the SSD tier goes (default: the system's temp dir)")
     ap.add_argument("--runs", default="cold,warm,local,local_remote_io",
                     help="which decodes, in order (default cold,warm,local,local_remote_io: the local checkpoint "
-                         "with the remote run's requests in flight and lookahead reads)")
+                         "with the remote run's requests in flight and lookahead reads); a name given again is "
+                         "run again (as NAME.2, ...; a repeated cold run starts from the tier the others filled) "
+                         "and medians are reported")
     a = ap.parse_args()
 
     from moestream.bench import model_files, probe_disk
@@ -138,25 +146,36 @@ def main() -> int:
             remote.SETTINGS.disk_cache = Path(tmp)
             prompt = [(i * 7919) % 500 + 5 for i in range(a.prompt_len)]
             stub = remote.resolve("hf://bench/model")
+            # what the remote runs read ahead into RAM per step (they have an SSD tier)
+            la_reads = remote.SETTINGS.lookahead_reads or remote.TIER_LOOKAHEAD_READS
             for name in a.runs.split(","):
+                key = name if name not in runs else f"{name}.{sum(k.split('.')[0] == name for k in runs) + 1}"
                 if name == "warm":
                     drop_cache_pages(Path(tmp))
                 if name == "local_remote_io":  # the local checkpoint read with the remote run's I/O settings
-                    runs[name] = decode(a.dir, a, prompt, {"io_threads": remote.SETTINGS.io_threads},
-                                        remote.SETTINGS.lookahead_reads)
+                    runs[key] = decode(a.dir, a, prompt, {"io_threads": remote.SETTINGS.io_threads}, la_reads)
                 else:
-                    runs[name] = decode(a.dir if name == "local" else stub, a, prompt)
+                    runs[key] = decode(a.dir if name == "local" else stub, a, prompt)
             disk_bw = probe_disk(model_files(a.dir), 4)
     finally:
         server.terminate()
         server.wait()
     report = {"bandwidth_bytes_per_s": a.bandwidth, "latency_s": a.latency, "ram_budget": a.ram_budget,
-              "io_threads": remote.SETTINGS.io_threads, "lookahead_reads": remote.SETTINGS.lookahead_reads,
+              "io_threads": remote.SETTINGS.io_threads, "lookahead_reads": la_reads,
               "compute_threads": a.threads, "disk_bandwidth_bytes_per_s": disk_bw,
               "load_average": os.getloadavg(), "runs": runs}
     for r in runs.values():
         r["io_roofline_fraction"] = r["read_bytes_per_token"] / disk_bw * r["decode_tok_s"] if disk_bw else None
+        if "net_bytes_per_token" in r and r["net_bytes_per_token"]:
+            r["link_bound_fraction"] = r["net_bytes_per_token"] / a.bandwidth * r["decode_tok_s"]
     lines = []
+    if len(runs) > len(set(k.split(".")[0] for k in runs)):  # repeated runs: medians (a loaded machine is noisy)
+        report["median_tok_s"] = {n: _median([r["decode_tok_s"] for k, r in runs.items() if k.split(".")[0] == n])
+                                  for n in dict.fromkeys(k.split(".")[0] for k in runs)}
+        report["median_cold_link_bound_fraction"] = _median([r["link_bound_fraction"] for k, r in runs.items()
+                                                             if k.split(".")[0] == "cold"] or [0.0])
+        lines.append(f"medians over repeats: {json.dumps({k: round(v, 3) for k, v in report['median_tok_s'].items()})}"
+                     f" tok/s; cold fraction of the link bound {report['median_cold_link_bound_fraction']:.2f}")
     if "cold" in runs:
         cold = runs["cold"]
         link_s = cold["net_bytes_per_token"] / a.bandwidth
@@ -172,7 +191,8 @@ def main() -> int:
                      f"{report['warm_vs_local_remote_io_tok_s']:.2f})")
     if "warm" in runs and "local" in runs:
         w, loc = runs["warm"], runs["local"]
-        report["warm_vs_local_tok_s"] = w["decode_tok_s"] / loc["decode_tok_s"]
+        med = report.get("median_tok_s", {})  # with repeats: the ratio of the medians
+        report["warm_vs_local_tok_s"] = med.get("warm", w["decode_tok_s"]) / med.get("local", loc["decode_tok_s"])
         lines.append(f"warm: {w['decode_tok_s']:.2f} tok/s, {w['net_requests']} network requests, io_roofline "
                      f"{w['io_roofline_fraction']:.3f}; local: {loc['decode_tok_s']:.2f} tok/s, io_roofline "
                      f"{loc['io_roofline_fraction']:.3f} (warm/local {report['warm_vs_local_tok_s']:.2f}); disk "

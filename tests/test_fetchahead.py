@@ -1,12 +1,13 @@
 """Fetch-ahead over HTTP (weights/fetchahead.py), against the real loopback hub server: a range is fetched once
 however many readers want it, the lookahead's predictions land in the SSD tier with several requests in flight
-and wait while a read is on the link, and the SSD tier writes behind reads without losing a range."""
+(neighbouring ranges in one request) alongside a read's own requests, and the SSD tier writes behind reads without losing a range."""
 from __future__ import annotations
 
 import os
 import sys
 import threading
 import time
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -86,34 +87,83 @@ def test_fill_brings_ranges_to_disk_with_requests_in_flight(blob):
     wait_for(lambda: srv.log)
     srv.log.clear()
     assert f.flights.stats.filled == 0
-    q.replace([(f, i * PIECE, PIECE) for i in range(8)])
-    wait_for(lambda: f.flights.stats.filled == 8 and len(ranges_sent(srv)) == 8)
+    apart = [0, 2, 4, 6, 8]  # no two neighbours: one request each
+    q.replace([(f, i * PIECE, PIECE) for i in apart])
+    wait_for(lambda: f.flights.stats.filled == 5 and len(ranges_sent(srv)) == 5)
     f.cache.flush()
     assert srv.max_active >= 4  # four fill threads, each request 0.2 s on the server: all four overlapped
-    assert ranges_sent(srv) == Counter({(i * PIECE, (i + 1) * PIECE): 1 for i in range(8)})
-    for i in range(8):  # on disk, verified; reading them sends nothing
+    assert ranges_sent(srv) == Counter({(i * PIECE, (i + 1) * PIECE): 1 for i in apart})
+    for i in apart:  # on disk, verified; reading them sends nothing
         out = memoryview(bytearray(PIECE))
         assert DiskCache(f.cache.root).read(f.key, i * PIECE, out) and bytes(out) == data[i * PIECE:(i + 1) * PIECE]
     before = len(srv.log)
-    f.read_into(3 * PIECE, [memoryview(bytearray(PIECE))])
+    f.read_into(4 * PIECE, [memoryview(bytearray(PIECE))])
     assert len(srv.log) == before
 
 
-def test_fill_waits_while_a_read_is_on_the_link_and_newest_predictions_win(blob):
+def test_neighbouring_predictions_go_as_one_request_kept_as_their_own_ranges(blob):
     data, srv, f = blob
+    f.read_into(9 * PIECE, [memoryview(bytearray(PIECE))])  # a read needed the network: predictions go
+    wait_for(lambda: srv.log)
+    srv.log.clear()
     q = FillQueue(f.flights, threads=1)
+    q.replace([(f, 5 * PIECE, PIECE), (f, 0, PIECE), (f, 6 * PIECE, PIECE), (f, 1 * PIECE, PIECE)])
+    wait_for(lambda: f.flights.stats.filled == 4 and len(ranges_sent(srv)) == 2)
+    f.cache.flush()
+    assert ranges_sent(srv) == Counter({(5 * PIECE, 7 * PIECE): 1, (0, 2 * PIECE): 1})
+    fresh = DiskCache(f.cache.root)
+    for i in (0, 1, 5, 6):  # each prediction is its own range on disk: a later read of one is one whole file
+        out = memoryview(bytearray(PIECE))
+        assert fresh.read(f.key, i * PIECE, out) and bytes(out) == data[i * PIECE:(i + 1) * PIECE]
+    assert len(list((f.cache.root / "ranges" / f.key).glob("*.rng"))) == 5
+
+
+def test_fill_shares_the_link_with_reads_and_newest_predictions_win(blob):
+    """A read's fetch on the link does not stop the fetch-ahead while the link has room (a pause per read left
+    the link idle between requests); reads holding the whole in-flight budget do."""
+    data, srv, f = blob
+    q = FillQueue(f.flights, threads=1, inflight=4 * PIECE)
     with f.flights.cv:
-        f.flights.reading = 1  # a read's own request is in flight
+        f.flights.read_bytes = 4 * PIECE  # reads' own requests fill the link
         f.flights.last_read_fetch = time.monotonic()
     q.replace([(f, 0, PIECE)])
-    q.replace([(f, 5 * PIECE, PIECE), (f, 6 * PIECE, PIECE)])  # replaces the first prediction before it started
+    q.replace([(f, 5 * PIECE, PIECE), (f, 8 * PIECE, PIECE)])  # replaces the first prediction before it started
     time.sleep(0.5)
     assert not srv.log
     with f.flights.cv:
-        f.flights.reading = 0
+        f.flights.read_bytes = PIECE  # one read still in flight: room for the guesses
         f.flights.cv.notify_all()
     wait_for(lambda: f.flights.stats.filled == 2 and len(ranges_sent(srv)) == 2)
-    assert set(ranges_sent(srv)) == {(5 * PIECE, 6 * PIECE), (6 * PIECE, 7 * PIECE)}
+    assert set(ranges_sent(srv)) == {(5 * PIECE, 6 * PIECE), (8 * PIECE, 9 * PIECE)}
+    assert f.flights.read_bytes == PIECE and q.fill_bytes == 0
+
+
+def test_fill_goes_while_a_read_is_on_the_link(blob):
+    """The fetch-ahead's requests go while a read's own fetch is still in flight (held here until both
+    predictions have landed: a fill that waited for the read would never land)."""
+    data, srv, f = blob
+    f.read_into(9 * PIECE, [memoryview(bytearray(PIECE))])
+    wait_for(lambda: srv.log)
+    held = threading.Event()
+    out = memoryview(bytearray(PIECE))
+
+    def fetch_when_released(rest):
+        held.wait()
+        f._fetch_missing(rest, True)
+
+    reader = threading.Thread(target=f.flights.fetch, args=(f, [(3 * PIECE, out)], fetch_when_released))
+    reader.start()
+    wait_for(lambda: f.flights.read_bytes == PIECE)  # the read's fetch is on the link
+    q = FillQueue(f.flights, threads=2)
+    q.replace([(f, 0, PIECE), (f, 6 * PIECE, PIECE)])
+    try:
+        wait_for(lambda: f.flights.stats.filled == 2)
+        assert f.flights.read_bytes == PIECE  # still in flight
+    finally:
+        held.set()
+        reader.join()
+    assert bytes(out) == data[3 * PIECE:4 * PIECE] and f.flights.read_bytes == 0
+    assert {(0, PIECE), (6 * PIECE, 7 * PIECE), (3 * PIECE, 4 * PIECE)} <= set(ranges_sent(srv))
 
 
 def test_write_behind_serves_pending_ranges_and_flushes(tmp_path):
@@ -154,6 +204,7 @@ def test_decode_fetches_predictions_ahead_once(tmp_path, monkeypatch):
         eng = Engine.open(stub)
         try:
             assert eng.runner.lookahead.fill is not None
+            assert eng.runner.lookahead.reads == 1  # the SSD tier takes the predictions: RAM reads ahead as locally
             eng.runner.lookahead.warmup = 0
             got = eng.generate(prompt, 8, stop_token_ids=[])
             stats = eng.plan.store.index.stats()
@@ -163,3 +214,24 @@ def test_decode_fetches_predictions_ahead_once(tmp_path, monkeypatch):
     assert got == want
     assert stats["fill_ranges"] > 0
     assert [r for r, n in sent.items() if n > 1] == []
+
+
+def test_a_block_is_hashed_on_its_first_read_and_touched_at_most_every_touch_s(tmp_path, monkeypatch):
+    """Reading a verified range again costs no crc32 and no mtime write (both were per expert read); a fresh
+    DiskCache (another process) checks it again, and `verify_all` always does."""
+    from moestream.weights import diskcache
+
+    data = os.urandom(3 << 20)
+    DiskCache(tmp_path / "dc").put("k", 0, data)
+    hashed = []
+    monkeypatch.setattr(diskcache, "crc32", lambda b: hashed.append(len(b)) or zlib.crc32(b))
+    cache = DiskCache(tmp_path / "dc")
+    out = memoryview(bytearray(len(data)))
+    assert cache.read("k", 0, out) and bytes(out) == data and len(hashed) == 3
+    [rng] = (tmp_path / "dc" / "ranges" / "k").glob("*.rng")
+    os.utime(rng, (1, 1))
+    assert cache.read("k", 0, out) and bytes(out) == data and len(hashed) == 3
+    assert rng.stat().st_mtime == 1
+    assert DiskCache(tmp_path / "dc").read("k", 0, out) and len(hashed) == 6
+    assert rng.stat().st_mtime > 1
+    assert cache.verify_all() == (1, 0) and len(hashed) == 9

@@ -1,11 +1,12 @@
 """Range fetches of a remote checkpoint in flight, and the lookahead's fetch-ahead into the SSD tier.
 
 Owns `Flights`: every network fetch of a range registers here, so a second reader of the same range waits for
-the first and gets its bytes instead of sending the request again (bytes cross the link once), and the count of
-fetches that reads are waiting on. And `FillQueue`: the router lookahead's predictions for the next MoE layers,
-fetched over the network into the SSD tier only (no RAM cache room taken, so the predictions can be generous),
-on FILL_THREADS threads, the newest predictions replacing those not yet started, and paused while a read's own
-fetch is on the link (its latency is on the decode's critical path; a guess must not share the link with it).
+the first and gets its bytes instead of sending the request again (bytes cross the link once), and the bytes that
+reads are waiting on. And `FillQueue`: the router lookahead's predictions for the next MoE layers, fetched over
+the network into the SSD tier only (no RAM cache room taken, so the predictions can be generous), the newest
+predictions replacing those not yet started, neighbouring ranges of a file in one request, on as many threads as
+keep FILL_INFLIGHT bytes on the link together with the reads' own fetches (reads never wait for a guess; a guess
+starts whenever the link has room, so it is never idle between a read's requests).
 """
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from moestream.weights.remote import RemoteFile
 
-# experts fetched ahead at once: each is split into ~1 MiB requests (http.SPLIT_MAX), so 2 keep ~6 requests, more
-# than the bandwidth-delay product of a 200 MB/s link with 20 ms latency (4 MB), on the link between reads
-FILL_THREADS = 2
+# bytes kept on the link by reads and fetch-ahead together: twice the bandwidth-delay product of a 200 MB/s link
+# with 20 ms latency (4 MB), so the link stays busy while each request waits out its round trip
+FILL_INFLIGHT = 8 << 20
+FILL_THREADS = 8  # fill requests in flight at most (each takes up to FILL_COALESCE bytes of neighbouring ranges)
+FILL_COALESCE = 8 << 20  # neighbouring predicted ranges of one file fetched as one request, up to this many bytes
 IDLE_S = 5.0  # a fill thread with nothing queued for this long exits (a later prediction starts it again)
 # predictions are fetched only this soon after a read needed the network: once the SSD tier holds what the decode
 # reads (a warm tier, a `moestream fetch`), the link stays quiet instead of fetching guesses
@@ -56,7 +59,7 @@ class Flights:
     def __init__(self) -> None:
         self.cv = threading.Condition()
         self._table: dict[tuple[str, int, int], _Flight] = {}
-        self.reading = 0  # fetches made for reads (not fill) in flight: the fill queue waits while any are
+        self.read_bytes = 0  # bytes of fetches made for reads (not fill) on the link: the fill queue leaves room
         self.last_read_fetch = float("-inf")  # time.monotonic() of the last read that needed the network
         self.stats = FetchStats()
 
@@ -65,22 +68,25 @@ class Flights:
         """Fill every piece exactly once across threads: a piece another thread is fetching is waited for and
         copied from it (the fill queue, `for_read` False, skips it instead); the rest are claimed, looked up once
         more in the SSD tier (a fetch that just finished put them there before it let go of them), and those still
-        missing go to `fetch` in one call. A waited-for fetch that failed is tried again here. Returns the pieces
+        missing go to `fetch` in one call. A waited-for fetch that failed is tried again here. Returns the bytes
         this call fetched."""
         mine, theirs = self._claim(file, pieces, for_read)
-        fetched = 0
+        fetched, on_link = 0, 0
         try:
             rest = [(o, v) for o, v in mine if not (file.cache is not None and file.cache.read(file.key, o, v))]
             if rest:
                 if for_read:
-                    self.last_read_fetch = time.monotonic()
+                    on_link = sum(len(v) for _, v in rest)
+                    with self.cv:
+                        self.last_read_fetch = time.monotonic()
+                        self.read_bytes += on_link
                 fetch(rest)
-            fetched, ok = len(rest), True
+            fetched, ok = sum(len(v) for _, v in rest), True
         except BaseException:
             ok = False
             raise
         finally:
-            self._release(file, mine, ok, for_read)
+            self._release(file, mine, ok, on_link)
         again = []
         for off, view, flight in theirs:
             flight.done.wait()
@@ -107,17 +113,15 @@ class Flights:
                 elif for_read:
                     flight.waiters.append(view)
                     theirs.append((off, view, flight))
-            if mine and for_read:
-                self.reading += 1
         return mine, theirs
 
-    def _release(self, file: RemoteFile, mine: list[Piece], ok: bool, for_read: bool) -> None:
+    def _release(self, file: RemoteFile, mine: list[Piece], ok: bool, on_link: int) -> None:
         """Hand the bytes to every waiter and let go of the claims (after the SSD tier has them, so a reader that
-        arrives now finds them there)."""
+        arrives now finds them there); `on_link` read bytes leave the link."""
         with self.cv:
             flights = [(view, self._table.pop((file.key, off, len(view)))) for off, view in mine]
-            if mine and for_read:
-                self.reading -= 1
+            if on_link:
+                self.read_bytes -= on_link
                 self.cv.notify_all()
         for view, flight in flights:
             if ok:
@@ -127,18 +131,23 @@ class Flights:
             flight.done.set()
 
 
+Job = tuple["RemoteFile", int, int]  # (file, offset, length) of a predicted range
+
+
 class FillQueue:
     """Ranges to bring into the SSD tier ahead of need, best first; `replace` swaps in the newest predictions."""
 
-    def __init__(self, flights: Flights, threads: int = FILL_THREADS):
+    def __init__(self, flights: Flights, threads: int = FILL_THREADS, inflight: int = FILL_INFLIGHT):
         self.flights = flights
         self.threads = threads
-        self._jobs: deque[tuple[RemoteFile, int, int]] = deque()
+        self.inflight = inflight  # bytes on the link (reads' and fills') under which a fill may start
+        self._jobs: deque[Job] = deque()
         self._running = 0  # fill threads alive
+        self.fill_bytes = 0  # bytes of fills started and not finished
 
-    def replace(self, jobs: list[tuple[RemoteFile, int, int]]) -> None:
-        """Fetch `jobs` (file, offset, length) ahead, in order, instead of whatever is still queued; nothing while
-        the decode's reads find their bytes on disk (none needed the network in the last RECENT_S)."""
+    def replace(self, jobs: list[Job]) -> None:
+        """Fetch `jobs` ahead, in order, instead of whatever is still queued; nothing while the decode's reads
+        find their bytes on disk (none needed the network in the last RECENT_S)."""
         cv = self.flights.cv
         if time.monotonic() - self.flights.last_read_fetch > RECENT_S:
             jobs = []
@@ -149,26 +158,48 @@ class FillQueue:
                 threading.Thread(target=self._work, name=f"moestream-fill-{i}", daemon=True).start()
             cv.notify_all()
 
-    def _next(self) -> tuple[RemoteFile, int, int] | None:
-        """The next job once no read's fetch is in flight; None after IDLE_S with nothing queued (thread exits)."""
+    def _room(self) -> bool:
+        """Caller holds the lock: whether the link has room for another fill (reads' bytes count first)."""
+        return self.flights.read_bytes + self.fill_bytes < self.inflight
+
+    def _next(self) -> list[Job] | None:
+        """The next job and the queued jobs that continue it in its file (one request), once the link has room;
+        their bytes count as on the link until `_done`. None after IDLE_S with nothing queued (thread exits)."""
         cv = self.flights.cv
         with cv:
-            while not self._jobs or self.flights.reading:
+            while not self._jobs or not self._room():
                 if not cv.wait(IDLE_S) and not self._jobs:
                     self._running -= 1
                     return None
-            return self._jobs.popleft()
+            batch = [self._jobs.popleft()]
+            self._coalesce(batch)
+            self.fill_bytes += sum(n for _, _, n in batch)
+            return batch
+
+    def _coalesce(self, batch: list[Job]) -> None:
+        """Caller holds the lock: move queued jobs that continue `batch`'s last range (same file, starting within
+        4 KiB of its end) into it, up to FILL_COALESCE bytes."""
+        total = batch[0][2]
+        while total < FILL_COALESCE:
+            f, off, n = batch[-1]
+            nxt = next((j for j in self._jobs if j[0] is f and off + n <= j[1] <= off + n + 4096), None)
+            if nxt is None:
+                return
+            self._jobs.remove(nxt)
+            batch.append(nxt)
+            total += nxt[2]
 
     def _work(self) -> None:
-        while (job := self._next()) is not None:
-            file, offset, nbytes = job
+        while (batch := self._next()) is not None:
             try:
-                got = file.fill(offset, nbytes)
+                got = batch[0][0].fill([(off, n) for _, off, n in batch])
             except Exception:  # noqa: BLE001 - a guess that failed costs nothing: the read itself fetches and reports
-                got = False
+                got = 0
             with self.flights.cv:
+                self.fill_bytes -= sum(n for _, _, n in batch)
                 st = self.flights.stats
                 if got:
-                    st.filled, st.filled_bytes = st.filled + 1, st.filled_bytes + nbytes
+                    st.filled, st.filled_bytes = st.filled + len(batch), st.filled_bytes + got
                 else:
-                    st.fill_skipped += 1
+                    st.fill_skipped += len(batch)
+                self.flights.cv.notify_all()
