@@ -216,9 +216,10 @@ def test_decode_fetches_predictions_ahead_once(tmp_path, monkeypatch):
     assert [r for r, n in sent.items() if n > 1] == []
 
 
-def test_a_block_is_hashed_on_its_first_read_and_touched_at_most_every_touch_s(tmp_path, monkeypatch):
-    """Reading a verified range again costs no crc32 and no mtime write (both were per expert read); a fresh
-    DiskCache (another process) checks it again, and `verify_all` always does."""
+def test_every_read_is_verified_and_a_range_touched_at_most_every_touch_s(tmp_path, monkeypatch):
+    """Each read checks the blocks it touches (a range damaged after an earlier good read is caught), while the
+    range's mtime (its eviction order) is written at most once per TOUCH_S by a process (it was an inode write per
+    expert read)."""
     from moestream.weights import diskcache
 
     data = os.urandom(3 << 20)
@@ -230,8 +231,13 @@ def test_a_block_is_hashed_on_its_first_read_and_touched_at_most_every_touch_s(t
     assert cache.read("k", 0, out) and bytes(out) == data and len(hashed) == 3
     [rng] = (tmp_path / "dc" / "ranges" / "k").glob("*.rng")
     os.utime(rng, (1, 1))
-    assert cache.read("k", 0, out) and bytes(out) == data and len(hashed) == 3
-    assert rng.stat().st_mtime == 1
-    assert DiskCache(tmp_path / "dc").read("k", 0, out) and len(hashed) == 6
-    assert rng.stat().st_mtime > 1
-    assert cache.verify_all() == (1, 0) and len(hashed) == 9
+    assert cache.read("k", 0, out) and bytes(out) == data and len(hashed) == 6
+    assert rng.stat().st_mtime == 1  # touched by the first read, not again within TOUCH_S
+    assert DiskCache(tmp_path / "dc").read("k", 0, out) and len(hashed) == 9
+    assert rng.stat().st_mtime > 1  # another process touches it
+    with open(rng, "r+b") as f:  # damage the last byte of the data after good reads
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    assert not cache.read("k", 0, out) and cache.stats.corrupt_ranges == 1

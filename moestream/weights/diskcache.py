@@ -3,8 +3,7 @@
 Owns the on-disk layout (`ranges/<file key>/<offset>-<length>.rng`, one file per fetched range, a header carrying
 a crc32 per 1 MiB block and its own crc32), atomic writes (temp file, then rename: a killed process leaves at most
 an orphan temp file; a power loss may tear a renamed file, which its checksums reject, so it is never trusted),
-verification of every block the first time a process reads it, lookup of a request covered by one or several
-cached ranges, and eviction of the least recently used ranges when the budget is exceeded. Processes sharing a directory serialise usage accounting and eviction with flock; reads need no lock
+verification of every block read, lookup of a request covered by one or several cached ranges, and eviction of the least recently used ranges when the budget is exceeded. Processes sharing a directory serialise usage accounting and eviction with flock; reads need no lock
 (a range file is immutable, and unlinking it leaves open descriptors valid). It never talks to the network.
 """
 from __future__ import annotations
@@ -32,7 +31,7 @@ MAGIC, VERSION = b"MSRG", 1
 BLOCK = 1 << 20  # checksum granularity: a read verifies only the blocks it touches
 _HEAD = struct.Struct("<4sIQQI")  # magic, version, offset, length, block size; then crc32 per block, header crc32
 DATA_ALIGN = 4096
-HEADERS_KEPT = 1 << 16  # range headers remembered (a few hundred bytes each), and blocks known verified
+HEADERS_KEPT = 1 << 16  # range headers remembered (a few hundred bytes each)
 # a range read again within this many seconds of this process's last touch keeps its mtime (the eviction order):
 # an mtime update per read is an inode write per expert read, and LRU order needs no finer grain than this
 TOUCH_S = 10.0
@@ -82,10 +81,6 @@ class DiskCache:
         self._scanned: dict[str, float] = {}  # key -> when its directory was last listed
         self._mu = threading.Lock()
         self._headers: dict[Path, list[int]] = {}  # range file -> its block checksums (checked when first read)
-        # (range file, block) this DiskCache has read and found matching its checksum: a range file is immutable (a
-        # rewrite is a new file renamed over it, which a put of the same bytes does), so a block read again is not
-        # checksummed again: a torn or damaged range is caught by its first read, which is what the checksums are for
-        self._verified: set[tuple[Path, int]] = set()
         self._touched: dict[Path, float] = {}  # range file -> time.monotonic() of this process's last touch
         self._direct = hasattr(os, "O_DIRECT")
         self._pending: dict[tuple[str, int], bytes] = {}  # (key, offset) -> bytes queued for the writer
@@ -157,10 +152,10 @@ class DiskCache:
                 self._touched[r.path] = now
                 _touch(r.path)
 
-    def _read_piece(self, key: str, r: _Range, offset: int, out: memoryview, recheck: bool = False) -> bool:
-        """Copy the part of range `r` that overlaps the request into `out`, verifying each block it touches that
-        this DiskCache has not verified before (every block with `recheck`). A request for whole blocks (an expert
-        read as the range it was fetched as) lands in `out` directly."""
+    def _read_piece(self, key: str, r: _Range, offset: int, out: memoryview) -> bool:
+        """Copy the part of range `r` that overlaps the request into `out`, verifying each block it touches (every
+        read: crc32 costs far less than the read, and a cached range is trusted only as far as its checksums). A
+        request for whole blocks (an expert read as the range it was fetched as) lands in `out` directly."""
         lo, hi = max(offset, r.offset), min(offset + len(out), r.end)
         b0, b1 = (lo - r.offset) // BLOCK, -(-(hi - r.offset) // BLOCK)
         crcs = self._crcs(key, r)
@@ -176,14 +171,9 @@ class DiskCache:
         if got != len(dst):
             return self._corrupt(key, r)
         for b in range(b0, b1):
-            if not recheck and (r.path, b) in self._verified:
-                continue
             a = b * BLOCK - span_lo
             if crc32(dst[a:min(a + BLOCK, len(dst))]) != crcs[b]:
                 return self._corrupt(key, r)
-            if len(self._verified) >= HEADERS_KEPT:
-                self._verified.clear()
-            self._verified.add((r.path, b))
         if not exact:
             out[lo - offset:hi - offset] = dst[lo - r.offset - span_lo:hi - r.offset - span_lo]
         return True
@@ -252,7 +242,6 @@ class DiskCache:
     def _corrupt(self, key: str, r: _Range) -> bool:
         self.stats.corrupt_ranges += 1
         self._headers.pop(r.path, None)
-        self._verified.difference_update({(r.path, b) for b in range(-(-r.length // BLOCK))})
         with self._locked():
             before = self._usage()
             try:
@@ -453,7 +442,7 @@ class DiskCache:
             r = _Range(int(a, 16), int(b, 16), f)
             key = f.parent.name
             checked += 1
-            if not self._read_piece(key, r, r.offset, memoryview(bytearray(r.length)), recheck=True):
+            if not self._read_piece(key, r, r.offset, memoryview(bytearray(r.length))):
                 bad += 1
         return checked, bad
 
