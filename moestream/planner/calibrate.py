@@ -4,7 +4,9 @@ Owns the probes (the disk by bench's direct-I/O probe, the one-row weight kernel
 weight format, the multi-row path's fp32 expansion, the fp32 GEMM rate, memory read bandwidth, and the engine's
 fixed cost per layer step measured on a tiny synthetic checkpoint of the family) and their cache, a JSON file
 under the user cache directory keyed by CPU (and, for the disk, by the filesystem's device), so that repeated
-plans are instant; `--calibrate` measures again.
+plans are instant; `--recalibrate` (alias `--calibrate`) measures again. Each rate is the median of ROUNDS
+separate probes (each itself the median of short bursts), and the spread of the rounds is kept beside it, so that
+a calibration taken while something else ran shows it.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from moestream import __version__
 from moestream.config import default_cache_dir
 
 KINDS = ("bf16", "mxfp4", "fp8", "int4", "f32")
-PROBES_VERSION = 2  # part of the cache key: a change to what a probe measures measures again
+PROBES_VERSION = 3  # part of the cache key: a change to what a probe measures measures again
+ROUNDS = 3  # separate probes per rate; the median is kept (a burst of load costs one round, not the rate)
 PROBE_FILE_BYTES = 256 << 20  # written once where the weights would live when the model has no local shards
 BURST_S = 0.15
 
@@ -128,6 +131,15 @@ def _rate(work: Callable[[], None], units: float, seconds: float) -> float:
     return statistics.median(rates)
 
 
+def rounds(probe: Callable[[], float | tuple[float, ...]], n: int = ROUNDS) -> tuple[list[float], str]:
+    """Run `probe` `n` times: (the median of each of its values, "rounds: min-max" spread of the first value)."""
+    got = [probe() for _ in range(max(1, n))]
+    rows = [g if isinstance(g, tuple) else (g,) for g in got]
+    med = [statistics.median(col) for col in zip(*rows)]
+    first = [r[0] for r in rows]
+    return med, f"median of {len(rows)} rounds (spread {min(first):.4g}-{max(first):.4g})"
+
+
 def _weights(kind: str, out: int, inp: int, count: int) -> tuple[list, int, Callable, Callable]:
     """`count` weight matrices of one format: (weights, stored bytes, the engine's linear fn(x, w), its expansion
     to fp32 fn(w) as a multi-row step does before its GEMM)."""
@@ -155,12 +167,20 @@ def _weights(kind: str, out: int, inp: int, count: int) -> tuple[list, int, Call
             lambda w: quant.int4_linear(one, *w, shape=(out, inp)))
 
 
-def weight_rates(kind: str, seconds: float = 0.6) -> tuple[float, float]:
+DEFAULT_SHAPE = (2048, 1024)  # an expert projection's (out, in) where the model's is not known
+PROBE_BYTES = 32 << 20  # bf16-equivalent bytes a one-row probe streams per pass: past the last-level cache
+PROBE_MAX_MATRICES = 64
+
+
+def weight_rates(kind: str, seconds: float = 0.6, shape: tuple[int, int] = DEFAULT_SHAPE) -> tuple[float, float]:
     """(one-row bytes/s through the engine's linear for the format, stored bytes/s expanded to fp32 for a multi-row
-    GEMM) over 32 MiB of bf16-equivalent weights in an expert projection's shape (past the last-level cache)."""
-    ws, nbytes, fn, expand = _weights(kind, 2048, 1024, 8)
-    x = torch.randn(1, 1024)
-    few = 8 if kind in ("bf16", "f32") else 1  # torch's decode of a packed format is slow: one matrix per burst
+    GEMM) over matrices of `shape` (the model's own expert projection: a small matrix pays its call's fixed cost
+    on fewer bytes), as many as make 32 MiB of bf16-equivalent weights (past the last-level cache)."""
+    out, inp = shape
+    count = max(2, min(PROBE_MAX_MATRICES, -(-PROBE_BYTES // (2 * out * inp))))
+    ws, nbytes, fn, expand = _weights(kind, out, inp, count)
+    x = torch.randn(1, inp)
+    few = count if kind in ("bf16", "f32") else 1  # torch's decode of a packed format is slow: one matrix per burst
 
     def one() -> None:
         for w in ws:
@@ -171,6 +191,11 @@ def weight_rates(kind: str, seconds: float = 0.6) -> tuple[float, float]:
             expand(w)
 
     return _rate(one, nbytes, seconds / 2), _rate(wide, nbytes * few / len(ws), seconds / 2)
+
+
+def shape_key(kind: str, shape: tuple[int, int]) -> str:
+    """The cache's key for a format's rates at one matrix shape."""
+    return f"{kind} {shape[0]}x{shape[1]}"
 
 
 def gemm_rate(seconds: float = 0.5) -> float:
@@ -279,6 +304,7 @@ class Calibrator:
 
     fresh: bool = False
     seconds: float = 1.0  # per probe (disk, each weight format, overhead); tests pass less
+    rounds: int = ROUNDS  # probes per rate (median kept); tests pass 1
     log: Callable[[str], None] = lambda msg: None
 
     def __post_init__(self) -> None:
@@ -292,26 +318,43 @@ class Calibrator:
     def _entry(self) -> dict:
         return self.data.setdefault("machines", {}).setdefault(self.key, {})
 
-    def rates(self, kinds: set[str], model_type: str, top_k: int = 0, experts: int = 0) -> Rates:
+    def rates(self, kinds: set[str], model_type: str, top_k: int = 0, experts: int = 0,
+              shapes: dict[str, tuple[int, int]] | None = None) -> Rates:
+        """The rates for weights of `kinds` (each probed at `shapes[kind]`, the model's matrix shape for it, else
+        DEFAULT_SHAPE), the fp32 GEMM, memory, and the family's overhead at `top_k`; measured where missing."""
         e = self._entry()
         src = e.setdefault("source", {})
+        gemv, expand = e.setdefault("gemv", {}), e.setdefault("expand", {})
+        chosen: dict[str, str] = {}
         for kind in sorted(kinds | {"bf16", "f32"}):
-            if kind not in e.setdefault("gemv", {}):
-                self.log(f"calibrating: {kind} weight kernels")
-                e["gemv"][kind], e.setdefault("expand", {})[kind] = weight_rates(kind, self.seconds)
-                src[f"gemv {kind}"] = self._stamp()
+            shape = (shapes or {}).get(kind, DEFAULT_SHAPE)
+            key = chosen[kind] = shape_key(kind, shape)
+            if key not in gemv:
+                self.log(f"calibrating: {key} weight kernels")
+                (gemv[key], expand[key]), spread = rounds(lambda: weight_rates(kind, self.seconds, shape), self.rounds)
+                src[f"gemv {key}"] = f"{spread}, {self._stamp()}"
         if "gemm_flops" not in e:
             self.log("calibrating: fp32 matmul and memory bandwidth")
-            e["gemm_flops"], e["memory"] = gemm_rate(self.seconds / 2), memory_rate(self.seconds / 3)
-            src["gemm_flops"] = src["memory"] = self._stamp()
+            (e["gemm_flops"],), s1 = rounds(lambda: gemm_rate(self.seconds / 2), self.rounds)
+            (e["memory"],), s2 = rounds(lambda: memory_rate(self.seconds / 3), self.rounds)
+            src["gemm_flops"], src["memory"] = f"{s1}, {self._stamp()}", f"{s2}, {self._stamp()}"
         key = overhead_key(model_type, top_k)
         if key not in e.setdefault("overhead", {}):
             self.log(f"calibrating: engine overhead per layer step ({key})")
-            o = overhead(model_type, self.seconds, top_k, experts)
-            o.source += f", {self._stamp()}"
+            runs = [overhead(model_type, self.seconds, top_k, experts) for _ in range(max(1, self.rounds))]
+            o = runs[0]
+            o.decode_s = statistics.median(r.decode_s for r in runs)
+            o.decode_row_s = statistics.median(r.decode_row_s for r in runs)
+            o.prefill_s = statistics.median(r.prefill_s for r in runs)
+            o.source += (f", median of {len(runs)} rounds (decode spread {min(r.decode_s for r in runs) * 1e3:.3g}-"
+                         f"{max(r.decode_s for r in runs) * 1e3:.3g} ms), {self._stamp()}")
             e["overhead"][key] = asdict(o)
         _save(self.data)
-        return Rates.from_json(e)
+        out = Rates.from_json({**e, "gemv": {k: gemv[v] for k, v in chosen.items()},
+                               "expand": {k: expand[v] for k, v in chosen.items()}})
+        out.source.update({f"gemv {k}": src.get(f"gemv {v}", "") for k, v in chosen.items()})
+        out.source["shapes"] = ", ".join(chosen.values())
+        return out
 
     def disk(self, files: list[Path], where: Path) -> tuple[float, str]:
         """Disk bytes/s for the filesystem holding `where` (probing `files`, or a scratch file there if none)."""
@@ -320,8 +363,9 @@ class Calibrator:
         if key not in disks or (self.fresh and key not in self.disk_done):
             self.disk_done.add(key)
             self.log("calibrating: disk probe")
-            bw = disk_rate(files, self.seconds) if files else disk_rate_at(where, self.seconds)
-            disks[key] = {"bytes_per_s": bw, "source": f"direct-I/O probe of {where}, {self._stamp()}"}
+            probe = (lambda: disk_rate(files, self.seconds)) if files else (lambda: disk_rate_at(where, self.seconds))
+            (bw,), spread = rounds(probe, self.rounds)
+            disks[key] = {"bytes_per_s": bw, "source": f"direct-I/O probe of {where}, {spread}, {self._stamp()}"}
             _save(self.data)
         return disks[key]["bytes_per_s"], disks[key]["source"]
 

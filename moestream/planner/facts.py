@@ -43,6 +43,17 @@ class ModelFacts:
     attention: list[tuple[int, int, int]]  # per softmax-attention layer: (heads, qk dim, v dim)
     kda: tuple[int, int, int]  # (layers, heads, head dim) of linear-attention layers
     state: StateShape
+    hidden: int = 0  # the residual width (the input width of every expert projection)
+
+    def probe_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out, in) per weight format at which calibration probes its kernel: the routed expert's projection for
+        its format (a GLU expert's three matrices: params / 3 / hidden rows), hidden x hidden for dense-only ones."""
+        if self.hidden <= 0:
+            return {}
+        shapes = {k: (self.hidden, self.hidden) for k in self.dense_bytes}
+        if self.expert_params:
+            shapes[self.expert_kind] = (max(1, round(self.expert_params / 3 / self.hidden)), self.hidden)
+        return shapes
 
     @property
     def cold_bytes_per_token(self) -> float:
@@ -94,11 +105,15 @@ def model_facts(path: str | Path, p: ModelPlan, kv_dtype: str = "fp32") -> Model
         expert_params = (info.expert_params / max(1, len(layout.moe_layers) * layout.num_experts))
     return ModelFacts(str(path), info.model_type, info, n_layers, len(layout.moe_layers), layout.num_experts,
                       layout.top_k, info.bytes_per_expert, expert_params, expert_kind, dense, dense_params,
-                      head_bytes, head_kind, head_params, _attention(p.config, n_layers), _kda(p.config, n_layers),
-                      state_shape(p.config, kv_dtype))
+                      head_bytes, head_kind, head_params, attention_shapes(p.config, n_layers), kda_shape(p.config, n_layers),
+                      state_shape(p.config, kv_dtype), _hidden(p.config))
 
 
-def _attention(cfg, n_layers: int) -> list[tuple[int, int, int]]:
+def _hidden(cfg) -> int:
+    return int(getattr(cfg, "hidden_size", 0) or (getattr(cfg, "raw", {}) or {}).get("hidden_size", 0))
+
+
+def attention_shapes(cfg, n_layers: int) -> list[tuple[int, int, int]]:
     """(heads, qk dim, v dim) per softmax-attention layer (GQA everywhere, or the MLA layers)."""
     raw = getattr(cfg, "raw", {}) or {}
     if hasattr(cfg, "mla_layers"):
@@ -114,7 +129,8 @@ def _attention(cfg, n_layers: int) -> list[tuple[int, int, int]]:
     return [(heads, qk, int(raw.get("v_head_dim") or 128))] * n_layers
 
 
-def _kda(cfg, n_layers: int) -> tuple[int, int, int]:
+def kda_shape(cfg, n_layers: int) -> tuple[int, int, int]:
+    """(layers, heads, head dim) of the linear-attention (KDA) layers; zeros for a model without them."""
     if hasattr(cfg, "mla_layers"):
         return n_layers - len(cfg.mla_layers), cfg.kda_heads, cfg.kda_dim
     if hasattr(cfg, "kda") and hasattr(cfg, "layer_types"):
