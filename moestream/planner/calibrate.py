@@ -56,11 +56,12 @@ class Rates:
     disk: float = 0.0  # expert and streamed-dense reads, bytes/s
     overhead: dict[str, Overhead] = field(default_factory=dict)  # per overhead_key (family, top-k)
 
-    def overhead_for(self, model_type: str, top_k: int) -> Overhead | None:
-        """The family's overhead at this top-k, else the family's, else any measured one."""
+    def overhead_for(self, model_type: str, top_k: int, widths: dict[str, int] | None = None) -> Overhead | None:
+        """The family's overhead at this top-k and these widths, else at this top-k, else the family's, else any
+        measured one."""
         o = self.overhead
-        return (o.get(overhead_key(model_type, top_k)) or o.get(model_type)
-                or next(iter(o.values()), None))
+        return (o.get(overhead_key(model_type, top_k, widths)) or o.get(overhead_key(model_type, top_k))
+                or o.get(model_type) or next(iter(o.values()), None))
     source: dict[str, str] = field(default_factory=dict)  # what each rate came from
 
     def to_json(self) -> dict:
@@ -232,53 +233,91 @@ def disk_rate_at(directory: Path, seconds: float, nbytes: int = PROBE_FILE_BYTES
         os.unlink(name)
 
 
-def overhead_key(model_type: str, top_k: int) -> str:
-    """The overhead cache's key: the family and its routed experts per token (each is a call with a fixed cost)."""
-    return f"{model_type} top-{top_k}" if top_k else model_type
+def overhead_key(model_type: str, top_k: int, widths: dict[str, int] | None = None) -> str:
+    """The overhead cache's key: the family, its routed experts per token (each is a call with a fixed cost) and
+    the widths the probe model took (ops that scale with them but carry no weights: norms, rope, KV appends)."""
+    key = f"{model_type} top-{top_k}" if top_k else model_type
+    return key + "".join(f" {k}{v}" for k, v in sorted((widths or {}).items()))
 
 
-def _tiny(family: str, out: Path, top_k: int, experts: int) -> str:
-    """Write a tiny checkpoint of `family` routing `top_k` of `experts` (at most 64) experts per token, like the
-    planned model; the plain tiny preset where the family's synthesizer cannot take those counts. Returns what was
-    written, for the calibration's source."""
+WIDTHS = {"hidden": "hidden_size", "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
+          "head_dim": "head_dim"}  # Preset field: config.json key; the overhead probe's model takes these widths
+
+
+def model_widths(raw: dict) -> dict[str, int]:
+    """The planned model's widths that the overhead probe's checkpoint copies (those its config states)."""
+    raw = raw.get("text_config", raw)
+    return {k: int(raw[v]) for k, v in WIDTHS.items() if isinstance(raw.get(v), int) and raw[v] > 0}
+
+
+def _tiny(family: str, out: Path, top_k: int, experts: int, widths: dict[str, int]) -> str:
+    """Write a small checkpoint of `family` at the planned model's `widths` (hidden size, heads), routing `top_k`
+    of `experts` (at most 64) experts per token, with 32-wide experts and a 512-token vocabulary (weights of a few
+    MB); the plain tiny preset where the family's synthesizer cannot take those. Returns what was written."""
     from dataclasses import replace
 
     from moestream.synth import synthesize
     from moestream.synth.families import preset, synth_family
     from moestream.synth.writer import write_checkpoint
 
-    if top_k:
-        shape = replace(preset("tiny"), name="plan-overhead", top_k=top_k, experts=max(top_k, min(experts, 64)))
+    for w in ([widths, {}] if widths else [{}]):
+        if not top_k and not w:
+            break
+        shape = replace(preset("tiny"), name="plan-overhead", top_k=top_k or preset("tiny").top_k,
+                        experts=max(top_k, min(experts or 16, 64)), **w, **({"moe_intermediate": 32} if w else {}))
         try:
             write_checkpoint(synth_family(family), shape, out, 0, default_cache_dir(), False)
-            return f"tiny synthetic {family} routing top-{top_k} of {shape.experts} experts"
-        except Exception:  # noqa: BLE001 - a family with routing constraints (groups): the plain tiny preset
+            dims = ", ".join(f"{k} {v}" for k, v in w.items())
+            return f"synthetic {family} routing top-{shape.top_k} of {shape.experts} experts" + (
+                f" at {dims}" if dims else " at tiny widths")
+        except Exception:  # noqa: BLE001 - a family with constraints (groups, dims): fewer of the model's traits
             shutil.rmtree(out, ignore_errors=True)
     synthesize(family, out, "tiny", progress=False)
     return f"tiny synthetic {family} (its own top-k)"
 
 
-def overhead(model_type: str, seconds: float = 1.0, top_k: int = 0, experts: int = 0) -> Overhead:
-    """The engine's per-layer-step fixed cost for `model_type` routing `top_k` of `experts` experts per token: a
-    tiny synthetic checkpoint (weights of a few KB) decoded warm one row and eight rows at a time, and prefilled in
-    64-token chunks; time per layer. What it leaves out is what the weights' bytes and FLOPs add (priced apart)."""
+def _weights_time(path: Path, gemv: dict[str, float]) -> float:
+    """Seconds a one-row step of the probe checkpoint spends streaming its weights at `gemv` (bytes/s per format):
+    what its measured step time holds beyond the engine's fixed cost."""
+    from moestream.planner.facts import model_facts, open_plan
+
+    p = open_plan(path)
+    try:
+        f = model_facts(path, p)
+    finally:
+        p.store.close()
+    rate = lambda k: gemv.get(k) or gemv["bf16"]  # noqa: E731
+    return (sum(b / rate(k) for k, b in f.dense_bytes.items()) + f.head_bytes / rate(f.head_kind)
+            + f.moe_layers * f.top_k * f.expert_bytes / rate(f.expert_kind))
+
+
+def overhead(model_type: str, seconds: float = 1.0, top_k: int = 0, experts: int = 0,
+             widths: dict[str, int] | None = None, gemv: dict[str, float] | None = None,
+             rounds_n: int = 1) -> Overhead:
+    """The engine's per-layer-step fixed cost for `model_type` routing `top_k` of `experts` experts per token at
+    the model's `widths`: a small synthetic checkpoint decoded warm one row and eight rows at a time, and prefilled
+    in 64-token chunks, `rounds_n` times (medians kept); time per layer, less its weights' streaming at `gemv`
+    (priced apart by the planner)."""
     from moestream import Engine
     from moestream.synth import supported
 
     family = model_type if model_type in supported() else "qwen3_moe"
     with tempfile.TemporaryDirectory(prefix="moestream-plan-") as tmp:
-        what = _tiny(family, Path(tmp) / "m", top_k, experts)
+        what = _tiny(family, Path(tmp) / "m", top_k, experts, widths or {})
+        weights_s = _weights_time(Path(tmp) / "m", gemv) if gemv else 0.0
         eng = Engine.open(Path(tmp) / "m")
         try:
             layers = len(eng.model.layers)
-            one = _step_time(eng, 1, 1, seconds / 3)
-            eight = _step_time(eng, 8, 1, seconds / 3)
-            chunk = _step_time(eng, 1, 64, seconds / 3)
+            runs = [(_step_time(eng, 1, 1, seconds / 3), _step_time(eng, 8, 1, seconds / 3),
+                     _step_time(eng, 1, 64, seconds / 3)) for _ in range(max(1, rounds_n))]
         finally:
             eng.close()
+    one, eight, chunk = (statistics.median(col) for col in zip(*runs))
     note = "" if family == model_type else f" (no synthetic {model_type}: measured on {family})"
-    return Overhead(one / layers, max(0.0, (eight - one) / 7 / layers), chunk / layers,
-                    f"{what}, {layers} layers{note}")
+    spread = f"median of {len(runs)} rounds (decode {min(r[0] for r in runs) * 1e3:.3g}-" \
+             f"{max(r[0] for r in runs) * 1e3:.3g} ms a step, less {weights_s * 1e3:.3g} ms of weights)"
+    return Overhead(max(0.0, one - weights_s) / layers, max(0.0, (eight - one) / 7 / layers),
+                    max(0.0, chunk - weights_s) / layers, f"{what}, {layers} layers{note}, {spread}")
 
 
 def _step_time(eng, rows: int, tokens: int, seconds: float) -> float:
@@ -319,7 +358,7 @@ class Calibrator:
         return self.data.setdefault("machines", {}).setdefault(self.key, {})
 
     def rates(self, kinds: set[str], model_type: str, top_k: int = 0, experts: int = 0,
-              shapes: dict[str, tuple[int, int]] | None = None) -> Rates:
+              shapes: dict[str, tuple[int, int]] | None = None, widths: dict[str, int] | None = None) -> Rates:
         """The rates for weights of `kinds` (each probed at `shapes[kind]`, the model's matrix shape for it, else
         DEFAULT_SHAPE), the fp32 GEMM, memory, and the family's overhead at `top_k`; measured where missing."""
         e = self._entry()
@@ -329,6 +368,8 @@ class Calibrator:
         for kind in sorted(kinds | {"bf16", "f32"}):
             shape = (shapes or {}).get(kind, DEFAULT_SHAPE)
             key = chosen[kind] = shape_key(kind, shape)
+            if key not in gemv and kind in gemv:  # a rate stated for the format at any shape (seeded files)
+                key = chosen[kind] = kind
             if key not in gemv:
                 self.log(f"calibrating: {key} weight kernels")
                 (gemv[key], expand[key]), spread = rounds(lambda: weight_rates(kind, self.seconds, shape), self.rounds)
@@ -338,16 +379,13 @@ class Calibrator:
             (e["gemm_flops"],), s1 = rounds(lambda: gemm_rate(self.seconds / 2), self.rounds)
             (e["memory"],), s2 = rounds(lambda: memory_rate(self.seconds / 3), self.rounds)
             src["gemm_flops"], src["memory"] = f"{s1}, {self._stamp()}", f"{s2}, {self._stamp()}"
-        key = overhead_key(model_type, top_k)
-        if key not in e.setdefault("overhead", {}):
+        key = overhead_key(model_type, top_k, widths)
+        # a family's overhead stated without top-k or widths (seeded files) stands for all of them
+        if key not in e.setdefault("overhead", {}) and model_type not in e["overhead"]:
             self.log(f"calibrating: engine overhead per layer step ({key})")
-            runs = [overhead(model_type, self.seconds, top_k, experts) for _ in range(max(1, self.rounds))]
-            o = runs[0]
-            o.decode_s = statistics.median(r.decode_s for r in runs)
-            o.decode_row_s = statistics.median(r.decode_row_s for r in runs)
-            o.prefill_s = statistics.median(r.prefill_s for r in runs)
-            o.source += (f", median of {len(runs)} rounds (decode spread {min(r.decode_s for r in runs) * 1e3:.3g}-"
-                         f"{max(r.decode_s for r in runs) * 1e3:.3g} ms), {self._stamp()}")
+            o = overhead(model_type, self.seconds, top_k, experts, widths,
+                         {k: gemv[v] for k, v in chosen.items()}, self.rounds)
+            o.source += f", {self._stamp()}"
             e["overhead"][key] = asdict(o)
         _save(self.data)
         out = Rates.from_json({**e, "gemv": {k: gemv[v] for k, v in chosen.items()},

@@ -7,13 +7,14 @@ of the lm_head apart (one row per prefill chunk, every row in a batch step). It 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moestream.engine.engine import ModelPlan, plan
 from moestream.engine.residency import EMBED, HEAD, layer_of
 from moestream.errors import BudgetError
 from moestream.info import BudgetFit, ModelInfo, budget_fit, info_from_plan, tensor_params
+from moestream.planner.calibrate import model_widths
 from moestream.planner.state import StateShape, state_shape
 
 _KIND = {"BF16": "bf16", "F16": "bf16", "F32": "f32", "F8_E4M3": "fp8", "U8": "mxfp4", "I32": "int4"}
@@ -44,6 +45,7 @@ class ModelFacts:
     kda: tuple[int, int, int]  # (layers, heads, head dim) of linear-attention layers
     state: StateShape
     hidden: int = 0  # the residual width (the input width of every expert projection)
+    widths: dict[str, int] = field(default_factory=dict)  # calibrate.model_widths: the overhead probe's widths
 
     def probe_shapes(self) -> dict[str, tuple[int, int]]:
         """(out, in) per weight format at which calibration probes its kernel: the routed expert's projection for
@@ -105,8 +107,10 @@ def model_facts(path: str | Path, p: ModelPlan, kv_dtype: str = "fp32") -> Model
         expert_params = (info.expert_params / max(1, len(layout.moe_layers) * layout.num_experts))
     return ModelFacts(str(path), info.model_type, info, n_layers, len(layout.moe_layers), layout.num_experts,
                       layout.top_k, info.bytes_per_expert, expert_params, expert_kind, dense, dense_params,
-                      head_bytes, head_kind, head_params, attention_shapes(p.config, n_layers), kda_shape(p.config, n_layers),
-                      state_shape(p.config, kv_dtype), _hidden(p.config))
+                      head_bytes, head_kind, head_params, attention_shapes(p.config, n_layers),
+                      kda_shape(p.config, n_layers),
+                      state_shape(p.config, kv_dtype), _hidden(p.config),
+                      model_widths(getattr(p.config, "raw", None) or {}))
 
 
 def _hidden(cfg) -> int:
