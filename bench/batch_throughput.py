@@ -29,6 +29,7 @@ import torch
 from moestream.bench import (PROBE_THREADS, RSS_LIBRARY_ALLOWANCE, drop_page_cache, model_files, peak_rss,
                              probe_disk, rss_now)
 from moestream.config import format_bytes
+from moestream.planner.facts import attention_shapes, kda_shape
 from moestream.server.protocol import GenRequest
 from moestream.server.scheduler import Scheduler, SchedulerConfig
 from moestream.server.tickets import Delta, Done, Failed
@@ -114,8 +115,9 @@ class StepMeter:
 
 @dataclass
 class FlopModel:
-    """FLOPs of one step from the checkpoint's shapes: 2 x (dense matmul weights + top_k experts) per token,
-    attention scores and values per query-key pair, the LM head per logit row."""
+    """FLOPs of one step from the checkpoint's shapes: 2 x (dense matmul weights + top_k experts) per token (plus
+    KDA's per-token state update), attention scores and values per query-key pair of the softmax layers (GQA or
+    MLA, the planner's per-family shapes), the LM head per logit row."""
 
     per_token: int
     per_pair: int
@@ -130,8 +132,12 @@ class FlopModel:
         expert = sum(_numel(loc.shape) for loc in p.store.locate(p.layout.moe_layers[0], 0)) \
             if p.layout.moe_layers else 0
         routed = p.layout.top_k * expert * len(p.layout.moe_layers)
-        attn = 2 * 2 * cfg.heads * cfg.head_dim * cfg.num_layers  # q.k and p.v per query-key pair, every layer
-        return cls(2 * (dense + routed), attn, 2 * cfg.hidden_size * cfg.vocab_size)
+        layers = int(cfg.num_layers)
+        attn = sum(2 * h * (qk + v) for h, qk, v in attention_shapes(cfg, layers))  # q.k and p.v per pair
+        kda_layers, kda_heads, kda_dim = kda_shape(cfg, layers)
+        kda = 4 * kda_layers * kda_heads * kda_dim * kda_dim  # the recurrent state's read-update-read per token
+        lm = next(index[n] for n in (pre + "lm_head.weight", pre + "model.embed_tokens.weight") if n in index)
+        return cls(2 * (dense + routed) + kda, attn, 2 * _numel(lm.shape))
 
     def step(self, s: Step) -> int:
         return s.tokens * self.per_token + s.attn_pairs * self.per_pair + s.logit_rows * self.per_logit_row

@@ -81,7 +81,8 @@ def bench(model: Path, budget: int, a: dict) -> dict:
 def batch(model: Path, budget: int, a: dict) -> dict:
     here = Path(__file__).resolve().parent
     return _run([PY, str(here / "batch_throughput.py"), str(model), "--json", "--budget", str(budget),
-                 "--requests", str(a["batch"]), "--max-batch", str(a["batch"]), "--prompt-len", str(a["prompt_len"]),
+                 "--requests", str(a.get("batch_requests") or a["batch"]), "--max-batch", str(a["batch"]),
+                 "--prompt-len", str(a["prompt_len"]),
                  "--gen-len", str(a["batch_gen_len"]), "--single-gen-len", "0", "--threads", str(a["threads"])])
 
 
@@ -108,9 +109,10 @@ def decode_row(run: dict) -> dict:
             "predicted": pred["decode_tokens_per_s"], "measured": m, "ratio": pred["decode_tokens_per_s"] / m,
             "predicted_benchdisk": pred_b["decode_tokens_per_s"], "ratio_benchdisk": pred_b["decode_tokens_per_s"] / m,
             "hit_predicted": pred["expert_hit_rate"], "hit_measured": meas["expert_hit_rate"],
-            # the bench counts expert reads only (the dense streamer's reads are in Engine.stats, not its JSON)
+            # expert reads and the dense streamer's reads, each predicted / measured
             "bytes_per_token_predicted": pred["disk_bytes_per_token"] - pred["streamed_dense_bytes_per_step"],
             "streamed_dense_bytes_per_token": pred["streamed_dense_bytes_per_step"],
+            "streamed_dense_bytes_per_token_measured": meas.get("streamed_dense_bytes_per_token"),
             "bytes_per_token_measured": meas["bytes_read_per_token"], "disk_probe": pred["rates"]["disk"],
             "disk_bench": meas["disk_bandwidth_bytes_per_s"], "step_predicted": pred_b["decode_step"],
             "phases_measured_per_token": {k: (v / n if v is not None else None) for k, v in ph.items()},
@@ -130,7 +132,7 @@ def batch_row(run: dict) -> dict:
 # ---- the measured run --------------------------------------------------------------------------------------------
 def measure(args) -> dict:
     a = {k: getattr(args, k) for k in ("prompt_len", "gen_len", "skew", "reuse", "batch", "batch_gen_len",
-                                        "threads")}
+                                        "batch_requests", "threads")}
     cal = args.out.with_suffix(".cal") if args.out else Path(f"plan-accuracy-{int(time.time())}.cal")
     out = {"args": a, "decode": [], "batch": [], "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     for model in args.models:
@@ -138,10 +140,15 @@ def measure(args) -> dict:
         for i, spec in enumerate(specs):
             run = {"model": str(model), "spec": spec, "budget_bytes": budget_bytes(model, spec), "args": a,
                    "calibration": str(cal.resolve() / f"{model.name}.json")}
-            if i == 0:  # calibrate before anything else of this model, in this locked run
+            if i == 0 and not args.keep_calibration:  # calibrate before anything else of this model, in this run
                 plan(run, 1e9, calibrate=True)
             run["disk_probe"] = probe(model)
-            run["bench"] = bench(model, run["budget_bytes"], a)
+            try:
+                run["bench"] = bench(model, run["budget_bytes"], a)
+            except RunFailed as e:  # a budget the engine refuses: said, and the other budgets still run
+                out.setdefault("failed", []).append(str(e)[-600:])
+                print(e, file=sys.stderr, flush=True)
+                continue
             out["decode"].append(predict_decode(run))
             print(_line(decode_row(run)), file=sys.stderr, flush=True)
             _save(args.out, out)  # a later failure keeps what was measured
@@ -177,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="P(reuse next) to plan with (`moestream trace` of the synthetic family; see docs/plan.md)")
     ap.add_argument("--batch", type=int, default=0, help="also measure N sequences on each model's first budget")
     ap.add_argument("--batch-gen-len", type=int, default=8)
+    ap.add_argument("--batch-requests", type=int, default=0, help="requests of the batch run (default: --batch)")
     ap.add_argument("--threads", type=int, default=2, help="batch run's torch threads (the engine default here)")
+    ap.add_argument("--keep-calibration", action="store_true",
+                    help="reuse the calibration file --out already has (measured in an earlier locked run)")
     ap.add_argument("--out", type=Path, default=None, help="write every measurement and prediction here")
     ap.add_argument("--replan", type=Path, default=None, metavar="RESULTS",
                     help="predict again for a saved run (no measurement) and print the table")
@@ -205,7 +215,9 @@ def _line(r: dict) -> str:
     return (f"{r['model']:<10} {r['budget']:<6} {r['predicted']:>8.3f} {r['measured']:>8.3f} {r['ratio']:>6.2f} "
             f"{r['predicted_benchdisk']:>8.3f} {r['ratio_benchdisk']:>6.2f}  hit {r['hit_predicted']:.2f}/"
             f"{r['hit_measured']:.2f}  expert MB/tok {r['bytes_per_token_predicted'] / 1e6:.0f}/"
-            f"{r['bytes_per_token_measured'] / 1e6:.0f} (+{r['streamed_dense_bytes_per_token'] / 1e6:.0f} dense)  disk {r['disk_probe'] / 1e9:.2f}/{r['disk_bench'] / 1e9:.2f}")
+            f"{r['bytes_per_token_measured'] / 1e6:.0f} (+ dense {r['streamed_dense_bytes_per_token'] / 1e6:.0f}/"
+            f"{(r.get('streamed_dense_bytes_per_token_measured') or 0) / 1e6:.0f})  "
+            f"disk {r['disk_probe'] / 1e9:.2f}/{r['disk_bench'] / 1e9:.2f}")
 
 
 def _batch_line(b: dict) -> str:
@@ -223,14 +235,17 @@ def _markdown(rows: list[dict], batch_rows: list[dict]) -> str:
         out.append(f"| {r['model']} | {r['budget']} | {r['predicted']:.3g} | {r['predicted_benchdisk']:.3g} | "
                    f"{r['measured']:.3g} | {100 * (r['ratio_benchdisk'] - 1):+.0f}% | {r['hit_predicted']:.2f} / "
                    f"{r['hit_measured']:.2f} | {r['bytes_per_token_predicted'] / 1e6:.0f} / "
-                   f"{r['bytes_per_token_measured'] / 1e6:.0f} | {r['disk_probe'] / 1e9:.2f} / "
+                   f"{r['bytes_per_token_measured'] / 1e6:.0f} | {r['streamed_dense_bytes_per_token'] / 1e6:.0f} / "
+                   f"{(r.get('streamed_dense_bytes_per_token_measured') or 0) / 1e6:.0f} | "
+                   f"{r['disk_probe'] / 1e9:.2f} / "
                    f"{r['disk_bench'] / 1e9:.2f} | {st['io_s']:.3f} / {st['compute_s']:.3f} / {st['overhead_s']:.3f} | "
                    f"{ph['io_wait_s']:.3f} / {ph['expert_compute_s']:.3f} / {ph['attention_mixer_s'] or 0:.3f} / "
                    f"{ph['other_s']:.3f} |")
     for b in batch_rows:
-        out.append(f"| {b['model']} batch {b['batch']} | {b['budget']} | | {b['predicted']:.3g} | {b['measured']:.3g} "
-                   f"| {100 * (b['ratio'] - 1):+.0f}% | {b['step_predicted']['hit_rate']:.2f} / {b['hit_measured']:.2f} "
-                   f"| | | {b['disk_bench'] / 1e9:.2f} | | |")
+        out.append(f"| {b['model']} batch {b['batch']} | {b['budget']} | | {b['predicted']:.3g} | "
+                   f"{b['measured']:.3g} | {100 * (b['ratio'] - 1):+.0f}% | {b['step_predicted']['hit_rate']:.2f} / "
+                   f"{b['hit_measured']:.2f} "
+                   f"| | | | {b['disk_bench'] / 1e9:.2f} | | |")
     return "\n".join(out)
 
 

@@ -195,6 +195,16 @@ def test_calibration_is_cached(seeded_cache, tiny):
     fresh = calibrate.Calibrator(fresh=True, seconds=0.05)
     fresh.rates({"bf16"}, "qwen3_moe")
     assert fresh.measured
+    shaped = calibrate.Calibrator(seconds=0.05, rounds=2)  # another matrix shape: its own probe, in rounds
+    r = shaped.rates({"bf16"}, "qwen3_moe", shapes={"bf16": (96, 64)})
+    assert shaped.measured and "bf16 96x64" in r.source["shapes"]
+    assert "median of 2 rounds" in r.source["gemv bf16"]
+
+
+def test_calibration_rounds_keep_the_median_and_the_spread():
+    values = iter([(1.0, 10.0), (5.0, 30.0), (3.0, 20.0)])
+    (first, second), spread = calibrate.rounds(lambda: next(values), 3)
+    assert (first, second) == (3.0, 20.0) and spread == "median of 3 rounds (spread 1-5)"
 
 
 def test_remote_checkpoint_headers_only(tiny, tmp_path, monkeypatch, capsys):

@@ -44,7 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--machine", choices=sorted(MACHINES), default=None,
                    help="plan for a stated reference machine instead of this one")
     p.add_argument("--reference", action="store_true", help="also print every reference machine's prediction")
-    p.add_argument("--calibrate", action="store_true", help="measure this machine's rates again (else cached)")
+    p.add_argument("--recalibrate", "--calibrate", dest="calibrate", action="store_true",
+                   help="measure this machine's rates again (else cached per CPU and disk)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_remote_args(p)
     p.set_defaults(func=cmd_plan)

@@ -4,7 +4,9 @@ Owns the probes (the disk by bench's direct-I/O probe, the one-row weight kernel
 weight format, the multi-row path's fp32 expansion, the fp32 GEMM rate, memory read bandwidth, and the engine's
 fixed cost per layer step measured on a tiny synthetic checkpoint of the family) and their cache, a JSON file
 under the user cache directory keyed by CPU (and, for the disk, by the filesystem's device), so that repeated
-plans are instant; `--calibrate` measures again.
+plans are instant; `--recalibrate` (alias `--calibrate`) measures again. Each rate is the median of ROUNDS
+separate probes (each itself the median of short bursts), and the spread of the rounds is kept beside it, so that
+a calibration taken while something else ran shows it.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from moestream import __version__
 from moestream.config import default_cache_dir
 
 KINDS = ("bf16", "mxfp4", "fp8", "int4", "f32")
-PROBES_VERSION = 2  # part of the cache key: a change to what a probe measures measures again
+PROBES_VERSION = 3  # part of the cache key: a change to what a probe measures measures again
+ROUNDS = 3  # separate probes per rate; the median is kept (a burst of load costs one round, not the rate)
 PROBE_FILE_BYTES = 256 << 20  # written once where the weights would live when the model has no local shards
 BURST_S = 0.15
 
@@ -53,11 +56,12 @@ class Rates:
     disk: float = 0.0  # expert and streamed-dense reads, bytes/s
     overhead: dict[str, Overhead] = field(default_factory=dict)  # per overhead_key (family, top-k)
 
-    def overhead_for(self, model_type: str, top_k: int) -> Overhead | None:
-        """The family's overhead at this top-k, else the family's, else any measured one."""
+    def overhead_for(self, model_type: str, top_k: int, widths: dict[str, int] | None = None) -> Overhead | None:
+        """The family's overhead at this top-k and these widths, else at this top-k, else the family's, else any
+        measured one."""
         o = self.overhead
-        return (o.get(overhead_key(model_type, top_k)) or o.get(model_type)
-                or next(iter(o.values()), None))
+        return (o.get(overhead_key(model_type, top_k, widths)) or o.get(overhead_key(model_type, top_k))
+                or o.get(model_type) or next(iter(o.values()), None))
     source: dict[str, str] = field(default_factory=dict)  # what each rate came from
 
     def to_json(self) -> dict:
@@ -128,6 +132,15 @@ def _rate(work: Callable[[], None], units: float, seconds: float) -> float:
     return statistics.median(rates)
 
 
+def rounds(probe: Callable[[], float | tuple[float, ...]], n: int = ROUNDS) -> tuple[list[float], str]:
+    """Run `probe` `n` times: (the median of each of its values, "rounds: min-max" spread of the first value)."""
+    got = [probe() for _ in range(max(1, n))]
+    rows = [g if isinstance(g, tuple) else (g,) for g in got]
+    med = [statistics.median(col) for col in zip(*rows)]
+    first = [r[0] for r in rows]
+    return med, f"median of {len(rows)} rounds (spread {min(first):.4g}-{max(first):.4g})"
+
+
 def _weights(kind: str, out: int, inp: int, count: int) -> tuple[list, int, Callable, Callable]:
     """`count` weight matrices of one format: (weights, stored bytes, the engine's linear fn(x, w), its expansion
     to fp32 fn(w) as a multi-row step does before its GEMM)."""
@@ -155,12 +168,20 @@ def _weights(kind: str, out: int, inp: int, count: int) -> tuple[list, int, Call
             lambda w: quant.int4_linear(one, *w, shape=(out, inp)))
 
 
-def weight_rates(kind: str, seconds: float = 0.6) -> tuple[float, float]:
+DEFAULT_SHAPE = (2048, 1024)  # an expert projection's (out, in) where the model's is not known
+PROBE_BYTES = 32 << 20  # bf16-equivalent bytes a one-row probe streams per pass: past the last-level cache
+PROBE_MAX_MATRICES = 64
+
+
+def weight_rates(kind: str, seconds: float = 0.6, shape: tuple[int, int] = DEFAULT_SHAPE) -> tuple[float, float]:
     """(one-row bytes/s through the engine's linear for the format, stored bytes/s expanded to fp32 for a multi-row
-    GEMM) over 32 MiB of bf16-equivalent weights in an expert projection's shape (past the last-level cache)."""
-    ws, nbytes, fn, expand = _weights(kind, 2048, 1024, 8)
-    x = torch.randn(1, 1024)
-    few = 8 if kind in ("bf16", "f32") else 1  # torch's decode of a packed format is slow: one matrix per burst
+    GEMM) over matrices of `shape` (the model's own expert projection: a small matrix pays its call's fixed cost
+    on fewer bytes), as many as make 32 MiB of bf16-equivalent weights (past the last-level cache)."""
+    out, inp = shape
+    count = max(2, min(PROBE_MAX_MATRICES, -(-PROBE_BYTES // (2 * out * inp))))
+    ws, nbytes, fn, expand = _weights(kind, out, inp, count)
+    x = torch.randn(1, inp)
+    few = count if kind in ("bf16", "f32") else 1  # torch's decode of a packed format is slow: one matrix per burst
 
     def one() -> None:
         for w in ws:
@@ -171,6 +192,11 @@ def weight_rates(kind: str, seconds: float = 0.6) -> tuple[float, float]:
             expand(w)
 
     return _rate(one, nbytes, seconds / 2), _rate(wide, nbytes * few / len(ws), seconds / 2)
+
+
+def shape_key(kind: str, shape: tuple[int, int]) -> str:
+    """The cache's key for a format's rates at one matrix shape."""
+    return f"{kind} {shape[0]}x{shape[1]}"
 
 
 def gemm_rate(seconds: float = 0.5) -> float:
@@ -207,53 +233,91 @@ def disk_rate_at(directory: Path, seconds: float, nbytes: int = PROBE_FILE_BYTES
         os.unlink(name)
 
 
-def overhead_key(model_type: str, top_k: int) -> str:
-    """The overhead cache's key: the family and its routed experts per token (each is a call with a fixed cost)."""
-    return f"{model_type} top-{top_k}" if top_k else model_type
+def overhead_key(model_type: str, top_k: int, widths: dict[str, int] | None = None) -> str:
+    """The overhead cache's key: the family, its routed experts per token (each is a call with a fixed cost) and
+    the widths the probe model took (ops that scale with them but carry no weights: norms, rope, KV appends)."""
+    key = f"{model_type} top-{top_k}" if top_k else model_type
+    return key + "".join(f" {k}{v}" for k, v in sorted((widths or {}).items()))
 
 
-def _tiny(family: str, out: Path, top_k: int, experts: int) -> str:
-    """Write a tiny checkpoint of `family` routing `top_k` of `experts` (at most 64) experts per token, like the
-    planned model; the plain tiny preset where the family's synthesizer cannot take those counts. Returns what was
-    written, for the calibration's source."""
+WIDTHS = {"hidden": "hidden_size", "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
+          "head_dim": "head_dim"}  # Preset field: config.json key; the overhead probe's model takes these widths
+
+
+def model_widths(raw: dict) -> dict[str, int]:
+    """The planned model's widths that the overhead probe's checkpoint copies (those its config states)."""
+    raw = raw.get("text_config", raw)
+    return {k: int(raw[v]) for k, v in WIDTHS.items() if isinstance(raw.get(v), int) and raw[v] > 0}
+
+
+def _tiny(family: str, out: Path, top_k: int, experts: int, widths: dict[str, int]) -> str:
+    """Write a small checkpoint of `family` at the planned model's `widths` (hidden size, heads), routing `top_k`
+    of `experts` (at most 64) experts per token, with 32-wide experts and a 512-token vocabulary (weights of a few
+    MB); the plain tiny preset where the family's synthesizer cannot take those. Returns what was written."""
     from dataclasses import replace
 
     from moestream.synth import synthesize
     from moestream.synth.families import preset, synth_family
     from moestream.synth.writer import write_checkpoint
 
-    if top_k:
-        shape = replace(preset("tiny"), name="plan-overhead", top_k=top_k, experts=max(top_k, min(experts, 64)))
+    for w in ([widths, {}] if widths else [{}]):
+        if not top_k and not w:
+            break
+        shape = replace(preset("tiny"), name="plan-overhead", top_k=top_k or preset("tiny").top_k,
+                        experts=max(top_k, min(experts or 16, 64)), **w, **({"moe_intermediate": 32} if w else {}))
         try:
             write_checkpoint(synth_family(family), shape, out, 0, default_cache_dir(), False)
-            return f"tiny synthetic {family} routing top-{top_k} of {shape.experts} experts"
-        except Exception:  # noqa: BLE001 - a family with routing constraints (groups): the plain tiny preset
+            dims = ", ".join(f"{k} {v}" for k, v in w.items())
+            return f"synthetic {family} routing top-{shape.top_k} of {shape.experts} experts" + (
+                f" at {dims}" if dims else " at tiny widths")
+        except Exception:  # noqa: BLE001 - a family with constraints (groups, dims): fewer of the model's traits
             shutil.rmtree(out, ignore_errors=True)
     synthesize(family, out, "tiny", progress=False)
     return f"tiny synthetic {family} (its own top-k)"
 
 
-def overhead(model_type: str, seconds: float = 1.0, top_k: int = 0, experts: int = 0) -> Overhead:
-    """The engine's per-layer-step fixed cost for `model_type` routing `top_k` of `experts` experts per token: a
-    tiny synthetic checkpoint (weights of a few KB) decoded warm one row and eight rows at a time, and prefilled in
-    64-token chunks; time per layer. What it leaves out is what the weights' bytes and FLOPs add (priced apart)."""
+def _weights_time(path: Path, gemv: dict[str, float]) -> float:
+    """Seconds a one-row step of the probe checkpoint spends streaming its weights at `gemv` (bytes/s per format):
+    what its measured step time holds beyond the engine's fixed cost."""
+    from moestream.planner.facts import model_facts, open_plan
+
+    p = open_plan(path)
+    try:
+        f = model_facts(path, p)
+    finally:
+        p.store.close()
+    rate = lambda k: gemv.get(k) or gemv["bf16"]  # noqa: E731
+    return (sum(b / rate(k) for k, b in f.dense_bytes.items()) + f.head_bytes / rate(f.head_kind)
+            + f.moe_layers * f.top_k * f.expert_bytes / rate(f.expert_kind))
+
+
+def overhead(model_type: str, seconds: float = 1.0, top_k: int = 0, experts: int = 0,
+             widths: dict[str, int] | None = None, gemv: dict[str, float] | None = None,
+             rounds_n: int = 1) -> Overhead:
+    """The engine's per-layer-step fixed cost for `model_type` routing `top_k` of `experts` experts per token at
+    the model's `widths`: a small synthetic checkpoint decoded warm one row and eight rows at a time, and prefilled
+    in 64-token chunks, `rounds_n` times (medians kept); time per layer, less its weights' streaming at `gemv`
+    (priced apart by the planner)."""
     from moestream import Engine
     from moestream.synth import supported
 
     family = model_type if model_type in supported() else "qwen3_moe"
     with tempfile.TemporaryDirectory(prefix="moestream-plan-") as tmp:
-        what = _tiny(family, Path(tmp) / "m", top_k, experts)
+        what = _tiny(family, Path(tmp) / "m", top_k, experts, widths or {})
+        weights_s = _weights_time(Path(tmp) / "m", gemv) if gemv else 0.0
         eng = Engine.open(Path(tmp) / "m")
         try:
             layers = len(eng.model.layers)
-            one = _step_time(eng, 1, 1, seconds / 3)
-            eight = _step_time(eng, 8, 1, seconds / 3)
-            chunk = _step_time(eng, 1, 64, seconds / 3)
+            runs = [(_step_time(eng, 1, 1, seconds / 3), _step_time(eng, 8, 1, seconds / 3),
+                     _step_time(eng, 1, 64, seconds / 3)) for _ in range(max(1, rounds_n))]
         finally:
             eng.close()
+    one, eight, chunk = (statistics.median(col) for col in zip(*runs))
     note = "" if family == model_type else f" (no synthetic {model_type}: measured on {family})"
-    return Overhead(one / layers, max(0.0, (eight - one) / 7 / layers), chunk / layers,
-                    f"{what}, {layers} layers{note}")
+    spread = f"median of {len(runs)} rounds (decode {min(r[0] for r in runs) * 1e3:.3g}-" \
+             f"{max(r[0] for r in runs) * 1e3:.3g} ms a step, less {weights_s * 1e3:.3g} ms of weights)"
+    return Overhead(max(0.0, one - weights_s) / layers, max(0.0, (eight - one) / 7 / layers),
+                    max(0.0, chunk - weights_s) / layers, f"{what}, {layers} layers{note}, {spread}")
 
 
 def _step_time(eng, rows: int, tokens: int, seconds: float) -> float:
@@ -279,6 +343,7 @@ class Calibrator:
 
     fresh: bool = False
     seconds: float = 1.0  # per probe (disk, each weight format, overhead); tests pass less
+    rounds: int = ROUNDS  # probes per rate (median kept); tests pass 1
     log: Callable[[str], None] = lambda msg: None
 
     def __post_init__(self) -> None:
@@ -292,26 +357,42 @@ class Calibrator:
     def _entry(self) -> dict:
         return self.data.setdefault("machines", {}).setdefault(self.key, {})
 
-    def rates(self, kinds: set[str], model_type: str, top_k: int = 0, experts: int = 0) -> Rates:
+    def rates(self, kinds: set[str], model_type: str, top_k: int = 0, experts: int = 0,
+              shapes: dict[str, tuple[int, int]] | None = None, widths: dict[str, int] | None = None) -> Rates:
+        """The rates for weights of `kinds` (each probed at `shapes[kind]`, the model's matrix shape for it, else
+        DEFAULT_SHAPE), the fp32 GEMM, memory, and the family's overhead at `top_k`; measured where missing."""
         e = self._entry()
         src = e.setdefault("source", {})
+        gemv, expand = e.setdefault("gemv", {}), e.setdefault("expand", {})
+        chosen: dict[str, str] = {}
         for kind in sorted(kinds | {"bf16", "f32"}):
-            if kind not in e.setdefault("gemv", {}):
-                self.log(f"calibrating: {kind} weight kernels")
-                e["gemv"][kind], e.setdefault("expand", {})[kind] = weight_rates(kind, self.seconds)
-                src[f"gemv {kind}"] = self._stamp()
+            shape = (shapes or {}).get(kind, DEFAULT_SHAPE)
+            key = chosen[kind] = shape_key(kind, shape)
+            if key not in gemv and kind in gemv:  # a rate stated for the format at any shape (seeded files)
+                key = chosen[kind] = kind
+            if key not in gemv:
+                self.log(f"calibrating: {key} weight kernels")
+                (gemv[key], expand[key]), spread = rounds(lambda: weight_rates(kind, self.seconds, shape), self.rounds)
+                src[f"gemv {key}"] = f"{spread}, {self._stamp()}"
         if "gemm_flops" not in e:
             self.log("calibrating: fp32 matmul and memory bandwidth")
-            e["gemm_flops"], e["memory"] = gemm_rate(self.seconds / 2), memory_rate(self.seconds / 3)
-            src["gemm_flops"] = src["memory"] = self._stamp()
-        key = overhead_key(model_type, top_k)
-        if key not in e.setdefault("overhead", {}):
+            (e["gemm_flops"],), s1 = rounds(lambda: gemm_rate(self.seconds / 2), self.rounds)
+            (e["memory"],), s2 = rounds(lambda: memory_rate(self.seconds / 3), self.rounds)
+            src["gemm_flops"], src["memory"] = f"{s1}, {self._stamp()}", f"{s2}, {self._stamp()}"
+        key = overhead_key(model_type, top_k, widths)
+        # a family's overhead stated without top-k or widths (seeded files) stands for all of them
+        if key not in e.setdefault("overhead", {}) and model_type not in e["overhead"]:
             self.log(f"calibrating: engine overhead per layer step ({key})")
-            o = overhead(model_type, self.seconds, top_k, experts)
+            o = overhead(model_type, self.seconds, top_k, experts, widths,
+                         {k: gemv[v] for k, v in chosen.items()}, self.rounds)
             o.source += f", {self._stamp()}"
             e["overhead"][key] = asdict(o)
         _save(self.data)
-        return Rates.from_json(e)
+        out = Rates.from_json({**e, "gemv": {k: gemv[v] for k, v in chosen.items()},
+                               "expand": {k: expand[v] for k, v in chosen.items()}})
+        out.source.update({f"gemv {k}": src.get(f"gemv {v}", "") for k, v in chosen.items()})
+        out.source["shapes"] = ", ".join(chosen.values())
+        return out
 
     def disk(self, files: list[Path], where: Path) -> tuple[float, str]:
         """Disk bytes/s for the filesystem holding `where` (probing `files`, or a scratch file there if none)."""
@@ -320,8 +401,9 @@ class Calibrator:
         if key not in disks or (self.fresh and key not in self.disk_done):
             self.disk_done.add(key)
             self.log("calibrating: disk probe")
-            bw = disk_rate(files, self.seconds) if files else disk_rate_at(where, self.seconds)
-            disks[key] = {"bytes_per_s": bw, "source": f"direct-I/O probe of {where}, {self._stamp()}"}
+            probe = (lambda: disk_rate(files, self.seconds)) if files else (lambda: disk_rate_at(where, self.seconds))
+            (bw,), spread = rounds(probe, self.rounds)
+            disks[key] = {"bytes_per_s": bw, "source": f"direct-I/O probe of {where}, {spread}, {self._stamp()}"}
             _save(self.data)
         return disks[key]["bytes_per_s"], disks[key]["source"]
 

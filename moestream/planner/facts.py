@@ -7,13 +7,14 @@ of the lm_head apart (one row per prefill chunk, every row in a batch step). It 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moestream.engine.engine import ModelPlan, plan
 from moestream.engine.residency import EMBED, HEAD, layer_of
 from moestream.errors import BudgetError
 from moestream.info import BudgetFit, ModelInfo, budget_fit, info_from_plan, tensor_params
+from moestream.planner.calibrate import model_widths
 from moestream.planner.state import StateShape, state_shape
 
 _KIND = {"BF16": "bf16", "F16": "bf16", "F32": "f32", "F8_E4M3": "fp8", "U8": "mxfp4", "I32": "int4"}
@@ -43,6 +44,18 @@ class ModelFacts:
     attention: list[tuple[int, int, int]]  # per softmax-attention layer: (heads, qk dim, v dim)
     kda: tuple[int, int, int]  # (layers, heads, head dim) of linear-attention layers
     state: StateShape
+    hidden: int = 0  # the residual width (the input width of every expert projection)
+    widths: dict[str, int] = field(default_factory=dict)  # calibrate.model_widths: the overhead probe's widths
+
+    def probe_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out, in) per weight format at which calibration probes its kernel: the routed expert's projection for
+        its format (a GLU expert's three matrices: params / 3 / hidden rows), hidden x hidden for dense-only ones."""
+        if self.hidden <= 0:
+            return {}
+        shapes = {k: (self.hidden, self.hidden) for k in self.dense_bytes}
+        if self.expert_params:
+            shapes[self.expert_kind] = (max(1, round(self.expert_params / 3 / self.hidden)), self.hidden)
+        return shapes
 
     @property
     def cold_bytes_per_token(self) -> float:
@@ -94,11 +107,17 @@ def model_facts(path: str | Path, p: ModelPlan, kv_dtype: str = "fp32") -> Model
         expert_params = (info.expert_params / max(1, len(layout.moe_layers) * layout.num_experts))
     return ModelFacts(str(path), info.model_type, info, n_layers, len(layout.moe_layers), layout.num_experts,
                       layout.top_k, info.bytes_per_expert, expert_params, expert_kind, dense, dense_params,
-                      head_bytes, head_kind, head_params, _attention(p.config, n_layers), _kda(p.config, n_layers),
-                      state_shape(p.config, kv_dtype))
+                      head_bytes, head_kind, head_params, attention_shapes(p.config, n_layers),
+                      kda_shape(p.config, n_layers),
+                      state_shape(p.config, kv_dtype), _hidden(p.config),
+                      model_widths(getattr(p.config, "raw", None) or {}))
 
 
-def _attention(cfg, n_layers: int) -> list[tuple[int, int, int]]:
+def _hidden(cfg) -> int:
+    return int(getattr(cfg, "hidden_size", 0) or (getattr(cfg, "raw", {}) or {}).get("hidden_size", 0))
+
+
+def attention_shapes(cfg, n_layers: int) -> list[tuple[int, int, int]]:
     """(heads, qk dim, v dim) per softmax-attention layer (GQA everywhere, or the MLA layers)."""
     raw = getattr(cfg, "raw", {}) or {}
     if hasattr(cfg, "mla_layers"):
@@ -114,7 +133,8 @@ def _attention(cfg, n_layers: int) -> list[tuple[int, int, int]]:
     return [(heads, qk, int(raw.get("v_head_dim") or 128))] * n_layers
 
 
-def _kda(cfg, n_layers: int) -> tuple[int, int, int]:
+def kda_shape(cfg, n_layers: int) -> tuple[int, int, int]:
+    """(layers, heads, head dim) of the linear-attention (KDA) layers; zeros for a model without them."""
     if hasattr(cfg, "mla_layers"):
         return n_layers - len(cfg.mla_layers), cfg.kda_heads, cfg.kda_dim
     if hasattr(cfg, "kda") and hasattr(cfg, "layer_types"):

@@ -122,7 +122,7 @@ def make_plan(path: str | Path, opts: PlanOptions) -> dict:
         facts = model_facts(path, p, opts.kv_dtype)
         cal = Calibrator(fresh=opts.calibrate, seconds=opts.probe_seconds, log=opts.log)
         kinds = set(facts.dense_bytes) | {facts.expert_kind, facts.head_kind}
-        here = cal.rates(kinds, facts.model_type, facts.top_k, facts.num_experts)
+        here = cal.rates(kinds, facts.model_type, facts.top_k, facts.num_experts, facts.probe_shapes(), facts.widths)
         if opts.disk_bandwidth is not None:
             here.disk, here.source["disk"] = opts.disk_bandwidth, "--disk-bandwidth"
         elif opts.machine is None:
@@ -211,7 +211,7 @@ def _model_summary(f: ModelFacts) -> dict:
 def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
     r = out["rates"]
     src = r.get("source", {})
-    o = Rates.from_json(r).overhead_for(f.model_type, f.top_k)
+    o = Rates.from_json(r).overhead_for(f.model_type, f.top_k, f.widths)
     lines = [
         f"routing: {opts.skew.describe()}; the cache also holds the previous token's experts when it has room",
         "expert cache: the budget's cache holds each MoE layer's most popular experts, shared evenly by the "
@@ -221,7 +221,9 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
         "compute: one-row weight kernels at " + ", ".join(f"{k} {v / 1e9:.3g} GB/s" for k, v in r["gemv"].items())
         + "; multi-row weights expanded to fp32 at " + ", ".join(f"{k} {v / 1e9:.3g} GB/s"
                                                                  for k, v in r["expand"].items())
-        + f" then fp32 GEMM at {r['gemm_flops'] / 1e9:.3g} GFLOP/s; state read at {r['memory'] / 1e9:.3g} GB/s",
+        + f" then fp32 GEMM at {r['gemm_flops'] / 1e9:.3g} GFLOP/s; state read at {r['memory'] / 1e9:.3g} GB/s"
+        + (f" (kernels probed at {src['shapes']}; {src.get('gemv ' + f.expert_kind, '')})"
+           if src.get("shapes") else ""),
         f"overlap: step = overhead + max(io, compute) + {1 - OVERLAP:g} x min(io, compute)",
         "dense residency planned keeping one sequence's state free (`--state-room` that size; the engine's "
         "default keeps none, so state then squeezes the expert cache)",

@@ -67,7 +67,7 @@ class Scenario:
         return fit / max(1, self.facts.moe_layers)
 
     def _overhead(self, kind: str, rows: int = 1) -> float:
-        o = self.rates.overhead_for(self.facts.model_type, self.facts.top_k)
+        o = self.rates.overhead_for(self.facts.model_type, self.facts.top_k, self.facts.widths)
         if o is None:
             return 0.0
         per = o.prefill_s if kind == "prefill" else o.decode_s + o.decode_row_s * max(0, rows - 1)
