@@ -42,7 +42,7 @@ MIN_ROWS_PER_THREAD = 256
 SPIN_US = 300
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
-_ABI = 10
+_ABI = 11
 _SOURCE = Path(__file__).with_name("_cpu.c")
 # _cpu.c #includes the others
 _SOURCES = (_SOURCE, *(Path(__file__).with_name(n) for n in ("_cpu_step.c", "_cpu_paged.c", "_cpu_layer.c")))
@@ -136,7 +136,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_conv_decode.restype = None
     lib.ms_kda_decode.argtypes = [i64, i64, i64, i64, p, p, p, p, p, p, p]
     lib.ms_kda_decode.restype = None
-    lib.ms_gqa_decode_block.argtypes = [p, p, p, p, p, i64, i64, p, p, p]
+    lib.ms_gqa_decode_block.argtypes = [p, p, p, p, p, i64, i64, p, p, p, p]
     lib.ms_gqa_decode_block.restype = ctypes.c_int
 
 

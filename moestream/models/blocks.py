@@ -188,6 +188,7 @@ def expert_glu(act=silu_glu):
             return linear(act(gate, up), got[1])
         return glu_mlp(x, *got, act)
 
+    fn.act = act  # what the native decode layer's expert table computes (SoftmaxMoE.resident_table)
     return fn
 
 
