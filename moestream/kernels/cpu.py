@@ -33,9 +33,14 @@ MAX_TOKENS_BF16 = 16
 MAX_TOKENS_MXFP4 = 32
 # Up to this many tokens a layer step's bf16 GLU experts go through one fused native call (moe_glu_bf16).
 MAX_TOKENS_GLU = 32
-# Threads per call (the caller included). Two threads won on expert-sized matrices in bench/kernels.py; small
-# matrices stay on one (below MIN_ROWS_PER_THREAD rows per thread the wake-up costs more than it saves).
-DEFAULT_THREADS = 1
+# Threads per call (the caller included) unless set: as many as torch's intra-op pool (all cores by default), so
+# that without --threads torch's small ops and the native kernels agree (one native thread next to a torch pool
+# of all cores left the other cores idle in the kernels that do most of a decode step's work). Two threads won on
+# expert-sized matrices in bench/kernels.py; small matrices stay on one (below MIN_ROWS_PER_THREAD rows per
+# thread the wake-up costs more than it saves).
+def default_threads() -> int:
+    return max(1, torch.get_num_threads())
+
 MIN_ROWS_PER_THREAD = 256
 # How long a pool worker polls for the next call before it sleeps (MOESTREAM_NATIVE_SPIN_US): a decode step's
 # Python between two native calls takes tens to hundreds of microseconds, and waking a sleeping worker costs tens.
@@ -155,7 +160,7 @@ def _load() -> None:
             _declare(lib)
             if lib.ms_abi() != _ABI:
                 raise RuntimeError(f"{path.name} has ABI {lib.ms_abi()}, want {_ABI}")
-            lib.ms_set_threads(int(os.environ.get("MOESTREAM_NATIVE_THREADS") or DEFAULT_THREADS))
+            lib.ms_set_threads(int(os.environ.get("MOESTREAM_NATIVE_THREADS") or default_threads()))
             lib.ms_set_spin_us(int(os.environ.get("MOESTREAM_NATIVE_SPIN_US") or SPIN_US))
             _lib, _why = lib, ""
         except Exception as exc:  # any failure means: use the torch paths
