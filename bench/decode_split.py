@@ -67,10 +67,11 @@ def instrumented():
         (base, "softmax_topk", "router (linear + top-k)", False),
         (base.DecoderModel, "head", "lm_head (+ final norm)", True),
         (dispatch.ExpertRunner, "run", "routed experts: runner and Python", False),
+        (dispatch.ExpertRunner, "resident_done", "routed experts: runner and Python", False),
         (prefetch.Lookahead, "predict", "lookahead (next layer's router)", True),
         (fused, "moe_glu_bf16", "routed experts: native kernel", False),
         # the one-call decode layer (GQAMixer.decode_block): its native call, and its Python (KV row, checks)
-        (getattr(fused, "DecodeBlock", None), "__call__", "decode block: native (attention half + router)", False),
+        (getattr(fused, "DecodeBlock", None), "__call__", "decode block: native (attention, router, experts)", False),
         (attention.GQAMixer, "decode_block", "decode block: Python (KV row, checks)", False),
     ]
     # what an older tree lacks (run with PYTHONPATH=<tree>) is simply not timed
@@ -134,6 +135,8 @@ def main() -> None:
         with instrumented():
             again, total = decode(eng, prompt, args.tokens)
         pool = {k: v - pool0.get(k, 0) for k, v in _pool_stats().items()}
+    tables = getattr(eng.runner, "tables", {})  # an older tree has none
+    fused_share = sum(t.used for t in tables.values() if t is not None) / max(1, eng.runner.times.resident_steps)
     assert again == first, "the warm run decoded other tokens"
     rows = split(total, args.tokens)
     ms = total / args.tokens * 1e3
@@ -141,6 +144,7 @@ def main() -> None:
     print(f"warm decode ({clock}): {args.tokens / total:.2f} tok/s, {ms:.2f} ms/token, threads {args.threads}, "
           f"native {cpu.available() and not args.no_native} ({cpu.simd() or 'scalar'})")
     # (an older tree's simd() said only whether AVX-512 was in: True/False)
+    print(f"  layer steps with the experts inside the native decode layer: {fused_share:.0%} of resident steps")
     for name, sec in rows.items():
         print(f"  {name:<40}{sec * 1e3:>8.2f} ms {sec * 1e3 / ms:>7.1%}")
     if pool:

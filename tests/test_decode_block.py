@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import max_rel_diff, prompt_ids
+from conftest import expert_budget, max_rel_diff, prompt_ids
 from moestream import Engine
 from moestream.kernels import cpu, fused
 from moestream.memory.state import BLOCK_TOKENS, Batch
@@ -54,11 +54,37 @@ def test_decode_block_equals_separate_calls_and_is_taken(family, n_threads, tmp_
     _decode(eng, ids, False, monkeypatch)
     layers = eng.model.layers
     blocks0, resident0 = sum(ly.mixer.decode_blocks for ly in layers), eng.runner.times.resident_steps
+    fused0 = _fused_steps(eng)
     got = _decode(eng, ids, True, monkeypatch)
     assert sum(ly.mixer.decode_blocks for ly in layers) - blocks0 == len(layers) * len(ids)
     assert eng.runner.times.resident_steps - resident0 == len(layers) * len(ids)
+    # ... and the routed experts in the same native call (the runner's tables held every routed expert)
+    assert _fused_steps(eng) - fused0 == len(layers) * len(ids)
     want = _decode(eng, ids, False, monkeypatch)
     assert torch.equal(got, want)
+
+
+def _fused_steps(eng: Engine) -> int:
+    """Layer steps whose routed experts ran inside the native decode layer."""
+    return sum(t.used for t in eng.runner.tables.values() if t is not None)
+
+
+@native
+def test_decode_layer_experts_under_evictions(tmp_path, monkeypatch):
+    """A budget holding 30% of the experts: steps mix the fused layer (all routed experts resident) with misses;
+    the table never points at an evicted expert, and the logits stay those of the torch-only layer path."""
+    synthesize("qwen3_moe", tmp_path / "m", "tiny", progress=False)
+    eng = Engine.open(tmp_path / "m", ram_budget=expert_budget(tmp_path / "m", 0.3))
+    eng.runner.lookahead.reads = 0
+    ids = prompt_ids(eng.vocab_size, 24, seed=3)
+    _decode(eng, ids[:8], True, monkeypatch)
+    got = _decode(eng, ids, True, monkeypatch)
+    for layer, table in eng.runner.tables.items():
+        for e in range(table.experts if table is not None else 0):
+            assert bool(table.rows[3 * e]) <= ((layer, e) in eng.runner.cache)
+    assert _fused_steps(eng) > 0 and eng.runner.cache.stats.evictions > 0
+    want = _decode(eng, ids, False, monkeypatch)
+    assert max_rel_diff(got, want) < 1e-5
 
 
 @native
@@ -72,12 +98,12 @@ def test_decode_block_layer_pieces_bit_for_bit(tmp_path):
     g = torch.Generator().manual_seed(0)
     for _ in range(BLOCK_TOKENS + 3):
         h = torch.randn(1, layer.in_norm.shape[0], generator=g)
-        h1, x2, ids, wts = layer.mixer.decode_block(h, Batch.build([(fast, 1)]), 0, layer.in_norm, layer.post_norm,
+        h1, x2, ids, wts, done = layer.mixer.decode_block(h, Batch.build([(fast, 1)]), 0, layer.in_norm, layer.post_norm,
                                                     layer.eps, layer.ffn.router)
         h_want = h + layer.mixer(rms_norm(h, layer.in_norm, layer.eps), Batch.build([(slow, 1)]), 0)
         x_want = rms_norm(h_want, layer.post_norm, layer.eps)
         ids_want, wts_want = layer.ffn.router(x_want)
-        assert torch.equal(h1, h_want) and torch.equal(x2, x_want)
+        assert not done and torch.equal(h1, h_want) and torch.equal(x2, x_want)
         assert torch.equal(ids, ids_want) and torch.equal(wts, wts_want)
         fast.pos += 1
         slow.pos += 1

@@ -145,7 +145,7 @@ class Engine:
         kv_dtype(opts.kv_dtype)  # a bad --kv-dtype fails before anything is read
         if opts.threads:
             torch.set_num_threads(opts.threads)
-            cpu.set_threads(opts.threads)  # the native kernels' pool too (without --threads: one per call)
+            cpu.set_threads(opts.threads)  # the native kernels' pool too (without --threads: torch's count)
         p = plan(path, opts.io_threads)
         if p.store.index.virtual:
             raise CheckpointError(f"{path}: holds config.json but no safetensors weights: `moestream info` can size "

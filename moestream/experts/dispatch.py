@@ -15,7 +15,7 @@ import time
 import weakref
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -75,6 +75,9 @@ class ExpertRunner:
         self._inflight: dict[Key, tuple[Future, int]] = {}  # reads started, room reserved, not yet cached
         self._fresh: set[Key] = set()  # read ahead and not yet used
         self.scan = 0  # this step's scan window in bytes (0: not a scanning step)
+        # layer -> its resident experts' addresses for the native decode layer (models/base.py SoftmaxMoE makes
+        # them, or None for a layer without one); filled here from warm steps' hits, cleared on eviction
+        self.tables: dict[int, Any] = {}
         if isinstance(pol, HeatPolicy):
             atexit.register(_save_heat, weakref.ref(self))
 
@@ -134,6 +137,7 @@ class ExpertRunner:
             if not grouped:
                 self._apply(out, x, route or ids, weights, e, blob, fn)
             need.discard((layer, e))
+            self._fill(layer, e, blob)
         for e in ahead:
             self._spill((layer, e))
         self.times.expert_s += time.perf_counter() - t
@@ -150,30 +154,51 @@ class ExpertRunner:
         """The warm decode step of one token: every routed expert cached, no read in flight, not the first step.
         Does what `run` does for that case with a fraction of its Python (a decode token runs this once per MoE
         layer); False, with nothing done, otherwise."""
-        if self._inflight or not self.times.steps:
+        if not self.warm():
             return False
         uniq = sorted(set(ids.reshape(-1).tolist()))
-        keys = [(layer, e) for e in uniq]
-        cache = self.cache
-        if any(key not in cache or key in self._fresh for key in keys):
+        if any((layer, e) not in self.cache or (layer, e) in self._fresh for e in uniq):
             return False
+        blobs = self.resident_done(layer, uniq, route_x)
+        t = time.perf_counter()
+        tensors = [b.tensors() for b in blobs]
+        if not group(x, ids, weights, uniq, tensors, out):
+            for e, blob in zip(uniq, blobs):
+                self._apply(out, x, ids, weights, e, blob, fn)
+        self.times.expert_s += time.perf_counter() - t
+        for e, blob in zip(uniq, blobs):
+            self._fill(layer, e, blob)
+        return True
+
+    def _fill(self, layer: int, e: int, blob: ExpertBlob) -> None:
+        """Enter a used expert that stays cached (no longer read-ahead-unused) into the layer's table, if any."""
+        table = self.tables.get(layer)
+        if table is not None and (layer, e) in self.cache:
+            table.fill(e, blob.tensors())
+
+    def warm(self) -> bool:
+        """Whether a one-token step whose experts are all cached may skip the general path: no read in flight
+        and not the first step."""
+        return not self._inflight and self.times.steps > 0
+
+    def resident_done(self, layer: int, uniq: list[int], route_x: torch.Tensor) -> list[ExpertBlob]:
+        """The bookkeeping of a warm one-token step whose routed experts `uniq` (ascending) are all cached and
+        none read ahead unused, computed by the caller (the grouped call above, or the native decode layer from
+        self.tables after the fact): counters, the lookahead's score and next reads, the policy's touches and
+        the hit statistics. Returns the experts' blobs."""
+        cache = self.cache
         self.times.steps += 1
         self.times.resident_steps += 1
         self.lookahead.observe(layer, uniq)
         self.scan = 0
         # with every expert of every routed layer cached there is nothing to read ahead: skip the next router
         if len(cache) < len(self.lookahead.routers) * self.store.num_experts:
-            self._prefetch_next(layer, route_x, set(keys))
-        t = time.perf_counter()
-        blobs = [cache.get(key) for key in keys]
-        if not group(x, ids, weights, uniq, [b.tensors() for b in blobs], out):
-            for e, blob in zip(uniq, blobs):
-                self._apply(out, x, ids, weights, e, blob, fn)
-        self.times.expert_s += time.perf_counter() - t
-        for _ in keys:
+            self._prefetch_next(layer, route_x, {(layer, e) for e in uniq})
+        blobs = [cache.get((layer, e)) for e in uniq]
+        for _ in uniq:
             cache.stats.record(layer, True)
         self.memory.observe()
-        return True
+        return blobs
 
     def _start(self, layer: int, experts: list[int], need: set[Key], evict: bool = True) -> dict[Future, int]:
         """Queue reads for `experts` while room can be reserved (evicting only if `evict`); returns future ->
@@ -220,6 +245,7 @@ class ExpertRunner:
             self._apply(out, x, ids, weights, e, blob, fn)
             need.discard((layer, e))
             self._spill((layer, e))
+            self._fill(layer, e, blob)
             self.times.expert_s += time.perf_counter() - t
             if waiting:
                 started.update(self._start(layer, waiting, need, evict=not self.scan))
@@ -326,6 +352,9 @@ class ExpertRunner:
 
     def _on_evict(self, key: Key, blob: ExpertBlob) -> None:
         self._fresh.discard(key)
+        table = self.tables.get(key[0])
+        if table is not None:
+            table.drop(key[1])
         self.store.recycle(blob)
 
     def _budget_error(self, nbytes: int) -> None:

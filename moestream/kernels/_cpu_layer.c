@@ -9,9 +9,9 @@
 enum {
     DL_H, DL_HQ, DL_HKV, DL_D, DL_DV, DL_IN_NORM, DL_IN_BF16, DL_WQ, DL_WK, DL_WV, DL_WO, DL_QN, DL_KN, DL_QK_BF16,
     DL_INV_FREQ, DL_WINDOW, DL_POST_NORM, DL_POST_BF16, DL_ROUTER, DL_E, DL_TOPK, DL_RENORM, DL_BLOCK,
-    DL_MIN_ROWS, DL_COUNT
+    DL_MIN_ROWS, DL_INTER, DL_ACT, DL_COUNT
 };
-enum { DLF_EPS, DLF_FACTOR, DLF_SCALE, DLF_COUNT };
+enum { DLF_EPS, DLF_FACTOR, DLF_SCALE, DLF_BETA, DLF_LBETA, DLF_COUNT };
 
 #define ATTN_SPLIT_BYTES (256 << 10) /* below this much K+V the attention runs on the calling thread alone */
 
@@ -62,6 +62,37 @@ static int dl_parts(int64_t rows, int64_t min_rows) {
     return parts;
 }
 
+#define DL_MAX_TOPK 64
+
+/* the MoE half of ms_gqa_decode_block (see there): 1 when done, 0 when an expert is not in the table, -1 */
+static int dl_experts(const int64_t *cfg, const float *fcfg, const int64_t *table, float *h, const float *x2,
+                      const int64_t *ids, const float *wts) {
+    const int64_t H = cfg[DL_H], k = cfg[DL_TOPK];
+    int64_t sorted[DL_MAX_TOPK], gates[DL_MAX_TOPK], ups[DL_MAX_TOPK], downs[DL_MAX_TOPK];
+    if (k <= 0 || k > DL_MAX_TOPK) return 0;
+    for (int64_t j = 0; j < k; j++) { /* insertion sort: k is 8 */
+        int64_t i = j;
+        if (!table[3 * ids[j]]) return 0;
+        for (; i > 0 && sorted[i - 1] > ids[j]; i--) sorted[i] = sorted[i - 1];
+        sorted[i] = ids[j];
+    }
+    for (int64_t j = 0; j < k; j++) {
+        gates[j] = table[3 * sorted[j]];
+        ups[j] = table[3 * sorted[j] + 1];
+        downs[j] = table[3 * sorted[j] + 2];
+    }
+    float *y = calloc((size_t)H, sizeof(float));
+    if (!y) return -1;
+    if (ms_moe_glu_bf16(k, sorted, gates, ups, downs, cfg[DL_INTER], H, H, x2, 1, ids, wts, k, y, (int)cfg[DL_ACT],
+                        fcfg[DLF_BETA], fcfg[DLF_LBETA])) {
+        free(y);
+        return -1;
+    }
+    for (int64_t c = 0; c < H; c++) h[c] += y[c];
+    free(y);
+    return 1;
+}
+
 /* The attention half of one decode token's layer, h fp32 [H] updated in place:
  *   x = rms_norm(h) * in_norm;  q, k, v = x Wq^T, x Wk^T, x Wv^T (k, v written straight into the cache row of
  *   position length - 1, which the caller has appended); per-head q/k rms_norm and rotate-half rope at that
@@ -69,9 +100,14 @@ static int dl_parts(int64_t rows, int64_t min_rows) {
  *   window > 0); h += o Wo^T;
  * then x2 = rms_norm(h) * post_norm and, with a router, the softmax top-k of x2 Wr^T into ids / wts.
  * The cache is in blocks of cfg[DL_BLOCK] rows at the addresses kb[i], vb[i] (fp32 [block, Hkv, D] / [.., Dv]),
- * blocks[0] starting at absolute row `start`. Returns 0, or -1 when out of memory. */
+ * blocks[0] starting at absolute row `start`.
+ * With a router and an expert table (E rows of gate, up, down addresses of bf16 GLU experts [inter, H], [inter, H],
+ * [H, inter]; 0 for an expert that is not resident) holding every expert the token routed to, the MoE half too:
+ * h += sum_j wts[j] * down act(gate x2, up x2) over the routed experts in ascending id order (ms_moe_glu_bf16 into
+ * a zeroed row, then one add: what the runner's grouped call and the layer's residual add compute), and returns 1.
+ * Returns 0 when it stopped after the router, -1 when out of memory. */
 int ms_gqa_decode_block(const int64_t *cfg, const float *fcfg, float *h, const int64_t *kb, const int64_t *vb,
-                        int64_t start, int64_t length, float *x2, int64_t *ids, float *wts) {
+                        int64_t start, int64_t length, float *x2, int64_t *ids, float *wts, const int64_t *table) {
     const int64_t H = cfg[DL_H], Hq = cfg[DL_HQ], Hkv = cfg[DL_HKV], D = cfg[DL_D], Dv = cfg[DL_DV];
     const int64_t block = cfg[DL_BLOCK], window = cfg[DL_WINDOW], E = cfg[DL_E], min_rows = cfg[DL_MIN_ROWS];
     const float eps = fcfg[DLF_EPS];
@@ -122,5 +158,6 @@ int ms_gqa_decode_block(const int64_t *cfg, const float *fcfg, float *h, const i
         softmax_topk_row(logits, E, cfg[DL_TOPK], (int)cfg[DL_RENORM], taken, ids, wts);
     }
     free(mem);
-    return 0;
+    if (!table || !cfg[DL_ROUTER] || E <= 0) return 0;
+    return dl_experts(cfg, fcfg, table, h, x2, ids, wts);
 }

@@ -33,16 +33,21 @@ MAX_TOKENS_BF16 = 16
 MAX_TOKENS_MXFP4 = 32
 # Up to this many tokens a layer step's bf16 GLU experts go through one fused native call (moe_glu_bf16).
 MAX_TOKENS_GLU = 64
-# Threads per call (the caller included). Two threads won on expert-sized matrices in bench/kernels.py; small
-# matrices stay on one (below MIN_ROWS_PER_THREAD rows per thread the wake-up costs more than it saves).
-DEFAULT_THREADS = 1
+# Threads per call (the caller included) unless set: as many as torch's intra-op pool (all cores by default), so
+# that without --threads torch's small ops and the native kernels agree (one native thread next to a torch pool
+# of all cores left the other cores idle in the kernels that do most of a decode step's work). Two threads won on
+# expert-sized matrices in bench/kernels.py; small matrices stay on one (below MIN_ROWS_PER_THREAD rows per
+# thread the wake-up costs more than it saves).
+def default_threads() -> int:
+    return max(1, torch.get_num_threads())
+
 MIN_ROWS_PER_THREAD = 256
 # How long a pool worker polls for the next call before it sleeps (MOESTREAM_NATIVE_SPIN_US): a decode step's
 # Python between two native calls takes tens to hundreds of microseconds, and waking a sleeping worker costs tens.
 SPIN_US = 300
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
-_ABI = 10
+_ABI = 11
 _SOURCE = Path(__file__).with_name("_cpu.c")
 # _cpu.c #includes the others
 _SOURCES = (_SOURCE, *(Path(__file__).with_name(n) for n in ("_cpu_step.c", "_cpu_paged.c", "_cpu_layer.c")))
@@ -136,7 +141,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_conv_decode.restype = None
     lib.ms_kda_decode.argtypes = [i64, i64, i64, i64, p, p, p, p, p, p, p]
     lib.ms_kda_decode.restype = None
-    lib.ms_gqa_decode_block.argtypes = [p, p, p, p, p, i64, i64, p, p, p]
+    lib.ms_gqa_decode_block.argtypes = [p, p, p, p, p, i64, i64, p, p, p, p]
     lib.ms_gqa_decode_block.restype = ctypes.c_int
 
 
@@ -155,7 +160,7 @@ def _load() -> None:
             _declare(lib)
             if lib.ms_abi() != _ABI:
                 raise RuntimeError(f"{path.name} has ABI {lib.ms_abi()}, want {_ABI}")
-            lib.ms_set_threads(int(os.environ.get("MOESTREAM_NATIVE_THREADS") or DEFAULT_THREADS))
+            lib.ms_set_threads(int(os.environ.get("MOESTREAM_NATIVE_THREADS") or default_threads()))
             lib.ms_set_spin_us(int(os.environ.get("MOESTREAM_NATIVE_SPIN_US") or SPIN_US))
             _lib, _why = lib, ""
         except Exception as exc:  # any failure means: use the torch paths

@@ -7,7 +7,7 @@ passed there. Callers (models/blocks.py, models/attention.py) decide when to use
 from __future__ import annotations
 
 import ctypes
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -132,7 +132,36 @@ def gqa_attend(q: Tensor, keys: Tensor, values: Tensor, new: int, scale: float, 
 # ms_gqa_decode_block's cfg slots (the enum in _cpu_layer.c)
 _DL_SLOTS = ("hidden", "heads", "kv_heads", "head_dim", "v_dim", "in_norm", "in_bf16", "wq", "wk", "wv", "wo",
              "q_norm", "k_norm", "qk_bf16", "inv_freq", "window", "post_norm", "post_bf16", "router", "experts",
-             "top_k", "renorm", "block", "min_rows")
+             "top_k", "renorm", "block", "min_rows", "inter", "act")
+_DLF_BETA = 3  # fcfg slots of the table's activation (DLF_BETA, DLF_LBETA)
+
+
+class ExpertTable:
+    """The resident bf16 GLU experts of one MoE layer, as the native decode layer reads them: E rows of (gate, up,
+    down) addresses, 0 for an expert that is not resident. Its owner (the expert runner) fills a row when an
+    expert is used from the cache and clears it when the expert is evicted, so a non-zero row always points at a
+    live buffer. `parts_of` maps an expert's tensors to (gate, up, down, inter, in, out) or None (blocks.glu_parts);
+    the first expert filled sets the intermediate width, and experts of another shape or format are never filled
+    (a token routed to one takes the general path)."""
+
+    def __init__(self, experts: int, hidden: int, act: str, beta: float, linear_beta: float,
+                 parts_of: Callable[[Mapping[str, Tensor]], tuple | None]):
+        self.experts, self.inter, self.hidden = experts, 0, hidden
+        self.act, self.beta, self.linear_beta = ACTIVATIONS[act], beta, linear_beta
+        self.rows = (ctypes.c_int64 * (3 * experts))()
+        self.parts_of = parts_of
+        self.used = 0  # layer steps whose routed experts ran from this table
+
+    def fill(self, e: int, tensors: Mapping[str, Tensor]) -> None:
+        if self.rows[3 * e]:
+            return
+        got = self.parts_of(tensors)
+        if got is not None and got[4:] == (self.hidden, self.hidden) and got[3] == (self.inter or got[3]):
+            self.inter = got[3]
+            self.rows[3 * e], self.rows[3 * e + 1], self.rows[3 * e + 2] = got[:3]
+
+    def drop(self, e: int) -> None:
+        self.rows[3 * e] = self.rows[3 * e + 1] = self.rows[3 * e + 2] = 0
 
 
 class DecodeBlock:
@@ -179,14 +208,17 @@ class DecodeBlock:
                 "router": None if router is None else router.data_ptr(),
                 "experts": 0 if router is None else router.shape[0], "top_k": top_k, "renorm": int(renormalize),
                 "block": block, "min_rows": min_rows}
-        self._cfg = _addresses([vals[n] or 0 for n in _DL_SLOTS])
-        self._fcfg = (ctypes.c_float * 3)(eps, factor, scale)
+        self._cfg = _addresses([vals.get(n) or 0 for n in _DL_SLOTS])  # inter, act: set per call
+        self._fcfg = (ctypes.c_float * 5)(eps, factor, scale, 0.0, 0.0)
+        self._experts = router.shape[0] if router is not None else 0
 
-    def __call__(self, h: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor], start: int,
-                 length: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-        """h fp32 [1, H] -> (h after attention and residual (a new tensor), the post-norm x2 [1, H], and with a
-        router its ids int64 [1, k] and weights fp32 [1, k]). keys / values: the cache's fp32 blocks [block,
-        Hkv, D], holding absolute rows [start, length), the last one appended (its contents are written here)."""
+    def __call__(self, h: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor], start: int, length: int,
+                 table: ExpertTable | None = None) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, bool]:
+        """h fp32 [1, H] -> (h after attention and residual (a new tensor), the post-norm x2 [1, H], with a
+        router its ids int64 [1, k] and weights fp32 [1, k], and whether the MoE half was done too). keys /
+        values: the cache's fp32 blocks [block, Hkv, D], holding absolute rows [start, length), the last one
+        appended (its contents are written here). With a router and an ExpertTable of its experts that holds
+        every expert the token routes to, h also gets the routed experts' weighted sum (flag True)."""
         handle = required()
         if h.dtype != torch.float32 or h.shape != (1, self.hidden):
             raise ValueError(f"DecodeBlock wants fp32 h [1, {self.hidden}], got {tuple(h.shape)} {h.dtype}")
@@ -195,12 +227,20 @@ class DecodeBlock:
         ids = wts = None
         if self.top_k:
             ids, wts = torch.empty(1, self.top_k, dtype=torch.int64), torch.empty(1, self.top_k)
+        rows = None
+        if table is not None and ids is not None:
+            if table.experts != self._experts or table.hidden != self.hidden:
+                raise ValueError(f"DecodeBlock: an expert table of {table.experts} experts x {table.hidden} for a "
+                                 f"router of {self._experts} x {self.hidden}")
+            self._cfg[_DL_SLOTS.index("inter")], self._cfg[_DL_SLOTS.index("act")] = table.inter, table.act
+            self._fcfg[_DLF_BETA], self._fcfg[_DLF_BETA + 1] = table.beta, table.linear_beta
+            rows = table.rows
         code = handle.ms_gqa_decode_block(self._cfg, self._fcfg, out.data_ptr(),
                                           _addresses([b.data_ptr() for b in keys]),
                                           _addresses([b.data_ptr() for b in values]), start, length,
                                           x2.data_ptr(), None if ids is None else ids.data_ptr(),
-                                          None if wts is None else wts.data_ptr())
-        if code:
+                                          None if wts is None else wts.data_ptr(), rows)
+        if code < 0:
             raise MemoryError("native decode block could not allocate its scratch") if code == -1 else \
                 ValueError(f"DecodeBlock: bad cache rows [{start}, {length})")
-        return out, x2, ids, wts
+        return out, x2, ids, wts, code == 1

@@ -217,10 +217,11 @@ class GQAMixer:
         return linear(out.reshape(t, -1), self.o, self.ob)
 
     def decode_block(self, h: torch.Tensor, batch, index: int, in_norm: torch.Tensor, post_norm: torch.Tensor,
-                     eps: float, router=None):
+                     eps: float, router=None, table: "fused.ExpertTable | None" = None):
         """A decoder layer's attention half for a step of one sequence's one token, in one native call
         (fused.DecodeBlock: norm, q/k/v, q/k norm + rope, KV append, attention, o_proj, residual, then the post
-        norm and, given a SoftmaxRouter, its top-k). Returns (h + attention, post-norm x, ids, weights), ids and
+        norm and, given a SoftmaxRouter, its top-k; given also the router's ExpertTable, the routed experts when
+        all are in it). Returns (h + attention [+ experts], post-norm x, ids, weights, experts done), ids and
         weights None without a router; None (nothing done) when the step or the layer does not fit (the caller
         then runs the layer the usual way)."""
         seg = batch.segments[0]
@@ -236,7 +237,8 @@ class GQAMixer:
         slot.k.reserve(1)  # the row is charged and allocated here; the kernel writes its contents
         slot.v.reserve(1)
         self.decode_blocks += 1
-        return block(h, slot.k.blocks, slot.v.blocks, slot.k.start, slot.k.length)
+        return block(h, slot.k.blocks, slot.v.blocks, slot.k.start, slot.k.length,
+                     table if block.top_k else None)
 
     def _decode_plan(self, in_norm: torch.Tensor, post_norm: torch.Tensor, eps: float,
                      router) -> "fused.DecodeBlock | None":

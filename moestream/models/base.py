@@ -16,8 +16,9 @@ from moestream.memory.state import Batch, SeqState
 from moestream.errors import CheckpointError
 from moestream.experts.dispatch import ExpertRunner
 from moestream.experts.store import PartSpec
+from moestream.kernels import cpu, fused
 from moestream.models.blocks import (Router, SigmoidRouter, SoftmaxRouter, embed, expert_glu, glu_group, glu_mlp,
-                                     linear, rms_norm, silu_glu)
+                                     glu_parts, linear, native_act, rms_norm, silu_glu)
 from moestream.weights.index import CheckpointIndex
 
 
@@ -102,16 +103,22 @@ class Layer:
 
     def _decode(self, h: torch.Tensor, batch: Batch, index: int) -> torch.Tensor | None:
         """One decode token: the mixer's attention half and the router in one native call when the mixer has one
-        (GQAMixer.decode_block), then the routed experts from that routing (one grouped call when resident):
+        (GQAMixer.decode_block), and in the same call the routed experts when the runner holds all of them
+        (the MoE's resident table), else the routed experts from that routing (one grouped call when resident):
         the same values as the two lines above with a fraction of their Python. None when it does not apply."""
         block = getattr(self.mixer, "decode_block", None)
         if block is None:
             return None
         moe = self.ffn if isinstance(self.ffn, SoftmaxMoE) else None
-        got = block(h, batch, index, self.in_norm, self.post_norm, self.eps, moe.router if moe else None)
+        table = moe.resident_table() if moe is not None else None
+        got = block(h, batch, index, self.in_norm, self.post_norm, self.eps, moe.router if moe else None, table)
         if got is None:
             return None
-        h, x, ids, weights = got
+        h, x, ids, weights, done = got
+        if done:
+            table.used += 1
+            moe.ctx.experts.resident_done(moe.layer, sorted(set(ids.view(-1).tolist())), x)
+            return h
         return h + (moe.experts(x, ids, weights) if moe is not None and ids is not None else self.ffn(x))
 
 
@@ -243,6 +250,26 @@ class SoftmaxMoE:
 
     def experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return self.ctx.experts.run(self.layer, x, ids, weights, self.fn, group=self.group)
+
+    def resident_table(self) -> "fused.ExpertTable | None":
+        """The runner's table of this layer's resident experts for the native decode layer, while a warm step may
+        use it (None otherwise: the runner has reads in flight or no step done yet, or the experts' activation
+        has no native kernel)."""
+        runner = self.ctx.experts
+        # a wrapper of `run` on the instance (trace.Recorder logs every step's routing there) must keep seeing
+        # every step, so the experts then stay out of the native call
+        if not runner.warm() or "run" in vars(runner):
+            return None
+        table = runner.tables.get(self.layer)
+        if table is None and self.layer not in runner.tables:
+            table = runner.tables[self.layer] = self._new_table(runner.store.num_experts)
+        return table
+
+    def _new_table(self, experts: int) -> "fused.ExpertTable | None":
+        spec = native_act(getattr(self.fn, "act", None))
+        if spec is None or not cpu.available():
+            return None
+        return fused.ExpertTable(experts, self.router.weight.shape[1], *spec, glu_parts)
 
 
 def softmax_moe(ctx: ModelContext, layer: int, p: str, top_k: int, renormalize: bool) -> SoftmaxMoE:

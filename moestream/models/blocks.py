@@ -203,6 +203,7 @@ def expert_glu(act=silu_glu):
         return _native_glu(flat, [parts], spec, out, [expert], ids, weights)
 
     fn.accumulate = accumulate  # type: ignore[attr-defined]
+    fn.act = act  # what the native decode layer's expert table computes (SoftmaxMoE.resident_table)
     return fn
 
 
