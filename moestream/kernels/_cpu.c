@@ -246,7 +246,9 @@ static void bf16_gemv(const float *x, int64_t K, const uint16_t *w, int64_t n0, 
     }
 }
 
-/* Many tokens: the weights converted once per call instead of once per token tile. GEMM_R rows of w at a time are
+/* 16+ tokens: the weights converted once per call instead of once per token tile (a fused GLU expert of 512x1024,
+ * quiet machine, one core: 35 / 42 / 41 GFLOP/s at 16 / 32 / 64 tokens against the tiles' 34 / 31 / 29; at 8 tokens
+ * the tiles win, 41 to 30; docs/performance.md). GEMM_R rows of w at a time are
  * converted to fp32 in the prepared layout (even / odd halves of each group, as x is prepared), GEMM_KC columns
  * at a time, into a block that stays in L1; then every token tile of GEMM_TT tokens runs over it with GEMM_R x
  * GEMM_TT accumulators, the x vectors in registers shared by the rows. */
@@ -260,7 +262,7 @@ static void bf16_gemv(const float *x, int64_t K, const uint16_t *w, int64_t n0, 
 #define GEMM_KC 1024 /* prepared columns per block: GEMM_R * GEMM_KC * 4 bytes = 16 KiB */
 #endif
 #ifndef GEMM_MIN_T
-#define GEMM_MIN_T 8
+#define GEMM_MIN_T 16
 #endif
 
 static void gemm_pack(const uint16_t *w, int64_t K, int rr, int64_t kc, int64_t kk, float *pk) {
