@@ -202,7 +202,6 @@ class BlockBuffer:
         self.blocks, self.start, self.length = [], 0, 0
 
 
-GrowingBuffer = BlockBuffer  # the old name, kept for callers written against it (models/mla.py)
 
 
 @dataclass
