@@ -202,8 +202,6 @@ class BlockBuffer:
         self.blocks, self.start, self.length = [], 0, 0
 
 
-
-
 @dataclass
 class SeqState:
     """Everything one sequence carries between steps."""
