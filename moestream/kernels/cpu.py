@@ -254,6 +254,8 @@ def rows(x: Tensor, in_features: int) -> Tensor:
     """x [..., in_features] as contiguous float32 [tokens, in_features] (ValueError on a width mismatch)."""
     if x.shape[-1] != in_features:
         raise ValueError(f"x has {x.shape[-1]} features, the weight expects {in_features}")
+    if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+        return x  # already that (a layer step's activations): no reshape / to / contiguous dispatch
     tokens = math.prod(x.shape[:-1])
     return x.reshape(tokens, in_features).to(torch.float32).contiguous()
 
@@ -264,7 +266,7 @@ def linear_bf16(x: Tensor, w: Tensor, min_rows_per_thread: int = MIN_ROWS_PER_TH
     if w.dtype != torch.bfloat16 or w.dim() != 2:
         raise ValueError(f"linear_bf16 wants a 2-D bfloat16 weight, got {tuple(w.shape)} {w.dtype}")
     n, k = w.shape
-    x2 = x if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == k else rows(x, k)
+    x2 = rows(x, k)
     if not w.is_contiguous():
         w = w.contiguous()
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)
@@ -281,9 +283,7 @@ def linear_bf16_many(x: Tensor, ws: Sequence[Tensor], min_rows_per_thread: int =
     for w in ws:
         if w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] != k or not w.is_contiguous():
             raise ValueError(f"linear_bf16_many wants contiguous 2-D bfloat16 weights [N, {k}]")
-    x2 = x if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() else rows(x, k)
-    if x2.shape[1] != k:
-        raise ValueError(f"x has {x2.shape[1]} features, the weights expect {k}")
+    x2 = rows(x, k)  # ValueError on a width mismatch
     outs = [torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32) for w in ws]
     if handle.ms_linear_bf16_many(x2.data_ptr(), x2.shape[0], k, len(ws), _addresses([w.data_ptr() for w in ws]),
                                   _addresses([w.shape[0] for w in ws]), _addresses([o.data_ptr() for o in outs]),
@@ -353,7 +353,7 @@ def linear_mxfp4(x: Tensor, packed: Tensor, scales: Tensor, layout: str = "low_f
     """x [T, K] @ W^T for one checked, contiguous MXFP4 weight (see linear_mxfp4_many), float32 [T, N]."""
     handle = required()
     n, k = packed.shape[0], packed.shape[1] * 2
-    x2 = x if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and x.shape[1] == k else rows(x, k)
+    x2 = rows(x, k)
     if not (packed.is_contiguous() and scales.is_contiguous()) or scales.shape != (n, k // 32):
         raise ValueError("linear_mxfp4 wants contiguous packed [N, K/2] and scales [N, K/32]")
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)

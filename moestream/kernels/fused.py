@@ -189,21 +189,18 @@ class DecodeBlock:
                                    or not 0 < top_k <= router.shape[0]):
             raise ValueError(f"DecodeBlock wants a contiguous bf16 router [E, {hidden}] and 0 < top_k <= E")
         inv_freq = weights.get("inv_freq")
-        if inv_freq is not None and (inv_freq.dtype != torch.float32 or not inv_freq.is_contiguous()
-                                     or inv_freq.numel() * 2 != head_dim):
-            raise ValueError("DecodeBlock wants fp32 inv_freq [head_dim / 2]")
-        qn, qbf16 = norm_weight(weights.get("q_norm"))
-        kn, kbf16 = norm_weight(weights.get("k_norm"))
-        if qn is not None and kn is not None and qbf16 != kbf16:
-            raise ValueError("DecodeBlock wants q_norm and k_norm of one dtype")
+        if inv_freq is not None and not inv_freq.is_contiguous():
+            raise ValueError("DecodeBlock wants a contiguous inv_freq")
+        qn, kn, qk_bf16, freq = qk_prep("DecodeBlock", head_dim, weights.get("q_norm"), weights.get("k_norm"),
+                                        inv_freq)
         in_norm, in_bf16 = norm_weight(weights["in_norm"])
         post_norm, post_bf16 = norm_weight(weights["post_norm"])
         self.hidden, self.top_k, self.heads, self.kv_heads, self.head_dim = hidden, top_k, heads, kv_heads, head_dim
         self._keep = dict(weights)  # the addresses below stay valid while this object lives
         vals = {"hidden": hidden, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "v_dim": head_dim,
                 "in_norm": in_norm, "in_bf16": in_bf16, "wq": wq.data_ptr(), "wk": wk.data_ptr(),
-                "wv": wv.data_ptr(), "wo": wo.data_ptr(), "q_norm": qn, "k_norm": kn, "qk_bf16": qbf16 or kbf16,
-                "inv_freq": None if inv_freq is None else inv_freq.data_ptr(), "window": window or 0,
+                "wv": wv.data_ptr(), "wo": wo.data_ptr(), "q_norm": qn, "k_norm": kn, "qk_bf16": qk_bf16,
+                "inv_freq": freq, "window": window or 0,
                 "post_norm": post_norm, "post_bf16": post_bf16,
                 "router": None if router is None else router.data_ptr(),
                 "experts": 0 if router is None else router.shape[0], "top_k": top_k, "renorm": int(renormalize),

@@ -168,6 +168,18 @@ def _native_glu(x: torch.Tensor, parts: list[Glu], spec: tuple[str, float, float
     return True
 
 
+def _native_add(spec: tuple[str, float, float] | None, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                experts: list[int], tensors: list[Mapping[str, torch.Tensor]], out: torch.Tensor) -> bool:
+    """out[t] += weights[t, j] * expert(x[t]) for every (t, j) routed to one of `experts` (bf16 GLU tensors), in one
+    fused native call from the stored bytes; False, with nothing done, where that kernel does not apply."""
+    if spec is None or x.requires_grad or not cpu.available():
+        return False
+    parts = [glu_parts(t) for t in tensors]
+    if any(p is None for p in parts):
+        return False
+    return _native_glu(cpu.rows(x, x.shape[-1]), parts, spec, out, experts, ids, weights)
+
+
 def expert_glu(act=silu_glu):
     """An expert function over a GLU expert's tensors (gate / up / down under any of GLU_NAMES, or fused gate_up,
     gate rows first). bf16 experts of a few rows take the fused native kernel (gate, up, act, down in one call)."""
@@ -194,13 +206,7 @@ def expert_glu(act=silu_glu):
         call straight from the stored bf16 bytes (no row gather, no fp32 upcast, no index_add); False, with nothing
         done, where that kernel does not apply. The kernel converts each weight once per call and beat upcast +
         fp32 GEMM up to MAX_TOKENS_GLU rows (docs/performance.md)."""
-        if spec is None or rows > cpu.MAX_TOKENS_GLU or x.requires_grad or not cpu.available():
-            return False
-        parts = glu_parts(t)
-        if parts is None:
-            return False
-        flat = x if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() else cpu.rows(x, x.shape[-1])
-        return _native_glu(flat, [parts], spec, out, [expert], ids, weights)
+        return rows <= cpu.MAX_TOKENS_GLU and _native_add(spec, x, ids, weights, [expert], [t], out)
 
     fn.accumulate = accumulate  # type: ignore[attr-defined]
     fn.act = act  # what the native decode layer's expert table computes (SoftmaxMoE.resident_table)
@@ -214,13 +220,7 @@ def glu_group(act=silu_glu) -> Callable[..., bool]:
     spec = native_act(act)
 
     def run(x, ids, weights, experts, tensors, out) -> bool:
-        if spec is None or x.shape[0] > cpu.MAX_TOKENS_GLU or x.requires_grad or not cpu.available():
-            return False
-        parts = [glu_parts(t) for t in tensors]
-        if any(p is None for p in parts):
-            return False
-        flat = x if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() else cpu.rows(x, x.shape[-1])
-        return _native_glu(flat, parts, spec, out, experts, ids, weights)
+        return x.shape[0] <= cpu.MAX_TOKENS_GLU and _native_add(spec, x, ids, weights, experts, tensors, out)
 
     return run
 
