@@ -85,6 +85,18 @@ class CheckpointServer:
                 return self.faults.pop(0)
         return None
 
+    def settled(self, timeout: float = 10.0) -> list[tuple[str, int, int, int]]:
+        """The log once no request is being answered: a range is logged after its body has gone, so a client
+        can hold the bytes before the server has written the entry."""
+        end = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                if not self.active:
+                    return list(self.log)
+            if time.monotonic() > end:
+                raise TimeoutError(f"{self.active} requests still being answered after {timeout} s")
+            time.sleep(0.01)
+
     def bytes_served(self) -> int:
         with self.lock:
             return sum(n for *_, n in self.log)

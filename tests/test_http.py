@@ -83,7 +83,7 @@ def test_info_reads_only_headers(env, server, ckpt):
     assert sorted(p.name for p in stub.iterdir()) == ["config.json", "model.safetensors.index.json",
                                                       "moestream-remote.json"]
     shards = sorted(p.name for p in ckpt.glob("*.safetensors"))
-    ranges = [(p.rsplit("/", 1)[1], a, b) for p, a, b, _ in server.log]
+    ranges = [(p.rsplit("/", 1)[1], a, b) for p, a, b, _ in server.settled()]
     assert sorted({r[0] for r in ranges}) == shards
     for name in shards:  # two range requests per shard: the 8-byte length, then the header
         mine = sorted((a, b) for n, a, b in ranges if n == name)
@@ -228,7 +228,7 @@ def test_neighbouring_experts_share_a_request(env, server, local, tmp_path):
         server.log.clear()
         assert eng.generate(PROMPT, NEW, stop_token_ids=[]) == local[0]
         expert = eng.plan.store.expert_nbytes(eng.plan.layout.moe_layers[0], 0)
-        longest = max(b - a for p, a, b, _ in server.log)
+        longest = max(b - a for p, a, b, _ in server.settled())
     finally:
         eng.close()
     assert longest >= 2 * expert  # the prefill's experts of a layer were queued together and coalesced
@@ -357,6 +357,6 @@ def test_large_range_goes_as_parallel_requests(tmp_path):
         finally:
             client.close()
         assert bytes(out) == blob[100:]
-        parts = sorted((a, b) for _, a, b, _ in srv.log[1:])
+        parts = sorted((a, b) for _, a, b, _ in srv.settled()[1:])
         assert len(parts) == 3 and parts[0][0] == 100 and parts[-1][1] == len(blob)
         assert all(parts[i][1] == parts[i + 1][0] for i in range(2))  # contiguous, no byte twice

@@ -330,7 +330,7 @@ def test_sigterm_drains_then_exits_zero(model_dir):
                 late = http.post(url + "/v1/completions", json=body | {"stream": False, "max_tokens": 2})
                 assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
                 rest = [ln for ln in lines if ln.startswith("data: ")]
-            assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2]  # cancelled at the timeout
+            assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2], (len(rest), rest[-3:])  # cancelled at the timeout
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
