@@ -188,10 +188,14 @@ def batched_table(args: argparse.Namespace) -> None:
     inter, hidden = (int(v) for v in args.expert.split("x"))
     a, b = torch.randn(1024, 1024, generator=g), torch.randn(1024, 1024, generator=g)
     peak = 2 * 1024 ** 3 * rate(lambda i: torch.mm(a, b), 1, args.seconds) / 1e9
-    print(f"fp32 GEMM 1024^3: {peak:.1f} GFLOP/s   threads {torch.get_num_threads()}   expert {inter}x{hidden}")
     print(f"{'rows':>6}{'upcast+GEMM GFLOP/s':>22}{'of GEMM':>9}{'native GFLOP/s':>16}{'of GEMM':>9}", flush=True)
     parts = [torch.randn(*s, generator=g).bfloat16() for s in ((inter, hidden), (inter, hidden), (hidden, inter))]
-    ptrs = [tuple(p.data_ptr() for p in parts)]
+    # copies of the expert cycled through --footprint-mb, so its weights come from DRAM as in a real step
+    n = copies_for(3 * inter * hidden * 2, args.footprint_mb << 20)
+    copies = [parts] + [[p.clone() for p in parts] for _ in range(n - 1)]
+    ptrs = [[tuple(p.data_ptr() for p in c)] for c in copies]
+    print(f"fp32 GEMM 1024^3: {peak:.1f} GFLOP/s   threads {torch.get_num_threads()}   expert {inter}x{hidden}"
+          f"   native: {n} copies cycled")
     results = []
     for rows in args.batch_rows:
         x = torch.randn(rows, hidden, generator=g)
@@ -199,7 +203,7 @@ def batched_table(args: argparse.Namespace) -> None:
         with cpu.disabled():
             torch_rate = flops * rate(lambda i: blocks.glu_mlp(x, *parts), 1, args.seconds) / 1e9
         out = torch.zeros(rows, hidden)
-        native_rate = flops * rate(lambda i: fused.moe_glu_bf16(x, [0], ptrs, inter, out), 1, args.seconds) / 1e9
+        native_rate = flops * rate(lambda i: fused.moe_glu_bf16(x, [0], ptrs[i], inter, out), n, args.seconds) / 1e9
         results.append({"rows": rows, "torch_GFLOPs": torch_rate, "native_GFLOPs": native_rate, "gemm_GFLOPs": peak})
         print(f"{rows:>6}{torch_rate:>22.1f}{torch_rate / peak:>9.0%}{native_rate:>16.1f}{native_rate / peak:>9.0%}",
               flush=True)

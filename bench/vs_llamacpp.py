@@ -9,7 +9,8 @@ cgroup v1 memory cap (RSS plus page cache charged to the group), cold page cache
 `--batch B` compares batched decoding instead: B sequences of `--prompt-len` random tokens, all prefilled together
 and then decoded one token per sequence per step, greedy. llama.cpp runs its own batch API (B sequences per
 llama_decode, one seq_id each, unified KV cache); moestream runs its server Scheduler (bench/batch_throughput.py's
-runner). Both report aggregate prefill and decode tokens/s.
+runner) with its KV cache in bf16 (`--kv-dtype`, as llama.cpp keeps its in f16). Both report aggregate prefill
+and decode tokens/s.
 
 `forced` feeds both engines the same fixed token stream one token per step (identical routing, so identical
 expert traffic); `greedy` lets each pick argmax (a random-weight model soon repeats one token, which makes the
@@ -406,7 +407,7 @@ def child_moestream_batch(args: argparse.Namespace) -> dict:
     from moestream.server.protocol import GenRequest
     from moestream.tokenizer import Tokenizer
 
-    eng = Engine.open(args.model, ram_budget=args.budget, threads=args.threads)
+    eng = Engine.open(args.model, ram_budget=args.budget, threads=args.threads, kv_dtype=args.kv_dtype)
     prompts = _batch_prompts(args, eng.vocab_size)
     reqs = [GenRequest(p, args.gen_len, 0.0) for p in prompts]
     meter = StepMeter(eng)
@@ -418,6 +419,7 @@ def child_moestream_batch(args: argparse.Namespace) -> dict:
     return _batch_result("moestream", args, sum(s.seconds for s in prefill), sum(s.seconds for s in decode),
                          sum(s.decode_rows for s in decode), dec_bytes, [[r.get("text", "")] for r in results],
                          {"batch_plan": rep["batch_plan"], "failed": rep["failed"], "steps": len(meter.steps),
+                          "kv_dtype": args.kv_dtype,
                           "expert_hit_rate": eng.stats["expert_hit_rate"], "all_bytes_read": _read_io() - io0})
 
 
@@ -459,7 +461,7 @@ def run(args: argparse.Namespace) -> int:
     me = [sys.executable, os.path.abspath(__file__)]
     results: dict[str, list[dict]] = {"moestream": [], "llama.cpp": []}
     kind = "-batch" if args.batch else ""
-    common += ["--batch", str(args.batch)]
+    common += ["--batch", str(args.batch), "--kv-dtype", args.kv_dtype]
     for rnd in range(args.rounds):
         for engine in ("moestream", "llama.cpp"):
             drop_page_cache(files)
@@ -524,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
         r.add_argument("--long-len", type=int, default=512, help="--warm: the long prefill's prompt length")
         r.add_argument("--passes", type=int, default=1, help="--warm: timed passes per child after the warm one")
         r.add_argument("--batch", type=int, default=0, help="sequences decoded together (0: one stream)")
+        r.add_argument("--kv-dtype", choices=("fp32", "bf16"), default="bf16",
+                       help="--batch: moestream's KV cache (llama.cpp keeps its KV in f16 by default; fp32 doubles "
+                            "the state and leaves less of the cap to experts)")
     args = ap.parse_args(argv)
     if args.cmd == "convert":
         convert(args.model, args.out)

@@ -190,3 +190,16 @@ def test_a_large_step_charges_its_activations(tiny):
     rows, segs, charged, _ = max(seen)  # the widest step: rows beyond ACT_FREE_ROWS are charged while it runs
     assert rows > ACT_FREE_ROWS and charged >= eng.activation_bytes(rows, segs) > 0
     assert eng.memory.state_bytes == 0 and eng.stats["peak_resident_bytes"] <= eng.memory.budget
+
+
+def test_scan_window_covers_a_layers_misses_within_a_quarter_of_the_cache():
+    from moestream.experts.dispatch import scan_window
+
+    mib = 1 << 20
+    peer = dict(expert=3 * mib, experts=64, top_k=8, layers=32)  # a 6 GiB checkpoint, 192 MiB a layer
+    w = scan_window(capacity=1400 * mib, **peer)
+    layer_misses = 192 * mib * (1 - 1400 / (192 * 32))
+    assert w == int(1.5 * layer_misses) and w > 2 * 8 * 3 * mib  # more than the old 2 x top_k experts
+    assert scan_window(capacity=400 * mib, **peer) == 100 * mib  # a small cache keeps 3/4 of itself resident
+    assert scan_window(capacity=100 * mib, **peer) == 2 * 8 * 3 * mib  # never below 2 x top_k experts
+    assert scan_window(capacity=7000 * mib, **peer) == 2 * 8 * 3 * mib  # all resident: nothing to read ahead

@@ -61,7 +61,7 @@ def test_moe_glu_matches_float64(shape, act, threads):
     names = [2, 5, 7, 9, 11]  # expert ids; the routing also names experts outside the group (skipped)
     experts = _experts(len(names), inter, k_in, d_out, seed=sum(shape))
     ref_act = _silu if act == "silu" else _situ
-    for t in (1, 3, 9, 20):
+    for t in (1, 3, 9, 20, 48, 75):  # 48, 75: 16+ tokens per expert, the panel kernel (one and two vectors)
         x = torch.randn(t, k_in, generator=_gen(t))
         ids = torch.stack([torch.randperm(12, generator=_gen(100 + i))[:4] for i in range(t)])
         scores = torch.rand(t, 4, generator=_gen(t + 7))
@@ -79,13 +79,14 @@ def test_moe_glu_matches_float64(shape, act, threads):
 
 @native
 def test_moe_glu_without_routing_is_each_expert_alone():
-    experts = _experts(1, 24, 40, 56, seed=3)
-    x = torch.randn(5, 40, generator=_gen(4))
-    out = torch.zeros(5, 56)
-    fused.moe_glu_bf16(x, [0], [tuple(m.data_ptr() for m in experts[0])], 24, out)
-    gate, up, down = (m.double() for m in experts[0])
-    want = (F.silu(x.double() @ gate.T) * (x.double() @ up.T)) @ down.T
-    assert max_rel_diff(out, want) < 1e-5
+    experts = _experts(1, 25, 40, 56, seed=3)
+    for t in (5, 40):  # 40: the panel kernel, two full panels and a half one
+        x = torch.randn(t, 40, generator=_gen(4))
+        out = torch.zeros(t, 56)
+        fused.moe_glu_bf16(x, [0], [tuple(m.data_ptr() for m in experts[0])], 25, out)
+        gate, up, down = (m.double() for m in experts[0])
+        want = (F.silu(x.double() @ gate.T) * (x.double() @ up.T)) @ down.T
+        assert max_rel_diff(out, want) < 1e-5
 
 
 @native

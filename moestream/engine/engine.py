@@ -158,7 +158,7 @@ class Engine:
         if residency.streams:
             memory.streamer = DenseStreamer(p.store.index, p.family.prefix, memory, residency)
         return_freed_memory()  # freed temporaries leave the process, so RSS tracks what the budget counts
-        runner = ExpertRunner(p.store, memory, opts.cache_policy)
+        runner = ExpertRunner(p.store, memory, opts.cache_policy, moe_layers=len(p.layout.moe_layers))
         weights = DenseWeights(p.store.index, p.family.prefix, memory)
         with tensors_fit_config(path):
             model = p.family.build(p.config, ModelContext(weights, runner, memory))

@@ -877,6 +877,7 @@ int ms_linear_bf16_heads(const float *x, int64_t H, int64_t T, int64_t K, const 
     return 0;
 }
 
+#include "_cpu_panel.c"
 #include "_cpu_step.c"
 #include "_cpu_paged.c"
 #include "_cpu_layer.c"

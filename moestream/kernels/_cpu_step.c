@@ -17,18 +17,27 @@
 
 enum { ACT_SILU = 0, ACT_SITU = 1 };
 
+#define PANEL_ROWS (4 * PR) /* gate/up rows per unit of pass 1 for an expert on the panel kernel */
+
 typedef struct {
     int64_t E, I, K, D, ldx, ldh, maxcount, ldo;
     const uint16_t *const *gate, *const *up, *const *down;
     const int64_t *start, *count; /* expert e's assignments: [start[e], start[e] + count[e]) */
     const int64_t *row;           /* each assignment's token */
     const float *wt;              /* ... and its weight */
-    const float *xa;              /* prepared x per assignment [A, ldx] */
-    float *h;                     /* prepared activations per assignment [A, ldh] */
+    const float *xa;              /* prepared x per assignment [A, ldx] (experts on the row kernels) */
+    float *h;                     /* prepared activations per assignment [A, ldh] (experts on the row kernels) */
     float *scratch;               /* per part: 2 * GLU_ROWS * maxcount floats */
     float *out;
     int act;
     float beta, lbeta;
+    /* experts with PANEL_MIN_T+ assignments (_cpu_panel.c): x and h in panels, poff[e] >= 0 their offset in
+     * panel floats per input (x at xp + poff[e] * K, h at hp + poff[e] * I); -1 for the others */
+    const float *x;               /* the caller's x [T, K] */
+    const int64_t *poff, *ustart; /* ustart[e]: expert e's first unit of pass 1 (ustart[E]: all units) */
+    float *xp, *hp;
+    float *pack;                  /* per part: pack_floats floats */
+    int64_t pack_floats;
 } glu_job;
 
 INLINE float glu_act(int act, float g, float u, float beta, float lbeta) {
@@ -37,15 +46,70 @@ INLINE float glu_act(int act, float g, float u, float beta, float lbeta) {
     return g / (1.0f + expf(-g)) * u; /* SiLU-GLU */
 }
 
+/* gate/up rows [n0, n1) of a panel expert: h = act(gate x, up x) into its panels */
+static void glu_up_panel(const glu_job *j, int64_t e, int64_t n0, int64_t n1, int slot) {
+    const int64_t K = j->K, I = j->I, T = j->count[e], P = panel_count(T);
+    float *pg = j->pack + (int64_t)slot * j->pack_floats, *pu = pg + PR * K, *cg = pu + PR * K, *cu = cg + PR * PANEL;
+    const float *xp = j->xp + j->poff[e] * K;
+    float *hp = j->hp + j->poff[e] * I;
+    for (int64_t n = n0; n < n1; n += PR) {
+        const int rr = (int)(n1 - n < PR ? n1 - n : PR);
+        panel_pack_w(j->gate[e], K, n, rr, pg);
+        panel_pack_w(j->up[e], K, n, rr, pu);
+        for (int64_t p = 0; p < P; p++) {
+            const int64_t w = T - p * PANEL < PANEL ? T - p * PANEL : PANEL;
+            panel_run(pg, xp + p * PANEL * K, K, cg, w);
+            panel_run(pu, xp + p * PANEL * K, K, cu, w);
+            float *hb = hp + p * PANEL * I + n * PANEL; /* padded tokens' h stay zero */
+            for (int r = 0; r < rr; r++)
+                for (int64_t t = 0; t < w; t++)
+                    hb[r * PANEL + t] = glu_act(j->act, cg[r * PANEL + t], cu[r * PANEL + t], j->beta, j->lbeta);
+        }
+    }
+}
+
+/* down rows [c0, c1) of a panel expert: out[token] += weight * down h, its tokens in order */
+static void glu_down_panel(const glu_job *j, int64_t e, int64_t c0, int64_t c1, int slot) {
+    const int64_t I = j->I, T = j->count[e], P = panel_count(T), a0 = j->start[e];
+    float *pd = j->pack + (int64_t)slot * j->pack_floats, *c = pd + 2 * PR * (I > j->K ? I : j->K);
+    const float *hp = j->hp + j->poff[e] * I;
+    for (int64_t n = c0; n < c1; n += PR) {
+        const int rr = (int)(c1 - n < PR ? c1 - n : PR);
+        panel_pack_w(j->down[e], I, n, rr, pd);
+        for (int64_t p = 0; p < P; p++) {
+            const int64_t w = T - p * PANEL < PANEL ? T - p * PANEL : PANEL;
+            panel_run(pd, hp + p * PANEL * I, I, c, w);
+            for (int64_t t = 0; t < w; t++) {
+                const float wt = j->wt[a0 + p * PANEL + t];
+                float *o = j->out + j->row[a0 + p * PANEL + t] * j->ldo + n;
+                for (int r = 0; r < rr; r++) o[r] += wt * c[r * PANEL + t];
+            }
+        }
+    }
+}
+
+static void glu_pack_part(void *arg, int64_t part, int64_t parts, int slot) {
+    const glu_job *j = arg;
+    (void)slot;
+    for (int64_t e = j->E * part / parts; e < j->E * (part + 1) / parts; e++)
+        if (j->poff[e] >= 0) panel_pack_x(j->x, j->K, j->row + j->start[e], j->count[e], j->xp + j->poff[e] * j->K);
+}
+
 /* chunk `part` of `parts` of the (expert, row block) units; `slot` picks the thread's scratch */
 static void glu_up_part(void *arg, int64_t part, int64_t parts, int slot) {
     const glu_job *j = arg;
-    const int64_t blocks = (j->I + GLU_ROWS - 1) / GLU_ROWS, units = j->E * blocks;
+    const int64_t units = j->ustart[j->E];
     float *g = j->scratch + (int64_t)slot * 2 * GLU_ROWS * j->maxcount, *u = g + GLU_ROWS * j->maxcount;
+    int64_t e = 0;
     for (int64_t unit = units * part / parts; unit < units * (part + 1) / parts; unit++) {
-        const int64_t e = unit / blocks, n0 = unit % blocks * GLU_ROWS, T = j->count[e];
-        const int64_t n1 = n0 + GLU_ROWS < j->I ? n0 + GLU_ROWS : j->I;
+        while (unit >= j->ustart[e + 1]) e++;
+        const int64_t rows = j->poff[e] >= 0 ? PANEL_ROWS : GLU_ROWS, T = j->count[e];
+        const int64_t n0 = (unit - j->ustart[e]) * rows, n1 = n0 + rows < j->I ? n0 + rows : j->I;
         if (T <= 0) continue;
+        if (j->poff[e] >= 0) {
+            glu_up_panel(j, e, n0, n1, slot);
+            continue;
+        }
         const float *x = j->xa + j->start[e] * j->ldx;
         bf16_rows(x, j->ldx, T, j->K, j->gate[e], n0, n1, g, GLU_ROWS);
         bf16_rows(x, j->ldx, T, j->K, j->up[e], n0, n1, u, GLU_ROWS);
@@ -67,6 +131,10 @@ static void glu_down_part(void *arg, int64_t part, int64_t parts, int slot) {
     for (int64_t e = 0; e < j->E; e++) {
         const int64_t T = j->count[e], a0 = j->start[e];
         if (T <= 0) continue;
+        if (j->poff[e] >= 0) {
+            glu_down_panel(j, e, c0, c1, slot);
+            continue;
+        }
         for (int64_t n0 = c0; n0 < c1; n0 += DOWN_ROWS) {
             const int64_t nn = c1 - n0 < DOWN_ROWS ? c1 - n0 : DOWN_ROWS;
             bf16_rows(j->h + a0 * j->ldh, j->ldh, T, j->I, j->down[e], n0, n0 + nn, y, DOWN_ROWS);
@@ -123,25 +191,53 @@ int ms_moe_glu_bf16(int64_t E, const int64_t *experts, const int64_t *gates, con
         count[e] = a - start[e];
         if (count[e] > maxcount) maxcount = count[e];
     }
-    float *scratch = malloc(sizeof(float) * (size_t)(parts * 2 * GLU_ROWS * maxcount));
-    if (!scratch) {
+    /* experts with many tokens run on the panel kernel (_cpu_panel.c): their panel offsets and pass-1 units */
+    int64_t *poff = malloc(sizeof(int64_t) * (size_t)(2 * E + 1)), *ustart = poff + E, pfl = 0;
+    if (!poff) {
         free(mem);
         return -1;
     }
+    ustart[0] = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int use = count[e] >= PANEL_MIN_T;
+        poff[e] = use ? pfl : -1;
+        pfl += use ? panel_count(count[e]) * PANEL : 0;
+        const int64_t rows = use ? PANEL_ROWS : GLU_ROWS;
+        ustart[e + 1] = ustart[e] + (I + rows - 1) / rows;
+    }
+    const int64_t pack_floats = 2 * PR * (I > K ? I : K) + 2 * PR * PANEL;
+    float *scratch = malloc(sizeof(float) * (size_t)(parts * 2 * GLU_ROWS * maxcount + 16 +
+                                                     (pfl ? parts * pack_floats + pfl * (K + I) : 0)));
+    if (!scratch) {
+        free(poff);
+        free(mem);
+        return -1;
+    }
+    float *pk = (float *)(((uintptr_t)(scratch + parts * 2 * GLU_ROWS * maxcount) + 63) & ~(uintptr_t)63);
+    float *xp = pk + parts * pack_floats, *hp = xp + pfl * K;
     /* only the rows some expert takes (a batch step hands every expert of a layer the whole step's x) */
-    for (a = 0; a < A; a++) bf16_prepare_row(x + row[a] * K, K, xa + a * ldx);
+    for (int64_t e = 0; e < E; e++)
+        if (poff[e] < 0)
+            for (a = start[e]; a < start[e] + count[e]; a++) bf16_prepare_row(x + row[a] * K, K, xa + a * ldx);
     memset(h, 0, sizeof(float) * (size_t)(A * ldh)); /* the padding of each row stays zero */
+    if (pfl) memset(hp, 0, sizeof(float) * (size_t)(pfl * I)); /* ... and the padded tokens of each panel */
     glu_job j = {E, I, K, D, ldx, ldh, maxcount, D, (const uint16_t *const *)gates, (const uint16_t *const *)ups,
-                 (const uint16_t *const *)downs, start, count, row, wt, xa, h, scratch, out, act, beta, lbeta};
+                 (const uint16_t *const *)downs, start, count, row, wt, xa, h, scratch, out, act, beta, lbeta,
+                 x, poff, ustart, xp, hp, pk, pack_floats};
     if (parts <= 1) {
+        if (pfl) glu_pack_part(&j, 0, 1, 0);
         glu_up_part(&j, 0, 1, 0);
         glu_down_part(&j, 0, 1, 0);
     } else { /* chunks handed out dynamically: about 8 expert row blocks, or 64 output columns, each */
-        const int64_t units = E * ((I + GLU_ROWS - 1) / GLU_ROWS);
-        pool_run_chunks(glu_up_part, &j, units / 8 > parts ? units / 8 : parts, parts);
+        if (pfl) pool_run_chunks(glu_pack_part, &j, E, parts);
+        /* panel units are 4 register tiles of rows each: hand them out one by one, so that a thread the OS
+         * delays for a moment does not hold up the pass */
+        const int64_t per = pfl ? 1 : 8;
+        pool_run_chunks(glu_up_part, &j, ustart[E] / per > parts ? ustart[E] / per : parts, parts);
         pool_run_chunks(glu_down_part, &j, (D + 63) / 64 > parts ? (D + 63) / 64 : parts, parts);
     }
     free(scratch);
+    free(poff);
     free(mem);
     return 0;
 }
