@@ -29,17 +29,14 @@ INLINE vf vbcast(const float *p) { return *p; }
 static int64_t panel_count(int64_t T) { return (T + PANEL - 1) / PANEL; }
 static int64_t panel_floats(int64_t T, int64_t K) { return panel_count(T) * PANEL * K; }
 
-/* tokens rows[0..T) of x [*, K] (row stride K) into panels at xp (panel_floats(T, K) floats) */
-static void panel_pack_x(const float *x, int64_t K, const int64_t *rows, int64_t T, float *xp) {
-    const int64_t P = panel_count(T);
-    for (int64_t p = 0; p < P; p++) {
-        float *dst = xp + p * PANEL * K;
-        const int64_t w = T - p * PANEL < PANEL ? T - p * PANEL : PANEL;
-        if (w < PANEL) memset(dst, 0, sizeof(float) * (size_t)(PANEL * K));
-        for (int64_t t = 0; t < w; t++) {
-            const float *src = x + rows[p * PANEL + t] * K;
-            for (int64_t k = 0; k < K; k++) dst[k * PANEL + t] = src[k];
-        }
+/* panel p of tokens rows[0..T) of x [*, K] (row stride K) into xp + p * PANEL * K (panel_floats(T, K) in all) */
+static void panel_pack_x(const float *x, int64_t K, const int64_t *rows, int64_t T, int64_t p, float *xp) {
+    float *dst = xp + p * PANEL * K;
+    const int64_t w = T - p * PANEL < PANEL ? T - p * PANEL : PANEL;
+    if (w < PANEL) memset(dst, 0, sizeof(float) * (size_t)(PANEL * K));
+    for (int64_t t = 0; t < w; t++) {
+        const float *src = x + rows[p * PANEL + t] * K;
+        for (int64_t k = 0; k < K; k++) dst[k * PANEL + t] = src[k];
     }
 }
 

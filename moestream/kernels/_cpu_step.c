@@ -88,11 +88,18 @@ static void glu_down_panel(const glu_job *j, int64_t e, int64_t c0, int64_t c1, 
     }
 }
 
+/* panel `part` of all panel experts' x panels laid end to end (one chunk each: a single expert's are split too) */
 static void glu_pack_part(void *arg, int64_t part, int64_t parts, int slot) {
     const glu_job *j = arg;
-    (void)slot;
-    for (int64_t e = j->E * part / parts; e < j->E * (part + 1) / parts; e++)
-        if (j->poff[e] >= 0) panel_pack_x(j->x, j->K, j->row + j->start[e], j->count[e], j->xp + j->poff[e] * j->K);
+    (void)parts, (void)slot;
+    for (int64_t e = 0; e < j->E; e++) {
+        if (j->poff[e] < 0) continue;
+        const int64_t p = part - j->poff[e] / PANEL;
+        if (p >= 0 && p < panel_count(j->count[e])) {
+            panel_pack_x(j->x, j->K, j->row + j->start[e], j->count[e], p, j->xp + j->poff[e] * j->K);
+            return;
+        }
+    }
 }
 
 /* chunk `part` of `parts` of the (expert, row block) units; `slot` picks the thread's scratch */
@@ -225,11 +232,11 @@ int ms_moe_glu_bf16(int64_t E, const int64_t *experts, const int64_t *gates, con
                  (const uint16_t *const *)downs, start, count, row, wt, xa, h, scratch, out, act, beta, lbeta,
                  x, poff, ustart, xp, hp, pk, pack_floats};
     if (parts <= 1) {
-        if (pfl) glu_pack_part(&j, 0, 1, 0);
+        for (int64_t p = 0; p < pfl / PANEL; p++) glu_pack_part(&j, p, pfl / PANEL, 0);
         glu_up_part(&j, 0, 1, 0);
         glu_down_part(&j, 0, 1, 0);
     } else { /* chunks handed out dynamically: about 8 expert row blocks, or 64 output columns, each */
-        if (pfl) pool_run_chunks(glu_pack_part, &j, E, parts);
+        if (pfl) pool_run_chunks(glu_pack_part, &j, pfl / PANEL, parts);
         /* panel units are 4 register tiles of rows each: hand them out one by one, so that a thread the OS
          * delays for a moment does not hold up the pass */
         const int64_t per = pfl ? 1 : 8;
