@@ -17,9 +17,9 @@ from moestream.planner.skew import Skew, distinct, fit_exponent, hit_rate, selec
 
 K3_CONFIG = Path(__file__).parent / "data" / "kimi_k3_config.json"
 RATES = {"gemv": {k: 8e9 for k in calibrate.KINDS}, "expand": {k: 4e9 for k in calibrate.KINDS},
-         "gemm_flops": 5e10, "memory": 1e10,
-         "overhead": {t: {"decode_s": 3e-4, "decode_row_s": 5e-5, "prefill_s": 5e-3, "source": "seeded by the test"}
-                      for t in ("qwen3_moe", "kimi_k3", "kimi_linear", "mixtral")}}
+         "gemm_flops": 5e10, "memory": 1e10, "fresh_pages": 2e9,
+         "overhead": {t: {"decode_s": 3e-4, "decode_row_s": 5e-5, "prefill_s": 5e-3, "source": "seeded by the test",
+                          "miss_s": 1e-3} for t in ("qwen3_moe", "kimi_k3", "kimi_linear", "mixtral")}}
 
 
 @pytest.fixture(autouse=True)
