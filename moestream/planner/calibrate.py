@@ -56,7 +56,7 @@ class Rates:
     memory: float  # fp32 bytes/s read (KV rows, recurrent state)
     disk: float = 0.0  # expert and streamed-dense reads, bytes/s
     overhead: dict[str, Overhead] = field(default_factory=dict)  # per overhead_key (family, top-k)
-    fresh_pages: float = 0.0  # bytes/s of fresh anonymous pages faulted in and zeroed (a missed expert's buffer)
+    page_faults: float = 0.0  # bytes/s of fresh anonymous pages faulted in (zeroed by the kernel): a read buffer
 
     def overhead_for(self, model_type: str, top_k: int, widths: dict[str, int] | None = None) -> Overhead | None:
         """The family's overhead at this top-k and these widths, else at this top-k, else the family's, else any
@@ -72,7 +72,7 @@ class Rates:
     @classmethod
     def from_json(cls, d: dict) -> "Rates":
         out = cls(dict(d["gemv"]), dict(d["expand"]), float(d["gemm_flops"]), float(d["memory"]),
-                  float(d.get("disk", 0.0)), {}, float(d.get("fresh_pages", 0.0)), dict(d.get("source", {})))
+                  float(d.get("disk", 0.0)), {}, float(d.get("page_faults", 0.0)), dict(d.get("source", {})))
         out.overhead = {k: Overhead(**v) for k, v in d.get("overhead", {}).items()}
         return out
 
@@ -212,18 +212,18 @@ def memory_rate(seconds: float = 0.3) -> float:
     return _rate(lambda: torch.sum(data), data.numel() * 4, seconds)
 
 
-def fresh_page_rate(seconds: float = 0.2, nbytes: int = 32 << 20) -> float:
-    """Bytes/s of fresh private anonymous pages mapped, faulted in and written: what a missed expert's read buffer
-    costs the CPU before its bytes arrive (the reader hands buffers back to the kernel between decode steps)."""
-    import ctypes
+def page_fault_rate(seconds: float = 0.2, nbytes: int = 32 << 20) -> float:
+    """Bytes/s of fresh private anonymous pages mapped and faulted in, one write per page (the kernel zeroes each):
+    what a missed expert's read buffer costs the CPU before the disk fills it (the reader hands its buffers back
+    to the kernel after each one-token step)."""
     import mmap
 
     def once() -> None:
         m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         try:
-            view = (ctypes.c_char * nbytes).from_buffer(m)
-            ctypes.memset(view, 1, nbytes)
-            del view
+            pages = torch.frombuffer(m, dtype=torch.uint8)
+            pages[::mmap.PAGESIZE].fill_(1)  # one byte a page, in C: the faults, not Python, are timed
+            del pages
         finally:
             m.close()
 
@@ -437,10 +437,10 @@ class Calibrator:
             (e["gemm_flops"],), s1 = rounds(lambda: gemm_rate(self.seconds / 2), self.rounds)
             (e["memory"],), s2 = rounds(lambda: memory_rate(self.seconds / 3), self.rounds)
             src["gemm_flops"], src["memory"] = f"{s1}, {self._stamp()}", f"{s2}, {self._stamp()}"
-        if "fresh_pages" not in e:
-            self.log("calibrating: fresh page faults")
-            (e["fresh_pages"],), s3 = rounds(lambda: fresh_page_rate(self.seconds / 5), self.rounds)
-            src["fresh_pages"] = f"{s3}, {self._stamp()}"
+        if "page_faults" not in e:
+            self.log("calibrating: page faults of fresh read buffers")
+            (e["page_faults"],), s3 = rounds(lambda: page_fault_rate(self.seconds / 5), self.rounds)
+            src["page_faults"] = f"{s3}, {self._stamp()}"
         key = overhead_key(model_type, top_k, widths)
         # a family's overhead stated without top-k or widths (seeded files) stands for all of them
         # (an overhead measured before the miss probe existed lacks miss_s: measured again)
