@@ -455,7 +455,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--ram-budget", metavar="BYTES", default=None, help="RAM for everything resident (e.g. 4GiB)")
     add_remote_args(p)
     add_state_room_arg(p)
-    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (random ids; default 64)")
+    p.add_argument("--prompt-len", type=int, default=64,
+                   help="prompt tokens (random ids; default 64); without --state-room the run keeps room for its "
+                        "sequence's state at --prompt-len + --gen-len tokens")
     p.add_argument("--gen-len", type=int, default=32, help="decoded tokens (default 32)")
     p.add_argument("--cold", action="store_true", help="evict the model's files from the page cache first")
     p.add_argument("--temperature", type=float, default=0.0,
