@@ -289,8 +289,8 @@ def _scenario(path, share: float, rates: dict, model_type: str | None = None):
 
 
 def test_miss_cost_grows_with_misses_and_is_per_family(tiny):
-    """Each expert read on a miss of a one-sequence step costs the family's per-miss CPU plus its buffer's page
-    faults; none once everything is cached, and more as the budget shrinks. A scanning step is not charged."""
+    """Each expert read on a miss of a one-row decode step costs the family's per-miss CPU plus its buffer's page
+    faults; none once everything is cached, and more as the budget shrinks. A multi-row step is not charged."""
     fast_disk = {**RATES, "disk": 1e12}
     steps = [_scenario(tiny, share, fast_disk).decode(1, 32) for share in (0.1, 0.3, 0.6, 1.0)]
     costs = [s.parts["misses_s"] for s in steps]
@@ -307,9 +307,10 @@ def test_miss_cost_grows_with_misses_and_is_per_family(tiny):
     assert k3.miss_cost() - sc.miss_cost() == pytest.approx(9 * o["miss_s"])
     # no page-fault rate measured (an old calibration): only the engine's per-miss work
     assert _scenario(tiny, 0.1, {**fast_disk, "page_faults": 0}).miss_cost() == pytest.approx(o["miss_s"])
-    # a step routing most of a layer's experts scans: its reads are not charged the per-miss cost
-    big = sc.decode(64, 32)
-    assert big.expert_reads > 0 and big.parts["misses_s"] == 0
+    # a multi-row step (a batch) lands its reads while other experts compute: not charged the per-miss cost
+    for rows in (2, 64):
+        many = sc.decode(rows, 32)
+        assert many.expert_reads > 0 and many.parts["misses_s"] == 0
 
 
 def test_plan_states_the_miss_cost(tiny, capsys):

@@ -239,14 +239,14 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
                      f"{o.decode_row_s * 1e3:.3g} ms per extra row, {o.prefill_s * 1e3:.3g} ms per prefill "
                      f"chunk ({o.source})")
         pages = r.get("page_faults") or 0.0
-        lines.append(f"each expert read on a miss of a one-sequence step costs CPU beyond its multiply: "
+        lines.append(f"each expert read on a miss of a one-row decode step costs CPU beyond its multiply: "
                      f"{o.miss_s * 1e3:.3g} ms of engine work (the overhead probe decoded under a budget where most "
                      "experts miss)" + (f" + faulting in its read buffer's pages at {pages / 1e9:.3g} GB/s "
                                         f"({f.expert_bytes / pages * 1e3:.3g} ms, {1 - OVERLAP:g} of it not hidden; "
                                         f"{src.get('page_faults', '')})"
                                         if pages > 0 else "; page faults not measured")
-                     + "; a scanning step (most of a layer's experts routed: batches, prompt chunks) keeps its "
-                     "buffers mapped and lands reads while others compute: not charged")
+                     + "; a multi-row step (a batch, a prompt chunk) lands its reads while other experts "
+                     "compute: not charged")
     if not opts.ram_budget:
         lines.append(f"no --ram-budget: planned at {DEFAULT_BUDGET_SHARE:.0%} of the machine's RAM "
                      "(a reference machine: its RAM less 8 GiB)")

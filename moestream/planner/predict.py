@@ -7,12 +7,12 @@ Owns the arithmetic `moestream plan` prints, term by term (docs/plan.md states i
   expansion rate plus rows x FLOPs at the fp32 GEMM rate), sequence state read at memory bandwidth, attention
   FLOPs at the GEMM rate;
 - the engine's fixed cost per layer step (calibrated);
-- the CPU cost of each expert read on a miss of a step that does not scan (one sequence's decode), beyond its
-  multiply: the engine's per-miss work (calibrated by decoding the overhead probe's checkpoint under a budget
-  where most experts miss) plus faulting in its read buffer's fresh pages (calibrated; the reader threads do
-  it beside the compute, so OVERLAP of it is hidden); it counts as compute.
-  A scanning step (most of a layer's experts routed) keeps its buffers mapped and lands reads while earlier
-  ones compute: not charged;
+- the CPU cost of each expert read on a miss of a one-row step (one sequence's decode), beyond its multiply:
+  the engine's per-miss work (calibrated by decoding the overhead probe's checkpoint under a budget where most
+  experts miss) plus faulting in its read buffer's fresh pages (calibrated; the reader threads do it beside the
+  compute, so OVERLAP of it is hidden); it counts as compute. A multi-row step (a batch, a prompt chunk) lands
+  its reads while other experts compute, and a scan keeps its buffers mapped: not charged (the batch rows of
+  docs/plan.md fit without it);
 - overlap: step = overhead + max(io, compute) + (1 - OVERLAP) x min(io, compute).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moestream.info import BudgetFit
-from moestream.experts.dispatch import NATIVE_MAX_ROWS, SCAN_SHARE
+from moestream.experts.dispatch import NATIVE_MAX_ROWS
 from moestream.kernels.cpu import MAX_TOKENS_BF16, MAX_TOKENS_MXFP4
 from moestream.planner.calibrate import Rates
 from moestream.planner.facts import ModelFacts
@@ -94,10 +94,6 @@ class Scenario:
         gemm = max(4.0 * params / r.memory, 2.0 * params * rows / r.gemm_flops)
         return nbytes / r.expand.get(kind, r.expand["bf16"]) + gemm
 
-    def _scans(self, used: float) -> bool:
-        """Whether a step routing `used` distinct experts per layer runs the runner's scan (experts/dispatch.py)."""
-        return used >= SCAN_SHARE * self.facts.num_experts
-
     def miss_cost(self) -> float:
         """CPU seconds one expert read on a miss costs beyond its multiply: the family's per-miss engine work
         plus its buffer's fresh pages."""
@@ -142,7 +138,7 @@ class Scenario:
         reads = f.moe_layers * missing
         parts = {"experts_s": experts, "dense_s": self._dense(sequences, sequences),
                  "attention_s": self._attention(sequences, context), "state_s": self._state_read(sequences, context),
-                 "misses_s": 0.0 if self._scans(used) else reads * self.miss_cost()}
+                 "misses_s": reads * self.miss_cost() if sequences == 1 else 0.0}
         io = reads * f.expert_bytes / self.rates.disk + self._streamed() if self.rates.disk > 0 else 0.0
         hit = max(0.0, 1.0 - missing / max(1e-9, used))
         return Step(io, sum(parts.values()), self._overhead("decode", sequences), reads, hit, parts)
@@ -160,8 +156,7 @@ class Scenario:
             experts = f.moe_layers * used * self._weights(f.expert_bytes, f.expert_kind, f.expert_params, rows,
                                                           EXPERT_ROWS)
             reads = f.moe_layers * missing
-            misses = 0.0 if self._scans(used) else reads * self.miss_cost()
-            compute = self._dense(n, 1) + experts + self._attention(n, done + n / 2) + misses
+            compute = self._dense(n, 1) + experts + self._attention(n, done + n / 2)
             io = reads * f.expert_bytes / self.rates.disk + self._streamed() if self.rates.disk > 0 else 0.0
             steps.append(Step(io, compute, self._overhead("prefill"), reads, max(0.0, 1.0 - missing / max(1e-9, used))))
             done += n
