@@ -23,7 +23,7 @@ import torch
 from moestream.cgroup import proc_kib, rss_now  # noqa: F401  (bench/batch_throughput.py imports rss_now here)
 from moestream.cli.common import add_remote_args, add_state_room_arg
 from moestream.config import format_bytes, parse_bytes
-from moestream.errors import MoestreamError
+from moestream.errors import BudgetError, MoestreamError
 from moestream.plot import pyplot
 from moestream.experts.reader import IO_THREADS, align_down
 from moestream.kernels.quant import bandwidth_probe
@@ -71,7 +71,9 @@ class TokenRecord:
 
 @dataclass
 class PhaseClock:
-    """Wall time in the attention/mixer of every layer (wrapped from outside; the model is not changed)."""
+    """Wall time in the attention/mixer of every layer (wrapped from outside; the model is not changed). A mixer's
+    native one-token layer (`decode_block`: attention and router, and the routed experts when all are resident) is
+    wrapped too, so the benchmark decodes by the path `run` and `serve` take, and its time counts here."""
 
     mixer_s: float = 0.0
     wrapped: list = field(default_factory=list)
@@ -83,7 +85,11 @@ class PhaseClock:
             if fn is None:
                 return False
             self.wrapped.append((layer, fn))
-            layer.mixer = self._timed(fn)
+            timed = self._timed(fn)
+            block = getattr(fn, "decode_block", None)
+            if block is not None:  # keep the native one-token layer the unwrapped model takes (models/base.py)
+                timed.decode_block = self._timed(block)  # type: ignore[attr-defined]
+            layer.mixer = timed
         return bool(layers)
 
     def _timed(self, fn):
@@ -183,10 +189,11 @@ def bench(path: str | Path, opts: BenchOptions) -> dict:
     # before the engine opens: its buffer comes and goes while RSS is the interpreter's (a --cap run's group)
     mem_bw = bandwidth_probe(MEMORY_PROBE_BYTES) if opts.probe else 0.0
     base_rss = rss_now()
+    room = bench_state_room(path, opts)
     eng = Engine.open(path, ram_budget=opts.ram_budget, cache_policy=opts.policy, io_threads=opts.io_threads,
-                      threads=opts.threads, state_room=opts.state_room,
-                      kv_dtype=opts.kv_dtype)
+                      threads=opts.threads, state_room=room, kv_dtype=opts.kv_dtype)
     try:
+        _check_room(eng, room or 0)
         eng.runner.lookahead.enabled = opts.lookahead
         if opts.lookahead_reads is not None:
             eng.runner.lookahead.reads = opts.lookahead_reads
@@ -210,6 +217,40 @@ def bench(path: str | Path, opts: BenchOptions) -> dict:
     if opts.plot is not None:
         write_plot(report, opts.plot)
     return report
+
+
+def bench_state_room(path: Path, opts: BenchOptions) -> int | None:
+    """The budget the residency plan keeps for the benchmark's one sequence: --state-room when given, else the
+    state that sequence reaches at prompt + generated tokens (as `moestream plan` sizes it). Without it a small
+    budget opens (the engine's default keeps no state room) and then fails mid-prefill when the state has taken
+    the expert cache's room; with it `Engine.open` streams enough dense weights, or refuses the budget up front
+    naming the state room."""
+    if opts.state_room is not None or opts.ram_budget is None:
+        return opts.state_room
+    from moestream.config import EngineOptions
+    from moestream.planner.facts import open_plan
+    from moestream.planner.state import state_shape
+
+    p = open_plan(path)
+    try:
+        shape = state_shape(p.config, opts.kv_dtype)
+    finally:
+        p.store.close()
+    return shape.at(opts.prompt_len, opts.prompt_len + opts.gen_len, EngineOptions().prefill_chunk)
+
+
+def _check_room(eng, room: int) -> None:
+    """What the build keeps (the family's derived tensors too, which the residency plan does not see) leaves the
+    state room and one expert: else the run would stop mid-prefill when the state has taken the cache's room."""
+    m = eng.memory
+    one = eng.plan.max_expert_bytes
+    if room and m.limited and m.cache_capacity() < room + one:
+        raise BudgetError(
+            f"--ram-budget {format_bytes(m.budget)} ({m.budget} bytes) leaves {format_bytes(m.cache_capacity())} "
+            f"after the dense weights, stream buffers and scratch: less than the state room "
+            f"{format_bytes(room)} (this run's sequence at --prompt-len + --gen-len tokens) + one expert "
+            f"{format_bytes(one)}; raise --ram-budget by {room + one - m.cache_capacity()} bytes "
+            "or shorten the run")
 
 
 def _run(eng, opts: BenchOptions) -> dict:
@@ -414,7 +455,9 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--ram-budget", metavar="BYTES", default=None, help="RAM for everything resident (e.g. 4GiB)")
     add_remote_args(p)
     add_state_room_arg(p)
-    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (random ids; default 64)")
+    p.add_argument("--prompt-len", type=int, default=64,
+                   help="prompt tokens (random ids; default 64); without --state-room the run keeps room for its "
+                        "sequence's state at --prompt-len + --gen-len tokens")
     p.add_argument("--gen-len", type=int, default=32, help="decoded tokens (default 32)")
     p.add_argument("--cold", action="store_true", help="evict the model's files from the page cache first")
     p.add_argument("--temperature", type=float, default=0.0,

@@ -17,9 +17,9 @@ from moestream.planner.skew import Skew, distinct, fit_exponent, hit_rate, selec
 
 K3_CONFIG = Path(__file__).parent / "data" / "kimi_k3_config.json"
 RATES = {"gemv": {k: 8e9 for k in calibrate.KINDS}, "expand": {k: 4e9 for k in calibrate.KINDS},
-         "gemm_flops": 5e10, "memory": 1e10,
-         "overhead": {t: {"decode_s": 3e-4, "decode_row_s": 5e-5, "prefill_s": 5e-3, "source": "seeded by the test"}
-                      for t in ("qwen3_moe", "kimi_k3", "kimi_linear", "mixtral")}}
+         "gemm_flops": 5e10, "memory": 1e10, "page_faults": 2e9,
+         "overhead": {t: {"decode_s": 3e-4, "decode_row_s": 5e-5, "prefill_s": 5e-3, "source": "seeded by the test",
+                          "miss_s": 1e-3} for t in ("qwen3_moe", "kimi_k3", "kimi_linear", "mixtral")}}
 
 
 @pytest.fixture(autouse=True)
@@ -184,6 +184,8 @@ def test_calibration_is_cached(seeded_cache, tiny):
     first = calibrate.Calibrator(seconds=0.05)
     rates = first.rates({"bf16"}, "qwen3_moe")
     assert first.measured and rates.gemv["bf16"] > 0 and rates.overhead["qwen3_moe"].decode_s > 0
+    assert rates.page_faults > 0 and rates.overhead["qwen3_moe"].miss_s >= 0  # the miss probe ran
+    assert "beyond a hit" in rates.overhead["qwen3_moe"].source
     again = calibrate.Calibrator(seconds=0.05)
     assert again.rates({"bf16"}, "qwen3_moe").to_json() == rates.to_json() and not again.measured
     bw, _ = again.disk([f for f in tiny.iterdir() if f.suffix == ".safetensors"], tiny)
@@ -269,3 +271,50 @@ def test_kv_dtype_option(tiny, k3_dir, capsys):
         main(["plan", str(tiny), "--kv-dtype", "fp16"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "--kv-dtype" in err and "bf16" in err
+
+
+def _scenario(path, share: float, rates: dict, model_type: str | None = None):
+    from moestream.planner.facts import model_facts, open_plan
+    from moestream.planner.predict import Scenario
+
+    p = open_plan(path)
+    try:
+        facts = model_facts(path, p)
+        if model_type:
+            facts.model_type = model_type
+        return Scenario(facts, facts.fit(p, budget_of(path, share)), calibrate.Rates.from_json(rates),
+                        Skew(0.3, "test", 0.1))
+    finally:
+        p.store.close()
+
+
+def test_miss_cost_grows_with_misses_and_is_per_family(tiny):
+    """Each expert read on a miss of a one-row decode step costs the family's per-miss CPU plus its buffer's page
+    faults; none once everything is cached, and more as the budget shrinks. A multi-row step is not charged."""
+    fast_disk = {**RATES, "disk": 1e12}
+    steps = [_scenario(tiny, share, fast_disk).decode(1, 32) for share in (0.1, 0.3, 0.6, 1.0)]
+    costs = [s.parts["misses_s"] for s in steps]
+    assert costs == sorted(costs, reverse=True) and costs[0] > 0 and costs[-1] == 0
+    sc = _scenario(tiny, 0.1, fast_disk)
+    one = sc.decode(1, 32)
+    assert one.parts["misses_s"] == pytest.approx(one.expert_reads * sc.miss_cost())
+    o = RATES["overhead"]["qwen3_moe"]
+    pages = sc.facts.expert_bytes / RATES["page_faults"]
+    assert o["miss_s"] < sc.miss_cost() < o["miss_s"] + pages  # part of the faults hides behind the compute
+    # family-aware: the planned family's own per-miss cost (seeded 10x for kimi_k3 here)
+    k3_rates = {**fast_disk, "overhead": {**RATES["overhead"], "kimi_k3": {**o, "miss_s": 10 * o["miss_s"]}}}
+    k3 = _scenario(tiny, 0.1, k3_rates, model_type="kimi_k3")
+    assert k3.miss_cost() - sc.miss_cost() == pytest.approx(9 * o["miss_s"])
+    # no page-fault rate measured (an old calibration): only the engine's per-miss work
+    assert _scenario(tiny, 0.1, {**fast_disk, "page_faults": 0}).miss_cost() == pytest.approx(o["miss_s"])
+    # a multi-row step (a batch) lands its reads while other experts compute: not charged the per-miss cost
+    for rows in (2, 64):
+        many = sc.decode(rows, 32)
+        assert many.expert_reads > 0 and many.parts["misses_s"] == 0
+
+
+def test_plan_states_the_miss_cost(tiny, capsys):
+    out = plan_json(str(tiny), "--ram-budget", str(budget_of(tiny, 0.2)), "--disk-bandwidth", "1e9",
+                    capsys=capsys)
+    assert any("each expert read on a miss" in line for line in out["assumptions"])
+    assert out["decode_step"]["compute_parts"]["misses_s"] > 0

@@ -43,6 +43,7 @@ class Overhead:
     decode_row_s: float
     prefill_s: float
     source: str = ""
+    miss_s: float = 0.0  # engine CPU per expert read on a miss beyond a hit's (land, one-expert apply, evict)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Rates:
     memory: float  # fp32 bytes/s read (KV rows, recurrent state)
     disk: float = 0.0  # expert and streamed-dense reads, bytes/s
     overhead: dict[str, Overhead] = field(default_factory=dict)  # per overhead_key (family, top-k)
+    page_faults: float = 0.0  # bytes/s of fresh anonymous pages faulted in (zeroed by the kernel): a read buffer
 
     def overhead_for(self, model_type: str, top_k: int, widths: dict[str, int] | None = None) -> Overhead | None:
         """The family's overhead at this top-k and these widths, else at this top-k, else the family's, else any
@@ -70,7 +72,7 @@ class Rates:
     @classmethod
     def from_json(cls, d: dict) -> "Rates":
         out = cls(dict(d["gemv"]), dict(d["expand"]), float(d["gemm_flops"]), float(d["memory"]),
-                  float(d.get("disk", 0.0)), {}, dict(d.get("source", {})))
+                  float(d.get("disk", 0.0)), {}, float(d.get("page_faults", 0.0)), dict(d.get("source", {})))
         out.overhead = {k: Overhead(**v) for k, v in d.get("overhead", {}).items()}
         return out
 
@@ -210,6 +212,24 @@ def memory_rate(seconds: float = 0.3) -> float:
     return _rate(lambda: torch.sum(data), data.numel() * 4, seconds)
 
 
+def page_fault_rate(seconds: float = 0.2, nbytes: int = 32 << 20) -> float:
+    """Bytes/s of fresh private anonymous pages mapped and faulted in, one write per page (the kernel zeroes each):
+    what a missed expert's read buffer costs the CPU before the disk fills it (the reader hands its buffers back
+    to the kernel after each one-token step)."""
+    import mmap
+
+    def once() -> None:
+        m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            pages = torch.frombuffer(m, dtype=torch.uint8)
+            pages[::mmap.PAGESIZE].fill_(1)  # one byte a page, in C: the faults, not Python, are timed
+            del pages
+        finally:
+            m.close()
+
+    return _rate(once, nbytes, seconds)
+
+
 def disk_rate(files: list[Path], seconds: float) -> float:
     """bench's direct-I/O probe (random 4 MiB reads, a deep queue) over the model's shards."""
     from moestream.bench import PROBE_THREADS, probe_disk
@@ -310,14 +330,52 @@ def overhead(model_type: str, seconds: float = 1.0, top_k: int = 0, experts: int
             layers = len(eng.model.layers)
             runs = [(_step_time(eng, 1, 1, seconds / 3), _step_time(eng, 8, 1, seconds / 3),
                      _step_time(eng, 1, 64, seconds / 3)) for _ in range(max(1, rounds_n))]
+            tight = _tight_budget(eng)
         finally:
             eng.close()
-    one, eight, chunk = (statistics.median(col) for col in zip(*runs))
+        one, eight, chunk = (statistics.median(col) for col in zip(*runs))
+        misses = [_miss_time(Path(tmp) / "m", tight, one, seconds / 3) for _ in range(max(1, rounds_n))]
     note = "" if family == model_type else f" (no synthetic {model_type}: measured on {family})"
     spread = f"median of {len(runs)} rounds (decode {min(r[0] for r in runs) * 1e3:.3g}-" \
-             f"{max(r[0] for r in runs) * 1e3:.3g} ms a step, less {weights_s * 1e3:.3g} ms of weights)"
+             f"{max(r[0] for r in runs) * 1e3:.3g} ms a step, less {weights_s * 1e3:.3g} ms of weights; " \
+             f"a miss {min(misses) * 1e3:.3g}-{max(misses) * 1e3:.3g} ms beyond a hit)"
     return Overhead(max(0.0, one - weights_s) / layers, max(0.0, (eight - one) / 7 / layers),
-                    max(0.0, chunk - weights_s) / layers, f"{what}, {layers} layers{note}, {spread}")
+                    max(0.0, chunk - weights_s) / layers, f"{what}, {layers} layers{note}, {spread}",
+                    statistics.median(misses))
+
+
+def _tight_budget(eng) -> int:
+    """A budget keeping every dense weight of the open probe engine resident but only top_k + 1 experts cached
+    (plus room for a short sequence's state): most routed experts then miss."""
+    k = max(1, eng.plan.layout.top_k)
+    return eng.memory.fixed() + (k + 1) * eng.plan.max_expert_bytes + (1 << 20)
+
+
+def _miss_time(path: Path, budget: int, warm_step: float, seconds: float) -> float:
+    """Seconds of engine work per missed expert beyond a hit: one-token decode steps under `budget` (most experts
+    miss), their wall time less the I/O wait, less the warm step, over the misses. The probe's experts are tiny, so
+    this is the per-miss work (landing, the one-expert path, eviction, losing the native layer), not its bytes."""
+    from moestream import Engine
+
+    eng = Engine.open(path, ram_budget=budget, state_room=1 << 20)
+    try:
+        times, stats = eng.runner.times, eng.runner.cache.stats
+        state = eng.new_sequence()
+        tok = int(eng.prefill(state, [1 + i % 7 for i in range(8)]).argmax())
+        wall = wait = 0.0
+        misses, steps, deadline = 0, 0, time.perf_counter() + seconds
+        while time.perf_counter() < deadline or steps < 3:
+            w0, m0, t = times.io_wait_s, stats.misses, time.perf_counter()
+            (logits,) = eng.step([(state, [tok])])
+            wall += time.perf_counter() - t
+            wait += times.io_wait_s - w0
+            misses += stats.misses - m0
+            steps += 1
+            tok = int(logits.argmax()) if steps % 2 else (tok * 31 + 7) % eng.vocab_size  # vary the routing
+        eng.free(state)
+    finally:
+        eng.close()
+    return max(0.0, wall - wait - steps * warm_step) / max(1, misses)
 
 
 def _step_time(eng, rows: int, tokens: int, seconds: float) -> float:
@@ -379,9 +437,14 @@ class Calibrator:
             (e["gemm_flops"],), s1 = rounds(lambda: gemm_rate(self.seconds / 2), self.rounds)
             (e["memory"],), s2 = rounds(lambda: memory_rate(self.seconds / 3), self.rounds)
             src["gemm_flops"], src["memory"] = f"{s1}, {self._stamp()}", f"{s2}, {self._stamp()}"
+        if "page_faults" not in e:
+            self.log("calibrating: page faults of fresh read buffers")
+            (e["page_faults"],), s3 = rounds(lambda: page_fault_rate(self.seconds / 5), self.rounds)
+            src["page_faults"] = f"{s3}, {self._stamp()}"
         key = overhead_key(model_type, top_k, widths)
         # a family's overhead stated without top-k or widths (seeded files) stands for all of them
-        if key not in e.setdefault("overhead", {}) and model_type not in e["overhead"]:
+        # (an overhead measured before the miss probe existed lacks miss_s: measured again)
+        if all("miss_s" not in e.setdefault("overhead", {}).get(k, {}) for k in (key, model_type)):
             self.log(f"calibrating: engine overhead per layer step ({key})")
             o = overhead(model_type, self.seconds, top_k, experts, widths,
                          {k: gemv[v] for k, v in chosen.items()}, self.rounds)

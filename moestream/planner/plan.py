@@ -59,7 +59,9 @@ class Machine:
         gemv.update(bf16=self.gemv_bf16, mxfp4=self.gemv_mxfp4)
         expand.update(bf16=self.expand_bf16, mxfp4=self.expand_mxfp4)
         overhead = {k: REFERENCE_OVERHEAD for k in here.overhead}
-        return Rates(gemv, expand, self.gemm_flops, self.memory, self.disk, overhead,
+        # a missed expert's fresh buffer pages: this machine's rate scaled by the memory bandwidths' ratio
+        pages = here.page_faults * self.memory / here.memory if here.memory > 0 else 0.0
+        return Rates(gemv, expand, self.gemm_flops, self.memory, self.disk, overhead, pages,
                      {"all": f"reference machine {self.name}: {self.note}"})
 
     def describe(self) -> str:
@@ -236,6 +238,15 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
         lines.append(f"engine overhead per layer step: {o.decode_s * 1e3:.3g} ms decode + "
                      f"{o.decode_row_s * 1e3:.3g} ms per extra row, {o.prefill_s * 1e3:.3g} ms per prefill "
                      f"chunk ({o.source})")
+        pages = r.get("page_faults") or 0.0
+        lines.append(f"each expert read on a miss of a one-row decode step costs CPU beyond its multiply: "
+                     f"{o.miss_s * 1e3:.3g} ms of engine work (the overhead probe decoded under a budget where most "
+                     "experts miss)" + (f" + faulting in its read buffer's pages at {pages / 1e9:.3g} GB/s "
+                                        f"({f.expert_bytes / pages * 1e3:.3g} ms, {1 - OVERLAP:g} of it not hidden; "
+                                        f"{src.get('page_faults', '')})"
+                                        if pages > 0 else "; page faults not measured")
+                     + "; a multi-row step (a batch, a prompt chunk) lands its reads while other experts "
+                     "compute: not charged")
     if not opts.ram_budget:
         lines.append(f"no --ram-budget: planned at {DEFAULT_BUDGET_SHARE:.0%} of the machine's RAM "
                      "(a reference machine: its RAM less 8 GiB)")

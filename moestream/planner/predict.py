@@ -7,6 +7,12 @@ Owns the arithmetic `moestream plan` prints, term by term (docs/plan.md states i
   expansion rate plus rows x FLOPs at the fp32 GEMM rate), sequence state read at memory bandwidth, attention
   FLOPs at the GEMM rate;
 - the engine's fixed cost per layer step (calibrated);
+- the CPU cost of each expert read on a miss of a one-row step (one sequence's decode), beyond its multiply:
+  the engine's per-miss work (calibrated by decoding the overhead probe's checkpoint under a budget where most
+  experts miss) plus faulting in its read buffer's fresh pages (calibrated; the reader threads do it beside the
+  compute, so OVERLAP of it is hidden); it counts as compute. A multi-row step (a batch, a prompt chunk) lands
+  its reads while other experts compute, and a scan keeps its buffers mapped: not charged (the batch rows of
+  docs/plan.md fit without it);
 - overlap: step = overhead + max(io, compute) + (1 - OVERLAP) x min(io, compute).
 """
 from __future__ import annotations
@@ -88,6 +94,14 @@ class Scenario:
         gemm = max(4.0 * params / r.memory, 2.0 * params * rows / r.gemm_flops)
         return nbytes / r.expand.get(kind, r.expand["bf16"]) + gemm
 
+    def miss_cost(self) -> float:
+        """CPU seconds one expert read on a miss costs beyond its multiply: the family's per-miss engine work
+        plus its buffer's fresh pages."""
+        o = self.rates.overhead_for(self.facts.model_type, self.facts.top_k, self.facts.widths)
+        pages = self.facts.expert_bytes / self.rates.page_faults if self.rates.page_faults > 0 else 0.0
+        # the reader threads fault a buffer in while the main thread computes: OVERLAP of it hidden, as for I/O
+        return (o.miss_s if o is not None else 0.0) + (1.0 - OVERLAP) * pages
+
     def _dense(self, rows: int, head_rows: int) -> float:
         f = self.facts
         total_bytes = sum(f.dense_bytes.values()) or 1
@@ -121,9 +135,10 @@ class Scenario:
         experts = f.moe_layers * (one * f.expert_bytes / self.rates.gemv[f.expert_kind]
                                   + multi * self._weights(f.expert_bytes, f.expert_kind, f.expert_params, rows,
                                                           EXPERT_ROWS))
-        parts = {"experts_s": experts, "dense_s": self._dense(sequences, sequences),
-                 "attention_s": self._attention(sequences, context), "state_s": self._state_read(sequences, context)}
         reads = f.moe_layers * missing
+        parts = {"experts_s": experts, "dense_s": self._dense(sequences, sequences),
+                 "attention_s": self._attention(sequences, context), "state_s": self._state_read(sequences, context),
+                 "misses_s": reads * self.miss_cost() if sequences == 1 else 0.0}
         io = reads * f.expert_bytes / self.rates.disk + self._streamed() if self.rates.disk > 0 else 0.0
         hit = max(0.0, 1.0 - missing / max(1e-9, used))
         return Step(io, sum(parts.values()), self._overhead("decode", sequences), reads, hit, parts)
@@ -140,8 +155,8 @@ class Scenario:
             rows = n * f.top_k / max(1e-9, used)
             experts = f.moe_layers * used * self._weights(f.expert_bytes, f.expert_kind, f.expert_params, rows,
                                                           EXPERT_ROWS)
-            compute = self._dense(n, 1) + experts + self._attention(n, done + n / 2)
             reads = f.moe_layers * missing
+            compute = self._dense(n, 1) + experts + self._attention(n, done + n / 2)
             io = reads * f.expert_bytes / self.rates.disk + self._streamed() if self.rates.disk > 0 else 0.0
             steps.append(Step(io, compute, self._overhead("prefill"), reads, max(0.0, 1.0 - missing / max(1e-9, used))))
             done += n
