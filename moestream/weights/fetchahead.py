@@ -18,11 +18,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from moestream.weights.diskcache import DiskCache
     from moestream.weights.remote import RemoteFile
 
-# bytes kept on the link by reads and fetch-ahead together: twice the bandwidth-delay product of a 200 MB/s link
-# with 20 ms latency (4 MB), so the link stays busy while each request waits out its round trip
-FILL_INFLIGHT = 8 << 20
+# bytes kept on the link by reads and fetch-ahead together: four times the bandwidth-delay product of a 200 MB/s
+# link with 20 ms latency (4 MB). Each request waits out its round trip before its bytes flow, so B bytes in flight
+# carry B / (B / rate + latency): 0.67 of the rate at 8 MiB, 0.8 at 16, 0.86 at 24
+FILL_INFLIGHT = 16 << 20
+# unused predictions (fetched ahead, not read since) hold at most this share of the SSD tier's budget; past it the
+# oldest leave the tier, so guesses never push out what the decode reads
+FILL_UNUSED_SHARE = 0.25
 FILL_THREADS = 8  # fill requests in flight at most (each takes up to FILL_COALESCE bytes of neighbouring ranges)
 FILL_COALESCE = 8 << 20  # neighbouring predicted ranges of one file fetched as one request, up to this many bytes
 IDLE_S = 5.0  # a fill thread with nothing queued for this long exits (a later prediction starts it again)
@@ -51,6 +56,9 @@ class FetchStats:
     filled: int = 0  # ranges the fetch-ahead brought into the SSD tier
     filled_bytes: int = 0
     fill_skipped: int = 0  # predicted ranges already on disk or in flight
+    fill_used_bytes: int = 0  # bytes of filled ranges a read has since used (the rest: guesses not used yet)
+    fill_dropped_bytes: int = 0  # bytes of filled ranges gone from the SSD tier unused (evicted, or dropped as the
+    # oldest unused guesses past the fetch-ahead's share of the tier)
 
 
 class Flights:
@@ -62,6 +70,8 @@ class Flights:
         self.read_bytes = 0  # bytes of fetches made for reads (not fill) on the link: the fill queue leaves room
         self.last_read_fetch = float("-inf")  # time.monotonic() of the last read that needed the network
         self.stats = FetchStats()
+        self.unused: dict[tuple[str, int], int] = {}  # (file key, offset) -> bytes of a filled range no read used yet
+        self.unused_bytes = 0
 
     def fetch(self, file: RemoteFile, pieces: list[Piece], fetch: Callable[[list[Piece]], None],
               for_read: bool = True) -> int:
@@ -73,7 +83,13 @@ class Flights:
         mine, theirs = self._claim(file, pieces, for_read)
         fetched, on_link = 0, 0
         try:
-            rest = [(o, v) for o, v in mine if not (file.cache is not None and file.cache.read(file.key, o, v))]
+            rest = []
+            for o, v in mine:
+                if file.cache is not None and file.cache.read(file.key, o, v):
+                    if for_read:
+                        self.used(file.key, o)
+                else:
+                    rest.append((o, v))
             if rest:
                 if for_read:
                     on_link = sum(len(v) for _, v in rest)
@@ -81,6 +97,8 @@ class Flights:
                         self.last_read_fetch = time.monotonic()
                         self.read_bytes += on_link
                 fetch(rest)
+                if not for_read:
+                    self._guessed(file.key, rest)
             fetched, ok = sum(len(v) for _, v in rest), True
         except BaseException:
             ok = False
@@ -94,11 +112,42 @@ class Flights:
                 with self.cv:
                     self.stats.joined += 1
                     self.stats.joined_bytes += len(view)
+                self.used(file.key, off)
             else:
                 again.append((off, view))
         if again:
             fetched += self.fetch(file, again, fetch, for_read)
         return fetched
+
+    def _guessed(self, key: str, pieces: list[Piece]) -> None:
+        """Filled ranges count as unused guesses until a read uses them (before their flights let go of them)."""
+        with self.cv:
+            for off, view in pieces:
+                if (key, off) not in self.unused:
+                    self.unused[(key, off)] = len(view)
+                    self.unused_bytes += len(view)
+
+    def used(self, key: str, offset: int) -> None:
+        """A read got range (key, offset) from the SSD tier or a flight: a filled range there is a guess that paid."""
+        if not self.unused:
+            return
+        with self.cv:
+            n = self.unused.pop((key, offset), 0)
+            self.unused_bytes -= n
+            self.stats.fill_used_bytes += n
+
+    def drop_guesses(self, limit: int, cache: DiskCache) -> None:
+        """Unused guesses past `limit` bytes leave the SSD tier, oldest first (those it evicted itself just leave
+        the count), so wrong predictions never hold more than `limit` of the tier's room."""
+        while True:
+            with self.cv:
+                if self.unused_bytes <= limit or not self.unused:
+                    return
+                (key, off), n = next(iter(self.unused.items()))
+                del self.unused[(key, off)]
+                self.unused_bytes -= n
+                self.stats.fill_dropped_bytes += n
+            cache.discard(key, off, n)
 
     def _claim(self, file: RemoteFile, pieces: list[Piece], for_read: bool):
         mine: list[Piece] = []
@@ -137,10 +186,13 @@ Job = tuple["RemoteFile", int, int]  # (file, offset, length) of a predicted ran
 class FillQueue:
     """Ranges to bring into the SSD tier ahead of need, best first; `replace` swaps in the newest predictions."""
 
-    def __init__(self, flights: Flights, threads: int = FILL_THREADS, inflight: int = FILL_INFLIGHT):
+    def __init__(self, flights: Flights, cache: DiskCache, threads: int = FILL_THREADS, inflight: int | None = None):
         self.flights = flights
+        self.cache = cache
         self.threads = threads
-        self.inflight = inflight  # bytes on the link (reads' and fills') under which a fill may start
+        # bytes on the link (reads' and fills') under which a fill may start
+        self.inflight = FILL_INFLIGHT if inflight is None else inflight
+        self.unused_limit = None if cache.budget is None else int(cache.budget * FILL_UNUSED_SHARE)
         self._jobs: deque[Job] = deque()
         self._running = 0  # fill threads alive
         self.fill_bytes = 0  # bytes of fills started and not finished
@@ -151,6 +203,8 @@ class FillQueue:
         cv = self.flights.cv
         if time.monotonic() - self.flights.last_read_fetch > RECENT_S:
             jobs = []
+        if self.unused_limit is not None:
+            self.flights.drop_guesses(self.unused_limit, self.cache)
         with cv:
             self._jobs = deque(jobs)
             for i in range(self._running, min(self.threads, len(jobs))):

@@ -138,7 +138,12 @@ class RemoteFile:
         missing = []
         for off, view in pieces:
             view = self._clip(off, view)
-            if len(view) and not (self.cache is not None and self.cache.read(self.key, off, view)):
+            if not len(view):
+                continue
+            if self.cache is not None and self.cache.read(self.key, off, view):
+                if self.flights is not None:
+                    self.flights.used(self.key, off)
+            else:
                 missing.append((off, view))
         if self.flights is not None:  # a range another thread is fetching is waited for, not fetched again
             self.flights.fetch(self, missing, lambda rest: self._fetch_missing(rest, behind))
@@ -224,7 +229,7 @@ class RemoteIndex(CheckpointIndex):
         self.manifest, self.client, self.cache = manifest, client, cache
         self.flights = flights or Flights()
         # predictions go to the network only with somewhere to keep them and a network to fetch them from
-        self._fill = FillQueue(self.flights) if cache is not None and client is not None else None
+        self._fill = FillQueue(self.flights, cache) if cache is not None and client is not None else None
         self.min_io_threads = SETTINGS.io_threads
         self.lookahead_reads = SETTINGS.lookahead_reads if SETTINGS.lookahead_reads is not None else \
             TIER_LOOKAHEAD_READS if self._fill is not None else REMOTE_LOOKAHEAD_READS
@@ -281,7 +286,8 @@ class RemoteIndex(CheckpointIndex):
         f = self.flights.stats
         out = {"http_requests": 0, "http_bytes": 0, "http_retries": 0, "http_max_inflight": 0, "http_inflight_s": 0.0,
                "http_busy_s": 0.0, "fetch_joined": f.joined, "fetch_joined_bytes": f.joined_bytes,
-               "fill_ranges": f.filled, "fill_bytes": f.filled_bytes}
+               "fill_ranges": f.filled, "fill_bytes": f.filled_bytes, "fill_used_bytes": f.fill_used_bytes,
+               "fill_unused_bytes": self.flights.unused_bytes, "fill_dropped_bytes": f.fill_dropped_bytes}
         if self.client is not None:
             out.update(self.client.stats.snapshot())
         if self.cache is not None:
