@@ -1,6 +1,7 @@
 """Fetch-ahead over HTTP (weights/fetchahead.py), against the real loopback hub server: a range is fetched once
 however many readers want it, the lookahead's predictions land in the SSD tier with several requests in flight
-(neighbouring ranges in one request) alongside a read's own requests, and the SSD tier writes behind reads without losing a range."""
+(neighbouring ranges in one request) alongside a read's own requests, guesses no read used are counted and held to
+a share of the SSD tier, and the SSD tier writes behind reads without losing a range."""
 from __future__ import annotations
 
 import os
@@ -166,6 +167,36 @@ def test_fill_goes_while_a_read_is_on_the_link(blob):
     assert {(0, PIECE), (6 * PIECE, 7 * PIECE), (3 * PIECE, 4 * PIECE)} <= set(ranges_sent(srv))
 
 
+def test_unused_guesses_are_counted_and_held_to_their_share_of_the_tier(blob, tmp_path):
+    """Ranges fetched ahead count as unused until a read takes them; past FILL_UNUSED_SHARE of the SSD tier's budget
+    the oldest unused ones leave the tier (the bytes wrong guesses hold stay bounded), the used ones stay."""
+    from moestream.weights import fetchahead
+
+    data, srv, f0 = blob
+    cache = DiskCache(tmp_path / "budgeted", budget=12 * PIECE)
+    f = RemoteFile("blob.bin", f0.url, f0.size, f0.etag, "test:blob", f0.client, cache, Flights())
+    f.read_into(9 * PIECE, [memoryview(bytearray(PIECE))])  # a read needed the network: predictions go
+    q = FillQueue(f.flights, cache, threads=2)
+    assert q.unused_limit == int(12 * PIECE * fetchahead.FILL_UNUSED_SHARE) == 3 * PIECE
+    q.replace([(f, i * PIECE, PIECE) for i in range(6)])
+    wait_for(lambda: f.flights.stats.filled == 6)
+    assert f.flights.unused_bytes == 6 * PIECE and f.flights.stats.fill_used_bytes == 0
+    for i in (0, 1):  # the decode reads two of the guesses, from the SSD tier
+        out = memoryview(bytearray(PIECE))
+        f.read_into(i * PIECE, [out])
+        assert bytes(out) == data[i * PIECE:(i + 1) * PIECE]
+    assert f.flights.stats.fill_used_bytes == 2 * PIECE and f.flights.unused_bytes == 4 * PIECE
+    cache.flush()
+    q.replace([])  # past the share: the oldest unused guess (range 2) leaves the tier
+    assert f.flights.unused_bytes == 3 * PIECE and f.flights.stats.fill_dropped_bytes == PIECE
+    on_disk = {int(p.stem.split("-")[0], 16) // PIECE for p in (cache.root / "ranges" / f.key).glob("*.rng")}
+    assert on_disk == {0, 1, 3, 4, 5, 9}
+    assert DiskCache(cache.root).verify_all() == (6, 0)
+    out = memoryview(bytearray(PIECE))  # a dropped guess is fetched again when a read wants it
+    f.read_into(2 * PIECE, [out])
+    assert bytes(out) == data[2 * PIECE:3 * PIECE]
+
+
 def test_write_behind_serves_pending_ranges_and_flushes(tmp_path):
     cache = DiskCache(tmp_path / "dc")
     data = os.urandom(3 << 20)
@@ -202,10 +233,14 @@ def test_decode_fetches_predictions_ahead_once(tmp_path, monkeypatch):
         stub = remote.resolve("hf://org/tiny")
         srv.log.clear()
         eng = Engine.open(stub)
+        la = eng.runner.lookahead
+        handed = []  # every prediction the fetch-ahead got: [(layer, experts)]
+        fill = la.fill
+        la.fill = lambda preds: (handed.extend(preds), fill(preds))[1]
         try:
-            assert eng.runner.lookahead.fill is not None
-            assert eng.runner.lookahead.reads == 1  # the SSD tier takes the predictions: RAM reads ahead as locally
-            eng.runner.lookahead.warmup = 0
+            assert fill is not None
+            assert la.reads == 1  # the SSD tier takes the predictions: RAM reads ahead as locally
+            la.warmup = 0
             got = eng.generate(prompt, 8, stop_token_ids=[])
             stats = eng.plan.store.index.stats()
         finally:
@@ -213,6 +248,10 @@ def test_decode_fetches_predictions_ahead_once(tmp_path, monkeypatch):
         sent = Counter((p, a, b) for p, a, b, n in srv.log if n == b - a)
     assert got == want
     assert stats["fill_ranges"] > 0
+    # a decode row's prediction for the next layer is its router's top 2k, for the one after its top k (tiny: 2 of
+    # 16 experts routed)
+    assert handed and sorted({len(set(experts)) for _, experts in handed}) == [2, 4]
+    assert 0 < stats["fill_used_bytes"] <= stats["fill_bytes"]
     assert [r for r, n in sent.items() if n > 1] == []
 
 

@@ -59,9 +59,10 @@ class Lookahead:
     # over a link a round trip costs more than a wrong guess, which the link fetches while it would be idle
     fill: Callable[[list[tuple[int, list[int]]]], None] | None = None
     fill_depth: int = 2
-    # ... ranked this many times k wide (the router's `select(x, width)`): at top 2k the next layer's routed experts
-    # were 0.94 of the prediction on q3m_med (0.75 at top k), two layers on 0.89 (0.67); a wrong guess costs the
-    # link's idle time and SSD-tier room, a missed one a round trip on the decode's critical path
+    # ... the next layer's ranked this many times k wide (the router's `select(x, width)`), the later ones at k: at
+    # top 2k the next layer's routed experts were 0.94 of the prediction on q3m_med (0.75 at top k; two layers on,
+    # 0.89 against 0.67, but 2k there fetched 40% more bytes a token, which a busy link then carried instead). A
+    # missed expert costs a round trip on the decode's critical path, a wrong guess link time and SSD-tier room
     fill_width: int = 2
     routers: dict[int, RouterFn] = field(default_factory=dict)
     gates: dict[int, Gate] = field(default_factory=dict)
@@ -109,14 +110,14 @@ class Lookahead:
         return nxt, ranked
 
     def _fill_ahead(self, nxt: int, x: torch.Tensor, ranked: list[int]) -> None:
-        """Hand `fill` the predictions for `nxt` and the `fill_depth - 1` MoE layers after it, `fill_width` wide."""
-        preds, layer = [], nxt
-        for _ in range(self.fill_depth):
+        """Hand `fill` the predictions for `nxt` (`fill_width` wide) and the `fill_depth - 1` MoE layers after it."""
+        preds = [(nxt, ranked if self.fill_width == 1 else _ranked(self.routers[nxt](x, self.fill_width)))]
+        layer = nxt
+        for _ in range(self.fill_depth - 1):
+            layer = self.next_layer(layer)
             if layer is None:
                 break
-            wide = ranked if layer == nxt and self.fill_width == 1 else _ranked(self.routers[layer](x, self.fill_width))
-            preds.append((layer, wide))
-            layer = self.next_layer(layer)
+            preds.append((layer, _ranked(self.routers[layer](x))))
         self.fill(preds)
 
     def report(self) -> dict[int, dict]:

@@ -53,6 +53,8 @@ class _Flight:
 class FetchStats:
     joined: int = 0  # reads that got their bytes from a fetch already in flight instead of a request of their own
     joined_bytes: int = 0
+    read_fetched: int = 0  # fetches a read made itself (nothing predicted it in time)
+    read_fetched_bytes: int = 0
     filled: int = 0  # ranges the fetch-ahead brought into the SSD tier
     filled_bytes: int = 0
     fill_skipped: int = 0  # predicted ranges already on disk or in flight
@@ -96,6 +98,8 @@ class Flights:
                     with self.cv:
                         self.last_read_fetch = time.monotonic()
                         self.read_bytes += on_link
+                        self.stats.read_fetched += 1
+                        self.stats.read_fetched_bytes += on_link
                 fetch(rest)
                 if not for_read:
                     self._guessed(file.key, rest)

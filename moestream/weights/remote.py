@@ -286,6 +286,7 @@ class RemoteIndex(CheckpointIndex):
         f = self.flights.stats
         out = {"http_requests": 0, "http_bytes": 0, "http_retries": 0, "http_max_inflight": 0, "http_inflight_s": 0.0,
                "http_busy_s": 0.0, "fetch_joined": f.joined, "fetch_joined_bytes": f.joined_bytes,
+               "fetch_by_read": f.read_fetched, "fetch_by_read_bytes": f.read_fetched_bytes,
                "fill_ranges": f.filled, "fill_bytes": f.filled_bytes, "fill_used_bytes": f.fill_used_bytes,
                "fill_unused_bytes": self.flights.unused_bytes, "fill_dropped_bytes": f.fill_dropped_bytes}
         if self.client is not None:
