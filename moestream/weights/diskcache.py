@@ -22,6 +22,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from moestream.weights.buffers import copy_into
+
 try:  # ISA-L's crc32: the same values as zlib's, several times faster (both release the GIL)
     from isal.isal_zlib import crc32
 except ImportError:  # pragma: no cover - the http extra installs it
@@ -260,7 +262,7 @@ class DiskCache:
         return size
 
     # ---- insert -------------------------------------------------------------------------------------
-    def put_soon(self, key: str, offset: int, data: bytes | bytearray) -> None:
+    def put_soon(self, key: str, offset: int, data: bytes | bytearray | memoryview) -> None:
         """`put` on a writer thread: until the range is on disk, `read` and `covered` serve it from `data` (which
         the caller must not change afterwards). A process that dies first loses it (fetched again when next
         needed), like a range whose request was in flight. Past PENDING_MAX queued, the caller writes."""
@@ -309,7 +311,7 @@ class DiskCache:
         if got is None:
             return False
         off, data = got
-        out[:] = memoryview(data)[offset - off:offset - off + len(out)]
+        copy_into(out, memoryview(data)[offset - off:offset - off + len(out)])
         self.stats.hit_bytes += len(out)
         return True
 

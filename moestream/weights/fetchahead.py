@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from moestream.weights.buffers import copy_into
+
 if TYPE_CHECKING:
     from moestream.weights.diskcache import DiskCache
     from moestream.weights.remote import RemoteFile
@@ -179,7 +181,7 @@ class Flights:
         for view, flight in flights:
             if ok:
                 for w in flight.waiters:
-                    w[:] = view
+                    copy_into(w, view)
             flight.ok = ok
             flight.done.set()
 

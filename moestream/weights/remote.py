@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from moestream.errors import CheckpointError, MoestreamError
+from moestream.weights.buffers import copy_into, copy_of
 from moestream.weights.fetchahead import FillQueue, Flights
 from moestream.weights.index import REMOTE_MANIFEST, CheckpointIndex, tensors_from_header
 
@@ -150,7 +151,7 @@ class RemoteFile:
         else:
             self._fetch_missing(missing, behind)
 
-    def _fetch_missing(self, missing: list[tuple[int, memoryview]], behind: bool) -> None:
+    def _fetch_missing(self, missing: list[tuple[int, memoryview]], behind: bool | str) -> None:
         """One range request per group of neighbouring pieces (overlaps and holes up to 4 KiB read through)."""
         missing.sort(key=lambda p: p[0])
         group: list[tuple[int, memoryview]] = []
@@ -162,15 +163,18 @@ class RemoteFile:
         if group:
             self._fetch_group(group, behind)
 
-    def _keep(self, offset: int, view: memoryview, behind: bool) -> None:
+    def _keep(self, offset: int, view: memoryview, behind: bool | str) -> None:
+        """Into the SSD tier: `behind` True by the writer thread from a copy (the view is the caller's buffer, an
+        expert's, recycled once it is evicted), "own" from the view itself (the fetch-ahead's own buffer, dropped
+        after), False before returning."""
         if self.cache is None:
             return
-        if behind:  # a copy: the view is the caller's buffer (an expert's, recycled once it is evicted)
-            self.cache.put_soon(self.key, offset, bytes(view))
+        if behind:
+            self.cache.put_soon(self.key, offset, view if behind == "own" else copy_of(view))
         else:
             self.cache.put(self.key, offset, view)
 
-    def _fetch_group(self, group: list[tuple[int, memoryview]], behind: bool) -> None:
+    def _fetch_group(self, group: list[tuple[int, memoryview]], behind: bool | str) -> None:
         """One request for neighbouring pieces; each piece is kept on disk as its own range, so a later read of
         one expert is one whole range file (read straight into its buffer) rather than part of a larger one."""
         if len(group) == 1:
@@ -181,7 +185,7 @@ class RemoteFile:
         buf = memoryview(bytearray(hi - lo))
         self._download(lo, buf)
         for off, view in group:
-            view[:] = buf[off - lo:off - lo + len(view)]
+            copy_into(view, buf[off - lo:off - lo + len(view)])
             self._keep(off, view, behind)
 
     def _clip(self, offset: int, out: memoryview) -> memoryview:
@@ -208,7 +212,7 @@ class RemoteFile:
                   if n > 0 and not self.cache.covered(self.key, off, n)]
         if not pieces:
             return 0
-        return self.flights.fetch(self, pieces, lambda rest: self._fetch_missing(rest, True), for_read=False)
+        return self.flights.fetch(self, pieces, lambda rest: self._fetch_missing(rest, "own"), for_read=False)
 
     def _download(self, offset: int, out: memoryview) -> None:
         """One range request (offline: the error naming the missing bytes)."""
