@@ -197,6 +197,27 @@ def test_unused_guesses_are_counted_and_held_to_their_share_of_the_tier(blob, tm
     assert bytes(out) == data[2 * PIECE:3 * PIECE]
 
 
+def test_copies_of_fetched_ranges_are_exact():
+    """copy_into (the GIL-free copy of a fetched range) copies small, large, sliced and read-only sources exactly and
+    refuses a length mismatch; copy_of hands the writer a private copy."""
+    from moestream.weights.buffers import copy_into, copy_of
+
+    data = os.urandom(3 << 20)
+    src = memoryview(bytearray(data))
+    for lo, hi in ((0, 10), (5, 5 + (1 << 16)), (4096, 4096 + (2 << 20)), (0, len(data))):
+        dst = memoryview(bytearray(hi - lo))
+        copy_into(dst, src[lo:hi])
+        assert bytes(dst) == data[lo:hi]
+    dst = memoryview(bytearray(1 << 20))
+    copy_into(dst, data[:1 << 20])  # a read-only source
+    assert bytes(dst) == data[:1 << 20]
+    with pytest.raises(ValueError):
+        copy_into(dst, src[:10])
+    kept = copy_of(src)
+    src[:4] = b"\0\0\0\0"
+    assert bytes(kept) == data
+
+
 def test_write_behind_serves_pending_ranges_and_flushes(tmp_path):
     cache = DiskCache(tmp_path / "dc")
     data = os.urandom(3 << 20)

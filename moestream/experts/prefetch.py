@@ -4,8 +4,8 @@ Owns the registered routers (a family hands `layer -> fn(x) -> expert ids`), the
 ahead, and the gate: every prediction is scored against what the layer really routed to (recall, an EMA), and
 a layer's prefetch is issued only while its recall pays. A gate that switched off keeps measuring (one step in
 `probe`: at published widths a router is a 13 MB GEMV, not free), so it can switch on again. No I/O here:
-dispatch.py reads, and a remote checkpoint's fetch-ahead (`fill`) gets the predictions two layers deep.
-"""
+dispatch.py reads, and a remote checkpoint's fetch-ahead (`fill`) gets the predictions two layers deep, the next
+layer's wider (the top `fill_width` x k by its router's scores)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
