@@ -262,6 +262,7 @@ def test_decode_fetches_predictions_ahead_once(tmp_path, monkeypatch):
             assert fill is not None
             assert la.reads == 1  # the SSD tier takes the predictions: RAM reads ahead as locally
             la.warmup = 0
+            la.fill_width = 2  # the next layer's guess twice as wide (off by default: docs/performance.md)
             got = eng.generate(prompt, 8, stop_token_ids=[])
             stats = eng.plan.store.index.stats()
         finally:

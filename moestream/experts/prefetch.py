@@ -5,7 +5,7 @@ ahead, and the gate: every prediction is scored against what the layer really ro
 a layer's prefetch is issued only while its recall pays. A gate that switched off keeps measuring (one step in
 `probe`: at published widths a router is a 13 MB GEMV, not free), so it can switch on again. No I/O here:
 dispatch.py reads, and a remote checkpoint's fetch-ahead (`fill`) gets the predictions two layers deep, the next
-layer's wider (the top `fill_width` x k by its router's scores)."""
+layer's `fill_width` times wider when asked (the top width x k by its router's scores)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -59,11 +59,12 @@ class Lookahead:
     # over a link a round trip costs more than a wrong guess, which the link fetches while it would be idle
     fill: Callable[[list[tuple[int, list[int]]]], None] | None = None
     fill_depth: int = 2
-    # ... the next layer's ranked this many times k wide (the router's `select(x, width)`), the later ones at k: at
-    # top 2k the next layer's routed experts were 0.94 of the prediction on q3m_med (0.75 at top k; two layers on,
-    # 0.89 against 0.67, but 2k there fetched 40% more bytes a token, which a busy link then carried instead). A
-    # missed expert costs a round trip on the decode's critical path, a wrong guess link time and SSD-tier room
-    fill_width: int = 2
+    # ... the next layer's ranked this many times k wide (the router's `select(x, width)`), the later ones at k. At
+    # top 2k the next layer's routed experts were 0.94 of the prediction on q3m_med (0.75 at top k), but 2k fetched
+    # 30% more bytes a token and decoded cold 0.70-0.73 tok/s against 0.91-0.98 at k over a 200 MB/s + 20 ms
+    # loopback link on the 2-core VM, where each byte fetched costs the decode CPU (docs/performance.md). A missed
+    # expert costs a round trip on the decode's critical path, a wrong guess CPU, link time and SSD-tier room
+    fill_width: int = 1
     routers: dict[int, RouterFn] = field(default_factory=dict)
     gates: dict[int, Gate] = field(default_factory=dict)
     _pending: dict[int, set[int]] = field(default_factory=dict)
