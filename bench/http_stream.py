@@ -4,7 +4,8 @@ A hub-style server (tests/hfserver.py) runs in its own process on loopback, thro
 link shared by all connections) with --latency seconds added to every response. Three decodes of the same prompt
 and seed under the same RAM budget, side by side in one run:
   cold   hf://... with an empty SSD tier: decode tokens/s against the link bound (network bytes fetched per
-         decoded token / bandwidth), requests in flight (most, and the mean over the decode), the link's busy share;
+         decoded token / bandwidth), requests in flight (most, and the mean over the decode), the link's busy share,
+         the share of the bytes fetched ahead that no read of the run used, and the link-bound fraction without them;
   warm   the same again from the SSD tier the cold run filled (its pages dropped from the page cache first):
          network requests (must be 0), tokens/s and io_roofline_fraction;
   local  the checkpoint directory itself: tokens/s and io_roofline_fraction (the warm run should match it);
@@ -14,6 +15,7 @@ per token, one disk probe for both runs. Run under `flock /work/bench.lock`. Pri
 summary on stderr); exits 1 if the warm run touched the network.
 
     python bench/http_stream.py DIR [--bandwidth 200e6] [--latency 0.02] [--ram-budget 300MiB] [--gen 16]
+        [--fill-depth N] [--fill-width W] [--fill-inflight BYTES]
 """
 from __future__ import annotations
 
