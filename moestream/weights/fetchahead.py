@@ -1,8 +1,9 @@
 """Range fetches of a remote checkpoint in flight, and the lookahead's fetch-ahead into the SSD tier.
 
 Owns `Flights`: every network fetch of a range registers here, so a second reader of the same range waits for
-the first and gets its bytes instead of sending the request again (bytes cross the link once), and the bytes that
-reads are waiting on. And `FillQueue`: the router lookahead's predictions for the next MoE layers, fetched over
+the first and gets its bytes instead of sending the request again (bytes cross the link once), the bytes that
+reads are waiting on, and the fetched-ahead ranges no read has used yet (the guesses' waste, held to a share of
+the SSD tier's budget). And `FillQueue`: the router lookahead's predictions for the next MoE layers, fetched over
 the network into the SSD tier only (no RAM cache room taken, so the predictions can be generous), the newest
 predictions replacing those not yet started, neighbouring ranges of a file in one request, on as many threads as
 keep FILL_INFLIGHT bytes on the link together with the reads' own fetches (reads never wait for a guess; a guess
