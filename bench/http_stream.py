@@ -4,7 +4,8 @@ A hub-style server (tests/hfserver.py) runs in its own process on loopback, thro
 link shared by all connections) with --latency seconds added to every response. Three decodes of the same prompt
 and seed under the same RAM budget, side by side in one run:
   cold   hf://... with an empty SSD tier: decode tokens/s against the link bound (network bytes fetched per
-         decoded token / bandwidth), requests in flight (most, and the mean over the decode), the link's busy share;
+         decoded token / bandwidth), requests in flight (most, and the mean over the decode), the link's busy share,
+         the share of the bytes fetched ahead that no read of the run used, and the link-bound fraction without them;
   warm   the same again from the SSD tier the cold run filled (its pages dropped from the page cache first):
          network requests (must be 0), tokens/s and io_roofline_fraction;
   local  the checkpoint directory itself: tokens/s and io_roofline_fraction (the warm run should match it);
@@ -14,6 +15,7 @@ per token, one disk probe for both runs. Run under `flock /work/bench.lock`. Pri
 summary on stderr); exits 1 if the warm run touched the network.
 
     python bench/http_stream.py DIR [--bandwidth 200e6] [--latency 0.02] [--ram-budget 300MiB] [--gen 16]
+        [--fill-depth N] [--fill-width W] [--fill-inflight BYTES]
 """
 from __future__ import annotations
 
@@ -40,9 +42,11 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
     eng = Engine.open(path, ram_budget=a.ram_budget, threads=a.threads, **io)
     if lookahead_reads is not None:
         eng.runner.lookahead.reads = lookahead_reads
+    la = eng.runner.lookahead
     if a.fill_depth is not None:  # the remote fetch-ahead into the SSD tier: 0 turns it off
-        la = eng.runner.lookahead
         la.fill, la.fill_depth = (la.fill if a.fill_depth else None), max(1, a.fill_depth)
+    if a.fill_width is not None:
+        la.fill_width = a.fill_width
     net = getattr(eng.plan.store.index, "stats", lambda: {})
     read = lambda: eng.plan.store.bytes_read  # noqa: E731 - expert bytes through the reader (disk or SSD tier)
     try:
@@ -55,7 +59,8 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
         t = eng.runner.times
         prefetch = {"reads": t.prefetch_reads, "used": t.prefetch_used, "withdrawn": t.prefetch_withdrawn}
         phases = {"io_wait_s": t.io_wait_s, "expert_s": t.expert_s, "lookahead_s": t.lookahead_s}
-        fills = {k: v for k, v in net().items() if k.startswith(("fill_", "fetch_"))}
+        whole = net()
+        fills = {k: v for k, v in whole.items() if k.startswith(("fill_", "fetch_"))}
     finally:
         eng.close()
     steps, secs = max(1, n - 1), end - first  # forward passes after the first token
@@ -69,6 +74,10 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
                    retries=last["http_retries"], disk_hit_bytes=last.get("disk_hit_bytes", 0),
                    corrupt_ranges=last.get("disk_corrupt_ranges", 0),
                    inflight_share=_hist_share(at_first.get("http_inflight_hist", {}), last.get("http_inflight_hist", {})))
+        # guesses fetched ahead that no read of the run used (counted against the decode): the honest bytes
+        unused = whole.get("fill_bytes", 0) - whole.get("fill_used_bytes", 0)
+        out.update(fill_unused_share=unused / max(1, whole["http_bytes"]),
+                   useful_net_bytes_per_token=max(0, d["http_bytes"] - unused) / steps)
     return out
 
 
@@ -113,6 +122,10 @@ def main() -> int:
     ap.add_argument("--fill-depth", type=int, default=None,
                     help="MoE layers ahead whose predicted experts are fetched into the SSD tier (0: none; default: "
                          "experts/prefetch.py's)")
+    ap.add_argument("--fill-width", type=int, default=None,
+                    help="the fetch-ahead's predictions, times top-k wide (default: experts/prefetch.py's)")
+    ap.add_argument("--fill-inflight", default=None,
+                    help="bytes on the link under which the fetch-ahead starts a request (default: fetchahead.py's)")
     ap.add_argument("--split-max", type=int, default=None,
                     help="parallel requests one large range may go as (default: weights/http.py's SPLIT_MAX)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads (default 1: on a shared machine more "
@@ -130,6 +143,11 @@ def main() -> int:
 
     if a.io_threads is not None:
         remote.SETTINGS.io_threads = a.io_threads
+    if a.fill_inflight is not None:
+        from moestream.config import parse_bytes
+        from moestream.weights import fetchahead
+
+        fetchahead.FILL_INFLIGHT = parse_bytes(a.fill_inflight)
     if a.split_max is not None:
         from moestream.weights import http
 
@@ -168,6 +186,7 @@ def main() -> int:
         r["io_roofline_fraction"] = r["read_bytes_per_token"] / disk_bw * r["decode_tok_s"] if disk_bw else None
         if "net_bytes_per_token" in r and r["net_bytes_per_token"]:
             r["link_bound_fraction"] = r["net_bytes_per_token"] / a.bandwidth * r["decode_tok_s"]
+            r["useful_link_bound_fraction"] = r["useful_net_bytes_per_token"] / a.bandwidth * r["decode_tok_s"]
     lines = []
     if len(runs) > len(set(k.split(".")[0] for k in runs)):  # repeated runs: medians (a loaded machine is noisy)
         report["median_tok_s"] = {n: _median([r["decode_tok_s"] for k, r in runs.items() if k.split(".")[0] == n])
@@ -183,7 +202,9 @@ def main() -> int:
         lines.append(f"cold: {cold['decode_tok_s']:.2f} tok/s, {cold['net_bytes_per_token'] / 2**20:.1f} MiB fetched "
                      f"per token, link bound {report['link_bound_tok_s']:.2f} tok/s -> {report['link_bound_fraction']:.2f} "
                      f"of it; requests in flight: mean {cold['mean_inflight']:.1f}, most {cold['max_inflight']}; link "
-                     f"busy {cold['link_busy_share']:.2f} of the decode")
+                     f"busy {cold['link_busy_share']:.2f} of the decode; fetched ahead and never used "
+                     f"{cold['fill_unused_share']:.2f} of the bytes (without them: "
+                     f"{cold['useful_link_bound_fraction']:.2f} of the link bound)")
     if "warm" in runs and "local_remote_io" in runs:
         report["warm_vs_local_remote_io_tok_s"] = runs["warm"]["decode_tok_s"] / runs["local_remote_io"]["decode_tok_s"]
         lines.append(f"local with the remote I/O settings: {runs['local_remote_io']['decode_tok_s']:.2f} tok/s, io_roofline "

@@ -1,6 +1,7 @@
 """Fetch-ahead over HTTP (weights/fetchahead.py), against the real loopback hub server: a range is fetched once
 however many readers want it, the lookahead's predictions land in the SSD tier with several requests in flight
-(neighbouring ranges in one request) alongside a read's own requests, and the SSD tier writes behind reads without losing a range."""
+(neighbouring ranges in one request) alongside a read's own requests, guesses no read used are counted and held to
+a share of the SSD tier, and the SSD tier writes behind reads without losing a range."""
 from __future__ import annotations
 
 import os
@@ -73,15 +74,14 @@ def test_readers_of_one_range_share_one_request(blob):
     for t in threads:
         t.join()
     assert all(bytes(o) == data[PIECE:2 * PIECE] for o in outs)
-    wait_for(lambda: ranges_sent(srv))
-    time.sleep(0.3)  # a second request, were there one, would be logged by now
+    srv.settled()  # every reader has its bytes; a second request, were there one, is logged once answered
     assert ranges_sent(srv) == Counter({(PIECE, 2 * PIECE): 1})  # four readers, one request
     assert f.flights.stats.joined == 3
 
 
 def test_fill_brings_ranges_to_disk_with_requests_in_flight(blob):
     data, srv, f = blob
-    q = FillQueue(f.flights, threads=4)
+    q = FillQueue(f.flights, f.cache, threads=4)
     q.replace([(f, 0, PIECE)])  # no read has needed the network yet: predictions are not fetched
     f.read_into(9 * PIECE, [memoryview(bytearray(PIECE))])
     wait_for(lambda: srv.log)
@@ -106,7 +106,7 @@ def test_neighbouring_predictions_go_as_one_request_kept_as_their_own_ranges(blo
     f.read_into(9 * PIECE, [memoryview(bytearray(PIECE))])  # a read needed the network: predictions go
     wait_for(lambda: srv.log)
     srv.log.clear()
-    q = FillQueue(f.flights, threads=1)
+    q = FillQueue(f.flights, f.cache, threads=1)
     q.replace([(f, 5 * PIECE, PIECE), (f, 0, PIECE), (f, 6 * PIECE, PIECE), (f, 1 * PIECE, PIECE)])
     wait_for(lambda: f.flights.stats.filled == 4 and len(ranges_sent(srv)) == 2)
     f.cache.flush()
@@ -122,7 +122,7 @@ def test_fill_shares_the_link_with_reads_and_newest_predictions_win(blob):
     """A read's fetch on the link does not stop the fetch-ahead while the link has room (a pause per read left
     the link idle between requests); reads holding the whole in-flight budget do."""
     data, srv, f = blob
-    q = FillQueue(f.flights, threads=1, inflight=4 * PIECE)
+    q = FillQueue(f.flights, f.cache, threads=1, inflight=4 * PIECE)
     with f.flights.cv:
         f.flights.read_bytes = 4 * PIECE  # reads' own requests fill the link
         f.flights.last_read_fetch = time.monotonic()
@@ -154,7 +154,7 @@ def test_fill_goes_while_a_read_is_on_the_link(blob):
     reader = threading.Thread(target=f.flights.fetch, args=(f, [(3 * PIECE, out)], fetch_when_released))
     reader.start()
     wait_for(lambda: f.flights.read_bytes == PIECE)  # the read's fetch is on the link
-    q = FillQueue(f.flights, threads=2)
+    q = FillQueue(f.flights, f.cache, threads=2)
     q.replace([(f, 0, PIECE), (f, 6 * PIECE, PIECE)])
     try:
         wait_for(lambda: f.flights.stats.filled == 2)
@@ -165,6 +165,57 @@ def test_fill_goes_while_a_read_is_on_the_link(blob):
     assert bytes(out) == data[3 * PIECE:4 * PIECE] and f.flights.read_bytes == 0
     srv.settled()  # the read's own entry is logged after its body has gone
     assert {(0, PIECE), (6 * PIECE, 7 * PIECE), (3 * PIECE, 4 * PIECE)} <= set(ranges_sent(srv))
+
+
+def test_unused_guesses_are_counted_and_held_to_their_share_of_the_tier(blob, tmp_path):
+    """Ranges fetched ahead count as unused until a read takes them; past FILL_UNUSED_SHARE of the SSD tier's budget
+    the oldest unused ones leave the tier (the bytes wrong guesses hold stay bounded), the used ones stay."""
+    from moestream.weights import fetchahead
+
+    data, srv, f0 = blob
+    cache = DiskCache(tmp_path / "budgeted", budget=12 * PIECE)
+    f = RemoteFile("blob.bin", f0.url, f0.size, f0.etag, "test:blob", f0.client, cache, Flights())
+    f.read_into(9 * PIECE, [memoryview(bytearray(PIECE))])  # a read needed the network: predictions go
+    q = FillQueue(f.flights, cache, threads=2)
+    assert q.unused_limit == int(12 * PIECE * fetchahead.FILL_UNUSED_SHARE) == 3 * PIECE
+    q.replace([(f, i * PIECE, PIECE) for i in range(6)])
+    wait_for(lambda: f.flights.stats.filled == 6)
+    assert f.flights.unused_bytes == 6 * PIECE and f.flights.stats.fill_used_bytes == 0
+    for i in (0, 1):  # the decode reads two of the guesses, from the SSD tier
+        out = memoryview(bytearray(PIECE))
+        f.read_into(i * PIECE, [out])
+        assert bytes(out) == data[i * PIECE:(i + 1) * PIECE]
+    assert f.flights.stats.fill_used_bytes == 2 * PIECE and f.flights.unused_bytes == 4 * PIECE
+    cache.flush()
+    q.replace([])  # past the share: the oldest unused guess (range 2) leaves the tier
+    assert f.flights.unused_bytes == 3 * PIECE and f.flights.stats.fill_dropped_bytes == PIECE
+    on_disk = {int(p.stem.split("-")[0], 16) // PIECE for p in (cache.root / "ranges" / f.key).glob("*.rng")}
+    assert on_disk == {0, 1, 3, 4, 5, 9}
+    assert DiskCache(cache.root).verify_all() == (6, 0)
+    out = memoryview(bytearray(PIECE))  # a dropped guess is fetched again when a read wants it
+    f.read_into(2 * PIECE, [out])
+    assert bytes(out) == data[2 * PIECE:3 * PIECE]
+
+
+def test_copies_of_fetched_ranges_are_exact():
+    """copy_into (the GIL-free copy of a fetched range) copies small, large, sliced and read-only sources exactly and
+    refuses a length mismatch; copy_of hands the writer a private copy."""
+    from moestream.weights.buffers import copy_into, copy_of
+
+    data = os.urandom(3 << 20)
+    src = memoryview(bytearray(data))
+    for lo, hi in ((0, 10), (5, 5 + (1 << 16)), (4096, 4096 + (2 << 20)), (0, len(data))):
+        dst = memoryview(bytearray(hi - lo))
+        copy_into(dst, src[lo:hi])
+        assert bytes(dst) == data[lo:hi]
+    dst = memoryview(bytearray(1 << 20))
+    copy_into(dst, data[:1 << 20])  # a read-only source
+    assert bytes(dst) == data[:1 << 20]
+    with pytest.raises(ValueError):
+        copy_into(dst, src[:10])
+    kept = copy_of(src)
+    src[:4] = b"\0\0\0\0"
+    assert bytes(kept) == data
 
 
 def test_write_behind_serves_pending_ranges_and_flushes(tmp_path):
@@ -203,10 +254,15 @@ def test_decode_fetches_predictions_ahead_once(tmp_path, monkeypatch):
         stub = remote.resolve("hf://org/tiny")
         srv.log.clear()
         eng = Engine.open(stub)
+        la = eng.runner.lookahead
+        handed = []  # every prediction the fetch-ahead got: [(layer, experts)]
+        fill = la.fill
+        la.fill = lambda preds: (handed.extend(preds), fill(preds))[1]
         try:
-            assert eng.runner.lookahead.fill is not None
-            assert eng.runner.lookahead.reads == 1  # the SSD tier takes the predictions: RAM reads ahead as locally
-            eng.runner.lookahead.warmup = 0
+            assert fill is not None
+            assert la.reads == 1  # the SSD tier takes the predictions: RAM reads ahead as locally
+            la.warmup = 0
+            la.fill_width = 2  # the next layer's guess twice as wide (off by default: docs/performance.md)
             got = eng.generate(prompt, 8, stop_token_ids=[])
             stats = eng.plan.store.index.stats()
         finally:
@@ -214,6 +270,10 @@ def test_decode_fetches_predictions_ahead_once(tmp_path, monkeypatch):
         sent = Counter((p, a, b) for p, a, b, n in srv.log if n == b - a)
     assert got == want
     assert stats["fill_ranges"] > 0
+    # a decode row's prediction for the next layer is its router's top 2k, for the one after its top k (tiny: 2 of
+    # 16 experts routed)
+    assert handed and sorted({len(set(experts)) for _, experts in handed}) == [2, 4]
+    assert 0 < stats["fill_used_bytes"] <= stats["fill_bytes"]
     assert [r for r, n in sent.items() if n > 1] == []
 
 

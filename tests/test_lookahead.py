@@ -1,6 +1,6 @@
 """Router lookahead for every family's router: the predictor registered for a MoE layer is that layer's exact
 selection rule (softmax top-k, group-limited sigmoid with correction bias, K3's full-width latent-MoE router,
-gpt-oss's biased router), reading ahead never changes what is computed, and the gate closes on low recall."""
+gpt-oss's biased router) and ranks wider by the same scores when asked, reading ahead never changes what is computed, and the gate closes on low recall."""
 from __future__ import annotations
 
 import pytest
@@ -66,8 +66,14 @@ def test_predictor_is_the_next_routers_own_selection(ckpt):
     routers, moe = eng.runner.lookahead.routers, eng.plan.layout.moe_layers
     assert sorted(routers) == sorted(moe) and len(moe) > 1
     assert {layer for layer, _, _ in seen} == set(moe)
+    experts = eng.runner.store.num_experts
     for layer, x, ids in seen:
         assert torch.equal(routers[layer](x), ids), f"layer {layer}: the lookahead would predict other experts"
+        # twice as wide (the remote fetch-ahead's guess): distinct experts, the router's own choice among them
+        wide = routers[layer](x, 2)
+        assert wide.shape[0] == ids.shape[0] and ids.shape[1] < wide.shape[1] <= min(2 * ids.shape[1], experts)
+        for row, chosen in zip(wide.tolist(), ids.tolist()):
+            assert len(set(row)) == len(row) and set(chosen) <= set(row) and max(row) < experts
     # every MoE layer after the first was predicted from the layer before it (and scored)
     assert sorted(eng.runner.lookahead.gates) == sorted(moe)[1:]
     eng.close()

@@ -4,8 +4,8 @@ Owns the registered routers (a family hands `layer -> fn(x) -> expert ids`), the
 ahead, and the gate: every prediction is scored against what the layer really routed to (recall, an EMA), and
 a layer's prefetch is issued only while its recall pays. A gate that switched off keeps measuring (one step in
 `probe`: at published widths a router is a 13 MB GEMV, not free), so it can switch on again. No I/O here:
-dispatch.py reads, and a remote checkpoint's fetch-ahead (`fill`) gets the predictions two layers deep.
-"""
+dispatch.py reads, and a remote checkpoint's fetch-ahead (`fill`) gets the predictions two layers deep, the next
+layer's `fill_width` times wider when asked (the top width x k by its router's scores)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-RouterFn = Callable[[torch.Tensor], torch.Tensor]  # x [T, H] -> expert ids [T, k]
+RouterFn = Callable[..., torch.Tensor]  # (x [T, H], width=1) -> expert ids [T, width x k], best first
 
 
 @dataclass
@@ -59,6 +59,12 @@ class Lookahead:
     # over a link a round trip costs more than a wrong guess, which the link fetches while it would be idle
     fill: Callable[[list[tuple[int, list[int]]]], None] | None = None
     fill_depth: int = 2
+    # ... the next layer's ranked this many times k wide (the router's `select(x, width)`), the later ones at k. At
+    # top 2k the next layer's routed experts were 0.94 of the prediction on q3m_med (0.75 at top k), but 2k fetched
+    # 30% more bytes a token and decoded cold 0.70-0.73 tok/s against 0.91-0.98 at k over a 200 MB/s + 20 ms
+    # loopback link on the 2-core VM, where each byte fetched costs the decode CPU (docs/performance.md). A missed
+    # expert costs a round trip on the decode's critical path, a wrong guess CPU, link time and SSD-tier room
+    fill_width: int = 1
     routers: dict[int, RouterFn] = field(default_factory=dict)
     gates: dict[int, Gate] = field(default_factory=dict)
     _pending: dict[int, set[int]] = field(default_factory=dict)
@@ -95,8 +101,7 @@ class Lookahead:
             gate.closed_steps += 1
             if gate.closed_steps % self.probe:
                 return None
-        ids = self.routers[nxt](x)  # [T, k], each row best first
-        ranked = list(dict.fromkeys(ids.t().reshape(-1).tolist()))
+        ranked = _ranked(self.routers[nxt](x))
         self._pending[nxt] = set(ranked)
         if self.fill is not None and len(ranked) <= self.max_share * num_experts:
             self._fill_ahead(nxt, x, ranked)
@@ -106,16 +111,23 @@ class Lookahead:
         return nxt, ranked
 
     def _fill_ahead(self, nxt: int, x: torch.Tensor, ranked: list[int]) -> None:
-        preds, layer = [(nxt, ranked)], nxt
+        """Hand `fill` the predictions for `nxt` (`fill_width` wide) and the `fill_depth - 1` MoE layers after it."""
+        preds = [(nxt, ranked if self.fill_width == 1 else _ranked(self.routers[nxt](x, self.fill_width)))]
+        layer = nxt
         for _ in range(self.fill_depth - 1):
             layer = self.next_layer(layer)
             if layer is None:
                 break
-            ids = self.routers[layer](x)
-            preds.append((layer, list(dict.fromkeys(ids.t().reshape(-1).tolist()))))
+            preds.append((layer, _ranked(self.routers[layer](x))))
         self.fill(preds)
 
     def report(self) -> dict[int, dict]:
         return {layer: {"recall": round(g.recall, 3), "on": g.scored >= self.warmup and g.recall >= self.threshold,
                         "issued_steps": g.issued_steps, "lifetime_recall": round(g.correct / max(1, g.routed), 3)}
                 for layer, g in sorted(self.gates.items())}
+
+
+def _ranked(ids: torch.Tensor) -> list[int]:
+    """Expert ids [T, n] (each row best first) as one list best first: every token's first choice, then every
+    token's second, ..., each expert once."""
+    return list(dict.fromkeys(ids.t().reshape(-1).tolist()))

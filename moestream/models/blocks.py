@@ -266,13 +266,24 @@ class Router:
     """A MoE layer's router: x [T, H] -> (expert ids, weights) [T, k], each row best first.
 
     `select` is the ids alone, by the same computation: the lookahead runs it one layer early (on the previous MoE
-    layer's router input), so a prediction names exactly the experts this router would pick for that input."""
+    layer's router input), so a prediction names exactly the experts this router would pick for that input.
+    `select(x, width)` ranks `width` times as many by the same scores (a remote checkpoint's fetch-ahead guesses
+    wider than the RAM read-ahead: over a link a missed expert costs a round trip after the router asks)."""
+
+    top_k: int
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def select(self, x: torch.Tensor) -> torch.Tensor:
-        return self(x)[0]
+    def select(self, x: torch.Tensor, width: int = 1) -> torch.Tensor:
+        """Expert ids [T, n] best first: the router's own top-k (width 1), or its top width x k by the same
+        selection scores (at most every expert the selection rule can pick)."""
+        if width == 1:
+            return self(x)[0]
+        return self.ranked(x, width * self.top_k)
+
+    def ranked(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True, eq=False)
@@ -285,6 +296,9 @@ class SoftmaxRouter(Router):
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return softmax_route(x, self.weight, self.top_k, self.renormalize)
+
+    def ranked(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return softmax_route(x, self.weight, min(n, self.weight.shape[0]), self.renormalize)[0]
 
 
 @dataclass(frozen=True, eq=False)
@@ -304,6 +318,12 @@ class SigmoidRouter(Router):
         return sigmoid_topk(linear(x, self.weight), self.bias, self.top_k, self.renormalize, self.scale,
                             self.n_group, self.topk_group)
 
+    def ranked(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        # the group limit leaves topk_group groups' experts selectable
+        n = min(n, self.weight.shape[0] * min(self.topk_group, self.n_group) // max(1, self.n_group))
+        return sigmoid_topk(linear(x, self.weight), self.bias, n, self.renormalize, self.scale, self.n_group,
+                            self.topk_group)[0]
+
 
 @dataclass(frozen=True, eq=False)
 class BiasedRouter(Router):
@@ -316,6 +336,9 @@ class BiasedRouter(Router):
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         top, ids = torch.topk(linear(x, self.weight, self.bias), self.top_k, dim=-1)
         return ids, torch.softmax(top, dim=-1)
+
+    def ranked(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return torch.topk(linear(x, self.weight, self.bias), min(n, self.weight.shape[0]), dim=-1).indices
 
 
 def embed(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from moestream.weights.buffers import copy_into
+
 try:  # ISA-L's crc32: the same values as zlib's, several times faster (both release the GIL)
     from isal.isal_zlib import crc32
 except ImportError:  # pragma: no cover - the http extra installs it
@@ -241,7 +243,13 @@ class DiskCache:
 
     def _corrupt(self, key: str, r: _Range) -> bool:
         self.stats.corrupt_ranges += 1
+        self._remove(key, r)
+        return False
+
+    def _remove(self, key: str, r: _Range) -> int:
+        """Delete range file `r` (if still there) and give its bytes back to the budget; returns them."""
         self._headers.pop(r.path, None)
+        size = 0
         with self._locked():
             before = self._usage()
             try:
@@ -251,10 +259,10 @@ class DiskCache:
             except FileNotFoundError:
                 pass
         self._drop_from_index(key, r)
-        return False
+        return size
 
     # ---- insert -------------------------------------------------------------------------------------
-    def put_soon(self, key: str, offset: int, data: bytes | bytearray) -> None:
+    def put_soon(self, key: str, offset: int, data: bytes | bytearray | memoryview) -> None:
         """`put` on a writer thread: until the range is on disk, `read` and `covered` serve it from `data` (which
         the caller must not change afterwards). A process that dies first loses it (fetched again when next
         needed), like a range whose request was in flight. Past PENDING_MAX queued, the caller writes."""
@@ -303,7 +311,7 @@ class DiskCache:
         if got is None:
             return False
         off, data = got
-        out[:] = memoryview(data)[offset - off:offset - off + len(out)]
+        copy_into(out, memoryview(data)[offset - off:offset - off + len(out)])
         self.stats.hit_bytes += len(out)
         return True
 
@@ -316,7 +324,7 @@ class DiskCache:
         crcs = [crc32(data[b * BLOCK:(b + 1) * BLOCK]) for b in range(nblocks)]
         head = _HEAD.pack(MAGIC, VERSION, offset, len(data), BLOCK) + struct.pack(f"<{nblocks}I", *crcs)
         head += struct.pack("<I", zlib.crc32(head))
-        final = self._dir(key) / f"{offset:016x}-{len(data):016x}.rng"
+        final = self._range_path(key, offset, len(data))
         tmp = self.root / "tmp" / f"{os.getpid()}-{threading.get_ident()}-{final.name}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -340,6 +348,15 @@ class DiskCache:
             self._insert(key, _Range(offset, len(data), final))
             if self.budget is not None and self._usage() > self.budget:
                 self._evict(keep=final)
+
+    def discard(self, key: str, offset: int, length: int) -> None:
+        """Remove the range stored as exactly [offset, offset + length) of `key` (a fetch-ahead guess no read used),
+        if it is there; its room goes back to the budget."""
+        with self._mu:
+            data = self._pending.pop((key, offset), None)
+            if data is not None:  # not on disk yet: the writer skips it
+                self._pending_bytes -= len(data)
+        self.stats.evicted_bytes += self._remove(key, _Range(offset, length, self._range_path(key, offset, length)))
 
     # ---- budget -------------------------------------------------------------------------------------
     def usage(self) -> int:
@@ -392,6 +409,9 @@ class DiskCache:
     # ---- index maintenance --------------------------------------------------------------------------
     def _dir(self, key: str) -> Path:
         return self.root / "ranges" / key
+
+    def _range_path(self, key: str, offset: int, length: int) -> Path:
+        return self._dir(key) / f"{offset:016x}-{length:016x}.rng"
 
     def _scan(self, key: str) -> None:
         ranges = []

@@ -1,8 +1,9 @@
 """Range fetches of a remote checkpoint in flight, and the lookahead's fetch-ahead into the SSD tier.
 
 Owns `Flights`: every network fetch of a range registers here, so a second reader of the same range waits for
-the first and gets its bytes instead of sending the request again (bytes cross the link once), and the bytes that
-reads are waiting on. And `FillQueue`: the router lookahead's predictions for the next MoE layers, fetched over
+the first and gets its bytes instead of sending the request again (bytes cross the link once), the bytes that
+reads are waiting on, and the fetched-ahead ranges no read has used yet (the guesses' waste, held to a share of
+the SSD tier's budget). And `FillQueue`: the router lookahead's predictions for the next MoE layers, fetched over
 the network into the SSD tier only (no RAM cache room taken, so the predictions can be generous), the newest
 predictions replacing those not yet started, neighbouring ranges of a file in one request, on as many threads as
 keep FILL_INFLIGHT bytes on the link together with the reads' own fetches (reads never wait for a guess; a guess
@@ -17,12 +18,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from moestream.weights.buffers import copy_into
+
 if TYPE_CHECKING:
+    from moestream.weights.diskcache import DiskCache
     from moestream.weights.remote import RemoteFile
 
-# bytes kept on the link by reads and fetch-ahead together: twice the bandwidth-delay product of a 200 MB/s link
-# with 20 ms latency (4 MB), so the link stays busy while each request waits out its round trip
-FILL_INFLIGHT = 8 << 20
+# bytes kept on the link by reads and fetch-ahead together: four times the bandwidth-delay product of a 200 MB/s
+# link with 20 ms latency (4 MB). Each request waits out its round trip before its bytes flow, so B bytes in flight
+# carry B / (B / rate + latency): 0.67 of the rate at 8 MiB, 0.8 at 16, 0.86 at 24
+FILL_INFLIGHT = 16 << 20
+# unused predictions (fetched ahead, not read since) hold at most this share of the SSD tier's budget; past it the
+# oldest leave the tier, so guesses never push out what the decode reads
+FILL_UNUSED_SHARE = 0.25
 FILL_THREADS = 8  # fill requests in flight at most (each takes up to FILL_COALESCE bytes of neighbouring ranges)
 FILL_COALESCE = 8 << 20  # neighbouring predicted ranges of one file fetched as one request, up to this many bytes
 IDLE_S = 5.0  # a fill thread with nothing queued for this long exits (a later prediction starts it again)
@@ -48,9 +56,14 @@ class _Flight:
 class FetchStats:
     joined: int = 0  # reads that got their bytes from a fetch already in flight instead of a request of their own
     joined_bytes: int = 0
+    read_fetched: int = 0  # fetches a read made itself (nothing predicted it in time)
+    read_fetched_bytes: int = 0
     filled: int = 0  # ranges the fetch-ahead brought into the SSD tier
     filled_bytes: int = 0
     fill_skipped: int = 0  # predicted ranges already on disk or in flight
+    fill_used_bytes: int = 0  # bytes of filled ranges a read has since used (the rest: guesses not used yet)
+    fill_dropped_bytes: int = 0  # bytes of filled ranges gone from the SSD tier unused (evicted, or dropped as the
+    # oldest unused guesses past the fetch-ahead's share of the tier)
 
 
 class Flights:
@@ -62,6 +75,8 @@ class Flights:
         self.read_bytes = 0  # bytes of fetches made for reads (not fill) on the link: the fill queue leaves room
         self.last_read_fetch = float("-inf")  # time.monotonic() of the last read that needed the network
         self.stats = FetchStats()
+        self.unused: dict[tuple[str, int], int] = {}  # (file key, offset) -> bytes of a filled range no read used yet
+        self.unused_bytes = 0
 
     def fetch(self, file: RemoteFile, pieces: list[Piece], fetch: Callable[[list[Piece]], None],
               for_read: bool = True) -> int:
@@ -73,14 +88,24 @@ class Flights:
         mine, theirs = self._claim(file, pieces, for_read)
         fetched, on_link = 0, 0
         try:
-            rest = [(o, v) for o, v in mine if not (file.cache is not None and file.cache.read(file.key, o, v))]
+            rest = []
+            for o, v in mine:
+                if file.cache is not None and file.cache.read(file.key, o, v):
+                    if for_read:
+                        self.used(file.key, o)
+                else:
+                    rest.append((o, v))
             if rest:
                 if for_read:
                     on_link = sum(len(v) for _, v in rest)
                     with self.cv:
                         self.last_read_fetch = time.monotonic()
                         self.read_bytes += on_link
+                        self.stats.read_fetched += 1
+                        self.stats.read_fetched_bytes += on_link
                 fetch(rest)
+                if not for_read:
+                    self._guessed(file.key, rest)
             fetched, ok = sum(len(v) for _, v in rest), True
         except BaseException:
             ok = False
@@ -94,11 +119,42 @@ class Flights:
                 with self.cv:
                     self.stats.joined += 1
                     self.stats.joined_bytes += len(view)
+                self.used(file.key, off)
             else:
                 again.append((off, view))
         if again:
             fetched += self.fetch(file, again, fetch, for_read)
         return fetched
+
+    def _guessed(self, key: str, pieces: list[Piece]) -> None:
+        """Filled ranges count as unused guesses until a read uses them (before their flights let go of them)."""
+        with self.cv:
+            for off, view in pieces:
+                if (key, off) not in self.unused:
+                    self.unused[(key, off)] = len(view)
+                    self.unused_bytes += len(view)
+
+    def used(self, key: str, offset: int) -> None:
+        """A read got range (key, offset) from the SSD tier or a flight: a filled range there is a guess that paid."""
+        if not self.unused:
+            return
+        with self.cv:
+            n = self.unused.pop((key, offset), 0)
+            self.unused_bytes -= n
+            self.stats.fill_used_bytes += n
+
+    def drop_guesses(self, limit: int, cache: DiskCache) -> None:
+        """Unused guesses past `limit` bytes leave the SSD tier, oldest first (those it evicted itself just leave
+        the count), so wrong predictions never hold more than `limit` of the tier's room."""
+        while True:
+            with self.cv:
+                if self.unused_bytes <= limit or not self.unused:
+                    return
+                (key, off), n = next(iter(self.unused.items()))
+                del self.unused[(key, off)]
+                self.unused_bytes -= n
+                self.stats.fill_dropped_bytes += n
+            cache.discard(key, off, n)
 
     def _claim(self, file: RemoteFile, pieces: list[Piece], for_read: bool):
         mine: list[Piece] = []
@@ -126,7 +182,7 @@ class Flights:
         for view, flight in flights:
             if ok:
                 for w in flight.waiters:
-                    w[:] = view
+                    copy_into(w, view)
             flight.ok = ok
             flight.done.set()
 
@@ -137,10 +193,13 @@ Job = tuple["RemoteFile", int, int]  # (file, offset, length) of a predicted ran
 class FillQueue:
     """Ranges to bring into the SSD tier ahead of need, best first; `replace` swaps in the newest predictions."""
 
-    def __init__(self, flights: Flights, threads: int = FILL_THREADS, inflight: int = FILL_INFLIGHT):
+    def __init__(self, flights: Flights, cache: DiskCache, threads: int = FILL_THREADS, inflight: int | None = None):
         self.flights = flights
+        self.cache = cache
         self.threads = threads
-        self.inflight = inflight  # bytes on the link (reads' and fills') under which a fill may start
+        # bytes on the link (reads' and fills') under which a fill may start
+        self.inflight = FILL_INFLIGHT if inflight is None else inflight
+        self.unused_limit = None if cache.budget is None else int(cache.budget * FILL_UNUSED_SHARE)
         self._jobs: deque[Job] = deque()
         self._running = 0  # fill threads alive
         self.fill_bytes = 0  # bytes of fills started and not finished
@@ -151,6 +210,8 @@ class FillQueue:
         cv = self.flights.cv
         if time.monotonic() - self.flights.last_read_fetch > RECENT_S:
             jobs = []
+        if self.unused_limit is not None:
+            self.flights.drop_guesses(self.unused_limit, self.cache)
         with cv:
             self._jobs = deque(jobs)
             for i in range(self._running, min(self.threads, len(jobs))):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from moestream.errors import CheckpointError, MoestreamError
+from moestream.weights.buffers import copy_into, copy_of
 from moestream.weights.fetchahead import FillQueue, Flights
 from moestream.weights.index import REMOTE_MANIFEST, CheckpointIndex, tensors_from_header
 
@@ -138,14 +139,19 @@ class RemoteFile:
         missing = []
         for off, view in pieces:
             view = self._clip(off, view)
-            if len(view) and not (self.cache is not None and self.cache.read(self.key, off, view)):
+            if not len(view):
+                continue
+            if self.cache is not None and self.cache.read(self.key, off, view):
+                if self.flights is not None:
+                    self.flights.used(self.key, off)
+            else:
                 missing.append((off, view))
         if self.flights is not None:  # a range another thread is fetching is waited for, not fetched again
             self.flights.fetch(self, missing, lambda rest: self._fetch_missing(rest, behind))
         else:
             self._fetch_missing(missing, behind)
 
-    def _fetch_missing(self, missing: list[tuple[int, memoryview]], behind: bool) -> None:
+    def _fetch_missing(self, missing: list[tuple[int, memoryview]], behind: bool | str) -> None:
         """One range request per group of neighbouring pieces (overlaps and holes up to 4 KiB read through)."""
         missing.sort(key=lambda p: p[0])
         group: list[tuple[int, memoryview]] = []
@@ -157,15 +163,18 @@ class RemoteFile:
         if group:
             self._fetch_group(group, behind)
 
-    def _keep(self, offset: int, view: memoryview, behind: bool) -> None:
+    def _keep(self, offset: int, view: memoryview, behind: bool | str) -> None:
+        """Into the SSD tier: `behind` True by the writer thread from a copy (the view is the caller's buffer, an
+        expert's, recycled once it is evicted), "own" from the view itself (the fetch-ahead's own buffer, dropped
+        after), False before returning."""
         if self.cache is None:
             return
-        if behind:  # a copy: the view is the caller's buffer (an expert's, recycled once it is evicted)
-            self.cache.put_soon(self.key, offset, bytes(view))
+        if behind:
+            self.cache.put_soon(self.key, offset, view if behind == "own" else copy_of(view))
         else:
             self.cache.put(self.key, offset, view)
 
-    def _fetch_group(self, group: list[tuple[int, memoryview]], behind: bool) -> None:
+    def _fetch_group(self, group: list[tuple[int, memoryview]], behind: bool | str) -> None:
         """One request for neighbouring pieces; each piece is kept on disk as its own range, so a later read of
         one expert is one whole range file (read straight into its buffer) rather than part of a larger one."""
         if len(group) == 1:
@@ -176,7 +185,7 @@ class RemoteFile:
         buf = memoryview(bytearray(hi - lo))
         self._download(lo, buf)
         for off, view in group:
-            view[:] = buf[off - lo:off - lo + len(view)]
+            copy_into(view, buf[off - lo:off - lo + len(view)])
             self._keep(off, view, behind)
 
     def _clip(self, offset: int, out: memoryview) -> memoryview:
@@ -203,7 +212,7 @@ class RemoteFile:
                   if n > 0 and not self.cache.covered(self.key, off, n)]
         if not pieces:
             return 0
-        return self.flights.fetch(self, pieces, lambda rest: self._fetch_missing(rest, True), for_read=False)
+        return self.flights.fetch(self, pieces, lambda rest: self._fetch_missing(rest, "own"), for_read=False)
 
     def _download(self, offset: int, out: memoryview) -> None:
         """One range request (offline: the error naming the missing bytes)."""
@@ -224,7 +233,7 @@ class RemoteIndex(CheckpointIndex):
         self.manifest, self.client, self.cache = manifest, client, cache
         self.flights = flights or Flights()
         # predictions go to the network only with somewhere to keep them and a network to fetch them from
-        self._fill = FillQueue(self.flights) if cache is not None and client is not None else None
+        self._fill = FillQueue(self.flights, cache) if cache is not None and client is not None else None
         self.min_io_threads = SETTINGS.io_threads
         self.lookahead_reads = SETTINGS.lookahead_reads if SETTINGS.lookahead_reads is not None else \
             TIER_LOOKAHEAD_READS if self._fill is not None else REMOTE_LOOKAHEAD_READS
@@ -281,7 +290,9 @@ class RemoteIndex(CheckpointIndex):
         f = self.flights.stats
         out = {"http_requests": 0, "http_bytes": 0, "http_retries": 0, "http_max_inflight": 0, "http_inflight_s": 0.0,
                "http_busy_s": 0.0, "fetch_joined": f.joined, "fetch_joined_bytes": f.joined_bytes,
-               "fill_ranges": f.filled, "fill_bytes": f.filled_bytes}
+               "fetch_by_read": f.read_fetched, "fetch_by_read_bytes": f.read_fetched_bytes,
+               "fill_ranges": f.filled, "fill_bytes": f.filled_bytes, "fill_used_bytes": f.fill_used_bytes,
+               "fill_unused_bytes": self.flights.unused_bytes, "fill_dropped_bytes": f.fill_dropped_bytes}
         if self.client is not None:
             out.update(self.client.stats.snapshot())
         if self.cache is not None:
