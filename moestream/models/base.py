@@ -143,7 +143,7 @@ class DecoderModel:
                                   f"do not fit config.json's vocab_size {self.vocab_size} and one hidden width")
         self._head_after = self._link_prefetch()
 
-    def _link_prefetch(self):
+    def _link_prefetch(self) -> tuple[list[torch.Tensor], Any] | None:
         """Each layer's one-call decode (GQAMixer.decode_block) has the pool's workers read the next layer's dense
         weights (the last layer: the lm_head's) ahead while Python runs between the calls, and the lm_head call
         layer 0's. Returns the regions to read after the lm_head (None when layer 0 has no such weights)."""
@@ -156,7 +156,8 @@ class DecoderModel:
             return got
         for i, layer in enumerate(self.layers):
             if hasattr(getattr(layer, "mixer", None), "prefetch_next"):
-                layer.mixer.prefetch_next = first(self.layers[i + 1]) if i + 1 < len(self.layers) else [self.lm_head]
+                last = [self.lm_head] if type(self.lm_head) is torch.Tensor else []
+                layer.mixer.prefetch_next = first(self.layers[i + 1]) if i + 1 < len(self.layers) else last
         head = first(self.layers[0]) if self.layers else []
         return (head, fused.prefetch_regions(head)) if head else None
 
