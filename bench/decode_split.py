@@ -152,6 +152,10 @@ def main() -> None:
               f"{pool['caller_sleeps'] / args.tokens:.1f}, a worker slept between calls "
               f"{pool['worker_sleeps'] / args.tokens:.1f} times; the caller polled > 2000 pauses in "
               f"{pool.get('long_waits', 0) / args.tokens:.1f}")
+        if pool.get("prefetches"):
+            print(f"  background prefetch per token: {pool['prefetches'] / args.tokens:.1f} posted, "
+                  f"{pool['prefetches_cut'] / args.tokens:.1f} cut short, "
+                  f"{pool['prefetch_bytes'] / args.tokens / 1e6:.1f} MB read ahead")
     print(json.dumps({"tokens_per_s": args.tokens / total, "ms_per_token": ms, "threads": args.threads,
                       "clock": clock, "split_ms": {k: v * 1e3 for k, v in rows.items()}, "tokens": first[:8],
                       "pool": pool}))

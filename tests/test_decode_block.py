@@ -160,6 +160,30 @@ def test_pool_stats_count_threaded_calls(threads):
     got = cpu.linear_bf16(x, w)
     after = cpu.pool_stats()
     assert after["runs"] == before["runs"] + 1
-    assert set(after) == {"runs", "caller_sleeps", "worker_sleeps", "long_waits"}
+    assert set(after) == {"runs", "caller_sleeps", "worker_sleeps", "long_waits", "prefetches", "prefetches_cut",
+                          "prefetch_bytes"}
     assert all(after[k] >= before[k] for k in after)
     assert torch.allclose(got, x @ w.float().T, rtol=1e-4, atol=1e-4)
+
+
+@native
+def test_background_prefetch_is_posted_stopped_and_changes_nothing(threads):
+    """fused.prefetch hands the pool's workers regions to read ahead and returns at once; the next call stops them
+    (or finds them done) and computes the same values. With more threads than workers so far, the next call starts
+    new workers while the prefetch may still run (each must begin at the job posted after it was created)."""
+    w, x = torch.randn(4096, 256).bfloat16(), torch.randn(1, 256)
+    threads(1)
+    want = cpu.linear_bf16(x, w)
+    for n in (2, 3, 4, 2):
+        threads(n)
+        before = cpu.pool_stats()
+        fused.prefetch(fused.prefetch_regions([w, x]))
+        got = cpu.linear_bf16(x, w)
+        after = cpu.pool_stats()
+        assert after["prefetches"] == before["prefetches"] + 1
+        assert after["prefetch_bytes"] <= before["prefetch_bytes"] + w.numel() * 2 + x.numel() * 4
+        assert torch.equal(got, want)
+    threads(1)
+    before = cpu.pool_stats()
+    fused.prefetch(fused.prefetch_regions([w]))  # one thread: nothing to hand it to
+    assert cpu.pool_stats()["prefetches"] == before["prefetches"]

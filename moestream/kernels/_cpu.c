@@ -31,7 +31,7 @@
 #endif
 #define MS_AVX512 (MS_SIMD == 2)
 
-#define MS_ABI 11
+#define MS_ABI 12
 #define TILE_T 8   /* tokens per register tile */
 #ifndef PF_BYTES
 #define PF_BYTES 16384  /* software prefetch distance of the bf16 kernel (measured: 16-32 KiB best) */
@@ -597,6 +597,7 @@ static pthread_mutex_t pool_busy = PTHREAD_MUTEX_INITIALIZER; /* one multi-threa
 static pthread_t pool_threads[MAX_THREADS];
 static int pool_workers = 0;      /* started workers */
 static int pool_parts = 1;        /* threads per call, the caller included */
+static int pool_bg_active = 0;    /* a background prefetch is posted (pool_prefetch; under pool_busy) */
 /* how long a worker polls for the next job before sleeping on the condition variable, and the caller for the
  * workers to finish before it sleeps: a sleeping thread costs a futex wake-up per call, tens of microseconds and
  * far more when its idle vCPU has halted; a polling one costs a core. (The caller used to poll 2000 pauses, about
@@ -611,7 +612,10 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 static uint64_t pool_gen = 0;     /* under pool_mu; read atomically while spinning */
-static uint64_t pool_gen_base = 0; /* pool_gen when workers were last started (their first `seen`) */
+/* pool_gen when worker i was created (its first `seen`), per worker: a worker may start running only after the
+ * caller has posted later jobs (pool_prefetch returns at once), so a shared value could already have moved past a
+ * job it must still run */
+static uint64_t pool_gen_base[MAX_THREADS];
 static int pool_sleepers = 0;
 static job_fn pool_job;
 static void *pool_arg;
@@ -626,7 +630,7 @@ INLINE void cpu_relax(void) {
 
 static void *pool_main(void *arg) {
     int id = (int)(intptr_t)arg; /* part index: 1.. */
-    uint64_t seen = pool_gen_base;
+    uint64_t seen = pool_gen_base[id];
     for (;;) {
         const int64_t until = now_ns() + __atomic_load_n(&pool_spin_ns, __ATOMIC_RELAXED);
         for (int spins = 1; __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE) == seen; spins++) {
@@ -657,6 +661,7 @@ static void *pool_main(void *arg) {
 
 static void pool_after_fork(void) { /* the child has none of the parent's workers */
     pool_workers = 0;
+    pool_bg_active = 0;
     pthread_mutex_init(&pool_mu, NULL);
     pthread_cond_init(&pool_cv, NULL);
     pthread_cond_init(&pool_done_cv, NULL);
@@ -669,8 +674,8 @@ static void pool_start(int want) {
         pthread_atfork(NULL, NULL, pool_after_fork);
         atfork = 1;
     }
-    pool_gen_base = pool_gen;
     while (pool_workers < want - 1 && pool_workers < MAX_THREADS - 1) {
+        pool_gen_base[pool_workers + 1] = pool_gen;
         if (pthread_create(&pool_threads[pool_workers], NULL, pool_main, (void *)(intptr_t)(pool_workers + 1)))
             break;
         pthread_detach(pool_threads[pool_workers]);
@@ -678,19 +683,8 @@ static void pool_start(int want) {
     }
 }
 
-/* runs fn(arg, part, parts) for parts = threads, part 0 on the caller */
-static void pool_run(job_fn fn, void *arg, int parts) {
-    if (parts <= 1 || pthread_mutex_trylock(&pool_busy)) { /* concurrent callers run alone */
-        fn(arg, 0, 1);
-        return;
-    }
-    pool_start(parts);
-    if (parts > pool_workers + 1) parts = pool_workers + 1;
-    if (parts <= 1) {
-        pthread_mutex_unlock(&pool_busy);
-        fn(arg, 0, 1);
-        return;
-    }
+/* posts fn to every worker (part 1.. of parts; workers past parts skip it); the caller holds pool_busy */
+static void pool_post(job_fn fn, void *arg, int parts) {
     pthread_mutex_lock(&pool_mu);
     pool_job = fn;
     pool_arg = arg;
@@ -699,35 +693,122 @@ static void pool_run(job_fn fn, void *arg, int parts) {
     __atomic_store_n(&pool_gen, pool_gen + 1, __ATOMIC_RELEASE);
     if (pool_sleepers) pthread_cond_broadcast(&pool_cv);
     pthread_mutex_unlock(&pool_mu);
-    fn(arg, 0, parts);
-    atomic_fetch_add_explicit(&pool_stat_runs, 1, memory_order_relaxed);
-    /* a worker that is not scheduled (a shared machine) must not cost a spinning core for long: poll up to the
-     * spin time, then sleep */
+}
+
+/* waits until every worker has finished the posted job: a worker that is not scheduled (a shared machine) must
+ * not cost a spinning core for long, so poll up to the spin time, then sleep */
+static void pool_wait(int counted) {
     const int64_t until = now_ns() + __atomic_load_n(&pool_spin_ns, __ATOMIC_RELAXED);
     int spins = 1;
     for (; atomic_load_explicit(&pool_pending, memory_order_acquire) > 0; spins++) {
         cpu_relax();
         if ((spins & 63) == 0 && now_ns() >= until) break;
     }
-    if (spins > 2000) atomic_fetch_add_explicit(&pool_stat_long_waits, 1, memory_order_relaxed);
+    if (counted && spins > 2000) atomic_fetch_add_explicit(&pool_stat_long_waits, 1, memory_order_relaxed);
     if (atomic_load_explicit(&pool_pending, memory_order_acquire) > 0) {
-        atomic_fetch_add_explicit(&pool_stat_caller_sleeps, 1, memory_order_relaxed);
+        if (counted) atomic_fetch_add_explicit(&pool_stat_caller_sleeps, 1, memory_order_relaxed);
         pthread_mutex_lock(&pool_mu);
         while (atomic_load_explicit(&pool_pending, memory_order_acquire) > 0)
             pthread_cond_wait(&pool_done_cv, &pool_mu);
         pthread_mutex_unlock(&pool_mu);
     }
+}
+
+/* ---- background prefetch. Between two native calls of a decode step (Python's bookkeeping, the serial norms
+ * and attention of a layer) the workers would only poll while the memory bus idles. pool_prefetch hands them a
+ * list of weight regions to prefetch line by line, in order, without the caller waiting: the lines go
+ * through the worker's L2 into the shared L3 (32 MiB here), so the next call's GEMVs find the first megabytes of
+ * their weights there. The next pool_run (or pool_prefetch) stops it within a few KiB (pool_bg_stop, polled every
+ * 4 KiB) before posting its own job. Only reads: results never depend on it. State under pool_busy. */
+#define BG_MAX_REGIONS 16
+static int64_t bg_regions[2 * BG_MAX_REGIONS];
+static int bg_count = 0;
+static atomic_int pool_bg_stop;
+static atomic_long pool_stat_prefetches, pool_stat_prefetch_cut, pool_stat_prefetch_bytes;
+
+static void bg_touch(void *arg, int part, int parts) {
+    (void)arg;
+    const int64_t w = parts - 1, me = part - 1; /* workers only: part 0 (the caller) never runs a posted job */
+    int64_t done = 0;
+    for (int i = 0; i < bg_count; i++) {
+        const char *p = (const char *)(intptr_t)bg_regions[2 * i];
+        const int64_t n = bg_regions[2 * i + 1], lo = n * me / w, hi = n * (me + 1) / w;
+        for (int64_t off = lo; off < hi; off += 4096) {
+            if (atomic_load_explicit(&pool_bg_stop, memory_order_relaxed)) {
+                atomic_fetch_add_explicit(&pool_stat_prefetch_cut, 1, memory_order_relaxed);
+                goto out;
+            }
+            const int64_t end = off + 4096 < hi ? off + 4096 : hi;
+            /* prefetch instructions, not loads: they never fault, so a region freed meanwhile (the model closed
+             * while this runs) costs nothing; they wait for a free miss buffer, so the loop runs at memory speed */
+            for (int64_t o = off; o < end; o += 64) __builtin_prefetch(p + o, 0, 3);
+            done += end - off;
+        }
+    }
+out:
+    atomic_fetch_add_explicit(&pool_stat_prefetch_bytes, done, memory_order_relaxed);
+}
+
+/* the caller holds pool_busy: stops a running background prefetch and waits for the workers to leave it */
+static void pool_stop_bg(void) {
+    if (!pool_bg_active) return;
+    atomic_store_explicit(&pool_bg_stop, 1, memory_order_relaxed);
+    pool_wait(0);
+    atomic_store_explicit(&pool_bg_stop, 0, memory_order_relaxed);
+    pool_bg_active = 0;
+}
+
+/* regions: int64 [n, address 0, bytes 0, address 1, bytes 1, ...] (NULL or n = 0: nothing); returns at once */
+static void pool_prefetch(const int64_t *regions) {
+    if (!regions || regions[0] <= 0 || pool_parts <= 1 || pthread_mutex_trylock(&pool_busy)) return;
+    pool_start(pool_parts);
+    pool_stop_bg();
+    const int parts = pool_parts > pool_workers + 1 ? pool_workers + 1 : pool_parts;
+    if (parts > 1) {
+        bg_count = regions[0] < BG_MAX_REGIONS ? (int)regions[0] : BG_MAX_REGIONS;
+        memcpy(bg_regions, regions + 1, sizeof(int64_t) * 2 * (size_t)bg_count);
+        atomic_fetch_add_explicit(&pool_stat_prefetches, 1, memory_order_relaxed);
+        pool_post(bg_touch, NULL, parts);
+        pool_bg_active = 1;
+    }
+    pthread_mutex_unlock(&pool_busy);
+}
+
+void ms_prefetch_async(const int64_t *regions) { pool_prefetch(regions); }
+
+/* runs fn(arg, part, parts) for parts = threads, part 0 on the caller */
+static void pool_run(job_fn fn, void *arg, int parts) {
+    if (parts <= 1 || pthread_mutex_trylock(&pool_busy)) { /* concurrent callers run alone */
+        fn(arg, 0, 1);
+        return;
+    }
+    pool_start(parts);
+    pool_stop_bg();
+    if (parts > pool_workers + 1) parts = pool_workers + 1;
+    if (parts <= 1) {
+        pthread_mutex_unlock(&pool_busy);
+        fn(arg, 0, 1);
+        return;
+    }
+    pool_post(fn, arg, parts);
+    fn(arg, 0, parts);
+    atomic_fetch_add_explicit(&pool_stat_runs, 1, memory_order_relaxed);
+    pool_wait(1);
     pthread_mutex_unlock(&pool_busy);
 }
 
 /* multi-threaded calls so far, how many of them the caller slept waiting for a worker, how often a worker went
- * to sleep between calls (each such call then paid a wake-up), and how many calls the caller polled more than
- * 2000 pauses for (the old poll, after which it slept) */
+ * to sleep between calls (each such call then paid a wake-up), how many calls the caller polled more than
+ * 2000 pauses for (the old poll, after which it slept); background prefetches posted, cut short by the next call,
+ * and the bytes they read */
 void ms_pool_stats(int64_t *out) {
     out[0] = atomic_load(&pool_stat_runs);
     out[1] = atomic_load(&pool_stat_caller_sleeps);
     out[2] = atomic_load(&pool_stat_worker_sleeps);
     out[3] = atomic_load(&pool_stat_long_waits);
+    out[4] = atomic_load(&pool_stat_prefetches);
+    out[5] = atomic_load(&pool_stat_prefetch_cut);
+    out[6] = atomic_load(&pool_stat_prefetch_bytes);
 }
 
 /* Dynamic split: `chunks` pieces of work handed out one at a time to whichever thread is free (the caller

@@ -9,7 +9,7 @@
 enum {
     DL_H, DL_HQ, DL_HKV, DL_D, DL_DV, DL_IN_NORM, DL_IN_BF16, DL_WQ, DL_WK, DL_WV, DL_WO, DL_QN, DL_KN, DL_QK_BF16,
     DL_INV_FREQ, DL_WINDOW, DL_POST_NORM, DL_POST_BF16, DL_ROUTER, DL_E, DL_TOPK, DL_RENORM, DL_BLOCK,
-    DL_MIN_ROWS, DL_INTER, DL_ACT, DL_COUNT
+    DL_MIN_ROWS, DL_INTER, DL_ACT, DL_PREFETCH, DL_COUNT
 };
 enum { DLF_EPS, DLF_FACTOR, DLF_SCALE, DLF_BETA, DLF_LBETA, DLF_COUNT };
 
@@ -105,7 +105,8 @@ static int dl_experts(const int64_t *cfg, const float *fcfg, const int64_t *tabl
  * [H, inter]; 0 for an expert that is not resident) holding every expert the token routed to, the MoE half too:
  * h += sum_j wts[j] * down act(gate x2, up x2) over the routed experts in ascending id order (ms_moe_glu_bf16 into
  * a zeroed row, then one add: what the runner's grouped call and the layer's residual add compute), and returns 1.
- * Returns 0 when it stopped after the router, -1 when out of memory. */
+ * Returns 0 when it stopped after the router, -1 when out of memory. The pool's workers read o_proj's weights ahead
+ * during the attention, and the regions at cfg[DL_PREFETCH] (the next layer's weights) after the call. */
 int ms_gqa_decode_block(const int64_t *cfg, const float *fcfg, float *h, const int64_t *kb, const int64_t *vb,
                         int64_t start, int64_t length, float *x2, int64_t *ids, float *wts, const int64_t *table) {
     const int64_t H = cfg[DL_H], Hq = cfg[DL_HQ], Hkv = cfg[DL_HKV], D = cfg[DL_D], Dv = cfg[DL_DV];
@@ -132,6 +133,9 @@ int ms_gqa_decode_block(const int64_t *cfg, const float *fcfg, float *h, const i
     const int64_t outs[3] = {(int64_t)(intptr_t)q, (int64_t)(intptr_t)kout, (int64_t)(intptr_t)vout};
     bf16_job qkv = {xp, ldx, 1, H, 3, nq + nk + nv, ws, Ns, outs};
     bf16_run(&qkv, dl_parts(nq + nk + nv, min_rows));
+    /* the workers read o_proj's weights ahead while this thread normalises, ropes and attends alone */
+    const int64_t wo_region[3] = {1, cfg[DL_WO], H * na * 2};
+    pool_prefetch(wo_region);
 
     const void *qn = (const void *)(intptr_t)cfg[DL_QN], *kn = (const void *)(intptr_t)cfg[DL_KN];
     const float *inv_freq = (const float *)(intptr_t)cfg[DL_INV_FREQ];
@@ -158,6 +162,9 @@ int ms_gqa_decode_block(const int64_t *cfg, const float *fcfg, float *h, const i
         softmax_topk_row(logits, E, cfg[DL_TOPK], (int)cfg[DL_RENORM], taken, ids, wts);
     }
     free(mem);
-    if (!table || !cfg[DL_ROUTER] || E <= 0) return 0;
-    return dl_experts(cfg, fcfg, table, h, x2, ids, wts);
+    const int done = table && cfg[DL_ROUTER] && E > 0 ? dl_experts(cfg, fcfg, table, h, x2, ids, wts) : 0;
+    /* the next layer's dense weights (cfg[DL_PREFETCH]: pool_prefetch's regions, 0 for none) are read ahead by the
+     * workers while the caller's Python runs between this call and the next */
+    pool_prefetch((const int64_t *)(intptr_t)cfg[DL_PREFETCH]);
+    return done;
 }

@@ -49,7 +49,7 @@ MIN_ROWS_PER_THREAD = 256
 SPIN_US = 300
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
-_ABI = 11
+_ABI = 12
 _SOURCE = Path(__file__).with_name("_cpu.c")
 # _cpu.c #includes the others
 _SOURCES = (_SOURCE, *(Path(__file__).with_name(n)
@@ -146,6 +146,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_kda_decode.restype = None
     lib.ms_gqa_decode_block.argtypes = [p, p, p, p, p, i64, i64, p, p, p, p]
     lib.ms_gqa_decode_block.restype = ctypes.c_int
+    lib.ms_prefetch_async.argtypes = [p]
+    lib.ms_prefetch_async.restype = None
 
 
 def _load() -> None:
@@ -232,11 +234,13 @@ def set_spin_us(us: int) -> None:
 def pool_stats() -> dict[str, int]:
     """Counters of the native thread pool since load: multi-threaded calls, calls whose caller slept waiting for
     a worker, times a worker slept between calls (each cost a wake-up), and calls whose caller polled longer than
-    2000 pauses (~40 us); zeros without the library."""
-    out = (ctypes.c_int64 * 4)()
+    2000 pauses (~40 us), background prefetches posted (fused.prefetch), how many the next call cut short, and the
+    bytes they read; zeros without the library."""
+    out = (ctypes.c_int64 * 7)()
     if (handle := lib()) is not None:
         handle.ms_pool_stats(out)
-    return {"runs": out[0], "caller_sleeps": out[1], "worker_sleeps": out[2], "long_waits": out[3]}
+    return {"runs": out[0], "caller_sleeps": out[1], "worker_sleeps": out[2], "long_waits": out[3],
+            "prefetches": out[4], "prefetches_cut": out[5], "prefetch_bytes": out[6]}
 
 
 def threads() -> int:

@@ -12,7 +12,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from moestream.kernels.cpu import MIN_ROWS_PER_THREAD, _addresses, required
+from moestream.kernels.cpu import MIN_ROWS_PER_THREAD, _addresses, lib, required
 
 
 ACTIVATIONS = {"silu": 0, "situ": 1}  # the GLU activations ms_moe_glu_bf16 computes
@@ -129,10 +129,33 @@ def gqa_attend(q: Tensor, keys: Tensor, values: Tensor, new: int, scale: float, 
 
 
 
+PREFETCH_BYTES = 8 << 20  # at most this much of the weights a region list names: the L3 holds the start of them
+
+
+def prefetch_regions(tensors: Sequence[Tensor], limit: int = PREFETCH_BYTES) -> ctypes.Array:
+    """pool_prefetch's operand for the start of these tensors' storage, in order, `limit` bytes in all: int64
+    [n, address, bytes, ...]. The caller keeps the tensors alive while the array is in use."""
+    flat: list[int] = []
+    for t in tensors:
+        nbytes = min(t.numel() * t.element_size(), limit)
+        if nbytes <= 0 or not t.is_contiguous():
+            continue
+        flat += [t.data_ptr(), nbytes]
+        limit -= nbytes
+    return _addresses([len(flat) // 2, *flat])
+
+
+def prefetch(regions: ctypes.Array | None) -> None:
+    """The native pool's workers read these regions (prefetch_regions) into the cache in the background, while the
+    caller goes on; the next native call stops them. Nothing without native kernels or with one thread."""
+    if regions is not None and (handle := lib()) is not None:
+        handle.ms_prefetch_async(regions)
+
+
 # ms_gqa_decode_block's cfg slots (the enum in _cpu_layer.c)
 _DL_SLOTS = ("hidden", "heads", "kv_heads", "head_dim", "v_dim", "in_norm", "in_bf16", "wq", "wk", "wv", "wo",
              "q_norm", "k_norm", "qk_bf16", "inv_freq", "window", "post_norm", "post_bf16", "router", "experts",
-             "top_k", "renorm", "block", "min_rows", "inter", "act")
+             "top_k", "renorm", "block", "min_rows", "inter", "act", "prefetch")
 _DLF_BETA = 3  # fcfg slots of the table's activation (DLF_BETA, DLF_LBETA)
 
 
@@ -208,6 +231,14 @@ class DecodeBlock:
         self._cfg = _addresses([vals.get(n) or 0 for n in _DL_SLOTS])  # inter, act: set per call
         self._fcfg = (ctypes.c_float * 5)(eps, factor, scale, 0.0, 0.0)
         self._experts = router.shape[0] if router is not None else 0
+        self._after: tuple[list[Tensor], ctypes.Array] | None = None
+
+    def prefetch_after(self, tensors: Sequence[Tensor]) -> None:
+        """After each call the pool's workers read the start of these tensors (the next layer's weights) ahead
+        while the caller's Python runs; this object keeps them alive."""
+        regions = prefetch_regions(tensors)
+        self._after = (list(tensors), regions)
+        self._cfg[_DL_SLOTS.index("prefetch")] = ctypes.addressof(regions)
 
     def __call__(self, h: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor], start: int, length: int,
                  table: ExpertTable | None = None) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, bool]:

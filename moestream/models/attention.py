@@ -188,6 +188,11 @@ class GQAMixer:
         self.memory = w.memory
         self.decode_blocks = 0  # one-token steps done by decode_block's single native call
         self._blocks: dict[tuple, fused.DecodeBlock | None] = {}
+        self.prefetch_next: list[torch.Tensor] = []  # read ahead after each decode_block (DecoderModel links it)
+
+    def decode_weights(self) -> list[torch.Tensor]:
+        """The weights a decode step reads first, in that order (q, k, v, o), when they are plain tensors."""
+        return [m for m in (self.q, self.k, self.v, self.o) if type(m) is torch.Tensor]
 
     def __call__(self, x: torch.Tensor, batch, index: int) -> torch.Tensor:
         t = x.shape[0]
@@ -261,6 +266,8 @@ class GQAMixer:
                     break
                 except ValueError:
                     continue
+        if block is not None and self.prefetch_next:
+            block.prefetch_after(self.prefetch_next)
         self._blocks[key] = block
         return block
 

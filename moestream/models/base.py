@@ -141,6 +141,25 @@ class DecoderModel:
                 or h.shape[0] < self.vocab_size or not e.shape[1] == h.shape[1] == n.shape[0]:
             raise CheckpointError(f"embedding {list(e.shape)}, final norm {list(n.shape)} and lm_head {list(h.shape)} "
                                   f"do not fit config.json's vocab_size {self.vocab_size} and one hidden width")
+        self._head_after = self._link_prefetch()
+
+    def _link_prefetch(self) -> tuple[list[torch.Tensor], Any] | None:
+        """Each layer's one-call decode (GQAMixer.decode_block) has the pool's workers read the next layer's dense
+        weights (the last layer: the lm_head's) ahead while Python runs between the calls, and the lm_head call
+        layer 0's. Returns the regions to read after the lm_head (None when layer 0 has no such weights)."""
+        def first(layer) -> list[torch.Tensor]:
+            mixer = getattr(layer, "mixer", None)
+            got = mixer.decode_weights() if hasattr(mixer, "decode_weights") else []
+            ffn = getattr(layer, "ffn", None)
+            if got and isinstance(ffn, SoftmaxMoE) and type(ffn.router.weight) is torch.Tensor:
+                got.append(ffn.router.weight)
+            return got
+        for i, layer in enumerate(self.layers):
+            if hasattr(getattr(layer, "mixer", None), "prefetch_next"):
+                last = [self.lm_head] if type(self.lm_head) is torch.Tensor else []
+                layer.mixer.prefetch_next = first(self.layers[i + 1]) if i + 1 < len(self.layers) else last
+        head = first(self.layers[0]) if self.layers else []
+        return (head, fused.prefetch_regions(head)) if head else None
 
     @property
     def residency(self):
@@ -178,7 +197,10 @@ class DecoderModel:
         x = rms_norm(h, self.norm, self.eps)
         if self.residency is not None and self.residency.plan.head_streamed:
             return self.residency.head(x)
-        return linear(x, self.lm_head)
+        logits = linear(x, self.lm_head)
+        if h.shape[0] == 1 and self._head_after is not None and self.residency is None:
+            fused.prefetch(self._head_after[1])  # layer 0's weights, while the engine samples and embeds
+        return logits
 
     def forward(self, tokens: torch.Tensor, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
         """Logits [len(rows), V] for the requested rows of the flat batch."""
