@@ -228,14 +228,10 @@ def bench_state_room(path: Path, opts: BenchOptions) -> int | None:
     if opts.state_room is not None or opts.ram_budget is None:
         return opts.state_room
     from moestream.config import EngineOptions
-    from moestream.planner.facts import open_plan
+    from moestream.engine.engine import model_config
     from moestream.planner.state import state_shape
 
-    p = open_plan(path)
-    try:
-        shape = state_shape(p.config, opts.kv_dtype)
-    finally:
-        p.store.close()
+    shape = state_shape(model_config(path)[1], opts.kv_dtype)  # config.json alone: Engine.open reads the headers
     return shape.at(opts.prompt_len, opts.prompt_len + opts.gen_len, EngineOptions().prefill_chunk)
 
 

@@ -52,11 +52,17 @@ class ModelPlan:
     activation_row_bytes: int = 0  # fp32 activations one token of a step holds at its widest (activation_bytes)
 
 
-def plan(path: str | Path, io_threads: int = IO_THREADS) -> ModelPlan:
+def model_config(path: str | Path):
+    """(family, parsed config) of a checkpoint from its config.json alone (no shard headers read)."""
     path = model_path(path, full=False)  # hf://, https://: its stub (config and headers only)
     raw = read_model_config(path)
     family = family_for(raw)
-    cfg = parse_config(family.parse, raw, path)
+    return family, parse_config(family.parse, raw, path)
+
+
+def plan(path: str | Path, io_threads: int = IO_THREADS) -> ModelPlan:
+    path = model_path(path, full=False)  # resolved once: model_config takes the local stub as it is
+    family, cfg = model_config(path)
     index = _open_index(path, family, cfg)
     names = {n[len(family.prefix):] for n in index.names() if family.wants(n)}
     layout = family.experts(cfg, names)
