@@ -10,7 +10,7 @@ import torch
 from conftest import max_rel_diff, prompt_ids
 from moestream.errors import CheckpointError
 from moestream.experts.dispatch import Upcast
-from moestream.kernels import cpu, quant as q
+from moestream.kernels import cpu, fused, quant as q
 from moestream.models import blocks
 
 native = pytest.mark.skipif(not cpu.available(), reason=f"no native kernels here ({cpu.reason()})")
@@ -418,7 +418,7 @@ def test_conv_decode_matches_unfolded_conv(kernel):
 
 @native
 def test_glu_experts_of_dozens_of_rows_run_from_stored_bytes():
-    """Up to MAX_TOKENS_GLU routed rows a bf16 GLU expert is added into the step's output by one fused kernel call
+    """Any number of routed rows of a bf16 GLU expert is added into the step's output by the fused kernel
     straight from its stored bytes (the converted-weights GEMM path for 8+ rows, odd counts and widths included):
     fp32-reference results, only for the rows routed to it."""
     fn = blocks.expert_glu()
@@ -426,7 +426,7 @@ def test_glu_experts_of_dozens_of_rows_run_from_stored_bytes():
     t = {"gate": torch.randn(24, 70, generator=g).bfloat16(), "up": torch.randn(24, 70, generator=g).bfloat16(),
          "down": torch.randn(37, 24, generator=g).bfloat16()}
     ref = {k: v.float() for k, v in t.items()}
-    for T in (3, 16, 40, 2 * cpu.MAX_TOKENS_GLU):
+    for T in (3, 16, 40, 512):
         x = torch.randn(T, 70, generator=g)
         ids = torch.randint(0, 4, (T, 2), generator=g)
         ids[:, 1] = (ids[:, 0] + 1) % 4  # two distinct experts per row
@@ -438,9 +438,58 @@ def test_glu_experts_of_dozens_of_rows_run_from_stored_bytes():
         want[rows] = wts[rows, slots].unsqueeze(-1) * blocks.glu_mlp(x[rows], ref["gate"], ref["up"], ref["down"])
         assert max_rel_diff(out, want) < 1e-5
     out = torch.zeros(4, 37)
-    assert not fn.accumulate(torch.randn(4, 70), ids[:4], wts[:4], 2, cpu.MAX_TOKENS_GLU + 1, t, out)  # too many
     assert not fn.accumulate(torch.randn(4, 70), ids[:4], wts[:4], 2, 2, ref, out)  # fp32 weights: not its kernel
     assert out.abs().sum() == 0
+
+
+@native
+def test_glu_calls_split_to_fit_their_scratch_with_the_same_sums():
+    """A step routing more rows than one expert's fp32 size of kernel scratch holds is split into calls over
+    consecutive experts, and an expert too large alone into token ranges: every call fits the cap, and the sums
+    are bit for bit those of one unsplit call (experts are added in the same order, tokens independently)."""
+    g = _gen(23)
+    n_exp, inter, k_in, d_out = 6, 24, 70, 37
+    w = [{"gate": torch.randn(inter, k_in, generator=g).bfloat16(), "up": torch.randn(inter, k_in, generator=g).bfloat16(),
+          "down": torch.randn(d_out, inter, generator=g).bfloat16()} for _ in range(n_exp)]
+    parts = [(e["gate"].data_ptr(), e["up"].data_ptr(), e["down"].data_ptr()) for e in w]
+    experts = list(range(n_exp))
+    cap = fused.glu_scratch_cap(inter, k_in, d_out)
+    for T, skew in ((700, False), (700, True), (5, False)):
+        x = torch.randn(T, k_in, generator=g)
+        ids = torch.stack([torch.randperm(n_exp, generator=g)[:3] for _ in range(T)])
+        if skew:  # one expert takes every row (a row's experts stay distinct): alone it needs token ranges
+            others = torch.tensor([0, 1, 2, 3, 5])
+            ids = torch.stack([torch.cat([torch.tensor([4]), others[torch.randperm(5, generator=g)[:2]]])
+                               for _ in range(T)])
+        wts = torch.rand(T, 3, generator=g)
+        counts = fused._pair_counts(experts, ids, T)
+        groups = fused._expert_groups(counts, inter, k_in, cap)
+        assert [e for grp in groups for e in grp] == [e for e in experts if counts[e]]
+        for grp in groups:
+            if len(grp) > 1:
+                assert fused.glu_call_scratch([counts[e] for e in grp], inter, k_in) <= cap
+            else:
+                for lo, hi in fused._token_ranges(grp[0], ids, T, counts[grp[0]], inter, k_in, cap):
+                    sub = fused._pair_counts([grp[0]], ids[lo:hi], hi - lo)
+                    assert fused.glu_call_scratch(sub, inter, k_in) <= cap
+        split, whole = torch.zeros(T, d_out), torch.zeros(T, d_out)
+        fused.moe_glu_bf16(x, experts, parts, inter, split, ids, wts)
+        fused._GluCall(experts, parts, inter, k_in, d_out, "silu", 0.0, 0.0)(range(n_exp), x, ids, wts, whole)
+        assert torch.equal(split, whole)
+        if T > 100:
+            assert len(groups) > 1 or fused.glu_call_scratch(counts, inter, k_in) > cap
+        ref = torch.zeros(T, d_out)
+        for e in experts:
+            rows, slots = torch.nonzero(ids == e, as_tuple=True)
+            ref[rows] += wts[rows, slots].unsqueeze(-1) * blocks.glu_mlp(
+                x[rows], w[e]["gate"].float(), w[e]["up"].float(), w[e]["down"].float())
+        assert max_rel_diff(split, ref) < 1e-5
+    # without ids: every token through every expert, split by tokens the same way
+    x = torch.randn(400, k_in, generator=g)
+    split, whole = torch.zeros(400, d_out), torch.zeros(400, d_out)
+    fused.moe_glu_bf16(x, [0], parts[:1], inter, split)
+    fused._GluCall([0], parts[:1], inter, k_in, d_out, "silu", 0.0, 0.0)([0], x, None, None, whole)
+    assert fused.glu_call_scratch([400], inter, k_in) > cap and torch.equal(split, whole)
 
 
 @native

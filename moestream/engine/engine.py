@@ -98,7 +98,8 @@ def _activation_row_bytes(index: CheckpointIndex, dense: list[str]) -> tuple[int
 
 
 def _scratch_bytes(index: CheckpointIndex, dense: list[str], store: ExpertStore, layout: ExpertLayout) -> int:
-    """Fixed compute scratch counted in the budget: one expert expanded to fp32, the slab that upcasts a
+    """Fixed compute scratch counted in the budget: one expert expanded to fp32 (or, for bf16 GLU experts, the
+    native kernel's scratch of one call, which fused.moe_glu_bf16 keeps within that size), the slab that upcasts a
     half-precision dense weight (blocks.linear), the chunk a quantised dense weight decodes into, and the
     packed-expert decode slabs (kernels.quant, and the grouped decode of several resident experts in latent_moe)."""
     half = [index[n].nbytes * 2 for n in dense if index[n].dtype in ("BF16", "F16")]

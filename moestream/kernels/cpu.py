@@ -31,10 +31,6 @@ from torch import Tensor
 # docs/performance.md); above it the torch paths are compute-efficient and are kept.
 MAX_TOKENS_BF16 = 16
 MAX_TOKENS_MXFP4 = 32
-# Up to this many tokens a layer step's bf16 GLU experts go through one fused native call (moe_glu_bf16). From 16
-# tokens an expert takes its outer-product panel kernel (_cpu_panel.c), which ran even with torch's upcast + fp32
-# GEMM at 256 rows on two threads and ahead of it below (bench/kernels.py --batched, docs/performance.md).
-MAX_TOKENS_GLU = 256
 # Threads per call (the caller included) unless set: as many as torch's intra-op pool (all cores by default), so
 # that without --threads torch's small ops and the native kernels agree (one native thread next to a torch pool
 # of all cores left the other cores idle in the kernels that do most of a decode step's work). Two threads won on

@@ -12,6 +12,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from moestream.kernels import cpu
 from moestream.kernels.cpu import MIN_ROWS_PER_THREAD, _addresses, lib, required
 
 
@@ -21,31 +22,123 @@ ACTIVATIONS = {"silu": 0, "situ": 1}  # the GLU activations ms_moe_glu_bf16 comp
 def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, int, int]], inter: int, out: Tensor,
                  ids: Tensor | None = None, scores: Tensor | None = None, act: str = "silu", beta: float = 0.0,
                  linear_beta: float = 0.0) -> None:
-    """Several bf16 GLU experts in one native call, added into out [T, D] (fp32, contiguous):
+    """Several bf16 GLU experts, added into out [T, D] (fp32, contiguous):
     out[t] += scores[t, j] * down_e act(gate_e x[t], up_e x[t]) for every (t, j) with ids[t, j] == experts[e].
     parts[e] = addresses of expert e's contiguous bf16 gate [inter, K], up [inter, K] and down [D, inter]; the
     caller checked those shapes and keeps the tensors alive. Without ids, every token goes through every expert
-    with weight 1. x [T, K]; ids int64 and scores fp32 [T, k]."""
-    handle = required()
+    with weight 1. x [T, K]; ids int64 and scores fp32 [T, k].
+
+    One native call when its scratch (which grows with the routed rows: a prefill chunk of thousands of tokens
+    routes hundreds to each expert) fits in one expert's fp32 size, the compute scratch the budget holds for an
+    expert; otherwise consecutive groups of experts in calls that each fit, and an expert too large alone in
+    token ranges. Each expert still sees all its rows in one call where it fits alone, and experts are added
+    into out in the same order, so the results do not depend on the split."""
+    required()
     t, k_in = x.shape
     if x.dtype != torch.float32 or not x.is_contiguous():
         x = x.float().contiguous()
     if out.dtype != torch.float32 or not out.is_contiguous() or out.dim() != 2 or out.shape[0] != t:
         raise ValueError(f"moe_glu_bf16 wants a contiguous fp32 out [{t}, D], got {tuple(out.shape)} {out.dtype}")
-    top = 0
     if ids is not None:
         if scores is None or ids.shape != scores.shape or ids.dim() != 2 or ids.shape[0] != t:
             raise ValueError("moe_glu_bf16 wants ids and scores of one shape [T, k]")
         ids = ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.long().contiguous()
         scores = scores if scores.dtype == torch.float32 and scores.is_contiguous() else scores.float().contiguous()
-        top = ids.shape[1]
-    code = handle.ms_moe_glu_bf16(len(parts), _addresses(experts), _addresses([p[0] for p in parts]),
-                                  _addresses([p[1] for p in parts]), _addresses([p[2] for p in parts]), inter, k_in,
-                                  out.shape[1], x.data_ptr(), t, None if ids is None else ids.data_ptr(),
-                                  None if scores is None else scores.data_ptr(), top, out.data_ptr(),
-                                  ACTIVATIONS[act], beta, linear_beta)
-    if code != 0:
-        raise MemoryError("native GLU expert kernel could not allocate its scratch")
+    call = _GluCall(experts, parts, inter, k_in, out.shape[1], act, beta, linear_beta)
+    cap = glu_scratch_cap(inter, k_in, out.shape[1])
+    counts = _pair_counts(experts, ids, t)
+    if glu_call_scratch(counts, inter, k_in) <= cap:
+        call(range(len(experts)), x, ids, scores, out)
+        return
+    for group in _expert_groups(counts, inter, k_in, cap):
+        if len(group) > 1 or glu_call_scratch([counts[group[0]]], inter, k_in) <= cap:
+            call(group, x, ids, scores, out)
+            continue
+        for lo, hi in _token_ranges(experts[group[0]], ids, t, counts[group[0]], inter, k_in, cap):
+            call(group, x[lo:hi], None if ids is None else ids[lo:hi], None if scores is None else scores[lo:hi],
+                 out[lo:hi])
+
+
+def glu_scratch_cap(inter: int, k_in: int, d_out: int) -> int:
+    """Scratch one moe_glu_bf16 native call may allocate: one expert's weights in fp32 (what the engine's fixed
+    compute scratch holds for an expert, engine._scratch_bytes), and at least one panel of rows of one expert."""
+    return max(4 * (2 * inter * k_in + d_out * inter), glu_call_scratch([_PAD], inter, k_in))
+
+
+_PAD = 32  # the widest row padding (GW) and panel (PANEL) of _cpu.c on any instruction set
+_GLU_ROWS, _PR = 16, 6  # _cpu_step.c's pass-1 rows per unit, _cpu_panel.c's weight rows per register tile
+
+
+def glu_call_scratch(counts: Sequence[int], inter: int, k_in: int) -> int:
+    """An upper bound of the bytes ms_moe_glu_bf16 mallocs for experts routed counts[e] (token, slot) pairs each
+    (_cpu_step.c's arithmetic, paddings rounded up): per pair its routing entry, its prepared input and hidden
+    rows and their panel copies; per expert a panel's padding; per thread the pass-1 rows of the largest expert
+    and a panel packing buffer."""
+    pairs, wide, threads = sum(counts), max(inter, k_in), max(1, cpu.threads())
+    per_pair = 12 + 4 * (k_in + inter + 2 * _PAD) + 4 * (k_in + inter)
+    per_expert = 40 + 4 * _PAD * (k_in + inter)
+    per_thread = 4 * (2 * _GLU_ROWS * max(counts, default=0) + 2 * _PR * (wide + _PAD))
+    return pairs * per_pair + len(counts) * per_expert + threads * per_thread + 256
+
+
+def _pair_counts(experts: Sequence[int], ids: Tensor | None, t: int) -> list[int]:
+    if ids is None:
+        return [t] * len(experts)
+    flat = ids.reshape(-1)
+    flat = flat[flat >= 0]  # a slot no expert takes
+    hist = torch.bincount(flat, minlength=max(experts, default=0) + 1).tolist()
+    return [hist[e] if 0 <= e < len(hist) else 0 for e in experts]
+
+
+def _expert_groups(counts: list[int], inter: int, k_in: int, cap: int) -> list[list[int]]:
+    """Consecutive runs of expert indices whose call fits `cap` (a run of one may not: the caller splits it)."""
+    groups: list[list[int]] = []
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        if groups and glu_call_scratch([counts[i] for i in groups[-1]] + [n], inter, k_in) <= cap:
+            groups[-1].append(e)
+        else:
+            groups.append([e])
+    return groups
+
+
+def _token_ranges(expert: int, ids: Tensor | None, t: int, count: int, inter: int, k_in: int,
+                  cap: int) -> list[tuple[int, int]]:
+    """Token ranges [lo, hi) splitting `expert`'s `count` pairs evenly into as few calls as fit `cap`. Even, so
+    that no range is left with fewer rows than the panel kernel takes (an expert's rows then meet the same
+    kernel, whose per-token sums do not depend on how tokens are grouped)."""
+    per = 1
+    while per < count and glu_call_scratch([2 * per], inter, k_in) <= cap:
+        per *= 2
+    n = -(-count // per)
+    if ids is None:
+        cuts = [t * i // n for i in range(n + 1)]
+        return [(lo, hi) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
+    cum = torch.cumsum((ids == expert).sum(1), 0)
+    # after the first token whose running count reaches each i/n of the pairs
+    cuts = [0] + [int(torch.searchsorted(cum, count * i // n)) + 1 for i in range(1, n)] + [t]
+    return [(lo, hi) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
+
+
+class _GluCall:
+    """One ms_moe_glu_bf16 call over a subset of the experts (their addresses gathered once)."""
+
+    def __init__(self, experts: Sequence[int], parts: Sequence[tuple[int, int, int]], inter: int, k_in: int,
+                 d_out: int, act: str, beta: float, linear_beta: float):
+        self.experts, self.parts, self.inter, self.k_in, self.d_out = list(experts), list(parts), inter, k_in, d_out
+        self.act, self.beta, self.linear_beta = ACTIVATIONS[act], beta, linear_beta
+
+    def __call__(self, which, x: Tensor, ids: Tensor | None, scores: Tensor | None, out: Tensor) -> None:
+        which = list(which)
+        code = required().ms_moe_glu_bf16(
+            len(which), _addresses([self.experts[i] for i in which]), _addresses([self.parts[i][0] for i in which]),
+            _addresses([self.parts[i][1] for i in which]), _addresses([self.parts[i][2] for i in which]),
+            self.inter, self.k_in, self.d_out, x.data_ptr(), x.shape[0], None if ids is None else ids.data_ptr(),
+            None if scores is None else scores.data_ptr(), 0 if ids is None else ids.shape[1], out.data_ptr(),
+            self.act, self.beta, self.linear_beta)
+        if code != 0:
+            raise MemoryError("native GLU expert kernel could not allocate its scratch")
 
 
 def router_softmax_topk(x: Tensor, gate: Tensor, k: int, renormalize: bool) -> tuple[Tensor, Tensor]:

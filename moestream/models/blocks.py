@@ -186,7 +186,7 @@ def expert_glu(act=silu_glu):
     spec = native_act(act)
 
     def fn(x: torch.Tensor, t: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        if spec is not None and x.shape[0] <= cpu.MAX_TOKENS_GLU and not x.requires_grad and cpu.available():
+        if spec is not None and not x.requires_grad and cpu.available():
             parts = glu_parts(t)
             if parts is not None:
                 out = torch.zeros(x.shape[0], parts[5], dtype=torch.float32)
@@ -204,9 +204,9 @@ def expert_glu(act=silu_glu):
                    t: Mapping[str, torch.Tensor], out: torch.Tensor) -> bool:
         """out[r] += weights[r, j] * fn(x[r]) for the `rows` rows r with ids[r, j] == expert, in one fused native
         call straight from the stored bf16 bytes (no row gather, no fp32 upcast, no index_add); False, with nothing
-        done, where that kernel does not apply. The kernel converts each weight once per call and beat upcast +
-        fp32 GEMM up to MAX_TOKENS_GLU rows (docs/performance.md)."""
-        return rows <= cpu.MAX_TOKENS_GLU and _native_add(spec, x, ids, weights, [expert], [t], out)
+        done, where that kernel does not apply. At any row count: with the gather, upcast and index_add it
+        replaces, the torch path lost even at hundreds of rows an expert (docs/performance.md)."""
+        return _native_add(spec, x, ids, weights, [expert], [t], out)
 
     fn.accumulate = accumulate  # type: ignore[attr-defined]
     fn.act = act  # what the native decode layer's expert table computes (SoftmaxMoE.resident_table)
@@ -215,12 +215,13 @@ def expert_glu(act=silu_glu):
 
 def glu_group(act=silu_glu) -> Callable[..., bool]:
     """The runner's grouped call for bf16 GLU experts: every resident expert of a layer step (each token through
-    its routed experts only) in one fused native call, threads splitting the rows. Declines (the runner then goes
-    expert by expert) for larger steps, other formats or activations, or without the native kernels."""
+    its routed experts only) in fused native calls (one, unless the rows' scratch needs several: fused.moe_glu_bf16),
+    threads splitting the rows. Declines (the runner then goes expert by expert) for other formats or activations,
+    or without the native kernels."""
     spec = native_act(act)
 
     def run(x, ids, weights, experts, tensors, out) -> bool:
-        return x.shape[0] <= cpu.MAX_TOKENS_GLU and _native_add(spec, x, ids, weights, experts, tensors, out)
+        return _native_add(spec, x, ids, weights, experts, tensors, out)
 
     return run
 
