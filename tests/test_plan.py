@@ -350,3 +350,31 @@ def test_overhead_probe_stays_small_at_full_width(tmp_path, monkeypatch):
     small = {"hidden": 128, "heads": 4, "kv_heads": 4, "head_dim": 32}
     what = calibrate._tiny("kimi_k3", tmp_path / "s", 4, 16, small)
     assert written[-1].hidden == 128 and "hidden 128" in what
+
+
+def test_plan_accuracy_records_other_load_and_spin(monkeypatch):
+    """bench/plan_accuracy.py: the machine's busy CPU seconds and its children's CPU seconds (the other processes'
+    load during a bench is their difference over the wall time), and --spin-us reaching every measuring run's
+    environment."""
+    import importlib.util
+    import subprocess
+
+    spec = importlib.util.spec_from_file_location("plan_accuracy", Path(__file__).parents[1] / "bench" /
+                                                  "plan_accuracy.py")
+    acc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(acc)
+    busy, children = acc.cpu_busy()
+    assert busy > 0 and children >= 0
+    seen = {}
+
+    class Done:
+        returncode, stdout, stderr = 0, "{}", ""
+
+    def fake_run(cmd, capture_output, text, env):
+        seen.update(env)
+        return Done()
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setitem(acc.SPIN_ENV, "MOESTREAM_NATIVE_SPIN_US", "3000")
+    assert acc._run(["true"], Path("cal.json")) == {}
+    assert seen["MOESTREAM_NATIVE_SPIN_US"] == "3000" and seen["MOESTREAM_PLAN_CALIBRATION"] == "cal.json"
