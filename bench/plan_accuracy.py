@@ -35,8 +35,11 @@ class RunFailed(RuntimeError):
     pass
 
 
+SPIN_ENV: dict[str, str] = {}  # --spin-us: MOESTREAM_NATIVE_SPIN_US for every measuring subprocess
+
+
 def _run(cmd: list[str], cal: Path | None = None) -> dict:
-    env = dict(os.environ, MOESTREAM_PLAN_CALIBRATION=str(cal)) if cal else None
+    env = dict(os.environ, **SPIN_ENV, **({"MOESTREAM_PLAN_CALIBRATION": str(cal)} if cal else {}))
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise RunFailed(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
@@ -70,11 +73,27 @@ def plan(run: dict, disk: float | None, calibrate: bool = False, batch: int | No
     return _run(cmd, Path(run["calibration"]))
 
 
+def cpu_busy() -> tuple[float, float]:
+    """(seconds all CPUs were busy since boot, this process's children's CPU seconds): /proc/stat and rusage."""
+    import resource
+
+    with open("/proc/stat") as fh:
+        f = [int(x) for x in fh.readline().split()[1:]]
+    busy = (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return busy, ru.ru_utime + ru.ru_stime
+
+
 def bench(model: Path, budget: int, a: dict) -> dict:
+    (b0, c0), t0 = cpu_busy(), time.perf_counter()
     out = _run([PY, "-m", "moestream", "bench", str(model), "--cold", "--json", "--ram-budget", str(budget),
                 "--prompt-len", str(a["prompt_len"]), "--gen-len", str(a["gen_len"]), "--temperature", "1.0",
                 "--seed", "0"])
+    (b1, c1), wall = cpu_busy(), time.perf_counter() - t0
     out.pop("generated_ids", None)
+    # CPUs busy with other processes while the bench ran (niced ones included): a shared two-core machine's
+    # scheduler delays the engine's pool workers behind them (docs/plan.md, "Warm decode is bimodal")
+    out["other_cpu_load"] = max(0.0, (b1 - b0) - (c1 - c0)) / wall
     return out
 
 
@@ -116,7 +135,8 @@ def decode_row(run: dict) -> dict:
             "bytes_per_token_measured": meas["bytes_read_per_token"], "disk_probe": pred["rates"]["disk"],
             "disk_bench": meas["disk_bandwidth_bytes_per_s"], "step_predicted": pred_b["decode_step"],
             "phases_measured_per_token": {k: (v / n if v is not None else None) for k, v in ph.items()},
-            "prefill_predicted": pred_b["prefill_cold_tokens_per_s"], "prefill_measured": meas["prefill_tokens_per_s"]}
+            "prefill_predicted": pred_b["prefill_cold_tokens_per_s"], "prefill_measured": meas["prefill_tokens_per_s"],
+            "other_cpu_load": meas.get("other_cpu_load")}
 
 
 def batch_row(run: dict) -> dict:
@@ -132,7 +152,7 @@ def batch_row(run: dict) -> dict:
 # ---- the measured run --------------------------------------------------------------------------------------------
 def measure(args) -> dict:
     a = {k: getattr(args, k) for k in ("prompt_len", "gen_len", "skew", "reuse", "batch", "batch_gen_len",
-                                        "batch_requests", "threads")}
+                                        "batch_requests", "threads", "spin_us")}
     cal = args.out.with_suffix(".cal") if args.out else Path(f"plan-accuracy-{int(time.time())}.cal")
     out = {"args": a, "decode": [], "batch": [], "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     for model in args.models:
@@ -186,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-gen-len", type=int, default=8)
     ap.add_argument("--batch-requests", type=int, default=0, help="requests of the batch run (default: --batch)")
     ap.add_argument("--threads", type=int, default=2, help="batch run's torch threads (the engine default here)")
+    ap.add_argument("--spin-us", type=int, default=None,
+                    help="MOESTREAM_NATIVE_SPIN_US for the bench, batch and calibration runs (default: the engine's)")
     ap.add_argument("--keep-calibration", action="store_true",
                     help="reuse the calibration file --out already has (measured in an earlier locked run)")
     ap.add_argument("--out", type=Path, default=None, help="write every measurement and prediction here")
@@ -194,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--markdown", action="store_true", help="print the table as docs/plan.md's markdown rows")
     args = ap.parse_args(argv)
+    if args.spin_us is not None:
+        SPIN_ENV["MOESTREAM_NATIVE_SPIN_US"] = str(args.spin_us)
     if args.replan:
         out = json.loads(args.replan.read_text())
         out["decode"] = [predict_decode(r) for r in out["decode"]]
@@ -217,7 +241,8 @@ def _line(r: dict) -> str:
             f"{r['hit_measured']:.2f}  expert MB/tok {r['bytes_per_token_predicted'] / 1e6:.0f}/"
             f"{r['bytes_per_token_measured'] / 1e6:.0f} (+ dense {r['streamed_dense_bytes_per_token'] / 1e6:.0f}/"
             f"{(r.get('streamed_dense_bytes_per_token_measured') or 0) / 1e6:.0f})  "
-            f"disk {r['disk_probe'] / 1e9:.2f}/{r['disk_bench'] / 1e9:.2f}")
+            f"disk {r['disk_probe'] / 1e9:.2f}/{r['disk_bench'] / 1e9:.2f}"
+            + (f"  other load {r['other_cpu_load']:.2f} CPUs" if r.get("other_cpu_load") is not None else ""))
 
 
 def _batch_line(b: dict) -> str:

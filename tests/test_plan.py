@@ -318,3 +318,63 @@ def test_plan_states_the_miss_cost(tiny, capsys):
                     capsys=capsys)
     assert any("each expert read on a miss" in line for line in out["assumptions"])
     assert out["decode_step"]["compute_parts"]["misses_s"] > 0
+
+
+def test_overhead_probe_widths_of_mla_families():
+    """An MLA family's probe takes qk_nope_head_dim as its head width (K3's config has no head_dim; Kimi Linear's
+    head_dim is the rope width); a GQA family keeps its head_dim."""
+    k3 = json.loads(K3_CONFIG.read_text())
+    assert calibrate.model_widths(k3) == {"hidden": 7168, "heads": 96, "kv_heads": 96, "head_dim": 128}
+    linear = {"hidden_size": 64, "num_attention_heads": 4, "head_dim": 8, "qk_nope_head_dim": 16}
+    assert calibrate.model_widths({"text_config": linear})["head_dim"] == 16
+    gqa = {"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64}
+    assert calibrate.model_widths(gqa) == {"hidden": 1024, "heads": 16, "kv_heads": 4, "head_dim": 64}
+
+
+def test_overhead_probe_stays_small_at_full_width(tmp_path, monkeypatch):
+    """At Kimi K3's published widths the probe checkpoint would take GBs (MLA / KDA projections): it keeps the
+    heads' widths at the tiny hidden size instead, and says so; a small model is probed at its own widths."""
+    from dataclasses import replace
+
+    from moestream.synth.families import preset
+
+    widths = calibrate.model_widths(json.loads(K3_CONFIG.read_text()))
+    full = replace(preset("tiny"), name="plan-overhead", top_k=8, experts=64, moe_intermediate=32, **widths)
+    assert calibrate.probe_bytes("kimi_k3", full) > calibrate.PROBE_MAX_BYTES
+    written = []
+    monkeypatch.setattr("moestream.synth.writer.write_checkpoint",
+                        lambda fam, shape, out, *a: written.append(shape))
+    what = calibrate._tiny("kimi_k3", tmp_path / "m", 8, 896, widths)
+    assert written[-1].hidden == preset("tiny").hidden and written[-1].head_dim == 128 and written[-1].heads == 96
+    assert "hidden" not in what and "head_dim 128" in what
+    small = {"hidden": 128, "heads": 4, "kv_heads": 4, "head_dim": 32}
+    what = calibrate._tiny("kimi_k3", tmp_path / "s", 4, 16, small)
+    assert written[-1].hidden == 128 and "hidden 128" in what
+
+
+def test_plan_accuracy_records_other_load_and_spin(monkeypatch):
+    """bench/plan_accuracy.py: the machine's busy CPU seconds and its children's CPU seconds (the other processes'
+    load during a bench is their difference over the wall time), and --spin-us reaching every measuring run's
+    environment."""
+    import importlib.util
+    import subprocess
+
+    spec = importlib.util.spec_from_file_location("plan_accuracy", Path(__file__).parents[1] / "bench" /
+                                                  "plan_accuracy.py")
+    acc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(acc)
+    busy, children = acc.cpu_busy()
+    assert busy > 0 and children >= 0
+    seen = {}
+
+    class Done:
+        returncode, stdout, stderr = 0, "{}", ""
+
+    def fake_run(cmd, capture_output, text, env):
+        seen.update(env)
+        return Done()
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setitem(acc.SPIN_ENV, "MOESTREAM_NATIVE_SPIN_US", "3000")
+    assert acc._run(["true"], Path("cal.json")) == {}
+    assert seen["MOESTREAM_NATIVE_SPIN_US"] == "3000" and seen["MOESTREAM_PLAN_CALIBRATION"] == "cal.json"

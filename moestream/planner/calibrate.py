@@ -264,28 +264,51 @@ WIDTHS = {"hidden": "hidden_size", "heads": "num_attention_heads", "kv_heads": "
           "head_dim": "head_dim"}  # Preset field: config.json key; the overhead probe's model takes these widths
 
 
+MLA_HEAD_DIM = "qk_nope_head_dim"  # an MLA family's per-head width: the synthesizers take it as the Preset's head_dim
+PROBE_MAX_BYTES = 512 << 20  # the overhead probe's checkpoint at the model's widths may take this much at most
+
+
 def model_widths(raw: dict) -> dict[str, int]:
-    """The planned model's widths that the overhead probe's checkpoint copies (those its config states)."""
+    """The planned model's widths that the overhead probe's checkpoint copies (those its config states). An MLA
+    family's head width is its `qk_nope_head_dim` (the MLA and KDA head width of every synthesizer: Kimi K3's
+    config has no `head_dim`, Kimi Linear's `head_dim` is the rope width)."""
     raw = raw.get("text_config", raw)
-    return {k: int(raw[v]) for k, v in WIDTHS.items() if isinstance(raw.get(v), int) and raw[v] > 0}
+    out = {k: int(raw[v]) for k, v in WIDTHS.items() if isinstance(raw.get(v), int) and raw[v] > 0}
+    if isinstance(raw.get(MLA_HEAD_DIM), int) and raw[MLA_HEAD_DIM] > 0:
+        out["head_dim"] = int(raw[MLA_HEAD_DIM])
+    return out
+
+
+def probe_bytes(family: str, shape) -> int:
+    """Bytes the synthesizer of `family` would write for `shape`, from its tensor inventory alone."""
+    from moestream.synth.families import SpecialIds, synth_family
+    from moestream.synth.writer import nbytes
+
+    fam = synth_family(family)
+    return sum(nbytes(s) for s in fam.tensors(fam.config(shape, SpecialIds(bos=0, eos=1))))
 
 
 def _tiny(family: str, out: Path, top_k: int, experts: int, widths: dict[str, int]) -> str:
     """Write a small checkpoint of `family` at the planned model's `widths` (hidden size, heads), routing `top_k`
     of `experts` (at most 64) experts per token, with 32-wide experts and a 512-token vocabulary (weights of a few
-    MB); the plain tiny preset where the family's synthesizer cannot take those. Returns what was written."""
+    MB); where that checkpoint would exceed PROBE_MAX_BYTES (a full-width MLA / KDA model: about 0.5 GB a layer)
+    or the synthesizer cannot take those widths, the heads' widths at the tiny hidden size, else the plain tiny
+    preset. Returns what was written."""
     from dataclasses import replace
 
     from moestream.synth import synthesize
     from moestream.synth.families import preset, synth_family
     from moestream.synth.writer import write_checkpoint
 
-    for w in ([widths, {}] if widths else [{}]):
+    narrow = {k: v for k, v in widths.items() if k != "hidden"}  # the heads' widths at the tiny hidden size
+    for w in ([widths, narrow, {}] if widths else [{}]):
         if not top_k and not w:
             break
         shape = replace(preset("tiny"), name="plan-overhead", top_k=top_k or preset("tiny").top_k,
                         experts=max(top_k, min(experts or 16, 64)), **w, **({"moe_intermediate": 32} if w else {}))
         try:
+            if w and (size := probe_bytes(family, shape)) > PROBE_MAX_BYTES:  # full-width MLA / KDA layers
+                raise ValueError(f"{size} bytes at the model's widths")
             write_checkpoint(synth_family(family), shape, out, 0, default_cache_dir(), False)
             dims = ", ".join(f"{k} {v}" for k, v in w.items())
             return f"synthetic {family} routing top-{shape.top_k} of {shape.experts} experts" + (
