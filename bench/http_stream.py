@@ -54,6 +54,35 @@ def cpu_s(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
+def thread_cpu() -> dict[int, tuple[str, float, float]]:
+    """native thread id -> (its name, group of threads: the name without a trailing -N / _N, user s, sys s) of this
+    process's live Python threads."""
+    import re
+    import threading
+
+    tck, out = os.sysconf("SC_CLK_TCK"), {}
+    for t in threading.enumerate():
+        try:
+            f = Path(f"/proc/self/task/{t.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, TypeError):
+            continue
+        out[t.native_id] = (re.sub(r"[-_]\d+(_\d+)?$", "", t.name), int(f[11]) / tck, int(f[12]) / tck)
+    return out
+
+
+def cpu_by_thread(before: dict, after: dict, steps: int) -> dict[str, dict[str, float]]:
+    """CPU seconds per decoded token by thread group (user, sys), over the threads alive at both samples (threads
+    that started or ended in between count from their start / to their last sample: approximate)."""
+    out: dict[str, list[float]] = {}
+    for tid, (name, u, s) in after.items():
+        _, u0, s0 = before.get(tid, (name, 0.0, 0.0))
+        g = out.setdefault(name, [0.0, 0.0])
+        g[0] += u - u0
+        g[1] += s - s0
+    return {k: {"user": round(u / steps, 3), "sys": round(s / steps, 3)}
+            for k, (u, s) in sorted(out.items(), key=lambda kv: -sum(kv[1]))}
+
+
 def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None = None,
            lookahead_reads: int | None = None) -> dict:
     """One decode from a fresh engine: prefill, then `a.gen` tokens; counters over the decode only. `io` and
@@ -77,9 +106,9 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
             n += 1
             if first is None:
                 first, at_first, read_first = time.perf_counter(), net(), read()
-                cpu_first, srv_first = cpu_s(), cpu_s(SERVER_PID)
+                cpu_first, srv_first, thr_first = cpu_s(), cpu_s(SERVER_PID), thread_cpu()
         end, last, read_last = time.perf_counter(), net(), read()
-        cpu_last, srv_last = cpu_s(), cpu_s(SERVER_PID)
+        cpu_last, srv_last, thr_last = cpu_s(), cpu_s(SERVER_PID), thread_cpu()
         t = eng.runner.times
         prefetch = {"reads": t.prefetch_reads, "used": t.prefetch_used, "withdrawn": t.prefetch_withdrawn}
         phases = {"io_wait_s": t.io_wait_s, "expert_s": t.expert_s, "lookahead_s": t.lookahead_s}
@@ -90,6 +119,7 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
     steps, secs = max(1, n - 1), end - first  # forward passes after the first token
     out = {"tokens": n, "decode_tok_s": steps / secs, "read_bytes_per_token": (read_last - read_first) / steps,
            "client_cpu_s_per_token": (cpu_last - cpu_first) / steps, "client_cpu_share": (cpu_last - cpu_first) / secs,
+           "client_cpu_by_thread_s_per_token": cpu_by_thread(thr_first, thr_last, steps),
            "prefetch": prefetch, "phases_s_whole_run": phases, "fetch_ahead_whole_run": fills}
     if last:
         d = {k: last[k] - at_first[k] for k in ("http_bytes", "http_requests", "http_inflight_s", "http_busy_s")}
@@ -200,6 +230,8 @@ def main() -> int:
                     help="bytes on the link under which the fetch-ahead starts a request (default: fetchahead.py's)")
     ap.add_argument("--split-max", type=int, default=None,
                     help="parallel requests one large range may go as (default: weights/http.py's SPLIT_MAX)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the decode process (seconds; default: Python's 0.005)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads (default 1: on a shared machine more "
                     "threads wait on each other's barriers, docs/performance.md)")
     ap.add_argument("--tmp", type=Path, default=None, help="where the SSD tier goes (default: the system's temp dir)")
@@ -211,7 +243,7 @@ def main() -> int:
     a = ap.parse_args()
 
     from moestream.bench import model_files, probe_disk
-    from moestream.weights import remote
+    from moestream.weights import http, remote
 
     if a.io_threads is not None:
         remote.SETTINGS.io_threads = a.io_threads
@@ -221,11 +253,11 @@ def main() -> int:
 
         fetchahead.FILL_INFLIGHT = parse_bytes(a.fill_inflight)
     if a.split_max is not None:
-        from moestream.weights import http
-
         http.SPLIT_MAX = a.split_max
     if a.lookahead_reads is not None:
         remote.SETTINGS.lookahead_reads = a.lookahead_reads
+    if a.switch_interval is not None:
+        sys.setswitchinterval(a.switch_interval)
     global SERVER_PID
     link, server = None, None
     argv = [sys.executable, str(ROOT / "tests" / "hfserver.py"), str(a.dir), "--repo", "bench/model", "--latency",
@@ -283,7 +315,9 @@ def main() -> int:
     report = {**report, "shaping": a.shaping, "bandwidth_bytes_per_s": a.bandwidth, "latency_s": a.latency,
               "ram_budget": a.ram_budget,
               "io_threads": remote.SETTINGS.io_threads, "lookahead_reads": la_reads,
-              "compute_threads": a.threads, "disk_bandwidth_bytes_per_s": disk_bw,
+              "compute_threads": a.threads,
+              "switch_interval_s": sys.getswitchinterval(), "split_max": http.SPLIT_MAX,
+              "disk_bandwidth_bytes_per_s": disk_bw,
               "load_average": os.getloadavg(), "runs": runs}
     for r in runs.values():
         r["io_roofline_fraction"] = r["read_bytes_per_token"] / disk_bw * r["decode_tok_s"] if disk_bw else None
