@@ -55,8 +55,8 @@ def cpu_s(pid: int | None = None) -> float:
 
 
 def thread_cpu() -> dict[int, tuple[str, float, float]]:
-    """native thread id -> (its name, group of threads: the name without a trailing -N / _N, user s, sys s) of this
-    process's live Python threads."""
+    """native thread id -> (its group: the thread's name without a trailing -N / _N, user s, sys s, s waiting on a
+    run queue) of this process's live Python threads."""
     import re
     import threading
 
@@ -66,21 +66,27 @@ def thread_cpu() -> dict[int, tuple[str, float, float]]:
             f = Path(f"/proc/self/task/{t.native_id}/stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, TypeError):
             continue
-        out[t.native_id] = (re.sub(r"[-_]\d+(_\d+)?$", "", t.name), int(f[11]) / tck, int(f[12]) / tck)
+        try:  # run time, time waiting on a run queue (ns)
+            rq = int(Path(f"/proc/self/task/{t.native_id}/schedstat").read_text().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            rq = 0.0
+        out[t.native_id] = (re.sub(r"[-_]\d+(_\d+)?$", "", t.name), int(f[11]) / tck, int(f[12]) / tck, rq)
     return out
 
 
 def cpu_by_thread(before: dict, after: dict, steps: int) -> dict[str, dict[str, float]]:
-    """CPU seconds per decoded token by thread group (user, sys), over the threads alive at both samples (threads
-    that started or ended in between count from their start / to their last sample: approximate)."""
+    """CPU seconds per decoded token by thread group (user, sys) and seconds spent runnable but waiting for a CPU
+    (runq), over the threads alive at the second sample (threads that started or ended in between count from
+    their start / to their last sample: approximate)."""
     out: dict[str, list[float]] = {}
-    for tid, (name, u, s) in after.items():
-        _, u0, s0 = before.get(tid, (name, 0.0, 0.0))
-        g = out.setdefault(name, [0.0, 0.0])
+    for tid, (name, u, s, q) in after.items():
+        _, u0, s0, q0 = before.get(tid, (name, 0.0, 0.0, 0.0))
+        g = out.setdefault(name, [0.0, 0.0, 0.0])
         g[0] += u - u0
         g[1] += s - s0
-    return {k: {"user": round(u / steps, 3), "sys": round(s / steps, 3)}
-            for k, (u, s) in sorted(out.items(), key=lambda kv: -sum(kv[1]))}
+        g[2] += q - q0
+    return {k: {"user": round(u / steps, 3), "sys": round(s / steps, 3), "runq": round(q / steps, 3)}
+            for k, (u, s, q) in sorted(out.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))}
 
 
 def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None = None,
@@ -230,6 +236,8 @@ def main() -> int:
                     help="bytes on the link under which the fetch-ahead starts a request (default: fetchahead.py's)")
     ap.add_argument("--split-max", type=int, default=None,
                     help="parallel requests one large range may go as (default: weights/http.py's SPLIT_MAX)")
+    ap.add_argument("--background-nice", type=int, default=None,
+                    help="nice increment of the fetch-ahead and SSD-writer threads (default: weights/buffers.py's)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the decode process (seconds; default: Python's 0.005)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads (default 1: on a shared machine more "
@@ -256,6 +264,10 @@ def main() -> int:
         http.SPLIT_MAX = a.split_max
     if a.lookahead_reads is not None:
         remote.SETTINGS.lookahead_reads = a.lookahead_reads
+    if a.background_nice is not None:
+        from moestream.weights import buffers
+
+        buffers.BACKGROUND_NICE = a.background_nice
     if a.switch_interval is not None:
         sys.setswitchinterval(a.switch_interval)
     global SERVER_PID
@@ -316,7 +328,8 @@ def main() -> int:
               "ram_budget": a.ram_budget,
               "io_threads": remote.SETTINGS.io_threads, "lookahead_reads": la_reads,
               "compute_threads": a.threads,
-              "switch_interval_s": sys.getswitchinterval(), "split_max": http.SPLIT_MAX,
+              "switch_interval_s": sys.getswitchinterval(),
+              "background_nice": __import__("moestream.weights.buffers", fromlist=["x"]).BACKGROUND_NICE, "split_max": http.SPLIT_MAX,
               "disk_bandwidth_bytes_per_s": disk_bw,
               "load_average": os.getloadavg(), "runs": runs}
     for r in runs.values():

@@ -302,3 +302,35 @@ def test_every_read_is_verified_and_a_range_touched_at_most_every_touch_s(tmp_pa
         f.seek(-1, os.SEEK_END)
         f.write(bytes([last[0] ^ 0xFF]))
     assert not cache.read("k", 0, out) and cache.stats.corrupt_ranges == 1
+
+
+def test_background_threads_yield_the_cpu_to_the_decode(blob):
+    """The fetch-ahead's threads and the SSD tier's writer lower their own priority (per-thread nice) by
+    BACKGROUND_NICE; the calling thread (the decode) keeps its own."""
+    from moestream.weights import buffers
+
+    data, srv, f = blob
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: dict[str, int] = {}
+    real = buffers.background
+
+    def spy() -> None:
+        real()
+        seen[threading.current_thread().name] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    import moestream.weights.diskcache as diskcache
+    import moestream.weights.fetchahead as fetchahead
+
+    for mod in (fetchahead, diskcache):
+        mod.background = spy
+    try:
+        q = FillQueue(f.flights, f.cache, threads=1)
+        f.read_into(9 * PIECE, [memoryview(bytearray(PIECE))])  # a read that needed the network (writes behind)
+        q.replace([(f, 0, PIECE)])
+        wait_for(lambda: f.flights.stats.filled == 1)
+        f.cache.flush()
+    finally:
+        fetchahead.background = diskcache.background = real
+    want = min(19, mine + buffers.BACKGROUND_NICE)
+    assert seen == {"moestream-fill-0": want, "moestream-ssd-writer": want}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
