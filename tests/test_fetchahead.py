@@ -304,11 +304,12 @@ def test_every_read_is_verified_and_a_range_touched_at_most_every_touch_s(tmp_pa
     assert not cache.read("k", 0, out) and cache.stats.corrupt_ranges == 1
 
 
-def test_background_threads_yield_the_cpu_to_the_decode(blob):
+def test_background_threads_yield_the_cpu_to_the_decode(blob, monkeypatch):
     """The fetch-ahead's threads and the SSD tier's writer lower their own priority (per-thread nice) by
     BACKGROUND_NICE; the calling thread (the decode) keeps its own."""
     from moestream.weights import buffers
 
+    monkeypatch.setattr(buffers, "BACKGROUND_NICE", 5)
     data, srv, f = blob
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     seen: dict[str, int] = {}

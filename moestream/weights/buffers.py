@@ -1,11 +1,10 @@
 """Copies of fetched byte ranges that do not hold the GIL over their bytes, and the background threads' priority.
 
-Owns `copy_into(dst, src)`: a memcpy that releases the GIL for large ranges, and `background()`: a thread that does
-work the decode does not wait for (the fetch-ahead's guesses, the SSD tier's write-behind) lowers its own scheduling
-priority to BACKGROUND_NICE, so on a machine with few cores the decode's compute thread gets a CPU first. The decode thread shares the GIL with
+Owns `copy_into(dst, src)`: a memcpy that releases the GIL for large ranges. The decode thread shares the GIL with
 every fetching and writing thread; a slice copy holds it for the whole copy, and on a loaded machine a thread that
 is descheduled in the middle of a 3 MiB copy (page faults of a fresh buffer included: ~10 us each on this VM)
-keeps the decode's compute waiting behind it.
+keeps the decode's compute waiting behind it. And `background()`: a thread whose work the decode does not wait for
+(the fetch-ahead's guesses, the SSD tier's write-behind) lowers its own scheduling priority by BACKGROUND_NICE.
 """
 from __future__ import annotations
 
@@ -17,8 +16,10 @@ import torch
 
 SMALL = 1 << 16  # below this a plain slice copy costs less than handing the copy to torch
 # nice increment of background threads (0: none). On the 2-core VM a cold decode's compute thread spent as long
-# waiting for a CPU as computing (0.13-0.23 s per token each), behind ~0.65 s of fetching threads' CPU per token
-BACKGROUND_NICE = 10
+# waiting for a CPU as computing (0.13-0.23 s per token each), behind ~0.65 s of fetching threads' CPU per token;
+# but increments of 5, 10 and 19 left that wait (0.17-0.20 s) and the cold speed where they were (locked A/B,
+# 0.54-0.61 of the link bound against 0.53-0.61 at 0: docs/performance.md), so it is off by default
+BACKGROUND_NICE = 0
 
 
 def background() -> None:
