@@ -5,8 +5,10 @@ file names), `/ORG/NAME/resolve/REV/FILE` (small files served directly, `*.safet
 `/cdn/...` location like the hub's LFS files), `/cdn/...` and `/plain/ORG/NAME/FILE` (a plain directory URL),
 all with Range, ETag and keep-alive. Optional throttling (one token bucket shared by all connections: a link of
 `bandwidth` bytes/s, plus `latency` seconds before each response) and injected faults on range requests (drop,
-stall, truncate, 5xx, 429, wrong Content-Range, changed ETag). Every range served is logged. Used by the tests
-and by bench/http_stream.py; not part of the package.
+stall, truncate, 5xx, 429, wrong Content-Range, changed ETag). Every range served is logged. Listens on loopback
+unless given another `host` (bench/http_stream.py's kernel-shaped link runs it inside a network namespace, on the
+far side of a veth pair, unthrottled: the kernel paces it). Used by the tests and by bench/http_stream.py; not part
+of the package.
 """
 from __future__ import annotations
 
