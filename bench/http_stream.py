@@ -209,6 +209,7 @@ def drop_cache_pages(root: Path) -> None:
 
 
 def main() -> int:
+    global SERVER_PID
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dir", type=Path, help="a local checkpoint directory (served over HTTP)")
     ap.add_argument("--bandwidth", type=float, default=200e6, help="link payload bytes/s (default 200e6)")
@@ -251,7 +252,7 @@ def main() -> int:
     a = ap.parse_args()
 
     from moestream.bench import model_files, probe_disk
-    from moestream.weights import http, remote
+    from moestream.weights import buffers, http, remote
 
     if a.io_threads is not None:
         remote.SETTINGS.io_threads = a.io_threads
@@ -265,12 +266,9 @@ def main() -> int:
     if a.lookahead_reads is not None:
         remote.SETTINGS.lookahead_reads = a.lookahead_reads
     if a.background_nice is not None:
-        from moestream.weights import buffers
-
         buffers.BACKGROUND_NICE = a.background_nice
     if a.switch_interval is not None:
         sys.setswitchinterval(a.switch_interval)
-    global SERVER_PID
     link, server = None, None
     argv = [sys.executable, str(ROOT / "tests" / "hfserver.py"), str(a.dir), "--repo", "bench/model", "--latency",
             str(a.latency)]
@@ -329,7 +327,7 @@ def main() -> int:
               "io_threads": remote.SETTINGS.io_threads, "lookahead_reads": la_reads,
               "compute_threads": a.threads,
               "switch_interval_s": sys.getswitchinterval(),
-              "background_nice": __import__("moestream.weights.buffers", fromlist=["x"]).BACKGROUND_NICE, "split_max": http.SPLIT_MAX,
+              "background_nice": buffers.BACKGROUND_NICE, "split_max": http.SPLIT_MAX,
               "disk_bandwidth_bytes_per_s": disk_bw,
               "load_average": os.getloadavg(), "runs": runs}
     for r in runs.values():
@@ -340,7 +338,8 @@ def main() -> int:
     lines = []
     if "link_probe" in report:
         p = report["link_probe"]
-        lines.append(f"link ({a.shaping} shaping): raw probe {p['bytes_per_s'] / 1e6:.1f} MB/s of {a.bandwidth / 1e6:.0f} "
+        lines.append(f"link ({a.shaping} shaping): raw probe {p['bytes_per_s'] / 1e6:.1f} MB/s of "
+                     f"{a.bandwidth / 1e6:.0f} "
                      f"with {p['threads']} requests of {p['piece_bytes'] >> 20} MiB in flight, client CPU "
                      f"{p['client_cpu_ms_per_mb']:.2f} ms / MB")
     if len(runs) > len(set(k.split(".")[0] for k in runs)):  # repeated runs: medians (a loaded machine is noisy)
@@ -374,7 +373,8 @@ def main() -> int:
                      f"{w['io_roofline_fraction']:.3f}; local: {loc['decode_tok_s']:.2f} tok/s, io_roofline "
                      f"{loc['io_roofline_fraction']:.3f} (warm/local {report['warm_vs_local_tok_s']:.2f}); disk "
                      f"{disk_bw / 1e6:.0f} MB/s; load average {report['load_average'][0]:.1f}")
-    lines.append("client CPU s / token: " + ", ".join(f"{k} {r['client_cpu_s_per_token']:.2f}" for k, r in runs.items()))
+    lines.append("client CPU s / token: "
+                 + ", ".join(f"{k} {r['client_cpu_s_per_token']:.2f}" for k, r in runs.items()))
     print(json.dumps(report, indent=1))
     print("\n".join(lines), file=sys.stderr)
     return 1 if runs.get("warm", {}).get("net_requests") else 0

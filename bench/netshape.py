@@ -121,7 +121,8 @@ class ShapedLink:
             _run("ip", "-n", ns, "addr", "add", f"{PEER_IP}/{PREFIX_LEN}", "dev", p)
             _run("ip", "-n", ns, "link", "set", p, "up")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
-            _run("tc", "-n", ns, "qdisc", "add", "dev", p, "root", "tbf", "rate", f"{int(self.rate * 8 * WIRE_PER_PAYLOAD)}bit",
+            wire_bits = int(self.rate * 8 * WIRE_PER_PAYLOAD)
+            _run("tc", "-n", ns, "qdisc", "add", "dev", p, "root", "tbf", "rate", f"{wire_bits}bit",
                  "burst", str(self.burst), "latency", "200ms")
         except BaseException:
             self.close()
