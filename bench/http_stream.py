@@ -1,8 +1,14 @@
 """Issue #15 benchmark: decode a checkpoint streamed over HTTP against the link it comes through.
 
-A hub-style server (tests/hfserver.py) runs in its own process on loopback, throttled to --bandwidth bytes/s (one
-link shared by all connections) with --latency seconds added to every response. Three decodes of the same prompt
-and seed under the same RAM budget, side by side in one run:
+A hub-style server (tests/hfserver.py) runs in its own process behind an emulated link of --bandwidth payload
+bytes/s (one link shared by all connections) with --latency seconds added before every response's first byte.
+`--shaping kernel` (the default; root, `ip` and `tc` needed) runs the server in a network namespace of its own
+behind a veth pair whose egress a tbf qdisc holds to the rate (bench/netshape.py): the server sends with sendfile
+and no pacing loop, so the emulated remote host costs this machine's CPU only its socket writes, and loopback is
+not touched. `--shaping userspace` runs it on loopback with the server's own token bucket (a pacing loop: ~0.4 of
+a core at 200 MB/s on the 2-core VM, competing with the decode). Before the decodes a raw probe (HttpClient, 8
+threads of 3 MiB ranges) measures the link's payload rate and the client's CPU per MB. Three decodes of the same
+prompt and seed under the same RAM budget, side by side in one run:
   cold   hf://... with an empty SSD tier: decode tokens/s against the link bound (network bytes fetched per
          decoded token / bandwidth), requests in flight (most, and the mean over the decode), the link's busy share,
          the share of the bytes fetched ahead that no read of the run used, and the link-bound fraction without them;
@@ -10,18 +16,20 @@ and seed under the same RAM budget, side by side in one run:
          network requests (must be 0), tokens/s and io_roofline_fraction;
   local  the checkpoint directory itself: tokens/s and io_roofline_fraction (the warm run should match it);
   local_remote_io  the same with the remote run's reads in flight and lookahead reads (the SSD tier's own cost).
-io_roofline_fraction is `moestream bench`'s: (bytes read per token / the disk's O_DIRECT bandwidth) / seconds
-per token, one disk probe for both runs. Run under `flock /work/bench.lock`. Prints one JSON object (and a short
-summary on stderr); exits 1 if the warm run touched the network.
+Every run reports the client process's CPU (user + sys seconds) per decoded token and per network MB, and the
+server process's. io_roofline_fraction is `moestream bench`'s: (bytes read per token / the disk's O_DIRECT
+bandwidth) / seconds per token, one disk probe for both runs. Run under `flock /work/bench.lock`. Prints one JSON
+object (and a short summary on stderr); exits 1 if the warm run touched the network.
 
-    python bench/http_stream.py DIR [--bandwidth 200e6] [--latency 0.02] [--ram-budget 300MiB] [--gen 16]
-        [--fill-depth N] [--fill-width W] [--fill-inflight BYTES]
+    python bench/http_stream.py DIR [--shaping kernel|userspace] [--bandwidth 200e6] [--latency 0.02]
+        [--ram-budget 300MiB] [--gen 16] [--fill-depth N] [--fill-width W] [--fill-inflight BYTES]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -30,6 +38,55 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+SERVER_PID: int | None = None  # the server process (its CPU is reported per run)
+
+
+def cpu_s(pid: int | None = None) -> float:
+    """User + system CPU seconds of this process (all its threads), or of process `pid` (0.0 once it is gone)."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def thread_cpu() -> dict[int, tuple[str, float, float]]:
+    """native thread id -> (its group: the thread's name without a trailing -N / _N, user s, sys s, s waiting on a
+    run queue) of this process's live Python threads."""
+    import re
+    import threading
+
+    tck, out = os.sysconf("SC_CLK_TCK"), {}
+    for t in threading.enumerate():
+        try:
+            f = Path(f"/proc/self/task/{t.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, TypeError):
+            continue
+        try:  # run time, time waiting on a run queue (ns)
+            rq = int(Path(f"/proc/self/task/{t.native_id}/schedstat").read_text().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            rq = 0.0
+        out[t.native_id] = (re.sub(r"[-_]\d+(_\d+)?$", "", t.name), int(f[11]) / tck, int(f[12]) / tck, rq)
+    return out
+
+
+def cpu_by_thread(before: dict, after: dict, steps: int) -> dict[str, dict[str, float]]:
+    """CPU seconds per decoded token by thread group (user, sys) and seconds spent runnable but waiting for a CPU
+    (runq), over the threads alive at the second sample (threads that started or ended in between count from
+    their start / to their last sample: approximate)."""
+    out: dict[str, list[float]] = {}
+    for tid, (name, u, s, q) in after.items():
+        _, u0, s0, q0 = before.get(tid, (name, 0.0, 0.0, 0.0))
+        g = out.setdefault(name, [0.0, 0.0, 0.0])
+        g[0] += u - u0
+        g[1] += s - s0
+        g[2] += q - q0
+    return {k: {"user": round(u / steps, 3), "sys": round(s / steps, 3), "runq": round(q / steps, 3)}
+            for k, (u, s, q) in sorted(out.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))}
 
 
 def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None = None,
@@ -55,7 +112,9 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
             n += 1
             if first is None:
                 first, at_first, read_first = time.perf_counter(), net(), read()
+                cpu_first, srv_first, thr_first = cpu_s(), cpu_s(SERVER_PID), thread_cpu()
         end, last, read_last = time.perf_counter(), net(), read()
+        cpu_last, srv_last, thr_last = cpu_s(), cpu_s(SERVER_PID), thread_cpu()
         t = eng.runner.times
         prefetch = {"reads": t.prefetch_reads, "used": t.prefetch_used, "withdrawn": t.prefetch_withdrawn}
         phases = {"io_wait_s": t.io_wait_s, "expert_s": t.expert_s, "lookahead_s": t.lookahead_s}
@@ -65,10 +124,15 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
         eng.close()
     steps, secs = max(1, n - 1), end - first  # forward passes after the first token
     out = {"tokens": n, "decode_tok_s": steps / secs, "read_bytes_per_token": (read_last - read_first) / steps,
+           "client_cpu_s_per_token": (cpu_last - cpu_first) / steps, "client_cpu_share": (cpu_last - cpu_first) / secs,
+           "client_cpu_by_thread_s_per_token": cpu_by_thread(thr_first, thr_last, steps),
            "prefetch": prefetch, "phases_s_whole_run": phases, "fetch_ahead_whole_run": fills}
     if last:
         d = {k: last[k] - at_first[k] for k in ("http_bytes", "http_requests", "http_inflight_s", "http_busy_s")}
-        out.update(net_bytes_per_token=d["http_bytes"] / steps, requests_per_token=d["http_requests"] / steps,
+        if SERVER_PID is not None:
+            out.update(server_cpu_s_per_token=(srv_last - srv_first) / steps)
+        out.update(client_cpu_ms_per_net_mb=(cpu_last - cpu_first) * 1e3 / max(1e-9, d["http_bytes"] / 1e6),
+                   net_bytes_per_token=d["http_bytes"] / steps, requests_per_token=d["http_requests"] / steps,
                    net_requests=d["http_requests"], max_inflight=last["http_max_inflight"],
                    mean_inflight=d["http_inflight_s"] / secs, link_busy_share=d["http_busy_s"] / secs,
                    retries=last["http_retries"], disk_hit_bytes=last.get("disk_hit_bytes", 0),
@@ -79,6 +143,43 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
         out.update(fill_unused_share=unused / max(1, whole["http_bytes"]),
                    useful_net_bytes_per_token=max(0, d["http_bytes"] - unused) / steps)
     return out
+
+
+def probe_link(url: str, ckpt: Path, mb: float, threads: int = 8, piece: int = 3 << 20) -> dict:
+    """The raw link: `threads` threads fetching `piece`-byte ranges of the largest shard back to back through
+    HttpClient (no parallel parts) until `mb` MB have arrived. Payload bytes/s, and this process's CPU per MB."""
+    import threading
+
+    from moestream.weights import http
+
+    shard = max(ckpt.glob("*.safetensors"), key=lambda f: f.stat().st_size)
+    target, size = f"{url}/cdn/bench/model/{shard.name}", shard.stat().st_size
+    client = http.HttpClient(connections=threads)
+    n = max(threads, int(mb * 1e6 // piece))
+    lock, next_i = threading.Lock(), [0]
+
+    def work() -> None:
+        buf = memoryview(bytearray(piece))
+        while True:
+            with lock:
+                i, next_i[0] = next_i[0], next_i[0] + 1
+            if i >= n:
+                return
+            client._get_range(target, (i * piece * 7) % (size - piece), buf, size, None)
+
+    try:
+        client._get_range(target, 0, memoryview(bytearray(4096)), size, None)  # connect and resolve once
+        t0, c0 = time.perf_counter(), cpu_s()
+        ts = [threading.Thread(target=work) for _ in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        secs, cpu = time.perf_counter() - t0, cpu_s() - c0
+    finally:
+        client.close()
+    return {"bytes_per_s": n * piece / secs, "threads": threads, "piece_bytes": piece, "bytes": n * piece,
+            "client_cpu_ms_per_mb": cpu * 1e3 / (n * piece / 1e6)}
 
 
 def _hist_share(before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
@@ -108,10 +209,18 @@ def drop_cache_pages(root: Path) -> None:
 
 
 def main() -> int:
+    global SERVER_PID
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dir", type=Path, help="a local checkpoint directory (served over HTTP)")
-    ap.add_argument("--bandwidth", type=float, default=200e6, help="link bytes/s (default 200e6)")
-    ap.add_argument("--latency", type=float, default=0.02, help="seconds added to each response (default 0.02)")
+    ap.add_argument("--bandwidth", type=float, default=200e6, help="link payload bytes/s (default 200e6)")
+    ap.add_argument("--latency", type=float, default=0.02,
+                    help="seconds added before each response's first byte (default 0.02)")
+    ap.add_argument("--shaping", choices=("kernel", "userspace"), default="kernel",
+                    help="kernel (default): the server in a network namespace behind a veth pair and a tbf qdisc "
+                         "(bench/netshape.py; root, ip and tc needed); userspace: on loopback, paced by the "
+                         "server's own token bucket")
+    ap.add_argument("--probe-mb", type=float, default=256,
+                    help="MB the raw link probe fetches before the decodes (0: no probe)")
     ap.add_argument("--ram-budget", default="300MiB")
     ap.add_argument("--gen", type=int, default=16, help="tokens decoded per run")
     ap.add_argument("--prompt-len", type=int, default=2)
@@ -128,6 +237,10 @@ def main() -> int:
                     help="bytes on the link under which the fetch-ahead starts a request (default: fetchahead.py's)")
     ap.add_argument("--split-max", type=int, default=None,
                     help="parallel requests one large range may go as (default: weights/http.py's SPLIT_MAX)")
+    ap.add_argument("--background-nice", type=int, default=None,
+                    help="nice increment of the fetch-ahead and SSD-writer threads (default: weights/buffers.py's)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the decode process (seconds; default: Python's 0.005)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads (default 1: on a shared machine more "
                     "threads wait on each other's barriers, docs/performance.md)")
     ap.add_argument("--tmp", type=Path, default=None, help="where the SSD tier goes (default: the system's temp dir)")
@@ -139,7 +252,7 @@ def main() -> int:
     a = ap.parse_args()
 
     from moestream.bench import model_files, probe_disk
-    from moestream.weights import remote
+    from moestream.weights import buffers, http, remote
 
     if a.io_threads is not None:
         remote.SETTINGS.io_threads = a.io_threads
@@ -149,17 +262,39 @@ def main() -> int:
 
         fetchahead.FILL_INFLIGHT = parse_bytes(a.fill_inflight)
     if a.split_max is not None:
-        from moestream.weights import http
-
         http.SPLIT_MAX = a.split_max
     if a.lookahead_reads is not None:
         remote.SETTINGS.lookahead_reads = a.lookahead_reads
-    server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "hfserver.py"), str(a.dir), "--repo",
-                               "bench/model", "--bandwidth", str(a.bandwidth), "--latency", str(a.latency)],
-                              stdout=subprocess.PIPE, text=True)
+    if a.background_nice is not None:
+        buffers.BACKGROUND_NICE = a.background_nice
+    if a.switch_interval is not None:
+        sys.setswitchinterval(a.switch_interval)
+    link, server = None, None
+    argv = [sys.executable, str(ROOT / "tests" / "hfserver.py"), str(a.dir), "--repo", "bench/model", "--latency",
+            str(a.latency)]
+    # SIGTERM unwinds like Ctrl-C: the finally below stops the server and removes the namespace
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     runs: dict[str, dict] = {}
+    report: dict = {}
     try:
-        os.environ["HF_ENDPOINT"] = server.stdout.readline().strip()
+        if a.shaping == "kernel":
+            import netshape
+
+            if why := netshape.available():
+                raise SystemExit(f"--shaping kernel: {why}; run as root with iproute2, or pass --shaping userspace")
+            link = netshape.ShapedLink(a.bandwidth).open()
+            report["qdisc"] = link.qdisc()
+            argv = link.exec_argv(argv + ["--host", link.peer_ip])
+        else:
+            argv += ["--bandwidth", str(a.bandwidth)]
+        server = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        SERVER_PID = server.pid
+        url = server.stdout.readline().strip()
+        if not url:
+            raise SystemExit(f"the server did not start (exit status {server.wait()})")
+        os.environ["HF_ENDPOINT"] = url
+        if a.probe_mb:
+            report["link_probe"] = probe_link(url, a.dir, a.probe_mb)
         with tempfile.TemporaryDirectory(dir=a.tmp) as tmp:
             remote.SETTINGS.disk_cache = Path(tmp)
             prompt = [(i * 7919) % 500 + 5 for i in range(a.prompt_len)]
@@ -176,11 +311,24 @@ def main() -> int:
                     runs[key] = decode(a.dir if name == "local" else stub, a, prompt)
             disk_bw = probe_disk(model_files(a.dir), 4)
     finally:
-        server.terminate()
-        server.wait()
-    report = {"bandwidth_bytes_per_s": a.bandwidth, "latency_s": a.latency, "ram_budget": a.ram_budget,
+        if server is not None:
+            server.terminate()
+            try:
+                server.wait(10)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+        if link is not None:
+            link.close()
+            if left := netshape.leftovers():
+                print(f"kernel shaping left behind: {left}", file=sys.stderr)
+    report = {**report, "shaping": a.shaping, "bandwidth_bytes_per_s": a.bandwidth, "latency_s": a.latency,
+              "ram_budget": a.ram_budget,
               "io_threads": remote.SETTINGS.io_threads, "lookahead_reads": la_reads,
-              "compute_threads": a.threads, "disk_bandwidth_bytes_per_s": disk_bw,
+              "compute_threads": a.threads,
+              "switch_interval_s": sys.getswitchinterval(),
+              "background_nice": buffers.BACKGROUND_NICE, "split_max": http.SPLIT_MAX,
+              "disk_bandwidth_bytes_per_s": disk_bw,
               "load_average": os.getloadavg(), "runs": runs}
     for r in runs.values():
         r["io_roofline_fraction"] = r["read_bytes_per_token"] / disk_bw * r["decode_tok_s"] if disk_bw else None
@@ -188,6 +336,12 @@ def main() -> int:
             r["link_bound_fraction"] = r["net_bytes_per_token"] / a.bandwidth * r["decode_tok_s"]
             r["useful_link_bound_fraction"] = r["useful_net_bytes_per_token"] / a.bandwidth * r["decode_tok_s"]
     lines = []
+    if "link_probe" in report:
+        p = report["link_probe"]
+        lines.append(f"link ({a.shaping} shaping): raw probe {p['bytes_per_s'] / 1e6:.1f} MB/s of "
+                     f"{a.bandwidth / 1e6:.0f} "
+                     f"with {p['threads']} requests of {p['piece_bytes'] >> 20} MiB in flight, client CPU "
+                     f"{p['client_cpu_ms_per_mb']:.2f} ms / MB")
     if len(runs) > len(set(k.split(".")[0] for k in runs)):  # repeated runs: medians (a loaded machine is noisy)
         report["median_tok_s"] = {n: _median([r["decode_tok_s"] for k, r in runs.items() if k.split(".")[0] == n])
                                   for n in dict.fromkeys(k.split(".")[0] for k in runs)}
@@ -204,7 +358,8 @@ def main() -> int:
                      f"of it; requests in flight: mean {cold['mean_inflight']:.1f}, most {cold['max_inflight']}; link "
                      f"busy {cold['link_busy_share']:.2f} of the decode; fetched ahead and never used "
                      f"{cold['fill_unused_share']:.2f} of the bytes (without them: "
-                     f"{cold['useful_link_bound_fraction']:.2f} of the link bound)")
+                     f"{cold['useful_link_bound_fraction']:.2f} of the link bound); CPU per token: client "
+                     f"{cold['client_cpu_s_per_token']:.2f} s, server {cold.get('server_cpu_s_per_token', 0):.2f} s")
     if "warm" in runs and "local_remote_io" in runs:
         report["warm_vs_local_remote_io_tok_s"] = runs["warm"]["decode_tok_s"] / runs["local_remote_io"]["decode_tok_s"]
         lines.append(f"local with the remote I/O settings: {runs['local_remote_io']['decode_tok_s']:.2f} tok/s, io_roofline "
@@ -218,6 +373,8 @@ def main() -> int:
                      f"{w['io_roofline_fraction']:.3f}; local: {loc['decode_tok_s']:.2f} tok/s, io_roofline "
                      f"{loc['io_roofline_fraction']:.3f} (warm/local {report['warm_vs_local_tok_s']:.2f}); disk "
                      f"{disk_bw / 1e6:.0f} MB/s; load average {report['load_average'][0]:.1f}")
+    lines.append("client CPU s / token: "
+                 + ", ".join(f"{k} {r['client_cpu_s_per_token']:.2f}" for k, r in runs.items()))
     print(json.dumps(report, indent=1))
     print("\n".join(lines), file=sys.stderr)
     return 1 if runs.get("warm", {}).get("net_requests") else 0

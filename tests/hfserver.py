@@ -5,8 +5,10 @@ file names), `/ORG/NAME/resolve/REV/FILE` (small files served directly, `*.safet
 `/cdn/...` location like the hub's LFS files), `/cdn/...` and `/plain/ORG/NAME/FILE` (a plain directory URL),
 all with Range, ETag and keep-alive. Optional throttling (one token bucket shared by all connections: a link of
 `bandwidth` bytes/s, plus `latency` seconds before each response) and injected faults on range requests (drop,
-stall, truncate, 5xx, 429, wrong Content-Range, changed ETag). Every range served is logged. Used by the tests
-and by bench/http_stream.py; not part of the package.
+stall, truncate, 5xx, 429, wrong Content-Range, changed ETag). Every range served is logged. Listens on loopback
+unless given another `host` (bench/http_stream.py's kernel-shaped link runs it inside a network namespace, on the
+far side of a veth pair, unthrottled: the kernel paces it). Used by the tests and by bench/http_stream.py; not part
+of the package.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ class TokenBucket:
 
 class CheckpointServer:
     def __init__(self, repos: dict[str, Path], bandwidth: float | None = None, latency: float = 0.0,
-                 token: str | None = None):
+                 token: str | None = None, host: str = "127.0.0.1"):
         self.repos = {k: Path(v) for k, v in repos.items()}  # "org/name" -> directory
         self.bucket, self.latency, self.token = TokenBucket(bandwidth), latency, token
         self.faults: list[str] = []  # consumed one per range request to /cdn or /plain
@@ -59,13 +61,13 @@ class CheckpointServer:
         self.active = 0  # requests being answered now (latency included) ...
         self.max_active = 0  # ... and the most at once: the requests a client kept in flight
         handler = type("Handler", (_Handler,), {"srv": self})
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd = ThreadingHTTPServer((host, 0), handler)
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        return f"http://{self.httpd.server_address[0]}:{self.httpd.server_address[1]}"
 
     def __enter__(self) -> "CheckpointServer":
         self.thread.start()
@@ -211,7 +213,9 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             with open(f, "rb") as fh:  # sendfile: the emulated remote host spends little of this machine's CPU
                 while sent < limit:
-                    n = min(CHUNK, limit - sent)
+                    # throttled: CHUNK at a time through the bucket; else the whole body in one sendfile loop (a
+                    # link shaped by the kernel, bench/netshape.py, paces it with no CPU spent here)
+                    n = min(CHUNK, limit - sent) if srv.bucket.rate else limit - sent
                     srv.bucket.take(n)
                     sent += _send_file(self.connection, fh.fileno(), start + sent, n)
         except (BrokenPipeError, ConnectionResetError):
@@ -248,8 +252,8 @@ def _send_file(sock: socket.socket, fd: int, offset: int, n: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python tests/hfserver.py DIR --repo ORG/NAME [--bandwidth B/s] [--latency S]`: serve until killed; prints
-    the base URL on the first line of stdout and, on SIGTERM, the bytes served per range as JSON lines."""
+    """`python tests/hfserver.py DIR --repo ORG/NAME [--bandwidth B/s] [--latency S] [--host IP]`: serve until
+    killed; prints the base URL on the first line of stdout and, on SIGTERM, writes the range log (--log)."""
     import argparse
     import signal
     import sys
@@ -259,9 +263,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repo", default="org/model")
     ap.add_argument("--bandwidth", type=float, default=None)
     ap.add_argument("--latency", type=float, default=0.0)
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     ap.add_argument("--log", type=Path, default=None, help="write the range log here on exit")
     a = ap.parse_args(argv)
-    srv = CheckpointServer({a.repo: a.dir}, bandwidth=a.bandwidth, latency=a.latency)
+    srv = CheckpointServer({a.repo: a.dir}, bandwidth=a.bandwidth, latency=a.latency, host=a.host)
 
     def stop(*_) -> None:
         if a.log:

@@ -302,3 +302,62 @@ def test_every_read_is_verified_and_a_range_touched_at_most_every_touch_s(tmp_pa
         f.seek(-1, os.SEEK_END)
         f.write(bytes([last[0] ^ 0xFF]))
     assert not cache.read("k", 0, out) and cache.stats.corrupt_ranges == 1
+
+
+def test_background_threads_yield_the_cpu_to_the_decode(blob, monkeypatch):
+    """The fetch-ahead's threads and the SSD tier's writer lower their own priority (per-thread nice) by
+    BACKGROUND_NICE; the calling thread (the decode) keeps its own."""
+    from moestream.weights import buffers
+
+    monkeypatch.setattr(buffers, "BACKGROUND_NICE", 5)
+    data, srv, f = blob
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: dict[str, int] = {}
+    real = buffers.background
+
+    def spy() -> None:
+        real()
+        seen[threading.current_thread().name] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    import moestream.weights.diskcache as diskcache
+    import moestream.weights.fetchahead as fetchahead
+
+    for mod in (fetchahead, diskcache):
+        mod.background = spy
+    try:
+        q = FillQueue(f.flights, f.cache, threads=1)
+        f.read_into(9 * PIECE, [memoryview(bytearray(PIECE))])  # a read that needed the network (writes behind)
+        q.replace([(f, 0, PIECE)])
+        wait_for(lambda: f.flights.stats.filled == 1)
+        f.cache.flush()
+    finally:
+        fetchahead.background = diskcache.background = real
+    want = min(19, mine + buffers.BACKGROUND_NICE)
+    assert seen == {"moestream-fill-0": want, "moestream-ssd-writer": want}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+
+
+def test_neighbouring_predictions_land_in_one_buffer_without_a_copy(blob, monkeypatch):
+    """A fill's neighbours (a hole under 4 KiB between them, one already on disk) go as requests straight into the
+    fill's one buffer, each piece its slice: no second buffer copied into the pieces, and every byte right."""
+    import moestream.weights.remote as remote_mod
+
+    data, srv, f = blob
+    f.read_into(9 * PIECE, [memoryview(bytearray(PIECE))])  # a read needed the network: predictions go
+    f.read_into(2 * PIECE, [memoryview(bytearray(PIECE))])  # the middle one is on disk (or queued for it)
+    wait_for(lambda: len(srv.log) >= 2)
+    srv.settled()
+    srv.log.clear()
+
+    def no_copy(dst, src):
+        raise AssertionError("a fill's bytes were copied out of a second buffer")
+
+    monkeypatch.setattr(remote_mod, "copy_into", no_copy)
+    ranges = [(0, PIECE), (PIECE + 1000, PIECE - 1000), (2 * PIECE, PIECE), (3 * PIECE, PIECE)]
+    assert f.fill(ranges) == 3 * PIECE - 1000  # the pieces' bytes; [2P, 3P) was there already
+    f.cache.flush()
+    assert ranges_sent(srv) == Counter({(0, 2 * PIECE): 1, (3 * PIECE, 4 * PIECE): 1})
+    fresh = DiskCache(f.cache.root)
+    for off, n in ranges:
+        out = memoryview(bytearray(n))
+        assert fresh.read(f.key, off, out) and bytes(out) == data[off:off + n]

@@ -360,3 +360,38 @@ def test_large_range_goes_as_parallel_requests(tmp_path):
         parts = sorted((a, b) for _, a, b, _ in srv.settled()[1:])
         assert len(parts) == 3 and parts[0][0] == 100 and parts[-1][1] == len(blob)
         assert all(parts[i][1] == parts[i + 1][0] for i in range(2))  # contiguous, no byte twice
+
+
+def test_range_body_lands_without_urllib3_copies_and_keeps_the_connection(tmp_path, monkeypatch):
+    """A range's body goes from the socket into the caller's buffer (http.client's readinto), never through
+    urllib3's `read` (which allocates and copies the body twice); the connection goes back to the pool and is used
+    again, and a short body is still a transient failure, retried."""
+    import os
+
+    import urllib3
+
+    from moestream.weights.http import HttpClient, RetryPolicy
+
+    blob = os.urandom(1 << 20)
+    (tmp_path / "blob.bin").write_bytes(blob)
+
+    def no_read(self, *a, **k):
+        raise AssertionError("urllib3's read() on a range body")
+
+    monkeypatch.setattr(urllib3.response.HTTPResponse, "read", no_read)
+    with CheckpointServer({"org/blob": tmp_path}) as srv:
+        client = HttpClient(retry=RetryPolicy(attempts=3, backoff_s=0.01))
+        try:
+            url = f"{srv.url}/plain/org/blob/blob.bin"
+            for off in (0, 4096, 300_000):
+                out = bytearray(200_000)
+                client.get_range(url, off, memoryview(out))
+                assert bytes(out) == blob[off:off + len(out)]
+            pool = client._pool.connection_from_url(url)
+            assert pool.num_connections == 1  # one keep-alive connection served all three
+            srv.faults.append("truncate")
+            out = bytearray(300_000)
+            client.get_range(url, 1000, memoryview(out))
+            assert bytes(out) == blob[1000:1000 + len(out)] and client.stats.retries == 1
+        finally:
+            client.close()

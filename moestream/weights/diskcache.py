@@ -22,7 +22,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from moestream.weights.buffers import copy_into
+from moestream.weights.buffers import background, copy_into
 
 try:  # ISA-L's crc32: the same values as zlib's, several times faster (both release the GIL)
     from isal.isal_zlib import crc32
@@ -469,6 +469,7 @@ class DiskCache:
 
 def _writer(ref: weakref.ref, jobs: queue.Queue) -> None:
     """The writer thread of one DiskCache's `put_soon` ranges (holds it only while writing)."""
+    background()  # nothing waits for it: the ranges are served from memory until they are on disk
     while True:
         key, offset = jobs.get()
         cache = ref()

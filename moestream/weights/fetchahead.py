@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from moestream.weights.buffers import copy_into
+from moestream.weights.buffers import background, copy_into
 
 if TYPE_CHECKING:
     from moestream.weights.diskcache import DiskCache
@@ -251,6 +251,7 @@ class FillQueue:
             total += nxt[2]
 
     def _work(self) -> None:
+        background()  # guesses: the decode's own compute and reads come first
         while (batch := self._next()) is not None:
             try:
                 got = batch[0][0].fill([(off, n) for _, off, n in batch])

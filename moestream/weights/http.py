@@ -9,6 +9,7 @@ It knows nothing about safetensors or caching.
 from __future__ import annotations
 
 import email.utils
+import http.client
 import random
 import re
 import threading
@@ -270,7 +271,8 @@ class HttpClient:
                 return once()
             except _Retry as e:
                 last, delay = str(e), e.delay
-            except (urllib3.exceptions.HTTPError, OSError) as e:  # resets, timeouts, truncated bodies
+            except (urllib3.exceptions.HTTPError, http.client.HTTPException, OSError, ValueError) as e:
+                # resets, timeouts, truncated bodies (ValueError: a read of a response the server closed)
                 last, delay = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__, None
             if attempt + 1 == pol.attempts:
                 break
@@ -298,10 +300,19 @@ def _split(n: int) -> list[int]:
 
 
 def _read_body(r: urllib3.BaseHTTPResponse, out: memoryview) -> int:
-    """Read the body into `out` (large reads, one copy); a body shorter than `out` is a transient failure."""
+    """Read the body into `out`; a body shorter than `out` is a transient failure. The bytes go from the socket
+    straight into `out` through http.client's `readinto` under urllib3's response: urllib3's own `readinto` reads a
+    fresh bytes object and copies it, and http.client's `read(n)` below that allocates and copies once more (three
+    copies and two fresh allocations of the range, their page faults included: 1.0-1.3 against 0.7 ms of CPU per
+    MB for 3 MiB ranges over the shaped link)."""
+    fp = getattr(r, "_fp", None)
+    if isinstance(fp, http.client.HTTPResponse) and r.headers.get("content-encoding", "identity") == "identity":
+        readinto = fp.readinto
+    else:  # not the urllib3 this was written against: its own (copying) path
+        readinto = r.readinto
     got = 0
     while got < len(out):
-        n = r.readinto(out[got:])
+        n = readinto(out[got:])
         if not n:
             break
         got += n

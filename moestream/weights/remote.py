@@ -151,17 +151,20 @@ class RemoteFile:
         else:
             self._fetch_missing(missing, behind)
 
-    def _fetch_missing(self, missing: list[tuple[int, memoryview]], behind: bool | str) -> None:
-        """One range request per group of neighbouring pieces (overlaps and holes up to 4 KiB read through)."""
+    def _fetch_missing(self, missing: list[tuple[int, memoryview]], behind: bool | str,
+                       base: tuple[int, memoryview] | None = None) -> None:
+        """One range request per group of neighbouring pieces (overlaps and holes up to 4 KiB read through).
+        `base` (offset, view): every piece is the slice of that one buffer at its file offset, so a group's
+        request lands in the buffer directly."""
         missing.sort(key=lambda p: p[0])
         group: list[tuple[int, memoryview]] = []
         for off, view in missing:
             if group and off > max(o + len(v) for o, v in group) + 4096:
-                self._fetch_group(group, behind)
+                self._fetch_group(group, behind, base)
                 group = []
             group.append((off, view))
         if group:
-            self._fetch_group(group, behind)
+            self._fetch_group(group, behind, base)
 
     def _keep(self, offset: int, view: memoryview, behind: bool | str) -> None:
         """Into the SSD tier: `behind` True by the writer thread from a copy (the view is the caller's buffer, an
@@ -174,18 +177,25 @@ class RemoteFile:
         else:
             self.cache.put(self.key, offset, view)
 
-    def _fetch_group(self, group: list[tuple[int, memoryview]], behind: bool | str) -> None:
+    def _fetch_group(self, group: list[tuple[int, memoryview]], behind: bool | str,
+                     base: tuple[int, memoryview] | None = None) -> None:
         """One request for neighbouring pieces; each piece is kept on disk as its own range, so a later read of
-        one expert is one whole range file (read straight into its buffer) rather than part of a larger one."""
+        one expert is one whole range file (read straight into its buffer) rather than part of a larger one.
+        With `base` (see `_fetch_missing`) the request lands in the pieces' own buffer; else in a buffer of its
+        own, copied into each piece."""
         if len(group) == 1:
             self._download(*group[0])
             self._keep(*group[0], behind)
             return
         lo, hi = group[0][0], max(o + len(v) for o, v in group)
-        buf = memoryview(bytearray(hi - lo))
-        self._download(lo, buf)
+        if base is not None:
+            self._download(lo, base[1][lo - base[0]:hi - base[0]])
+        else:
+            buf = memoryview(bytearray(hi - lo))
+            self._download(lo, buf)
+            for off, view in group:
+                copy_into(view, buf[off - lo:off - lo + len(view)])
         for off, view in group:
-            copy_into(view, buf[off - lo:off - lo + len(view)])
             self._keep(off, view, behind)
 
     def _clip(self, offset: int, out: memoryview) -> memoryview:
@@ -207,12 +217,18 @@ class RemoteFile:
         Needs an SSD tier and the network."""
         if self.cache is None or self.client is None or self.flights is None:
             return 0
-        pieces = [(off, memoryview(bytearray(n))) for off, n in
-                  ((off, min(n, self.size - off)) for off, n in ranges)
-                  if n > 0 and not self.cache.covered(self.key, off, n)]
-        if not pieces:
+        want = [(off, n) for off, n in ((off, min(n, self.size - off)) for off, n in ranges)
+                if n > 0 and not self.cache.covered(self.key, off, n)]
+        if not want:
             return 0
-        return self.flights.fetch(self, pieces, lambda rest: self._fetch_missing(rest, "own"), for_read=False)
+        # one buffer for all of them, each piece its slice at its file offset: a request for neighbours lands in
+        # place (no second buffer and copy); the SSD tier's writer keeps the slices, so the buffer lives until the
+        # last is on disk
+        lo = min(off for off, _ in want)
+        buf = memoryview(bytearray(max(off + n for off, n in want) - lo))
+        pieces = [(off, buf[off - lo:off - lo + n]) for off, n in want]
+        return self.flights.fetch(self, pieces, lambda rest: self._fetch_missing(rest, "own", (lo, buf)),
+                                  for_read=False)
 
     def _download(self, offset: int, out: memoryview) -> None:
         """One range request (offline: the error naming the missing bytes)."""
