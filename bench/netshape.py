@@ -19,6 +19,8 @@ import os
 import shutil
 import subprocess
 
+from moestream.weights.diskcache import pid_alive
+
 PREFIX = "msbench-"
 HOST_IP, PEER_IP, PREFIX_LEN = "10.77.0.1", "10.77.0.2", 30
 MTU = 1500
@@ -49,16 +51,6 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return r
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def namespaces() -> list[str]:
     """Names of this facility's namespaces that exist now."""
     r = _run("ip", "netns", "list", check=False)
@@ -82,7 +74,7 @@ def remove_stale() -> list[str]:
     gone = []
     for ns in namespaces():
         pid = ns[len(PREFIX):]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             remove(ns)
             gone.append(ns)
     return gone

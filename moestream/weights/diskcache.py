@@ -451,7 +451,7 @@ class DiskCache:
         """Temp files of processes that died mid-write are removed (those of live processes are left alone)."""
         for f in (self.root / "tmp").iterdir():
             pid = f.name.split("-", 1)[0]
-            if pid.isdigit() and not _alive(int(pid)):
+            if pid.isdigit() and not pid_alive(int(pid)):
                 f.unlink(missing_ok=True)
 
     def verify_all(self) -> tuple[int, int]:
@@ -550,7 +550,8 @@ def _touch(path: Path) -> None:
         pass
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (one of another user counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
