@@ -46,6 +46,11 @@ def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, i
         scores = scores if scores.dtype == torch.float32 and scores.is_contiguous() else scores.float().contiguous()
     call = _GluCall(experts, parts, inter, k_in, out.shape[1], act, beta, linear_beta)
     cap = glu_scratch_cap(inter, k_in, out.shape[1])
+    # what any routing of these rows could need (t x k pairs, at most t per expert): a decode step fits without
+    # counting its pairs
+    if _scratch(t * (len(experts) if ids is None else ids.shape[1]), len(experts), t, inter, k_in) <= cap:
+        call(range(len(experts)), x, ids, scores, out)
+        return
     counts = _pair_counts(experts, ids, t)
     if glu_call_scratch(counts, inter, k_in) <= cap:
         call(range(len(experts)), x, ids, scores, out)
@@ -74,11 +79,16 @@ def glu_call_scratch(counts: Sequence[int], inter: int, k_in: int) -> int:
     (_cpu_step.c's arithmetic, paddings rounded up): per pair its routing entry, its prepared input and hidden
     rows and their panel copies; per expert a panel's padding; per thread the pass-1 rows of the largest expert
     and a panel packing buffer."""
-    pairs, wide, threads = sum(counts), max(inter, k_in), max(1, cpu.threads())
+    return _scratch(sum(counts), len(counts), max(counts, default=0), inter, k_in)
+
+
+def _scratch(pairs: int, experts: int, largest: int, inter: int, k_in: int) -> int:
+    """glu_call_scratch for `pairs` pairs over `experts` experts, the largest taking `largest`."""
+    wide, threads = max(inter, k_in), max(1, cpu.threads())
     per_pair = 12 + 4 * (k_in + inter + 2 * _PAD) + 4 * (k_in + inter)
     per_expert = 40 + 4 * _PAD * (k_in + inter)
-    per_thread = 4 * (2 * _GLU_ROWS * max(counts, default=0) + 2 * _PR * (wide + _PAD))
-    return pairs * per_pair + len(counts) * per_expert + threads * per_thread + 256
+    per_thread = 4 * (2 * _GLU_ROWS * largest + 2 * _PR * (wide + _PAD))
+    return pairs * per_pair + experts * per_expert + threads * per_thread + 256
 
 
 def _pair_counts(experts: Sequence[int], ids: Tensor | None, t: int) -> list[int]:
