@@ -20,6 +20,10 @@ from moestream.memory.slabs import free_block, new_block
 
 BLOCK_TOKENS = 64  # rows per KV block: a batch of short sequences holds ~its context, not 256 rows each
 GROW_TOKENS = BLOCK_TOKENS  # the old name (tests and docs speak of growth in 64-token steps)
+# Python-side bytes a running sequence holds outside its tensors (its request and ticket, sampler, decoder, and a
+# cache object per layer): tracemalloc measured ~7 KiB + ~1.5 KiB a layer (docs/memory.md), booked with headroom.
+HOST_BYTES_BASE = 8 << 10
+HOST_BYTES_PER_LAYER = 2 << 10
 KV_DTYPES = dict(zip(KV_DTYPE_NAMES, (torch.float32, torch.bfloat16)))  # --kv-dtype: storage; compute stays fp32
 
 
@@ -211,6 +215,7 @@ class SeqState:
     pos: int = 0  # tokens already processed
     layers: list[Any] = field(default_factory=list)
     fixed_bytes: int = 0  # accounted fixed-size state (recurrent matrices, conv windows)
+    host_bytes: int = 0  # accounted Python-side bookkeeping (a scheduler's sequences book it: account_host)
     kv_dtype: torch.dtype = torch.float32  # storage of KV / latent caches (EngineOptions.kv_dtype)
 
     def __post_init__(self) -> None:
@@ -230,14 +235,26 @@ class SeqState:
         self.memory.grow_state(nbytes, what)
         self.fixed_bytes += nbytes
 
+    def account_host(self) -> None:
+        """Book this sequence's Python-side bookkeeping (`host_bytes_of`): hundreds of sequences in a batch hold
+        megabytes of objects beside their caches, and the budget's RSS bound has to cover them too."""
+        nbytes = host_bytes_of(self.num_layers)
+        self.memory.grow_state(nbytes, "sequence bookkeeping")
+        self.host_bytes += nbytes
+
     def release(self) -> None:
         for s in self.layers:
             for buf in _buffers(s):
                 buf.release()
-        self.memory.release_state(self.fixed_bytes)
-        self.fixed_bytes = 0
+        self.memory.release_state(self.fixed_bytes + self.host_bytes)
+        self.fixed_bytes = self.host_bytes = 0
         self.layers = [None] * self.num_layers
         self.pos = 0
+
+
+def host_bytes_of(num_layers: int) -> int:
+    """Bytes booked for one running sequence's Python objects in a model of `num_layers` layers."""
+    return HOST_BYTES_BASE + HOST_BYTES_PER_LAYER * num_layers
 
 
 def _buffers(slot: Any) -> list[BlockBuffer]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moestream.errors import MoestreamError, UnsupportedModelError
+from moestream.memory.state import host_bytes_of
 from moestream.models.kimi_linear import FULL
 from moestream.server.prefix import StateProfile
 
@@ -26,13 +27,14 @@ class StateShape:
     fixed_bytes: int
     kinds: dict[str, int]  # layer kind -> how many layers ("GQA KV", "MLA latent", "KDA state")
     kv_dtype: str = "fp32"  # storage of the growing rows (recurrent state stays fp32)
+    host_bytes: int = 0  # a served sequence's booked Python-side bookkeeping (memory/state.py host_bytes_of)
 
     @property
     def bytes_per_token(self) -> int:
         return sum(self.row_bytes)
 
     def profile(self) -> StateProfile:
-        return StateProfile.of_rows(self.row_bytes, self.fixed_bytes)
+        return StateProfile.of_rows(self.row_bytes, self.fixed_bytes + self.host_bytes)
 
     def at(self, prompt: int, context: int, chunk: int) -> int:
         """Bytes one sequence holds at `context` tokens (prompt fed `chunk` at a time), growth slack included."""
@@ -41,7 +43,8 @@ class StateShape:
     def describe(self) -> str:
         parts = [f"{n} {kind}" for kind, n in self.kinds.items() if n]
         return (f"{', '.join(parts)}: {self.bytes_per_token} bytes per token of context ({self.kv_dtype} KV / latent "
-                f"rows, --kv-dtype) + {self.fixed_bytes} fixed bytes per sequence (recurrent state, fp32)")
+                f"rows, --kv-dtype) + {self.fixed_bytes} fixed bytes per sequence (recurrent state, fp32) + "
+                f"{self.host_bytes} bytes of bookkeeping")
 
 
 def _mla_row(raw: dict, kv: int) -> int:
@@ -58,6 +61,7 @@ def state_shape(config, kv_dtype: str = "fp32") -> StateShape:
         raise MoestreamError(f"--kv-dtype must be one of {', '.join(KV_BYTES)}; got {kv_dtype!r}")
     shape = _shape(config, KV_BYTES[kv_dtype])
     shape.kv_dtype = kv_dtype
+    shape.host_bytes = host_bytes_of(int(config.num_layers))
     return shape
 
 

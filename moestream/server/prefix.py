@@ -66,7 +66,7 @@ def truncatable(state: SeqState) -> bool:
 
 
 def state_bytes(state: SeqState) -> int:
-    return sum(b.nbytes for b in buffers(state)) + state.fixed_bytes
+    return sum(b.nbytes for b in buffers(state)) + state.fixed_bytes + state.host_bytes
 
 
 def clone_state(state: SeqState, upto: int | None = None) -> SeqState:
@@ -75,7 +75,7 @@ def clone_state(state: SeqState, upto: int | None = None) -> SeqState:
     if n != state.pos and not truncatable(state):
         raise ValueError("only a KV-only state can be cloned at a shorter length")
     keep = None if upto is None else n  # rows to copy from each buffer
-    total = sum(b.clone_bytes(keep) for b in buffers(state)) + state.fixed_bytes
+    total = sum(b.clone_bytes(keep) for b in buffers(state)) + state.fixed_bytes + state.host_bytes
     state.memory.grow_state(total, "a reused prefix")
     try:
         layers = _walk(state.layers, lambda b: b.clone(keep), lambda t: t.clone())
@@ -83,7 +83,7 @@ def clone_state(state: SeqState, upto: int | None = None) -> SeqState:
         state.memory.release_state(total)
         raise
     return SeqState(state.memory, state.num_layers, pos=n, layers=layers, fixed_bytes=state.fixed_bytes,
-                    kv_dtype=state.kv_dtype)
+                    host_bytes=state.host_bytes, kv_dtype=state.kv_dtype)
 
 
 def peak_blocks(prompt: int, context: int, chunk: int, window: int | None = None, block: int = BLOCK_TOKENS) -> int:
@@ -119,7 +119,7 @@ class StateProfile:
     def learn(self, state: SeqState) -> None:
         if self.shapes is None and state.pos > 0:
             self.shapes = [(b.block_bytes, b.window, b.block) for b in buffers(state)]
-            self.fixed = state.fixed_bytes
+            self.fixed = state.fixed_bytes + state.host_bytes
 
     @classmethod
     def of_rows(cls, row_bytes: list[int], fixed: int) -> "StateProfile":

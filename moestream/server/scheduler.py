@@ -89,7 +89,7 @@ class Scheduler:
         self.observe: Callable[[str, float], None] = lambda what, seconds: None  # timings for /metrics
         self._rate: deque[tuple[float, int]] = deque()
         self.counters = dict(requests=0, tokens_generated=0, prompt_tokens=0, prompt_tokens_reused=0, failed=0,
-                             cancelled=0, steps=0)
+                             cancelled=0, steps=0, widest_step=0)  # widest_step: most sequences in one step
         self.engine_stats: dict = {}
         self._stats_at = 0.0
         self._ended = False  # a request ended in this iteration
@@ -205,6 +205,7 @@ class Scheduler:
                 self._fail(seq, status, f"{type(e).__name__}: {e}")
             return
         self.counters["steps"] += 1
+        self.counters["widest_step"] = max(self.counters["widest_step"], len(items))
         produced = 0
         for (seq, toks), lg, scored in zip(items, logits, scoring):
             seq.fed.extend(toks)
@@ -325,6 +326,7 @@ class Scheduler:
                 state, reused = found
         if state is None:
             state = self.engine.new_sequence()
+            state.account_host()
         try:
             seq = self._choice(ticket, state, 0)
         except BaseException:
