@@ -10,8 +10,8 @@ probes the disk (direct-I/O, before and after) and the matmul rate in the precis
 job, recording per engine step the bytes read and the FLOPs. Roofline per step = max(bytes / disk bandwidth,
 FLOPs / matmul rate); `roofline_fraction` = their sum over the run / wall time. The one-stream figure comes from
 `moestream bench` in a child process on the same budget (so this process's peak RSS is the batch's own).
-The job runner is `run_scheduler` (requests in, results + report out): the batch command's runner fits the same
-slot.
+By default the requests run as a `moestream batch` job (`run_as_job`: an input JSONL file, the fsynced output file,
+the job's own runner and report); `--runner scheduler` submits them straight to the server's Scheduler instead.
 """
 from __future__ import annotations
 
@@ -74,6 +74,45 @@ def run_scheduler(engine, tokenizer, requests: list[GenRequest], max_batch: int,
     return results, {"wall_s": wall, "steps": sched.counters["steps"], "failed": sched.counters["failed"],
                      "max_batch": max_batch, "batch_plan": sched.plan_batch(len(first.prompt_ids), first.max_tokens)
                      if hasattr(sched, "plan_batch") else None}
+
+
+def run_as_job(engine, tokenizer, requests: list[GenRequest], max_batch: int,
+               prefill_chunk: int) -> tuple[list[dict], dict]:
+    """The same requests through `moestream batch`'s own job (moestream.batch.run_job): an OpenAI batch input file
+    of /v1/completions bodies (token-id prompts, each request's seed), every result written to and fsynced in the
+    output file as it finishes, nothing kept in memory. Returns per request, in input order, {text, tokens, finish} or
+{error, tokens} (read back from the output file) and a report."""
+    import tempfile
+
+    from moestream.batch import BatchOptions, JobConfig, run_job
+
+    model = engine.path.resolve().name
+    with tempfile.TemporaryDirectory(prefix="batch-bench-") as tmp:
+        src, out = Path(tmp) / "in.jsonl", Path(tmp) / "out.jsonl"
+        with src.open("w") as f:
+            for i, r in enumerate(requests):
+                body = {"model": model, "prompt": r.prompt_ids, "max_tokens": r.max_tokens,
+                        "temperature": r.temperature, "top_p": r.top_p, "seed": r.seed}
+                f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                                    "body": body}) + "\n")
+        opts = BatchOptions(max_batch=max_batch, prefill_chunk=prefill_chunk)
+        rep = run_job(JobConfig(str(engine.path), str(src), str(out), options=opts, progress=False), engine=engine)
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        results = [_job_result(line) for line in sorted(lines, key=lambda d: int(d["custom_id"][1:]))]
+    return results, {"wall_s": rep.wall_s, "steps": rep.steps, "failed": rep.failed, "max_batch": max_batch,
+                     "batch_plan": rep.batch_plan, "widest_step": rep.widest_step}
+
+
+def _job_result(line: dict) -> dict:
+    resp = line.get("response")
+    if line.get("error") is not None or resp is None or resp["status_code"] != 200:
+        return {"error": json.dumps(line.get("error") or resp), "tokens": 0}
+    body = resp["body"]
+    return {"text": body["choices"][0]["text"], "tokens": body["usage"]["completion_tokens"],
+            "finish": body["choices"][0]["finish_reason"]}
+
+
+RUNNERS = {"job": run_as_job, "scheduler": run_scheduler}
 
 
 # ---- per-step measurement ----------------------------------------------------------------------------------------
@@ -193,7 +232,7 @@ def default_budget(model: Path) -> int:
     return p.dense_bytes + p.scratch_bytes + p.expert_bytes // 4
 
 
-def measure_batch(args: argparse.Namespace, budget: int, runner=run_scheduler) -> dict:
+def measure_batch(args: argparse.Namespace, budget: int) -> dict:
     from moestream import Engine
     from moestream.tokenizer import Tokenizer
 
@@ -208,7 +247,7 @@ def measure_batch(args: argparse.Namespace, budget: int, runner=run_scheduler) -
     reqs = job_requests(eng.vocab_size, args.requests, args.prompt_len, args.gen_len, args.temperature, args.seed)
     meter = StepMeter(eng)
     try:
-        results, rep = runner(eng, tok, reqs, args.max_batch, args.prefill_chunk)
+        results, rep = RUNNERS[args.runner](eng, tok, reqs, args.max_batch, args.prefill_chunk)
         stats = eng.stats
     finally:
         meter.close()
@@ -272,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch compute threads (default 1: on a shared CPU, 2 threads made small ops 10-100x slower)")
     ap.add_argument("--kv-dtype", choices=("fp32", "bf16"), default="fp32",
                     help="KV cache storage: bf16 halves each sequence's state, so about twice as many run at once")
+    ap.add_argument("--runner", choices=list(RUNNERS), default="job",
+                    help="job: the requests as a `moestream batch` job (input file in, fsynced output file out); "
+                         "scheduler: submitted straight to the server's Scheduler, results kept in memory")
     ap.add_argument("--single-gen-len", type=int, default=16, help="one-stream decode tokens (0: skip it)")
     ap.add_argument("--no-probe", dest="probe", action="store_false",
                     help="skip the disk probe (no I/O floor in the roofline: for runs that must not load the disk)")

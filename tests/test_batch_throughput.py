@@ -3,6 +3,7 @@ one, and the scheduler sizes the batch from the state the budget can hold (never
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from moestream import Engine
 from moestream.engine.engine import plan
 from moestream.memory.accountant import MemoryAccountant
 from moestream.models.attention import KVSlot, cached_attention, decode_attention
-from moestream.memory.state import Segment, SeqState
+from moestream.memory.state import Segment, SeqState, host_bytes_of
 from moestream.server.prefix import rows_at
 from moestream.server.protocol import GenRequest
 from moestream.server.scheduler import Scheduler, SchedulerConfig
@@ -139,7 +140,8 @@ def test_admission_bounded_by_state_room(tiny):
     eng_probe = Engine.open(tiny)
     st = eng_probe.new_sequence()
     eng_probe.step([(st, [3] * 20)])
-    per_seq = eng_probe.memory.state_bytes * 2  # 20 + 50 tokens: two 64-row growth steps
+    # 20 + 50 tokens: two 64-row growth steps, and the bookkeeping a scheduler books for each sequence
+    per_seq = eng_probe.memory.state_bytes * 2 + host_bytes_of(st.num_layers)
     eng_probe.free(st)
     cfg = SchedulerConfig(max_batch=64, max_queue=100, prefill_chunk=64, expert_room=4 * p.max_expert_bytes)
     budget = p.dense_bytes + p.scratch_bytes + cfg.expert_room + 5 * per_seq + per_seq // 2
@@ -203,3 +205,30 @@ def test_scan_window_covers_a_layers_misses_within_a_quarter_of_the_cache():
     assert scan_window(capacity=400 * mib, **peer) == 100 * mib  # a small cache keeps 3/4 of itself resident
     assert scan_window(capacity=100 * mib, **peer) == 2 * 8 * 3 * mib  # never below 2 x top_k experts
     assert scan_window(capacity=7000 * mib, **peer) == 2 * 8 * 3 * mib  # all resident: nothing to read ahead
+
+
+def test_bench_runs_the_job_as_moestream_batch_does(tiny):
+    """bench/batch_throughput.py's default runner sends the requests through `moestream batch`'s job (input file,
+    fsynced output file): sampled at temperature 1 with each request's seed, every text equals the one the
+    server's Scheduler gives the same request, and the report says how wide the steps were."""
+    import importlib
+    import sys
+
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        bt = importlib.import_module("batch_throughput")
+    finally:
+        sys.path.remove(str(bench))
+    eng = Engine.open(tiny, ram_budget=expert_budget(tiny, 0.3) + 64 * (1 << 20))
+    try:
+        tok = Tokenizer.load(tiny)
+        reqs = bt.job_requests(eng.vocab_size, 6, 9, 5, 1.0, 7)
+        direct, _ = bt.run_scheduler(eng, tok, reqs, 4, 64)
+        via_job, rep = bt.run_as_job(eng, tok, reqs, 4, 64)
+    finally:
+        eng.close()
+    assert [r["text"] for r in via_job] == [r["text"] for r in direct]
+    assert [r["tokens"] for r in via_job] == [5] * 6
+    assert 0 < rep["widest_step"] <= 4 and rep["steps"] >= 5 and rep["failed"] == 0
+    assert rep["batch_plan"]["state_bytes_per_sequence"] > 0

@@ -35,7 +35,11 @@ class JobConfig:
     kv_dtype: str = "fp32"  # KV cache storage (EngineOptions.kv_dtype)
 
 
-def run_job(cfg: JobConfig) -> BatchReport:
+def run_job(cfg: JobConfig, engine=None) -> BatchReport:
+    """Run (or resume) the job. `engine`: an Engine already open on cfg.model (a benchmark that meters its steps);
+    it stays open. Without it the job opens its own (or runs on Ray when cfg.ray is set)."""
+    if engine is not None and cfg.ray is not None:
+        raise ValueError("run_job: an open engine runs the job in this process; it cannot go with --ray")
     index = index_input(cfg.input)
     output = Path(cfg.output)
     check_owner(output, index)
@@ -55,16 +59,18 @@ def run_job(cfg: JobConfig) -> BatchReport:
 
             tally = Tally(None, len(ids), len(done), cfg.progress, cfg.price_per_hour)
             return run_on_ray(cfg, todo, writer.add, tally)
-        return _run_local(cfg, todo, writer, len(ids), len(done))
+        return _run_local(cfg, todo, writer, len(ids), len(done), engine)
     finally:
         writer.close()
 
 
-def _run_local(cfg: JobConfig, todo, writer: OutputWriter, total: int, skipped: int) -> BatchReport:
+def _run_local(cfg: JobConfig, todo, writer: OutputWriter, total: int, skipped: int, engine=None) -> BatchReport:
     from moestream.engine.engine import Engine
     from moestream.tokenizer import Tokenizer
 
-    engine = Engine.open(cfg.model, ram_budget=cfg.ram_budget, state_room=cfg.state_room, kv_dtype=cfg.kv_dtype)
+    owned = engine is None
+    if owned:
+        engine = Engine.open(cfg.model, ram_budget=cfg.ram_budget, state_room=cfg.state_room, kv_dtype=cfg.kv_dtype)
     try:
         if cfg.threads:
             import torch
@@ -73,4 +79,5 @@ def _run_local(cfg: JobConfig, todo, writer: OutputWriter, total: int, skipped: 
         tally = Tally(engine, total, skipped, cfg.progress, cfg.price_per_hour)
         return run_batch(engine, Tokenizer.load(cfg.model), todo, cfg.options, emit=writer.add, tally=tally)
     finally:
-        engine.close()
+        if owned:
+            engine.close()

@@ -37,6 +37,9 @@ class BatchReport:
     workers: int = 1
     reassigned: int = 0  # Ray: chunks that went to another worker after theirs died
     retried: int = 0  # requests run again because the budget had no room for their state beside the others
+    steps: int = 0  # engine steps (one forward pass over every sequence in flight)
+    widest_step: int = 0  # the most sequences one step advanced
+    batch_plan: dict | None = None  # Scheduler.plan_batch for the first request's shape: state per sequence, room
     results: list[dict] | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -131,6 +134,9 @@ def print_report(r: BatchReport, out: TextIO) -> None:
         "expert hit rate: " + (f"{100 * r.expert_hit_rate:.1f}%" if r.expert_hit_rate is not None else "n/a"),
         f"peak resident:   {_peak(r)}",
     ]
+    if r.steps:
+        lines.append(f"in flight:       up to {r.widest_step} sequences in one step, {r.steps} steps"
+                     + _planned(r.batch_plan))
     if r.reassigned:
         lines.append(f"reassigned:      {r.reassigned} chunks of requests whose worker died ran on another")
     if r.retried:
@@ -154,6 +160,14 @@ def _peak(r: BatchReport) -> str:
         return f"{format_bytes(r.peak_resident_bytes)} (no --ram-budget set)"
     return (f"{format_bytes(r.peak_resident_bytes)} of the {format_bytes(r.ram_budget_bytes)} budget "
             f"({100 * r.peak_resident_bytes / r.ram_budget_bytes:.0f}%)" + (" per worker" if r.workers > 1 else ""))
+
+
+def _planned(plan: dict | None) -> str:
+    """What the state room allowed, for the first request's shape (prompt and max_tokens)."""
+    if not plan or plan.get("state_bytes_per_sequence") is None or plan.get("state_room_bytes") is None:
+        return ""
+    return (f"; state room {format_bytes(plan['state_room_bytes'])} holds {plan['state_fits_sequences']} sequences "
+            f"of the first request's shape at {format_bytes(plan['state_bytes_per_sequence'])} each")
 
 
 def _money(v: float | None) -> str:

@@ -57,13 +57,18 @@ def run_batch(engine, tokenizer: Tokenizer, requests: Iterable[BatchRequest], op
     results: list[dict] = []
     sink = emit or results.append
     sched = Scheduler(engine, tokenizer, options.scheduler_config()).start()
+    first: list[Job] = []
     try:
         asyncio.run(execute(sched, request_context(engine, tokenizer, options), requests, counted(sink, tally),
-                            options.in_flight, tally.retried))
+                            options.in_flight, tally.retried, first.append))
     finally:
         sched.stop()
     report = tally.report()
     report.results = results if emit is None else None
+    report.steps, report.widest_step = sched.counters["steps"], sched.counters["widest_step"]
+    if first:
+        req = first[0].request
+        report.batch_plan = sched.plan_batch(len(req.prompt_ids), req.max_tokens)
     return report
 
 
@@ -76,7 +81,8 @@ def counted(sink: Emit, tally: Tally) -> Emit:
 
 
 async def execute(sched: Scheduler, ctx: RequestContext, requests: Iterable[BatchRequest], emit: Emit,
-                  in_flight: int, on_retry: Callable[[], None] | None = None) -> None:
+                  in_flight: int, on_retry: Callable[[], None] | None = None,
+                  on_first: Callable[[Job], None] | None = None) -> None:
     """Submit requests as slots free up, emit each output line as its request ends. Must run in one event loop.
 
     A request refused for lack of room for its sequence state (507) while others ran is not a result: it runs
@@ -91,6 +97,9 @@ async def execute(sched: Scheduler, ctx: RequestContext, requests: Iterable[Batc
                 item = retry.popleft() if retry else _next_job(todo, ctx, emit)
                 if item is None:
                     break
+                if on_first is not None:
+                    on_first(item)
+                    on_first = None
                 pending.add(asyncio.ensure_future(_run_one(sched, item)))
             if not pending:
                 return
