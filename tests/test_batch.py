@@ -302,3 +302,29 @@ def test_full_disk_keeps_what_was_written_and_resumes(models, tmp_path):
         assert sorted(ids) == sorted(r["custom_id"] for r in reqs) and len(set(ids)) == len(ids)
     finally:
         _umount(disk)
+
+
+def test_waiting_line_stays_short_while_state_bounds_the_batch(models, monkeypatch):
+    """With a --max-batch far above what the state room holds, the runner submits only the running requests plus
+    a short waiting line (runner.window), so unadmitted requests do not pile up outside the budget; all finish."""
+    from moestream.batch import runner
+    from moestream.server.scheduler import Scheduler
+
+    path = models["qwen3_moe"]
+    seen: list[tuple[int, int]] = []  # (requests submitted and not yet admitted, sequences running) per submit
+    submit = Scheduler.submit
+
+    def recording(self, req):
+        seen.append((self._queued, len(self.active)))
+        return submit(self, req)
+
+    monkeypatch.setattr(Scheduler, "submit", recording)
+    engine = Engine.open(path, ram_budget=budget(path))
+    try:
+        report = run_batch(engine, Tokenizer.load(path), requests_from(requests(path.name, 60, 3, False)),
+                           BatchOptions(max_batch=512))
+    finally:
+        engine.close()
+    assert report.requests == 60 and report.failed == 0 and len(seen) == 60
+    assert 1 < report.widest_step < 60  # the state room, not --max-batch, bounded the batch
+    assert max(q - max(runner.MIN_WAITING, r // 4) for q, r in seen) <= 0

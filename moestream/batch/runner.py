@@ -1,8 +1,10 @@
 """Running batch requests through the server's continuous-batching Scheduler, from an asyncio loop.
 
 Owns `run_batch(engine, tokenizer, requests, ...)`, the function `moestream batch`, the Ray workers and benchmarks
-call: it keeps up to twice --max-batch requests submitted (so the scheduler admits a new one the moment another
-ends), prepares each line just before it is submitted, and hands every finished output line to `emit`. Batch and
+call: it keeps the running requests plus a short waiting line submitted (`window`: a quarter of those running, at
+least 16, never more than twice --max-batch), so the scheduler admits a new one the moment another ends while
+unadmitted requests hold little memory; prepares each line just before it is submitted, and hands every finished
+output line to `emit`. Batch and
 serve share one generation path (Scheduler.submit / Ticket.next), which is what makes their tokens identical.
 """
 from __future__ import annotations
@@ -21,6 +23,8 @@ from moestream.server.scheduler import Scheduler, SchedulerConfig
 from moestream.tokenizer import Tokenizer
 
 Emit = Callable[[dict], None]
+MIN_WAITING = 16  # requests waiting for admission at least, beyond those running
+REFILL_S = 0.05  # how often the submitting loop looks for room when nothing finished
 
 
 @dataclass
@@ -93,7 +97,7 @@ async def execute(sched: Scheduler, ctx: RequestContext, requests: Iterable[Batc
     pending: set[asyncio.Task] = set()
     try:
         while True:
-            while len(pending) < in_flight:
+            while len(pending) < window(sched, in_flight):
                 item = retry.popleft() if retry else _next_job(todo, ctx, emit)
                 if item is None:
                     break
@@ -103,7 +107,7 @@ async def execute(sched: Scheduler, ctx: RequestContext, requests: Iterable[Batc
                 pending.add(asyncio.ensure_future(_run_one(sched, item)))
             if not pending:
                 return
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            done, pending = await asyncio.wait(pending, timeout=REFILL_S, return_when=asyncio.FIRST_COMPLETED)
             crowded = len(pending) + len(done) > 1
             for task in done:
                 job, line = task.result()
@@ -117,6 +121,15 @@ async def execute(sched: Scheduler, ctx: RequestContext, requests: Iterable[Batc
     finally:
         for task in pending:
             task.cancel()
+
+
+def window(sched: Scheduler, in_flight: int) -> int:
+    """Requests to keep submitted: those running plus a waiting line of a quarter of them (at least
+    MIN_WAITING), at most `in_flight`. Each waiting request holds its parsed body and ticket outside the budget,
+    and the scheduler admits a wave over several steps anyway (a prefill chunk at a time), so a longer line would
+    only hold memory."""
+    running = len(sched.active)
+    return min(in_flight, running + max(MIN_WAITING, running // 4))
 
 
 def _next_job(todo: Iterator[BatchRequest], ctx: RequestContext, emit: Emit) -> Job | None:
