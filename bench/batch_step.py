@@ -5,7 +5,10 @@ dense + scratch + a quarter of the experts + their state, a few timed decode ste
 
 Reports per step: wall, I/O wait and expert time (the runner's own clocks), attention (models' attend calls),
 bytes read and the disk's rate while reading, and the step roofline (bytes / --disk-bw vs FLOPs / the fp32 matmul
-rate measured here). --profile adds a cProfile table of the last step (cumulative time, top functions).
+rate measured here). --profile adds a cProfile table of the last step (cumulative time, top functions);
+--timeline records every expert read and MoE layer run (bench/io_timeline.py's Recorder) and splits each step's
+disk-idle time into: inside MoE layer runs, between them (attention, dense projections, routers), and before the
+first / after the last layer run of the step (embedding, LM head).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batch_throughput import FlopModel, Step, default_budget, matmul_rate  # noqa: E402
+from io_timeline import Recorder, busy_time  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +42,11 @@ def main(argv: list[str] | None = None) -> int:
                          "so steps after the first run with every expert resident: the compute alone)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cpu", action="store_true", help="profile the main thread's CPU time instead of wall time")
+    ap.add_argument("--timeline", action="store_true", help="where in each step the disk sat idle")
     args = ap.parse_args(argv)
+    rec = Recorder() if args.timeline else None
+    if rec is not None:
+        rec.install()
     from moestream import Engine
 
     budget = default_budget(args.model) + args.batch * args.state_per_seq if args.budget is None else \
@@ -63,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         last = args.profile and k == args.steps - 1
         prof = (cProfile.Profile(time.thread_time) if args.cpu else cProfile.Profile()) if last else None
         t = time.perf_counter()
+        t_rec = rec.now() if rec is not None else 0.0
         if prof:
             prof.enable()
         eng.step(list(zip(states, nxt)))
@@ -81,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             "io_floor_s": nbytes / args.disk_bw, "compute_floor_s": f / rate,
             "roofline_fraction": max(nbytes / args.disk_bw, f / rate) / wall,
             "hit_rate": eng.stats["expert_hit_rate"]})
+        if rec is not None:
+            out["steps"][-1]["disk_idle"] = idle_split(rec, t_rec, rec.now())
         if prof:
             out["profile_tottime"] = _table(prof, "tottime", 25)
             out["profile_cumulative"] = _table(prof, "cumulative", 40)
@@ -89,6 +100,19 @@ def main(argv: list[str] | None = None) -> int:
     for p in prof_text:
         print(p)
     return 0
+
+
+def idle_split(rec: Recorder, a: float, b: float) -> dict:
+    """Seconds of [a, b) with no read in flight, split by where the step was: inside a MoE layer run, between two
+    of them, or before the first / after the last one."""
+    runs = sorted((s, e) for s, e, _ in rec.moe if a <= s < b)
+    if not runs:
+        return {}
+    spans = {"in_moe": runs, "between_moe": [(runs[i][1], runs[i + 1][0]) for i in range(len(runs) - 1)],
+             "step_edges": [(a, runs[0][0]), (runs[-1][1], b)]}
+    out = {k: sum((e - s) - busy_time(rec.reads, s, e)[0] for s, e in v if e > s) for k, v in spans.items()}
+    out["moe_runs"], out["in_moe_s"] = len(runs), sum(e - s for s, e in runs)
+    return out
 
 
 def _table(prof: cProfile.Profile, key: str, n: int) -> str:

@@ -76,19 +76,25 @@ def run_scheduler(engine, tokenizer, requests: list[GenRequest], max_batch: int,
                      if hasattr(sched, "plan_batch") else None}
 
 
-def run_as_job(engine, tokenizer, requests: list[GenRequest], max_batch: int,
-               prefill_chunk: int) -> tuple[list[dict], dict]:
+def run_as_job(engine, tokenizer, requests: list[GenRequest], max_batch: int, prefill_chunk: int,
+               keep: Path | None = None) -> tuple[list[dict], dict]:
     """The same requests through `moestream batch`'s own job (moestream.batch.run_job): an OpenAI batch input file
     of /v1/completions bodies (token-id prompts, each request's seed), every result written to and fsynced in the
     output file as it finishes, nothing kept in memory. Returns per request, in input order, {text, tokens, finish} or
-{error, tokens} (read back from the output file) and a report."""
+{error, tokens} (read back from the output file) and a report. `keep`: a directory to leave in.jsonl and
+out.jsonl in (e.g. to run the same job again with `moestream batch --ray` and compare)."""
     import tempfile
 
     from moestream.batch import BatchOptions, JobConfig, run_job
+    from moestream.batch.output import state_path
 
     model = engine.path.resolve().name
     with tempfile.TemporaryDirectory(prefix="batch-bench-") as tmp:
-        src, out = Path(tmp) / "in.jsonl", Path(tmp) / "out.jsonl"
+        where = keep or Path(tmp)
+        where.mkdir(parents=True, exist_ok=True)
+        src, out = where / "in.jsonl", where / "out.jsonl"
+        for stale in (out, state_path(out)):
+            stale.unlink(missing_ok=True)  # a kept job of an earlier run: this one starts afresh
         with src.open("w") as f:
             for i, r in enumerate(requests):
                 body = {"model": model, "prompt": r.prompt_ids, "max_tokens": r.max_tokens,
@@ -247,7 +253,8 @@ def measure_batch(args: argparse.Namespace, budget: int) -> dict:
     reqs = job_requests(eng.vocab_size, args.requests, args.prompt_len, args.gen_len, args.temperature, args.seed)
     meter = StepMeter(eng)
     try:
-        results, rep = RUNNERS[args.runner](eng, tok, reqs, args.max_batch, args.prefill_chunk)
+        extra = {"keep": args.keep} if args.keep is not None else {}
+        results, rep = RUNNERS[args.runner](eng, tok, reqs, args.max_batch, args.prefill_chunk, **extra)
         stats = eng.stats
     finally:
         meter.close()
@@ -314,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runner", choices=list(RUNNERS), default="job",
                     help="job: the requests as a `moestream batch` job (input file in, fsynced output file out); "
                          "scheduler: submitted straight to the server's Scheduler, results kept in memory")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="with --runner job: leave the job's in.jsonl and out.jsonl in this directory")
     ap.add_argument("--single-gen-len", type=int, default=16, help="one-stream decode tokens (0: skip it)")
     ap.add_argument("--no-probe", dest="probe", action="store_false",
                     help="skip the disk probe (no I/O floor in the roofline: for runs that must not load the disk)")
