@@ -57,6 +57,9 @@ class ExpertCache:
         self.capacity = capacity
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.on_evict = on_evict
+        # called when the budget shrank (state grew) below what booked reads hold: lands or cancels reads that no
+        # computation is waiting on, so that their room can be given up (ExpertRunner._squeeze)
+        self.on_squeeze: Callable[[], None] | None = None
         self._items: dict[Key, tuple[Any, int]] = {}
         self._pinned: set[Key] = set()
         self.resident_bytes = 0  # entries plus reservations
@@ -141,6 +144,9 @@ class ExpertCache:
 
     def shrink_to_capacity(self) -> None:
         self.make_room(0)
+        if self.resident_bytes > self.capacity() and self.reserved_bytes and self.on_squeeze is not None:
+            self.on_squeeze()
+            self.make_room(0)
 
     def keys(self) -> list[Key]:
         return list(self._items)
