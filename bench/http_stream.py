@@ -22,7 +22,7 @@ bandwidth) / seconds per token, one disk probe for both runs. Run under `flock /
 object (and a short summary on stderr); exits 1 if the warm run touched the network.
 
     python bench/http_stream.py DIR [--shaping kernel|userspace] [--bandwidth 200e6] [--latency 0.02]
-        [--ram-budget 300MiB] [--gen 16] [--fill-depth N] [--fill-width W] [--fill-inflight BYTES]
+        [--ram-budget 300MiB] [--gen 16] [--fill-depth N] [--fill-width W] [--wrap-width W] [--fill-inflight BYTES]
 """
 from __future__ import annotations
 
@@ -104,6 +104,8 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
         la.fill, la.fill_depth = (la.fill if a.fill_depth else None), max(1, a.fill_depth)
     if a.fill_width is not None:
         la.fill_width = a.fill_width
+    if a.wrap_width is not None:
+        la.wrap_width = a.wrap_width
     net = getattr(eng.plan.store.index, "stats", lambda: {})
     read = lambda: eng.plan.store.bytes_read  # noqa: E731 - expert bytes through the reader (disk or SSD tier)
     try:
@@ -116,7 +118,9 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
         end, last, read_last = time.perf_counter(), net(), read()
         cpu_last, srv_last, thr_last = cpu_s(), cpu_s(SERVER_PID), thread_cpu()
         t = eng.runner.times
-        prefetch = {"reads": t.prefetch_reads, "used": t.prefetch_used, "withdrawn": t.prefetch_withdrawn}
+        prefetch = {"reads": t.prefetch_reads, "used": t.prefetch_used, "withdrawn": t.prefetch_withdrawn,
+                    "next_token_guess_recall": la.wrap_report(),
+                    "next_layer_recall": {k: v["lifetime_recall"] for k, v in la.report().items()}}
         phases = {"io_wait_s": t.io_wait_s, "expert_s": t.expert_s, "lookahead_s": t.lookahead_s}
         whole = net()
         fills = {k: v for k, v in whole.items() if k.startswith(("fill_", "fetch_"))}
@@ -233,6 +237,9 @@ def main() -> int:
                          "experts/prefetch.py's)")
     ap.add_argument("--fill-width", type=int, default=None,
                     help="the fetch-ahead's predictions, times top-k wide (default: experts/prefetch.py's)")
+    ap.add_argument("--wrap-width", type=int, default=None,
+                    help="the next token's first MoE layer, guessed from this token's last layers and fetched ahead, "
+                         "times top-k wide (0: no guess; default: experts/prefetch.py's)")
     ap.add_argument("--fill-inflight", default=None,
                     help="bytes on the link under which the fetch-ahead starts a request (default: fetchahead.py's)")
     ap.add_argument("--split-max", type=int, default=None,

@@ -232,6 +232,46 @@ def test_write_behind_serves_pending_ranges_and_flushes(tmp_path):
     assert fresh.verify_all() == (1, 0)
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_tier_writes_from_aligned_buffers_go_around_the_page_cache(tmp_path, monkeypatch, direct):
+    """A range handed over in a page-aligned buffer (the fetch-ahead's, the write-behind's copy) is written with
+    O_DIRECT: whole pages straight from the buffer, a partial last page through a padded one and the file cut to
+    length. Where O_DIRECT is refused (direct False: as on tmpfs) the put writes buffered and later puts stay
+    buffered. Either way the range file is the same: readable, verified, the same size, usage counted."""
+    from moestream.weights import diskcache as dcmod
+    from moestream.weights.buffers import aligned, copy_of
+
+    opened = []
+    real_open = os.open
+
+    def spy_open(path, flags, *a):
+        if flags & os.O_DIRECT and flags & os.O_WRONLY:
+            opened.append(path)
+            if not direct:
+                raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(dcmod.os, "open", spy_open)
+    cache = DiskCache(tmp_path / "dc")
+    data = os.urandom((3 << 20) + 1234)  # a partial last page
+    buf = aligned(len(data))
+    buf[:] = data
+    cache.put("k", 8192, buf)
+    cache.put("k", 1 << 30, copy_of(memoryview(data[:5000])))  # less than two pages
+    cache.put("k", 1 << 31, data[:4096])  # bytes: not aligned, always buffered
+    assert len(opened) == (2 if direct else 1) and cache._direct_write is direct
+    fresh = DiskCache(tmp_path / "dc")
+    for off, want in ((8192, data), (1 << 30, data[:5000]), (1 << 31, data[:4096])):
+        got = memoryview(bytearray(len(want)))
+        assert fresh.read("k", off, got) and bytes(got) == want
+    assert fresh.verify_all() == (3, 0)
+    files = sorted((tmp_path / "dc" / "ranges" / "k").glob("*.rng"))
+    sizes = [f.stat().st_size for f in files]
+    assert sizes == [dcmod._data_start(4) + len(data), dcmod._data_start(1) + 5000, dcmod._data_start(1) + 4096]
+    assert fresh.usage() == sum(sizes)
+    assert list((tmp_path / "dc" / "tmp").iterdir()) == []  # nothing left half-written
+
+
 def test_decode_fetches_predictions_ahead_once(tmp_path, monkeypatch):
     """A remote decode with an SSD tier hands the lookahead's predictions to the fetch-ahead, and no range of the
     checkpoint is sent twice in full (reads join fetches in flight); tokens equal the local run's."""
@@ -273,6 +313,11 @@ def test_decode_fetches_predictions_ahead_once(tmp_path, monkeypatch):
     # a decode row's prediction for the next layer is its router's top 2k, for the one after its top k (tiny: 2 of
     # 16 experts routed)
     assert handed and sorted({len(set(experts)) for _, experts in handed}) == [2, 4]
+    # the next token's first MoE layer (nothing of its token predicts it) was guessed from the token before it
+    # (wrap_width 2: its router's top 2k on that token's input) and scored when it routed
+    first = min(la.routers)
+    assert any(layer == first and len(set(experts)) == 4 for layer, experts in handed)
+    assert la.wrap_report()[first]["scored"] >= 6  # the decode steps after the prefill's
     assert 0 < stats["fill_used_bytes"] <= stats["fill_bytes"]
     assert [r for r, n in sent.items() if n > 1] == []
 
