@@ -22,7 +22,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from moestream.weights.buffers import background, copy_into
+from moestream.weights.buffers import aligned, background, copy_into
 
 try:  # ISA-L's crc32: the same values as zlib's, several times faster (both release the GIL)
     from isal.isal_zlib import crc32
@@ -85,6 +85,7 @@ class DiskCache:
         self._headers: dict[Path, list[int]] = {}  # range file -> its block checksums (checked when first read)
         self._touched: dict[Path, float] = {}  # range file -> time.monotonic() of this process's last touch
         self._direct = hasattr(os, "O_DIRECT")
+        self._direct_write = hasattr(os, "O_DIRECT")  # False once the filesystem refused an O_DIRECT write
         self._pending: dict[tuple[str, int], bytes] = {}  # (key, offset) -> bytes queued for the writer
         self._pending_bytes = 0
         self._writes: queue.Queue | None = None
@@ -326,17 +327,18 @@ class DiskCache:
         head += struct.pack("<I", zlib.crc32(head))
         final = self._range_path(key, offset, len(data))
         tmp = self.root / "tmp" / f"{os.getpid()}-{threading.get_ident()}-{final.name}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.pwrite(fd, head.ljust(_data_start(nblocks), b"\0"), 0)
-            _pwrite_all(fd, data, _data_start(nblocks))
-            # no fsync: the rename makes a complete file visible to other processes, and a range torn by a power
-            # loss fails its header or block checksums on read and is fetched again (never trusted)
-            size = os.fstat(fd).st_size
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        # no fsync either way: the rename makes a complete file visible to other processes, and a range torn by a
+        # power loss fails its header or block checksums on read and is fetched again (never trusted)
+        if not (self._direct_write and _aligned(data) and self._put_direct(tmp, head, nblocks, data)):
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.pwrite(fd, head.ljust(_data_start(nblocks), b"\0"), 0)
+                _pwrite_all(fd, data, _data_start(nblocks))
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        size = _data_start(nblocks) + len(data)
         final.parent.mkdir(parents=True, exist_ok=True)
         with self._locked():
             before = self._usage()  # read before the rename: a rebuilt count must not include the new file twice
@@ -348,6 +350,35 @@ class DiskCache:
             self._insert(key, _Range(offset, len(data), final))
             if self.budget is not None and self._usage() > self.budget:
                 self._evict(keep=final)
+
+    def _put_direct(self, tmp: Path, head: bytes, nblocks: int, data: memoryview) -> bool:
+        """Write range file `tmp` with O_DIRECT from the page-aligned `data` (the header and a partial last page
+        through small aligned buffers, the file cut to length after): no copy into the page cache and no
+        write-back from it, which a buffered write pays per byte. False (nothing trusted from `tmp`) when the
+        filesystem refuses O_DIRECT; later puts then write buffered."""
+        start, whole = _data_start(nblocks), len(data) - len(data) % DATA_ALIGN
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        except OSError:
+            self._direct_write = False
+            return False
+        try:
+            block = aligned(start)
+            block[:len(head)] = head
+            _pwrite_all(fd, block, 0)
+            if whole:
+                _pwrite_all(fd, data[:whole], start)
+            if whole < len(data):
+                tail = aligned(DATA_ALIGN)
+                tail[:len(data) - whole] = data[whole:]
+                _pwrite_all(fd, tail, start + whole)
+                os.ftruncate(fd, start + len(data))
+            return True
+        except OSError:
+            self._direct_write = False
+            return False
+        finally:
+            os.close(fd)
 
     def discard(self, key: str, offset: int, length: int) -> None:
         """Remove the range stored as exactly [offset, offset + length) of `key` (a fetch-ahead guess no read used),

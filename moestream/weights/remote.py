@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from moestream.errors import CheckpointError, MoestreamError
-from moestream.weights.buffers import copy_into, copy_of
+from moestream.weights.buffers import aligned, copy_into, copy_of
 from moestream.weights.fetchahead import FillQueue, Flights
 from moestream.weights.index import REMOTE_MANIFEST, CheckpointIndex, tensors_from_header
 
@@ -223,9 +223,9 @@ class RemoteFile:
             return 0
         # one buffer for all of them, each piece its slice at its file offset: a request for neighbours lands in
         # place (no second buffer and copy); the SSD tier's writer keeps the slices, so the buffer lives until the
-        # last is on disk
+        # last is on disk. Page-aligned, so the tier writes each page-aligned piece with O_DIRECT (no page-cache copy)
         lo = min(off for off, _ in want)
-        buf = memoryview(bytearray(max(off + n for off, n in want) - lo))
+        buf = aligned(max(off + n for off, n in want) - lo)
         pieces = [(off, buf[off - lo:off - lo + n]) for off, n in want]
         return self.flights.fetch(self, pieces, lambda rest: self._fetch_missing(rest, "own", (lo, buf)),
                                   for_read=False)
