@@ -107,6 +107,19 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
     if a.wrap_width is not None:
         la.wrap_width = a.wrap_width
     net = getattr(eng.plan.store.index, "stats", lambda: {})
+    # seconds each MoE layer's step spent on experts that were not resident (their reads landing, then computing),
+    # decode steps only: where the misses nothing fetched ahead sit
+    drain_s: dict[int, float] = {}
+    drain, decoding = eng.runner._drain, [False]
+
+    def timed_drain(layer, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return drain(layer, *args, **kwargs)
+        finally:
+            if decoding[0]:
+                drain_s[layer] = drain_s.get(layer, 0.0) + time.perf_counter() - t0
+    eng.runner._drain = timed_drain
     read = lambda: eng.plan.store.bytes_read  # noqa: E731 - expert bytes through the reader (disk or SSD tier)
     try:
         first, n, at_first, read_first = None, 0, {}, 0
@@ -115,11 +128,12 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
             if first is None:
                 first, at_first, read_first = time.perf_counter(), net(), read()
                 cpu_first, srv_first, thr_first = cpu_s(), cpu_s(SERVER_PID), thread_cpu()
+                decoding[0] = True
         end, last, read_last = time.perf_counter(), net(), read()
         cpu_last, srv_last, thr_last = cpu_s(), cpu_s(SERVER_PID), thread_cpu()
         t = eng.runner.times
         prefetch = {"reads": t.prefetch_reads, "used": t.prefetch_used, "withdrawn": t.prefetch_withdrawn,
-                    "next_token_guess_recall": la.wrap_report(),
+                    "next_token_guess_recall": getattr(la, "wrap_report", dict)(),
                     "next_layer_recall": {k: v["lifetime_recall"] for k, v in la.report().items()}}
         phases = {"io_wait_s": t.io_wait_s, "expert_s": t.expert_s, "lookahead_s": t.lookahead_s}
         whole = net()
@@ -144,6 +158,8 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
                    inflight_share=_hist_share(at_first.get("http_inflight_hist", {}), last.get("http_inflight_hist", {})))
         # guesses fetched ahead that no read of the run used (counted against the decode): the honest bytes
         unused = whole.get("fill_bytes", 0) - whole.get("fill_used_bytes", 0)
+        out.update(fetch_by_read_per_token=(last["fetch_by_read"] - at_first["fetch_by_read"]) / steps,
+                   miss_drain_s_per_token_by_layer={k: round(v / steps, 4) for k, v in sorted(drain_s.items())})
         out.update(fill_unused_share=unused / max(1, whole["http_bytes"]),
                    useful_net_bytes_per_token=max(0, d["http_bytes"] - unused) / steps)
     return out
