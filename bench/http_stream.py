@@ -258,6 +258,9 @@ def main() -> int:
                          "times top-k wide (0: no guess; default: experts/prefetch.py's)")
     ap.add_argument("--fill-inflight", default=None,
                     help="bytes on the link under which the fetch-ahead starts a request (default: fetchahead.py's)")
+    ap.add_argument("--fill-under-reads", default=None,
+                    help="fill bytes on the link under which the fetch-ahead starts a request while reads wait on "
+                         "the network (default: fetchahead.py's)")
     ap.add_argument("--split-max", type=int, default=None,
                     help="parallel requests one large range may go as (default: weights/http.py's SPLIT_MAX)")
     ap.add_argument("--background-nice", type=int, default=None,
@@ -284,6 +287,11 @@ def main() -> int:
         from moestream.weights import fetchahead
 
         fetchahead.FILL_INFLIGHT = parse_bytes(a.fill_inflight)
+    if a.fill_under_reads is not None:
+        from moestream.config import parse_bytes
+        from moestream.weights import fetchahead
+
+        fetchahead.FILL_UNDER_READS = parse_bytes(a.fill_under_reads)
     if a.split_max is not None:
         http.SPLIT_MAX = a.split_max
     if a.lookahead_reads is not None:

@@ -138,6 +138,32 @@ def test_fill_shares_the_link_with_reads_and_newest_predictions_win(blob):
     assert f.flights.read_bytes == PIECE and q.fill_bytes == 0
 
 
+def test_fills_under_reads_are_held_to_their_cap(blob, monkeypatch):
+    """While a read waits on its own fetch, a new fill starts only under `under_reads` fill bytes on the link (the
+    read's round trip shares the link with every fill in flight); every prediction still lands, one at a time."""
+    data, srv, f = blob
+    q = FillQueue(f.flights, f.cache, threads=3, inflight=100 * PIECE)
+    q.under_reads = PIECE
+    on_link = []
+    fill = type(f).fill
+
+    def spy(self, ranges):
+        with f.flights.cv:
+            on_link.append(q.fill_bytes)  # this fill's bytes and any other fill's in flight
+        return fill(self, ranges)
+
+    monkeypatch.setattr(type(f), "fill", spy)
+    with f.flights.cv:
+        f.flights.read_bytes = PIECE  # a read's own request is on the link
+        f.flights.last_read_fetch = time.monotonic()
+    q.replace([(f, 0, PIECE), (f, 3 * PIECE, PIECE), (f, 6 * PIECE, PIECE)])
+    wait_for(lambda: f.flights.stats.filled == 3)
+    assert on_link == [PIECE] * 3
+    with f.flights.cv:
+        f.flights.read_bytes = 0
+    assert q.fill_bytes == 0 and set(ranges_sent(srv)) == {(0, PIECE), (3 * PIECE, 4 * PIECE), (6 * PIECE, 7 * PIECE)}
+
+
 def test_fill_goes_while_a_read_is_on_the_link(blob):
     """The fetch-ahead's requests go while a read's own fetch is still in flight (held here until both
     predictions have landed: a fill that waited for the read would never land)."""
