@@ -140,14 +140,16 @@ class Lookahead:
         self.fill(preds)
 
     def _wrap(self, x: torch.Tensor, depth: int, num_experts: int) -> list[tuple[int, list[int]]]:
-        """The next token's first `depth` MoE layers, each ranked by its router on `x` `wrap_width` x k wide (none
-        when that names more than `max_share` of the experts: a large prefill's rows), kept for scoring."""
+        """The next token's first `depth` MoE layers, each ranked by its router on `x` `wrap_width` x k wide, kept
+        for scoring. A single row's guess goes at any width (the fill fetches only what the SSD tier lacks, and
+        unused guesses are held to their share of it); several rows' (a prefill's) not when they name more than
+        `max_share` of the experts."""
         if not self.wrap_width or not self._order:
             return []
         out = []
         for layer in self._order[:depth]:
             ranked = _ranked(self.routers[layer](x, self.wrap_width))
-            if len(ranked) > self.max_share * num_experts:
+            if x.shape[0] > 1 and len(ranked) > self.max_share * num_experts:
                 return out
             self._wrap_pending[layer] = set(ranked)
             out.append((layer, ranked))
