@@ -261,6 +261,9 @@ def main() -> int:
     ap.add_argument("--fill-under-reads", default=None,
                     help="fill bytes on the link under which the fetch-ahead starts a request while reads wait on "
                          "the network (default: fetchahead.py's)")
+    ap.add_argument("--fill-keep", default=None,
+                    help="bytes of fetched-ahead ranges held in memory after their SSD-tier write until a read takes "
+                         "them (0: none; default: diskcache.py's RECENT_MAX)")
     ap.add_argument("--split-max", type=int, default=None,
                     help="parallel requests one large range may go as (default: weights/http.py's SPLIT_MAX)")
     ap.add_argument("--background-nice", type=int, default=None,
@@ -292,6 +295,11 @@ def main() -> int:
         from moestream.weights import fetchahead
 
         fetchahead.FILL_UNDER_READS = parse_bytes(a.fill_under_reads)
+    if a.fill_keep is not None:
+        from moestream.config import parse_bytes
+        from moestream.weights import diskcache
+
+        diskcache.RECENT_MAX = parse_bytes(a.fill_keep)
     if a.split_max is not None:
         http.SPLIT_MAX = a.split_max
     if a.lookahead_reads is not None:

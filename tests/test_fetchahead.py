@@ -258,6 +258,34 @@ def test_write_behind_serves_pending_ranges_and_flushes(tmp_path):
     assert fresh.verify_all() == (1, 0)
 
 
+def test_guesses_stay_in_memory_after_their_write_until_one_read_takes_them(tmp_path, monkeypatch):
+    """A fetched-ahead range (put_soon keep=True) is on disk after flush and still served from memory once (no
+    disk read of what was just written); the next read comes from disk. Held ranges are bounded by RECENT_MAX,
+    oldest out first, and a discarded guess leaves memory too. A read's own write-behind copy is not held."""
+    from moestream.weights import diskcache as dcmod
+
+    monkeypatch.setattr(dcmod, "RECENT_MAX", 2 << 20)
+    cache = DiskCache(tmp_path / "dc")
+    data = os.urandom(1 << 20)
+    for i in range(3):
+        cache.put_soon("k", i << 20, data, keep=True)
+    cache.put_soon("k", 3 << 20, data)
+    cache.flush()
+    assert sorted(off for _, off in cache._recent) == [1 << 20, 2 << 20] and cache._recent_bytes == 2 << 20
+    reads = []
+    real = cache._read_data
+    monkeypatch.setattr(cache, "_read_data", lambda *a: reads.append(a) or real(*a))
+    out = memoryview(bytearray(1 << 20))
+    assert cache.read("k", 1 << 20, out) and bytes(out) == data and not reads and cache.recent_hits == 1
+    assert cache.read("k", 1 << 20, out) and bytes(out) == data and len(reads) == 1  # from disk now
+    for off in (0, 3 << 20):  # the oldest guess, and a read's own copy: on disk only
+        assert cache.read("k", off, out) and bytes(out) == data
+    assert len(reads) == 3 and cache.recent_hits == 1
+    cache.discard("k", 2 << 20, 1 << 20)
+    assert cache._recent == {} and cache._recent_bytes == 0 and not cache.read("k", 2 << 20, out)
+    assert DiskCache(tmp_path / "dc").verify_all() == (3, 0)
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_tier_writes_from_aligned_buffers_go_around_the_page_cache(tmp_path, monkeypatch, direct):
     """A range handed over in a page-aligned buffer (the fetch-ahead's, the write-behind's copy) is written with
