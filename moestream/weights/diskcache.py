@@ -44,8 +44,10 @@ EVICT_TO = 0.9  # evict down to this share of the budget, so eviction does not r
 PENDING_MAX = 64 << 20
 # bytes of `put_soon(keep=True)` ranges (the fetch-ahead's guesses, read within a layer or two) still held in memory
 # after they are on disk, at most, oldest out first: the read that takes one gets it from memory and lets go of it,
-# instead of reading back from disk what was just written (the cold decode's disk carried both)
-RECENT_MAX = 32 << 20
+# instead of reading back from disk what was just written. Off (0) by default: at 32 MiB a cold q3m_med decode took
+# only 3-9 ranges a run from it (the writer's queue serves most guesses before they are on disk, and the SSD-tier
+# reads are of experts fetched tokens earlier), and it is memory outside the RAM budget (docs/performance.md)
+RECENT_MAX = 0
 
 
 @dataclass
