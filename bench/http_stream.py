@@ -22,7 +22,7 @@ bandwidth) / seconds per token, one disk probe for both runs. Run under `flock /
 object (and a short summary on stderr); exits 1 if the warm run touched the network.
 
     python bench/http_stream.py DIR [--shaping kernel|userspace] [--bandwidth 200e6] [--latency 0.02]
-        [--ram-budget 300MiB] [--gen 16] [--fill-depth N] [--fill-width W] [--fill-inflight BYTES]
+        [--ram-budget 300MiB] [--gen 16] [--fill-depth N] [--fill-width W] [--wrap-width W] [--fill-inflight BYTES]
 """
 from __future__ import annotations
 
@@ -104,7 +104,22 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
         la.fill, la.fill_depth = (la.fill if a.fill_depth else None), max(1, a.fill_depth)
     if a.fill_width is not None:
         la.fill_width = a.fill_width
+    if a.wrap_width is not None:
+        la.wrap_width = a.wrap_width
     net = getattr(eng.plan.store.index, "stats", lambda: {})
+    # seconds each MoE layer's step spent on experts that were not resident (their reads landing, then computing),
+    # decode steps only: where the misses nothing fetched ahead sit
+    drain_s: dict[int, float] = {}
+    drain, decoding = eng.runner._drain, [False]
+
+    def timed_drain(layer, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return drain(layer, *args, **kwargs)
+        finally:
+            if decoding[0]:
+                drain_s[layer] = drain_s.get(layer, 0.0) + time.perf_counter() - t0
+    eng.runner._drain = timed_drain
     read = lambda: eng.plan.store.bytes_read  # noqa: E731 - expert bytes through the reader (disk or SSD tier)
     try:
         first, n, at_first, read_first = None, 0, {}, 0
@@ -113,10 +128,13 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
             if first is None:
                 first, at_first, read_first = time.perf_counter(), net(), read()
                 cpu_first, srv_first, thr_first = cpu_s(), cpu_s(SERVER_PID), thread_cpu()
+                decoding[0] = True
         end, last, read_last = time.perf_counter(), net(), read()
         cpu_last, srv_last, thr_last = cpu_s(), cpu_s(SERVER_PID), thread_cpu()
         t = eng.runner.times
-        prefetch = {"reads": t.prefetch_reads, "used": t.prefetch_used, "withdrawn": t.prefetch_withdrawn}
+        prefetch = {"reads": t.prefetch_reads, "used": t.prefetch_used, "withdrawn": t.prefetch_withdrawn,
+                    "next_token_guess_recall": getattr(la, "wrap_report", dict)(),
+                    "next_layer_recall": {k: v["lifetime_recall"] for k, v in la.report().items()}}
         phases = {"io_wait_s": t.io_wait_s, "expert_s": t.expert_s, "lookahead_s": t.lookahead_s}
         whole = net()
         fills = {k: v for k, v in whole.items() if k.startswith(("fill_", "fetch_"))}
@@ -140,6 +158,8 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
                    inflight_share=_hist_share(at_first.get("http_inflight_hist", {}), last.get("http_inflight_hist", {})))
         # guesses fetched ahead that no read of the run used (counted against the decode): the honest bytes
         unused = whole.get("fill_bytes", 0) - whole.get("fill_used_bytes", 0)
+        out.update(fetch_by_read_per_token=(last["fetch_by_read"] - at_first["fetch_by_read"]) / steps,
+                   miss_drain_s_per_token_by_layer={k: round(v / steps, 4) for k, v in sorted(drain_s.items())})
         out.update(fill_unused_share=unused / max(1, whole["http_bytes"]),
                    useful_net_bytes_per_token=max(0, d["http_bytes"] - unused) / steps)
     return out
@@ -233,8 +253,17 @@ def main() -> int:
                          "experts/prefetch.py's)")
     ap.add_argument("--fill-width", type=int, default=None,
                     help="the fetch-ahead's predictions, times top-k wide (default: experts/prefetch.py's)")
+    ap.add_argument("--wrap-width", type=int, default=None,
+                    help="the next token's first MoE layer, guessed from this token's last layers and fetched ahead, "
+                         "times top-k wide (0: no guess; default: experts/prefetch.py's)")
     ap.add_argument("--fill-inflight", default=None,
                     help="bytes on the link under which the fetch-ahead starts a request (default: fetchahead.py's)")
+    ap.add_argument("--fill-under-reads", default=None,
+                    help="fill bytes on the link under which the fetch-ahead starts a request while reads wait on "
+                         "the network (default: fetchahead.py's)")
+    ap.add_argument("--fill-keep", default=None,
+                    help="bytes of fetched-ahead ranges held in memory after their SSD-tier write until a read takes "
+                         "them (0: none; default: diskcache.py's RECENT_MAX)")
     ap.add_argument("--split-max", type=int, default=None,
                     help="parallel requests one large range may go as (default: weights/http.py's SPLIT_MAX)")
     ap.add_argument("--background-nice", type=int, default=None,
@@ -261,6 +290,16 @@ def main() -> int:
         from moestream.weights import fetchahead
 
         fetchahead.FILL_INFLIGHT = parse_bytes(a.fill_inflight)
+    if a.fill_under_reads is not None:
+        from moestream.config import parse_bytes
+        from moestream.weights import fetchahead
+
+        fetchahead.FILL_UNDER_READS = parse_bytes(a.fill_under_reads)
+    if a.fill_keep is not None:
+        from moestream.config import parse_bytes
+        from moestream.weights import diskcache
+
+        diskcache.RECENT_MAX = parse_bytes(a.fill_keep)
     if a.split_max is not None:
         http.SPLIT_MAX = a.split_max
     if a.lookahead_reads is not None:

@@ -138,6 +138,32 @@ def test_fill_shares_the_link_with_reads_and_newest_predictions_win(blob):
     assert f.flights.read_bytes == PIECE and q.fill_bytes == 0
 
 
+def test_fills_under_reads_are_held_to_their_cap(blob, monkeypatch):
+    """While a read waits on its own fetch, a new fill starts only under `under_reads` fill bytes on the link (the
+    read's round trip shares the link with every fill in flight); every prediction still lands, one at a time."""
+    data, srv, f = blob
+    q = FillQueue(f.flights, f.cache, threads=3, inflight=100 * PIECE)
+    q.under_reads = PIECE
+    on_link = []
+    fill = type(f).fill
+
+    def spy(self, ranges):
+        with f.flights.cv:
+            on_link.append(q.fill_bytes)  # this fill's bytes and any other fill's in flight
+        return fill(self, ranges)
+
+    monkeypatch.setattr(type(f), "fill", spy)
+    with f.flights.cv:
+        f.flights.read_bytes = PIECE  # a read's own request is on the link
+        f.flights.last_read_fetch = time.monotonic()
+    q.replace([(f, 0, PIECE), (f, 3 * PIECE, PIECE), (f, 6 * PIECE, PIECE)])
+    wait_for(lambda: f.flights.stats.filled == 3)
+    assert on_link == [PIECE] * 3
+    with f.flights.cv:
+        f.flights.read_bytes = 0
+    assert q.fill_bytes == 0 and set(ranges_sent(srv)) == {(0, PIECE), (3 * PIECE, 4 * PIECE), (6 * PIECE, 7 * PIECE)}
+
+
 def test_fill_goes_while_a_read_is_on_the_link(blob):
     """The fetch-ahead's requests go while a read's own fetch is still in flight (held here until both
     predictions have landed: a fill that waited for the read would never land)."""
@@ -232,6 +258,74 @@ def test_write_behind_serves_pending_ranges_and_flushes(tmp_path):
     assert fresh.verify_all() == (1, 0)
 
 
+def test_guesses_stay_in_memory_after_their_write_until_one_read_takes_them(tmp_path, monkeypatch):
+    """A fetched-ahead range (put_soon keep=True) is on disk after flush and still served from memory once (no
+    disk read of what was just written); the next read comes from disk. Held ranges are bounded by RECENT_MAX,
+    oldest out first, and a discarded guess leaves memory too. A read's own write-behind copy is not held."""
+    from moestream.weights import diskcache as dcmod
+
+    monkeypatch.setattr(dcmod, "RECENT_MAX", 2 << 20)
+    cache = DiskCache(tmp_path / "dc")
+    data = os.urandom(1 << 20)
+    for i in range(3):
+        cache.put_soon("k", i << 20, data, keep=True)
+    cache.put_soon("k", 3 << 20, data)
+    cache.flush()
+    assert sorted(off for _, off in cache._recent) == [1 << 20, 2 << 20] and cache._recent_bytes == 2 << 20
+    reads = []
+    real = cache._read_data
+    monkeypatch.setattr(cache, "_read_data", lambda *a: reads.append(a) or real(*a))
+    out = memoryview(bytearray(1 << 20))
+    assert cache.read("k", 1 << 20, out) and bytes(out) == data and not reads and cache.recent_hits == 1
+    assert cache.read("k", 1 << 20, out) and bytes(out) == data and len(reads) == 1  # from disk now
+    for off in (0, 3 << 20):  # the oldest guess, and a read's own copy: on disk only
+        assert cache.read("k", off, out) and bytes(out) == data
+    assert len(reads) == 3 and cache.recent_hits == 1
+    cache.discard("k", 2 << 20, 1 << 20)
+    assert cache._recent == {} and cache._recent_bytes == 0 and not cache.read("k", 2 << 20, out)
+    assert DiskCache(tmp_path / "dc").verify_all() == (3, 0)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_tier_writes_from_aligned_buffers_go_around_the_page_cache(tmp_path, monkeypatch, direct):
+    """A range handed over in a page-aligned buffer (the fetch-ahead's, the write-behind's copy) is written with
+    O_DIRECT: whole pages straight from the buffer, a partial last page through a padded one and the file cut to
+    length. Where O_DIRECT is refused (direct False: as on tmpfs) the put writes buffered and later puts stay
+    buffered. Either way the range file is the same: readable, verified, the same size, usage counted."""
+    from moestream.weights import diskcache as dcmod
+    from moestream.weights.buffers import aligned, copy_of
+
+    opened = []
+    real_open = os.open
+
+    def spy_open(path, flags, *a):
+        if flags & os.O_DIRECT and flags & os.O_WRONLY:
+            opened.append(path)
+            if not direct:
+                raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(dcmod.os, "open", spy_open)
+    cache = DiskCache(tmp_path / "dc")
+    data = os.urandom((3 << 20) + 1234)  # a partial last page
+    buf = aligned(len(data))
+    buf[:] = data
+    cache.put("k", 8192, buf)
+    cache.put("k", 1 << 30, copy_of(memoryview(data[:5000])))  # less than two pages
+    cache.put("k", 1 << 31, data[:4096])  # bytes: not aligned, always buffered
+    assert len(opened) == (2 if direct else 1) and cache._direct_write is direct
+    fresh = DiskCache(tmp_path / "dc")
+    for off, want in ((8192, data), (1 << 30, data[:5000]), (1 << 31, data[:4096])):
+        got = memoryview(bytearray(len(want)))
+        assert fresh.read("k", off, got) and bytes(got) == want
+    assert fresh.verify_all() == (3, 0)
+    files = sorted((tmp_path / "dc" / "ranges" / "k").glob("*.rng"))
+    sizes = [f.stat().st_size for f in files]
+    assert sizes == [dcmod._data_start(4) + len(data), dcmod._data_start(1) + 5000, dcmod._data_start(1) + 4096]
+    assert fresh.usage() == sum(sizes)
+    assert list((tmp_path / "dc" / "tmp").iterdir()) == []  # nothing left half-written
+
+
 def test_decode_fetches_predictions_ahead_once(tmp_path, monkeypatch):
     """A remote decode with an SSD tier hands the lookahead's predictions to the fetch-ahead, and no range of the
     checkpoint is sent twice in full (reads join fetches in flight); tokens equal the local run's."""
@@ -273,6 +367,11 @@ def test_decode_fetches_predictions_ahead_once(tmp_path, monkeypatch):
     # a decode row's prediction for the next layer is its router's top 2k, for the one after its top k (tiny: 2 of
     # 16 experts routed)
     assert handed and sorted({len(set(experts)) for _, experts in handed}) == [2, 4]
+    # the next token's first MoE layer (nothing of its token predicts it) was guessed from the token before it
+    # (wrap_width 2: its router's top 2k on that token's input) and scored when it routed
+    first = min(la.routers)
+    assert any(layer == first and len(set(experts)) == 4 for layer, experts in handed)
+    assert la.wrap_report()[first]["scored"] >= 6  # the decode steps after the prefill's
     assert 0 < stats["fill_used_bytes"] <= stats["fill_bytes"]
     assert [r for r, n in sent.items() if n > 1] == []
 

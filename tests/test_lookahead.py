@@ -118,3 +118,36 @@ def test_gate_turns_off_a_layer_whose_recall_is_low():
     # still measured while off (one step in `probe`), so it can switch on again
     closed = la.gates[2].closed_steps
     assert closed > 0 and la.gates[2].scored == 24 - closed + closed // la.probe
+
+
+def test_fetch_ahead_wraps_to_the_next_tokens_first_layers_and_scores_them():
+    """Past the last MoE layer the fetch-ahead's chain goes on to the next token's first MoE layer: its router on
+    this token's input, wrap_width x k wide, best first; nothing of it reaches the RAM read-ahead (predict returns
+    None at the last layer). When that layer routes, the guess is scored in wrap_gates (recall = routed experts it
+    named / routed), apart from the one-layer-ahead gates. wrap_width 0 turns it off."""
+    gen = torch.Generator().manual_seed(0)
+    hidden, experts, k = 32, 16, 2
+    routers = {layer: SoftmaxRouter(torch.randn(experts, hidden, generator=gen), k, False) for layer in (0, 1, 2)}
+    handed = []
+    la = Lookahead(warmup=0, threshold=0.0, fill_depth=2, wrap_width=2, fill=handed.append)
+    for layer, r in routers.items():
+        la.register(layer, r.select)
+    x = torch.randn(1, hidden, generator=gen)
+    wide0 = routers[0].select(x, 2)[0].tolist()
+    assert la.predict(1, x, experts) is not None  # layer 2 read ahead into RAM as before ...
+    assert handed[-1] == [(2, routers[2].select(x)[0].tolist()), (0, wide0)]  # ... and layer 0 of the next token
+    assert la.predict(2, x, experts) is None  # the last layer: nothing to read into RAM ahead ...
+    assert handed[-1] == [(0, wide0)]  # ... but the next token's first layer is fetched ahead
+    routed = [wide0[0], next(e for e in range(experts) if e not in wide0)]
+    la.observe(0, routed)
+    g = la.wrap_gates[0]
+    assert (g.scored, g.predicted, g.correct, g.routed) == (1, 2 * k, 1, 2)
+    assert la.wrap_report() == {0: {"lifetime_recall": 0.5, "scored": 1, "predicted_per_step": 4.0}}
+    assert 0 not in la.gates  # layer 0 has no one-layer-ahead prediction to score
+    la.observe(0, routed)  # a step with no guess pending scores nothing
+    assert la.wrap_gates[0].scored == 1
+    handed.clear()
+    la.wrap_width = 0
+    la.predict(2, x, experts)
+    la.predict(1, x, experts)
+    assert handed == [[(2, routers[2].select(x)[0].tolist())]]

@@ -5,7 +5,9 @@ ahead, and the gate: every prediction is scored against what the layer really ro
 a layer's prefetch is issued only while its recall pays. A gate that switched off keeps measuring (one step in
 `probe`: at published widths a router is a 13 MB GEMV, not free), so it can switch on again. No I/O here:
 dispatch.py reads, and a remote checkpoint's fetch-ahead (`fill`) gets the predictions two layers deep, the next
-layer's `fill_width` times wider when asked (the top width x k by its router's scores)."""
+layer's `fill_width` times wider when asked (the top width x k by its router's scores). Past the last MoE layer the
+fetch-ahead's chain wraps to the first MoE layers of the next token, which no layer of their own token can predict
+in time: their routers on this token's input, `wrap_width` x k wide, scored in `wrap_gates` when they route."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -65,9 +67,16 @@ class Lookahead:
     # loopback link on the 2-core VM, where each byte fetched costs the decode CPU (docs/performance.md). A missed
     # expert costs a round trip on the decode's critical path, a wrong guess CPU, link time and SSD-tier room
     fill_width: int = 1
+    # the next token's first MoE layers (the fetch-ahead's chain past the last layer, 0: none), each ranked by its own
+    # router on this token's latest MoE input, this many times k wide. Nothing of the next token exists yet, so this
+    # is a guess from the current token's state; every expert it names that the SSD tier lacks is fetched while the
+    # current token's last layers compute, instead of a round trip after the next token's router asks for it
+    wrap_width: int = 2
     routers: dict[int, RouterFn] = field(default_factory=dict)
     gates: dict[int, Gate] = field(default_factory=dict)
+    wrap_gates: dict[int, Gate] = field(default_factory=dict)  # recall of the next-token guesses, per layer
     _pending: dict[int, set[int]] = field(default_factory=dict)
+    _wrap_pending: dict[int, set[int]] = field(default_factory=dict)
     _order: list[int] = field(default_factory=list)
 
     def register(self, layer: int, fn: RouterFn) -> None:
@@ -85,6 +94,9 @@ class Lookahead:
         pred = self._pending.pop(layer, None)
         if pred is not None:
             self.gates.setdefault(layer, Gate()).score(pred, set(routed), self.ema)
+        pred = self._wrap_pending.pop(layer, None)
+        if pred is not None:
+            self.wrap_gates.setdefault(layer, Gate()).score(pred, set(routed), self.ema)
 
     def predict(self, layer: int, x: torch.Tensor, num_experts: int) -> tuple[int, list[int]] | None:
         """Run the next MoE layer's router on `x` (this layer's MoE input). Returns (next layer, its predicted
@@ -93,7 +105,11 @@ class Lookahead:
         if not self.enabled:
             return None
         nxt = self.next_layer(layer)
-        if nxt is None:
+        if nxt is None:  # the last MoE layer: only the next token's first layers are left to fetch ahead
+            if self.fill is not None and self.fill_depth > 1:
+                preds = self._wrap(x, self.fill_depth - 1, num_experts)
+                if preds:
+                    self.fill(preds)
             return None
         gate = self.gates.setdefault(nxt, Gate())
         closed = gate.scored >= self.warmup and gate.recall < self.threshold
@@ -104,22 +120,46 @@ class Lookahead:
         ranked = _ranked(self.routers[nxt](x))
         self._pending[nxt] = set(ranked)
         if self.fill is not None and len(ranked) <= self.max_share * num_experts:
-            self._fill_ahead(nxt, x, ranked)
+            self._fill_ahead(nxt, x, ranked, num_experts)
         if closed or gate.scored < self.warmup or len(ranked) > self.max_share * num_experts:
             return None
         gate.issued_steps += 1
         return nxt, ranked
 
-    def _fill_ahead(self, nxt: int, x: torch.Tensor, ranked: list[int]) -> None:
-        """Hand `fill` the predictions for `nxt` (`fill_width` wide) and the `fill_depth - 1` MoE layers after it."""
+    def _fill_ahead(self, nxt: int, x: torch.Tensor, ranked: list[int], num_experts: int) -> None:
+        """Hand `fill` the predictions for `nxt` (`fill_width` wide) and the `fill_depth - 1` MoE layers after it,
+        past the last layer the next token's first ones (`_wrap`)."""
         preds = [(nxt, ranked if self.fill_width == 1 else _ranked(self.routers[nxt](x, self.fill_width)))]
         layer = nxt
-        for _ in range(self.fill_depth - 1):
+        for i in range(self.fill_depth - 1):
             layer = self.next_layer(layer)
             if layer is None:
+                preds += self._wrap(x, self.fill_depth - 1 - i, num_experts)
                 break
             preds.append((layer, _ranked(self.routers[layer](x))))
         self.fill(preds)
+
+    def _wrap(self, x: torch.Tensor, depth: int, num_experts: int) -> list[tuple[int, list[int]]]:
+        """The next token's first `depth` MoE layers, each ranked by its router on `x` `wrap_width` x k wide, kept
+        for scoring. A single row's guess goes at any width (the fill fetches only what the SSD tier lacks, and
+        unused guesses are held to their share of it); several rows' (a prefill's) not when they name more than
+        `max_share` of the experts."""
+        if not self.wrap_width or not self._order:
+            return []
+        out = []
+        for layer in self._order[:depth]:
+            ranked = _ranked(self.routers[layer](x, self.wrap_width))
+            if x.shape[0] > 1 and len(ranked) > self.max_share * num_experts:
+                return out
+            self._wrap_pending[layer] = set(ranked)
+            out.append((layer, ranked))
+        return out
+
+    def wrap_report(self) -> dict[int, dict]:
+        """Recall of the next-token guesses (`wrap_width`) for each first MoE layer they named."""
+        return {layer: {"lifetime_recall": round(g.correct / max(1, g.routed), 3), "scored": g.scored,
+                        "predicted_per_step": round(g.predicted / max(1, g.scored), 1)}
+                for layer, g in sorted(self.wrap_gates.items())}
 
     def report(self) -> dict[int, dict]:
         return {layer: {"recall": round(g.recall, 3), "on": g.scored >= self.warmup and g.recall >= self.threshold,

@@ -8,6 +8,7 @@ keeps the decode's compute waiting behind it. And `background()`: a thread whose
 """
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import warnings
@@ -45,8 +46,16 @@ def copy_into(dst: memoryview, src: memoryview | bytes | bytearray) -> None:
         torch.frombuffer(dst, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
 
 
-def copy_of(src: memoryview) -> bytearray:
-    """A private copy of `src` (for a writer thread to keep while the caller reuses its buffer)."""
-    out = bytearray(len(src))  # calloc: fresh pages cost their faults inside the copy, the GIL released
-    copy_into(memoryview(out), src)
+def aligned(n: int) -> memoryview:
+    """A writable buffer of `n` bytes starting on a page boundary (anonymous memory, freed with its last view):
+    what an O_DIRECT write of the SSD tier takes its bytes from."""
+    if n <= 0:
+        return memoryview(bytearray(0))
+    return memoryview(mmap.mmap(-1, n))
+
+
+def copy_of(src: memoryview) -> memoryview:
+    """A private, page-aligned copy of `src` (for a writer thread to keep while the caller reuses its buffer)."""
+    out = aligned(len(src))  # fresh pages cost their faults inside the copy, the GIL released
+    copy_into(out, src)
     return out

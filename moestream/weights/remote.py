@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from moestream.errors import CheckpointError, MoestreamError
-from moestream.weights.buffers import copy_into, copy_of
+from moestream.weights.buffers import aligned, copy_into, copy_of
 from moestream.weights.fetchahead import FillQueue, Flights
 from moestream.weights.index import REMOTE_MANIFEST, CheckpointIndex, tensors_from_header
 
@@ -173,7 +173,8 @@ class RemoteFile:
         if self.cache is None:
             return
         if behind:
-            self.cache.put_soon(self.key, offset, view if behind == "own" else copy_of(view))
+            own = behind == "own"  # the fetch-ahead's guess: read within a layer or two, so held in memory a while
+            self.cache.put_soon(self.key, offset, view if own else copy_of(view), keep=own)
         else:
             self.cache.put(self.key, offset, view)
 
@@ -223,9 +224,9 @@ class RemoteFile:
             return 0
         # one buffer for all of them, each piece its slice at its file offset: a request for neighbours lands in
         # place (no second buffer and copy); the SSD tier's writer keeps the slices, so the buffer lives until the
-        # last is on disk
+        # last is on disk. Page-aligned, so the tier writes each page-aligned piece with O_DIRECT (no page-cache copy)
         lo = min(off for off, _ in want)
-        buf = memoryview(bytearray(max(off + n for off, n in want) - lo))
+        buf = aligned(max(off + n for off, n in want) - lo)
         pieces = [(off, buf[off - lo:off - lo + n]) for off, n in want]
         return self.flights.fetch(self, pieces, lambda rest: self._fetch_missing(rest, "own", (lo, buf)),
                                   for_read=False)
@@ -314,7 +315,7 @@ class RemoteIndex(CheckpointIndex):
         if self.cache is not None:
             c = self.cache.stats
             out.update(disk_hit_bytes=c.hit_bytes, disk_put_bytes=c.put_bytes, disk_corrupt_ranges=c.corrupt_ranges,
-                       disk_evicted_bytes=c.evicted_bytes)
+                       disk_evicted_bytes=c.evicted_bytes, fill_reads_from_memory=self.cache.recent_hits)
         return out
 
 
