@@ -417,27 +417,35 @@ def overhead(model_type: str, seconds: float = 1.0, top_k: int = 0, experts: int
                     f"{what}, {layers} layers{note}, {spread}", statistics.median(misses))
 
 
-def _tight_budget(eng) -> int:
-    """A budget keeping every dense weight of the open probe engine resident but only top_k + 1 experts cached
-    (plus room for a short sequence's state): most routed experts then miss."""
+def _tight_budget(eng) -> tuple[int, int]:
+    """(budget, state room): a budget keeping every dense weight of the open probe engine resident but only
+    top_k + 1 experts cached, plus room for the miss probe's sequence's state (its 8-token prompt and at most
+    MISS_STEPS_MAX steps; full-width KDA layers hold megabytes of recurrent state whatever the length, and room the
+    state leaves unused would cache experts): most routed experts then miss."""
+    from moestream.planner.state import state_shape
+
     k = max(1, eng.plan.layout.top_k)
-    return eng.memory.fixed() + (k + 1) * eng.plan.max_expert_bytes + (1 << 20)
+    room = state_shape(eng.plan.config).at(8, 8 + MISS_STEPS_MAX, 256) + (256 << 10)
+    return eng.memory.fixed() + (k + 1) * eng.plan.max_expert_bytes + room, room
 
 
-def _miss_time(path: Path, budget: int, warm_step: float, seconds: float) -> float:
+MISS_STEPS_MAX = 48  # the miss probe's decode steps stop here (its state room is sized for them)
+
+
+def _miss_time(path: Path, budget: tuple[int, int], warm_step: float, seconds: float) -> float:
     """Seconds of engine work per missed expert beyond a hit: one-token decode steps under `budget` (most experts
     miss), their wall time less the I/O wait, less the warm step, over the misses. The probe's experts are tiny, so
     this is the per-miss work (landing, the one-expert path, eviction, losing the native layer), not its bytes."""
     from moestream import Engine
 
-    eng = Engine.open(path, ram_budget=budget, state_room=1 << 20)
+    eng = Engine.open(path, ram_budget=budget[0], state_room=budget[1])
     try:
         times, stats = eng.runner.times, eng.runner.cache.stats
         state = eng.new_sequence()
         tok = int(eng.prefill(state, [1 + i % 7 for i in range(8)]).argmax())
         wall = wait = 0.0
         misses, steps, deadline = 0, 0, time.perf_counter() + seconds
-        while time.perf_counter() < deadline or steps < 3:
+        while (time.perf_counter() < deadline or steps < 3) and steps < MISS_STEPS_MAX:
             w0, m0, t = times.io_wait_s, stats.misses, time.perf_counter()
             (logits,) = eng.step([(state, [tok])])
             wall += time.perf_counter() - t
