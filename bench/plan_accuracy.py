@@ -62,11 +62,21 @@ def probe(model: Path) -> float:
     return probe_disk(model_files(model), PROBE_THREADS)
 
 
+def skew_args(a: dict, model: str) -> list[str]:
+    """--skew-from the model's routing report (a file, or DIR/MODEL.json) when the run has one, else --skew /
+    --reuse."""
+    src = a.get("skew_from")
+    if src:
+        path = Path(src)
+        return ["--skew-from", str(path / f"{Path(model).name}.json" if path.is_dir() else path)]
+    return ["--skew", str(a["skew"]), "--reuse", str(a["reuse"])]
+
+
 def plan(run: dict, disk: float | None, calibrate: bool = False, batch: int | None = None) -> dict:
     a = run["args"]
     cmd = [PY, "-m", "moestream", "plan", run["model"], "--json", "--ram-budget", str(run["budget_bytes"]),
            "--prompt-len", str(a["prompt_len"]), "--gen-len", str(a["batch_gen_len"] if batch else a["gen_len"]),
-           "--skew", str(a["skew"]), "--reuse", str(a["reuse"])]
+           *skew_args(a, run["model"])]
     cmd += ["--disk-bandwidth", str(int(disk))] if disk else []
     cmd += ["--calibrate"] if calibrate else []
     cmd += ["--batch", str(batch)] if batch else []
@@ -153,6 +163,8 @@ def batch_row(run: dict) -> dict:
 def measure(args) -> dict:
     a = {k: getattr(args, k) for k in ("prompt_len", "gen_len", "skew", "reuse", "batch", "batch_gen_len",
                                         "batch_requests", "threads", "spin_us")}
+    if args.skew_from:
+        a["skew_from"] = str(args.skew_from.resolve())
     cal = args.out.with_suffix(".cal") if args.out else Path(f"plan-accuracy-{int(time.time())}.cal")
     out = {"args": a, "decode": [], "batch": [], "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     for model in args.models:
@@ -202,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="Zipf exponent to plan with (default 0.64: `moestream trace` of a synthetic qwen3_moe)")
     ap.add_argument("--reuse", type=float, default=0.25,
                     help="P(reuse next) to plan with (`moestream trace` of the synthetic family; see docs/plan.md)")
+    ap.add_argument("--skew-from", type=Path, default=None, metavar="REPORT|DIR",
+                    help="plan with the routing measured from each model (`moestream plan MODEL --skew-from model "
+                         "--save-skew DIR/MODEL.json`, run before and outside the lock) instead of --skew / --reuse")
     ap.add_argument("--batch", type=int, default=0, help="also measure N sequences on each model's first budget")
     ap.add_argument("--batch-gen-len", type=int, default=8)
     ap.add_argument("--batch-requests", type=int, default=0, help="requests of the batch run (default: --batch)")
@@ -220,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         SPIN_ENV["MOESTREAM_NATIVE_SPIN_US"] = str(args.spin_us)
     if args.replan:
         out = json.loads(args.replan.read_text())
+        if args.skew_from:  # replan the saved measurements with a measured routing
+            out["args"]["skew_from"] = str(args.skew_from.resolve())
+            for r in out["decode"] + out["batch"]:
+                r["args"] = out["args"]
         out["decode"] = [predict_decode(r) for r in out["decode"]]
         out["batch"] = [predict_batch(r) for r in out["batch"]]
     elif args.models:

@@ -99,7 +99,9 @@ def usage(trace: Trace) -> list[dict]:
         entropy = float(-(share[share > 0] * share[share > 0].log()).sum())
         rows.append({"layer": layer, "used": int((counts > 0).sum()), "max_over_mean": float(counts.max() /
                      counts.mean()), "cv": float(counts.std() / counts.mean()), "top10_share":
-                     float(share.sort(descending=True).values[:top].sum()), "effective": math.exp(entropy)})
+                     float(share.sort(descending=True).values[:top].sum()), "effective": math.exp(entropy),
+                     # every expert's share, most used first (`moestream plan --skew-from` reads them)
+                     "shares": [round(float(x), 6) for x in share.sort(descending=True).values]})
     return rows
 
 

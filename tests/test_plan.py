@@ -18,7 +18,7 @@ from moestream.planner.skew import Skew, distinct, fit_exponent, hit_rate, selec
 
 K3_CONFIG = Path(__file__).parent / "data" / "kimi_k3_config.json"
 RATES = {"gemv": {k: 8e9 for k in calibrate.KINDS}, "expand": {k: 4e9 for k in calibrate.KINDS},
-         "gemm_flops": 5e10, "memory": 1e10, "page_faults": 2e9,
+         "gemm_flops": 5e10, "memory": 1e10, "page_faults": 2e9, "glu_kernels": {"bf16": 1.6e10},
          "overhead": {t: {"decode_s": 3e-4, "decode_row_s": 5e-5, "prefill_s": 5e-3, "source": "seeded by the test",
                           "miss_s": 1e-3} for t in ("qwen3_moe", "kimi_k3", "kimi_linear", "mixtral")}}
 
@@ -382,3 +382,138 @@ def test_plan_accuracy_records_other_load_and_spin(monkeypatch):
     monkeypatch.setitem(acc.SPIN_ENV, "MOESTREAM_NATIVE_SPIN_US", "3000")
     assert acc._run(["true"], Path("cal.json")) == {}
     assert seen["MOESTREAM_NATIVE_SPIN_US"] == "3000" and seen["MOESTREAM_PLAN_CALIBRATION"] == "cal.json"
+
+
+def test_measured_popularity_and_first_use():
+    """A measured popularity (most popular first) replaces the Zipf law; a cold start's first-use misses vanish
+    once every cached expert has been used and are the cached experts' selection share when nothing has been."""
+    from moestream.planner.skew import first_use
+
+    w = tuple([8.0, 4.0, 2.0, 1.0] + [0.5] * 12)
+    q = selection(16, 2, w)
+    assert sum(q) == pytest.approx(2) and list(q) == sorted(q, reverse=True)
+    assert selection(16, 2, tuple(reversed(w))) == q  # sorted, whatever the order given
+    assert hit_rate(16, 2, w, 4) > hit_rate(16, 2, 0.0, 4)
+    with pytest.raises(ValueError):
+        selection(8, 2, w)
+    assert Skew(0.5, "t", 0.1, w).law(16) == w and Skew(0.5, "t", 0.1, w).law(32) == 0.5
+    assert first_use(16, 2, w, 16, 0) == pytest.approx(2.0)  # nothing seen: every routed expert is new
+    assert first_use(16, 2, w, 16, 10_000) == pytest.approx(0.0, abs=1e-9)
+    assert first_use(16, 2, w, 4, 8) < first_use(16, 2, w, 16, 8)  # only the cached set counts
+    assert first_use(16, 2, w, 16, 8) < first_use(16, 2, w, 16, 2)
+
+
+def test_skew_from_routing_and_trace_files(tmp_path):
+    """`moestream trace --save` lines, `trace --json` reports and routing_report's own report give one Skew."""
+    from moestream.planner.skew import from_report, from_trace_file, routing_report
+
+    # 2 layers, 8 experts, top-2: expert 0 in every token, 1 in most; consecutive tokens reuse expert 0
+    prompt = [[[0, 1 if t % 4 else 2 + t % 6], [0, 3]] for t in range(40)]
+    rep = routing_report([prompt], 8, 2)
+    assert rep["tokens"] == 40 and len(rep["usage"]) == 2 and len(rep["usage"][0]["shares"]) == 8
+    assert rep["usage"][1]["shares"][:2] == [0.5, 0.5] and rep["reuse"][1] == pytest.approx(1.0)
+    sk = from_report(rep, "test")
+    assert sk.weights is not None and len(sk.weights) == 8 and sk.weights[0] > sk.weights[-1] > 0
+    assert sum(sk.weights) == pytest.approx(1.0) and 0.5 < sk.reuse <= 1.0 and sk.exponent > 0.5
+    lines = tmp_path / "trace.jsonl"  # `moestream trace --save`'s format
+    lines.write_text("\n".join([json.dumps({"layers": [1, 2], "num_experts": 8, "top_k": 2})] +
+                               [json.dumps({"prompt": 0, "pos": t, "token": 5, "experts": row})
+                                for t, row in enumerate(prompt)]) + "\n")
+    got = from_trace_file(lines)
+    assert got.weights == pytest.approx(sk.weights) and got.reuse == sk.reuse and "40 tokens" in got.source
+    report = tmp_path / "report.json"  # `moestream trace --json` without shares: the Zipf fit alone
+    report.write_text(json.dumps({"tokens": 40, "num_experts": 8, "top_k": 2, "reuse": [0.5, 1.0],
+                                  "usage": [{"top10_share": 0.5}, {"top10_share": 0.5}]}))
+    z = from_trace_file(report)
+    assert z.weights is None and z.reuse == 0.75 and z.exponent > 0
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}\n")
+    with pytest.raises(ValueError):
+        from_trace_file(bad)
+
+
+def test_plan_skew_from(tiny, tmp_path, capsys):
+    """--skew-from model traces the local router (and --save-skew keeps it); --skew-from FILE reads it back to the
+    same prediction; the assumption says where the routing came from. A cold start's first-use misses make the
+    one-stream decode no faster than the steady state."""
+    saved = tmp_path / "skew.json"
+    args = ("--ram-budget", str(budget_of(tiny, 1.0)), "--disk-bandwidth", "1GB", "--prompt-len", "16",
+            "--gen-len", "8")
+    live = plan_json(str(tiny), *args, "--skew-from", "model", "--skew-tokens", "64", "--save-skew", str(saved),
+                     capsys=capsys)
+    assert "measured popularity" in live["assumptions"][0] and "own router" in live["assumptions"][0]
+    again = plan_json(str(tiny), *args, "--skew-from", str(saved), capsys=capsys)
+    assert again["decode_tokens_per_s"] == pytest.approx(live["decode_tokens_per_s"])
+    assert live["decode_steady_tokens_per_s"] >= live["decode_tokens_per_s"]
+    assert live["decode_step"]["experts_read"] > 0  # everything fits, yet the first uses miss
+    reuse = plan_json(str(tiny), *args, "--skew-from", str(saved), "--reuse", "0.9", capsys=capsys)
+    assert "reuse 0.9" in reuse["assumptions"][0]
+    for bad, msg in ((["--skew", "0.5"], "not both"), (["--save-skew", str(saved)], "--save-skew")):
+        extra = ["--skew-from", str(saved)] + bad if bad[0] == "--skew" else bad
+        assert main(["plan", str(tiny), *args, *extra]) != 0
+        assert msg in capsys.readouterr().err
+    assert main(["plan", str(tiny), *args, "--skew-from", str(tmp_path / "missing.json")]) != 0
+    assert "--skew-from" in capsys.readouterr().err
+
+
+def test_glu_rate_probe():
+    """The fused GLU probe: a positive byte rate; Rates keeps it through JSON."""
+    from moestream.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip("no native kernels")
+    assert calibrate.glu_rate((32, 64), 4, 0.05) > 0
+    r = calibrate.Rates.from_json({**RATES, "glu": 1.5e10})
+    assert r.glu == 1.5e10 and calibrate.Rates.from_json(r.to_json()).glu == 1.5e10
+
+
+def test_replay_decode_counts_cold_misses():
+    """A stream's cold start replayed through the engine's cache: everything fits, so only first uses miss; a
+    cache of one layer step's experts misses whatever the last token did not use."""
+    from moestream.planner.skew import replay_decode
+
+    # 1 layer, top-2, experts cycle through 0..5: tokens 0-3 as the prompt, 4-7 generated, per window
+    tokens = [[[t % 6, (t + 1) % 6]] for t in range(16)]
+    per_token, hit, what = replay_decode([tokens], 100, 4, 4)
+    # windows [0, 8) and [8, 16): the prompt uses 5 experts, the 4 generated tokens bring in the sixth once
+    assert what.startswith("2 windows of 4 prompt + 4 generated") and per_token == pytest.approx(1 / 4)
+    assert hit == pytest.approx(1 - 2 / 16)
+    tight, hit2, _ = replay_decode([tokens], 2, 4, 4)  # each token shares one expert with the last: one miss,
+    assert 1.0 < tight < 2.0 and hit2 == pytest.approx(1 - tight / 2)  # more on the first (the prompt's leftovers)
+    short, _, what = replay_decode([tokens[:6]], 100, 8, 8)  # shorter than a window: half and half
+    assert what.startswith("1 windows of 3 prompt + 3 generated") and short > 0
+
+
+def test_scanning_batch_step_hits_the_resident_share(tiny):
+    """A batch step routing to most of every layer's experts (a scan) evicts nothing to read: its hit rate is the
+    cache's share of all experts (less the read window), not the popular set's."""
+    from moestream.experts.dispatch import scan_window
+
+    sc = _scenario(tiny, 0.3, {**RATES, "disk": 1e9})
+    f = sc.facts
+    step = sc.decode(64, 32)
+    capacity = int(sc.cached_per_layer() * f.moe_layers)
+    share = (capacity - scan_window(1, f.num_experts, f.top_k, f.moe_layers, capacity)) / (f.num_experts * f.moe_layers)
+    assert step.hit_rate == pytest.approx(share, rel=1e-6) and 0 < share < 0.3
+
+
+def test_one_stream_replays_a_measured_routing(tiny, tmp_path):
+    """With a recorded routing that matches the model, one stream's decode misses are the replay's."""
+    from moestream.planner.facts import model_facts, open_plan
+    from moestream.planner.predict import Scenario
+    from moestream.planner.skew import from_report, replay_decode, routing_report
+
+    p = open_plan(tiny)
+    try:
+        facts = model_facts(tiny, p)
+        fit = facts.fit(p, budget_of(tiny, 0.5))
+    finally:
+        p.store.close()
+    e, k, layers = facts.num_experts, facts.top_k, facts.moe_layers
+    tokens = [[[(t * 3 + j + i) % e for i in range(k)] for j in range(layers)] for t in range(64)]
+    skew = from_report(routing_report([tokens], e, k), "test")
+    sc = Scenario(facts, fit, calibrate.Rates.from_json({**RATES, "disk": 1e9}), skew)
+    step = sc.decode(1, 20, since_open=(16, 8))
+    capacity = int(sc.cached_per_layer() * layers)
+    per_token, _, what = replay_decode([tokens], capacity, 16, 8)
+    assert sc.replayed == what and step.expert_reads == pytest.approx(min(k, per_token / layers) * layers)

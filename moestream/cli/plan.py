@@ -36,6 +36,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reuse", type=float, default=None, metavar="R",
                    help=f"P(an expert routed for a token is routed again for the next), `moestream trace`'s "
                         f"P(reuse next); default {DEFAULT_SKEW.reuse:g}, the trained demo model's")
+    p.add_argument("--skew-from", default=None, metavar="TRACE|model",
+                   help="routing measured from the model itself instead of --skew: a `moestream trace --save` file "
+                        "or `trace --json` report, or `model`: prefill random token ids through the local weights "
+                        "and record the router (a few seconds to minutes: it reads the experts)")
+    p.add_argument("--skew-tokens", type=int, default=0, metavar="N",
+                   help="tokens the --skew-from model trace routes (default 512)")
+    p.add_argument("--save-skew", default=None, metavar="FILE",
+                   help="with --skew-from model: also write the trace's routing report to FILE (a later "
+                        "--skew-from FILE reads it without tracing again)")
     p.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_NAMES), default="fp32",
                    help="KV / latent cache storage the engine would run with (--kv-dtype of run / serve): bf16 "
                         "halves those caches, so more sequences fit (default fp32)")
@@ -64,12 +73,19 @@ def options(args: argparse.Namespace) -> PlanOptions:
         if disk <= 0:
             raise MoestreamError(f"--disk-bandwidth must be positive, got {args.disk_bandwidth!r}")
     skew = DEFAULT_SKEW
+    if args.skew_from and args.skew is not None:
+        raise MoestreamError("--skew-from measures the skew: give it or --skew, not both")
+    if args.save_skew and args.skew_from != "model":
+        raise MoestreamError("--save-skew keeps the trace of --skew-from model")
+    if args.skew_tokens < 0:
+        raise MoestreamError(f"--skew-tokens must be >= 0, got {args.skew_tokens}")
     if args.skew is not None or args.reuse is not None:
         given = " and ".join(n for n, v in (("--skew", args.skew), ("--reuse", args.reuse)) if v is not None)
         skew = Skew(DEFAULT_SKEW.exponent if args.skew is None else args.skew, given,
                     DEFAULT_SKEW.reuse if args.reuse is None else args.reuse)
     return PlanOptions(parse_budget(args.ram_budget), args.batch, args.prompt_len, args.gen_len, disk,
                        args.price_per_hour, skew, args.calibrate, args.machine, args.reference, args.kv_dtype,
+                       skew_from=args.skew_from, skew_tokens=args.skew_tokens, save_skew=args.save_skew,
                        log=lambda msg: print(msg, file=sys.stderr))
 
 

@@ -27,7 +27,7 @@ from moestream import __version__
 from moestream.config import default_cache_dir
 
 KINDS = ("bf16", "mxfp4", "fp8", "int4", "f32")
-PROBES_VERSION = 3  # part of the cache key: a change to what a probe measures measures again
+PROBES_VERSION = 4  # part of the cache key: a change to what a probe measures measures again
 ROUNDS = 3  # separate probes per rate; the median is kept (a burst of load costs one round, not the rate)
 PROBE_FILE_BYTES = 256 << 20  # written once where the weights would live when the model has no local shards
 BURST_S = 0.15
@@ -57,6 +57,9 @@ class Rates:
     disk: float = 0.0  # expert and streamed-dense reads, bytes/s
     overhead: dict[str, Overhead] = field(default_factory=dict)  # per overhead_key (family, top-k)
     page_faults: float = 0.0  # bytes/s of fresh anonymous pages faulted in (zeroed by the kernel): a read buffer
+    # bytes/s of one row through a layer's top_k bf16 GLU experts in one fused native call (fused.moe_glu_bf16, the
+    # engine's decode path for them: no Python per matrix); 0: not measured, the one-row kernel's rate is used
+    glu: float = 0.0
 
     def overhead_for(self, model_type: str, top_k: int, widths: dict[str, int] | None = None) -> Overhead | None:
         """The family's overhead at this top-k and these widths, else at this top-k, else the family's, else any
@@ -72,7 +75,8 @@ class Rates:
     @classmethod
     def from_json(cls, d: dict) -> "Rates":
         out = cls(dict(d["gemv"]), dict(d["expand"]), float(d["gemm_flops"]), float(d["memory"]),
-                  float(d.get("disk", 0.0)), {}, float(d.get("page_faults", 0.0)), dict(d.get("source", {})))
+                  float(d.get("disk", 0.0)), {}, float(d.get("page_faults", 0.0)), float(d.get("glu", 0.0)),
+                  dict(d.get("source", {})))
         out.overhead = {k: Overhead(**v) for k, v in d.get("overhead", {}).items()}
         return out
 
@@ -175,7 +179,8 @@ PROBE_BYTES = 32 << 20  # bf16-equivalent bytes a one-row probe streams per pass
 PROBE_MAX_MATRICES = 64
 
 
-def weight_rates(kind: str, seconds: float = 0.6, shape: tuple[int, int] = DEFAULT_SHAPE) -> tuple[float, float]:
+def weight_rates(kind: str, seconds: float = 0.6, shape: tuple[int, int] = DEFAULT_SHAPE,
+                 wide: bool = True) -> tuple[float, float]:
     """(one-row bytes/s through the engine's linear for the format, stored bytes/s expanded to fp32 for a multi-row
     GEMM) over matrices of `shape` (the model's own expert projection: a small matrix pays its call's fixed cost
     on fewer bytes), as many as make 32 MiB of bf16-equivalent weights (past the last-level cache)."""
@@ -189,11 +194,48 @@ def weight_rates(kind: str, seconds: float = 0.6, shape: tuple[int, int] = DEFAU
         for w in ws:
             fn(x, w)
 
-    def wide() -> None:
+    def expand_all() -> None:
         for w in ws[:few]:
             expand(w)
 
-    return _rate(one, nbytes, seconds / 2), _rate(wide, nbytes * few / len(ws), seconds / 2)
+    if not wide:  # the one-row rate alone, over all of `seconds`
+        return _rate(one, nbytes, seconds), 0.0
+    return _rate(one, nbytes, seconds / 2), _rate(expand_all, nbytes * few / len(ws), seconds / 2)
+
+
+def glu_rate(shape: tuple[int, int], top_k: int, seconds: float = 0.3) -> float:
+    """Bytes/s of one activation row through groups of `top_k` bf16 GLU experts (gate and up [inter, hidden], down
+    [hidden, inter] for shape = (inter, hidden)), one fused native call per group as the engine's decode layer makes
+    it, over as many experts as make 32 MiB (past the last-level cache)."""
+    from moestream.kernels import cpu, fused
+
+    inter, hidden = shape
+    k = max(1, top_k)
+    per = 3 * inter * hidden * 2
+    groups = max(2, -(-PROBE_BYTES // (per * k)))
+    gen = torch.Generator().manual_seed(0)
+    experts = [[(torch.randn(*dims, generator=gen) * 0.02).to(torch.bfloat16)
+                for dims in ((inter, hidden), (inter, hidden), (hidden, inter))] for _ in range(groups * k)]
+    parts = [tuple(m.data_ptr() for m in e) for e in experts]
+    x, out = torch.randn(1, hidden), torch.zeros(1, hidden)
+    if not cpu.available():
+        raise RuntimeError("no native kernels")
+
+    def work() -> None:
+        for g in range(groups):
+            fused.moe_glu_bf16(x, list(range(k)), parts[g * k:(g + 1) * k], inter, out)
+
+    return _rate(work, per * k * groups, seconds)
+
+
+def glu_available() -> bool:
+    from moestream.kernels import cpu
+
+    return cpu.available()
+
+
+def glu_key(shape: tuple[int, int], top_k: int) -> str:
+    return f"glu bf16 {shape[0]}x{shape[1]} top-{top_k}"
 
 
 def shape_key(kind: str, shape: tuple[int, int]) -> str:
@@ -330,64 +372,80 @@ def _weights_time(path: Path, gemv: dict[str, float]) -> float:
     finally:
         p.store.close()
     rate = lambda k: gemv.get(k) or gemv["bf16"]  # noqa: E731
+    expert = gemv.get("glu") if f.expert_kind == "bf16" and gemv.get("glu") else rate(f.expert_kind)
     return (sum(b / rate(k) for k, b in f.dense_bytes.items()) + f.head_bytes / rate(f.head_kind)
-            + f.moe_layers * f.top_k * f.expert_bytes / rate(f.expert_kind))
+            + f.moe_layers * f.top_k * f.expert_bytes / expert)
 
 
 def overhead(model_type: str, seconds: float = 1.0, top_k: int = 0, experts: int = 0,
              widths: dict[str, int] | None = None, gemv: dict[str, float] | None = None,
-             rounds_n: int = 1) -> Overhead:
+             rounds_n: int = 1, rate_probe: Callable[[], dict[str, float]] | None = None) -> Overhead:
     """The engine's per-layer-step fixed cost for `model_type` routing `top_k` of `experts` experts per token at
     the model's `widths`: a small synthetic checkpoint decoded warm one row and eight rows at a time, and prefilled
-    in 64-token chunks, `rounds_n` times (medians kept); time per layer, less its weights' streaming at `gemv`
-    (priced apart by the planner)."""
+    in 64-token chunks, `rounds_n` times; time per layer, less its weights' streaming (priced apart by the planner)
+    at the kernel rates `rate_probe` measures in the same round, right before the steps (else at `gemv`), so that
+    a burst of load slows both sides of the difference; the median of the rounds' differences is kept."""
     from moestream import Engine
     from moestream.synth import supported
 
     family = model_type if model_type in supported() else "qwen3_moe"
     with tempfile.TemporaryDirectory(prefix="moestream-plan-") as tmp:
         what = _tiny(family, Path(tmp) / "m", top_k, experts, widths or {})
-        weights_s = _weights_time(Path(tmp) / "m", gemv) if gemv else 0.0
         eng = Engine.open(Path(tmp) / "m")
         try:
             layers = len(eng.model.layers)
-            runs = [(_step_time(eng, 1, 1, seconds / 3), _step_time(eng, 8, 1, seconds / 3),
-                     _step_time(eng, 1, 64, seconds / 3)) for _ in range(max(1, rounds_n))]
+            runs = []
+            for _ in range(max(1, rounds_n)):
+                rates = rate_probe() if rate_probe is not None else gemv
+                w = _weights_time(Path(tmp) / "m", rates) if rates else 0.0
+                runs.append((_step_time(eng, 1, 1, seconds / 3), _step_time(eng, 8, 1, seconds / 3),
+                             _step_time(eng, 1, 64, seconds / 3), w))
             tight = _tight_budget(eng)
         finally:
             eng.close()
-        one, eight, chunk = (statistics.median(col) for col in zip(*runs))
+        one, eight, chunk, weights_s = (statistics.median(col) for col in zip(*runs))
         misses = [_miss_time(Path(tmp) / "m", tight, one, seconds / 3) for _ in range(max(1, rounds_n))]
     note = "" if family == model_type else f" (no synthetic {model_type}: measured on {family})"
+    diff = [r[0] - r[3] for r in runs]
     spread = f"median of {len(runs)} rounds (decode {min(r[0] for r in runs) * 1e3:.3g}-" \
-             f"{max(r[0] for r in runs) * 1e3:.3g} ms a step, less {weights_s * 1e3:.3g} ms of weights; " \
+             f"{max(r[0] for r in runs) * 1e3:.3g} ms a step, less its weights at the same round's kernel rates " \
+             f"({min(r[3] for r in runs) * 1e3:.3g}-{max(r[3] for r in runs) * 1e3:.3g} ms): " \
+             f"{min(diff) * 1e3:.3g}-{max(diff) * 1e3:.3g} ms; " \
              f"a miss {min(misses) * 1e3:.3g}-{max(misses) * 1e3:.3g} ms beyond a hit)"
-    return Overhead(max(0.0, one - weights_s) / layers, max(0.0, (eight - one) / 7 / layers),
-                    max(0.0, chunk - weights_s) / layers, f"{what}, {layers} layers{note}, {spread}",
-                    statistics.median(misses))
+    return Overhead(max(0.0, statistics.median(diff)) / layers, max(0.0, (eight - one) / 7 / layers),
+                    max(0.0, statistics.median(r[2] - r[3] for r in runs)) / layers,
+                    f"{what}, {layers} layers{note}, {spread}", statistics.median(misses))
 
 
-def _tight_budget(eng) -> int:
-    """A budget keeping every dense weight of the open probe engine resident but only top_k + 1 experts cached
-    (plus room for a short sequence's state): most routed experts then miss."""
+def _tight_budget(eng) -> tuple[int, int]:
+    """(budget, state room): a budget keeping every dense weight of the open probe engine resident but only
+    top_k + 1 experts cached, plus room for the miss probe's sequence's state (its 8-token prompt and at most
+    MISS_STEPS_MAX steps; full-width KDA layers hold megabytes of recurrent state whatever the length, and room the
+    state leaves unused would cache experts): most routed experts then miss."""
+    from moestream.planner.state import state_shape
+
     k = max(1, eng.plan.layout.top_k)
-    return eng.memory.fixed() + (k + 1) * eng.plan.max_expert_bytes + (1 << 20)
+    room = state_shape(eng.plan.config).at(8, 8 + MISS_STEPS_MAX, 256) + (256 << 10)
+    return eng.memory.fixed() + (k + 1) * eng.plan.max_expert_bytes + room, room
 
 
-def _miss_time(path: Path, budget: int, warm_step: float, seconds: float) -> float:
+MISS_STEPS_MAX = 48  # the miss probe's decode steps stop here (its state room is sized for them)
+
+
+def _miss_time(path: Path, budget: tuple[int, int], warm_step: float, seconds: float) -> float:
     """Seconds of engine work per missed expert beyond a hit: one-token decode steps under `budget` (most experts
     miss), their wall time less the I/O wait, less the warm step, over the misses. The probe's experts are tiny, so
     this is the per-miss work (landing, the one-expert path, eviction, losing the native layer), not its bytes."""
     from moestream import Engine
 
-    eng = Engine.open(path, ram_budget=budget, state_room=1 << 20)
+    eng = Engine.open(path, ram_budget=budget[0], state_room=budget[1])
     try:
         times, stats = eng.runner.times, eng.runner.cache.stats
         state = eng.new_sequence()
         tok = int(eng.prefill(state, [1 + i % 7 for i in range(8)]).argmax())
         wall = wait = 0.0
         misses, steps, deadline = 0, 0, time.perf_counter() + seconds
-        while time.perf_counter() < deadline or steps < 3:
+        while (time.perf_counter() < deadline or steps < 3) and steps < MISS_STEPS_MAX:
             w0, m0, t = times.io_wait_s, stats.misses, time.perf_counter()
             (logits,) = eng.step([(state, [tok])])
             wall += time.perf_counter() - t
@@ -439,9 +497,11 @@ class Calibrator:
         return self.data.setdefault("machines", {}).setdefault(self.key, {})
 
     def rates(self, kinds: set[str], model_type: str, top_k: int = 0, experts: int = 0,
-              shapes: dict[str, tuple[int, int]] | None = None, widths: dict[str, int] | None = None) -> Rates:
+              shapes: dict[str, tuple[int, int]] | None = None, widths: dict[str, int] | None = None,
+              glu_shape: tuple[int, int] | None = None) -> Rates:
         """The rates for weights of `kinds` (each probed at `shapes[kind]`, the model's matrix shape for it, else
-        DEFAULT_SHAPE), the fp32 GEMM, memory, and the family's overhead at `top_k`; measured where missing."""
+        DEFAULT_SHAPE), the fp32 GEMM, memory, and the family's overhead at `top_k`; with `glu_shape` (a bf16 GLU
+        expert's (inter, hidden)) the fused expert kernel over top_k of them; measured where missing."""
         e = self._entry()
         src = e.setdefault("source", {})
         gemv, expand = e.setdefault("gemv", {}), e.setdefault("expand", {})
@@ -455,6 +515,13 @@ class Calibrator:
                 self.log(f"calibrating: {key} weight kernels")
                 (gemv[key], expand[key]), spread = rounds(lambda: weight_rates(kind, self.seconds, shape), self.rounds)
                 src[f"gemv {key}"] = f"{spread}, {self._stamp()}"
+        gkey = glu_key(glu_shape, top_k) if glu_shape and top_k and glu_available() else None
+        if gkey and gkey not in e.setdefault("glu_kernels", {}) and "bf16" in e["glu_kernels"]:
+            gkey = "bf16"  # a rate stated for any shape (seeded files)
+        if gkey and gkey not in e["glu_kernels"]:
+            self.log(f"calibrating: {gkey} fused expert kernel")
+            (e["glu_kernels"][gkey],), spread = rounds(lambda: glu_rate(glu_shape, top_k, self.seconds / 2), self.rounds)
+            src[gkey] = f"{spread}, {self._stamp()}"
         if "gemm_flops" not in e:
             self.log("calibrating: fp32 matmul and memory bandwidth")
             (e["gemm_flops"],), s1 = rounds(lambda: gemm_rate(self.seconds / 2), self.rounds)
@@ -469,13 +536,23 @@ class Calibrator:
         # (an overhead measured before the miss probe existed lacks miss_s: measured again)
         if all("miss_s" not in e.setdefault("overhead", {}).get(k, {}) for k in (key, model_type)):
             self.log(f"calibrating: engine overhead per layer step ({key})")
+            def now() -> dict[str, float]:  # the kernel rates, measured again in each round of the probe
+                got = {k: weight_rates(k, self.seconds / 3, (shapes or {}).get(k, DEFAULT_SHAPE), wide=False)[0]
+                       for k in chosen}
+                if gkey:
+                    got["glu"] = glu_rate(glu_shape, top_k, self.seconds / 3)
+                return got
+
             o = overhead(model_type, self.seconds, top_k, experts, widths,
-                         {k: gemv[v] for k, v in chosen.items()}, self.rounds)
+                         {k: gemv[v] for k, v in chosen.items()}, self.rounds, rate_probe=now)
             o.source += f", {self._stamp()}"
             e["overhead"][key] = asdict(o)
         _save(self.data)
         out = Rates.from_json({**e, "gemv": {k: gemv[v] for k, v in chosen.items()},
-                               "expand": {k: expand[v] for k, v in chosen.items()}})
+                               "expand": {k: expand[v] for k, v in chosen.items()},
+                               "glu": e.get("glu_kernels", {}).get(gkey, 0.0) if gkey else 0.0})
+        if gkey and gkey in src:
+            out.source["glu"] = f"{gkey}: {src[gkey]}"
         out.source.update({f"gemv {k}": src.get(f"gemv {v}", "") for k, v in chosen.items()})
         out.source["shapes"] = ", ".join(chosen.values())
         return out

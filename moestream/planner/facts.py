@@ -57,6 +57,12 @@ class ModelFacts:
             shapes[self.expert_kind] = (max(1, round(self.expert_params / 3 / self.hidden)), self.hidden)
         return shapes
 
+    def glu_shape(self) -> tuple[int, int] | None:
+        """(inter, hidden) of a bf16 routed expert (the fused GLU kernel's shape), else None."""
+        if self.expert_kind != "bf16" or not self.expert_params or self.hidden <= 0:
+            return None
+        return max(1, round(self.expert_params / 3 / self.hidden)), self.hidden
+
     @property
     def cold_bytes_per_token(self) -> float:
         return self.moe_layers * self.top_k * self.expert_bytes

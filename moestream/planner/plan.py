@@ -8,8 +8,9 @@ and the JSON-ready result. The arithmetic is predict.py's; the rates are calibra
 """
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -61,7 +62,8 @@ class Machine:
         overhead = {k: REFERENCE_OVERHEAD for k in here.overhead}
         # a missed expert's fresh buffer pages: this machine's rate scaled by the memory bandwidths' ratio
         pages = here.page_faults * self.memory / here.memory if here.memory > 0 else 0.0
-        return Rates(gemv, expand, self.gemm_flops, self.memory, self.disk, overhead, pages,
+        glu = self.gemv_bf16 * here.glu / here.gemv["bf16"] if here.glu else 0.0  # this machine's ratio to bf16
+        return Rates(gemv, expand, self.gemm_flops, self.memory, self.disk, overhead, pages, glu,
                      {"all": f"reference machine {self.name}: {self.note}"})
 
     def describe(self) -> str:
@@ -92,6 +94,9 @@ class PlanOptions:
     machine: str | None = None  # plan for a reference machine instead of this one
     reference: bool = False  # also plan every reference machine
     kv_dtype: str = "fp32"  # KV / latent cache storage (--kv-dtype): sets the state per sequence
+    skew_from: str | None = None  # a `moestream trace` file, or "model": trace the local weights' own router
+    skew_tokens: int = 0  # tokens a --skew-from model trace routes (0: routing.TRACE_TOKENS)
+    save_skew: str | None = None  # --save-skew: write the --skew-from model trace's routing report here
     probe_seconds: float = 1.0
     log: Callable[[str], None] = field(default=lambda msg: None)
 
@@ -117,14 +122,47 @@ def machine_ram() -> int:
     return total * 1024 if total is not None else 16 << 30
 
 
+def measured_skew(path: str | Path, opts: PlanOptions, facts: ModelFacts) -> Skew:
+    """--skew-from: the routing of a `moestream trace` file or routing report, or of a short trace of the model's
+    own router ("model"; local weights only), kept in opts.save_skew when given. An explicit --reuse replaces the
+    trace's."""
+    from moestream.planner.skew import from_report, from_trace_file
+
+    if opts.skew_from == "model":
+        if facts.info.config_only:
+            raise MoestreamError("--skew-from model needs the checkpoint's weights; this one has config.json / "
+                                 "headers only (trace it where the weights are: `moestream trace --save FILE`)")
+        from moestream.planner.routing import TRACE_TOKENS, trace_model
+
+        opts.log(f"tracing the model's router over {opts.skew_tokens or TRACE_TOKENS} random tokens (--skew-from model)")
+        report = trace_model(path, opts.skew_tokens or TRACE_TOKENS)
+        if opts.save_skew:
+            Path(opts.save_skew).write_text(json.dumps(report))
+        got = from_report(report, report["source"])
+    else:
+        try:
+            got = from_trace_file(opts.skew_from)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise MoestreamError(f"--skew-from {opts.skew_from}: {e}") from None
+    if got.weights is not None and len(got.weights) != facts.num_experts:
+        opts.log(f"--skew-from: the trace has {len(got.weights)} experts a layer, the model {facts.num_experts}: "
+                 "its Zipf fit is used")
+    if "--reuse" in opts.skew.source.split(" and "):
+        got = replace(got, reuse=opts.skew.reuse, source=got.source + "; --reuse given")
+    return got
+
+
 def make_plan(path: str | Path, opts: PlanOptions) -> dict:
     opts.check()
     p = open_plan(path)
     try:
         facts = model_facts(path, p, opts.kv_dtype)
+        if opts.skew_from:
+            opts.skew = measured_skew(path, opts, facts)
         cal = Calibrator(fresh=opts.calibrate, seconds=opts.probe_seconds, log=opts.log)
         kinds = set(facts.dense_bytes) | {facts.expert_kind, facts.head_kind}
-        here = cal.rates(kinds, facts.model_type, facts.top_k, facts.num_experts, facts.probe_shapes(), facts.widths)
+        here = cal.rates(kinds, facts.model_type, facts.top_k, facts.num_experts, facts.probe_shapes(), facts.widths,
+                         facts.glu_shape())
         if opts.disk_bandwidth is not None:
             here.disk, here.source["disk"] = opts.disk_bandwidth, "--disk-bandwidth"
         elif opts.machine is None:
@@ -161,7 +199,10 @@ def _predict(facts: ModelFacts, p, rates: Rates, budget: int, opts: PlanOptions,
     fit = facts.fit(p, budget, per_seq)  # dense residency keeps room for one sequence (as --state-room would)
     sc = Scenario(facts, fit, rates, opts.skew)
     context = opts.prompt_len + opts.gen_len / 2  # mean context over the generated tokens
-    one = sc.decode(1, context, per_seq)
+    # one stream from an engine just opened (as `moestream run` / `bench --cold`): its prompt fills the cache, and
+    # the cached experts it did not use miss on first use during the generation; the steady state has none of these
+    one = sc.decode(1, context, per_seq, since_open=(opts.prompt_len, opts.gen_len))
+    steady = sc.decode(1, context, per_seq)
     warm = sc.prefill(opts.prompt_len, ENGINE_CHUNK, cold=False)
     cold = sc.prefill(opts.prompt_len, ENGINE_CHUNK, cold=True)
     ttft, ttft_cold = sum(s.seconds for s in warm), sum(s.seconds for s in cold)
@@ -170,6 +211,7 @@ def _predict(facts: ModelFacts, p, rates: Rates, budget: int, opts: PlanOptions,
     out = {
         "machine": machine, "ram_budget_bytes": budget,
         "decode_tokens_per_s": 1.0 / one.seconds, "decode_step": _step_json(one),
+        "decode_steady_tokens_per_s": 1.0 / steady.seconds,
         "prefill_tokens_per_s": opts.prompt_len / ttft, "ttft_s": ttft,
         "prefill_cold_tokens_per_s": opts.prompt_len / ttft_cold, "ttft_cold_s": ttft_cold,
         "max_sequences": max_seq, "state_bytes_per_sequence": per_seq, "state_room_bytes": max(0, room),
@@ -179,9 +221,11 @@ def _predict(facts: ModelFacts, p, rates: Rates, budget: int, opts: PlanOptions,
         "disk_bytes_per_token": one.expert_reads * facts.expert_bytes + fit.residency.streamed_bytes_per_step,
         "rates": rates.to_json(),
     }
+    if sc.replayed:
+        out["decode_cache_replay"] = sc.replayed
     if opts.batch is not None:
         n = max(1, min(opts.batch, max_seq or 1)) if max_seq is not None else opts.batch
-        step = sc.decode(n, context, n * per_seq)
+        step = sc.decode(n, context, n * per_seq, since_open=(opts.prompt_len, opts.gen_len))
         out.update({"batch": opts.batch, "batch_sequences": n, "batch_tokens_per_s": n / step.seconds,
                     "batch_step": _step_json(step)})
     if opts.price_per_hour is not None:
@@ -224,6 +268,8 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
         + "; multi-row weights expanded to fp32 at " + ", ".join(f"{k} {v / 1e9:.3g} GB/s"
                                                                  for k, v in r["expand"].items())
         + f" then fp32 GEMM at {r['gemm_flops'] / 1e9:.3g} GFLOP/s; state read at {r['memory'] / 1e9:.3g} GB/s"
+        + (f"; one-row bf16 GLU experts, a layer's top-{f.top_k} in one fused native call, at "
+           f"{r['glu'] / 1e9:.3g} GB/s ({src.get('glu', '')})" if r.get("glu") and f.expert_kind == "bf16" else "")
         + (f" (kernels probed at {src['shapes']}; {src.get('gemv ' + f.expert_kind, '')})"
            if src.get("shapes") else ""),
         f"overlap: step = overhead + max(io, compute) + {1 - OVERLAP:g} x min(io, compute)",
@@ -231,9 +277,16 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
         "default keeps none, so state then squeezes the expert cache)",
         f"state: {f.state.describe()}; sequences sized at {opts.prompt_len} prompt + {opts.gen_len} generated "
         "tokens, admitted while their state fits the budget less the scheduler's room for 2 x top_k experts",
-        f"decode at the mean context ({opts.prompt_len} + {opts.gen_len}/2 tokens); prefill in chunks of "
+        f"decode at the mean context ({opts.prompt_len} + {opts.gen_len}/2 tokens), one stream of an engine just "
+        f"opened: the cached experts its {opts.prompt_len}-token prompt did not route to miss on first use, "
+        f"averaged over the {opts.gen_len} generated tokens (decode_steady_tokens_per_s: without them, a server's "
+        f"later requests); prefill in chunks of "
         f"{ENGINE_CHUNK}; ttft_s with the cache at its steady share, ttft_cold_s with an empty cache",
     ]
+    if out.get("decode_cache_replay"):
+        lines.append("one-stream decode hit rate: the measured routing replayed through the engine's cache "
+                     f"({out['decode_cache_replay']}, capacity {out['experts_cached']} experts less the state's "
+                     "room); batch and steady-state figures from the measured popularity of each layer")
     if o is not None:
         lines.append(f"engine overhead per layer step: {o.decode_s * 1e3:.3g} ms decode + "
                      f"{o.decode_row_s * 1e3:.3g} ms per extra row, {o.prefill_s * 1e3:.3g} ms per prefill "

@@ -3,8 +3,9 @@ plan, a routing-skew assumption and a machine's rates.
 
 Owns the arithmetic `moestream plan` prints, term by term (docs/plan.md states it):
 - I/O per step: experts not in the cache x expert bytes, plus streamed dense bytes, at the disk's bandwidth;
-- compute per step: weights touched at the one-row kernel's byte rate (a multi-row step: expanded to fp32 at the
-  expansion rate plus rows x FLOPs at the fp32 GEMM rate), sequence state read at memory bandwidth, attention
+- compute per step: weights touched at the one-row kernel's byte rate (a layer's bf16 GLU experts at the rate of
+  the fused native call that runs them together; a multi-row step: expanded to fp32 at the expansion rate plus
+  rows x FLOPs at the fp32 GEMM rate), sequence state read at memory bandwidth, attention
   FLOPs at the GEMM rate;
 - the engine's fixed cost per layer step (calibrated);
 - the CPU cost of each expert read on a miss of a one-row step (one sequence's decode), beyond its multiply:
@@ -13,6 +14,8 @@ Owns the arithmetic `moestream plan` prints, term by term (docs/plan.md states i
   compute, so OVERLAP of it is hidden); it counts as compute. A multi-row step (a batch, a prompt chunk) lands
   its reads while other experts compute, and a scan keeps its buffers mapped: not charged (the batch rows of
   docs/plan.md fit without it);
+- a cold start: one stream of an engine just opened also misses the cached set's experts its prompt did not
+  route to, on their first use (skew.first_use, averaged over the generated tokens);
 - overlap: step = overhead + max(io, compute) + (1 - OVERLAP) x min(io, compute).
 """
 from __future__ import annotations
@@ -20,11 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moestream.info import BudgetFit
-from moestream.experts.dispatch import NATIVE_MAX_ROWS
+from moestream.experts.dispatch import NATIVE_MAX_ROWS, SCAN_SHARE, scan_window
 from moestream.kernels.cpu import MAX_TOKENS_BF16, MAX_TOKENS_MXFP4
 from moestream.planner.calibrate import Rates
 from moestream.planner.facts import ModelFacts
-from moestream.planner.skew import Skew, distinct, single_row
+from moestream.planner.skew import Skew, distinct, first_use, replay_decode, single_row, split_cache
 
 # Share of the shorter of I/O and compute hidden behind the longer: reads of a layer's missing experts run while
 # its resident experts compute and the lookahead reads one expert ahead, but attention and dense work mostly wait.
@@ -60,6 +63,7 @@ class Scenario:
     fit: BudgetFit
     rates: Rates
     skew: Skew
+    replayed: str = ""  # what decode replayed of the skew's recorded routing (empty: the analytic model)
 
     @property
     def residency(self):
@@ -94,6 +98,12 @@ class Scenario:
         gemm = max(4.0 * params / r.memory, 2.0 * params * rows / r.gemm_flops)
         return nbytes / r.expand.get(kind, r.expand["bf16"]) + gemm
 
+    def expert_rate(self) -> float:
+        """Bytes/s of one row through a routed expert: a bf16 GLU expert runs with the layer's others in one fused
+        native call (calibrate.glu_rate), other formats through their one-row kernel."""
+        r = self.rates
+        return r.glu if self.facts.expert_kind == "bf16" and r.glu > 0 else r.gemv[self.facts.expert_kind]
+
     def miss_cost(self) -> float:
         """CPU seconds one expert read on a miss costs beyond its multiply: the family's per-miss engine work
         plus its buffer's fresh pages."""
@@ -124,15 +134,37 @@ class Scenario:
         return self.residency.streamed_bytes_per_step / self.rates.disk if self.rates.disk > 0 else 0.0
 
     # ---- the three predictions ------------------------------------------------------------------------------
-    def decode(self, sequences: int, context: float, state_bytes: float = 0.0) -> Step:
-        """One decode step of `sequences` sequences (one new token each) at `context` tokens of context."""
+    def decode(self, sequences: int, context: float, state_bytes: float = 0.0,
+               since_open: tuple[int, int] | None = None) -> Step:
+        """One decode step of `sequences` sequences (one new token each) at `context` tokens of context.
+        `since_open` = (prompt, generated) tokens of one stream since the engine opened with an empty cache: the
+        step then also misses, on average over the generated tokens, the cached set's experts no earlier token
+        has used (skew.first_use: a cold start's compulsory reads, which the steady state does not have)."""
         f, s = self.facts, self.skew
-        cached = self.cached_per_layer(state_bytes)
-        used, missing = distinct(f.num_experts, f.top_k, s.exponent, sequences, cached, s.reuse)
-        one = single_row(f.num_experts, f.top_k, s.exponent, sequences)
+        laws = s.laws(f.num_experts, f.moe_layers)
+        shares = split_cache(laws, f.num_experts, f.top_k, self.cached_per_layer(state_bytes))
+        used = missing = one = 0.0
+        for law, cached in zip(laws, shares):  # per layer, averaged (one law: every layer alike)
+            u, m = distinct(f.num_experts, f.top_k, law, sequences, cached, s.reuse)
+            if since_open is not None and since_open[1] > 0:
+                m += first_use(f.num_experts, f.top_k, law, cached, since_open[0], sequences, since_open[1])
+            used, missing = used + u / len(laws), missing + m / len(laws)
+            one += single_row(f.num_experts, f.top_k, law, sequences) / len(laws)
+        capacity = int(self.cached_per_layer(state_bytes) * f.moe_layers)
+        if since_open is not None and since_open[1] > 0 and sequences == 1 and s.replayable(f.num_experts,
+                                                                                            f.moe_layers):
+            # the model's own recorded routing through the engine's cache policy, from an empty cache
+            per_token, _, self.replayed = replay_decode(s.routing, capacity, *since_open)
+            missing = min(used, per_token / max(1, f.moe_layers))
+        elif used >= SCAN_SHARE * f.num_experts and capacity < f.num_experts * f.moe_layers:
+            # a scanning step (a batch routing to most of every layer's experts): the engine evicts nothing to read
+            # (experts/dispatch.py, _scan_window), so the cache keeps what it held, bar a window for reads in
+            # flight, whatever their popularity: each resident expert is one of this step's with the step's share
+            window = scan_window(1, f.num_experts, f.top_k, f.moe_layers, capacity)
+            missing = used * (1.0 - max(0, capacity - window) / (f.num_experts * f.moe_layers))
         multi = max(0.0, used - one)
         rows = max(0.0, sequences * f.top_k - one) / max(1e-9, multi)  # mean rows of a multi-row expert
-        experts = f.moe_layers * (one * f.expert_bytes / self.rates.gemv[f.expert_kind]
+        experts = f.moe_layers * (one * f.expert_bytes / self.expert_rate()
                                   + multi * self._weights(f.expert_bytes, f.expert_kind, f.expert_params, rows,
                                                           EXPERT_ROWS))
         reads = f.moe_layers * missing
@@ -147,11 +179,12 @@ class Scenario:
         """The steps of one prompt of `tokens` tokens fed `chunk` at a time; `cold`: the expert cache starts
         empty (the first request after open), else it holds its steady share."""
         f, s = self.facts, self.skew
+        law = s.law(f.num_experts)
         steps, done, cap = [], 0, self.cached_per_layer()
         while done < tokens:
             n = min(chunk, tokens - done)
-            cached = min(cap, distinct(f.num_experts, f.top_k, s.exponent, done)[0]) if cold else cap
-            used, missing = distinct(f.num_experts, f.top_k, s.exponent, n, cached)
+            cached = min(cap, distinct(f.num_experts, f.top_k, law, done)[0]) if cold else cap
+            used, missing = distinct(f.num_experts, f.top_k, law, n, cached)
             rows = n * f.top_k / max(1e-9, used)
             experts = f.moe_layers * used * self._weights(f.expert_bytes, f.expert_kind, f.expert_params, rows,
                                                           EXPERT_ROWS)

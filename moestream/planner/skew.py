@@ -10,7 +10,7 @@ no checkpoint.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 
@@ -21,11 +21,48 @@ class Skew:
     exponent: float
     source: str
     reuse: float = 0.0  # P(an expert of token t is routed again at t + 1); 0: no more than chance
+    # measured popularity by rank (most popular first, summing to 1; a trace's per-layer shares averaged rank by
+    # rank): used instead of the Zipf law where it covers the model's experts
+    weights: tuple[float, ...] | None = None
+    # the same per MoE layer (a trace's layers, in order): each layer's own law, and a cache shared by all layers
+    # holds the experts most popular over the whole model (layers differ: early ones near uniform, late ones skewed)
+    layers: tuple[tuple[float, ...], ...] | None = None
+    # the recorded routing itself (prompts[p][t][j]: token t's expert ids in MoE layer j), replayed through the
+    # engine's cache policy for one stream's cold start (replay_decode)
+    routing: list | None = field(default=None, compare=False, repr=False)
 
     def describe(self) -> str:
-        pop = ("uniform popularity (every expert equally likely)" if self.exponent == 0 else
-               f"Zipf-like popularity, rank-i expert weight i^-{self.exponent:g}")
+        if self.weights is not None:
+            top = max(1, len(self.weights) // 10)
+            pop = (f"measured popularity of {len(self.weights)} experts by rank (top 10% take "
+                   f"{sum(self.weights[:top]):.0%} of the weight; Zipf fit {self.exponent:g})")
+            if self.layers is not None:
+                tops = [sum(w[:top]) for w in self.layers]
+                pop += (f", per MoE layer where the model's {len(self.layers)} match (top 10% "
+                        f"{min(tops):.0%}-{max(tops):.0%}; the cache holds the most popular over all layers)")
+        else:
+            pop = ("uniform popularity (every expert equally likely)" if self.exponent == 0 else
+                   f"Zipf-like popularity, rank-i expert weight i^-{self.exponent:g}")
         return f"{pop}, next-token reuse {self.reuse:g} ({self.source})"
+
+    def replayable(self, num_experts: int, moe_layers: int) -> bool:
+        """The recorded routing covers the model's MoE layers (and no expert id beyond its count)."""
+        if not self.routing or self.layers is None:
+            return False
+        return len(self.layers) == moe_layers and all(len(w) == num_experts for w in self.layers)
+
+    def laws(self, num_experts: int, moe_layers: int) -> list[float | tuple[float, ...]]:
+        """Each MoE layer's law where the measured layers match the model's (count and experts), else one law
+        standing for every layer."""
+        if self.layers is not None and len(self.layers) == moe_layers and all(len(w) == num_experts
+                                                                               for w in self.layers):
+            return list(self.layers)
+        return [self.law(num_experts)]
+
+    def law(self, num_experts: int) -> float | tuple[float, ...]:
+        """What selection() takes for a layer of `num_experts`: the measured weights where they cover exactly
+        that many experts, else the exponent."""
+        return self.weights if self.weights is not None and len(self.weights) == num_experts else self.exponent
 
 
 def excess_reuse(num_experts: int, top_k: int, reuse: float) -> float:
@@ -36,13 +73,21 @@ def excess_reuse(num_experts: int, top_k: int, reuse: float) -> float:
 
 
 @lru_cache(maxsize=64)
-def selection(num_experts: int, top_k: int, exponent: float) -> tuple[float, ...]:
-    """P(expert of rank i is among a token's top_k), most popular first; sums to top_k. The popularity share p_i is
-    scaled by one factor and capped at 1 (an expert is picked at most once per token), the factor water-filled so
-    the probabilities sum to top_k."""
+def selection(num_experts: int, top_k: int, exponent: float | tuple[float, ...]) -> tuple[float, ...]:
+    """P(expert of rank i is among a token's top_k), most popular first; sums to top_k. The popularity share p_i
+    (rank-i weight i^-exponent, or `exponent` itself when it is a tuple of measured weights, most popular first)
+    is scaled by one factor and capped at 1 (an expert is picked at most once per token), the factor water-filled
+    so the probabilities sum to top_k."""
     e = max(1, num_experts)
     k = max(0, min(top_k, e))
-    weights = [(i + 1) ** -exponent for i in range(e)]
+    if isinstance(exponent, tuple):
+        if len(exponent) != e:
+            raise ValueError(f"{len(exponent)} measured weights for {e} experts")
+        weights = sorted((max(0.0, float(w)) for w in exponent), reverse=True)
+        if sum(weights) <= 0:
+            weights = [1.0] * e
+    else:
+        weights = [(i + 1) ** -exponent for i in range(e)]
     q = [0.0] * e
     capped, free = 0, list(range(e))
     while True:  # cap the most popular at 1 and spread the rest of k over the others in proportion
@@ -59,7 +104,7 @@ def selection(num_experts: int, top_k: int, exponent: float) -> tuple[float, ...
         free = [i for i in free if i not in set(over)]
 
 
-def hit_rate(num_experts: int, top_k: int, exponent: float, cached: float, reuse: float = 0.0) -> float:
+def hit_rate(num_experts: int, top_k: int, exponent: float | tuple[float, ...], cached: float, reuse: float = 0.0) -> float:
     """Share of a token's routed experts found in a cache holding the layer's `cached` most popular experts (a
     fractional count takes that share of the next expert) and, as far as room allows, the previous token's: a miss
     of the popular set is still a hit when it is the excess reuse of the last token's experts."""
@@ -74,7 +119,7 @@ def hit_rate(num_experts: int, top_k: int, exponent: float, cached: float, reuse
     return 1.0 - (1.0 - got) * (1.0 - excess_reuse(num_experts, top_k, reuse) * held)
 
 
-def distinct(num_experts: int, top_k: int, exponent: float, tokens: int, cached: float = 0.0,
+def distinct(num_experts: int, top_k: int, exponent: float | tuple[float, ...], tokens: int, cached: float = 0.0,
              reuse: float = 0.0) -> tuple[float, float]:
     """(expected distinct experts a step over `tokens` independent tokens routes to in one layer, expected
     distinct ones the cache lacks): expert i is used unless all tokens miss it, 1 - (1-q_i)^N; the cache holds the
@@ -89,7 +134,7 @@ def distinct(num_experts: int, top_k: int, exponent: float, tokens: int, cached:
     return sum(used), outside * (1.0 - excess_reuse(num_experts, top_k, reuse) * held)
 
 
-def single_row(num_experts: int, top_k: int, exponent: float, tokens: int) -> float:
+def single_row(num_experts: int, top_k: int, exponent: float | tuple[float, ...], tokens: int) -> float:
     """Expected experts of a layer step routed to by exactly one of `tokens` tokens (those run in the one-row
     native kernel; experts with more rows are expanded to fp32 and run as one GEMM)."""
     q = selection(num_experts, top_k, exponent)
@@ -116,3 +161,180 @@ def fit_exponent(top10_share: float, num_experts: int, top_k: int) -> float:
         else:
             hi = mid
     return round((lo + hi) / 2, 3)
+
+
+def first_use(num_experts: int, top_k: int, exponent: float | tuple[float, ...], cached: float, seen: float,
+              tokens: int = 1, over: int = 1) -> float:
+    """Expected experts of the cached (most popular `cached`) set that a step of `tokens` tokens routes to and no
+    token since the cache was empty did (`seen` tokens before this step): the cache has not loaded them yet, so
+    they miss although the steady state holds them. A cold start's compulsory misses; 0 once every cached expert
+    has been used. With `over` > 1: the mean over that many consecutive steps (seen, seen + tokens, ...), in
+    closed form."""
+    q = selection(num_experts, top_k, exponent)
+    c = max(0.0, min(float(len(q)), cached))
+    whole, n, g = int(c), max(0, tokens), max(1, over)
+    out = 0.0
+    for i, qi in enumerate(q[:whole + 1]):
+        part = 1.0 if i < whole else c - whole
+        if part <= 0 or qi <= 0:
+            continue
+        stay = (1.0 - qi) ** n  # not used by one step
+        mean = 1.0 if g == 1 or stay >= 1.0 else (1.0 - stay ** g) / (g * (1.0 - stay))  # mean of stay^j, j < g
+        out += part * (1.0 - stay) * (1.0 - qi) ** max(0.0, seen) * mean
+    return out
+
+
+def split_cache(laws: list, num_experts: int, top_k: int, cached_per_layer: float) -> list[float]:
+    """Experts each layer keeps when a cache of cached_per_layer x layers experts holds the most popular over all
+    layers (a global frequency-aware cache): one law, or layers alike, keep cached_per_layer each."""
+    if len(laws) <= 1:
+        return [cached_per_layer] * max(1, len(laws))
+    total = max(0.0, cached_per_layer) * len(laws)
+    ranked = sorted(((qi, j) for j, law in enumerate(laws) for qi in selection(num_experts, top_k, law)),
+                    key=lambda x: -x[0])
+    out = [0.0] * len(laws)
+    for qi, j in ranked:
+        if total <= 0:
+            break
+        take = min(1.0, total)
+        out[j] += take
+        total -= take
+    return out
+
+
+# ---- a measured routing ----------------------------------------------------------------------------------------
+def routing_report(prompts: list[list[list[list[int]]]], num_experts: int, top_k: int) -> dict:
+    """The part of `moestream trace --json`'s report the planner reads, from recorded routing: prompts[p][t][j] is
+    the k expert ids token t of prompt p took in MoE layer j. Per layer: every expert's share of the routings
+    (most used first) and the top-10% share; P(an expert of token t is routed again at t + 1) within a prompt."""
+    layers = max((len(tok) for p in prompts for tok in p), default=0)
+    if not layers or num_experts < 1:
+        raise ValueError("the trace holds no routed token")
+    counts = [[0] * num_experts for _ in range(layers)]
+    same, pairs = [0] * layers, [0] * layers
+    tokens = 0
+    for p in prompts:
+        for t, tok in enumerate(p):
+            tokens += 1
+            for j, ids in enumerate(tok):
+                for e in ids:
+                    if 0 <= int(e) < num_experts:
+                        counts[j][int(e)] += 1
+                if t:
+                    prev = set(p[t - 1][j])
+                    same[j] += sum(1 for e in ids if e in prev)
+                    pairs[j] += len(ids)
+    top = max(1, num_experts // 10)
+    usage = []
+    for row in counts:
+        total = max(1, sum(row))
+        shares = sorted((c / total for c in row), reverse=True)
+        usage.append({"top10_share": sum(shares[:top]), "shares": [round(x, 6) for x in shares]})
+    return {"tokens": tokens, "num_experts": num_experts, "top_k": top_k, "usage": usage,
+            "reuse": [s_ / n if n else 0.0 for s_, n in zip(same, pairs)],
+            "routing": [[[[int(e) for e in ids] for ids in tok] for tok in p] for p in prompts]}
+
+
+def from_report(report: dict, source: str, pseudo: float = 0.5) -> Skew:
+    """A Skew from a routing report (`moestream trace --json`, or routing_report's). Popularity: each layer's
+    shares as counts (shares x tokens x top_k) plus `pseudo` each (an expert the trace never saw is rare, not
+    impossible), sorted: kept per layer, and averaged rank by rank over the layers (for a model whose layers the
+    trace does not match); a report without per-expert shares gives the Zipf law alone. The Zipf exponent fitted to each layer's top-10% share, averaged, is printed beside it. Reuse: the
+    layers' mean P(reuse next)."""
+    e, k = int(report["num_experts"]), int(report["top_k"])
+    rows, reuse = report["usage"], report.get("reuse") or [0.0]
+    if not rows:
+        raise ValueError("the report has no MoE layer")
+    fits = [fit_exponent(float(u["top10_share"]), e, k) for u in rows]
+    weights = None
+    routed = float(report.get("tokens") or 0) * k
+    layers = None
+    if all(len(u.get("shares") or ()) == e for u in rows):
+        smooth = []
+        for u in rows:
+            c = [float(x) * routed for x in u["shares"]]
+            total = sum(c) + pseudo * e
+            smooth.append(tuple(sorted(((x + pseudo) / total for x in c), reverse=True)))
+        weights = tuple(sum(col) / len(rows) for col in zip(*smooth))
+        layers = tuple(smooth)
+    return Skew(round(sum(fits) / len(fits), 3), f"{source}: {report.get('tokens')} tokens x {len(rows)} MoE layers",
+                round(sum(reuse) / len(reuse), 4), weights, layers, report.get("routing") or None)
+
+
+def from_trace_file(path) -> Skew:
+    """A Skew from `moestream trace --save FILE` (JSON lines: a header with layers / num_experts / top_k, then one
+    object per token with its prompt, position and expert ids per layer) or a routing report: `moestream trace
+    --json`'s, or `moestream plan --save-skew`'s."""
+    import json
+
+    text = open(path, encoding="utf-8").read()
+    try:
+        report = json.loads(text)
+    except ValueError:
+        report = None
+    if isinstance(report, dict) and "usage" in report:
+        return from_report(report, report.get("source") or f"routing report {path}")
+    lines = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if not lines or "num_experts" not in lines[0]:
+        raise ValueError(f"{path}: neither a `moestream trace --save` file nor a routing report")
+    head, prompts = lines[0], {}
+    for row in lines[1:]:
+        prompts.setdefault(row["prompt"], []).append((row["pos"], row["experts"]))
+    routed = [[ids for _, ids in sorted(p)] for _, p in sorted(prompts.items())]
+    return from_report(routing_report(routed, int(head["num_experts"]), int(head["top_k"])), f"trace {path}")
+
+
+def replay_decode(routing: list, capacity: int, prompt: int, gen: int, policy: str = "lfru",
+                  chunk: int = 512) -> tuple[float, float, str]:
+    """One stream's cold start replayed through the engine's cache policy: (expert misses per generated token,
+    all MoE layers together; hit rate of the generated tokens; what was replayed). The recorded tokens are cut into
+    windows of prompt + gen tokens; each starts with an empty cache of `capacity` experts (shared by every layer),
+    feeds its prompt in `chunk`-token steps (a layer step loads the distinct experts of its tokens) and counts the
+    misses of its generated tokens, one layer step per token, served as the engine serves them (hits first, never
+    evicting the step's own experts; a step larger than the cache streams through). A trace shorter than one window
+    gives one window of half prompt, half generated tokens."""
+    from moestream.experts.policies import POLICIES
+
+    misses = routed = windows = gen_tokens = 0
+    p = g = 0
+    for tokens in routing:
+        n = len(tokens)
+        if n < 2:
+            continue
+        p, g = (prompt, gen) if n >= prompt + gen else (min(prompt, n // 2), n - min(prompt, n // 2))
+        for start in range(0, n - (p + g) + 1, p + g):
+            windows, gen_tokens = windows + 1, gen_tokens + g
+            resident: set = set()
+            pol = POLICIES[policy]()
+
+            def serve(step: list, count: bool) -> None:
+                nonlocal misses, routed
+                keep = frozenset(step)
+                for key in step:
+                    routed += count
+                    if key in resident:
+                        pol.touch(key)
+                        continue
+                    misses += count
+                    if len(resident) >= capacity:
+                        victim = next((k for k in pol.victims() if k not in keep), None)
+                        if victim is None:
+                            continue
+                        resident.discard(victim)
+                        pol.remove(victim)
+                    resident.add(key)
+                    pol.insert(key)
+
+            layers = len(tokens[start])
+            for c0 in range(start, start + p, chunk):
+                part = tokens[c0:min(start + p, c0 + chunk)]
+                for j in range(layers):
+                    serve(sorted({(j, int(e)) for tok in part for e in tok[j]}), False)
+            for t in range(start + p, start + p + g):
+                for j in range(layers):
+                    serve([(j, int(e)) for e in dict.fromkeys(tokens[t][j])], True)
+    if not routed:
+        return 0.0, 1.0, "no routed token to replay"
+    return (misses / gen_tokens, 1.0 - misses / routed,
+            f"{windows} windows of {p} prompt + {g} generated recorded tokens replayed through {policy}")
+
