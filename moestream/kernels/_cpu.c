@@ -31,7 +31,7 @@
 #endif
 #define MS_AVX512 (MS_SIMD == 2)
 
-#define MS_ABI 12
+#define MS_ABI 13
 #define TILE_T 8   /* tokens per register tile */
 #ifndef PF_BYTES
 #define PF_BYTES 16384  /* software prefetch distance of the bf16 kernel (measured: 16-32 KiB best) */
@@ -620,12 +620,29 @@ static int pool_sleepers = 0;
 static job_fn pool_job;
 static void *pool_arg;
 static int pool_job_parts;
-static atomic_int pool_pending;
+/* Part i (1..) of a posted job belongs to whoever first claims it for that job's generation: worker i when it picks
+ * the job up, or the caller once its own part is done (it then runs part i itself, or skips it for a job of chunks,
+ * whose chunks it has already taken). So a worker that wakes or is scheduled late never holds the call up: the
+ * caller waits only for parts a worker has started (pool_done). Each part is computed by the same code whoever
+ * runs it, so results do not depend on the timing. */
+static _Atomic uint64_t pool_claim[MAX_THREADS]; /* the latest generation whose part i has been claimed */
+static _Atomic uint64_t pool_done[MAX_THREADS];  /* the latest generation whose part i a worker has finished */
+static atomic_long pool_stat_taken;              /* parts the caller took because their worker had not started */
 
 INLINE void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #endif
+}
+
+/* claims part i of generation gen: 1 when this thread got it */
+INLINE int pool_take(int i, uint64_t gen) {
+    uint64_t c = atomic_load_explicit(&pool_claim[i], memory_order_acquire);
+    while (c < gen)
+        if (atomic_compare_exchange_weak_explicit(&pool_claim[i], &c, gen, memory_order_acq_rel,
+                                                  memory_order_acquire))
+            return 1;
+    return 0;
 }
 
 static void *pool_main(void *arg) {
@@ -649,8 +666,9 @@ static void *pool_main(void *arg) {
         void *a = pool_arg;
         int parts = pool_job_parts;
         pthread_mutex_unlock(&pool_mu);
-        if (id < parts) fn(a, id, parts);
-        if (atomic_fetch_sub_explicit(&pool_pending, 1, memory_order_acq_rel) == 1) {
+        if (id < parts && pool_take(id, seen)) {
+            fn(a, id, parts);
+            atomic_store_explicit(&pool_done[id], seen, memory_order_release);
             pthread_mutex_lock(&pool_mu); /* the caller may be asleep on pool_done_cv */
             pthread_cond_broadcast(&pool_done_cv);
             pthread_mutex_unlock(&pool_mu);
@@ -683,34 +701,50 @@ static void pool_start(int want) {
     }
 }
 
-/* posts fn to every worker (part 1.. of parts; workers past parts skip it); the caller holds pool_busy */
-static void pool_post(job_fn fn, void *arg, int parts) {
+/* posts fn to every worker (part 1.. of parts; workers past parts skip it) and returns its generation; the caller
+ * holds pool_busy */
+static uint64_t pool_post(job_fn fn, void *arg, int parts) {
     pthread_mutex_lock(&pool_mu);
     pool_job = fn;
     pool_arg = arg;
     pool_job_parts = parts;
-    atomic_store_explicit(&pool_pending, pool_workers, memory_order_relaxed);
-    __atomic_store_n(&pool_gen, pool_gen + 1, __ATOMIC_RELEASE);
+    const uint64_t gen = pool_gen + 1;
+    __atomic_store_n(&pool_gen, gen, __ATOMIC_RELEASE);
     if (pool_sleepers) pthread_cond_broadcast(&pool_cv);
     pthread_mutex_unlock(&pool_mu);
+    return gen;
 }
 
-/* waits until every worker has finished the posted job: a worker that is not scheduled (a shared machine) must
- * not cost a spinning core for long, so poll up to the spin time, then sleep */
-static void pool_wait(int counted) {
-    const int64_t until = now_ns() + __atomic_load_n(&pool_spin_ns, __ATOMIC_RELAXED);
-    int spins = 1;
-    for (; atomic_load_explicit(&pool_pending, memory_order_acquire) > 0; spins++) {
-        cpu_relax();
-        if ((spins & 63) == 0 && now_ns() >= until) break;
+/* Finishes job `gen` of `parts` parts: parts no worker has started are the caller's (run = 1: it runs them with
+ * fn; run = 0: they are dropped, for a background prefetch), then it waits for the parts workers have started: a
+ * worker descheduled mid-part must not cost a spinning core for long, so it polls up to the spin time, then
+ * sleeps. */
+static void pool_wait(uint64_t gen, int parts, job_fn fn, void *arg, int run, int counted) {
+    int started[MAX_THREADS], n = 0;
+    for (int i = 1; i < parts; i++) {
+        if (pool_take(i, gen)) {
+            if (counted) atomic_fetch_add_explicit(&pool_stat_taken, 1, memory_order_relaxed);
+            if (run) fn(arg, i, parts);
+        } else {
+            started[n++] = i;
+        }
     }
-    if (counted && spins > 2000) atomic_fetch_add_explicit(&pool_stat_long_waits, 1, memory_order_relaxed);
-    if (atomic_load_explicit(&pool_pending, memory_order_acquire) > 0) {
-        if (counted) atomic_fetch_add_explicit(&pool_stat_caller_sleeps, 1, memory_order_relaxed);
-        pthread_mutex_lock(&pool_mu);
-        while (atomic_load_explicit(&pool_pending, memory_order_acquire) > 0)
-            pthread_cond_wait(&pool_done_cv, &pool_mu);
-        pthread_mutex_unlock(&pool_mu);
+    for (int k = 0; k < n; k++) {
+        const int i = started[k];
+        const int64_t until = now_ns() + __atomic_load_n(&pool_spin_ns, __ATOMIC_RELAXED);
+        int spins = 1;
+        for (; atomic_load_explicit(&pool_done[i], memory_order_acquire) != gen; spins++) {
+            cpu_relax();
+            if ((spins & 63) == 0 && now_ns() >= until) break;
+        }
+        if (counted && spins > 2000) atomic_fetch_add_explicit(&pool_stat_long_waits, 1, memory_order_relaxed);
+        if (atomic_load_explicit(&pool_done[i], memory_order_acquire) != gen) {
+            if (counted) atomic_fetch_add_explicit(&pool_stat_caller_sleeps, 1, memory_order_relaxed);
+            pthread_mutex_lock(&pool_mu);
+            while (atomic_load_explicit(&pool_done[i], memory_order_acquire) != gen)
+                pthread_cond_wait(&pool_done_cv, &pool_mu);
+            pthread_mutex_unlock(&pool_mu);
+        }
     }
 }
 
@@ -750,10 +784,12 @@ out:
 }
 
 /* the caller holds pool_busy: stops a running background prefetch and waits for the workers to leave it */
+static uint64_t bg_gen;
+static int bg_parts;
 static void pool_stop_bg(void) {
     if (!pool_bg_active) return;
     atomic_store_explicit(&pool_bg_stop, 1, memory_order_relaxed);
-    pool_wait(0);
+    pool_wait(bg_gen, bg_parts, NULL, NULL, 0, 0);
     atomic_store_explicit(&pool_bg_stop, 0, memory_order_relaxed);
     pool_bg_active = 0;
 }
@@ -768,7 +804,8 @@ static void pool_prefetch(const int64_t *regions) {
         bg_count = regions[0] < BG_MAX_REGIONS ? (int)regions[0] : BG_MAX_REGIONS;
         memcpy(bg_regions, regions + 1, sizeof(int64_t) * 2 * (size_t)bg_count);
         atomic_fetch_add_explicit(&pool_stat_prefetches, 1, memory_order_relaxed);
-        pool_post(bg_touch, NULL, parts);
+        bg_gen = pool_post(bg_touch, NULL, parts);
+        bg_parts = parts;
         pool_bg_active = 1;
     }
     pthread_mutex_unlock(&pool_busy);
@@ -790,10 +827,10 @@ static void pool_run(job_fn fn, void *arg, int parts) {
         fn(arg, 0, 1);
         return;
     }
-    pool_post(fn, arg, parts);
+    const uint64_t gen = pool_post(fn, arg, parts);
     fn(arg, 0, parts);
     atomic_fetch_add_explicit(&pool_stat_runs, 1, memory_order_relaxed);
-    pool_wait(1);
+    pool_wait(gen, parts, fn, arg, 1, 1);
     pthread_mutex_unlock(&pool_busy);
 }
 
@@ -809,6 +846,7 @@ void ms_pool_stats(int64_t *out) {
     out[4] = atomic_load(&pool_stat_prefetches);
     out[5] = atomic_load(&pool_stat_prefetch_cut);
     out[6] = atomic_load(&pool_stat_prefetch_bytes);
+    out[7] = atomic_load(&pool_stat_taken);
 }
 
 /* Dynamic split: `chunks` pieces of work handed out one at a time to whichever thread is free (the caller

@@ -45,7 +45,7 @@ MIN_ROWS_PER_THREAD = 256
 SPIN_US = 300
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
-_ABI = 12
+_ABI = 13
 _SOURCE = Path(__file__).with_name("_cpu.c")
 # _cpu.c #includes the others
 _SOURCES = (_SOURCE, *(Path(__file__).with_name(n)
@@ -231,12 +231,13 @@ def pool_stats() -> dict[str, int]:
     """Counters of the native thread pool since load: multi-threaded calls, calls whose caller slept waiting for
     a worker, times a worker slept between calls (each cost a wake-up), and calls whose caller polled longer than
     2000 pauses (~40 us), background prefetches posted (fused.prefetch), how many the next call cut short, and the
-    bytes they read; zeros without the library."""
-    out = (ctypes.c_int64 * 7)()
+    bytes they read, and the parts of threaded calls the caller ran (or, for chunked work, dropped) itself because
+    their worker had not started them by the time the caller's own part was done; zeros without the library."""
+    out = (ctypes.c_int64 * 8)()
     if (handle := lib()) is not None:
         handle.ms_pool_stats(out)
     return {"runs": out[0], "caller_sleeps": out[1], "worker_sleeps": out[2], "long_waits": out[3],
-            "prefetches": out[4], "prefetches_cut": out[5], "prefetch_bytes": out[6]}
+            "prefetches": out[4], "prefetches_cut": out[5], "prefetch_bytes": out[6], "taken": out[7]}
 
 
 def threads() -> int:
