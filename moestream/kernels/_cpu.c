@@ -12,7 +12,11 @@
  * layout 0 "low_first": byte j holds inputs 2j (low nibble) and 2j+1 (high nibble).
  * layout 1 "gguf": within each block of 32, byte j holds inputs j (low nibble) and j+16 (high nibble).
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* sched_getcpu */
+#endif
 #include <math.h>
+#include <sched.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -31,7 +35,7 @@
 #endif
 #define MS_AVX512 (MS_SIMD == 2)
 
-#define MS_ABI 13
+#define MS_ABI 14
 #define TILE_T 8   /* tokens per register tile */
 #ifndef PF_BYTES
 #define PF_BYTES 16384  /* software prefetch distance of the bf16 kernel (measured: 16-32 KiB best) */
@@ -598,12 +602,19 @@ static pthread_t pool_threads[MAX_THREADS];
 static int pool_workers = 0;      /* started workers */
 static int pool_parts = 1;        /* threads per call, the caller included */
 static int pool_bg_active = 0;    /* a background prefetch is posted (pool_prefetch; under pool_busy) */
-/* how long a worker polls for the next job before sleeping on the condition variable, and the caller for the
- * workers to finish before it sleeps: a sleeping thread costs a futex wake-up per call, tens of microseconds and
- * far more when its idle vCPU has halted; a polling one costs a core. (The caller used to poll 2000 pauses, about
- * 40 us on Zen 3: less than two parts of one call differ by when they stream a few MB each, so the caller slept
- * and waited for a wake-up on a good share of a decode step's calls.) */
-static int64_t pool_spin_ns = 300000;
+/* how long a worker polls for the next job before sleeping on the condition variable, and the caller for a started
+ * part to finish before it sleeps: a sleeping thread costs a futex wake-up per call, tens of microseconds and far
+ * more when its idle vCPU has halted (or lands on the caller's CPU, see pool_caller_cpu); a polling one costs a
+ * core. 300 us (the default until 2026-12-02) was shorter than many gaps between a decode step's calls on a busy
+ * machine: the worker slept ~2-3 times a token on the 4-layer peer, 20-45% of calls on q3m_med. (The caller used
+ * to poll 2000 pauses, about 40 us on Zen 3, and then sleep.) */
+static int64_t pool_spin_ns = 3000000;
+/* Polling in two stages: for the first POOL_HOT_NS a worker only pauses (the gaps between a decode step's calls are
+ * mostly shorter: Python between two layers); after that it also yields the CPU every POOL_YIELD_NS, so a thread
+ * that wants this CPU meanwhile (torch's own pool in a prefill, another process) gets it, while the worker stays
+ * runnable on its CPU and answers the next call without a wake-up. */
+#define POOL_HOT_NS 300000
+#define POOL_YIELD_NS 50000
 static atomic_long pool_stat_runs, pool_stat_caller_sleeps, pool_stat_worker_sleeps, pool_stat_long_waits;
 
 static int64_t now_ns(void) {
@@ -628,6 +639,15 @@ static int pool_job_parts;
 static _Atomic uint64_t pool_claim[MAX_THREADS]; /* the latest generation whose part i has been claimed */
 static _Atomic uint64_t pool_done[MAX_THREADS];  /* the latest generation whose part i a worker has finished */
 static atomic_long pool_stat_taken;              /* parts the caller took because their worker had not started */
+/* The CPU the caller last posted from, and the CPU each worker runs its part on: on a machine whose other cores are
+ * busy (other processes, niced ones included: a CPU running any task is not idle to the scheduler) a woken worker
+ * is often placed on the caller's CPU, and polling there only takes time from the thread it waits for. A thread
+ * that finds itself on the other's CPU yields the CPU between polls instead: it stays runnable, so the scheduler's
+ * load balancing sees two runnable threads on one CPU and moves one to the other CPU (sleeping instead would hide
+ * it, and the next wake-up would place it next to the caller again). */
+static atomic_int pool_caller_cpu = -1;
+static atomic_int pool_worker_cpu[MAX_THREADS];
+static atomic_long pool_stat_shared_cpu;         /* polls cut short because both threads were on one CPU */
 
 INLINE void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -649,10 +669,21 @@ static void *pool_main(void *arg) {
     int id = (int)(intptr_t)arg; /* part index: 1.. */
     uint64_t seen = pool_gen_base[id];
     for (;;) {
-        const int64_t until = now_ns() + __atomic_load_n(&pool_spin_ns, __ATOMIC_RELAXED);
+        const int64_t start = now_ns(), until = start + __atomic_load_n(&pool_spin_ns, __ATOMIC_RELAXED);
+        int64_t yielded = start + POOL_HOT_NS;
         for (int spins = 1; __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE) == seen; spins++) {
             cpu_relax();
-            if ((spins & 63) == 0 && now_ns() >= until) break;
+            if ((spins & 63) == 0) {
+                const int64_t t = now_ns();
+                if (t >= until) break;
+                if (sched_getcpu() == atomic_load_explicit(&pool_caller_cpu, memory_order_relaxed)) {
+                    atomic_fetch_add_explicit(&pool_stat_shared_cpu, 1, memory_order_relaxed);
+                    sched_yield();
+                } else if (t >= yielded + POOL_YIELD_NS) { /* past the hot window: let a waiting thread run */
+                    sched_yield();
+                    yielded = t;
+                }
+            }
         }
         pthread_mutex_lock(&pool_mu);
         if (pool_gen == seen) atomic_fetch_add_explicit(&pool_stat_worker_sleeps, 1, memory_order_relaxed);
@@ -667,6 +698,7 @@ static void *pool_main(void *arg) {
         int parts = pool_job_parts;
         pthread_mutex_unlock(&pool_mu);
         if (id < parts && pool_take(id, seen)) {
+            atomic_store_explicit(&pool_worker_cpu[id], sched_getcpu(), memory_order_relaxed);
             fn(a, id, parts);
             atomic_store_explicit(&pool_done[id], seen, memory_order_release);
             pthread_mutex_lock(&pool_mu); /* the caller may be asleep on pool_done_cv */
@@ -733,9 +765,16 @@ static void pool_wait(uint64_t gen, int parts, job_fn fn, void *arg, int run, in
         const int i = started[k];
         const int64_t until = now_ns() + __atomic_load_n(&pool_spin_ns, __ATOMIC_RELAXED);
         int spins = 1;
+        const int cpu = sched_getcpu();
         for (; atomic_load_explicit(&pool_done[i], memory_order_acquire) != gen; spins++) {
             cpu_relax();
-            if ((spins & 63) == 0 && now_ns() >= until) break;
+            if ((spins & 63) == 0) {
+                if (now_ns() >= until) break;
+                if (cpu == atomic_load_explicit(&pool_worker_cpu[i], memory_order_relaxed)) {
+                    if (counted) atomic_fetch_add_explicit(&pool_stat_shared_cpu, 1, memory_order_relaxed);
+                    sched_yield();
+                }
+            }
         }
         if (counted && spins > 2000) atomic_fetch_add_explicit(&pool_stat_long_waits, 1, memory_order_relaxed);
         if (atomic_load_explicit(&pool_done[i], memory_order_acquire) != gen) {
@@ -827,6 +866,7 @@ static void pool_run(job_fn fn, void *arg, int parts) {
         fn(arg, 0, 1);
         return;
     }
+    atomic_store_explicit(&pool_caller_cpu, sched_getcpu(), memory_order_relaxed);
     const uint64_t gen = pool_post(fn, arg, parts);
     fn(arg, 0, parts);
     atomic_fetch_add_explicit(&pool_stat_runs, 1, memory_order_relaxed);
@@ -847,6 +887,7 @@ void ms_pool_stats(int64_t *out) {
     out[5] = atomic_load(&pool_stat_prefetch_cut);
     out[6] = atomic_load(&pool_stat_prefetch_bytes);
     out[7] = atomic_load(&pool_stat_taken);
+    out[8] = atomic_load(&pool_stat_shared_cpu);
 }
 
 /* Dynamic split: `chunks` pieces of work handed out one at a time to whichever thread is free (the caller
