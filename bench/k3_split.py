@@ -265,9 +265,11 @@ def main() -> None:
     ap.add_argument("--lookahead-reads", type=int, default=4, help="experts read ahead per layer step with `open`")
     opts = ap.parse_args()
     opts.ram_budget = parse_bytes(opts.ram_budget)
-    if opts.threads or opts.torch_threads:
-        torch.set_num_threads(opts.torch_threads or opts.threads)
-    mem_bw = bandwidth_probe(512 << 20)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    mem_bw = bandwidth_probe(512 << 20)  # with the engine's threads, whatever --torch-threads says
+    if opts.torch_threads:
+        torch.set_num_threads(opts.torch_threads)
     variants = opts.lookahead.split(",")
     if any(v not in ("on", "off", "open") for v in variants):
         ap.error(f"--lookahead takes on, off and open; got {opts.lookahead!r}")
