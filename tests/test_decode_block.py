@@ -161,7 +161,7 @@ def test_pool_stats_count_threaded_calls(threads):
     after = cpu.pool_stats()
     assert after["runs"] == before["runs"] + 1
     assert set(after) == {"runs", "caller_sleeps", "worker_sleeps", "long_waits", "prefetches", "prefetches_cut",
-                          "prefetch_bytes"}
+                          "prefetch_bytes", "taken", "shared_cpu"}
     assert all(after[k] >= before[k] for k in after)
     assert torch.allclose(got, x @ w.float().T, rtol=1e-4, atol=1e-4)
 

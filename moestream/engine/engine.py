@@ -60,6 +60,30 @@ def model_config(path: str | Path):
     return family, parse_config(family.parse, raw, path)
 
 
+# Steps of up to this many tokens run torch's ops on the calling thread alone (torch.set_num_threads(1) for the
+# step), while the native pool keeps every thread: in such steps the weights go through the native kernels, and
+# torch's ops are small (MLA's attention over a short cache, activations, index work). With torch's intra-op pool
+# at 2 threads on a 2-core machine, its OpenMP worker polls after each of those small parallel regions on the core
+# the native pool's worker needs (and the reverse): K3 at published width spent 36 ms of a 0.33 s warm decode step
+# in MLA's torch attention with 2 torch threads, 4 ms with 1 (bench/k3_split.py --warm, docs/performance.md).
+SERIAL_TORCH_TOKENS = 8
+
+
+@contextlib.contextmanager
+def serial_torch(on: bool) -> Iterator[None]:
+    """torch's intra-op ops on the calling thread alone within the block (when `on` and torch has more threads)."""
+    n = torch.get_num_threads()
+    cpu.lib()  # loaded first: the native pool's default thread count is torch's at load time
+    if not on or n <= 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def plan(path: str | Path, io_threads: int = IO_THREADS) -> ModelPlan:
     path = model_path(path, full=False)  # resolved once: model_config takes the local stub as it is
     family, cfg = model_config(path)
@@ -202,7 +226,8 @@ class Engine:
         # every position's logits exist while the step runs (their consumer's copy is charged by prefill); a batch
         # scheduler charges the rest of a large step's activations around it (activation_bytes)
         held = rows.shape[0] * self.vocab_size * 4 if all_logits else 0
-        with tensors_fit_config(self.path), transient(self.memory, held, "all-position logits"):
+        with tensors_fit_config(self.path), transient(self.memory, held, "all-position logits"), \
+                serial_torch(tokens.shape[0] <= SERIAL_TORCH_TOKENS):
             logits = self.model.forward(tokens, batch, rows)
         for s, t in items:
             s.pos += len(t)

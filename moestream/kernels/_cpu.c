@@ -12,7 +12,11 @@
  * layout 0 "low_first": byte j holds inputs 2j (low nibble) and 2j+1 (high nibble).
  * layout 1 "gguf": within each block of 32, byte j holds inputs j (low nibble) and j+16 (high nibble).
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* sched_getcpu */
+#endif
 #include <math.h>
+#include <sched.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -31,7 +35,7 @@
 #endif
 #define MS_AVX512 (MS_SIMD == 2)
 
-#define MS_ABI 12
+#define MS_ABI 14
 #define TILE_T 8   /* tokens per register tile */
 #ifndef PF_BYTES
 #define PF_BYTES 16384  /* software prefetch distance of the bf16 kernel (measured: 16-32 KiB best) */
@@ -598,12 +602,19 @@ static pthread_t pool_threads[MAX_THREADS];
 static int pool_workers = 0;      /* started workers */
 static int pool_parts = 1;        /* threads per call, the caller included */
 static int pool_bg_active = 0;    /* a background prefetch is posted (pool_prefetch; under pool_busy) */
-/* how long a worker polls for the next job before sleeping on the condition variable, and the caller for the
- * workers to finish before it sleeps: a sleeping thread costs a futex wake-up per call, tens of microseconds and
- * far more when its idle vCPU has halted; a polling one costs a core. (The caller used to poll 2000 pauses, about
- * 40 us on Zen 3: less than two parts of one call differ by when they stream a few MB each, so the caller slept
- * and waited for a wake-up on a good share of a decode step's calls.) */
-static int64_t pool_spin_ns = 300000;
+/* how long a worker polls for the next job before sleeping on the condition variable, and the caller for a started
+ * part to finish before it sleeps: a sleeping thread costs a futex wake-up per call, tens of microseconds and far
+ * more when its idle vCPU has halted (or lands on the caller's CPU, see pool_caller_cpu); a polling one costs a
+ * core. 300 us (the default until 2026-12-02) was shorter than many gaps between a decode step's calls on a busy
+ * machine: the worker slept ~2-3 times a token on the 4-layer peer, 20-45% of calls on q3m_med. (The caller used
+ * to poll 2000 pauses, about 40 us on Zen 3, and then sleep.) */
+static int64_t pool_spin_ns = 3000000;
+/* Polling in two stages: for the first POOL_HOT_NS a worker only pauses (the gaps between a decode step's calls are
+ * mostly shorter: Python between two layers); after that it also yields the CPU every POOL_YIELD_NS, so a thread
+ * that wants this CPU meanwhile (torch's own pool in a prefill, another process) gets it, while the worker stays
+ * runnable on its CPU and answers the next call without a wake-up. */
+#define POOL_HOT_NS 300000
+#define POOL_YIELD_NS 50000
 static atomic_long pool_stat_runs, pool_stat_caller_sleeps, pool_stat_worker_sleeps, pool_stat_long_waits;
 
 static int64_t now_ns(void) {
@@ -620,7 +631,23 @@ static int pool_sleepers = 0;
 static job_fn pool_job;
 static void *pool_arg;
 static int pool_job_parts;
-static atomic_int pool_pending;
+/* Part i (1..) of a posted job belongs to whoever first claims it for that job's generation: worker i when it picks
+ * the job up, or the caller once its own part is done (it then runs part i itself, or skips it for a job of chunks,
+ * whose chunks it has already taken). So a worker that wakes or is scheduled late never holds the call up: the
+ * caller waits only for parts a worker has started (pool_done). Each part is computed by the same code whoever
+ * runs it, so results do not depend on the timing. */
+static _Atomic uint64_t pool_claim[MAX_THREADS]; /* the latest generation whose part i has been claimed */
+static _Atomic uint64_t pool_done[MAX_THREADS];  /* the latest generation whose part i a worker has finished */
+static atomic_long pool_stat_taken;              /* parts the caller took because their worker had not started */
+/* The CPU the caller last posted from, and the CPU each worker runs its part on: on a machine whose other cores are
+ * busy (other processes, niced ones included: a CPU running any task is not idle to the scheduler) a woken worker
+ * is often placed on the caller's CPU, and polling there only takes time from the thread it waits for. A thread
+ * that finds itself on the other's CPU yields the CPU between polls instead: it stays runnable, so the scheduler's
+ * load balancing sees two runnable threads on one CPU and moves one to the other CPU (sleeping instead would hide
+ * it, and the next wake-up would place it next to the caller again). */
+static atomic_int pool_caller_cpu = -1;
+static atomic_int pool_worker_cpu[MAX_THREADS];
+static atomic_long pool_stat_shared_cpu;         /* polls cut short because both threads were on one CPU */
 
 INLINE void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -628,14 +655,35 @@ INLINE void cpu_relax(void) {
 #endif
 }
 
+/* claims part i of generation gen: 1 when this thread got it */
+INLINE int pool_take(int i, uint64_t gen) {
+    uint64_t c = atomic_load_explicit(&pool_claim[i], memory_order_acquire);
+    while (c < gen)
+        if (atomic_compare_exchange_weak_explicit(&pool_claim[i], &c, gen, memory_order_acq_rel,
+                                                  memory_order_acquire))
+            return 1;
+    return 0;
+}
+
 static void *pool_main(void *arg) {
     int id = (int)(intptr_t)arg; /* part index: 1.. */
     uint64_t seen = pool_gen_base[id];
     for (;;) {
-        const int64_t until = now_ns() + __atomic_load_n(&pool_spin_ns, __ATOMIC_RELAXED);
+        const int64_t start = now_ns(), until = start + __atomic_load_n(&pool_spin_ns, __ATOMIC_RELAXED);
+        int64_t yielded = start + POOL_HOT_NS;
         for (int spins = 1; __atomic_load_n(&pool_gen, __ATOMIC_ACQUIRE) == seen; spins++) {
             cpu_relax();
-            if ((spins & 63) == 0 && now_ns() >= until) break;
+            if ((spins & 63) == 0) {
+                const int64_t t = now_ns();
+                if (t >= until) break;
+                if (sched_getcpu() == atomic_load_explicit(&pool_caller_cpu, memory_order_relaxed)) {
+                    atomic_fetch_add_explicit(&pool_stat_shared_cpu, 1, memory_order_relaxed);
+                    sched_yield();
+                } else if (t >= yielded + POOL_YIELD_NS) { /* past the hot window: let a waiting thread run */
+                    sched_yield();
+                    yielded = t;
+                }
+            }
         }
         pthread_mutex_lock(&pool_mu);
         if (pool_gen == seen) atomic_fetch_add_explicit(&pool_stat_worker_sleeps, 1, memory_order_relaxed);
@@ -649,8 +697,10 @@ static void *pool_main(void *arg) {
         void *a = pool_arg;
         int parts = pool_job_parts;
         pthread_mutex_unlock(&pool_mu);
-        if (id < parts) fn(a, id, parts);
-        if (atomic_fetch_sub_explicit(&pool_pending, 1, memory_order_acq_rel) == 1) {
+        if (id < parts && pool_take(id, seen)) {
+            atomic_store_explicit(&pool_worker_cpu[id], sched_getcpu(), memory_order_relaxed);
+            fn(a, id, parts);
+            atomic_store_explicit(&pool_done[id], seen, memory_order_release);
             pthread_mutex_lock(&pool_mu); /* the caller may be asleep on pool_done_cv */
             pthread_cond_broadcast(&pool_done_cv);
             pthread_mutex_unlock(&pool_mu);
@@ -683,34 +733,57 @@ static void pool_start(int want) {
     }
 }
 
-/* posts fn to every worker (part 1.. of parts; workers past parts skip it); the caller holds pool_busy */
-static void pool_post(job_fn fn, void *arg, int parts) {
+/* posts fn to every worker (part 1.. of parts; workers past parts skip it) and returns its generation; the caller
+ * holds pool_busy */
+static uint64_t pool_post(job_fn fn, void *arg, int parts) {
     pthread_mutex_lock(&pool_mu);
     pool_job = fn;
     pool_arg = arg;
     pool_job_parts = parts;
-    atomic_store_explicit(&pool_pending, pool_workers, memory_order_relaxed);
-    __atomic_store_n(&pool_gen, pool_gen + 1, __ATOMIC_RELEASE);
+    const uint64_t gen = pool_gen + 1;
+    __atomic_store_n(&pool_gen, gen, __ATOMIC_RELEASE);
     if (pool_sleepers) pthread_cond_broadcast(&pool_cv);
     pthread_mutex_unlock(&pool_mu);
+    return gen;
 }
 
-/* waits until every worker has finished the posted job: a worker that is not scheduled (a shared machine) must
- * not cost a spinning core for long, so poll up to the spin time, then sleep */
-static void pool_wait(int counted) {
-    const int64_t until = now_ns() + __atomic_load_n(&pool_spin_ns, __ATOMIC_RELAXED);
-    int spins = 1;
-    for (; atomic_load_explicit(&pool_pending, memory_order_acquire) > 0; spins++) {
-        cpu_relax();
-        if ((spins & 63) == 0 && now_ns() >= until) break;
+/* Finishes job `gen` of `parts` parts: parts no worker has started are the caller's (run = 1: it runs them with
+ * fn; run = 0: they are dropped, for a background prefetch), then it waits for the parts workers have started: a
+ * worker descheduled mid-part must not cost a spinning core for long, so it polls up to the spin time, then
+ * sleeps. */
+static void pool_wait(uint64_t gen, int parts, job_fn fn, void *arg, int run, int counted) {
+    int started[MAX_THREADS], n = 0;
+    for (int i = 1; i < parts; i++) {
+        if (pool_take(i, gen)) {
+            if (counted) atomic_fetch_add_explicit(&pool_stat_taken, 1, memory_order_relaxed);
+            if (run) fn(arg, i, parts);
+        } else {
+            started[n++] = i;
+        }
     }
-    if (counted && spins > 2000) atomic_fetch_add_explicit(&pool_stat_long_waits, 1, memory_order_relaxed);
-    if (atomic_load_explicit(&pool_pending, memory_order_acquire) > 0) {
-        if (counted) atomic_fetch_add_explicit(&pool_stat_caller_sleeps, 1, memory_order_relaxed);
-        pthread_mutex_lock(&pool_mu);
-        while (atomic_load_explicit(&pool_pending, memory_order_acquire) > 0)
-            pthread_cond_wait(&pool_done_cv, &pool_mu);
-        pthread_mutex_unlock(&pool_mu);
+    for (int k = 0; k < n; k++) {
+        const int i = started[k];
+        const int64_t until = now_ns() + __atomic_load_n(&pool_spin_ns, __ATOMIC_RELAXED);
+        int spins = 1;
+        const int cpu = sched_getcpu();
+        for (; atomic_load_explicit(&pool_done[i], memory_order_acquire) != gen; spins++) {
+            cpu_relax();
+            if ((spins & 63) == 0) {
+                if (now_ns() >= until) break;
+                if (cpu == atomic_load_explicit(&pool_worker_cpu[i], memory_order_relaxed)) {
+                    if (counted) atomic_fetch_add_explicit(&pool_stat_shared_cpu, 1, memory_order_relaxed);
+                    sched_yield();
+                }
+            }
+        }
+        if (counted && spins > 2000) atomic_fetch_add_explicit(&pool_stat_long_waits, 1, memory_order_relaxed);
+        if (atomic_load_explicit(&pool_done[i], memory_order_acquire) != gen) {
+            if (counted) atomic_fetch_add_explicit(&pool_stat_caller_sleeps, 1, memory_order_relaxed);
+            pthread_mutex_lock(&pool_mu);
+            while (atomic_load_explicit(&pool_done[i], memory_order_acquire) != gen)
+                pthread_cond_wait(&pool_done_cv, &pool_mu);
+            pthread_mutex_unlock(&pool_mu);
+        }
     }
 }
 
@@ -750,10 +823,12 @@ out:
 }
 
 /* the caller holds pool_busy: stops a running background prefetch and waits for the workers to leave it */
+static uint64_t bg_gen;
+static int bg_parts;
 static void pool_stop_bg(void) {
     if (!pool_bg_active) return;
     atomic_store_explicit(&pool_bg_stop, 1, memory_order_relaxed);
-    pool_wait(0);
+    pool_wait(bg_gen, bg_parts, NULL, NULL, 0, 0);
     atomic_store_explicit(&pool_bg_stop, 0, memory_order_relaxed);
     pool_bg_active = 0;
 }
@@ -768,7 +843,8 @@ static void pool_prefetch(const int64_t *regions) {
         bg_count = regions[0] < BG_MAX_REGIONS ? (int)regions[0] : BG_MAX_REGIONS;
         memcpy(bg_regions, regions + 1, sizeof(int64_t) * 2 * (size_t)bg_count);
         atomic_fetch_add_explicit(&pool_stat_prefetches, 1, memory_order_relaxed);
-        pool_post(bg_touch, NULL, parts);
+        bg_gen = pool_post(bg_touch, NULL, parts);
+        bg_parts = parts;
         pool_bg_active = 1;
     }
     pthread_mutex_unlock(&pool_busy);
@@ -790,10 +866,11 @@ static void pool_run(job_fn fn, void *arg, int parts) {
         fn(arg, 0, 1);
         return;
     }
-    pool_post(fn, arg, parts);
+    atomic_store_explicit(&pool_caller_cpu, sched_getcpu(), memory_order_relaxed);
+    const uint64_t gen = pool_post(fn, arg, parts);
     fn(arg, 0, parts);
     atomic_fetch_add_explicit(&pool_stat_runs, 1, memory_order_relaxed);
-    pool_wait(1);
+    pool_wait(gen, parts, fn, arg, 1, 1);
     pthread_mutex_unlock(&pool_busy);
 }
 
@@ -809,6 +886,8 @@ void ms_pool_stats(int64_t *out) {
     out[4] = atomic_load(&pool_stat_prefetches);
     out[5] = atomic_load(&pool_stat_prefetch_cut);
     out[6] = atomic_load(&pool_stat_prefetch_bytes);
+    out[7] = atomic_load(&pool_stat_taken);
+    out[8] = atomic_load(&pool_stat_shared_cpu);
 }
 
 /* Dynamic split: `chunks` pieces of work handed out one at a time to whichever thread is free (the caller

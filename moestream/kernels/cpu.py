@@ -41,11 +41,15 @@ def default_threads() -> int:
 
 MIN_ROWS_PER_THREAD = 256
 # How long a pool worker polls for the next call before it sleeps (MOESTREAM_NATIVE_SPIN_US): a decode step's
-# Python between two native calls takes tens to hundreds of microseconds, and waking a sleeping worker costs tens.
-SPIN_US = 300
+# Python between two native calls takes tens to hundreds of microseconds (more on a busy machine), and a sleeping
+# worker costs a wake-up per call: tens of microseconds on an idle machine, but on a VM whose other vCPU runs
+# another process the woken worker often lands on the caller's CPU and the call runs on one thread (measured:
+# 300 us of polling left decode steps flipping between ~25 and 85-110 ms on the peer model). Past the first 300 us
+# the poll yields the CPU every 50 us (_cpu.c POOL_HOT_NS), so a longer poll does not starve other threads.
+SPIN_US = 3000
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
-_ABI = 12
+_ABI = 14
 _SOURCE = Path(__file__).with_name("_cpu.c")
 # _cpu.c #includes the others
 _SOURCES = (_SOURCE, *(Path(__file__).with_name(n)
@@ -231,12 +235,15 @@ def pool_stats() -> dict[str, int]:
     """Counters of the native thread pool since load: multi-threaded calls, calls whose caller slept waiting for
     a worker, times a worker slept between calls (each cost a wake-up), and calls whose caller polled longer than
     2000 pauses (~40 us), background prefetches posted (fused.prefetch), how many the next call cut short, and the
-    bytes they read; zeros without the library."""
-    out = (ctypes.c_int64 * 7)()
+    bytes they read, and the parts of threaded calls the caller ran (or, for chunked work, dropped) itself because
+    their worker had not started them by the time the caller's own part was done, and polls cut short because the
+    two threads found themselves on one CPU; zeros without the library."""
+    out = (ctypes.c_int64 * 9)()
     if (handle := lib()) is not None:
         handle.ms_pool_stats(out)
     return {"runs": out[0], "caller_sleeps": out[1], "worker_sleeps": out[2], "long_waits": out[3],
-            "prefetches": out[4], "prefetches_cut": out[5], "prefetch_bytes": out[6]}
+            "prefetches": out[4], "prefetches_cut": out[5], "prefetch_bytes": out[6], "taken": out[7],
+            "shared_cpu": out[8]}
 
 
 def threads() -> int:
