@@ -120,6 +120,7 @@ class ExpertRunner:
         self.times.steps += 1
         self.lookahead.observe(layer, uniq)
         need = {(layer, e) for e in uniq}
+        self._ahead = None  # this step's scan read-ahead is made afresh
         self._need = need  # what this layer step waits on (shrinking the cache must not take its reads' room)
         self._withdraw(layer, need)
         self._harvest()
@@ -206,9 +207,11 @@ class ExpertRunner:
         self.memory.observe()
         return blobs
 
-    def _start(self, layer: int, experts: list[int], need: set[Key], evict: bool = True) -> dict[Future, int]:
+    def _start(self, layer: int, experts: list[int], need: set[Key], evict: bool = True,
+               idle: bool = True) -> dict[Future, int]:
         """Queue reads for `experts` while room can be reserved (evicting only if `evict`); returns future ->
-        expert. Started experts are removed from `experts` (the caller keeps the rest for later)."""
+        expert. Started experts are removed from `experts` (the caller keeps the rest for later). `idle`: nothing
+        of this layer step is in flight, so a head with no room takes it from later read-ahead (_give_back)."""
         started: dict[Future, int] = {}
         while experts:
             e = experts[0]
@@ -224,7 +227,7 @@ class ExpertRunner:
             else:
                 nbytes, keep = self.store.resident_nbytes(layer, e), frozenset(need)
                 if not self.cache.reserve(nbytes, keep, evict) and (
-                        started or not self._give_back(layer, experts[1:], nbytes, keep, evict)):
+                        started or not idle or not self._give_back(layer, experts[1:], nbytes, keep, evict)):
                     break
                 self._inflight[key] = (self.store.submit(layer, e), nbytes)
                 started[self._inflight[key][0]] = e
@@ -281,7 +284,7 @@ class ExpertRunner:
             self._fill(layer, e, blob)
             self.times.expert_s += time.perf_counter() - t
             if waiting:
-                started.update(self._start(layer, waiting, need, evict=not self.scan))
+                started.update(self._start(layer, waiting, need, evict=not self.scan, idle=not started))
             if self.scan and not waiting:  # each computed expert's room goes on to the next layer's reads
                 self._scan_ahead(layer, route_x, need)
 
