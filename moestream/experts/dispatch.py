@@ -241,13 +241,8 @@ class ExpertRunner:
         for e in reversed(later):
             key = (layer, e)
             if key in self._inflight:
-                fut, held = self._inflight[key]
-                if not self.store.reader.cancel(fut):
+                if not self._cancel(key):
                     continue
-                del self._inflight[key]
-                self.cache.release(held)
-                self._fresh.discard(key)
-                self.times.prefetch_withdrawn += 1
             elif key in self._fresh and key in self.cache:
                 self.cache.drop(key)
             else:
@@ -304,26 +299,27 @@ class ExpertRunner:
         """Cancel read-ahead for this or an earlier layer that this step does not route to and that has not
         started: its room goes back to the cache and the disk to the reads this step waits on."""
         for key in [k for k in self._inflight if k[0] <= layer and k not in need]:
-            fut, nbytes = self._inflight[key]
-            if self.store.reader.cancel(fut):
-                del self._inflight[key]
-                self.cache.release(nbytes)
-                self._fresh.discard(key)
-                self.times.prefetch_withdrawn += 1
+            self._cancel(key)
+
+    def _cancel(self, key: Key) -> bool:
+        """Cancel a read in flight that has not started: its room goes back to the cache. False if it started."""
+        fut, nbytes = self._inflight[key]
+        if not self.store.reader.cancel(fut):
+            return False
+        del self._inflight[key]
+        self.cache.release(nbytes)
+        self._fresh.discard(key)
+        self.times.prefetch_withdrawn += 1
+        return True
 
     def _squeeze(self) -> None:
         """State grew while reads ahead held booked room the budget no longer has: cancel those not started, land
         the others (they become entries the cache can evict, or are dropped); the running layer step's own reads
         keep their room."""
         for key in [k for k in self._inflight if k not in self._need]:
-            fut, nbytes = self._inflight[key]
-            if self.store.reader.cancel(fut):
-                del self._inflight[key]
-                self.cache.release(nbytes)
-                self._fresh.discard(key)
-                self.times.prefetch_withdrawn += 1
+            if self._cancel(key):
                 continue
-            fut.exception()  # waits; a failed read is dropped here and read again when a step needs it
+            self._inflight[key][0].exception()  # waits; a failed read is dropped here and read again when a step needs it
             try:
                 self._land(key, set(self._need))
             except Exception:  # noqa: BLE001
