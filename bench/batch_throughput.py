@@ -110,10 +110,11 @@ out.jsonl in (e.g. to run the same job again with `moestream batch --ray` and co
 
 
 def _job_result(line: dict) -> dict:
-    resp = line.get("response")
-    if line.get("error") is not None or resp is None or resp["status_code"] != 200:
-        return {"error": json.dumps(line.get("error") or resp), "tokens": 0}
-    body = resp["body"]
+    from moestream.batch.report import failed
+
+    if failed(line):
+        return {"error": json.dumps(line.get("error") or line.get("response")), "tokens": 0}
+    body = line["response"]["body"]
     return {"text": body["choices"][0]["text"], "tokens": body["usage"]["completion_tokens"],
             "finish": body["choices"][0]["finish_reason"]}
 

@@ -52,6 +52,12 @@ def _engine_counts(stats: dict) -> tuple[int, int, int]:
     return stats["bytes_read"], stats["expert_hits"], stats["expert_misses"]
 
 
+def failed(line: dict) -> bool:
+    """Whether an output line is a failure: an error line, or a response other than 200."""
+    response = line.get("response")
+    return line.get("error") is not None or response is None or response.get("status_code") != 200
+
+
 class Tally:
     """Counts output lines as they are emitted, drives the progress bar, and builds the report at the end."""
 
@@ -71,11 +77,10 @@ class Tally:
 
     def add(self, line: dict) -> None:
         self.requests += 1
-        response = line.get("response")
-        if line.get("error") is not None or response is None or response.get("status_code") != 200:
+        if failed(line):
             self.failed += 1
         else:
-            usage = response["body"].get("usage") or {}
+            usage = line["response"]["body"].get("usage") or {}
             self.prompt_tokens += usage.get("prompt_tokens", 0)
             self.generated += usage.get("completion_tokens", 0)
         if self.bar is not None:
