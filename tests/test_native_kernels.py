@@ -155,6 +155,8 @@ def test_mxfp4_every_scale_byte(layout):
         xs = x * x_scale
         got = q.mxfp4_linear(xs, packed, scales, layout=layout)
         _assert_close(got[:, rows], xs, w[rows])
+        one = cpu.linear_mxfp4(xs[:1], packed, scales, layout)  # one token: the scale applied to block sums
+        _assert_close(one[:, rows], xs[:1], w[rows])
     assert int(finite.sum()) >= 250
 
 

@@ -465,6 +465,125 @@ INLINE void mx_tile(const float *xp, int64_t ldx, const uint8_t *p, const uint8_
     for (int t = 0; t < TT; t++) out[t * ldo] = _mm512_reduce_add_ps(acc[t]);
 }
 
+#elif MS_SIMD == 1
+/* AVX2: a block's 16 bytes give 32 codes, its bytes' low nibbles in the low 128-bit lane and their high nibbles in
+ * the high lane (one broadcast load and one per-lane variable shift); as in the AVX-512 path, two in-lane byte
+ * lookups give each code's bf16 bytes (E2M1 values are exact in bf16), byte unpacks make bf16 words, and a shift and
+ * a mask make 4 x 8 fp32 weights. x is reordered once per call to the order they come in. The block's scale
+ * 2^(s - 127) (exact) multiplies each token's partial sum of the block once (1-2 tokens), or the weights once for
+ * all tokens (3+ tokens), instead of every weight: a power of two commutes with fp32 rounding, so only the
+ * summation order differs from scaling each weight. */
+static int64_t mx_stride(int64_t K) { return K; }
+
+static void mx_prepare(const float *x, int64_t T, int64_t K, int layout, float *xp) {
+    int order[32]; /* position in the decoded block -> input offset within the block */
+    for (int v = 0; v < 4; v++)             /* vector v: 0, 2 the even codes of bytes 0-7, 8-15; 1, 3 the odd */
+        for (int lane = 0; lane < 2; lane++) /* lane 0: low nibbles, 1: high nibbles */
+            for (int d = 0; d < 4; d++) {
+                int j = (v >> 1) * 8 + (v & 1) + 2 * d;
+                order[v * 8 + lane * 4 + d] = mx_input(layout, j, lane);
+            }
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t b = 0; b < K; b += 32)
+            for (int i = 0; i < 32; i++) xp[t * K + b + i] = x[t * K + b + order[i]];
+}
+
+/* the block at q (16 bytes) as 4 x 8 fp32 weights in the prepared order, unscaled */
+INLINE void mx_decode(const uint8_t *q, __m256 f[4]) {
+    const __m256i hb = _mm256_broadcastsi128_si256(_mm_setr_epi8(0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
+        (char)0x80, (char)0xBF, (char)0xBF, (char)0xBF, (char)0xC0, (char)0xC0, (char)0xC0, (char)0xC0));
+    const __m256i sb = _mm256_broadcastsi128_si256(_mm_setr_epi8(0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40,
+        (char)0x80, (char)0xC0, 0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0));
+    const __m256i nib = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi32((int)0xFFFF0000u);
+    const __m256i shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q));
+    const __m256i c = _mm256_and_si256(_mm256_srlv_epi32(v, shift), nib);
+    const __m256i h = _mm256_shuffle_epi8(hb, c), l = _mm256_shuffle_epi8(sb, c);
+    const __m256i w0 = _mm256_unpacklo_epi8(l, h), w1 = _mm256_unpackhi_epi8(l, h);
+    f[0] = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+    f[1] = _mm256_castsi256_ps(_mm256_and_si256(w0, high));
+    f[2] = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+    f[3] = _mm256_castsi256_ps(_mm256_and_si256(w1, high));
+}
+
+/* 2^(s - 127) for n E8M0 bytes into out (exact; s = 0 gives the subnormal 2^-127) */
+static void mx_scales(const uint8_t *s, int64_t n, float *out) {
+    const __m256i tiny = _mm256_set1_epi32(1 << 22);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(s + i)));
+        _mm256_storeu_si256((__m256i *)(out + i), _mm256_max_epi32(_mm256_slli_epi32(e, 23), tiny));
+    }
+    for (; i < n; i++) out[i] = e8m0(s[i]);
+}
+
+INLINE void mx_tile(const float *xp, int64_t ldx, const uint8_t *p, const uint8_t *s, int64_t K, float *out,
+                    int64_t ldo, const int TT) {
+    const int64_t nb = K / 32;
+    __m256 acc[TILE_T][2];
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 f[4];
+        mx_decode(p + b * 16, f);
+        const __m256 scale = _mm256_set1_ps(e8m0(s[b]));
+        if (TT >= 3) { /* scale the weights once for all tokens */
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) f[i] = _mm256_mul_ps(f[i], scale);
+#pragma GCC unroll 8
+            for (int t = 0; t < TT; t++) {
+                const float *xt = xp + t * ldx + b * 32;
+                acc[t][0] = _mm256_fmadd_ps(f[0], _mm256_loadu_ps(xt), acc[t][0]);
+                acc[t][1] = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xt + 8), acc[t][1]);
+                acc[t][0] = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xt + 16), acc[t][0]);
+                acc[t][1] = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xt + 24), acc[t][1]);
+            }
+        } else { /* few tokens: scale each token's partial sum of the block */
+#pragma GCC unroll 2
+            for (int t = 0; t < TT; t++) {
+                const float *xt = xp + t * ldx + b * 32;
+                __m256 q0 = _mm256_mul_ps(f[0], _mm256_loadu_ps(xt));
+                __m256 q1 = _mm256_mul_ps(f[1], _mm256_loadu_ps(xt + 8));
+                q0 = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xt + 16), q0);
+                q1 = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xt + 24), q1);
+                acc[t][0] = _mm256_fmadd_ps(_mm256_add_ps(q0, q1), scale, acc[t][0]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; t++) out[t * ldo] = vsum(_mm256_add_ps(acc[t][0], acc[t][1]));
+}
+
+/* one token, two rows at once (the x loads shared); each row's scales converted a chunk at a time */
+#define MX_SCALE_CHUNK 64
+static void mx_rows2(const float *xp, const uint8_t *p, const uint8_t *s, int64_t K, float *out) {
+    const int64_t nb = K / 32, half = K / 2;
+    float sc[2][MX_SCALE_CHUNK];
+    __m256 a[2][2];
+    for (int r = 0; r < 2; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += MX_SCALE_CHUNK) {
+        const int64_t n = nb - b0 < MX_SCALE_CHUNK ? nb - b0 : MX_SCALE_CHUNK;
+        mx_scales(s + b0, n, sc[0]);
+        mx_scales(s + nb + b0, n, sc[1]);
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t b = b0 + i;
+            const float *xb = xp + b * 32;
+            const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
+            const __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
+#pragma GCC unroll 2
+            for (int r = 0; r < 2; r++) {
+                __m256 f[4];
+                mx_decode(p + r * half + b * 16, f);
+                __m256 q0 = _mm256_mul_ps(f[0], x0), q1 = _mm256_mul_ps(f[1], x1);
+                q0 = _mm256_fmadd_ps(f[2], x2, q0);
+                q1 = _mm256_fmadd_ps(f[3], x3, q1);
+                a[r][0] = _mm256_fmadd_ps(_mm256_add_ps(q0, q1), _mm256_broadcast_ss(&sc[r][i]), a[r][0]);
+            }
+        }
+    }
+    for (int r = 0; r < 2; r++) out[r] = vsum(_mm256_add_ps(a[r][0], a[r][1]));
+}
+
 #else
 /* x reordered so that each block of 32 lists the inputs of its bytes' low nibbles, then of their high nibbles */
 static int64_t mx_stride(int64_t K) { return K; }
@@ -478,72 +597,6 @@ static void mx_prepare(const float *x, int64_t T, int64_t K, int layout, float *
             }
 }
 
-#if MS_SIMD == 1
-/* AVX2: a block's 16 bytes give 32 codes; one in-register byte lookup per nibble half maps each code to twice its
- * E2M1 value as an int8 (exact), sign extension and conversion make 4 x 8 fp32 weights in the prepared x order,
- * and the block's scale (2^(s - 127) / 2, exact) multiplies them once for all tokens. */
-INLINE void mx_tile(const float *xp, int64_t ldx, const uint8_t *p, const uint8_t *s, int64_t K, float *out,
-                    int64_t ldo, const int TT) {
-    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m128i nib = _mm_set1_epi8(0x0F);
-    const int64_t nb = K / 32;
-    __m256 acc[TILE_T][2];
-#pragma GCC unroll 8
-    for (int t = 0; t < TT; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const __m128i v = _mm_loadu_si128((const __m128i *)(p + b * 16));
-        const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(v, nib));
-        const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), nib));
-        const __m256 scale = _mm256_set1_ps(e8m0(s[b]) * 0.5f);
-        __m256 f[4];
-        f[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), scale);
-        f[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), scale);
-        f[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), scale);
-        f[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), scale);
-#pragma GCC unroll 8
-        for (int t = 0; t < TT; t++) {
-            const float *xt = xp + t * ldx + b * 32;
-            acc[t][0] = _mm256_fmadd_ps(f[0], _mm256_loadu_ps(xt), acc[t][0]);
-            acc[t][1] = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xt + 8), acc[t][1]);
-            acc[t][0] = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xt + 16), acc[t][0]);
-            acc[t][1] = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xt + 24), acc[t][1]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int t = 0; t < TT; t++) out[t * ldo] = vsum(_mm256_add_ps(acc[t][0], acc[t][1]));
-}
-
-/* one token, two rows at once: eight independent accumulator chains hide the FMA latency */
-static void mx_rows2(const float *xp, const uint8_t *p, const uint8_t *s, int64_t K, float *out) {
-    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m128i nib = _mm_set1_epi8(0x0F);
-    const int64_t nb = K / 32, half = K / 2;
-    __m256 a[2][4];
-    for (int r = 0; r < 2; r++)
-        for (int i = 0; i < 4; i++) a[r][i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const float *xb = xp + b * 32;
-        const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
-        const __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
-#pragma GCC unroll 2
-        for (int r = 0; r < 2; r++) {
-            const __m128i v = _mm_loadu_si128((const __m128i *)(p + r * half + b * 16));
-            const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(v, nib));
-            const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), nib));
-            const __m256 scale = _mm256_set1_ps(e8m0(s[r * nb + b]) * 0.5f);
-            a[r][0] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), scale), x0, a[r][0]);
-            a[r][1] = _mm256_fmadd_ps(
-                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), scale), x1, a[r][1]);
-            a[r][2] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), scale), x2, a[r][2]);
-            a[r][3] = _mm256_fmadd_ps(
-                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), scale), x3, a[r][3]);
-        }
-    }
-    for (int r = 0; r < 2; r++)
-        out[r] = vsum(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
-}
-
-#else
 static void mx_row(const float *xp, int64_t ldx, int tt, const uint8_t *p, const uint8_t *s, int64_t K, float *out,
                    int64_t ldo) {
     const int64_t nb = K / 32;
@@ -561,7 +614,6 @@ static void mx_row(const float *xp, int64_t ldx, int tt, const uint8_t *p, const
         out[t * ldo] = acc;
     }
 }
-#endif
 #endif
 
 #if MS_SIMD
