@@ -1,6 +1,7 @@
 """Where a warm decode step's time goes, for the GQA families (qwen3_moe, mixtral): wall-clock splits.
 
     python bench/decode_split.py MODEL [--threads 2] [--tokens 24] [--prompt-len 16] [--native|--no-native]
+                                 [--warm-long 512]
 
 Opens MODEL with a budget that holds every expert, decodes `--tokens` greedy tokens once to warm the cache (and
 the page cache), then decodes the same tokens again from a fresh sequence with timers wrapped around the pieces
@@ -122,6 +123,9 @@ def main() -> None:
     ap.add_argument("--cpu-time", action="store_true",
                     help="the calling thread's CPU time instead of wall time (with --threads 1: all the compute)")
     ap.add_argument("--no-native", action="store_true", help="torch paths only (cpu.disabled())")
+    ap.add_argument("--warm-long", type=int, default=0,
+                    help="first prefill this many random tokens in a throwaway sequence, as vs_llamacpp.py --warm's "
+                         "warm pass does (512 routes to about every expert: the whole model cached, no lookahead)")
     args = ap.parse_args()
     if args.cpu_time:
         CLOCK[0] = time.thread_time
@@ -130,6 +134,12 @@ def main() -> None:
     prompt = [(i * 7919) % eng.vocab_size for i in range(3, 3 + args.prompt_len)]
     ctx = cpu.disabled() if args.no_native else contextmanager(lambda: (yield))()
     with ctx:
+        if args.warm_long:
+            import random
+            rng = random.Random(1)
+            st = eng.new_sequence()
+            eng.prefill(st, [rng.randrange(3, eng.vocab_size) for _ in range(args.warm_long)])
+            eng.free(st)
         first, _ = decode(eng, prompt, args.tokens)  # warm: every expert these tokens route to is cached
         pool0 = _pool_stats()
         with instrumented():
