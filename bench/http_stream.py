@@ -261,16 +261,8 @@ def main() -> int:
                          "times top-k wide (0: no guess; default: experts/prefetch.py's)")
     ap.add_argument("--fill-inflight", default=None,
                     help="bytes on the link under which the fetch-ahead starts a request (default: fetchahead.py's)")
-    ap.add_argument("--fill-under-reads", default=None,
-                    help="fill bytes on the link under which the fetch-ahead starts a request while reads wait on "
-                         "the network (default: fetchahead.py's)")
-    ap.add_argument("--fill-keep", default=None,
-                    help="bytes of fetched-ahead ranges held in memory after their SSD-tier write until a read takes "
-                         "them (0: none; default: diskcache.py's RECENT_MAX)")
     ap.add_argument("--split-max", type=int, default=None,
                     help="parallel requests one large range may go as (default: weights/http.py's SPLIT_MAX)")
-    ap.add_argument("--background-nice", type=int, default=None,
-                    help="nice increment of the fetch-ahead and SSD-writer threads (default: weights/buffers.py's)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the decode process (seconds; default: Python's 0.005)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads (default 1: on a shared machine more "
@@ -289,7 +281,7 @@ def main() -> int:
         a.ram_budget = str(int(i.all_resident_budget + float(a.ram_budget[1:]) * i.expert_bytes * 1.02))
 
     from moestream.bench import model_files, probe_disk
-    from moestream.weights import buffers, http, remote
+    from moestream.weights import http, remote
 
     if a.io_threads is not None:
         remote.SETTINGS.io_threads = a.io_threads
@@ -298,22 +290,10 @@ def main() -> int:
         from moestream.weights import fetchahead
 
         fetchahead.FILL_INFLIGHT = parse_bytes(a.fill_inflight)
-    if a.fill_under_reads is not None:
-        from moestream.config import parse_bytes
-        from moestream.weights import fetchahead
-
-        fetchahead.FILL_UNDER_READS = parse_bytes(a.fill_under_reads)
-    if a.fill_keep is not None:
-        from moestream.config import parse_bytes
-        from moestream.weights import diskcache
-
-        diskcache.RECENT_MAX = parse_bytes(a.fill_keep)
     if a.split_max is not None:
         http.SPLIT_MAX = a.split_max
     if a.lookahead_reads is not None:
         remote.SETTINGS.lookahead_reads = a.lookahead_reads
-    if a.background_nice is not None:
-        buffers.BACKGROUND_NICE = a.background_nice
     if a.switch_interval is not None:
         sys.setswitchinterval(a.switch_interval)
     link, server = None, None
@@ -373,8 +353,7 @@ def main() -> int:
               "ram_budget": a.ram_budget,
               "io_threads": remote.SETTINGS.io_threads, "lookahead_reads": la_reads,
               "compute_threads": a.threads,
-              "switch_interval_s": sys.getswitchinterval(),
-              "background_nice": buffers.BACKGROUND_NICE, "split_max": http.SPLIT_MAX,
+              "switch_interval_s": sys.getswitchinterval(), "split_max": http.SPLIT_MAX,
               "disk_bandwidth_bytes_per_s": disk_bw,
               "load_average": os.getloadavg(), "runs": runs}
     for r in runs.values():
