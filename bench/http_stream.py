@@ -241,7 +241,10 @@ def main() -> int:
                          "server's own token bucket")
     ap.add_argument("--probe-mb", type=float, default=256,
                     help="MB the raw link probe fetches before the decodes (0: no probe)")
-    ap.add_argument("--ram-budget", default="300MiB")
+    ap.add_argument("--probe-threads", type=int, default=8, help="requests in flight in the raw link probe")
+    ap.add_argument("--ram-budget", default="300MiB",
+                    help="bytes (300MiB), or eX: the dense weights plus X times all the experts (e1: every expert "
+                         "fits, nothing is evicted; bench/plan_accuracy.py's spec)")
     ap.add_argument("--gen", type=int, default=16, help="tokens decoded per run")
     ap.add_argument("--prompt-len", type=int, default=2)
     ap.add_argument("--io-threads", type=int, default=None, help="range requests in flight (default: remote.py's)")
@@ -258,16 +261,8 @@ def main() -> int:
                          "times top-k wide (0: no guess; default: experts/prefetch.py's)")
     ap.add_argument("--fill-inflight", default=None,
                     help="bytes on the link under which the fetch-ahead starts a request (default: fetchahead.py's)")
-    ap.add_argument("--fill-under-reads", default=None,
-                    help="fill bytes on the link under which the fetch-ahead starts a request while reads wait on "
-                         "the network (default: fetchahead.py's)")
-    ap.add_argument("--fill-keep", default=None,
-                    help="bytes of fetched-ahead ranges held in memory after their SSD-tier write until a read takes "
-                         "them (0: none; default: diskcache.py's RECENT_MAX)")
     ap.add_argument("--split-max", type=int, default=None,
                     help="parallel requests one large range may go as (default: weights/http.py's SPLIT_MAX)")
-    ap.add_argument("--background-nice", type=int, default=None,
-                    help="nice increment of the fetch-ahead and SSD-writer threads (default: weights/buffers.py's)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the decode process (seconds; default: Python's 0.005)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads (default 1: on a shared machine more "
@@ -279,9 +274,14 @@ def main() -> int:
                          "run again (as NAME.2, ...; a repeated cold run starts from the tier the others filled) "
                          "and medians are reported")
     a = ap.parse_args()
+    if a.ram_budget.startswith("e"):  # the dense weights plus a share of all experts (2%: read alignment)
+        from moestream.info import model_info
+
+        i = model_info(a.dir)
+        a.ram_budget = str(int(i.all_resident_budget + float(a.ram_budget[1:]) * i.expert_bytes * 1.02))
 
     from moestream.bench import model_files, probe_disk
-    from moestream.weights import buffers, http, remote
+    from moestream.weights import http, remote
 
     if a.io_threads is not None:
         remote.SETTINGS.io_threads = a.io_threads
@@ -290,22 +290,10 @@ def main() -> int:
         from moestream.weights import fetchahead
 
         fetchahead.FILL_INFLIGHT = parse_bytes(a.fill_inflight)
-    if a.fill_under_reads is not None:
-        from moestream.config import parse_bytes
-        from moestream.weights import fetchahead
-
-        fetchahead.FILL_UNDER_READS = parse_bytes(a.fill_under_reads)
-    if a.fill_keep is not None:
-        from moestream.config import parse_bytes
-        from moestream.weights import diskcache
-
-        diskcache.RECENT_MAX = parse_bytes(a.fill_keep)
     if a.split_max is not None:
         http.SPLIT_MAX = a.split_max
     if a.lookahead_reads is not None:
         remote.SETTINGS.lookahead_reads = a.lookahead_reads
-    if a.background_nice is not None:
-        buffers.BACKGROUND_NICE = a.background_nice
     if a.switch_interval is not None:
         sys.setswitchinterval(a.switch_interval)
     link, server = None, None
@@ -333,7 +321,7 @@ def main() -> int:
             raise SystemExit(f"the server did not start (exit status {server.wait()})")
         os.environ["HF_ENDPOINT"] = url
         if a.probe_mb:
-            report["link_probe"] = probe_link(url, a.dir, a.probe_mb)
+            report["link_probe"] = probe_link(url, a.dir, a.probe_mb, a.probe_threads)
         with tempfile.TemporaryDirectory(dir=a.tmp) as tmp:
             remote.SETTINGS.disk_cache = Path(tmp)
             prompt = [(i * 7919) % 500 + 5 for i in range(a.prompt_len)]
@@ -365,8 +353,7 @@ def main() -> int:
               "ram_budget": a.ram_budget,
               "io_threads": remote.SETTINGS.io_threads, "lookahead_reads": la_reads,
               "compute_threads": a.threads,
-              "switch_interval_s": sys.getswitchinterval(),
-              "background_nice": buffers.BACKGROUND_NICE, "split_max": http.SPLIT_MAX,
+              "switch_interval_s": sys.getswitchinterval(), "split_max": http.SPLIT_MAX,
               "disk_bandwidth_bytes_per_s": disk_bw,
               "load_average": os.getloadavg(), "runs": runs}
     for r in runs.values():
@@ -374,6 +361,9 @@ def main() -> int:
         if "net_bytes_per_token" in r and r["net_bytes_per_token"]:
             r["link_bound_fraction"] = r["net_bytes_per_token"] / a.bandwidth * r["decode_tok_s"]
             r["useful_link_bound_fraction"] = r["useful_net_bytes_per_token"] / a.bandwidth * r["decode_tok_s"]
+            if "link_probe" in report:  # against what the link measured, not its nominal rate
+                r["probed_link_bound_fraction"] = (r["net_bytes_per_token"] / report["link_probe"]["bytes_per_s"]
+                                                   * r["decode_tok_s"])
     lines = []
     if "link_probe" in report:
         p = report["link_probe"]
@@ -394,7 +384,7 @@ def main() -> int:
         report.update(link_bound_tok_s=1 / link_s if link_s else None, link_bound_fraction=link_s * cold["decode_tok_s"])
         lines.append(f"cold: {cold['decode_tok_s']:.2f} tok/s, {cold['net_bytes_per_token'] / 2**20:.1f} MiB fetched "
                      f"per token, link bound {report['link_bound_tok_s']:.2f} tok/s -> {report['link_bound_fraction']:.2f} "
-                     f"of it; requests in flight: mean {cold['mean_inflight']:.1f}, most {cold['max_inflight']}; link "
+                     f"of it ({cold.get('probed_link_bound_fraction', 0):.2f} of the probed link); requests in flight: mean {cold['mean_inflight']:.1f}, most {cold['max_inflight']}; link "
                      f"busy {cold['link_busy_share']:.2f} of the decode; fetched ahead and never used "
                      f"{cold['fill_unused_share']:.2f} of the bytes (without them: "
                      f"{cold['useful_link_bound_fraction']:.2f} of the link bound); CPU per token: client "

@@ -138,32 +138,6 @@ def test_fill_shares_the_link_with_reads_and_newest_predictions_win(blob):
     assert f.flights.read_bytes == PIECE and q.fill_bytes == 0
 
 
-def test_fills_under_reads_are_held_to_their_cap(blob, monkeypatch):
-    """While a read waits on its own fetch, a new fill starts only under `under_reads` fill bytes on the link (the
-    read's round trip shares the link with every fill in flight); every prediction still lands, one at a time."""
-    data, srv, f = blob
-    q = FillQueue(f.flights, f.cache, threads=3, inflight=100 * PIECE)
-    q.under_reads = PIECE
-    on_link = []
-    fill = type(f).fill
-
-    def spy(self, ranges):
-        with f.flights.cv:
-            on_link.append(q.fill_bytes)  # this fill's bytes and any other fill's in flight
-        return fill(self, ranges)
-
-    monkeypatch.setattr(type(f), "fill", spy)
-    with f.flights.cv:
-        f.flights.read_bytes = PIECE  # a read's own request is on the link
-        f.flights.last_read_fetch = time.monotonic()
-    q.replace([(f, 0, PIECE), (f, 3 * PIECE, PIECE), (f, 6 * PIECE, PIECE)])
-    wait_for(lambda: f.flights.stats.filled == 3)
-    assert on_link == [PIECE] * 3
-    with f.flights.cv:
-        f.flights.read_bytes = 0
-    assert q.fill_bytes == 0 and set(ranges_sent(srv)) == {(0, PIECE), (3 * PIECE, 4 * PIECE), (6 * PIECE, 7 * PIECE)}
-
-
 def test_fill_goes_while_a_read_is_on_the_link(blob):
     """The fetch-ahead's requests go while a read's own fetch is still in flight (held here until both
     predictions have landed: a fill that waited for the read would never land)."""
@@ -256,34 +230,6 @@ def test_write_behind_serves_pending_ranges_and_flushes(tmp_path):
     got = memoryview(bytearray(len(data)))
     assert fresh.read("k", 4096, got) and bytes(got) == data
     assert fresh.verify_all() == (1, 0)
-
-
-def test_guesses_stay_in_memory_after_their_write_until_one_read_takes_them(tmp_path, monkeypatch):
-    """A fetched-ahead range (put_soon keep=True) is on disk after flush and still served from memory once (no
-    disk read of what was just written); the next read comes from disk. Held ranges are bounded by RECENT_MAX,
-    oldest out first, and a discarded guess leaves memory too. A read's own write-behind copy is not held."""
-    from moestream.weights import diskcache as dcmod
-
-    monkeypatch.setattr(dcmod, "RECENT_MAX", 2 << 20)
-    cache = DiskCache(tmp_path / "dc")
-    data = os.urandom(1 << 20)
-    for i in range(3):
-        cache.put_soon("k", i << 20, data, keep=True)
-    cache.put_soon("k", 3 << 20, data)
-    cache.flush()
-    assert sorted(off for _, off in cache._recent) == [1 << 20, 2 << 20] and cache._recent_bytes == 2 << 20
-    reads = []
-    real = cache._read_data
-    monkeypatch.setattr(cache, "_read_data", lambda *a: reads.append(a) or real(*a))
-    out = memoryview(bytearray(1 << 20))
-    assert cache.read("k", 1 << 20, out) and bytes(out) == data and not reads and cache.recent_hits == 1
-    assert cache.read("k", 1 << 20, out) and bytes(out) == data and len(reads) == 1  # from disk now
-    for off in (0, 3 << 20):  # the oldest guess, and a read's own copy: on disk only
-        assert cache.read("k", off, out) and bytes(out) == data
-    assert len(reads) == 3 and cache.recent_hits == 1
-    cache.discard("k", 2 << 20, 1 << 20)
-    assert cache._recent == {} and cache._recent_bytes == 0 and not cache.read("k", 2 << 20, out)
-    assert DiskCache(tmp_path / "dc").verify_all() == (3, 0)
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -401,39 +347,6 @@ def test_every_read_is_verified_and_a_range_touched_at_most_every_touch_s(tmp_pa
         f.seek(-1, os.SEEK_END)
         f.write(bytes([last[0] ^ 0xFF]))
     assert not cache.read("k", 0, out) and cache.stats.corrupt_ranges == 1
-
-
-def test_background_threads_yield_the_cpu_to_the_decode(blob, monkeypatch):
-    """The fetch-ahead's threads and the SSD tier's writer lower their own priority (per-thread nice) by
-    BACKGROUND_NICE; the calling thread (the decode) keeps its own."""
-    from moestream.weights import buffers
-
-    monkeypatch.setattr(buffers, "BACKGROUND_NICE", 5)
-    data, srv, f = blob
-    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    seen: dict[str, int] = {}
-    real = buffers.background
-
-    def spy() -> None:
-        real()
-        seen[threading.current_thread().name] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    import moestream.weights.diskcache as diskcache
-    import moestream.weights.fetchahead as fetchahead
-
-    for mod in (fetchahead, diskcache):
-        mod.background = spy
-    try:
-        q = FillQueue(f.flights, f.cache, threads=1)
-        f.read_into(9 * PIECE, [memoryview(bytearray(PIECE))])  # a read that needed the network (writes behind)
-        q.replace([(f, 0, PIECE)])
-        wait_for(lambda: f.flights.stats.filled == 1)
-        f.cache.flush()
-    finally:
-        fetchahead.background = diskcache.background = real
-    want = min(19, mine + buffers.BACKGROUND_NICE)
-    assert seen == {"moestream-fill-0": want, "moestream-ssd-writer": want}
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
 
 
 def test_neighbouring_predictions_land_in_one_buffer_without_a_copy(blob, monkeypatch):

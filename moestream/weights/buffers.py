@@ -1,36 +1,19 @@
-"""Copies of fetched byte ranges that do not hold the GIL over their bytes, and the background threads' priority.
+"""Copies of fetched byte ranges that do not hold the GIL over their bytes, and page-aligned buffers for them.
 
 Owns `copy_into(dst, src)`: a memcpy that releases the GIL for large ranges. The decode thread shares the GIL with
 every fetching and writing thread; a slice copy holds it for the whole copy, and on a loaded machine a thread that
 is descheduled in the middle of a 3 MiB copy (page faults of a fresh buffer included: ~10 us each on this VM)
-keeps the decode's compute waiting behind it. And `background()`: a thread whose work the decode does not wait for
-(the fetch-ahead's guesses, the SSD tier's write-behind) lowers its own scheduling priority by BACKGROUND_NICE.
+keeps the decode's compute waiting behind it. And `aligned(n)` / `copy_of(src)`: page-aligned buffers, what the SSD
+tier's O_DIRECT writes take their bytes from.
 """
 from __future__ import annotations
 
 import mmap
-import os
-import threading
 import warnings
 
 import torch
 
 SMALL = 1 << 16  # below this a plain slice copy costs less than handing the copy to torch
-# nice increment of background threads (0: none). On the 2-core VM a cold decode's compute thread spent as long
-# waiting for a CPU as computing (0.13-0.23 s per token each), behind ~0.65 s of fetching threads' CPU per token;
-# but increments of 5, 10 and 19 left that wait (0.17-0.20 s) and the cold speed where they were (locked A/B,
-# 0.54-0.61 of the link bound against 0.53-0.61 at 0: docs/performance.md), so it is off by default
-BACKGROUND_NICE = 0
-
-
-def background() -> None:
-    """Lower the calling thread's priority by BACKGROUND_NICE (Linux: nice is per thread); never fails."""
-    if BACKGROUND_NICE:
-        try:
-            tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
-        except (AttributeError, OSError):  # not Linux, or not allowed: full priority
-            pass
 
 
 def copy_into(dst: memoryview, src: memoryview | bytes | bytearray) -> None:

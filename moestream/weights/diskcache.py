@@ -22,7 +22,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from moestream.weights.buffers import aligned, background, copy_into
+from moestream.weights.buffers import aligned, copy_into
 
 try:  # ISA-L's crc32: the same values as zlib's, several times faster (both release the GIL)
     from isal.isal_zlib import crc32
@@ -42,12 +42,6 @@ EVICT_TO = 0.9  # evict down to this share of the budget, so eviction does not r
 # bytes handed to `put_soon` and not yet on disk, at most (beyond it the caller writes itself); a put costs a few ms
 # of renames and locking that a read which fetched the bytes should not wait for
 PENDING_MAX = 64 << 20
-# bytes of `put_soon(keep=True)` ranges (the fetch-ahead's guesses, read within a layer or two) still held in memory
-# after they are on disk, at most, oldest out first: the read that takes one gets it from memory and lets go of it,
-# instead of reading back from disk what was just written. Off (0) by default: at 32 MiB a cold q3m_med decode took
-# only 3-9 ranges a run from it (the writer's queue serves most guesses before they are on disk, and the SSD-tier
-# reads are of experts fetched tokens earlier), and it is memory outside the RAM budget (docs/performance.md)
-RECENT_MAX = 0
 
 
 @dataclass
@@ -94,10 +88,6 @@ class DiskCache:
         self._direct_write = hasattr(os, "O_DIRECT")  # False once the filesystem refused an O_DIRECT write
         self._pending: dict[tuple[str, int], bytes] = {}  # (key, offset) -> bytes queued for the writer
         self._pending_bytes = 0
-        self._keep: set[tuple[str, int]] = set()  # pending ranges to hold in `_recent` once on disk
-        self._recent: dict[tuple[str, int], bytes] = {}  # on disk and still in memory, oldest first (RECENT_MAX)
-        self._recent_bytes = 0
-        self.recent_hits = 0  # reads served from `_recent`
         self._writes: queue.Queue | None = None
         self._clean_orphans()
 
@@ -273,12 +263,10 @@ class DiskCache:
         return size
 
     # ---- insert -------------------------------------------------------------------------------------
-    def put_soon(self, key: str, offset: int, data: bytes | bytearray | memoryview, keep: bool = False) -> None:
+    def put_soon(self, key: str, offset: int, data: bytes | bytearray | memoryview) -> None:
         """`put` on a writer thread: until the range is on disk, `read` and `covered` serve it from `data` (which
         the caller must not change afterwards). A process that dies first loses it (fetched again when next
-        needed), like a range whose request was in flight. Past PENDING_MAX queued, the caller writes. `keep`: a
-        range read soon (a guess fetched ahead) stays in memory after its write too, up to RECENT_MAX, until one
-        read takes it."""
+        needed), like a range whose request was in flight. Past PENDING_MAX queued, the caller writes."""
         with self._mu:
             if self._pending_bytes + len(data) > PENDING_MAX:
                 wait = True
@@ -286,8 +274,6 @@ class DiskCache:
                 wait = False
                 self._pending[(key, offset)] = data
                 self._pending_bytes += len(data)
-                if keep:
-                    self._keep.add((key, offset))
                 if self._writes is None:
                     self._writes = queue.Queue()
                     ref = weakref.ref(self)
@@ -306,43 +292,24 @@ class DiskCache:
     def _write_pending(self, key: str, offset: int) -> None:
         with self._mu:
             data = self._pending.get((key, offset))
-        stored = False
         try:
             if data is not None:
                 self.put(key, offset, data)
-                stored = True
         finally:
             with self._mu:
                 if self._pending.pop((key, offset), None) is not None:
                     self._pending_bytes -= len(data)
-                if (key, offset) in self._keep:
-                    self._keep.discard((key, offset))
-                    if stored and RECENT_MAX and len(data) <= RECENT_MAX:
-                        self._recent[(key, offset)] = data
-                        self._recent_bytes += len(data)
-                        while self._recent_bytes > RECENT_MAX:
-                            old = self._recent.pop(next(iter(self._recent)))
-                            self._recent_bytes -= len(old)
 
-    def _pending_range(self, key: str, offset: int, length: int,
-                       take: bool = False) -> tuple[int, bytes] | None:
-        """(offset, bytes) of a range queued for the writer, or on disk and still held in memory, that covers the
-        request; `take`: one held after its write is let go of (its reader keeps the bytes from now on)."""
+    def _pending_range(self, key: str, offset: int, length: int) -> tuple[int, bytes] | None:
+        """(offset, bytes) of a range queued for the writer that covers the request."""
         with self._mu:
             for (k, off), data in self._pending.items():
                 if k == key and off <= offset and offset + length <= off + len(data):
                     return off, data
-            for (k, off), data in self._recent.items():
-                if k == key and off <= offset and offset + length <= off + len(data):
-                    if take:
-                        del self._recent[(k, off)]
-                        self._recent_bytes -= len(data)
-                        self.recent_hits += 1
-                    return off, data
         return None
 
     def _from_pending(self, key: str, offset: int, out: memoryview) -> bool:
-        got = self._pending_range(key, offset, len(out), take=True) if self._pending or self._recent else None
+        got = self._pending_range(key, offset, len(out)) if self._pending else None
         if got is None:
             return False
         off, data = got
@@ -421,9 +388,6 @@ class DiskCache:
             data = self._pending.pop((key, offset), None)
             if data is not None:  # not on disk yet: the writer skips it
                 self._pending_bytes -= len(data)
-            data = self._recent.pop((key, offset), None)
-            if data is not None:
-                self._recent_bytes -= len(data)
         self.stats.evicted_bytes += self._remove(key, _Range(offset, length, self._range_path(key, offset, length)))
 
     # ---- budget -------------------------------------------------------------------------------------
@@ -537,7 +501,6 @@ class DiskCache:
 
 def _writer(ref: weakref.ref, jobs: queue.Queue) -> None:
     """The writer thread of one DiskCache's `put_soon` ranges (holds it only while writing)."""
-    background()  # nothing waits for it: the ranges are served from memory until they are on disk
     while True:
         key, offset = jobs.get()
         cache = ref()

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from moestream.weights.buffers import background, copy_into
+from moestream.weights.buffers import copy_into
 
 if TYPE_CHECKING:
     from moestream.weights.diskcache import DiskCache
@@ -28,10 +28,6 @@ if TYPE_CHECKING:
 # link with 20 ms latency (4 MB). Each request waits out its round trip before its bytes flow, so B bytes in flight
 # carry B / (B / rate + latency): 0.67 of the rate at 8 MiB, 0.8 at 16, 0.86 at 24
 FILL_INFLIGHT = 16 << 20
-# ... but while reads wait on their own fetches, new fills start only under this many fill bytes on the link: a read's
-# request shares the link with every fill in flight (TCP's fair share), so each fill beyond this lengthens the round
-# trip the decode is waiting on. FILL_INFLIGHT (no cap) keeps every guess going
-FILL_UNDER_READS = FILL_INFLIGHT
 # unused predictions (fetched ahead, not read since) hold at most this share of the SSD tier's budget; past it the
 # oldest leave the tier, so guesses never push out what the decode reads
 FILL_UNUSED_SHARE = 0.25
@@ -203,7 +199,6 @@ class FillQueue:
         self.threads = threads
         # bytes on the link (reads' and fills') under which a fill may start
         self.inflight = FILL_INFLIGHT if inflight is None else inflight
-        self.under_reads = FILL_UNDER_READS  # fill bytes on the link at most while reads wait on the network
         self.unused_limit = None if cache.budget is None else int(cache.budget * FILL_UNUSED_SHARE)
         self._jobs: deque[Job] = deque()
         self._running = 0  # fill threads alive
@@ -226,8 +221,6 @@ class FillQueue:
 
     def _room(self) -> bool:
         """Caller holds the lock: whether the link has room for another fill (reads' bytes count first)."""
-        if self.flights.read_bytes and self.fill_bytes >= self.under_reads:
-            return False
         return self.flights.read_bytes + self.fill_bytes < self.inflight
 
     def _next(self) -> list[Job] | None:
@@ -258,7 +251,6 @@ class FillQueue:
             total += nxt[2]
 
     def _work(self) -> None:
-        background()  # guesses: the decode's own compute and reads come first
         while (batch := self._next()) is not None:
             try:
                 got = batch[0][0].fill([(off, n) for _, off, n in batch])

@@ -173,8 +173,7 @@ class RemoteFile:
         if self.cache is None:
             return
         if behind:
-            own = behind == "own"  # the fetch-ahead's guess: read within a layer or two, so held in memory a while
-            self.cache.put_soon(self.key, offset, view if own else copy_of(view), keep=own)
+            self.cache.put_soon(self.key, offset, view if behind == "own" else copy_of(view))
         else:
             self.cache.put(self.key, offset, view)
 
@@ -315,7 +314,7 @@ class RemoteIndex(CheckpointIndex):
         if self.cache is not None:
             c = self.cache.stats
             out.update(disk_hit_bytes=c.hit_bytes, disk_put_bytes=c.put_bytes, disk_corrupt_ranges=c.corrupt_ranges,
-                       disk_evicted_bytes=c.evicted_bytes, fill_reads_from_memory=self.cache.recent_hits)
+                       disk_evicted_bytes=c.evicted_bytes)
         return out
 
 
