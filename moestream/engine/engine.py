@@ -17,6 +17,7 @@ import torch
 from moestream.config import EngineOptions, format_bytes, parse_bytes, read_model_config
 from moestream.engine.allocator import return_freed_memory
 from moestream.memory.accountant import MemoryAccountant
+from moestream.memory.heap import HeapTrim
 from moestream.engine.residency import DenseStreamer, ResidencyPlan, plan_residency
 from moestream.engine.sampling import SamplingParams, sample
 from moestream.memory.state import Batch, SeqState, kv_dtype, transient
@@ -163,6 +164,7 @@ class Engine:
         self.runner, self.options = runner, options
         self.vocab_size = model.vocab_size
         self.residency: ResidencyPlan | None = None  # what stays resident and what streams (set by open)
+        self._heap = HeapTrim()  # freed step temporaries back to the kernel (RSS beyond the books otherwise)
 
     @classmethod
     def open(cls, path: str | Path, ram_budget: str | int | None = None, device: str = "cpu",
@@ -229,6 +231,7 @@ class Engine:
         with tensors_fit_config(self.path), transient(self.memory, held, "all-position logits"), \
                 serial_torch(tokens.shape[0] <= SERIAL_TORCH_TOKENS):
             logits = self.model.forward(tokens, batch, rows)
+        self._heap.after_step()
         for s, t in items:
             s.pos += len(t)
         if not all_logits:
