@@ -43,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cpu", action="store_true", help="profile the main thread's CPU time instead of wall time")
     ap.add_argument("--timeline", action="store_true", help="where in each step the disk sat idle")
+    ap.add_argument("--kv-dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--mixed", type=int, default=0, metavar="P",
+                    help="each timed step also prefills P new sequences' whole prompts of --mixed-len tokens beside "
+                         "the B decoding rows (the mixed steps of a batch job that admits as others finish)")
+    ap.add_argument("--mixed-len", type=int, default=64)
     args = ap.parse_args(argv)
     rec = Recorder() if args.timeline else None
     if rec is not None:
@@ -51,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     budget = default_budget(args.model) + args.batch * args.state_per_seq if args.budget is None else \
         (int(args.budget) or None)
-    eng = Engine.open(args.model, budget, threads=args.threads)
+    eng = Engine.open(args.model, budget, threads=args.threads, kv_dtype=args.kv_dtype)
     rate = matmul_rate(torch.float32)
     flops = FlopModel.of(eng)
     gen = torch.Generator().manual_seed(0)
@@ -65,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     nxt = [[int(torch.randint(3, eng.vocab_size, (1,), generator=gen))] for _ in states]
     out = {"batch": args.batch, "budget": budget, "prefill_s": prefill_s, "fp32_flops_per_s": rate, "steps": []}
     for k in range(args.steps):
+        fresh = [(eng.new_sequence(), torch.randint(3, eng.vocab_size, (args.mixed_len,), generator=gen).tolist())
+                 for _ in range(args.mixed)]
         r, stats = eng.runner.times, eng.plan.store.reader.stats
         before = (r.io_wait_s, r.expert_s, r.lookahead_s, eng.plan.store.bytes_read, stats.busy_s, time.thread_time(),
                   time.process_time())
@@ -74,13 +81,15 @@ def main(argv: list[str] | None = None) -> int:
         t_rec = rec.now() if rec is not None else 0.0
         if prof:
             prof.enable()
-        eng.step(list(zip(states, nxt)))
+        eng.step(list(zip(states, nxt)) + fresh)
         if prof:
             prof.disable()
         wall = time.perf_counter() - t
         main_cpu, proc_cpu = time.thread_time() - before[5], time.process_time() - before[6]
         nbytes = eng.plan.store.bytes_read - before[3]
-        s = Step(wall, nbytes, args.batch, args.batch, args.batch * (args.prompt_len + k + 1), args.batch)
+        rows = args.batch + args.mixed * args.mixed_len
+        s = Step(wall, nbytes, rows, args.batch + args.mixed, args.batch * (args.prompt_len + k + 1) +
+                 args.mixed * args.mixed_len * (args.mixed_len + 1) // 2, args.batch)
         f = flops.step(s)
         out["steps"].append({
             "wall_s": wall, "io_wait_s": r.io_wait_s - before[0], "expert_s": r.expert_s - before[1],
@@ -89,12 +98,14 @@ def main(argv: list[str] | None = None) -> int:
             "read_rate_while_busy": nbytes / max(1e-9, stats.busy_s - before[4]), "flops": f,
             "io_floor_s": nbytes / args.disk_bw, "compute_floor_s": f / rate,
             "roofline_fraction": max(nbytes / args.disk_bw, f / rate) / wall,
-            "hit_rate": eng.stats["expert_hit_rate"]})
+            "hit_rate": eng.stats["expert_hit_rate"], "rows": rows})
         if rec is not None:
             out["steps"][-1]["disk_idle"] = idle_split(rec, t_rec, rec.now())
         if prof:
             out["profile_tottime"] = _table(prof, "tottime", 25)
             out["profile_cumulative"] = _table(prof, "cumulative", 40)
+        for st, _ in fresh:
+            st.release()
     prof_text = (out.pop("profile_tottime", ""), out.pop("profile_cumulative", ""))
     print(json.dumps(out, indent=1))
     for p in prof_text:
