@@ -347,6 +347,26 @@ def test_layer_step_waits_for_its_own_reads(tiny):
         full.overhead_s + full.compute_s)
 
 
+def test_page_faults_only_for_reads_into_free_room(tiny):
+    """A read that evicts reuses the evicted expert's buffer (no page faults); one into free room faults a fresh
+    buffer in first: the wait counts the first buffer's faults by the share of misses that fill free room, which
+    the replay counts (everything fits: all of them; a cache smaller than the prompt's experts: none)."""
+    from moestream.planner.skew import replay_decode
+
+    sc = _scenario(tiny, 0.3, {**RATES, "disk": 1e6})
+    f, r = sc.facts, sc.rates
+    pages = f.expert_bytes / r.page_faults
+    full, none = sc.layer_waits({2: 1.0}, True, fill=1.0)[1], sc.layer_waits({2: 1.0}, True, fill=0.0)[1]
+    assert full - none == pytest.approx(f.moe_layers * pages)
+    tokens = [[[t % 6, (t + 1) % 6]] for t in range(16)]
+    fills: list[float] = []
+    replay_decode([tokens], 100, 4, 4, fills=fills)  # everything fits: each miss fills free room
+    assert fills == [1.0]
+    fills.clear()
+    replay_decode([tokens], 2, 4, 4, fills=fills)  # two experts' room: full after the prompt, each miss evicts
+    assert fills == [0.0]
+
+
 def test_one_row_step_is_its_reads_or_its_layers(tiny):
     """A one-row step lasts the longer of all its reads (experts and streamed dense bytes share the disk) and its
     compute plus the layer steps' waits; a slower disk only lengthens it."""

@@ -128,15 +128,17 @@ class Scenario:
         one = f.expert_bytes / self.rates.gemv.get(f.expert_kind, self.rates.gemv["bf16"])
         return (o.miss_s if o is not None else 0.0) + max(0.0, one - f.expert_bytes / self.expert_rate())
 
-    def layer_waits(self, spread: dict[int, float], partial: bool) -> tuple[float, float]:
+    def layer_waits(self, spread: dict[int, float], partial: bool, fill: float = 1.0) -> tuple[float, float]:
         """(main-thread seconds beyond the warm step, seconds waiting for reads) of the MoE layer steps of one
         one-row step, from `spread`: the share of layer steps with m misses. A layer step with m >= 1 misses leaves
         the warm path (`general_s`, which holds the lookahead router: with a `partial` cache every layer step runs
         that anyway, counted apart) and works m x miss_cost more; it queues the m reads after its mixer and
         router, computes its k - m hits, then each read expert as it lands (experts/dispatch.py, run / _drain):
         its expert phase lasts max(that work, reads + the last expert's work), the reads being the first buffer's
-        page faults (the reader threads fault fresh buffers in before the disk fills them; the later ones fault
-        while earlier reads are on the disk) then m x expert bytes at the disk's rate."""
+        page faults then m x expert bytes at the disk's rate. A read into free room takes a fresh buffer, which the
+        reader faults in before the disk fills it (the later ones fault while earlier reads are on the disk); a
+        read that evicts reuses the evicted expert's buffer (experts/reader.py BufferPool: by size, and a model's
+        experts share one size): `fill` is the share of misses that fill free room."""
         f, r = self.facts, self.rates
         o = r.overhead_for(f.model_type, f.top_k, f.widths)
         general = o.general_s if o is not None else 0.0
@@ -144,7 +146,7 @@ class Scenario:
         hit = f.expert_bytes / self.expert_rate()
         miss = self.miss_cost()
         last = miss + hit  # the last read expert's work, after its read lands
-        pages = f.expert_bytes / r.page_faults if r.page_faults > 0 else 0.0
+        pages = fill * f.expert_bytes / r.page_faults if r.page_faults > 0 else 0.0
         read = f.expert_bytes / r.disk if r.disk > 0 else 0.0
         cpu = wait = 0.0
         for m, share in spread.items():
@@ -196,12 +198,12 @@ class Scenario:
             used, missing = used + u / len(laws), missing + m / len(laws)
             one += single_row(f.num_experts, f.top_k, law, sequences) / len(laws)
         capacity = int(self.cached_per_layer(state_bytes) * f.moe_layers)
-        spread = None  # share of layer steps by their number of misses (one-row steps)
+        spread, fills = None, None  # share of layer steps by their number of misses (one-row steps); of fills
         if since_open is not None and since_open[1] > 0 and sequences == 1 and s.replayable(f.num_experts,
                                                                                             f.moe_layers):
             # the model's own recorded routing through the engine's cache policy, from an empty cache
-            spread = {}
-            per_token, _, self.replayed = replay_decode(s.routing, capacity, *since_open, spread=spread)
+            spread, fills = {}, []
+            per_token, _, self.replayed = replay_decode(s.routing, capacity, *since_open, spread=spread, fills=fills)
             missing = min(used, per_token / max(1, f.moe_layers))
         elif used >= SCAN_SHARE * f.num_experts and capacity < f.num_experts * f.moe_layers:
             # a scanning step (a batch routing to most of every layer's experts): the engine evicts nothing to read
@@ -229,7 +231,14 @@ class Scenario:
                         spread[n] = spread.get(n, 0.0) + share / len(per_law)
             o = self.rates.overhead_for(f.model_type, f.top_k, f.widths)
             parts["lookahead_s"] = f.moe_layers * o.lookahead_s if partial and o is not None else 0.0
-            parts["misses_s"], wait = self.layer_waits(spread, partial)
+            if fills:
+                fill = fills[0]
+            else:  # misses fill free room while the cache is not full: it holds every expert, or a cold start's
+                # prompt has not routed to as many distinct experts as a layer's share
+                room = self.cached_per_layer(state_bytes)
+                fill = 1.0 if room >= f.num_experts or (since_open is not None and since_open[1] > 0 and min(
+                    distinct(f.num_experts, f.top_k, law, since_open[0])[0] for law in laws) < room) else 0.0
+            parts["misses_s"], wait = self.layer_waits(spread, partial, fill)
         io = reads * f.expert_bytes / self.rates.disk + self._streamed() if self.rates.disk > 0 else 0.0
         hit = max(0.0, 1.0 - missing / max(1e-9, used))
         return Step(io, sum(parts.values()), self._overhead("decode", sequences), reads, hit, parts, wait)

@@ -294,7 +294,8 @@ def binomial_spread(top_k: int, mean: float) -> dict[int, float]:
 
 
 def replay_decode(routing: list, capacity: int, prompt: int, gen: int, policy: str = "lfru",
-                  chunk: int = 512, spread: dict[int, float] | None = None) -> tuple[float, float, str]:
+                  chunk: int = 512, spread: dict[int, float] | None = None,
+                  fills: list[float] | None = None) -> tuple[float, float, str]:
     """One stream's cold start replayed through the engine's cache policy: (expert misses per generated token,
     all MoE layers together; hit rate of the generated tokens; what was replayed). The recorded tokens are cut into
     windows of prompt + gen tokens; each starts with an empty cache of `capacity` experts (shared by every layer),
@@ -303,10 +304,12 @@ def replay_decode(routing: list, capacity: int, prompt: int, gen: int, policy: s
     evicting the step's own experts; a step larger than the cache streams through). A trace shorter than one window
     gives one window of half prompt, half generated tokens. `spread`, if given, is filled with the share of the
     generated tokens' layer steps that had each number of misses (what the step's timing depends on, not only
-    their mean: a layer step waits for its own reads)."""
+    their mean: a layer step waits for its own reads). `fills`, if given, gets the share of the generated tokens'
+    misses that filled free room rather than evicting (a read that evicts reuses the evicted expert's buffer; one
+    into free room faults in a fresh one)."""
     from moestream.experts.policies import POLICIES
 
-    misses = routed = windows = gen_tokens = 0
+    misses = routed = windows = gen_tokens = filled = 0
     counts: dict[int, int] = {}
     p = g = 0
     for tokens in routing:
@@ -320,7 +323,7 @@ def replay_decode(routing: list, capacity: int, prompt: int, gen: int, policy: s
             pol = POLICIES[policy]()
 
             def serve(step: list, count: bool) -> None:
-                nonlocal misses, routed
+                nonlocal misses, routed, filled
                 keep = frozenset(step)
                 before = misses
                 for key in step:
@@ -329,6 +332,7 @@ def replay_decode(routing: list, capacity: int, prompt: int, gen: int, policy: s
                         pol.touch(key)
                         continue
                     misses += count
+                    filled += count and len(resident) < capacity
                     if len(resident) >= capacity:
                         victim = next((k for k in pol.victims() if k not in keep), None)
                         if victim is None:
@@ -353,6 +357,8 @@ def replay_decode(routing: list, capacity: int, prompt: int, gen: int, policy: s
     if spread is not None:
         steps = sum(counts.values())
         spread.update({m: n / steps for m, n in sorted(counts.items())})
+    if fills is not None:
+        fills.append(filled / misses if misses else 0.0)
     return (misses / gen_tokens, 1.0 - misses / routed,
             f"{windows} windows of {p} prompt + {g} generated recorded tokens replayed through {policy}")
 
