@@ -121,6 +121,10 @@ def predict_decode(run: dict, calibrate: bool = False) -> dict:
     meas = run["bench"]
     run["plan"] = plan(run, run["disk_probe"], calibrate)
     run["plan_benchdisk"] = plan(run, meas["disk_bandwidth_bytes_per_s"])
+    # a diagnostic, not a prediction: the disk rate the bench's own reads got (bytes over the time any was in
+    # flight, their buffers' page faults included), where the probes around the bench disagree
+    if meas.get("read_bandwidth_bytes_per_s"):
+        run["plan_readdisk"] = plan(run, meas["read_bandwidth_bytes_per_s"])
     return run
 
 
@@ -137,6 +141,8 @@ def decode_row(run: dict) -> dict:
     return {"model": Path(run["model"]).name, "budget": run["spec"], "budget_bytes": run["budget_bytes"],
             "predicted": pred["decode_tokens_per_s"], "measured": m, "ratio": pred["decode_tokens_per_s"] / m,
             "predicted_benchdisk": pred_b["decode_tokens_per_s"], "ratio_benchdisk": pred_b["decode_tokens_per_s"] / m,
+            "ratio_readdisk": run["plan_readdisk"]["decode_tokens_per_s"] / m if "plan_readdisk" in run else None,
+            "disk_read": meas.get("read_bandwidth_bytes_per_s"),
             "hit_predicted": pred["expert_hit_rate"], "hit_measured": meas["expert_hit_rate"],
             # expert reads and the dense streamer's reads, each predicted / measured
             "bytes_per_token_predicted": pred["disk_bytes_per_token"] - pred["streamed_dense_bytes_per_step"],
@@ -261,7 +267,9 @@ def _line(r: dict) -> str:
             f"{r['bytes_per_token_measured'] / 1e6:.0f} (+ dense {r['streamed_dense_bytes_per_token'] / 1e6:.0f}/"
             f"{(r.get('streamed_dense_bytes_per_token_measured') or 0) / 1e6:.0f})  "
             f"disk {r['disk_probe'] / 1e9:.2f}/{r['disk_bench'] / 1e9:.2f}"
-            + (f"  other load {r['other_cpu_load']:.2f} CPUs" if r.get("other_cpu_load") is not None else ""))
+            + (f"  other load {r['other_cpu_load']:.2f} CPUs" if r.get("other_cpu_load") is not None else "")
+            + (f"  (at its reads' rate {r['disk_read'] / 1e9:.2f}: ratio {r['ratio_readdisk']:.2f})"
+               if r.get("ratio_readdisk") else ""))
 
 
 def _batch_line(b: dict) -> str:

@@ -67,6 +67,7 @@ class TokenRecord:
     bytes_read: int
     hits: int
     misses: int
+    phases: dict = field(default_factory=dict)  # this token's share of the phase clocks (_token_phases)
 
 
 @dataclass
@@ -263,14 +264,14 @@ def _run(eng, opts: BenchOptions) -> dict:
         start = _snapshot(eng, clock)
         records, tokens = [], [tok]
         for _ in range(opts.gen_len):
-            before = _counters(eng)
+            before, p0 = _counters(eng), _token_phases(eng, clock)
             t = time.perf_counter()
             (logits,) = eng.step([(state, [tok])])
             tok = _pick(logits, opts.temperature, gen)
             tokens.append(tok)
-            after = _counters(eng)
+            after, p1 = _counters(eng), _token_phases(eng, clock)
             records.append(TokenRecord(time.perf_counter() - t, after[0] - before[0], after[1] - before[1],
-                                       after[2] - before[2]))
+                                       after[2] - before[2], {k: p1[k] - p0[k] for k in p0}))
         end = _snapshot(eng, clock)
     finally:
         clock.unwrap()
@@ -288,6 +289,16 @@ def _pick(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> int
 def _counters(eng) -> tuple[int, int, int]:
     s = eng.runner.cache.stats
     return eng.plan.store.bytes_read, s.hits, s.misses
+
+
+def _token_phases(eng, clock: PhaseClock) -> dict:
+    """The phase clocks and step counters one token's record takes the difference of: seconds waiting on reads,
+    in expert steps, in the lookahead, in the mixers (with the native one-token layer's experts), the disk busy,
+    and the MoE layer steps, of which warm (the one-token path with every expert cached and nothing in flight)."""
+    t = eng.runner.times
+    return {"io_wait_s": t.io_wait_s, "expert_s": t.expert_s, "lookahead_s": t.lookahead_s, "mixer_s": clock.mixer_s,
+            "disk_busy_s": eng.plan.store.reader.stats.busy_s, "layer_steps": t.steps, "warm_steps": t.resident_steps,
+            "prefetch_reads": t.prefetch_reads}
 
 
 def _snapshot(eng, clock: PhaseClock) -> dict:
@@ -334,8 +345,10 @@ def _summarise(eng, opts: BenchOptions, records: list[TokenRecord], ttft: float,
                      "used": b["prefetch_used"] - a["prefetch_used"],
                      "withdrawn": b["prefetch_withdrawn"] - a["prefetch_withdrawn"],
                      "gates": eng.runner.lookahead.report()},
-        "per_token": [{"s": round(r.seconds, 5), "bytes": r.bytes_read,
-                       "hit_rate": round(r.hits / max(1, r.hits + r.misses), 4)} for r in records],
+        "per_token": [{"s": round(r.seconds, 5), "bytes": r.bytes_read, "misses": r.misses,
+                       "hit_rate": round(r.hits / max(1, r.hits + r.misses), 4),
+                       **{k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.phases.items()}}
+                      for r in records],
     }
 
 

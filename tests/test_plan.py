@@ -20,7 +20,8 @@ K3_CONFIG = Path(__file__).parent / "data" / "kimi_k3_config.json"
 RATES = {"gemv": {k: 8e9 for k in calibrate.KINDS}, "expand": {k: 4e9 for k in calibrate.KINDS},
          "gemm_flops": 5e10, "memory": 1e10, "page_faults": 2e9, "glu_kernels": {"bf16": 1.6e10},
          "overhead": {t: {"decode_s": 3e-4, "decode_row_s": 5e-5, "prefill_s": 5e-3, "source": "seeded by the test",
-                          "miss_s": 1e-3} for t in ("qwen3_moe", "kimi_k3", "kimi_linear", "mixtral")}}
+                          "miss_s": 1e-3, "general_s": 5e-4, "lookahead_s": 1e-4}
+                      for t in ("qwen3_moe", "kimi_k3", "kimi_linear", "mixtral")}}
 
 
 @pytest.fixture(autouse=True)
@@ -186,7 +187,8 @@ def test_calibration_is_cached(seeded_cache, tiny):
     rates = first.rates({"bf16"}, "qwen3_moe")
     assert first.measured and rates.gemv["bf16"] > 0 and rates.overhead["qwen3_moe"].decode_s > 0
     assert rates.page_faults > 0 and rates.overhead["qwen3_moe"].miss_s >= 0  # the miss probe ran
-    assert "beyond a hit" in rates.overhead["qwen3_moe"].source
+    assert rates.overhead["qwen3_moe"].general_s >= 0 and rates.overhead["qwen3_moe"].lookahead_s > 0
+    assert "off the warm path" in rates.overhead["qwen3_moe"].source
     again = calibrate.Calibrator(seconds=0.05)
     assert again.rates({"bf16"}, "qwen3_moe").to_json() == rates.to_json() and not again.measured
     bw, _ = again.disk([f for f in tiny.iterdir() if f.suffix == ".safetensors"], tiny)
@@ -293,28 +295,101 @@ def _scenario(path, share: float, rates: dict, model_type: str | None = None):
 
 
 def test_miss_cost_grows_with_misses_and_is_per_family(tiny):
-    """Each expert read on a miss of a one-row decode step costs the family's per-miss CPU plus its buffer's page
-    faults; none once everything is cached, and more as the budget shrinks. A multi-row step is not charged."""
-    fast_disk = {**RATES, "disk": 1e12}
+    """Each expert read on a miss of a one-row decode step costs the family's per-miss work plus the one-expert
+    kernel's multiply beyond the fused call's, and its layer step leaves the warm path; none once everything is
+    cached, and more as the budget shrinks. A multi-row step is not charged."""
+    fast_disk = {**RATES, "disk": 1e12, "page_faults": 1e15}
     steps = [_scenario(tiny, share, fast_disk).decode(1, 32) for share in (0.1, 0.3, 0.6, 1.0)]
     costs = [s.parts["misses_s"] for s in steps]
     assert costs == sorted(costs, reverse=True) and costs[0] > 0 and costs[-1] == 0
     sc = _scenario(tiny, 0.1, fast_disk)
-    one = sc.decode(1, 32)
-    assert one.parts["misses_s"] == pytest.approx(one.expert_reads * sc.miss_cost())
     o = RATES["overhead"]["qwen3_moe"]
-    pages = sc.facts.expert_bytes / RATES["page_faults"]
-    assert o["miss_s"] < sc.miss_cost() < o["miss_s"] + pages  # part of the faults hides behind the compute
+    f = sc.facts
+    fused = f.expert_bytes / sc.expert_rate()  # the fused call where measured, else the one-row kernel
+    assert sc.miss_cost() == pytest.approx(o["miss_s"] + f.expert_bytes / RATES["gemv"]["bf16"] - fused)
+    one = sc.decode(1, 32)
+    # every layer step misses here: each leaves the warm path (beyond the lookahead router, counted apart)
+    general = (o["general_s"] - o["lookahead_s"]) * f.moe_layers * (1 - (1 - one.expert_reads / f.moe_layers
+                                                                          / f.top_k) ** f.top_k)
+    assert one.parts["misses_s"] == pytest.approx(one.expert_reads * sc.miss_cost() + general, rel=1e-6)
     # family-aware: the planned family's own per-miss cost (seeded 10x for kimi_k3 here)
     k3_rates = {**fast_disk, "overhead": {**RATES["overhead"], "kimi_k3": {**o, "miss_s": 10 * o["miss_s"]}}}
     k3 = _scenario(tiny, 0.1, k3_rates, model_type="kimi_k3")
     assert k3.miss_cost() - sc.miss_cost() == pytest.approx(9 * o["miss_s"])
-    # no page-fault rate measured (an old calibration): only the engine's per-miss work
-    assert _scenario(tiny, 0.1, {**fast_disk, "page_faults": 0}).miss_cost() == pytest.approx(o["miss_s"])
     # a multi-row step (a batch) lands its reads while other experts compute: not charged the per-miss cost
     for rows in (2, 64):
         many = sc.decode(rows, 32)
-        assert many.expert_reads > 0 and many.parts["misses_s"] == 0
+        assert many.expert_reads > 0 and many.parts["misses_s"] == 0 and many.wait_s is None
+
+
+def test_layer_step_waits_for_its_own_reads(tiny):
+    """A one-row step's layer steps wait for their reads beyond what they compute meanwhile: one miss in a layer
+    step hides behind its hits only, several behind each other's work; so the same mean number of misses waits
+    longer spread thin (one per layer step) than bunched, and the wait is the reads' page faults + bytes at the
+    disk rate + the last expert's work, less the layer step's work."""
+    sc = _scenario(tiny, 0.3, {**RATES, "disk": 1e6})  # a slow disk for the tiny experts: reads take ms
+    f, r = sc.facts, sc.rates
+    o = r.overhead_for(f.model_type, f.top_k)
+    read, pages = f.expert_bytes / r.disk, f.expert_bytes / r.page_faults
+    hit = f.expert_bytes / sc.expert_rate()
+    for m in (1, 2, f.top_k):
+        cpu, wait = sc.layer_waits({m: 1.0}, partial=True)
+        work = o.general_s + f.top_k * hit + m * sc.miss_cost()
+        assert wait == pytest.approx(f.moe_layers * max(0.0, pages + m * read + sc.miss_cost() + hit - work))
+        assert cpu == pytest.approx(f.moe_layers * (o.general_s - o.lookahead_s + m * sc.miss_cost()))
+    thin = sc.layer_waits({0: 0.5, 1: 0.5}, partial=True)[1]
+    bunched = sc.layer_waits({0: 0.75, 2: 0.25}, partial=True)[1]
+    assert thin > bunched > 0
+    # no misses: no wait, no extra work; the step is its compute (and no reads)
+    assert sc.layer_waits({0: 1.0}, partial=True) == (0.0, 0.0)
+    full = _scenario(tiny, 1.0, {**RATES, "disk": 1e9}).decode(1, 32)
+    assert full.expert_reads == 0 and full.wait_s == 0 and full.seconds == pytest.approx(
+        full.overhead_s + full.compute_s)
+
+
+def test_page_faults_only_for_reads_into_free_room(tiny):
+    """A read that evicts reuses the evicted expert's buffer (no page faults); one into free room faults a fresh
+    buffer in first: the wait counts the first buffer's faults by the share of misses that fill free room, which
+    the replay counts (everything fits: all of them; a cache smaller than the prompt's experts: none)."""
+    from moestream.planner.skew import replay_decode
+
+    sc = _scenario(tiny, 0.3, {**RATES, "disk": 1e6})
+    f, r = sc.facts, sc.rates
+    pages = f.expert_bytes / r.page_faults
+    full, none = sc.layer_waits({2: 1.0}, True, fill=1.0)[1], sc.layer_waits({2: 1.0}, True, fill=0.0)[1]
+    assert full - none == pytest.approx(f.moe_layers * pages)
+    tokens = [[[t % 6, (t + 1) % 6]] for t in range(16)]
+    fills: list[float] = []
+    replay_decode([tokens], 100, 4, 4, fills=fills)  # everything fits: each miss fills free room
+    assert fills == [1.0]
+    fills.clear()
+    replay_decode([tokens], 2, 4, 4, fills=fills)  # two experts' room: full after the prompt, each miss evicts
+    assert fills == [0.0]
+
+
+def test_one_row_step_is_its_reads_or_its_layers(tiny):
+    """A one-row step lasts the longer of all its reads (experts and streamed dense bytes share the disk) and its
+    compute plus the layer steps' waits; a slower disk only lengthens it."""
+    steps = [_scenario(tiny, 0.2, {**RATES, "disk": d}).decode(1, 32) for d in (1e6, 1e7, 1e8)]  # tiny experts
+    for s in steps:
+        assert s.seconds == pytest.approx(s.overhead_s + max(s.io_s, s.compute_s + s.wait_s))
+        assert s.seconds >= s.overhead_s + s.io_s  # never shorter than its reads
+    assert steps[0].seconds > steps[1].seconds >= steps[2].seconds
+
+
+def test_binomial_spread_and_replayed_spread():
+    """Without a recorded routing a layer's misses spread binomially around the mean; the replay reports the
+    share of layer steps with each number of misses, whose mean is its misses per layer step."""
+    from moestream.planner.skew import binomial_spread, replay_decode
+
+    b = binomial_spread(8, 2.0)
+    assert sum(b.values()) == pytest.approx(1.0) and sum(m * p for m, p in b.items()) == pytest.approx(2.0)
+    assert binomial_spread(4, 0.0) == {0: 1.0, 1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0}
+    tokens = [[[t % 6, (t + 1) % 6], [(t * 5) % 7, (t * 5 + 2) % 7]] for t in range(24)]
+    spread: dict[int, float] = {}
+    per_token, _, _ = replay_decode([tokens], 5, 4, 4, spread=spread)
+    assert sum(spread.values()) == pytest.approx(1.0) and set(spread) <= {0, 1, 2}
+    assert sum(m * p for m, p in spread.items()) * 2 == pytest.approx(per_token)  # two layers a token
 
 
 def test_plan_states_the_miss_cost(tiny, capsys):

@@ -44,6 +44,10 @@ class Overhead:
     prefill_s: float
     source: str = ""
     miss_s: float = 0.0  # engine CPU per expert read on a miss beyond a hit's (land, one-expert apply, evict)
+    # a one-token layer step off the warm path (a miss, or a read in flight: ExpertRunner.run's general path, the
+    # experts apart from the native decode layer, the lookahead router) beyond the warm step, per layer step
+    general_s: float = 0.0
+    lookahead_s: float = 0.0  # the lookahead router and its queueing, per layer step (runner.times.lookahead_s)
 
 
 @dataclass
@@ -394,27 +398,31 @@ def overhead(model_type: str, seconds: float = 1.0, top_k: int = 0, experts: int
         eng = Engine.open(Path(tmp) / "m")
         try:
             layers = len(eng.model.layers)
-            runs = []
+            runs, general = [], []
             for _ in range(max(1, rounds_n)):
                 rates = rate_probe() if rate_probe is not None else gemv
                 w = _weights_time(Path(tmp) / "m", rates) if rates else 0.0
                 runs.append((_step_time(eng, 1, 1, seconds / 3), _step_time(eng, 8, 1, seconds / 3),
                              _step_time(eng, 1, 64, seconds / 3), w))
+                general.append(_general_step(eng, seconds / 3))
             tight = _tight_budget(eng)
         finally:
             eng.close()
         one, eight, chunk, weights_s = (statistics.median(col) for col in zip(*runs))
-        misses = [_miss_time(Path(tmp) / "m", tight, one, seconds / 3) for _ in range(max(1, rounds_n))]
+        off_warm = statistics.median(g for g, _ in general)
+        misses = [_miss_time(Path(tmp) / "m", tight, off_warm, seconds / 3) for _ in range(max(1, rounds_n))]
     note = "" if family == model_type else f" (no synthetic {model_type}: measured on {family})"
     diff = [r[0] - r[3] for r in runs]
     spread = f"median of {len(runs)} rounds (decode {min(r[0] for r in runs) * 1e3:.3g}-" \
              f"{max(r[0] for r in runs) * 1e3:.3g} ms a step, less its weights at the same round's kernel rates " \
              f"({min(r[3] for r in runs) * 1e3:.3g}-{max(r[3] for r in runs) * 1e3:.3g} ms): " \
              f"{min(diff) * 1e3:.3g}-{max(diff) * 1e3:.3g} ms; " \
-             f"a miss {min(misses) * 1e3:.3g}-{max(misses) * 1e3:.3g} ms beyond a hit)"
+             f"off the warm path {min(g for g, _ in general) * 1e3:.3g}-{max(g for g, _ in general) * 1e3:.3g} ms " \
+             f"a step; a miss {min(misses) * 1e3:.3g}-{max(misses) * 1e3:.3g} ms beyond that)"
     return Overhead(max(0.0, statistics.median(diff)) / layers, max(0.0, (eight - one) / 7 / layers),
                     max(0.0, statistics.median(r[2] - r[3] for r in runs)) / layers,
-                    f"{what}, {layers} layers{note}, {spread}", statistics.median(misses))
+                    f"{what}, {layers} layers{note}, {spread}", statistics.median(misses),
+                    max(0.0, off_warm - one) / layers, statistics.median(la for _, la in general))
 
 
 def _tight_budget(eng) -> tuple[int, int]:
@@ -432,10 +440,11 @@ def _tight_budget(eng) -> tuple[int, int]:
 MISS_STEPS_MAX = 48  # the miss probe's decode steps stop here (its state room is sized for them)
 
 
-def _miss_time(path: Path, budget: tuple[int, int], warm_step: float, seconds: float) -> float:
+def _miss_time(path: Path, budget: tuple[int, int], general_step: float, seconds: float) -> float:
     """Seconds of engine work per missed expert beyond a hit: one-token decode steps under `budget` (most experts
-    miss), their wall time less the I/O wait, less the warm step, over the misses. The probe's experts are tiny, so
-    this is the per-miss work (landing, the one-expert path, eviction, losing the native layer), not its bytes."""
+    miss), their wall time less the I/O wait, less the step off the warm path (`general_step`: every layer of them
+    takes it), over the misses. The probe's experts are tiny, so this is the per-miss work (landing, the one-expert
+    path, eviction), not its bytes."""
     from moestream import Engine
 
     eng = Engine.open(path, ram_budget=budget[0], state_room=budget[1])
@@ -456,7 +465,21 @@ def _miss_time(path: Path, budget: tuple[int, int], warm_step: float, seconds: f
         eng.free(state)
     finally:
         eng.close()
-    return max(0.0, wall - wait - steps * warm_step) / max(1, misses)
+    return max(0.0, wall - wait - steps * general_step) / max(1, misses)
+
+
+def _general_step(eng, seconds: float) -> tuple[float, float]:
+    """(median seconds of a one-token step, lookahead seconds per layer step) with every expert cached but the
+    warm path off, as in a layer step of a cold run that has a miss or a read in flight: ExpertRunner.run's general
+    path (the lookahead router, the hits' grouped call apart from the native decode layer, the bookkeeping)."""
+    runner = eng.runner
+    t0, s0 = runner.times.lookahead_s, runner.times.steps
+    runner.warm = lambda: False  # type: ignore[method-assign]  # what a read in flight does to the step
+    try:
+        step = _step_time(eng, 1, 1, seconds)
+    finally:
+        del runner.warm
+    return step, (runner.times.lookahead_s - t0) / max(1, runner.times.steps - s0)
 
 
 def _step_time(eng, rows: int, tokens: int, seconds: float) -> float:
@@ -533,8 +556,8 @@ class Calibrator:
             src["page_faults"] = f"{s3}, {self._stamp()}"
         key = overhead_key(model_type, top_k, widths)
         # a family's overhead stated without top-k or widths (seeded files) stands for all of them
-        # (an overhead measured before the miss probe existed lacks miss_s: measured again)
-        if all("miss_s" not in e.setdefault("overhead", {}).get(k, {}) for k in (key, model_type)):
+        # (an overhead measured before the general-path probe existed lacks general_s: measured again)
+        if all("general_s" not in e.setdefault("overhead", {}).get(k, {}) for k in (key, model_type)):
             self.log(f"calibrating: engine overhead per layer step ({key})")
             def now() -> dict[str, float]:  # the kernel rates, measured again in each round of the probe
                 got = {k: weight_rates(k, self.seconds / 3, (shapes or {}).get(k, DEFAULT_SHAPE), wide=False)[0]

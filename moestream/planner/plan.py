@@ -241,6 +241,7 @@ def _cost(price_per_hour: float, tokens_per_s: float) -> float:
 
 def _step_json(s) -> dict:
     return {"seconds": s.seconds, "io_s": s.io_s, "compute_s": s.compute_s, "overhead_s": s.overhead_s,
+            "wait_s": s.wait_s,
             "experts_read": s.expert_reads, "hit_rate": s.hit_rate, "compute_parts": s.parts}
 
 
@@ -272,7 +273,8 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
            f"{r['glu'] / 1e9:.3g} GB/s ({src.get('glu', '')})" if r.get("glu") and f.expert_kind == "bf16" else "")
         + (f" (kernels probed at {src['shapes']}; {src.get('gemv ' + f.expert_kind, '')})"
            if src.get("shapes") else ""),
-        f"overlap: step = overhead + max(io, compute) + {1 - OVERLAP:g} x min(io, compute)",
+        "overlap: one-row decode step = overhead + max(all reads, compute + the layer steps' read waits); "
+        f"multi-row step = overhead + max(io, compute) + {1 - OVERLAP:g} x min(io, compute)",
         "dense residency planned keeping one sequence's state free (`--state-room` that size; the engine's "
         "default keeps none, so state then squeezes the expert cache)",
         f"state: {f.state.describe()}; sequences sized at {opts.prompt_len} prompt + {opts.gen_len} generated "
@@ -292,14 +294,19 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
                      f"{o.decode_row_s * 1e3:.3g} ms per extra row, {o.prefill_s * 1e3:.3g} ms per prefill "
                      f"chunk ({o.source})")
         pages = r.get("page_faults") or 0.0
-        lines.append(f"each expert read on a miss of a one-row decode step costs CPU beyond its multiply: "
-                     f"{o.miss_s * 1e3:.3g} ms of engine work (the overhead probe decoded under a budget where most "
-                     "experts miss)" + (f" + faulting in its read buffer's pages at {pages / 1e9:.3g} GB/s "
-                                        f"({f.expert_bytes / pages * 1e3:.3g} ms, {1 - OVERLAP:g} of it not hidden; "
-                                        f"{src.get('page_faults', '')})"
-                                        if pages > 0 else "; page faults not measured")
-                     + "; a multi-row step (a batch, a prompt chunk) lands its reads while other experts "
-                     "compute: not charged")
+        lines.append(f"a one-row decode step, layer by layer: a MoE layer step with misses leaves the warm path "
+                     f"({o.general_s * 1e3:.3g} ms, its lookahead router {o.lookahead_s * 1e3:.3g} ms of it, which "
+                     "every layer step runs while the cache lacks an expert) and each expert read on a miss costs "
+                     f"{o.miss_s * 1e3:.3g} ms of engine work beyond a hit's (the overhead probe decoded warm, off the "
+                     "warm path, and under a budget where most experts miss) plus its multiply by the one-expert "
+                     "kernel; the layer step computes its hits while its reads run and each read expert as it "
+                     "lands, so it waits for max(0, reads + the last expert's work - its work), the reads being "
+                     "its misses at the disk's rate after the first buffer's page faults"
+                     + (f" ({f.expert_bytes / pages * 1e3:.3g} ms at {pages / 1e9:.3g} GB/s; "
+                        f"{src.get('page_faults', '')})" if pages > 0 else " (page faults not measured)")
+                     + "; misses per layer step spread as the replayed routing's (else binomial around the mean); "
+                     f"a multi-row step (a batch, a prompt chunk): {OVERLAP:g} of the shorter of I/O and compute "
+                     "hidden behind the longer")
     if not opts.ram_budget:
         lines.append(f"no --ram-budget: planned at {DEFAULT_BUDGET_SHARE:.0%} of the machine's RAM "
                      "(a reference machine: its RAM less 8 GiB)")

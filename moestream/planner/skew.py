@@ -10,6 +10,7 @@ no checkpoint.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -284,18 +285,32 @@ def from_trace_file(path) -> Skew:
     return from_report(routing_report(routed, int(head["num_experts"]), int(head["top_k"])), f"trace {path}")
 
 
+def binomial_spread(top_k: int, mean: float) -> dict[int, float]:
+    """Share of a layer's one-token steps with each number of misses when its top_k routed experts each miss
+    independently with the same chance, `mean` / top_k (no recorded routing to replay)."""
+    k = max(1, top_k)
+    p = min(1.0, max(0.0, mean / k))
+    return {m: math.comb(k, m) * p ** m * (1.0 - p) ** (k - m) for m in range(k + 1)}
+
+
 def replay_decode(routing: list, capacity: int, prompt: int, gen: int, policy: str = "lfru",
-                  chunk: int = 512) -> tuple[float, float, str]:
+                  chunk: int = 512, spread: dict[int, float] | None = None,
+                  fills: list[float] | None = None) -> tuple[float, float, str]:
     """One stream's cold start replayed through the engine's cache policy: (expert misses per generated token,
     all MoE layers together; hit rate of the generated tokens; what was replayed). The recorded tokens are cut into
     windows of prompt + gen tokens; each starts with an empty cache of `capacity` experts (shared by every layer),
     feeds its prompt in `chunk`-token steps (a layer step loads the distinct experts of its tokens) and counts the
     misses of its generated tokens, one layer step per token, served as the engine serves them (hits first, never
     evicting the step's own experts; a step larger than the cache streams through). A trace shorter than one window
-    gives one window of half prompt, half generated tokens."""
+    gives one window of half prompt, half generated tokens. `spread`, if given, is filled with the share of the
+    generated tokens' layer steps that had each number of misses (what the step's timing depends on, not only
+    their mean: a layer step waits for its own reads). `fills`, if given, gets the share of the generated tokens'
+    misses that filled free room rather than evicting (a read that evicts reuses the evicted expert's buffer; one
+    into free room faults in a fresh one)."""
     from moestream.experts.policies import POLICIES
 
-    misses = routed = windows = gen_tokens = 0
+    misses = routed = windows = gen_tokens = filled = 0
+    counts: dict[int, int] = {}
     p = g = 0
     for tokens in routing:
         n = len(tokens)
@@ -308,14 +323,16 @@ def replay_decode(routing: list, capacity: int, prompt: int, gen: int, policy: s
             pol = POLICIES[policy]()
 
             def serve(step: list, count: bool) -> None:
-                nonlocal misses, routed
+                nonlocal misses, routed, filled
                 keep = frozenset(step)
+                before = misses
                 for key in step:
                     routed += count
                     if key in resident:
                         pol.touch(key)
                         continue
                     misses += count
+                    filled += count and len(resident) < capacity
                     if len(resident) >= capacity:
                         victim = next((k for k in pol.victims() if k not in keep), None)
                         if victim is None:
@@ -324,6 +341,8 @@ def replay_decode(routing: list, capacity: int, prompt: int, gen: int, policy: s
                         pol.remove(victim)
                     resident.add(key)
                     pol.insert(key)
+                if count:
+                    counts[misses - before] = counts.get(misses - before, 0) + 1
 
             layers = len(tokens[start])
             for c0 in range(start, start + p, chunk):
@@ -335,6 +354,11 @@ def replay_decode(routing: list, capacity: int, prompt: int, gen: int, policy: s
                     serve([(j, int(e)) for e in dict.fromkeys(tokens[t][j])], True)
     if not routed:
         return 0.0, 1.0, "no routed token to replay"
+    if spread is not None:
+        steps = sum(counts.values())
+        spread.update({m: n / steps for m, n in sorted(counts.items())})
+    if fills is not None:
+        fills.append(filled / misses if misses else 0.0)
     return (misses / gen_tokens, 1.0 - misses / routed,
             f"{windows} windows of {p} prompt + {g} generated recorded tokens replayed through {policy}")
 
