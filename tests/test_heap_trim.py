@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from moestream.memory import heap
+from moestream.engine import allocator as heap
 
-pytestmark = pytest.mark.skipif(not heap.available(), reason="libc has no malloc_trim")
+pytestmark = pytest.mark.skipif(not heap.trim_available(), reason="libc has no malloc_trim")
 
 # In a fresh interpreter, so that the heap's layout is this script's alone: 75 MB in chunks below the mmap
 # threshold (heap, not mappings), touched, then all freed but the last (it pins the heap's top, so free() alone
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not heap.available(), reason="libc has no malloc
 _SCRIPT = """
 import ctypes, ctypes.util, json, sys
 from moestream.cgroup import rss_now
-from moestream.memory import heap
+from moestream.engine import allocator as heap
 libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]

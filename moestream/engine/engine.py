@@ -15,9 +15,8 @@ from typing import Iterator
 import torch
 
 from moestream.config import EngineOptions, format_bytes, parse_bytes, read_model_config
-from moestream.engine.allocator import return_freed_memory
+from moestream.engine.allocator import HeapTrim, return_freed_memory
 from moestream.memory.accountant import MemoryAccountant
-from moestream.memory.heap import HeapTrim
 from moestream.engine.residency import DenseStreamer, ResidencyPlan, plan_residency
 from moestream.engine.sampling import SamplingParams, sample
 from moestream.memory.state import Batch, SeqState, kv_dtype, transient
