@@ -478,6 +478,12 @@ def test_glu_calls_split_to_fit_their_scratch_with_the_same_sums():
         fused.moe_glu_bf16(x, experts, parts, inter, split, ids, wts)
         fused._GluCall(experts, parts, inter, k_in, d_out, "silu", 0.0, 0.0)(range(n_exp), x, ids, wts, whole)
         assert torch.equal(split, whole)
+        # the counts a caller already knows (the runner's Routing) split the call the same way
+        known = torch.zeros(T, d_out)
+        fused.moe_glu_bf16(x, experts, parts, inter, known, ids, wts, counts=counts)
+        assert torch.equal(known, whole)
+        with pytest.raises(ValueError, match="counts"):
+            fused.moe_glu_bf16(x, experts, parts, inter, known, ids, wts, counts=counts[:-1])
         if T > 100:
             assert len(groups) > 1 or fused.glu_call_scratch(counts, inter, k_in) > cap
         ref = torch.zeros(T, d_out)

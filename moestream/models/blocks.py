@@ -159,25 +159,29 @@ def glu_parts(t: Mapping[str, torch.Tensor]) -> Glu | None:
 
 def _native_glu(x: torch.Tensor, parts: list[Glu], spec: tuple[str, float, float], out: torch.Tensor,
                 experts: list[int] | None = None, ids: torch.Tensor | None = None,
-                weights: torch.Tensor | None = None) -> bool:
-    """One fused native call for experts of one shape; False (nothing done) when the shapes do not fit."""
+                weights: torch.Tensor | None = None, counts: list[int] | None = None) -> bool:
+    """One fused native call for experts of one shape; False (nothing done) when the shapes do not fit.
+    `counts`: each expert's routed pairs, where the caller knows them (fused.moe_glu_bf16)."""
     first = parts[0]
     if any(p[3:] != first[3:] for p in parts) or first[4] != x.shape[1] or first[5] != out.shape[1]:
         return False
-    fused.moe_glu_bf16(x, experts or [0] * len(parts), [p[:3] for p in parts], first[3], out, ids, weights, *spec)
+    fused.moe_glu_bf16(x, experts or [0] * len(parts), [p[:3] for p in parts], first[3], out, ids, weights, *spec,
+                       counts=counts)
     return True
 
 
 def _native_add(spec: tuple[str, float, float] | None, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                experts: list[int], tensors: list[Mapping[str, torch.Tensor]], out: torch.Tensor) -> bool:
+                experts: list[int], tensors: list[Mapping[str, torch.Tensor]], out: torch.Tensor,
+                counts: list[int] | None = None) -> bool:
     """out[t] += weights[t, j] * expert(x[t]) for every (t, j) routed to one of `experts` (bf16 GLU tensors), in one
-    fused native call from the stored bytes; False, with nothing done, where that kernel does not apply."""
+    fused native call from the stored bytes; False, with nothing done, where that kernel does not apply.
+    `counts`: the pairs routed to each of `experts`, where the caller knows them."""
     if spec is None or x.requires_grad or not cpu.available():
         return False
     parts = [glu_parts(t) for t in tensors]
     if any(p is None for p in parts):
         return False
-    return _native_glu(cpu.rows(x, x.shape[-1]), parts, spec, out, experts, ids, weights)
+    return _native_glu(cpu.rows(x, x.shape[-1]), parts, spec, out, experts, ids, weights, counts)
 
 
 def expert_glu(act=silu_glu):
@@ -206,7 +210,7 @@ def expert_glu(act=silu_glu):
         call straight from the stored bf16 bytes (no row gather, no fp32 upcast, no index_add); False, with nothing
         done, where that kernel does not apply. At any row count: with the gather, upcast and index_add it
         replaces, the torch path lost even at hundreds of rows an expert (docs/performance.md)."""
-        return _native_add(spec, x, ids, weights, [expert], [t], out)
+        return _native_add(spec, x, ids, weights, [expert], [t], out, [rows])
 
     fn.accumulate = accumulate  # type: ignore[attr-defined]
     fn.act = act  # what the native decode layer's expert table computes (SoftmaxMoE.resident_table)
