@@ -4,9 +4,10 @@ Owns the order of work in one MoE layer step: reads for missing experts are queu
 has room for, the rest as room frees), resident experts compute while those reads are in flight, then each
 read expert computes as it lands; the lookahead's reads for the next layer are queued behind this layer's
 reads (at the reader's lower priority), promoted if the next layer routes to them and withdrawn, if not yet
-started, when it does not. Also the fp32 combine (a multi-row step's pairs sorted by expert once), the expert
-statistics and the phase timings. The family supplies the router output and a function computing one expert from
-its tensors; this module never parses weight names.
+started, when it does not; a warm step (no read of its own) reads ahead only for a next layer that read an expert
+in one of its latest `Lookahead.quiet` steps. Also the fp32 combine (a multi-row step's pairs sorted by expert
+once), the expert statistics and the phase timings. The family supplies the router output and a function computing
+one expert from its tensors; this module never parses weight names.
 """
 from __future__ import annotations
 
