@@ -9,7 +9,9 @@ of a step: norms, the attention projections (q/k/v/o), the rest of attention (q/
 the router (linear + top-k), the routed experts (the runner; its native kernel call and the lookahead separately),
 the lm_head, and
 "other" (the step minus all of those: embedding, residual adds, sampling, the engine's bookkeeping). Prints a
-table (ms per token and share) and one JSON line. The timers cost about a microsecond per call.
+table (ms per token and share), the timed decode's MoE layer steps (how many ran their experts inside the native
+decode layer, took the runner's warm path or its general one; experts read ahead) and one JSON line. The timers
+cost about a microsecond per call.
 """
 from __future__ import annotations
 
@@ -107,6 +109,15 @@ def _pool_stats() -> dict[str, int]:
     return cpu.pool_stats() if hasattr(cpu, "pool_stats") else {}
 
 
+def _layer_steps(eng: Engine) -> dict[str, int]:
+    """The runner's counters so far: MoE layer steps, those of the warm one-token path, those whose experts ran
+    inside the native decode layer, experts read ahead."""
+    t = eng.runner.times
+    tables = getattr(eng.runner, "tables", {})
+    return {"steps": t.steps, "resident": t.resident_steps, "ahead": t.prefetch_reads,
+            "native": sum(tb.used for tb in tables.values() if tb is not None)}
+
+
 def split(total: float, tokens: int) -> dict[str, float]:
     rows = dict(sorted(SPENT.items(), key=lambda kv: -kv[1]))
     rows["other (embed, residuals, engine)"] = total - sum(rows.values())
@@ -125,7 +136,8 @@ def main() -> None:
     ap.add_argument("--no-native", action="store_true", help="torch paths only (cpu.disabled())")
     ap.add_argument("--warm-long", type=int, default=0,
                     help="first prefill this many random tokens in a throwaway sequence, as vs_llamacpp.py --warm's "
-                         "warm pass does (512 routes to about every expert: the whole model cached, no lookahead)")
+                         "warm pass does (on the peer checkpoint 512 leave 1,672 of its 2,048 experts cached: its "
+                         "deep layers route them to 29-42 of their 64)")
     args = ap.parse_args()
     if args.cpu_time:
         CLOCK[0] = time.thread_time
@@ -141,10 +153,11 @@ def main() -> None:
             eng.prefill(st, [rng.randrange(3, eng.vocab_size) for _ in range(args.warm_long)])
             eng.free(st)
         first, _ = decode(eng, prompt, args.tokens)  # warm: every expert these tokens route to is cached
-        pool0 = _pool_stats()
+        pool0, steps0 = _pool_stats(), _layer_steps(eng)
         with instrumented():
             again, total = decode(eng, prompt, args.tokens)
         pool = {k: v - pool0.get(k, 0) for k, v in _pool_stats().items()}
+        steps = {k: v - steps0[k] for k, v in _layer_steps(eng).items()}
     tables = getattr(eng.runner, "tables", {})  # an older tree has none
     fused_share = sum(t.used for t in tables.values() if t is not None) / max(1, eng.runner.times.resident_steps)
     assert again == first, "the warm run decoded other tokens"
@@ -154,7 +167,12 @@ def main() -> None:
     print(f"warm decode ({clock}): {args.tokens / total:.2f} tok/s, {ms:.2f} ms/token, threads {args.threads}, "
           f"native {cpu.available() and not args.no_native} ({cpu.simd() or 'scalar'})")
     # (an older tree's simd() said only whether AVX-512 was in: True/False)
-    print(f"  layer steps with the experts inside the native decode layer: {fused_share:.0%} of resident steps")
+    print(f"  layer steps with the experts inside the native decode layer: {fused_share:.0%} of resident steps "
+          f"since the engine opened (the warm decode's included)")
+    print(f"  timed run's MoE layer steps (its prompt's prefill included, one a layer): {steps['steps']}; native "
+          f"decode layer {steps['native']}, warm path {steps['resident']}, general path "
+          f"{steps['steps'] - steps['resident']}; experts read ahead {steps['ahead']}; cached experts "
+          f"{len(eng.runner.cache)}")
     for name, sec in rows.items():
         print(f"  {name:<40}{sec * 1e3:>8.2f} ms {sec * 1e3 / ms:>7.1%}")
     if pool:
@@ -168,7 +186,7 @@ def main() -> None:
                   f"{pool['prefetch_bytes'] / args.tokens / 1e6:.1f} MB read ahead")
     print(json.dumps({"tokens_per_s": args.tokens / total, "ms_per_token": ms, "threads": args.threads,
                       "clock": clock, "split_ms": {k: v * 1e3 for k, v in rows.items()}, "tokens": first[:8],
-                      "pool": pool}))
+                      "pool": pool, "layer_steps": steps}))
 
 
 if __name__ == "__main__":

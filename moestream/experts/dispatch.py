@@ -4,9 +4,10 @@ Owns the order of work in one MoE layer step: reads for missing experts are queu
 has room for, the rest as room frees), resident experts compute while those reads are in flight, then each
 read expert computes as it lands; the lookahead's reads for the next layer are queued behind this layer's
 reads (at the reader's lower priority), promoted if the next layer routes to them and withdrawn, if not yet
-started, when it does not. Also the fp32 combine (a multi-row step's pairs sorted by expert once), the expert
-statistics and the phase timings. The family supplies the router output and a function computing one expert from
-its tensors; this module never parses weight names.
+started, when it does not; a warm step (no read of its own) reads ahead only for a next layer that read an expert
+in one of its latest `Lookahead.quiet` steps. Also the fp32 combine (a multi-row step's pairs sorted by expert
+once), the expert statistics and the phase timings. The family supplies the router output and a function computing
+one expert from its tensors; this module never parses weight names.
 """
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ class ExpertRunner:
         self._fresh: set[Key] = set()  # read ahead and not yet used
         self._ahead: tuple[int, int, list[int]] | None = None  # a scan's read-ahead: (layer, next layer, not queued)
         self._need: set[Key] = set()  # the running layer step's experts not computed yet
+        self._quiet: dict[int, int] = {}  # MoE layer -> its latest steps in a row that read no expert (all hits)
         self.scan = 0  # this step's scan window in bytes (0: not a scanning step)
         self.moe_layers = max(1, moe_layers)  # sizes the scan window (a layer's share of all experts)
         # layer -> its resident experts' addresses for the native decode layer (models/base.py SoftmaxMoE makes
@@ -128,6 +130,7 @@ class ExpertRunner:
         # reads' queue order below), so the fp32 sum over experts does not depend on how fast the disk was
         hits = [e for e in uniq if (layer, e) in self.cache and (layer, e) not in self._fresh]
         waiting = [e for e in uniq if (layer, e) not in self.cache or (layer, e) in self._fresh]
+        self._quiet[layer] = 0 if waiting else self._quiet.get(layer, 0) + 1
         self.scan = self._scan_window(layer, len(uniq), ids.shape[1])
         reader = self.store.reader
         reader.set_depth(max(SCAN_DEPTH, reader.threads) if self.scan else reader.threads)
@@ -158,9 +161,9 @@ class ExpertRunner:
 
     def _resident_step(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fn: ExpertFn,
                        group: GroupFn, out: torch.Tensor, route_x: torch.Tensor) -> bool:
-        """The warm decode step of one token: every routed expert cached, no read in flight, not the first step.
-        Does what `run` does for that case with a fraction of its Python (a decode token runs this once per MoE
-        layer); False, with nothing done, otherwise."""
+        """The warm decode step of one token: every routed expert cached (none read ahead and not yet used), not
+        the first step; read-ahead of other experts may be in flight. Does what `run` does for that case with a
+        fraction of its Python (a decode token runs this once per MoE layer); False, with nothing done, otherwise."""
         if not self.warm():
             return False
         uniq = sorted(set(ids.reshape(-1).tolist()))
@@ -184,28 +187,50 @@ class ExpertRunner:
             table.fill(e, blob.tensors())
 
     def warm(self) -> bool:
-        """Whether a one-token step whose experts are all cached may skip the general path: no read in flight
-        and not the first step."""
-        return not self._inflight and self.times.steps > 0
+        """Whether a one-token step whose experts are all cached (and not read ahead unused) may skip the general
+        path: not the first step. Read-ahead in flight does not stop it: such a step waits on no read, and
+        `resident_done` withdraws and lands the read-ahead as the general path would."""
+        return self.times.steps > 0
 
     def resident_done(self, layer: int, uniq: list[int], route_x: torch.Tensor) -> list[ExpertBlob]:
         """The bookkeeping of a warm one-token step whose routed experts `uniq` (ascending) are all cached and
         none read ahead unused, computed by the caller (the grouped call above, or the native decode layer from
         self.tables after the fact): counters, the lookahead's score and next reads, the policy's touches and
-        the hit statistics. Returns the experts' blobs."""
+        the hit statistics. With read-ahead in flight, first what the general path does before its hits: withdraw
+        the read-ahead of this and earlier layers not started (this step routed elsewhere) and land finished reads.
+        Returns the experts' blobs."""
         cache = self.cache
         self.times.steps += 1
         self.times.resident_steps += 1
+        self._quiet[layer] = self._quiet.get(layer, 0) + 1
         self.lookahead.observe(layer, uniq)
         self.scan = 0
-        # with every expert of every routed layer cached there is nothing to read ahead: skip the next router
-        if len(cache) < len(self.lookahead.routers) * self.store.num_experts:
-            self._prefetch_next(layer, route_x, {(layer, e) for e in uniq})
+        need = None
+        if self._inflight:
+            need = {(layer, e) for e in uniq}
+            self.store.reader.set_depth(self.store.reader.threads)
+            self._withdraw(layer, need)
+            self._harvest(need)
+        # with every expert of every routed layer cached there is nothing to read ahead; nor for a next layer whose
+        # latest `lookahead.quiet` steps read nothing (`_quiet_next`): skip the next router
+        if len(cache) < len(self.lookahead.routers) * self.store.num_experts and not self._quiet_next(layer):
+            self._prefetch_next(layer, route_x, need or {(layer, e) for e in uniq})
         blobs = [cache.get((layer, e)) for e in uniq]
         for _ in uniq:
             cache.stats.record(layer, True)
         self.memory.observe()
         return blobs
+
+    def _quiet_next(self, layer: int) -> bool:
+        """Whether the MoE layer after `layer` needed no read (every routed expert cached and used before) in each
+        of its latest `lookahead.quiet` steps, so a warm step reads nothing ahead for it. A step of that layer
+        that reads starts its count again; the general path (a step waiting on reads) always reads ahead. Not with a
+        remote checkpoint's fetch-ahead: its predictions reach past the next layer."""
+        quiet = self.lookahead.quiet
+        if not quiet or self.lookahead.fill is not None:
+            return False
+        nxt = self.lookahead.next_layer(layer)
+        return nxt is not None and self._quiet.get(nxt, 0) >= quiet
 
     def _start(self, layer: int, experts: list[int], need: set[Key], evict: bool = True,
                idle: bool = True) -> dict[Future, int]:

@@ -55,6 +55,12 @@ class Lookahead:
     # medium synthetic model (docs/performance.md)
     reads: int = 1
     probe: int = 4  # a closed gate's layer is predicted (and scored) on one step in this many
+    # a warm step (every routed expert cached) skips the next layer's router when each of that layer's latest
+    # `quiet` steps read no expert (dispatch.ExpertRunner counts them; 0: never skip). Once the cache holds what
+    # the tokens route to, what is left to predict are experts no token used so far: on the peer checkpoint (1,857
+    # of its 2,048 experts cached after vs_llamacpp's warm pass and one decode) a 32-token decode ran the router
+    # on all 1,024 layer steps and read 1 expert ahead
+    quiet: int = 8
     enabled: bool = True
     # a remote checkpoint's fetch-ahead into its SSD tier (ExpertStore.fill_hook): each prediction, and those of the
     # `fill_depth - 1` MoE layers after it (their routers on the same input), go there too, gate or no gate:
@@ -78,16 +84,19 @@ class Lookahead:
     _pending: dict[int, set[int]] = field(default_factory=dict)
     _wrap_pending: dict[int, set[int]] = field(default_factory=dict)
     _order: list[int] = field(default_factory=list)
+    _next: dict[int, int | None] = field(default_factory=dict)  # next_layer's answers
 
     def register(self, layer: int, fn: RouterFn) -> None:
         self.routers[layer] = fn
         self._order = sorted(self.routers)
+        self._next = {}
 
     def next_layer(self, layer: int) -> int | None:
-        for nxt in self._order:
-            if nxt > layer:
-                return nxt
-        return None
+        """The first registered MoE layer after `layer` (None past the last)."""
+        nxt = self._next.get(layer, -1)
+        if nxt == -1:
+            nxt = self._next[layer] = next((n for n in self._order if n > layer), None)
+        return nxt
 
     def observe(self, layer: int, routed: list[int]) -> None:
         """Score the prediction made for `layer` (if any) against what it routed to."""
