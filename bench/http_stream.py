@@ -23,6 +23,7 @@ object (and a short summary on stderr); exits 1 if the warm run touched the netw
 
     python bench/http_stream.py DIR [--shaping kernel|userspace] [--bandwidth 200e6] [--latency 0.02]
         [--ram-budget 300MiB] [--gen 16] [--fill-depth N] [--fill-width W] [--wrap-width W] [--fill-inflight BYTES]
+        [--link-priority off|flowing|inflight]
 """
 from __future__ import annotations
 
@@ -160,6 +161,17 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
         unused = whole.get("fill_bytes", 0) - whole.get("fill_used_bytes", 0)
         out.update(fetch_by_read_per_token=(last["fetch_by_read"] - at_first["fetch_by_read"]) / steps,
                    miss_drain_s_per_token_by_layer={k: round(v / steps, 4) for k, v in sorted(drain_s.items())})
+        kinds = {}  # range requests by kind over the decode: a read waits on it, a fill is a guess
+        for k, n in last.get("http_kind_n", {}).items():
+            dn = n - at_first.get("http_kind_n", {}).get(k, 0)
+            if dn:
+                kinds[k] = {"per_token": round(dn / steps, 1),
+                            "mean_ms_to_headers": round(1e3 * (last["http_kind_head_s"][k]
+                                                               - at_first["http_kind_head_s"].get(k, 0.0)) / dn, 1),
+                            "mean_ms": round(1e3 * (last["http_kind_s"][k] - at_first["http_kind_s"].get(k, 0.0)) / dn,
+                                             1)}
+        out.update(requests_by_kind=kinds,
+                   fill_yield_s_per_token=(last.get("http_yield_s", 0.0) - at_first.get("http_yield_s", 0.0)) / steps)
         out.update(fill_unused_share=unused / max(1, whole["http_bytes"]),
                    useful_net_bytes_per_token=max(0, d["http_bytes"] - unused) / steps)
     return out
@@ -263,6 +275,9 @@ def main() -> int:
                     help="bytes on the link under which the fetch-ahead starts a request (default: fetchahead.py's)")
     ap.add_argument("--split-max", type=int, default=None,
                     help="parallel requests one large range may go as (default: weights/http.py's SPLIT_MAX)")
+    ap.add_argument("--link-priority", choices=("off", "flowing", "inflight"), default=None,
+                    help="whether the fetch-ahead's bodies give way to reads' bytes (default: weights/http.py's "
+                         "PRIORITY)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the decode process (seconds; default: Python's 0.005)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads (default 1: on a shared machine more "
@@ -294,6 +309,8 @@ def main() -> int:
         http.SPLIT_MAX = a.split_max
     if a.lookahead_reads is not None:
         remote.SETTINGS.lookahead_reads = a.lookahead_reads
+    if a.link_priority is not None:
+        http.PRIORITY = a.link_priority
     if a.switch_interval is not None:
         sys.setswitchinterval(a.switch_interval)
     link, server = None, None
@@ -354,6 +371,7 @@ def main() -> int:
               "io_threads": remote.SETTINGS.io_threads, "lookahead_reads": la_reads,
               "compute_threads": a.threads,
               "switch_interval_s": sys.getswitchinterval(), "split_max": http.SPLIT_MAX,
+              "link_priority": getattr(http, "PRIORITY", None),
               "disk_bandwidth_bytes_per_s": disk_bw,
               "load_average": os.getloadavg(), "runs": runs}
     for r in runs.values():

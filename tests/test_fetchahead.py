@@ -147,9 +147,9 @@ def test_fill_goes_while_a_read_is_on_the_link(blob):
     held = threading.Event()
     out = memoryview(bytearray(PIECE))
 
-    def fetch_when_released(rest):
+    def fetch_when_released(rest, urgency):
         held.wait()
-        f._fetch_missing(rest, True)
+        f._fetch_missing(rest, True, urgency=urgency)
 
     reader = threading.Thread(target=f.flights.fetch, args=(f, [(3 * PIECE, out)], fetch_when_released))
     reader.start()
@@ -270,6 +270,25 @@ def test_tier_writes_from_aligned_buffers_go_around_the_page_cache(tmp_path, mon
     assert sizes == [dcmod._data_start(4) + len(data), dcmod._data_start(1) + 5000, dcmod._data_start(1) + 4096]
     assert fresh.usage() == sum(sizes)
     assert list((tmp_path / "dc" / "tmp").iterdir()) == []  # nothing left half-written
+
+
+def test_usage_record_is_rewritten_in_place_and_rebuilt_when_torn(tmp_path):
+    """The tier's byte count is one checksummed record rewritten in place: inserts keep its inode (no file
+    created and freed per range), and a torn, foreign or missing record is rebuilt from the range files."""
+    cache = DiskCache(tmp_path / "dc")
+    usage = tmp_path / "dc" / "usage"
+    cache.put("k", 0, os.urandom(5000))
+    ino = usage.stat().st_ino
+    for i in range(1, 4):
+        cache.put("k", i << 20, os.urandom(7000))
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "dc" / "ranges" / "k").glob("*.rng"))
+    assert usage.stat().st_ino == ino and cache.usage() == on_disk
+    raw = usage.read_bytes()
+    for bad in (raw[:10] + b"9" + raw[11:], b"12345", b""):  # a torn digit (checksum fails), the old text, empty
+        usage.write_bytes(bad)
+        assert cache.usage() == on_disk and usage.read_bytes() == raw
+    usage.unlink()
+    assert cache.usage() == on_disk
 
 
 def test_decode_fetches_predictions_ahead_once(tmp_path, monkeypatch):
