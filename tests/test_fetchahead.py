@@ -232,6 +232,110 @@ def test_write_behind_serves_pending_ranges_and_flushes(tmp_path):
     assert fresh.verify_all() == (1, 0)
 
 
+def test_pooled_buffers_come_back_only_after_the_last_holder():
+    """A pooled buffer is reused only once every holder has let go (the taker, a queued write, a reader copying
+    from it); the pool keeps at most POOL_KEEP bytes; a buffer released twice is refused."""
+    from moestream.weights.buffers import Pool
+
+    pool = Pool(keep=8 << 20)
+    a = pool.take(3 << 20)
+    assert len(a.view) == 3 << 20 and pool.reused == 0
+    a.hold()  # a queued write
+    a.release()  # the taker is done
+    b = pool.take(3 << 20)
+    assert pool.reused == 0  # a is still held: b is another buffer
+    a.release()  # the write is done: a goes back
+    c = pool.take((3 << 20) - 100)  # the same size class
+    assert pool.reused == 1 and len(c.view) == (3 << 20) - 100
+    with pytest.raises(RuntimeError):
+        a.release()
+    for lease in (b, c, pool.take(4 << 20)):  # 3 + 3 + 4 MiB: past `keep`, the last is dropped
+        lease.release()
+    assert pool._free_bytes == 6 << 20
+
+
+def test_queued_ranges_keep_their_pooled_buffer_until_written(tmp_path, monkeypatch):
+    """A range queued for the SSD tier's writer from a pooled buffer holds it: the fill that took it lets go at
+    once, a read of the queued range and the writer copy from bytes nobody else can have, and the buffer goes
+    back to the pool only after the write; on disk the range is exact."""
+    from moestream.weights import buffers
+    from moestream.weights.diskcache import DiskCache as DC
+
+    pool = buffers.Pool()
+    cache = DC(tmp_path / "dc")
+    gate = threading.Event()
+    real = DC._write_pending
+
+    def slow_write(self, key, offset):
+        gate.wait()
+        real(self, key, offset)
+
+    monkeypatch.setattr(DC, "_write_pending", slow_write)
+    data = os.urandom(3 << 20)
+    lease = pool.take(len(data))
+    lease.view[:] = data
+    cache.put_soon("k", 0, lease.view, lease)
+    lease.release()  # the fill is done with it; the queue still holds it
+    other = pool.take(len(data))
+    assert pool.reused == 0  # not recycled while queued
+    other.view[:] = b"\xff" * len(data)
+    out = memoryview(bytearray(1 << 20))
+    assert cache.read("k", 4096, out) and bytes(out) == data[4096:4096 + (1 << 20)]
+    gate.set()
+    cache.flush()
+    other.release()
+    assert pool.reused == 0 and pool._free_bytes == 2 * (3 << 20)  # both back, neither reused early
+    got = memoryview(bytearray(len(data)))
+    assert DC(tmp_path / "dc").read("k", 0, got) and bytes(got) == data
+
+
+def test_guesses_give_way_to_reads_and_a_joined_guess_goes_on(blob, monkeypatch):
+    """While a read's bytes are arriving a guess's body pauses between chunks (at most YIELD_MAX_S at a time); a
+    read that joins the guess's fetch promotes it, which wakes it at once; the bytes of both are exact."""
+    from moestream.weights import http
+
+    data, srv, f = blob
+    client = f.client
+    monkeypatch.setattr(http, "YIELD_MAX_S", 30.0)
+    paused = http.Urgency(False)
+    flowing = [False]
+    client._flow([False], True)  # a read's body is arriving
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (client._give_way(paused, flowing), done.set()))
+    t.start()
+    assert not done.wait(0.3)  # the guess waits for the read
+    paused.promote()  # a read joined it
+    assert done.wait(10) and not flowing[0]  # going on ...
+    client._give_way(paused, flowing)  # ... and from its next chunk counted as a read
+    assert flowing[0] and client._reads_flowing == 2
+    client._flow(flowing, False)
+    client._flow([True], False)
+    assert client._reads_flowing == 0
+    # a read joining a fill in flight promotes the fill's requests
+    held, seen = threading.Event(), []
+
+    def fill_fetch(rest, urgency):
+        seen.append(urgency)
+        held.wait()
+        f._fetch_missing(rest, "own", None, urgency)
+
+    buf = memoryview(bytearray(PIECE))
+    filler = threading.Thread(target=f.flights.fetch, args=(f, [(5 * PIECE, buf)], fill_fetch, False))
+    filler.start()
+    wait_for(lambda: seen)
+    assert not seen[0].urgent
+    out = memoryview(bytearray(PIECE))
+    reader = threading.Thread(target=f.read_into, args=(5 * PIECE, [out]))
+    reader.start()
+    wait_for(lambda: seen[0].urgent)
+    held.set()
+    filler.join()
+    reader.join()
+    assert bytes(out) == bytes(buf) == data[5 * PIECE:6 * PIECE]
+    f.cache.flush()
+    assert sum(1 for r in ranges_sent(srv) if r == (5 * PIECE, 6 * PIECE)) == 1  # fetched once
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_tier_writes_from_aligned_buffers_go_around_the_page_cache(tmp_path, monkeypatch, direct):
     """A range handed over in a page-aligned buffer (the fetch-ahead's, the write-behind's copy) is written with
