@@ -7,7 +7,8 @@ the SSD tier's budget). And `FillQueue`: the router lookahead's predictions for 
 the network into the SSD tier only (no RAM cache room taken, so the predictions can be generous), the newest
 predictions replacing those not yet started, neighbouring ranges of a file in one request, on as many threads as
 keep FILL_INFLIGHT bytes on the link together with the reads' own fetches (reads never wait for a guess; a guess
-starts whenever the link has room, so it is never idle between a read's requests).
+starts whenever the link has room, so it is never idle between a read's requests, and its body gives way to a
+read's bytes on the link, weights/http.py PRIORITY; a read that waits for a guess's fetch promotes it).
 """
 from __future__ import annotations
 
