@@ -138,7 +138,7 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
                     "next_layer_recall": {k: v["lifetime_recall"] for k, v in la.report().items()}}
         phases = {"io_wait_s": t.io_wait_s, "expert_s": t.expert_s, "lookahead_s": t.lookahead_s}
         whole = net()
-        fills = {k: v for k, v in whole.items() if k.startswith(("fill_", "fetch_"))}
+        fills = {k: v for k, v in whole.items() if k.startswith(("fill_", "fetch_", "pool_"))}
     finally:
         eng.close()
     steps, secs = max(1, n - 1), end - first  # forward passes after the first token

@@ -328,7 +328,8 @@ class RemoteIndex(CheckpointIndex):
                "http_busy_s": 0.0, "fetch_joined": f.joined, "fetch_joined_bytes": f.joined_bytes,
                "fetch_by_read": f.read_fetched, "fetch_by_read_bytes": f.read_fetched_bytes,
                "fill_ranges": f.filled, "fill_bytes": f.filled_bytes, "fill_used_bytes": f.fill_used_bytes,
-               "fill_unused_bytes": self.flights.unused_bytes, "fill_dropped_bytes": f.fill_dropped_bytes}
+               "fill_unused_bytes": self.flights.unused_bytes, "fill_dropped_bytes": f.fill_dropped_bytes,
+               "pool_taken": POOL.taken, "pool_reused": POOL.reused}  # the process's buffer pool (buffers.py)
         if self.client is not None:
             out.update(self.client.stats.snapshot())
         if self.cache is not None:
