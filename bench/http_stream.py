@@ -23,7 +23,6 @@ object (and a short summary on stderr); exits 1 if the warm run touched the netw
 
     python bench/http_stream.py DIR [--shaping kernel|userspace] [--bandwidth 200e6] [--latency 0.02]
         [--ram-budget 300MiB] [--gen 16] [--fill-depth N] [--fill-width W] [--wrap-width W] [--fill-inflight BYTES]
-        [--link-priority off|flowing|inflight]
 """
 from __future__ import annotations
 
@@ -170,8 +169,7 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
                                                                - at_first["http_kind_head_s"].get(k, 0.0)) / dn, 1),
                             "mean_ms": round(1e3 * (last["http_kind_s"][k] - at_first["http_kind_s"].get(k, 0.0)) / dn,
                                              1)}
-        out.update(requests_by_kind=kinds,
-                   fill_yield_s_per_token=(last.get("http_yield_s", 0.0) - at_first.get("http_yield_s", 0.0)) / steps)
+        out.update(requests_by_kind=kinds)
         out.update(fill_unused_share=unused / max(1, whole["http_bytes"]),
                    useful_net_bytes_per_token=max(0, d["http_bytes"] - unused) / steps)
     return out
@@ -275,9 +273,6 @@ def main() -> int:
                     help="bytes on the link under which the fetch-ahead starts a request (default: fetchahead.py's)")
     ap.add_argument("--split-max", type=int, default=None,
                     help="parallel requests one large range may go as (default: weights/http.py's SPLIT_MAX)")
-    ap.add_argument("--link-priority", choices=("off", "flowing", "inflight"), default=None,
-                    help="whether the fetch-ahead's bodies give way to reads' bytes (default: weights/http.py's "
-                         "PRIORITY)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the decode process (seconds; default: Python's 0.005)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads (default 1: on a shared machine more "
@@ -309,8 +304,6 @@ def main() -> int:
         http.SPLIT_MAX = a.split_max
     if a.lookahead_reads is not None:
         remote.SETTINGS.lookahead_reads = a.lookahead_reads
-    if a.link_priority is not None:
-        http.PRIORITY = a.link_priority
     if a.switch_interval is not None:
         sys.setswitchinterval(a.switch_interval)
     link, server = None, None
@@ -371,7 +364,6 @@ def main() -> int:
               "io_threads": remote.SETTINGS.io_threads, "lookahead_reads": la_reads,
               "compute_threads": a.threads,
               "switch_interval_s": sys.getswitchinterval(), "split_max": http.SPLIT_MAX,
-              "link_priority": getattr(http, "PRIORITY", None),
               "disk_bandwidth_bytes_per_s": disk_bw,
               "load_average": os.getloadavg(), "runs": runs}
     for r in runs.values():

@@ -3,10 +3,11 @@
 Owns the on-disk layout (`ranges/<file key>/<offset>-<length>.rng`, one file per fetched range, a header carrying
 a crc32 per 1 MiB block and its own crc32), atomic writes (temp file, then rename: a killed process leaves at most
 an orphan temp file; a power loss may tear a renamed file, which its checksums reject, so it is never trusted),
-verification of every block read, lookup of a request covered by one or several cached ranges, and eviction of the least recently used ranges when the budget is exceeded. Processes sharing a directory serialise usage
-accounting (`usage`: one checksummed record rewritten in place, rebuilt by a scan when torn or absent) and eviction
-with flock; reads need no lock
-(a range file is immutable, and unlinking it leaves open descriptors valid). It never talks to the network.
+verification of every block read, lookup of a request covered by one or several cached ranges, and eviction of the
+least recently used ranges when the budget is exceeded. Processes sharing a directory serialise usage accounting
+(`usage`: one checksummed record rewritten in place, rebuilt by a scan when torn or absent) and eviction with flock;
+reads need no lock (a range file is immutable, and unlinking it leaves open descriptors valid). It never talks to
+the network.
 """
 from __future__ import annotations
 

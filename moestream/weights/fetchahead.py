@@ -7,8 +7,7 @@ the SSD tier's budget). And `FillQueue`: the router lookahead's predictions for 
 the network into the SSD tier only (no RAM cache room taken, so the predictions can be generous), the newest
 predictions replacing those not yet started, neighbouring ranges of a file in one request, on as many threads as
 keep FILL_INFLIGHT bytes on the link together with the reads' own fetches (reads never wait for a guess; a guess
-starts whenever the link has room, so it is never idle between a read's requests, and its body gives way to a
-read's bytes on the link, weights/http.py PRIORITY; a read that waits for a guess's fetch promotes it).
+starts whenever the link has room, so it is never idle between a read's requests).
 """
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ from moestream.weights.buffers import copy_into
 
 if TYPE_CHECKING:
     from moestream.weights.diskcache import DiskCache
-    from moestream.weights.http import Urgency
     from moestream.weights.remote import RemoteFile
 
 # bytes kept on the link by reads and fetch-ahead together: four times the bandwidth-delay product of a 200 MB/s
@@ -46,13 +44,12 @@ Piece = tuple[int, memoryview]  # (file offset, where its bytes go)
 class _Flight:
     """One range being fetched; readers of the same range add their buffer to `waiters`."""
 
-    __slots__ = ("waiters", "done", "ok", "urgency")
+    __slots__ = ("waiters", "done", "ok")
 
-    def __init__(self, urgency: Urgency) -> None:
+    def __init__(self) -> None:
         self.waiters: list[memoryview] = []
         self.done = threading.Event()
         self.ok = False
-        self.urgency = urgency  # the fetch's; a read that joins a fill's makes it urgent
 
 
 @dataclass
@@ -81,18 +78,14 @@ class Flights:
         self.unused: dict[tuple[str, int], int] = {}  # (file key, offset) -> bytes of a filled range no read used yet
         self.unused_bytes = 0
 
-    def fetch(self, file: RemoteFile, pieces: list[Piece], fetch: Callable[[list[Piece], Urgency], None],
+    def fetch(self, file: RemoteFile, pieces: list[Piece], fetch: Callable[[list[Piece]], None],
               for_read: bool = True) -> int:
         """Fill every piece exactly once across threads: a piece another thread is fetching is waited for and
-        copied from it (the fill queue, `for_read` False, skips it instead; a read that waits for a fill's fetch
-        promotes it to urgent, weights/http.py), the rest are claimed, looked up once more in the SSD tier (a
-        fetch that just finished put them there before it let go of them), and those still missing go to
-        `fetch(pieces, urgency)` in one call. A waited-for fetch that failed is tried again here. Returns the
-        bytes this call fetched."""
-        from moestream.weights.http import Urgency  # (not at import: a local checkpoint needs no urllib3)
-
-        urgency = Urgency(for_read)
-        mine, theirs = self._claim(file, pieces, for_read, urgency)
+        copied from it (the fill queue, `for_read` False, skips it instead); the rest are claimed, looked up once
+        more in the SSD tier (a fetch that just finished put them there before it let go of them), and those still
+        missing go to `fetch` in one call. A waited-for fetch that failed is tried again here. Returns the bytes
+        this call fetched."""
+        mine, theirs = self._claim(file, pieces, for_read)
         fetched, on_link = 0, 0
         try:
             rest = []
@@ -110,7 +103,7 @@ class Flights:
                         self.read_bytes += on_link
                         self.stats.read_fetched += 1
                         self.stats.read_fetched_bytes += on_link
-                fetch(rest, urgency)
+                fetch(rest)
                 if not for_read:
                     self._guessed(file.key, rest)
             fetched, ok = sum(len(v) for _, v in rest), True
@@ -163,7 +156,7 @@ class Flights:
                 self.stats.fill_dropped_bytes += n
             cache.discard(key, off, n)
 
-    def _claim(self, file: RemoteFile, pieces: list[Piece], for_read: bool, urgency: Urgency):
+    def _claim(self, file: RemoteFile, pieces: list[Piece], for_read: bool):
         mine: list[Piece] = []
         theirs: list[tuple[int, memoryview, _Flight]] = []
         with self.cv:
@@ -171,14 +164,11 @@ class Flights:
                 k = (file.key, off, len(view))
                 flight = self._table.get(k)
                 if flight is None:
-                    self._table[k] = _Flight(urgency)
+                    self._table[k] = _Flight()
                     mine.append((off, view))
                 elif for_read:
                     flight.waiters.append(view)
                     theirs.append((off, view, flight))
-        for _, _, flight in theirs:
-            if not flight.urgency.urgent:
-                flight.urgency.promote()
         return mine, theirs
 
     def _release(self, file: RemoteFile, mine: list[Piece], ok: bool, on_link: int) -> None:

@@ -25,33 +25,7 @@ from moestream.errors import CheckpointError
 RETRY_STATUS = {429, 500, 502, 503, 504}
 SPLIT_PART = 1 << 20  # a range of at least two of these goes as parallel requests of about this size ...
 SPLIT_MAX = 4  # ... at most this many
-# Reads first on the link: while a range a read waits on is arriving, the fetch-ahead's bodies (guesses for later
-# layers) are not read from their sockets, so their senders stop once the receive windows are full and the link
-# carries the read's bytes. "flowing": from a read's response headers to its last byte (its round trip is left to
-# the guesses); "inflight": from its request on; "off": no priority. A fill a read has joined counts as a read.
-PRIORITY = "flowing"
-YIELD_CHUNK = 256 << 10  # a guess's body is read this much at a time, looking between chunks for reads flowing
-YIELD_MAX_S = 0.05  # longest pause of a guess between two chunks (a stalled read cannot starve the guesses)
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
-
-
-class Urgency:
-    """Whether a request's bytes are waited on now: a read's always; a fetch-ahead's once a read has joined it
-    (`urgent` set from another thread takes effect at its next chunk)."""
-
-    __slots__ = ("urgent", "_cv")
-
-    def __init__(self, urgent: bool):
-        self.urgent = urgent
-        self._cv: threading.Condition | None = None  # where a paused body of this request waits (HttpClient's)
-
-    def promote(self) -> None:
-        """A read now waits on these bytes: a body paused for other reads goes on at once."""
-        self.urgent = True
-        cv = self._cv
-        if cv is not None:
-            with cv:
-                cv.notify_all()
 
 
 class RemoteError(CheckpointError):
@@ -85,7 +59,6 @@ class HttpStats:
     kind_n: dict[str, int] = field(default_factory=dict)
     kind_head_s: dict[str, float] = field(default_factory=dict)
     kind_s: dict[str, float] = field(default_factory=dict)
-    yield_s: float = 0.0  # seconds the fetch-ahead's bodies paused for reads' bytes
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _last: float = field(default_factory=time.perf_counter, repr=False)
 
@@ -122,7 +95,7 @@ class HttpStats:
             return {"http_requests": self.requests, "http_bytes": self.bytes_fetched, "http_retries": self.retries,
                     "http_max_inflight": self.max_inflight, "http_inflight_s": self.inflight_s,
                     "http_busy_s": self.busy_s, "http_inflight_hist": dict(self.inflight_hist),
-                    "http_yield_s": self.yield_s, "http_kind_n": dict(self.kind_n),
+                    "http_kind_n": dict(self.kind_n),
                     "http_kind_head_s": dict(self.kind_head_s), "http_kind_s": dict(self.kind_s)}
 
 
@@ -174,8 +147,6 @@ class HttpClient:
         self._where: dict[str, str] = {}  # file URL -> where its last redirect led (a CDN location)
         self._lock = threading.Lock()
         self._parts = ThreadPoolExecutor(connections, thread_name_prefix="moestream-http")
-        self._reads_flowing = 0  # reads' range requests whose bytes the link carries now (PRIORITY)
-        self._flow_cv = threading.Condition(threading.Lock())
 
     def close(self) -> None:
         self._parts.shutdown(wait=False)
@@ -212,40 +183,36 @@ class HttpClient:
 
     # ---- byte ranges -------------------------------------------------------------------------------
     def get_range(self, url: str, offset: int, out: memoryview, size: int | None = None,
-                  etag: str | None = None, urgency: Urgency | None = None) -> tuple[str | None, int | None]:
+                  etag: str | None = None, guess: bool = False) -> tuple[str | None, int | None]:
         """Fill `out` with bytes [offset, offset + len(out)) of `url`. `size` (the file's length) and `etag`
         (pinned at first contact), when given, must match the response. Returns the response's (ETag, file
         length from Content-Range). A large range of a pinned file goes as up to SPLIT_MAX requests in parallel
         (one connection each): one connection's rate is bounded by round trips and by how often this process
-        gets a CPU, so an expert lands sooner on several, and the link stays busier. `urgency` not urgent (the
-        fetch-ahead's guesses): its body gives way to reads' bytes (PRIORITY); None: a read."""
+        gets a CPU, so an expert lands sooner on several, and the link stays busier. `guess`: the fetch-ahead's
+        (counted apart from reads in the stats)."""
         cuts = _split(len(out)) if etag is not None else [0, len(out)]
         if len(cuts) == 2:
-            return self._get_range(url, offset, out, size, etag, urgency)
-        rest = [self._parts.submit(self._get_range, url, offset + a, out[a:b], size, etag, urgency)
+            return self._get_range(url, offset, out, size, etag, guess)
+        rest = [self._parts.submit(self._get_range, url, offset + a, out[a:b], size, etag, guess)
                 for a, b in zip(cuts[1:-1], cuts[2:])]
         try:
-            return self._get_range(url, offset, out[:cuts[1]], size, etag, urgency)
+            return self._get_range(url, offset, out[:cuts[1]], size, etag, guess)
         finally:
             for f in rest:  # every part has landed (or failed) before `out` goes back to the caller
                 f.result()
 
     def _get_range(self, url: str, offset: int, out: memoryview, size: int | None,
-                   etag: str | None, urgency: Urgency | None = None) -> tuple[str | None, int | None]:
+                   etag: str | None, guess: bool = False) -> tuple[str | None, int | None]:
         """One range request (with retries) for all of `out`."""
         if len(out) == 0:
             return etag, size
-        guess = urgency is not None and not urgency.urgent
 
         def once() -> tuple[str | None, int | None]:
             target = self._where.get(url, url)
             self.stats.begin()
             got, t0, head = 0, time.perf_counter(), None
             r = None
-            flowing = [False]  # counted in _reads_flowing (a read's, or a guess a read joined)
             try:
-                if PRIORITY == "inflight" and not guess:
-                    self._flow(flowing, True)
                 r = self._open(target, {"Range": f"bytes={offset}-{offset + len(out) - 1}",
                                         "Accept-Encoding": "identity"}, preload=False)
                 head = time.perf_counter() - t0
@@ -259,17 +226,10 @@ class HttpClient:
                     raise RemoteChangedError(
                         f"{url}: the file changed on the server (ETag {got_etag}, pinned {etag}); its cached "
                         f"bytes belong to the old version: open the model again to pin the new one")
-                gate = None
-                if PRIORITY != "off":
-                    if urgency is None or urgency.urgent:
-                        self._flow(flowing, True)  # a read's bytes (already counted when "inflight")
-                    if urgency is not None:  # a guess, or one a read may join: looks between its chunks
-                        gate = lambda: self._give_way(urgency, flowing)  # noqa: E731
-                got = _read_body(r, out, gate)
+                got = _read_body(r, out)
                 self._remember(url, target, r)
                 return got_etag, total
             finally:
-                self._flow(flowing, False)
                 if r is not None:
                     if got == len(out):
                         r.release_conn()  # read to its end: the connection is reusable
@@ -279,35 +239,6 @@ class HttpClient:
                 if head is not None:
                     self.stats.kind("fill" if guess else "read", head, time.perf_counter() - t0)
         return self._with_retries(url, once)
-
-    def _flow(self, flowing: list[bool], on: bool) -> None:
-        """Count a read's request in (or out of) `_reads_flowing`, once; the guesses waiting on it go on after."""
-        if flowing[0] == on:
-            return
-        flowing[0] = on
-        with self._flow_cv:
-            self._reads_flowing += 1 if on else -1
-            if not self._reads_flowing:
-                self._flow_cv.notify_all()
-
-    def _give_way(self, urgency: Urgency, flowing: list[bool]) -> None:
-        """Between two chunks of a body that has an `urgency`: a guess pauses while reads' bytes are on the link
-        (at most YIELD_MAX_S at a time); one a read has joined since counts as a read from now on."""
-        if urgency.urgent:
-            self._flow(flowing, True)
-            return
-        if not self._reads_flowing:
-            return
-        t0 = time.perf_counter()
-        urgency._cv = self._flow_cv  # set before the check below: a promote() from now on wakes this wait
-        with self._flow_cv:
-            while self._reads_flowing and not urgency.urgent:
-                left = t0 + YIELD_MAX_S - time.perf_counter()
-                if left <= 0:
-                    break
-                self._flow_cv.wait(left)
-        with self.stats.lock:
-            self.stats.yield_s += time.perf_counter() - t0
 
     def _remember(self, url: str, target: str, r: urllib3.BaseHTTPResponse) -> None:
         """Where the redirects of `target` led (the last hop's Location, resolved against its URL)."""
@@ -385,13 +316,12 @@ def _split(n: int) -> list[int]:
     return [min(i * step, n) for i in range(k)] + [n]
 
 
-def _read_body(r: urllib3.BaseHTTPResponse, out: memoryview, gate=None) -> int:
+def _read_body(r: urllib3.BaseHTTPResponse, out: memoryview) -> int:
     """Read the body into `out`; a body shorter than `out` is a transient failure. The bytes go from the socket
     straight into `out` through http.client's `readinto` under urllib3's response: urllib3's own `readinto` reads a
     fresh bytes object and copies it, and http.client's `read(n)` below that allocates and copies once more (three
     copies and two fresh allocations of the range, their page faults included: 1.0-1.3 against 0.7 ms of CPU per
-    MB for 3 MiB ranges over the shaped link). With `gate`, the body is read YIELD_CHUNK bytes at a time and
-    `gate()` called before each chunk (it may wait: the fetch-ahead giving way to reads)."""
+    MB for 3 MiB ranges over the shaped link)."""
     fp = getattr(r, "_fp", None)
     if isinstance(fp, http.client.HTTPResponse) and r.headers.get("content-encoding", "identity") == "identity":
         readinto = fp.readinto
@@ -399,11 +329,7 @@ def _read_body(r: urllib3.BaseHTTPResponse, out: memoryview, gate=None) -> int:
         readinto = r.readinto
     got = 0
     while got < len(out):
-        if gate is None:
-            n = readinto(out[got:])
-        else:
-            gate()
-            n = readinto(out[got:got + YIELD_CHUNK])
+        n = readinto(out[got:])
         if not n:
             break
         got += n

@@ -26,7 +26,6 @@ from moestream.weights.index import REMOTE_MANIFEST, CheckpointIndex, tensors_fr
 
 if TYPE_CHECKING:
     from moestream.weights.buffers import Lease
-    from moestream.weights.http import Urgency
 
 MANIFEST_FORMAT, MANIFEST_VERSION = "moestream-remote", 1
 INDEX_JSON = "model.safetensors.index.json"
@@ -151,24 +150,24 @@ class RemoteFile:
             else:
                 missing.append((off, view))
         if self.flights is not None:  # a range another thread is fetching is waited for, not fetched again
-            self.flights.fetch(self, missing, lambda rest, urgency: self._fetch_missing(rest, behind, urgency=urgency))
+            self.flights.fetch(self, missing, lambda rest: self._fetch_missing(rest, behind))
         else:
             self._fetch_missing(missing, behind)
 
     def _fetch_missing(self, missing: list[tuple[int, memoryview]], behind: bool | str,
-                       base: tuple[int, memoryview, Lease] | None = None, urgency: Urgency | None = None) -> None:
+                       base: tuple[int, memoryview, Lease] | None = None) -> None:
         """One range request per group of neighbouring pieces (overlaps and holes up to 4 KiB read through).
         `base` (offset, view, its pooled buffer): every piece is the slice of that one buffer at its file offset,
-        so a group's request lands in the buffer directly. `urgency`: the requests' (http.py; None: a read's)."""
+        so a group's request lands in the buffer directly."""
         missing.sort(key=lambda p: p[0])
         group: list[tuple[int, memoryview]] = []
         for off, view in missing:
             if group and off > max(o + len(v) for o, v in group) + 4096:
-                self._fetch_group(group, behind, base, urgency)
+                self._fetch_group(group, behind, base)
                 group = []
             group.append((off, view))
         if group:
-            self._fetch_group(group, behind, base, urgency)
+            self._fetch_group(group, behind, base)
 
     def _keep(self, offset: int, view: memoryview, behind: bool | str, lease: Lease | None = None) -> None:
         """Into the SSD tier: `behind` True by the writer thread from a copy in a pooled buffer (the view is the
@@ -188,24 +187,24 @@ class RemoteFile:
             self.cache.put(self.key, offset, view)
 
     def _fetch_group(self, group: list[tuple[int, memoryview]], behind: bool | str,
-                     base: tuple[int, memoryview, Lease] | None = None, urgency: Urgency | None = None) -> None:
+                     base: tuple[int, memoryview, Lease] | None = None) -> None:
         """One request for neighbouring pieces; each piece is kept on disk as its own range, so a later read of
         one expert is one whole range file (read straight into its buffer) rather than part of a larger one.
         With `base` (see `_fetch_missing`) the request lands in the pieces' own buffer; else in a buffer of its
         own, copied into each piece."""
-        lease = base[2] if base is not None else None
+        lease, guess = (base[2] if base is not None else None), behind == "own"
         if len(group) == 1:
-            self._download(*group[0], urgency)
+            self._download(*group[0], guess)
             self._keep(*group[0], behind, lease)
             return
         lo, hi = group[0][0], max(o + len(v) for o, v in group)
         if base is not None:
-            self._download(lo, base[1][lo - base[0]:hi - base[0]], urgency)
+            self._download(lo, base[1][lo - base[0]:hi - base[0]], guess)
         else:
             scratch = POOL.take(hi - lo)  # no fresh pages per request
             try:
                 buf = scratch.view
-                self._download(lo, buf, urgency)
+                self._download(lo, buf, guess)
                 for off, view in group:
                     copy_into(view, buf[off - lo:off - lo + len(view)])
             finally:
@@ -245,18 +244,18 @@ class RemoteFile:
         buf = lease.view
         try:
             pieces = [(off, buf[off - lo:off - lo + n]) for off, n in want]
-            return self.flights.fetch(self, pieces, lambda rest, urgency: self._fetch_missing(
-                rest, "own", (lo, buf, lease), urgency), for_read=False)
+            return self.flights.fetch(self, pieces, lambda rest: self._fetch_missing(rest, "own", (lo, buf, lease)),
+                                      for_read=False)
         finally:
             lease.release()
 
-    def _download(self, offset: int, out: memoryview, urgency: Urgency | None = None) -> None:
-        """One range request (offline: the error naming the missing bytes); `urgency`: see http.py's PRIORITY."""
+    def _download(self, offset: int, out: memoryview, guess: bool = False) -> None:
+        """One range request (offline: the error naming the missing bytes); `guess`: the fetch-ahead's."""
         if self.client is None:
             raise CheckpointError(f"offline: bytes [{offset}, {offset + len(out)}) of {self.name} ({self.url}) are not "
                                   f"in the disk cache {self.cache.root if self.cache else '(none)'}; run once online "
                                   f"with --disk-cache or `moestream fetch` it first")
-        self.client.get_range(self.url, offset, out, self.size, self.etag, urgency)
+        self.client.get_range(self.url, offset, out, self.size, self.etag, guess)
 
 
 class RemoteIndex(CheckpointIndex):
