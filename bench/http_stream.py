@@ -137,7 +137,7 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
                     "next_layer_recall": {k: v["lifetime_recall"] for k, v in la.report().items()}}
         phases = {"io_wait_s": t.io_wait_s, "expert_s": t.expert_s, "lookahead_s": t.lookahead_s}
         whole = net()
-        fills = {k: v for k, v in whole.items() if k.startswith(("fill_", "fetch_"))}
+        fills = {k: v for k, v in whole.items() if k.startswith(("fill_", "fetch_", "pool_"))}
     finally:
         eng.close()
     steps, secs = max(1, n - 1), end - first  # forward passes after the first token
@@ -160,6 +160,16 @@ def decode(path: Path, a: argparse.Namespace, prompt: list[int], io: dict | None
         unused = whole.get("fill_bytes", 0) - whole.get("fill_used_bytes", 0)
         out.update(fetch_by_read_per_token=(last["fetch_by_read"] - at_first["fetch_by_read"]) / steps,
                    miss_drain_s_per_token_by_layer={k: round(v / steps, 4) for k, v in sorted(drain_s.items())})
+        kinds = {}  # range requests by kind over the decode: a read waits on it, a fill is a guess
+        for k, n in last.get("http_kind_n", {}).items():
+            dn = n - at_first.get("http_kind_n", {}).get(k, 0)
+            if dn:
+                kinds[k] = {"per_token": round(dn / steps, 1),
+                            "mean_ms_to_headers": round(1e3 * (last["http_kind_head_s"][k]
+                                                               - at_first["http_kind_head_s"].get(k, 0.0)) / dn, 1),
+                            "mean_ms": round(1e3 * (last["http_kind_s"][k] - at_first["http_kind_s"].get(k, 0.0)) / dn,
+                                             1)}
+        out.update(requests_by_kind=kinds)
         out.update(fill_unused_share=unused / max(1, whole["http_bytes"]),
                    useful_net_bytes_per_token=max(0, d["http_bytes"] - unused) / steps)
     return out

@@ -163,6 +163,8 @@ def test_fill_goes_while_a_read_is_on_the_link(blob):
         held.set()
         reader.join()
     assert bytes(out) == data[3 * PIECE:4 * PIECE] and f.flights.read_bytes == 0
+    kinds = f.client.stats.snapshot()["http_kind_n"]  # requests counted by kind: the read's and the two guesses
+    assert kinds.get("fill") == 2 and kinds.get("read", 0) >= 2  # (the fixture's probe was a read too)
     srv.settled()  # the read's own entry is logged after its body has gone
     assert {(0, PIECE), (6 * PIECE, 7 * PIECE), (3 * PIECE, 4 * PIECE)} <= set(ranges_sent(srv))
 
@@ -232,6 +234,63 @@ def test_write_behind_serves_pending_ranges_and_flushes(tmp_path):
     assert fresh.verify_all() == (1, 0)
 
 
+def test_pooled_buffers_come_back_only_after_the_last_holder():
+    """A pooled buffer is reused only once every holder has let go (the taker, a queued write, a reader copying
+    from it); the pool keeps at most POOL_KEEP bytes; a buffer released twice is refused."""
+    from moestream.weights.buffers import Pool
+
+    pool = Pool(keep=8 << 20)
+    a = pool.take(3 << 20)
+    assert len(a.view) == 3 << 20 and pool.reused == 0
+    a.hold()  # a queued write
+    a.release()  # the taker is done
+    b = pool.take(3 << 20)
+    assert pool.reused == 0  # a is still held: b is another buffer
+    a.release()  # the write is done: a goes back
+    c = pool.take((3 << 20) - 100)  # the same size class
+    assert pool.reused == 1 and len(c.view) == (3 << 20) - 100
+    with pytest.raises(RuntimeError):
+        a.release()
+    for lease in (b, c, pool.take(4 << 20)):  # 3 + 3 + 4 MiB: past `keep`, the last is dropped
+        lease.release()
+    assert pool._free_bytes == 6 << 20
+
+
+def test_queued_ranges_keep_their_pooled_buffer_until_written(tmp_path, monkeypatch):
+    """A range queued for the SSD tier's writer from a pooled buffer holds it: the fill that took it lets go at
+    once, a read of the queued range and the writer copy from bytes nobody else can have, and the buffer goes
+    back to the pool only after the write; on disk the range is exact."""
+    from moestream.weights import buffers
+    from moestream.weights.diskcache import DiskCache as DC
+
+    pool = buffers.Pool()
+    cache = DC(tmp_path / "dc")
+    gate = threading.Event()
+    real = DC._write_pending
+
+    def slow_write(self, key, offset):
+        gate.wait()
+        real(self, key, offset)
+
+    monkeypatch.setattr(DC, "_write_pending", slow_write)
+    data = os.urandom(3 << 20)
+    lease = pool.take(len(data))
+    lease.view[:] = data
+    cache.put_soon("k", 0, lease.view, lease)
+    lease.release()  # the fill is done with it; the queue still holds it
+    other = pool.take(len(data))
+    assert pool.reused == 0  # not recycled while queued
+    other.view[:] = b"\xff" * len(data)
+    out = memoryview(bytearray(1 << 20))
+    assert cache.read("k", 4096, out) and bytes(out) == data[4096:4096 + (1 << 20)]
+    gate.set()
+    cache.flush()
+    other.release()
+    assert pool.reused == 0 and pool._free_bytes == 2 * (3 << 20)  # both back, neither reused early
+    got = memoryview(bytearray(len(data)))
+    assert DC(tmp_path / "dc").read("k", 0, got) and bytes(got) == data
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_tier_writes_from_aligned_buffers_go_around_the_page_cache(tmp_path, monkeypatch, direct):
     """A range handed over in a page-aligned buffer (the fetch-ahead's, the write-behind's copy) is written with
@@ -270,6 +329,25 @@ def test_tier_writes_from_aligned_buffers_go_around_the_page_cache(tmp_path, mon
     assert sizes == [dcmod._data_start(4) + len(data), dcmod._data_start(1) + 5000, dcmod._data_start(1) + 4096]
     assert fresh.usage() == sum(sizes)
     assert list((tmp_path / "dc" / "tmp").iterdir()) == []  # nothing left half-written
+
+
+def test_usage_record_is_rewritten_in_place_and_rebuilt_when_torn(tmp_path):
+    """The tier's byte count is one checksummed record rewritten in place: inserts keep its inode (no file
+    created and freed per range), and a torn, foreign or missing record is rebuilt from the range files."""
+    cache = DiskCache(tmp_path / "dc")
+    usage = tmp_path / "dc" / "usage"
+    cache.put("k", 0, os.urandom(5000))
+    ino = usage.stat().st_ino
+    for i in range(1, 4):
+        cache.put("k", i << 20, os.urandom(7000))
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "dc" / "ranges" / "k").glob("*.rng"))
+    assert usage.stat().st_ino == ino and cache.usage() == on_disk
+    raw = usage.read_bytes()
+    for bad in (raw[:10] + b"9" + raw[11:], b"12345", b""):  # a torn digit (checksum fails), the old text, empty
+        usage.write_bytes(bad)
+        assert cache.usage() == on_disk and usage.read_bytes() == raw
+    usage.unlink()
+    assert cache.usage() == on_disk
 
 
 def test_decode_fetches_predictions_ahead_once(tmp_path, monkeypatch):

@@ -54,6 +54,11 @@ class HttpStats:
     inflight_s: float = 0.0  # integral of requests in flight over time (/ an interval: the mean in flight)
     busy_s: float = 0.0  # time with at least one request in flight
     inflight_hist: dict[int, float] = field(default_factory=dict)  # requests in flight -> seconds spent at it
+    # range requests by kind ("read": a read waits on it, "fill": a guess): count, seconds from sending the request
+    # to its response headers (the round trip plus the bytes queued ahead on the link), seconds in all
+    kind_n: dict[str, int] = field(default_factory=dict)
+    kind_head_s: dict[str, float] = field(default_factory=dict)
+    kind_s: dict[str, float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _last: float = field(default_factory=time.perf_counter, repr=False)
 
@@ -70,6 +75,12 @@ class HttpStats:
             self.inflight -= 1
             self.bytes_fetched += nbytes
 
+    def kind(self, kind: str, head_s: float, total_s: float) -> None:
+        with self.lock:
+            self.kind_n[kind] = self.kind_n.get(kind, 0) + 1
+            self.kind_head_s[kind] = self.kind_head_s.get(kind, 0.0) + head_s
+            self.kind_s[kind] = self.kind_s.get(kind, 0.0) + total_s
+
     def _tick(self) -> None:
         """Caller holds the lock: add the time since the last change to the in-flight integrals."""
         now = time.perf_counter()
@@ -83,7 +94,9 @@ class HttpStats:
             self._tick()
             return {"http_requests": self.requests, "http_bytes": self.bytes_fetched, "http_retries": self.retries,
                     "http_max_inflight": self.max_inflight, "http_inflight_s": self.inflight_s,
-                    "http_busy_s": self.busy_s, "http_inflight_hist": dict(self.inflight_hist)}
+                    "http_busy_s": self.busy_s, "http_inflight_hist": dict(self.inflight_hist),
+                    "http_kind_n": dict(self.kind_n),
+                    "http_kind_head_s": dict(self.kind_head_s), "http_kind_s": dict(self.kind_s)}
 
 
 class _Retry(Exception):
@@ -170,25 +183,26 @@ class HttpClient:
 
     # ---- byte ranges -------------------------------------------------------------------------------
     def get_range(self, url: str, offset: int, out: memoryview, size: int | None = None,
-                  etag: str | None = None) -> tuple[str | None, int | None]:
+                  etag: str | None = None, guess: bool = False) -> tuple[str | None, int | None]:
         """Fill `out` with bytes [offset, offset + len(out)) of `url`. `size` (the file's length) and `etag`
         (pinned at first contact), when given, must match the response. Returns the response's (ETag, file
         length from Content-Range). A large range of a pinned file goes as up to SPLIT_MAX requests in parallel
         (one connection each): one connection's rate is bounded by round trips and by how often this process
-        gets a CPU, so an expert lands sooner on several, and the link stays busier."""
+        gets a CPU, so an expert lands sooner on several, and the link stays busier. `guess`: the fetch-ahead's
+        (counted apart from reads in the stats)."""
         cuts = _split(len(out)) if etag is not None else [0, len(out)]
         if len(cuts) == 2:
-            return self._get_range(url, offset, out, size, etag)
-        rest = [self._parts.submit(self._get_range, url, offset + a, out[a:b], size, etag)
+            return self._get_range(url, offset, out, size, etag, guess)
+        rest = [self._parts.submit(self._get_range, url, offset + a, out[a:b], size, etag, guess)
                 for a, b in zip(cuts[1:-1], cuts[2:])]
         try:
-            return self._get_range(url, offset, out[:cuts[1]], size, etag)
+            return self._get_range(url, offset, out[:cuts[1]], size, etag, guess)
         finally:
             for f in rest:  # every part has landed (or failed) before `out` goes back to the caller
                 f.result()
 
     def _get_range(self, url: str, offset: int, out: memoryview, size: int | None,
-                   etag: str | None) -> tuple[str | None, int | None]:
+                   etag: str | None, guess: bool = False) -> tuple[str | None, int | None]:
         """One range request (with retries) for all of `out`."""
         if len(out) == 0:
             return etag, size
@@ -196,11 +210,12 @@ class HttpClient:
         def once() -> tuple[str | None, int | None]:
             target = self._where.get(url, url)
             self.stats.begin()
-            got = 0
+            got, t0, head = 0, time.perf_counter(), None
             r = None
             try:
                 r = self._open(target, {"Range": f"bytes={offset}-{offset + len(out) - 1}",
                                         "Accept-Encoding": "identity"}, preload=False)
+                head = time.perf_counter() - t0
                 if r.status in (401, 403, 404, 410) and target != url:
                     self._forget(url)  # an expired signed CDN location: ask the origin again
                     raise _Retry(f"HTTP {r.status} from a remembered redirect", 0.0)
@@ -221,6 +236,8 @@ class HttpClient:
                     else:
                         r.close()  # a half-read body must not go back to the pool
                 self.stats.end(got)
+                if head is not None:
+                    self.stats.kind("fill" if guess else "read", head, time.perf_counter() - t0)
         return self._with_retries(url, once)
 
     def _remember(self, url: str, target: str, r: urllib3.BaseHTTPResponse) -> None:

@@ -17,12 +17,15 @@ import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from moestream.errors import CheckpointError, MoestreamError
-from moestream.weights.buffers import aligned, copy_into, copy_of
+from moestream.weights.buffers import POOL, copy_into, pooled_copy
 from moestream.weights.fetchahead import FillQueue, Flights
 from moestream.weights.index import REMOTE_MANIFEST, CheckpointIndex, tensors_from_header
+
+if TYPE_CHECKING:
+    from moestream.weights.buffers import Lease
 
 MANIFEST_FORMAT, MANIFEST_VERSION = "moestream-remote", 1
 INDEX_JSON = "model.safetensors.index.json"
@@ -152,10 +155,10 @@ class RemoteFile:
             self._fetch_missing(missing, behind)
 
     def _fetch_missing(self, missing: list[tuple[int, memoryview]], behind: bool | str,
-                       base: tuple[int, memoryview] | None = None) -> None:
+                       base: tuple[int, memoryview, Lease] | None = None) -> None:
         """One range request per group of neighbouring pieces (overlaps and holes up to 4 KiB read through).
-        `base` (offset, view): every piece is the slice of that one buffer at its file offset, so a group's
-        request lands in the buffer directly."""
+        `base` (offset, view, its pooled buffer): every piece is the slice of that one buffer at its file offset,
+        so a group's request lands in the buffer directly."""
         missing.sort(key=lambda p: p[0])
         group: list[tuple[int, memoryview]] = []
         for off, view in missing:
@@ -166,37 +169,48 @@ class RemoteFile:
         if group:
             self._fetch_group(group, behind, base)
 
-    def _keep(self, offset: int, view: memoryview, behind: bool | str) -> None:
-        """Into the SSD tier: `behind` True by the writer thread from a copy (the view is the caller's buffer, an
-        expert's, recycled once it is evicted), "own" from the view itself (the fetch-ahead's own buffer, dropped
-        after), False before returning."""
+    def _keep(self, offset: int, view: memoryview, behind: bool | str, lease: Lease | None = None) -> None:
+        """Into the SSD tier: `behind` True by the writer thread from a copy in a pooled buffer (the view is the
+        caller's buffer, an expert's, recycled once it is evicted), "own" from the view itself (the fetch-ahead's
+        own buffer, `lease`, held by the tier until written), False before returning."""
         if self.cache is None:
             return
-        if behind:
-            self.cache.put_soon(self.key, offset, view if behind == "own" else copy_of(view))
+        if behind == "own":
+            self.cache.put_soon(self.key, offset, view, lease)
+        elif behind:
+            copy = pooled_copy(view)
+            try:
+                self.cache.put_soon(self.key, offset, copy.view, copy)
+            finally:
+                copy.release()
         else:
             self.cache.put(self.key, offset, view)
 
     def _fetch_group(self, group: list[tuple[int, memoryview]], behind: bool | str,
-                     base: tuple[int, memoryview] | None = None) -> None:
+                     base: tuple[int, memoryview, Lease] | None = None) -> None:
         """One request for neighbouring pieces; each piece is kept on disk as its own range, so a later read of
         one expert is one whole range file (read straight into its buffer) rather than part of a larger one.
         With `base` (see `_fetch_missing`) the request lands in the pieces' own buffer; else in a buffer of its
         own, copied into each piece."""
+        lease, guess = (base[2] if base is not None else None), behind == "own"
         if len(group) == 1:
-            self._download(*group[0])
-            self._keep(*group[0], behind)
+            self._download(*group[0], guess)
+            self._keep(*group[0], behind, lease)
             return
         lo, hi = group[0][0], max(o + len(v) for o, v in group)
         if base is not None:
-            self._download(lo, base[1][lo - base[0]:hi - base[0]])
+            self._download(lo, base[1][lo - base[0]:hi - base[0]], guess)
         else:
-            buf = memoryview(bytearray(hi - lo))
-            self._download(lo, buf)
-            for off, view in group:
-                copy_into(view, buf[off - lo:off - lo + len(view)])
+            scratch = POOL.take(hi - lo)  # no fresh pages per request
+            try:
+                buf = scratch.view
+                self._download(lo, buf, guess)
+                for off, view in group:
+                    copy_into(view, buf[off - lo:off - lo + len(view)])
+            finally:
+                scratch.release()
         for off, view in group:
-            self._keep(off, view, behind)
+            self._keep(off, view, behind, lease)
 
     def _clip(self, offset: int, out: memoryview) -> memoryview:
         """The part of `out` inside the file; the rest (alignment padding past the end) is zeroed."""
@@ -223,20 +237,25 @@ class RemoteFile:
             return 0
         # one buffer for all of them, each piece its slice at its file offset: a request for neighbours lands in
         # place (no second buffer and copy); the SSD tier's writer keeps the slices, so the buffer lives until the
-        # last is on disk. Page-aligned, so the tier writes each page-aligned piece with O_DIRECT (no page-cache copy)
+        # last is on disk. Page-aligned, so the tier writes each page-aligned piece with O_DIRECT (no page-cache
+        # copy); pooled (the tier's queue holds it until written), so its pages are not faulted in afresh
         lo = min(off for off, _ in want)
-        buf = aligned(max(off + n for off, n in want) - lo)
-        pieces = [(off, buf[off - lo:off - lo + n]) for off, n in want]
-        return self.flights.fetch(self, pieces, lambda rest: self._fetch_missing(rest, "own", (lo, buf)),
-                                  for_read=False)
+        lease = POOL.take(max(off + n for off, n in want) - lo)
+        buf = lease.view
+        try:
+            pieces = [(off, buf[off - lo:off - lo + n]) for off, n in want]
+            return self.flights.fetch(self, pieces, lambda rest: self._fetch_missing(rest, "own", (lo, buf, lease)),
+                                      for_read=False)
+        finally:
+            lease.release()
 
-    def _download(self, offset: int, out: memoryview) -> None:
-        """One range request (offline: the error naming the missing bytes)."""
+    def _download(self, offset: int, out: memoryview, guess: bool = False) -> None:
+        """One range request (offline: the error naming the missing bytes); `guess`: the fetch-ahead's."""
         if self.client is None:
             raise CheckpointError(f"offline: bytes [{offset}, {offset + len(out)}) of {self.name} ({self.url}) are not "
                                   f"in the disk cache {self.cache.root if self.cache else '(none)'}; run once online "
                                   f"with --disk-cache or `moestream fetch` it first")
-        self.client.get_range(self.url, offset, out, self.size, self.etag)
+        self.client.get_range(self.url, offset, out, self.size, self.etag, guess)
 
 
 class RemoteIndex(CheckpointIndex):
@@ -308,7 +327,8 @@ class RemoteIndex(CheckpointIndex):
                "http_busy_s": 0.0, "fetch_joined": f.joined, "fetch_joined_bytes": f.joined_bytes,
                "fetch_by_read": f.read_fetched, "fetch_by_read_bytes": f.read_fetched_bytes,
                "fill_ranges": f.filled, "fill_bytes": f.filled_bytes, "fill_used_bytes": f.fill_used_bytes,
-               "fill_unused_bytes": self.flights.unused_bytes, "fill_dropped_bytes": f.fill_dropped_bytes}
+               "fill_unused_bytes": self.flights.unused_bytes, "fill_dropped_bytes": f.fill_dropped_bytes,
+               "pool_taken": POOL.taken, "pool_reused": POOL.reused}  # the process's buffer pool (buffers.py)
         if self.client is not None:
             out.update(self.client.stats.snapshot())
         if self.cache is not None:
