@@ -254,3 +254,35 @@ def test_scratch_over_the_allowance_is_charged():
         with scratch(mem, 11_000, "KDA chunk scratch"):
             pass
     assert mem.state_bytes == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,t", [(8, 2, 300), (4, 4, 17), (6, 3, 1)])
+def test_a_fresh_prompt_takes_flash_attention_and_matches(monkeypatch, dtype, hq, hkv, t):
+    """A whole prompt over an empty cache goes to torch's flash kernel (models/attention._fresh_attention), with
+    the cache's stored (bf16-rounded) keys, charged while it runs; a chunk after it still goes through the tiles.
+    Both equal attention over the full history."""
+    from moestream.models import attention
+
+    calls = []
+    real = attention._fresh_attention
+    monkeypatch.setattr(attention, "_fresh_attention", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    torch.manual_seed(t)
+    mem = MemoryAccountant(1 << 30)
+    slot = KVSlot(mem, hkv, 16, 16, dtype)
+    q, k, v = torch.randn(t + 9, hq, 16), torch.randn(t + 9, hkv, 16), torch.randn(t + 9, hkv, 16)
+    stored = (k.to(dtype).float(), v.to(dtype).float())
+    for pos, n in ((0, t), (t, 9)):
+        got = cached_attention(Segment(SeqState(mem, 1), 0, n, pos), slot, q[pos:pos + n], k[pos:pos + n],
+                               v[pos:pos + n], 0.25)
+        want = attend(q[pos:pos + n], stored[0][:pos + n], stored[1][:pos + n], causal_mask(pos, n, pos + n, None),
+                      0.25)
+        assert max_rel_diff(got, want) < 1e-5
+    assert calls == [t]
+    assert mem.state_bytes == 2 * slot.k.nbytes  # the scratch was given back
+    # its blocks and output are charged: a budget holding the cache but not them is a clear error
+    cache = 2 * -(-t // BLOCK_TOKENS) * BLOCK_TOKENS * hkv * 16 * dtype.itemsize
+    tight = MemoryAccountant(cache + 64)
+    with pytest.raises(BudgetError, match="attention scratch"):
+        cached_attention(Segment(SeqState(tight, 1), 0, t, 0), KVSlot(tight, hkv, 16, 16, dtype), q[:t], k[:t],
+                         v[:t], 0.25)
