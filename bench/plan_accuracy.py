@@ -12,7 +12,10 @@ behind a prediction are the ones measured in the same locked run as the measurem
 before the cold `moestream bench` (the disk here drifts +-40% within minutes) and plan predicts with that probe;
 a second prediction uses the bench's own before/after probe mean (`ratio_benchdisk`), separating the disk's
 drift from the model's error. With --batch N, each model's first budget also runs N requests through the server
-Scheduler (bench/batch_throughput.py) against plan's batch prediction.
+Scheduler (bench/batch_throughput.py, each engine step's rows, reads, misses and the runner's io wait / expert
+seconds recorded) against plan's batch prediction: at N (against the steps where the most rows decoded together)
+and at each decode step's own row count (against the run's decode-only rate); `--batch-only` skips the
+one-stream benches.
 
 Every measurement (the bench's and batch run's JSON, the probes) is kept in RESULTS.json, so `--replan` predicts
 again with the current planner and the run's own calibration, without measuring anything: a change to the model

@@ -518,6 +518,9 @@ def test_plan_skew_from(tiny, tmp_path, capsys):
     live = plan_json(str(tiny), *args, "--skew-from", "model", "--skew-tokens", "64", "--save-skew", str(saved),
                      capsys=capsys)
     assert "measured popularity" in live["assumptions"][0] and "own router" in live["assumptions"][0]
+    # independent prompts (a batch's sequences do not share one sequence's skew), each a replay window of its own
+    routing = json.loads(saved.read_text())["routing"]
+    assert len(routing) == 8 and all(len(p) == 8 for p in routing) and "8 prompts of 8" in live["assumptions"][0]
     again = plan_json(str(tiny), *args, "--skew-from", str(saved), capsys=capsys)
     assert again["decode_tokens_per_s"] == pytest.approx(live["decode_tokens_per_s"])
     assert live["decode_steady_tokens_per_s"] >= live["decode_tokens_per_s"]
@@ -646,7 +649,10 @@ def test_batch_step_uses_the_many_row_kernel(tiny):
     assert rows["group"][str(lo)] <= d["hit_expert_s"] <= rows["group"][str(hi)]
     assert step.parts["experts_s"] == pytest.approx(
         f.moe_layers * ((d["experts_per_layer_step"] - d["reads_per_layer_step"]) * d["hit_expert_s"]
-                        + d["reads_per_layer_step"] * d["read_expert_s"]))
+                        + d["reads_per_layer_step"] * (d["read_expert_s"] + d["read_engine_s"])))
+    assert d["read_engine_s"] == RATES["overhead"]["qwen3_moe"]["miss_s"]  # each read's engine work
+    costly = {**rates, "overhead": {k: {**v, "miss_s": 10 * v["miss_s"]} for k, v in RATES["overhead"].items()}}
+    assert _scenario(tiny, 0.3, costly).decode(16, 32).seconds > step.seconds
     assert step.seconds >= max(step.io_s, step.compute_s + step.overhead_s) - 1e-12
     slower = {k: {n: 3 * v for n, v in t.items()} for k, t in rows.items()}
     assert _scenario(tiny, 0.3, {**rates, "glu_rows": slower}).decode(16, 32).seconds > step.seconds

@@ -288,7 +288,8 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
            if r.get("glu_rows") and f.expert_kind == "bf16" else
            "; routed experts over several rows expanded to fp32 and multiplied by the fp32 GEMM (no many-row "
            "kernel measured for this format)")
-        + "; a read expert's engine work beyond its call (landing, the spill) is not counted",
+        + "; each read expert also costs the main thread the overhead probe's per-miss engine work (landing, "
+        "bookkeeping, the spill; below)",
         "dense residency planned keeping one sequence's state free (`--state-room` that size; the engine's "
         "default keeps none, so state then squeezes the expert cache)",
         f"state: {f.state.describe()}; sequences sized at {opts.prompt_len} prompt + {opts.gen_len} generated "

@@ -10,10 +10,9 @@ Owns the arithmetic `moestream plan` prints, term by term (docs/plan.md states i
 - the engine's fixed cost per layer step (calibrated);
 - the CPU cost of each expert read on a miss of a one-row step (one sequence's decode), beyond its multiply:
   the engine's per-miss work (calibrated by decoding the overhead probe's checkpoint under a budget where most
-  experts miss) plus faulting in its read buffer's fresh pages (calibrated; the reader threads do it beside the
-  compute, so OVERLAP of it is hidden); it counts as compute. A multi-row step (a batch, a prompt chunk) lands
-  its reads while other experts compute, and a scan keeps its buffers mapped: not charged (the batch rows of
-  docs/plan.md fit without it);
+  experts miss) plus faulting in its read buffer's fresh pages (calibrated); it counts as compute. A multi-row step
+  (a batch, a prompt chunk) is not charged it (a scan keeps its buffers mapped); its read experts' calls are
+  priced at their rows, plus the same per-miss engine work (landing, bookkeeping, the spill) on the main thread;
 - a cold start: one stream of an engine just opened also misses the cached set's experts its prompt did not
   route to, on their first use (skew.first_use, averaged over the generated tokens);
 - overlap, a one-row step (one sequence's decode): layer by layer, as the engine runs it (experts/dispatch.py):
@@ -24,8 +23,11 @@ Owns the arithmetic `moestream plan` prints, term by term (docs/plan.md states i
   around the mean), not its mean: one miss in a layer step cannot hide behind much, several hide behind each
   other's work (`layer_waits`). The step is the longer of all its reads and that sum (streamed dense reads share
   the disk);
-- overlap, a multi-row step (a batch, a prompt chunk): step = overhead + max(io, compute) + (1 - OVERLAP) x
-  min(io, compute).
+- a multi-row step (a batch, a prompt chunk), layer by layer (`batch_timeline`): the main thread runs each MoE
+  layer's mixer, router and overhead, its hits in one grouped call while its misses' reads run, then each read
+  expert as it lands; the disk serves the reads in queue order; a scanning step holds at most its read window
+  of reads and reads the next layer's ahead into the free room once its own are queued. bf16 GLU experts at the
+  fused call's measured many-row times (calibrate.glu_rows_times), other formats by fp32 expansion + GEMM.
 """
 from __future__ import annotations
 
@@ -85,7 +87,8 @@ def batch_timeline(layers: int, misses: float, front: float, hits_s: float, read
     this layer computes); None (a step that evicts to read): all of a layer's reads queue at its start, none
     ahead. `dense_s`: streamed dense reads per layer step, queued one layer ahead (DenseStreamer), which the
     layer's main-thread work waits for. `tail`: main-thread work after the last layer (the lm_head); nothing
-    reads across steps (the lookahead has no layer after the last)."""
+    reads across steps (the lookahead has no layer after the last); the fraction of a read that whole reads per
+    layer leave out is read and computed at the end."""
     n = max(1, layers)
     counts = [int(math.floor((j + 1) * misses + 1e-9)) - int(math.floor(j * misses + 1e-9)) for j in range(n)]
     t = disk = busy = cpu = 0.0
@@ -132,6 +135,9 @@ def batch_timeline(layers: int, misses: float, front: float, hits_s: float, read
             while queued == m and len(ahead) < nxt and held < room:
                 ahead.append(read(t))
                 held += 1
+    # the fraction of a read the whole reads leave out (layers x misses is not whole): its work at the end
+    frac = max(0.0, n * misses - sum(counts))
+    t, cpu, busy = max(t + frac * miss_s, disk + frac * read_s), cpu + frac * miss_s, busy + frac * read_s
     return t + tail, cpu + tail, busy
 
 
@@ -276,7 +282,11 @@ class Scenario:
         group, single = self.expert_time(rows, True), self.expert_time(rows, False)
         if group is None or single is None:
             group = single = fallback / max(1e-9, used)
-        hits_s, miss_s = hits * group, single
+        # a read expert's engine work beyond its call: landing, the policy's bookkeeping, the spill, queueing the
+        # next read (the overhead probe's per-miss work, which also holds a small expert call's fixed cost)
+        o = r.overhead_for(f.model_type, f.top_k, f.widths)
+        land = o.miss_s if o is not None else 0.0
+        hits_s, miss_s = hits * group, single + land
         layers = max(1, f.moe_layers)
         other = sum(parts.values())
         front = (other - head + overhead) / layers
@@ -288,7 +298,7 @@ class Scenario:
         compute = sum(parts.values())
         io = layers * missing * read + self._streamed()
         detail = {"experts_per_layer_step": used, "reads_per_layer_step": missing, "rows_per_expert": rows,
-                  "hit_expert_s": group, "read_expert_s": single, "read_s": read,
+                  "hit_expert_s": group, "read_expert_s": single, "read_engine_s": land, "read_s": read,
                   "read_window_experts": window, "disk_busy_share": busy / total if total > 0 else 0.0,
                   "expert_rates": "fused GLU many-row probe" if self.expert_time(rows, True) is not None
                   else "fp32 expansion + GEMM"}
