@@ -172,6 +172,11 @@ def predict_batch(run: dict) -> dict:
     # rate's own prediction
     counts = sorted({s["decode_rows"] for s in decode_steps(run["batch_run"])})
     run["plan_rows"] = {str(n): plan(run, disk, batch=n)["batch_step"] for n in counts if n > 1}
+    # a diagnostic of the disk's drift, not a prediction: the widest steps predicted at each of the run's own disk
+    # probes (before and after it) instead of their mean
+    probes = run["batch_run"].get("disk_probes_bytes_per_s") or []
+    if counts and len(probes) > 1:
+        run["plan_probes"] = [plan(run, p, batch=counts[-1])["batch_step"] for p in probes]
     return run
 
 
@@ -225,6 +230,9 @@ def batch_row(run: dict) -> dict:
                 row["predicted_full"] = widest / plans[str(widest)]["seconds"]
                 row["ratio_full"] = row["predicted_full"] / row["measured_full"]
                 row["step_predicted_full"] = plans[str(widest)]
+                if run.get("plan_probes"):
+                    row["predicted_full_at_probes"] = [widest / p["seconds"] for p in run["plan_probes"]]
+                    row["disk_probes"] = meas.get("disk_probes_bytes_per_s")
     return row
 
 
@@ -359,6 +367,9 @@ def _batch_line(b: dict) -> str:
                if b.get("predicted_steps") else "")
             + (f"; its {b['full_steps']} steps of {b['widest_rows']} rows: measured {b['measured_full']:.3f}, "
                f"predicted {b['predicted_full']:.3f}, ratio {b['ratio_full']:.2f}" if b.get("predicted_full") else "")
+            + (" (at the probes before / after the run: " + " / ".join(
+                f"{p:.3f} at {d / 1e9:.2f} GB/s" for p, d in zip(b["predicted_full_at_probes"], b["disk_probes"])) + ")"
+               if b.get("predicted_full_at_probes") else "")
             + (f"  other load {b['other_cpu_load']:.2f} CPUs" if b.get("other_cpu_load") is not None else ""))
 
 
