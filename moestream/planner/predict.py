@@ -11,8 +11,9 @@ Owns the arithmetic `moestream plan` prints, term by term (docs/plan.md states i
 - the CPU cost of each expert read on a miss of a one-row step (one sequence's decode), beyond its multiply:
   the engine's per-miss work (calibrated by decoding the overhead probe's checkpoint under a budget where most
   experts miss) plus faulting in its read buffer's fresh pages (calibrated); it counts as compute. A multi-row step
-  (a batch, a prompt chunk) is not charged it (a scan keeps its buffers mapped); its read experts' calls are
-  priced at their rows, plus the same per-miss engine work (landing, bookkeeping, the spill) on the main thread;
+  (a batch, a prompt chunk) is charged the per-miss engine work (landing, bookkeeping, the spill) on its main
+  thread but no page faults (a scan keeps its buffers mapped), and its read experts' calls are priced at their
+  rows;
 - a cold start: one stream of an engine just opened also misses the cached set's experts its prompt did not
   route to, on their first use (skew.first_use, averaged over the generated tokens);
 - overlap, a one-row step (one sequence's decode): layer by layer, as the engine runs it (experts/dispatch.py):
