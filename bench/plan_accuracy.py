@@ -12,7 +12,10 @@ behind a prediction are the ones measured in the same locked run as the measurem
 before the cold `moestream bench` (the disk here drifts +-40% within minutes) and plan predicts with that probe;
 a second prediction uses the bench's own before/after probe mean (`ratio_benchdisk`), separating the disk's
 drift from the model's error. With --batch N, each model's first budget also runs N requests through the server
-Scheduler (bench/batch_throughput.py) against plan's batch prediction.
+Scheduler (bench/batch_throughput.py, each engine step's rows, reads, misses and the runner's io wait / expert
+seconds recorded) against plan's batch prediction: at N (against the steps where the most rows decoded together)
+and at each decode step's own row count (against the run's decode-only rate); `--batch-only` skips the
+one-stream benches.
 
 Every measurement (the bench's and batch run's JSON, the probes) is kept in RESULTS.json, so `--replan` predicts
 again with the current planner and the run's own calibration, without measuring anything: a change to the model
@@ -108,8 +111,7 @@ def bench(model: Path, budget: int, a: dict) -> dict:
 
 
 def batch(model: Path, budget: int, a: dict) -> dict:
-    here = Path(__file__).resolve().parent
-    return _run([PY, str(here / "batch_throughput.py"), str(model), "--json", "--budget", str(budget),
+    return _run([PY, str(Path(__file__).resolve()), "--batch-worker", str(model), "--json", "--budget", str(budget),
                  "--requests", str(a.get("batch_requests") or a["batch"]), "--max-batch", str(a["batch"]),
                  "--prompt-len", str(a["prompt_len"]),
                  "--gen-len", str(a["batch_gen_len"]), "--single-gen-len", "0", "--threads", str(a["threads"])])
@@ -128,8 +130,53 @@ def predict_decode(run: dict, calibrate: bool = False) -> dict:
     return run
 
 
+def batch_worker(argv: list[str]) -> int:
+    """bench/batch_throughput.py's run, its JSON with `step_detail` added: per engine step its seconds, bytes
+    read, rows, decoding rows, expert misses and the runner's io wait / expert / lookahead seconds (the batch
+    step's own terms, beside the planner's)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import batch_throughput as bt
+
+    detail: list[dict] = []
+    inner, report = bt.StepMeter._step, bt._report
+
+    def step(self, items, all_logits=False):
+        times, stats = self.engine.runner.times, self.engine.runner.cache.stats
+        t0, m0 = (times.io_wait_s, times.expert_s, times.lookahead_s), stats.misses
+        out = inner(self, items, all_logits)
+        s = self.steps[-1]
+        detail.append({"seconds": s.seconds, "bytes_read": s.bytes_read, "rows": s.tokens,
+                       "decode_rows": s.decode_rows if bt.len_or(s) == s.decode_rows else 0,
+                       "misses": stats.misses - m0, "io_wait_s": times.io_wait_s - t0[0],
+                       "expert_s": times.expert_s - t0[1], "lookahead_s": times.lookahead_s - t0[2]})
+        return out
+
+    def with_detail(*args, **kw):
+        out = report(*args, **kw)
+        out["step_detail"] = detail
+        return out
+
+    bt.StepMeter._step, bt._report = step, with_detail
+    return bt.main(argv)
+
+
+def decode_steps(meas: dict) -> list[dict]:
+    """The batch run's decode-only steps (every row decoding), from its step_detail (absent in older runs)."""
+    return [s for s in meas.get("step_detail") or () if s["decode_rows"] > 0]
+
+
 def predict_batch(run: dict) -> dict:
-    run["plan"] = plan(run, run["batch_run"]["disk_bandwidth_bytes_per_s"], batch=run["args"]["batch"])
+    disk = run["batch_run"]["disk_bandwidth_bytes_per_s"]
+    run["plan"] = plan(run, disk, batch=run["args"]["batch"])
+    # each row count the run's decode steps had (sequences finish at different steps): the measured decode-only
+    # rate's own prediction
+    counts = sorted({s["decode_rows"] for s in decode_steps(run["batch_run"])})
+    run["plan_rows"] = {str(n): plan(run, disk, batch=n)["batch_step"] for n in counts if n > 1}
+    # a diagnostic of the disk's drift, not a prediction: the widest steps predicted at each of the run's own disk
+    # probes (before and after it) instead of their mean
+    probes = run["batch_run"].get("disk_probes_bytes_per_s") or []
+    if counts and len(probes) > 1:
+        run["plan_probes"] = [plan(run, p, batch=counts[-1])["batch_step"] for p in probes]
     return run
 
 
@@ -158,11 +205,35 @@ def decode_row(run: dict) -> dict:
 def batch_row(run: dict) -> dict:
     pred, meas = run["plan"], run["batch_run"]
     m = meas["decode_only_tokens_per_s"]
-    return {"model": Path(run["model"]).name, "budget": run["spec"], "batch": run["args"]["batch"],
-            "predicted": pred["batch_tokens_per_s"], "measured": m, "ratio": pred["batch_tokens_per_s"] / m,
-            "step_predicted": pred["batch_step"], "hit_measured": meas["expert_hit_rate"],
-            "bytes_per_token_measured": meas["bytes_read_per_generated_token"],
-            "disk_bench": meas["disk_bandwidth_bytes_per_s"]}
+    row = {"model": Path(run["model"]).name, "budget": run["spec"], "batch": run["args"]["batch"],
+           "predicted": pred["batch_tokens_per_s"], "measured": m, "ratio": pred["batch_tokens_per_s"] / m,
+           "step_predicted": pred["batch_step"], "hit_measured": meas["expert_hit_rate"],
+           "bytes_per_token_measured": meas["bytes_read_per_generated_token"],
+           "disk_bench": meas["disk_bandwidth_bytes_per_s"], "other_cpu_load": meas.get("other_cpu_load"),
+           "sequences_predicted": pred.get("batch_sequences")}
+    steps = decode_steps(meas)
+    plans = run.get("plan_rows") or {}
+    if steps:
+        widest = max(s["decode_rows"] for s in steps)
+        full = [s for s in steps if s["decode_rows"] == widest]
+        n = len(full)
+        row.update({"widest_rows": widest, "full_steps": n,
+                    "measured_full": sum(s["decode_rows"] for s in full) / sum(s["seconds"] for s in full),
+                    "full_step_measured": {k: sum(s[k] for s in full) / n for k in
+                                           ("seconds", "io_wait_s", "expert_s", "lookahead_s", "misses",
+                                            "bytes_read")}})
+        if all(str(s["decode_rows"]) in plans for s in steps):
+            secs = sum(plans[str(s["decode_rows"])]["seconds"] for s in steps)
+            row["predicted_steps"] = sum(s["decode_rows"] for s in steps) / secs
+            row["ratio_steps"] = row["predicted_steps"] / m
+            if str(widest) in plans:
+                row["predicted_full"] = widest / plans[str(widest)]["seconds"]
+                row["ratio_full"] = row["predicted_full"] / row["measured_full"]
+                row["step_predicted_full"] = plans[str(widest)]
+                if run.get("plan_probes"):
+                    row["predicted_full_at_probes"] = [widest / p["seconds"] for p in run["plan_probes"]]
+                    row["disk_probes"] = meas.get("disk_probes_bytes_per_s")
+    return row
 
 
 # ---- the measured run --------------------------------------------------------------------------------------------
@@ -175,7 +246,14 @@ def measure(args) -> dict:
     out = {"args": a, "decode": [], "batch": [], "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     for model in args.models:
         specs = args.budgets.split(",")
-        for i, spec in enumerate(specs):
+        if args.batch_only:
+            if args.batch and not args.keep_calibration:
+                plan({"model": str(model), "budget_bytes": budget_bytes(model, specs[0]), "args": a,
+                      "calibration": str(cal.resolve() / f"{model.name}.json")}, 1e9, calibrate=True)
+            specs_decode: list[str] = []
+        else:
+            specs_decode = specs
+        for i, spec in enumerate(specs_decode):
             run = {"model": str(model), "spec": spec, "budget_bytes": budget_bytes(model, spec), "args": a,
                    "calibration": str(cal.resolve() / f"{model.name}.json")}
             if i == 0 and not args.keep_calibration:  # calibrate before anything else of this model, in this run
@@ -194,7 +272,10 @@ def measure(args) -> dict:
             run = {"model": str(model), "spec": specs[0], "budget_bytes": budget_bytes(model, specs[0]), "args": a,
                    "calibration": str(cal.resolve() / f"{model.name}.json")}
             try:
+                (b0, c0), t0 = cpu_busy(), time.perf_counter()
                 run["batch_run"] = batch(model, run["budget_bytes"], a)
+                (b1, c1), wall = cpu_busy(), time.perf_counter() - t0
+                run["batch_run"]["other_cpu_load"] = max(0.0, (b1 - b0) - (c1 - c0)) / wall
             except RunFailed as e:
                 out.setdefault("failed", []).append(str(e)[-600:])
                 print(e, file=sys.stderr, flush=True)
@@ -225,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                          "--save-skew DIR/MODEL.json`, run before and outside the lock) instead of --skew / --reuse")
     ap.add_argument("--batch", type=int, default=0, help="also measure N sequences on each model's first budget")
     ap.add_argument("--batch-gen-len", type=int, default=8)
+    ap.add_argument("--batch-only", action="store_true",
+                    help="measure only the batch run (on the first budget), no one-stream benches")
     ap.add_argument("--batch-requests", type=int, default=0, help="requests of the batch run (default: --batch)")
     ap.add_argument("--threads", type=int, default=2, help="batch run's torch threads (the engine default here)")
     ap.add_argument("--spin-us", type=int, default=None,
@@ -236,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="predict again for a saved run (no measurement) and print the table")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--markdown", action="store_true", help="print the table as docs/plan.md's markdown rows")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--batch-worker"]:
+        return batch_worker(argv[1:])
     args = ap.parse_args(argv)
     if args.spin_us is not None:
         SPIN_ENV["MOESTREAM_NATIVE_SPIN_US"] = str(args.spin_us)
@@ -276,7 +362,15 @@ def _batch_line(b: dict) -> str:
     return (f"batch {b['batch']} on {b['model']} {b['budget']}: predicted {b['predicted']:.3f} tok/s, measured "
             f"{b['measured']:.3f} tok/s, ratio {b['ratio']:.2f}; MB/token measured "
             f"{b['bytes_per_token_measured'] / 1e6:.0f}, hit {b['hit_measured']:.2f} (predicted "
-            f"{b['step_predicted']['hit_rate']:.2f})")
+            f"{b['step_predicted']['hit_rate']:.2f})"
+            + (f"; over its decode steps' rows: predicted {b['predicted_steps']:.3f}, ratio {b['ratio_steps']:.2f}"
+               if b.get("predicted_steps") else "")
+            + (f"; its {b['full_steps']} steps of {b['widest_rows']} rows: measured {b['measured_full']:.3f}, "
+               f"predicted {b['predicted_full']:.3f}, ratio {b['ratio_full']:.2f}" if b.get("predicted_full") else "")
+            + (" (at the probes before / after the run: " + " / ".join(
+                f"{p:.3f} at {d / 1e9:.2f} GB/s" for p, d in zip(b["predicted_full_at_probes"], b["disk_probes"])) + ")"
+               if b.get("predicted_full_at_probes") else "")
+            + (f"  other load {b['other_cpu_load']:.2f} CPUs" if b.get("other_cpu_load") is not None else ""))
 
 
 def _markdown(rows: list[dict], batch_rows: list[dict]) -> str:
@@ -294,6 +388,19 @@ def _markdown(rows: list[dict], batch_rows: list[dict]) -> str:
                    f"{ph['io_wait_s']:.3f} / {ph['expert_compute_s']:.3f} / {ph['attention_mixer_s'] or 0:.3f} / "
                    f"{ph['other_s']:.3f} |")
     for b in batch_rows:
+        if b.get("predicted_full"):  # the batch step's own table (docs/plan.md's batch rows)
+            st, fm = b["step_predicted_full"], b["full_step_measured"]
+            d = st.get("layer_step") or {}
+            out.append(f"| {b['model']} batch {b['batch']} | {b['budget']} | {b['measured']:.3g} | "
+                       f"{b['predicted_steps']:.3g} ({100 * (b['ratio_steps'] - 1):+.0f}%) | {b['widest_rows']} x "
+                       f"{b['full_steps']} | {b['measured_full']:.3g} | {b['predicted_full']:.3g} "
+                       f"({100 * (b['ratio_full'] - 1):+.0f}%) | {st['hit_rate']:.2f} / {b['hit_measured']:.2f} | "
+                       f"{st['experts_read']:.0f} / {fm['misses']:.0f} | {st['seconds']:.2f} / {st['io_s']:.2f} / "
+                       f"{st['compute_s']:.2f} / {st['compute_parts'].get('experts_s', 0):.2f}"
+                       f" | {fm['seconds']:.2f} / {fm['io_wait_s']:.2f} / {fm['expert_s']:.2f} | "
+                       f"{d.get('disk_busy_share', 0):.2f} | {b['disk_bench'] / 1e9:.2f} | "
+                       f"{b.get('other_cpu_load') or 0:.2f} |")
+            continue
         out.append(f"| {b['model']} batch {b['batch']} | {b['budget']} | | {b['predicted']:.3g} | "
                    f"{b['measured']:.3g} | {100 * (b['ratio'] - 1):+.0f}% | {b['step_predicted']['hit_rate']:.2f} / "
                    f"{b['hit_measured']:.2f} "

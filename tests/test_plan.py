@@ -316,10 +316,11 @@ def test_miss_cost_grows_with_misses_and_is_per_family(tiny):
     k3_rates = {**fast_disk, "overhead": {**RATES["overhead"], "kimi_k3": {**o, "miss_s": 10 * o["miss_s"]}}}
     k3 = _scenario(tiny, 0.1, k3_rates, model_type="kimi_k3")
     assert k3.miss_cost() - sc.miss_cost() == pytest.approx(9 * o["miss_s"])
-    # a multi-row step (a batch) lands its reads while other experts compute: not charged the per-miss cost
+    # a multi-row step (a batch) lands its reads while other experts compute: not charged the one-row per-miss
+    # cost; its length is its layer-by-layer timeline
     for rows in (2, 64):
         many = sc.decode(rows, 32)
-        assert many.expert_reads > 0 and many.parts["misses_s"] == 0 and many.wait_s is None
+        assert many.expert_reads > 0 and many.parts["misses_s"] == 0 and many.timeline_s is not None
 
 
 def test_layer_step_waits_for_its_own_reads(tiny):
@@ -517,6 +518,9 @@ def test_plan_skew_from(tiny, tmp_path, capsys):
     live = plan_json(str(tiny), *args, "--skew-from", "model", "--skew-tokens", "64", "--save-skew", str(saved),
                      capsys=capsys)
     assert "measured popularity" in live["assumptions"][0] and "own router" in live["assumptions"][0]
+    # independent prompts (a batch's sequences do not share one sequence's skew), each a replay window of its own
+    routing = json.loads(saved.read_text())["routing"]
+    assert len(routing) == 8 and all(len(p) == 8 for p in routing) and "8 prompts of 8" in live["assumptions"][0]
     again = plan_json(str(tiny), *args, "--skew-from", str(saved), capsys=capsys)
     assert again["decode_tokens_per_s"] == pytest.approx(live["decode_tokens_per_s"])
     assert live["decode_steady_tokens_per_s"] >= live["decode_tokens_per_s"]
@@ -592,3 +596,81 @@ def test_one_stream_replays_a_measured_routing(tiny, tmp_path):
     capacity = int(sc.cached_per_layer() * layers)
     per_token, _, what = replay_decode([tokens], capacity, 16, 8)
     assert sc.replayed == what and step.expert_reads == pytest.approx(min(k, per_token / layers) * layers)
+
+
+def test_batch_timeline_reads_beside_compute():
+    """A multi-row step's layer-by-layer timeline: without reads it is its main-thread work; with reads it is never
+    shorter than the disk's or the main thread's share; more misses only lengthen it; a fast disk leaves it the
+    main thread's (compute-bound), a slow one the disk's plus what cannot overlap; a scanning step's read-ahead of
+    the next layer into its window shortens a disk-bound step; a window of one read serialises read and compute."""
+    from moestream.planner.predict import batch_timeline
+
+    layers, front, hits, miss, tail = 8, 2e-3, 3e-3, 1e-3, 4e-3
+    total, cpu, busy = batch_timeline(layers, 0.0, front, hits, 5e-3, miss, None, tail=tail)
+    assert total == pytest.approx(layers * (front + hits) + tail) == cpu and busy == 0
+    prev = total
+    for m in (2.0, 5.5, 12.0):  # more misses: longer, and at least the disk's time and the main thread's
+        t, c, b = batch_timeline(layers, m, front, hits, 5e-3, miss, None, tail=tail)
+        assert t > prev and t >= b and t >= c and b == pytest.approx(layers * m * 5e-3)
+        prev = t
+    fast = batch_timeline(layers, 12.0, front, hits, 1e-6, miss, None, tail=tail)  # compute-bound
+    assert fast[0] == pytest.approx(fast[1], rel=0.01)
+    slow = batch_timeline(layers, 12.0, front, hits, 5e-2, miss, None, tail=tail)  # disk-bound
+    assert slow[0] >= slow[2] > slow[1]
+    # a scan: room for 2 layers' reads, the next layer read ahead while this one computes: shorter than without
+    ahead = batch_timeline(layers, 12.0, front, hits, 5e-3, miss, 24, tail=tail)
+    plain = batch_timeline(layers, 12.0, front, hits, 5e-3, miss, None, tail=tail)
+    assert ahead[0] < plain[0] and ahead[2] == pytest.approx(plain[2])
+    # a window of one read: each read waits for the previous expert's compute
+    one = batch_timeline(layers, 12.0, 0.0, 0.0, 5e-3, miss, 1)
+    assert one[0] == pytest.approx(layers * 12 * (5e-3 + miss))
+    # streamed dense reads share the disk and the layer waits for its own: slower, never faster
+    dense = batch_timeline(layers, 12.0, front, hits, 5e-3, miss, 24, dense_s=2e-2, tail=tail)
+    assert dense[0] > ahead[0] and dense[2] == pytest.approx(ahead[2] + layers * 2e-2)
+
+
+def test_batch_step_uses_the_many_row_kernel(tiny):
+    """The batch step prices bf16 GLU experts by the fused call's measured many-row times (grouped hits, each read
+    expert alone); slower many-row times make it slower; fully cached it is compute-bound (no reads, no wait);
+    a smaller budget reads more and is slower; without the many-row times it falls back to fp32 expansion + GEMM,
+    and says so."""
+    rows = {"group": {"2": 2e-5, "4": 3e-5, "16": 8e-5, "64": 3e-4},
+            "single": {"2": 3e-5, "4": 4e-5, "16": 9e-5, "64": 3.2e-4}}
+    rates = {**RATES, "disk": 1e8, "glu_rows": rows}
+    sc = _scenario(tiny, 0.3, rates)
+    f = sc.facts
+    step = sc.decode(16, 32)
+    d = step.detail
+    assert d["expert_rates"] == "fused GLU many-row probe" and step.timeline_s == step.seconds
+    r = d["rows_per_expert"]
+    assert r == pytest.approx(16 * f.top_k / d["experts_per_layer_step"])
+    assert d["hit_expert_s"] == pytest.approx(sc.expert_time(r, True))
+    lo, hi = max(k for k in (2, 4, 16, 64) if k <= r), min(k for k in (2, 4, 16, 64) if k >= r)
+    assert rows["group"][str(lo)] <= d["hit_expert_s"] <= rows["group"][str(hi)]
+    assert step.parts["experts_s"] == pytest.approx(
+        f.moe_layers * ((d["experts_per_layer_step"] - d["reads_per_layer_step"]) * d["hit_expert_s"]
+                        + d["reads_per_layer_step"] * (d["read_expert_s"] + d["read_engine_s"])))
+    assert d["read_engine_s"] == RATES["overhead"]["qwen3_moe"]["miss_s"]  # each read's engine work
+    costly = {**rates, "overhead": {k: {**v, "miss_s": 10 * v["miss_s"]} for k, v in RATES["overhead"].items()}}
+    assert _scenario(tiny, 0.3, costly).decode(16, 32).seconds > step.seconds
+    assert step.seconds >= max(step.io_s, step.compute_s + step.overhead_s) - 1e-12
+    slower = {k: {n: 3 * v for n, v in t.items()} for k, t in rows.items()}
+    assert _scenario(tiny, 0.3, {**rates, "glu_rows": slower}).decode(16, 32).seconds > step.seconds
+    full = _scenario(tiny, 1.0, rates).decode(16, 32)
+    assert full.expert_reads == 0 and full.wait_s == pytest.approx(0, abs=1e-12)
+    assert full.seconds == pytest.approx(full.overhead_s + full.compute_s)
+    tight = _scenario(tiny, 0.1, rates).decode(16, 32)
+    assert tight.expert_reads > step.expert_reads and tight.seconds > step.seconds
+    plain = _scenario(tiny, 0.3, {**RATES, "disk": 1e8}).decode(16, 32)
+    assert plain.detail["expert_rates"] == "fp32 expansion + GEMM"
+
+
+def test_plan_states_the_batch_step(tiny, capsys):
+    """`plan --batch` gives the batch step's layer terms and states the model in its assumptions."""
+    got = plan_json(str(tiny), "--batch", "8", "--ram-budget", str(budget_of(tiny, 0.6)), "--disk-bandwidth", "1e8",
+                    "--prompt-len", "8", "--gen-len", "4",
+                    capsys=capsys)
+    assert got["batch_sequences"] > 1, got["assumptions"]
+    assert "read_window_experts" in got["batch_step"]["layer_step"]
+    text = " ".join(got["assumptions"])
+    assert "a multi-row step, layer by layer" in text and "OVERLAP" not in text

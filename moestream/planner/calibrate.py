@@ -64,6 +64,10 @@ class Rates:
     # bytes/s of one row through a layer's top_k bf16 GLU experts in one fused native call (fused.moe_glu_bf16, the
     # engine's decode path for them: no Python per matrix); 0: not measured, the one-row kernel's rate is used
     glu: float = 0.0
+    # seconds per expert of the same fused call over many rows (the panel kernel a batch step runs): "group" (a
+    # layer step's resident experts in one call) and "single" (a read expert's own call as it lands), each
+    # {rows: seconds per expert}; empty: not measured, a multi-row expert is priced as fp32 expansion + GEMM
+    glu_rows: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def overhead_for(self, model_type: str, top_k: int, widths: dict[str, int] | None = None) -> Overhead | None:
         """The family's overhead at this top-k and these widths, else at this top-k, else the family's, else any
@@ -80,7 +84,8 @@ class Rates:
     def from_json(cls, d: dict) -> "Rates":
         out = cls(dict(d["gemv"]), dict(d["expand"]), float(d["gemm_flops"]), float(d["memory"]),
                   float(d.get("disk", 0.0)), {}, float(d.get("page_faults", 0.0)), float(d.get("glu", 0.0)),
-                  dict(d.get("source", {})))
+                  source=dict(d.get("source", {})))
+        out.glu_rows = {k: {str(r): float(t) for r, t in v.items()} for k, v in (d.get("glu_rows") or {}).items()}
         out.overhead = {k: Overhead(**v) for k, v in d.get("overhead", {}).items()}
         return out
 
@@ -230,6 +235,43 @@ def glu_rate(shape: tuple[int, int], top_k: int, seconds: float = 0.3) -> float:
             fused.moe_glu_bf16(x, list(range(k)), parts[g * k:(g + 1) * k], inter, out)
 
     return _rate(work, per * k * groups, seconds)
+
+
+GLU_ROWS = (2, 4, 16, 64)  # rows per expert the many-row probe times (a batch's experts take N x top_k / E each)
+
+
+def glu_rows_times(shape: tuple[int, int], seconds: float = 0.4, rows: tuple[int, ...] = GLU_ROWS) -> dict:
+    """Seconds per expert of the fused bf16 GLU call (fused.moe_glu_bf16, the path a batch step takes for bf16 GLU
+    experts: below its panel threshold row by row, above it the panel kernel) at each of `rows` rows per expert:
+    {"group": {rows: s}} for as many experts as make 32 MiB in one call (a layer step's resident experts), and
+    {"single": {rows: s}} for one expert a call (each read expert as it lands). Every row goes through every
+    expert (no routing table: the same kernel work per (row, expert) pair)."""
+    from moestream.kernels import cpu, fused
+
+    if not cpu.available():
+        raise RuntimeError("no native kernels")
+    inter, hidden = shape
+    per = 3 * inter * hidden * 2
+    count = max(2, min(PROBE_MAX_MATRICES, -(-PROBE_BYTES // per)))
+    gen = torch.Generator().manual_seed(0)
+    experts = [[(torch.randn(*dims, generator=gen) * 0.02).to(torch.bfloat16)
+                for dims in ((inter, hidden), (inter, hidden), (hidden, inter))] for _ in range(count)]
+    parts = [tuple(m.data_ptr() for m in e) for e in experts]
+    out: dict[str, dict[str, float]] = {"group": {}, "single": {}}
+    each = seconds / (2 * len(rows))
+    for r in rows:
+        x, y = torch.randn(r, hidden), torch.zeros(r, hidden)
+
+        def group() -> None:
+            fused.moe_glu_bf16(x, list(range(count)), parts, inter, y)
+
+        def single() -> None:
+            for p in parts:
+                fused.moe_glu_bf16(x, [0], [p], inter, y)
+
+        out["group"][str(r)] = 1.0 / _rate(group, count, each)
+        out["single"][str(r)] = 1.0 / _rate(single, count, each)
+    return out
 
 
 def glu_available() -> bool:
@@ -545,6 +587,18 @@ class Calibrator:
             self.log(f"calibrating: {gkey} fused expert kernel")
             (e["glu_kernels"][gkey],), spread = rounds(lambda: glu_rate(glu_shape, top_k, self.seconds / 2), self.rounds)
             src[gkey] = f"{spread}, {self._stamp()}"
+        rkey = f"glu rows bf16 {glu_shape[0]}x{glu_shape[1]}" if gkey and glu_shape else None
+        if rkey and rkey not in e.setdefault("glu_rows", {}) and "bf16" in e["glu_rows"]:
+            rkey = "bf16"  # stated for any shape (seeded files)
+        if rkey and rkey not in e["glu_rows"]:
+            self.log(f"calibrating: {rkey} fused expert kernel over many rows")
+            got = [glu_rows_times(glu_shape, self.seconds / 2) for _ in range(max(1, self.rounds))]
+            e["glu_rows"][rkey] = {k: {r: statistics.median(g[k][r] for g in got) for r in got[0][k]}
+                                   for k in got[0]}
+            mid = str(GLU_ROWS[-1])
+            src[rkey] = (f"median of {len(got)} rounds (group, {mid} rows: "
+                         f"{min(g['group'][mid] for g in got) * 1e3:.3g}-{max(g['group'][mid] for g in got) * 1e3:.3g}"
+                         f" ms an expert), {self._stamp()}")
         if "gemm_flops" not in e:
             self.log("calibrating: fp32 matmul and memory bandwidth")
             (e["gemm_flops"],), s1 = rounds(lambda: gemm_rate(self.seconds / 2), self.rounds)
@@ -573,9 +627,12 @@ class Calibrator:
         _save(self.data)
         out = Rates.from_json({**e, "gemv": {k: gemv[v] for k, v in chosen.items()},
                                "expand": {k: expand[v] for k, v in chosen.items()},
-                               "glu": e.get("glu_kernels", {}).get(gkey, 0.0) if gkey else 0.0})
+                               "glu": e.get("glu_kernels", {}).get(gkey, 0.0) if gkey else 0.0,
+                               "glu_rows": e.get("glu_rows", {}).get(rkey, {}) if rkey else {}})
         if gkey and gkey in src:
             out.source["glu"] = f"{gkey}: {src[gkey]}"
+        if rkey and rkey in src:
+            out.source["glu_rows"] = f"{rkey}: {src[rkey]}"
         out.source.update({f"gemv {k}": src.get(f"gemv {v}", "") for k, v in chosen.items()})
         out.source["shapes"] = ", ".join(chosen.values())
         return out

@@ -19,7 +19,7 @@ from moestream.config import format_bytes
 from moestream.errors import MoestreamError
 from moestream.planner.calibrate import Calibrator, Overhead, Rates
 from moestream.planner.facts import ModelFacts, model_facts, open_plan
-from moestream.planner.predict import OVERLAP, Scenario
+from moestream.planner.predict import Scenario
 from moestream.planner.skew import Skew
 
 DEFAULT_BUDGET_SHARE = 0.75  # no --ram-budget: plan for this share of the machine's RAM
@@ -64,7 +64,7 @@ class Machine:
         pages = here.page_faults * self.memory / here.memory if here.memory > 0 else 0.0
         glu = self.gemv_bf16 * here.glu / here.gemv["bf16"] if here.glu else 0.0  # this machine's ratio to bf16
         return Rates(gemv, expand, self.gemm_flops, self.memory, self.disk, overhead, pages, glu,
-                     {"all": f"reference machine {self.name}: {self.note}"})
+                     source={"all": f"reference machine {self.name}: {self.note}"})
 
     def describe(self) -> str:
         return (f"{self.name}: {format_bytes(self.ram)} RAM, disk {self.disk / 1e9:g} GB/s, one-row bf16 "
@@ -241,7 +241,7 @@ def _cost(price_per_hour: float, tokens_per_s: float) -> float:
 
 def _step_json(s) -> dict:
     return {"seconds": s.seconds, "io_s": s.io_s, "compute_s": s.compute_s, "overhead_s": s.overhead_s,
-            "wait_s": s.wait_s,
+            "wait_s": s.wait_s, **({"layer_step": s.detail} if s.detail else {}),
             "experts_read": s.expert_reads, "hit_rate": s.hit_rate, "compute_parts": s.parts}
 
 
@@ -274,7 +274,22 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
         + (f" (kernels probed at {src['shapes']}; {src.get('gemv ' + f.expert_kind, '')})"
            if src.get("shapes") else ""),
         "overlap: one-row decode step = overhead + max(all reads, compute + the layer steps' read waits); "
-        f"multi-row step = overhead + max(io, compute) + {1 - OVERLAP:g} x min(io, compute)",
+        "multi-row step (a batch, a prompt chunk) = its layer-by-layer timeline (below)",
+        "a multi-row step, layer by layer (as experts/dispatch.py runs it): per MoE layer step the main thread "
+        "runs the mixer, router and engine overhead, then the layer's cached experts in one grouped call while "
+        "the misses' reads run, then each read expert as it lands, in queue order; the disk serves the reads one "
+        "after another at its rate; a scanning step (routing to at least half a layer's experts) holds at most its "
+        "read window of reads (experts.dispatch.scan_window) and, once a layer's reads are all queued, reads the "
+        "next layer's ahead into the free room; a step that evicts queues all its reads at once and reads nothing "
+        "ahead; streamed dense layers are read one layer ahead; nothing is read across steps; misses spread evenly "
+        "over the layers (whole reads); the lm_head after the last layer"
+        + (f"; bf16 GLU experts at the fused call's measured many-row times ({src['glu_rows']}), a layer step's "
+           "hits grouped, each read expert alone, linear between the probed row counts"
+           if r.get("glu_rows") and f.expert_kind == "bf16" else
+           "; routed experts over several rows expanded to fp32 and multiplied by the fp32 GEMM (no many-row "
+           "kernel measured for this format)")
+        + "; each read expert also costs the main thread the overhead probe's per-miss engine work (landing, "
+        "bookkeeping, the spill; below)",
         "dense residency planned keeping one sequence's state free (`--state-room` that size; the engine's "
         "default keeps none, so state then squeezes the expert cache)",
         f"state: {f.state.describe()}; sequences sized at {opts.prompt_len} prompt + {opts.gen_len} generated "
@@ -304,9 +319,7 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
                      "its misses at the disk's rate after the first buffer's page faults"
                      + (f" ({f.expert_bytes / pages * 1e3:.3g} ms at {pages / 1e9:.3g} GB/s; "
                         f"{src.get('page_faults', '')})" if pages > 0 else " (page faults not measured)")
-                     + "; misses per layer step spread as the replayed routing's (else binomial around the mean); "
-                     f"a multi-row step (a batch, a prompt chunk): {OVERLAP:g} of the shorter of I/O and compute "
-                     "hidden behind the longer")
+                     + "; misses per layer step spread as the replayed routing's (else binomial around the mean)")
     if not opts.ram_budget:
         lines.append(f"no --ram-budget: planned at {DEFAULT_BUDGET_SHARE:.0%} of the machine's RAM "
                      "(a reference machine: its RAM less 8 GiB)")

@@ -10,10 +10,10 @@ Owns the arithmetic `moestream plan` prints, term by term (docs/plan.md states i
 - the engine's fixed cost per layer step (calibrated);
 - the CPU cost of each expert read on a miss of a one-row step (one sequence's decode), beyond its multiply:
   the engine's per-miss work (calibrated by decoding the overhead probe's checkpoint under a budget where most
-  experts miss) plus faulting in its read buffer's fresh pages (calibrated; the reader threads do it beside the
-  compute, so OVERLAP of it is hidden); it counts as compute. A multi-row step (a batch, a prompt chunk) lands
-  its reads while other experts compute, and a scan keeps its buffers mapped: not charged (the batch rows of
-  docs/plan.md fit without it);
+  experts miss) plus faulting in its read buffer's fresh pages (calibrated); it counts as compute. A multi-row step
+  (a batch, a prompt chunk) is charged the per-miss engine work (landing, bookkeeping, the spill) on its main
+  thread but no page faults (a scan keeps its buffers mapped), and its read experts' calls are priced at their
+  rows;
 - a cold start: one stream of an engine just opened also misses the cached set's experts its prompt did not
   route to, on their first use (skew.first_use, averaged over the generated tokens);
 - overlap, a one-row step (one sequence's decode): layer by layer, as the engine runs it (experts/dispatch.py):
@@ -24,11 +24,15 @@ Owns the arithmetic `moestream plan` prints, term by term (docs/plan.md states i
   around the mean), not its mean: one miss in a layer step cannot hide behind much, several hide behind each
   other's work (`layer_waits`). The step is the longer of all its reads and that sum (streamed dense reads share
   the disk);
-- overlap, a multi-row step (a batch, a prompt chunk): step = overhead + max(io, compute) + (1 - OVERLAP) x
-  min(io, compute).
+- a multi-row step (a batch, a prompt chunk), layer by layer (`batch_timeline`): the main thread runs each MoE
+  layer's mixer, router and overhead, its hits in one grouped call while its misses' reads run, then each read
+  expert as it lands; the disk serves the reads in queue order; a scanning step holds at most its read window
+  of reads and reads the next layer's ahead into the free room once its own are queued. bf16 GLU experts at the
+  fused call's measured many-row times (calibrate.glu_rows_times), other formats by fp32 expansion + GEMM.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from moestream.info import BudgetFit
@@ -39,9 +43,6 @@ from moestream.planner.facts import ModelFacts
 from moestream.planner.skew import (Skew, binomial_spread, distinct, first_use, replay_decode, single_row,
                                      split_cache)
 
-# Share of the shorter of I/O and compute hidden behind the longer: reads of a layer's missing experts run while
-# its resident experts compute and the lookahead reads one expert ahead, but attention and dense work mostly wait.
-OVERLAP = 0.5
 NATIVE_ROWS = {"bf16": MAX_TOKENS_BF16, "mxfp4": MAX_TOKENS_MXFP4}  # rows the one-row kernels take in one pass
 # rows a routed expert runs in the one-row kernel: bf16 experts over more rows are expanded to fp32 once
 # (experts/dispatch.py); MXFP4 experts go through kernels.quant, native up to its row limit
@@ -58,16 +59,87 @@ class Step:
     expert_reads: float  # experts read from disk (all layers)
     hit_rate: float
     parts: dict[str, float] = field(default_factory=dict)  # compute_s by term (experts, dense, attention, state)
-    # a one-row step: the seconds its layer steps wait for their own reads beyond their work (layer_waits); the
-    # step is then overhead + max(io, compute + wait). None: a multi-row step, the OVERLAP rule
+    # the seconds the step's layer steps wait for their own reads beyond their work: a one-row step's from
+    # layer_waits (the step is then overhead + max(io, compute + wait)); a multi-row step's from its timeline
     wait_s: float | None = None
+    # a multi-row step: its length from the layer-by-layer timeline of reads and main-thread work (batch_timeline:
+    # overhead, compute and the waits in it, the disk's reads beside them); None: a one-row step
+    timeline_s: float | None = None
+    detail: dict = field(default_factory=dict)  # a multi-row step's per-layer terms, for the plan's output
 
     @property
     def seconds(self) -> float:
-        if self.wait_s is not None:
-            return self.overhead_s + max(self.io_s, self.compute_s + self.wait_s)
-        longer, shorter = max(self.io_s, self.compute_s), min(self.io_s, self.compute_s)
-        return self.overhead_s + longer + (1.0 - OVERLAP) * shorter
+        if self.timeline_s is not None:
+            return self.timeline_s
+        return self.overhead_s + max(self.io_s, self.compute_s + (self.wait_s or 0.0))
+
+
+def batch_timeline(layers: int, misses: float, front: float, hits_s: float, read_s: float, miss_s: float,
+                   window: float | None, dense_s: float = 0.0, tail: float = 0.0) -> tuple[float, float, float]:
+    """(step seconds, main-thread seconds, disk-busy seconds) of a multi-row step's `layers` MoE layer steps as
+    ExpertRunner.run runs them (experts/dispatch.py), every layer alike: the main thread does `front` (mixer,
+    router, the engine's overhead), computes the layer's hits in one grouped call (`hits_s`), then each read
+    expert as it lands, in queue order (`miss_s` each); the disk serves reads one after another at `read_s` each
+    (the reader's threads share its bandwidth). Each layer step has `misses` reads on average (whole reads,
+    spread over the layers so that they sum to layers x misses). A read holds room from its queueing until its
+    expert is computed (a scan drops it then): with a `window` (a scanning step: experts.dispatch.scan_window,
+    in experts) at most that many reads are held at once, the rest queued as computed experts free room, and once
+    all of a layer's reads are queued the free room goes to the next layer's reads (_scan_ahead: read ahead while
+    this layer computes); None (a step that evicts to read): all of a layer's reads queue at its start, none
+    ahead. `dense_s`: streamed dense reads per layer step, queued one layer ahead (DenseStreamer), which the
+    layer's main-thread work waits for. `tail`: main-thread work after the last layer (the lm_head); nothing
+    reads across steps (the lookahead has no layer after the last); the fraction of a read that whole reads per
+    layer leave out is read and computed at the end."""
+    n = max(1, layers)
+    counts = [int(math.floor((j + 1) * misses + 1e-9)) - int(math.floor(j * misses + 1e-9)) for j in range(n)]
+    t = disk = busy = cpu = 0.0
+    room = math.inf if window is None else max(1.0, float(window))
+    ahead: list[float] = []  # completion times of reads queued for the next layer step, in queue order
+    dense_done = 0.0
+    if dense_s > 0:  # the first layer's streamed weights, read when the step starts
+        disk, busy, dense_done = dense_s, dense_s, dense_s
+
+    def read(at: float) -> float:
+        nonlocal disk, busy
+        disk = max(disk, at) + read_s
+        busy += read_s
+        return disk
+
+    for j in range(n):
+        t = max(t, dense_done)
+        if dense_s > 0 and j + 1 < n:  # the next layer's streamed weights go on the disk now
+            dense_done = disk = max(disk, t) + dense_s
+            busy += dense_s
+        t += front
+        cpu += front
+        m = counts[j]
+        nxt = counts[j + 1] if j + 1 < n and window is not None else 0
+        mine, ahead = ahead[:m], []
+        held = len(mine)
+        while len(mine) < m and held < room:  # this layer's reads, as room allows
+            mine.append(read(t))
+            held += 1
+        queued = len(mine)
+        while queued == m and len(ahead) < nxt and held < room:  # all queued: read the next layer's ahead
+            ahead.append(read(t))
+            held += 1
+        t += hits_s
+        cpu += hits_s
+        for i in range(m):
+            t = max(t, mine[i]) + miss_s
+            cpu += miss_s
+            held -= 1  # its room goes to the next read
+            while queued < m and held < room:
+                mine.append(read(t))
+                queued += 1
+                held += 1
+            while queued == m and len(ahead) < nxt and held < room:
+                ahead.append(read(t))
+                held += 1
+    # the fraction of a read the whole reads leave out (layers x misses is not whole): its work at the end
+    frac = max(0.0, n * misses - sum(counts))
+    t, cpu, busy = max(t + frac * miss_s, disk + frac * read_s), cpu + frac * miss_s, busy + frac * read_s
+    return t + tail, cpu + tail, busy
 
 
 @dataclass
@@ -118,6 +190,25 @@ class Scenario:
         native call (calibrate.glu_rate), other formats through their one-row kernel."""
         r = self.rates
         return r.glu if self.facts.expert_kind == "bf16" and r.glu > 0 else r.gemv[self.facts.expert_kind]
+
+    def expert_time(self, rows: float, grouped: bool) -> float | None:
+        """Seconds of one bf16 GLU expert over `rows` rows in a multi-row step, by the fused call's measured
+        times (calibrate.glu_rows_times: `grouped`, a layer step's resident experts in one call; else a read
+        expert's own call), linear between the probed row counts (one row: the fused decode rate) and beyond the
+        last; None where not measured or not a bf16 expert."""
+        f = self.facts
+        table = self.rates.glu_rows.get("group" if grouped else "single") if f.expert_kind == "bf16" else None
+        if not table:
+            return None
+        pts = [(1.0, f.expert_bytes / self.expert_rate())] + sorted((float(k), v) for k, v in table.items()
+                                                                     if float(k) > 1)
+        for i in range(1, len(pts)):  # more rows never take less time (a probe slowed by load at fewer rows)
+            pts[i] = (pts[i][0], max(pts[i][1], pts[i - 1][1]))
+        x = max(1.0, rows)
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if x <= x1 or (x1, y1) == pts[-1]:
+                return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+        return pts[0][1]
 
     def miss_cost(self) -> float:
         """Main-thread seconds one expert read on a miss of a one-row step costs beyond a hit's: the family's
@@ -178,6 +269,43 @@ class Scenario:
     def _streamed(self) -> float:
         return self.residency.streamed_bytes_per_step / self.rates.disk if self.rates.disk > 0 else 0.0
 
+    def _multi(self, used: float, missing: float, rows: float, fallback: float, parts: dict[str, float],
+               head: float, overhead: float, window: float | None) -> Step:
+        """A multi-row step (a batch, a prompt chunk) layer by layer (batch_timeline): per MoE layer step `used`
+        distinct experts, `missing` of them read, `rows` rows each on average; the hits in one grouped call, each
+        read expert in its own call as it lands, at the fused GLU call's measured many-row times (bf16 GLU
+        experts), else `fallback` seconds a layer step for all of them (fp32 expansion + GEMM) shared by expert.
+        `parts`: the other compute (dense weights with the lm_head's `head` among them, attention, state);
+        `overhead`: the engine's fixed work; both on the main thread, before each layer's experts, the head
+        after the last. `window`: a scanning step's read window in experts (None: a step that evicts)."""
+        f, r = self.facts, self.rates
+        hits = max(0.0, used - missing)
+        group, single = self.expert_time(rows, True), self.expert_time(rows, False)
+        if group is None or single is None:
+            group = single = fallback / max(1e-9, used)
+        # a read expert's engine work beyond its call: landing, the policy's bookkeeping, the spill, queueing the
+        # next read (the overhead probe's per-miss work, which also holds a small expert call's fixed cost)
+        o = r.overhead_for(f.model_type, f.top_k, f.widths)
+        land = o.miss_s if o is not None else 0.0
+        hits_s, miss_s = hits * group, single + land
+        layers = max(1, f.moe_layers)
+        other = sum(parts.values())
+        front = (other - head + overhead) / layers
+        read = f.expert_bytes / r.disk if r.disk > 0 else 0.0
+        dense = self._streamed() / layers
+        total, cpu, busy = batch_timeline(layers, missing, front, hits_s, read, miss_s, window, dense, head)
+        experts = layers * (hits_s + missing * miss_s)
+        parts = {**parts, "experts_s": experts, "misses_s": 0.0}
+        compute = sum(parts.values())
+        io = layers * missing * read + self._streamed()
+        detail = {"experts_per_layer_step": used, "reads_per_layer_step": missing, "rows_per_expert": rows,
+                  "hit_expert_s": group, "read_expert_s": single, "read_engine_s": land, "read_s": read,
+                  "read_window_experts": window, "disk_busy_share": busy / total if total > 0 else 0.0,
+                  "expert_rates": "fused GLU many-row probe" if self.expert_time(rows, True) is not None
+                  else "fp32 expansion + GEMM"}
+        return Step(io, compute, overhead, layers * missing, max(0.0, 1.0 - missing / max(1e-9, used)), parts,
+                    max(0.0, total - compute - overhead), total, detail)
+
     # ---- the three predictions ------------------------------------------------------------------------------
     def decode(self, sequences: int, context: float, state_bytes: float = 0.0,
                since_open: tuple[int, int] | None = None) -> Step:
@@ -217,6 +345,14 @@ class Scenario:
                                   + multi * self._weights(f.expert_bytes, f.expert_kind, f.expert_params, rows,
                                                           EXPERT_ROWS))
         reads = f.moe_layers * missing
+        if sequences > 1:
+            scan = used >= SCAN_SHARE * f.num_experts and capacity < f.num_experts * f.moe_layers
+            window = scan_window(1, f.num_experts, f.top_k, f.moe_layers, capacity) if scan else None
+            parts = {"dense_s": self._dense(sequences, sequences), "attention_s": self._attention(sequences, context),
+                     "state_s": self._state_read(sequences, context)}
+            head = self._weights(f.head_bytes, f.head_kind, f.head_params, sequences)
+            return self._multi(used, missing, sequences * f.top_k / max(1e-9, used), experts / f.moe_layers, parts,
+                               head, self._overhead("decode", sequences), window)
         parts = {"experts_s": experts, "dense_s": self._dense(sequences, sequences),
                  "attention_s": self._attention(sequences, context), "state_s": self._state_read(sequences, context),
                  "misses_s": 0.0}
@@ -255,11 +391,12 @@ class Scenario:
             cached = min(cap, distinct(f.num_experts, f.top_k, law, done)[0]) if cold else cap
             used, missing = distinct(f.num_experts, f.top_k, law, n, cached)
             rows = n * f.top_k / max(1e-9, used)
-            experts = f.moe_layers * used * self._weights(f.expert_bytes, f.expert_kind, f.expert_params, rows,
-                                                          EXPERT_ROWS)
-            reads = f.moe_layers * missing
-            compute = self._dense(n, 1) + experts + self._attention(n, done + n / 2)
-            io = reads * f.expert_bytes / self.rates.disk + self._streamed() if self.rates.disk > 0 else 0.0
-            steps.append(Step(io, compute, self._overhead("prefill"), reads, max(0.0, 1.0 - missing / max(1e-9, used))))
+            experts = used * self._weights(f.expert_bytes, f.expert_kind, f.expert_params, rows, EXPERT_ROWS)
+            capacity = int(cap * f.moe_layers)
+            scan = used >= SCAN_SHARE * f.num_experts and capacity < f.num_experts * f.moe_layers
+            window = scan_window(1, f.num_experts, f.top_k, f.moe_layers, capacity) if scan else None
+            head = self._weights(f.head_bytes, f.head_kind, f.head_params, 1)
+            parts = {"dense_s": self._dense(n, 1), "attention_s": self._attention(n, done + n / 2)}
+            steps.append(self._multi(used, missing, rows, experts, parts, head, self._overhead("prefill"), window))
             done += n
         return steps
