@@ -41,7 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "or `trace --json` report, or `model`: prefill random token ids through the local weights "
                         "and record the router (a few seconds to minutes: it reads the experts)")
     p.add_argument("--skew-tokens", type=int, default=0, metavar="N",
-                   help="tokens the --skew-from model trace routes (default 512)")
+                   help="tokens the --skew-from model trace routes, split over 8 independent prompts "
+                        "(default 768: planner/routing.py)")
     p.add_argument("--save-skew", default=None, metavar="FILE",
                    help="with --skew-from model: also write the trace's routing report to FILE (a later "
                         "--skew-from FILE reads it without tracing again)")
