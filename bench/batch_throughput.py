@@ -6,8 +6,9 @@ budget, against one stream's decode on the same budget, with the step roofline m
 
 Default budget: dense weights + compute scratch + a quarter of the expert bytes (from `engine.plan`). The run
 probes the disk (direct-I/O, before and after) and the matmul rate in the precision the expert path computes in
-(fp32: bf16 experts are expanded to fp32 before each GEMM above the native kernel's row limit), then drives the
-job, recording per engine step the bytes read and the FLOPs. Roofline per step = max(bytes / disk bandwidth,
+(fp32: the fused native kernel widens bf16 expert weights to fp32 and multiplies in fp32 at any row count), then
+drives the job, recording per engine step the bytes read and the FLOPs (and in `step_detail` its rows, misses and
+the runner's I/O-wait, expert and lookahead seconds). Roofline per step = max(bytes / disk bandwidth,
 FLOPs / matmul rate); `roofline_fraction` = their sum over the run / wall time. The one-stream figure comes from
 `moestream bench` in a child process on the same budget (so this process's peak RSS is the batch's own).
 By default the requests run as a `moestream batch` job (`run_as_job`: an input JSONL file, the fsynced output file,
@@ -131,6 +132,16 @@ class Step:
     logit_rows: int
     attn_pairs: int  # sum over segments of queries x keys (causal attention work)
     decode_rows: int  # segments of one token (decoding sequences)
+    misses: int = 0  # expert reads the cache counted as misses
+    io_wait_s: float = 0.0  # the runner's own clocks over the step: waiting on reads, computing experts, lookahead
+    expert_s: float = 0.0
+    lookahead_s: float = 0.0
+
+    def detail(self) -> dict:
+        """The step's entry in the report's `step_detail` (decode_rows 0 for a step with any prompt chunk)."""
+        return {"seconds": self.seconds, "bytes_read": self.bytes_read, "rows": self.tokens,
+                "decode_rows": self.decode_rows if len_or(self) == self.decode_rows else 0, "misses": self.misses,
+                "io_wait_s": self.io_wait_s, "expert_s": self.expert_s, "lookahead_s": self.lookahead_s}
 
 
 @dataclass
@@ -145,14 +156,17 @@ class StepMeter:
         self.engine.step = self._step
 
     def _step(self, items, all_logits: bool = False):
-        store = self.engine.plan.store
-        b0, t0 = store.bytes_read, time.perf_counter()
+        store, runner = self.engine.plan.store, self.engine.runner
+        times, stats = runner.times, runner.cache.stats
+        b0, t0, m0 = store.bytes_read, time.perf_counter(), stats.misses
+        r0 = (times.io_wait_s, times.expert_s, times.lookahead_s)
         lens = [(s.pos, len(t)) for s, t in items if len(t) > 0]
         out = self._inner(items, all_logits)
         tokens = sum(n for _, n in lens)
         self.steps.append(Step(time.perf_counter() - t0, store.bytes_read - b0, tokens,
                                tokens if all_logits else len(lens), sum(n * (p + n) for p, n in lens),
-                               sum(1 for p, n in lens if n == 1 and p > 0)))
+                               sum(1 for p, n in lens if n == 1 and p > 0), stats.misses - m0,
+                               times.io_wait_s - r0[0], times.expert_s - r0[1], times.lookahead_s - r0[2]))
         return out
 
     def close(self) -> None:
@@ -296,6 +310,7 @@ def _report(args, budget, rep, results, steps, flops, bw, probes, rate, rate_bf1
         "ram_budget_bytes": budget, "peak_accounted_bytes": stats["peak_resident_bytes"], "peak_rss_bytes": peak,
         "rss_bound_bytes": bound, "rss_within_bound": peak <= bound, "interpreter_rss_bytes": base_rss,
         "compute_threads": torch.get_num_threads(), "kv_dtype": args.kv_dtype,
+        "step_detail": [s.detail() for s in steps],
     }
 
 

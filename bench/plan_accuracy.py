@@ -12,8 +12,8 @@ behind a prediction are the ones measured in the same locked run as the measurem
 before the cold `moestream bench` (the disk here drifts +-40% within minutes) and plan predicts with that probe;
 a second prediction uses the bench's own before/after probe mean (`ratio_benchdisk`), separating the disk's
 drift from the model's error. With --batch N, each model's first budget also runs N requests through the server
-Scheduler (bench/batch_throughput.py, each engine step's rows, reads, misses and the runner's io wait / expert
-seconds recorded) against plan's batch prediction: at N (against the steps where the most rows decoded together)
+Scheduler (bench/batch_throughput.py, whose `step_detail` has each engine step's rows, reads, misses and the
+runner's io wait / expert seconds) against plan's batch prediction: at N (against the steps where the most rows decoded together)
 and at each decode step's own row count (against the run's decode-only rate); `--batch-only` skips the
 one-stream benches.
 
@@ -111,7 +111,8 @@ def bench(model: Path, budget: int, a: dict) -> dict:
 
 
 def batch(model: Path, budget: int, a: dict) -> dict:
-    return _run([PY, str(Path(__file__).resolve()), "--batch-worker", str(model), "--json", "--budget", str(budget),
+    here = Path(__file__).resolve().parent
+    return _run([PY, str(here / "batch_throughput.py"), str(model), "--json", "--budget", str(budget),
                  "--requests", str(a.get("batch_requests") or a["batch"]), "--max-batch", str(a["batch"]),
                  "--prompt-len", str(a["prompt_len"]),
                  "--gen-len", str(a["batch_gen_len"]), "--single-gen-len", "0", "--threads", str(a["threads"])])
@@ -128,36 +129,6 @@ def predict_decode(run: dict, calibrate: bool = False) -> dict:
     if meas.get("read_bandwidth_bytes_per_s"):
         run["plan_readdisk"] = plan(run, meas["read_bandwidth_bytes_per_s"])
     return run
-
-
-def batch_worker(argv: list[str]) -> int:
-    """bench/batch_throughput.py's run, its JSON with `step_detail` added: per engine step its seconds, bytes
-    read, rows, decoding rows, expert misses and the runner's io wait / expert / lookahead seconds (the batch
-    step's own terms, beside the planner's)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import batch_throughput as bt
-
-    detail: list[dict] = []
-    inner, report = bt.StepMeter._step, bt._report
-
-    def step(self, items, all_logits=False):
-        times, stats = self.engine.runner.times, self.engine.runner.cache.stats
-        t0, m0 = (times.io_wait_s, times.expert_s, times.lookahead_s), stats.misses
-        out = inner(self, items, all_logits)
-        s = self.steps[-1]
-        detail.append({"seconds": s.seconds, "bytes_read": s.bytes_read, "rows": s.tokens,
-                       "decode_rows": s.decode_rows if bt.len_or(s) == s.decode_rows else 0,
-                       "misses": stats.misses - m0, "io_wait_s": times.io_wait_s - t0[0],
-                       "expert_s": times.expert_s - t0[1], "lookahead_s": times.lookahead_s - t0[2]})
-        return out
-
-    def with_detail(*args, **kw):
-        out = report(*args, **kw)
-        out["step_detail"] = detail
-        return out
-
-    bt.StepMeter._step, bt._report = step, with_detail
-    return bt.main(argv)
 
 
 def decode_steps(meas: dict) -> list[dict]:
@@ -320,8 +291,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--markdown", action="store_true", help="print the table as docs/plan.md's markdown rows")
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--batch-worker"]:
-        return batch_worker(argv[1:])
     args = ap.parse_args(argv)
     if args.spin_us is not None:
         SPIN_ENV["MOESTREAM_NATIVE_SPIN_US"] = str(args.spin_us)

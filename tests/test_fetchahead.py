@@ -201,8 +201,8 @@ def test_unused_guesses_are_counted_and_held_to_their_share_of_the_tier(blob, tm
 
 def test_copies_of_fetched_ranges_are_exact():
     """copy_into (the GIL-free copy of a fetched range) copies small, large, sliced and read-only sources exactly and
-    refuses a length mismatch; copy_of hands the writer a private copy."""
-    from moestream.weights.buffers import copy_into, copy_of
+    refuses a length mismatch; pooled_copy hands the writer a private copy."""
+    from moestream.weights.buffers import copy_into, pooled_copy
 
     data = os.urandom(3 << 20)
     src = memoryview(bytearray(data))
@@ -215,9 +215,10 @@ def test_copies_of_fetched_ranges_are_exact():
     assert bytes(dst) == data[:1 << 20]
     with pytest.raises(ValueError):
         copy_into(dst, src[:10])
-    kept = copy_of(src)
+    kept = pooled_copy(src)
     src[:4] = b"\0\0\0\0"
-    assert bytes(kept) == data
+    assert bytes(kept.view) == data
+    kept.release()
 
 
 def test_write_behind_serves_pending_ranges_and_flushes(tmp_path):
@@ -298,7 +299,7 @@ def test_tier_writes_from_aligned_buffers_go_around_the_page_cache(tmp_path, mon
     length. Where O_DIRECT is refused (direct False: as on tmpfs) the put writes buffered and later puts stay
     buffered. Either way the range file is the same: readable, verified, the same size, usage counted."""
     from moestream.weights import diskcache as dcmod
-    from moestream.weights.buffers import aligned, copy_of
+    from moestream.weights.buffers import aligned, pooled_copy
 
     opened = []
     real_open = os.open
@@ -316,7 +317,9 @@ def test_tier_writes_from_aligned_buffers_go_around_the_page_cache(tmp_path, mon
     buf = aligned(len(data))
     buf[:] = data
     cache.put("k", 8192, buf)
-    cache.put("k", 1 << 30, copy_of(memoryview(data[:5000])))  # less than two pages
+    small = pooled_copy(memoryview(data[:5000]))  # less than two pages
+    cache.put("k", 1 << 30, small.view)
+    small.release()
     cache.put("k", 1 << 31, data[:4096])  # bytes: not aligned, always buffered
     assert len(opened) == (2 if direct else 1) and cache._direct_write is direct
     fresh = DiskCache(tmp_path / "dc")

@@ -3,7 +3,7 @@
 Owns `copy_into(dst, src)`: a memcpy that releases the GIL for large ranges. The decode thread shares the GIL with
 every fetching and writing thread; a slice copy holds it for the whole copy, and on a loaded machine a thread that
 is descheduled in the middle of a 3 MiB copy (page faults of a fresh buffer included: ~10 us each on this VM)
-keeps the decode's compute waiting behind it. And `aligned(n)` / `copy_of(src)`: page-aligned buffers, what the SSD
+keeps the decode's compute waiting behind it. And `aligned(n)`: page-aligned buffers, what the SSD
 tier's O_DIRECT writes take their bytes from; `POOL` recycles those the fetch-ahead and the write-behind hand to the
 tier's writer (`Lease`: back in the pool when the last holder lets go), so their pages are not faulted in afresh
 for every range (on this VM a fresh page cost ~6 us: ~2 ms of CPU per MB fetched, against ~0.15 to copy it).
@@ -42,13 +42,6 @@ def aligned(n: int) -> memoryview:
     # private: mmap's default for anonymous memory is a shared mapping, whose pages come from shmem (a page-cache
     # lookup and a shmem folio per fault, freed through it again): 1.2-1.5x the CPU per fresh page here
     return memoryview(mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE))
-
-
-def copy_of(src: memoryview) -> memoryview:
-    """A private, page-aligned copy of `src` (for a writer thread to keep while the caller reuses its buffer)."""
-    out = aligned(len(src))  # fresh pages cost their faults inside the copy, the GIL released
-    copy_into(out, src)
-    return out
 
 
 class Lease:
@@ -117,7 +110,8 @@ POOL = Pool()
 
 
 def pooled_copy(src: memoryview) -> Lease:
-    """`copy_of(src)` in a pooled buffer, held once by the caller."""
+    """A private, page-aligned copy of `src` in a pooled buffer, held once by the caller (for a writer thread to
+    keep while the caller reuses its own buffer)."""
     lease = POOL.take(len(src))
     copy_into(lease.view, src)
     return lease
