@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per step, across prompts")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch compute threads (default 1: on a shared CPU, 2 threads made small ops 10-100x slower)")
-    ap.add_argument("--kv-dtype", choices=("fp32", "bf16"), default="fp32",
+    ap.add_argument("--kv-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
                     help="KV cache storage: bf16 halves each sequence's state, so about twice as many run at once")
     ap.add_argument("--runner", choices=list(RUNNERS), default="job",
                     help="job: the requests as a `moestream batch` job (input file in, fsynced output file out); "

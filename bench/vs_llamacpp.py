@@ -526,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         r.add_argument("--long-len", type=int, default=512, help="--warm: the long prefill's prompt length")
         r.add_argument("--passes", type=int, default=1, help="--warm: timed passes per child after the warm one")
         r.add_argument("--batch", type=int, default=0, help="sequences decoded together (0: one stream)")
-        r.add_argument("--kv-dtype", choices=("fp32", "bf16"), default="bf16",
+        r.add_argument("--kv-dtype", choices=("fp32", "bf16", "int8"), default="bf16",
                        help="--batch: moestream's KV cache (llama.cpp keeps its KV in f16 by default; fp32 doubles "
                             "the state and leaves less of the cap to experts)")
     args = ap.parse_args(argv)

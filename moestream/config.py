@@ -38,7 +38,7 @@ def format_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
-KV_DTYPE_NAMES = ("fp32", "bf16")  # --kv-dtype choices (memory/state.py maps them to torch dtypes)
+KV_DTYPE_NAMES = ("fp32", "bf16", "int8")  # --kv-dtype choices (memory/state.py maps them to torch dtypes)
 
 
 @dataclass
@@ -49,7 +49,8 @@ class EngineOptions:
     io_threads: int = 2  # reads in flight (experts.reader.IO_THREADS)
     prefill_chunk: int = 512
     threads: int | None = None  # torch compute threads; None keeps torch's default (one per physical core)
-    kv_dtype: str = "fp32"  # KV / latent cache storage: "fp32" (the parity bounds are fp32's) or "bf16" (half)
+    kv_dtype: str = "fp32"  # KV / latent cache storage: "fp32" (the parity bounds are fp32's), "bf16" (half) or
+    # "int8" (grouped int8 + fp32 scales, ~0.53 of bf16's bytes; kernels/kvquant.py)
 
 
 def read_model_config(root: str | Path) -> dict:

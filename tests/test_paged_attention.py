@@ -1,5 +1,5 @@
 """The paged batch decode attention (kernels/paged.py) against the per-sequence native path it replaces: same
-outputs and same cache rows, bit for bit, for fp32 and bf16 caches; and a batch step takes it."""
+outputs and same cache rows, bit for bit, for fp32, bf16 and int8 caches; and a batch step takes it."""
 from __future__ import annotations
 
 import pytest
@@ -14,15 +14,15 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"native kernels una
 HQ, HKV, D = 8, 2, 16
 
 
-def _caches(lengths, dtype, gen):
+def _caches(lengths, dtype, gen, d=D):
     """Per sequence: K and V BlockBuffers holding lengths[s] - 1 rows (already normed and roped history)."""
     mem = MemoryAccountant(None)
     out = []
     for n in lengths:
-        k, v = BlockBuffer(mem, (HKV, D), dtype=dtype), BlockBuffer(mem, (HKV, D), dtype=dtype)
+        k, v = BlockBuffer(mem, (HKV, d), dtype=dtype), BlockBuffer(mem, (HKV, d), dtype=dtype)
         if n > 1:
-            k.push(torch.randn(n - 1, HKV, D, generator=gen))
-            v.push(torch.randn(n - 1, HKV, D, generator=gen))
+            k.push(torch.randn(n - 1, HKV, d, generator=gen))
+            v.push(torch.randn(n - 1, HKV, d, generator=gen) * torch.rand(n - 1, HKV, 1, generator=gen))
         out.append((k, v))
     return out
 
@@ -41,17 +41,19 @@ def _per_sequence(caches, q, k, v, norms, inv_freq):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,d", [(torch.float32, D), (torch.bfloat16, D), (torch.int8, D), (torch.int8, 128)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_paged_equals_per_sequence(dtype, threads):
+def test_paged_equals_per_sequence(dtype, d, threads):
+    """int8 at D=16 keeps one scale per head row, at D=128 two (groups of 64)."""
     gen = torch.Generator().manual_seed(0)
     lengths = [1, 2, 63, 64, 65, 130, 7]
     b = len(lengths)
-    q, k, v = (torch.randn(b, h, D, generator=gen) for h in (HQ, HKV, HKV))
-    norms = (torch.rand(D, generator=gen) + 0.5, torch.rand(D, generator=gen) + 0.5)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
-    old = _caches(lengths, dtype, torch.Generator().manual_seed(1))
-    new = _caches(lengths, dtype, torch.Generator().manual_seed(1))
+    q, k, v = (torch.randn(b, h, d, generator=gen) for h in (HQ, HKV, HKV))
+    v[3] = 0.0  # an all-zero value row: scale 0 in an int8 cache
+    norms = (torch.rand(d, generator=gen) + 0.5, torch.rand(d, generator=gen) + 0.5)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    old = _caches(lengths, dtype, torch.Generator().manual_seed(1), d)
+    new = _caches(lengths, dtype, torch.Generator().manual_seed(1), d)
     want = _per_sequence(old, q.clone(), k, v, norms, inv_freq)
     for kb, vb in new:
         kb.reserve(1)
@@ -60,12 +62,15 @@ def test_paged_equals_per_sequence(dtype, threads):
     cpu.set_threads(threads)
     try:
         got = paged.gqa_decode_paged(q.clone(), k, v, [kb.length for kb, _ in new], [kb.blocks for kb, _ in new],
-                                     [vb.blocks for _, vb in new], 0.3, *norms, 1e-6, inv_freq, 1.0)
+                                     [vb.blocks for _, vb in new], 0.3, *norms, 1e-6, inv_freq, 1.0, dtype,
+                                     new[0][0].block)
     finally:
         cpu.set_threads(before)
     assert torch.equal(got, want)
     for (ko, vo), (kn, vn) in zip(old, new):
         assert torch.equal(ko.view(), kn.view()) and torch.equal(vo.view(), vn.view())
+        for a, c in zip(ko.blocks + vo.blocks, kn.blocks + vn.blocks):  # the stored bytes too (int8 values, scales)
+            assert torch.equal(a.view(torch.uint8), c.view(torch.uint8))
 
 
 def test_paged_rejects_rows_beyond_its_blocks():
@@ -88,7 +93,7 @@ def test_reserve_charges_like_push():
     assert mem.state_bytes == 2 * a.nbytes
 
 
-@pytest.mark.parametrize("kv", ["fp32", "bf16"])
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
 def test_batch_decode_step_takes_the_paged_path_and_equals_one_at_a_time(tmp_path_factory, monkeypatch, kv):
     """Three sequences decoding together (one paged call per layer) give each the logits it gets decoding alone (up
     to fp32 summation order: the projections and experts of a 3-row step run other kernels than a 1-row step's)."""

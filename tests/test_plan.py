@@ -241,7 +241,7 @@ def test_kv_dtype_state_matches_engine(tmp_path_factory, family):
 
     path = synth_tiny(tmp_path_factory, family)
     shapes = {}
-    for dtype in ("fp32", "bf16"):
+    for dtype in ("fp32", "bf16", "int8"):
         p = open_plan(path)
         try:
             shapes[dtype] = model_facts(path, p, dtype).state
@@ -258,7 +258,8 @@ def test_kv_dtype_state_matches_engine(tmp_path_factory, family):
         finally:
             eng.close()
     assert shapes["bf16"].bytes_per_token * 2 == shapes["fp32"].bytes_per_token > 0
-    assert shapes["bf16"].fixed_bytes == shapes["fp32"].fixed_bytes
+    assert shapes["bf16"].fixed_bytes == shapes["fp32"].fixed_bytes == shapes["int8"].fixed_bytes
+    assert shapes["bf16"].bytes_per_token / 2 < shapes["int8"].bytes_per_token < shapes["bf16"].bytes_per_token
 
 
 def test_kv_dtype_option(tiny, k3_dir, capsys):
@@ -269,6 +270,8 @@ def test_kv_dtype_option(tiny, k3_dir, capsys):
     # GQA only: all of the state halves but the bookkeeping booked for each sequence
     assert (b16["state_bytes_per_sequence"] - host) * 2 == f32["state_bytes_per_sequence"] - host
     assert b16["max_sequences"] > 1.5 * f32["max_sequences"] > 0
+    i8 = plan_json(str(tiny), *args, "--kv-dtype", "int8", capsys=capsys)
+    assert i8["max_sequences"] > b16["max_sequences"] and "int8 KV" in i8["model"]["state"]
     assert "bf16 KV" in b16["model"]["state"]
     k3 = [plan_json(str(k3_dir), "--ram-budget", "64GB", "--disk-bandwidth", "3GB", "--kv-dtype", d, capsys=capsys)
           for d in ("fp32", "bf16")]

@@ -34,8 +34,9 @@ def add_state_room_arg(p: argparse.ArgumentParser) -> None:
                         "when dense weights must stream (default: none reserved; state then takes room from "
                         "the expert cache and a too-long context fails with a budget error)")
     p.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_NAMES), default="fp32",
-                   help="storage of KV and latent caches: fp32 (default; the parity bounds are fp32's) or bf16 "
-                        "(half the bytes, attention still computes in fp32)")
+                   help="storage of KV and latent caches: fp32 (default; the parity bounds are fp32's), bf16 "
+                        "(half the bytes) or int8 (groups of 64 values with an fp32 scale: 0.27 of fp32's "
+                        "bytes, about twice bf16's sequences); attention still computes in fp32")
 
 
 def parse_budget(value: str | None) -> int | None:

@@ -48,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "--skew-from FILE reads it without tracing again)")
     p.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_NAMES), default="fp32",
                    help="KV / latent cache storage the engine would run with (--kv-dtype of run / serve): bf16 "
-                        "halves those caches, so more sequences fit (default fp32)")
+                        "halves those caches and int8 takes about a quarter, so more sequences fit (default fp32)")
     p.add_argument("--price-per-hour", type=float, default=None, metavar="P", help="machine price: prints cost "
                                                                                    "per million tokens")
     p.add_argument("--machine", choices=sorted(MACHINES), default=None,

@@ -3,8 +3,9 @@
  * A batch step of many decoding sequences used to make one native call per sequence and layer, each after a
  * Python-side append to the sequence's KV blocks and, for a bf16 cache, a gathered fp32 copy of it. Here one call
  * does all of them, straight on the block storage: for each sequence it normalises and ropes the new query and key,
- * writes the key and value into the row the caller reserved in the sequence's blocks (fp32 or bf16, rounded to
- * nearest even as torch converts), and attends over rows 0 .. L-1 in the same order of operations as
+ * writes the key and value into the row the caller reserved in the sequence's blocks (fp32; bf16 rounded to
+ * nearest even as torch converts; int8 in groups as kernels/kvquant.py quantises), and attends over rows 0 .. L-1
+ * in the same order of operations as
  * ms_gqa_attend, so results are bit-identical to the per-sequence path. Sequences are split over the pool. */
 
 static inline uint16_t f32_bf16(float f) { /* round to nearest even, as torch's fp32 -> bf16 */
@@ -16,53 +17,101 @@ static inline uint16_t f32_bf16(float f) { /* round to nearest even, as torch's 
 }
 
 typedef struct {
-    int64_t B, Hq, Hkv, D, Dv, block, kv_bf16, nbf16;
+    int64_t B, Hq, Hkv, D, Dv, block, storage, nbf16, kgroup, vgroup;
     float *q; const float *k, *v; const int64_t *L, *koff, *kblocks, *vblocks;
     const void *qn, *kn; float eps; const float *inv_freq; float factor, scale; float *out;
     float *scratch; int64_t stride, lmax, width; /* per part: scores [Hq, lmax], the new key, one widened row */
 } paged_job;
 
+enum { KV_FP32 = 0, KV_BF16 = 1, KV_INT8 = 2 };
+
+/* An int8 block (kernels/kvquant.py): int8 values [block, width], then fp32 scales [block, width / group], one per
+ * `group` consecutive values (groups never straddle a head: group divides the head width). */
+static inline const float *int8_scales(const int64_t *tab, int64_t b, int64_t block, int64_t width, int64_t group,
+                                       int64_t r) {
+    return (const float *)((const int8_t *)(intptr_t)tab[b] + block * width) + r * (width / group);
+}
+
 /* row j of a sequence's blocks (block table `tab`), as fp32 into dst (n values) or a pointer when fp32 */
-static inline const float *paged_row(const int64_t *tab, int64_t j, int64_t block, int64_t width, int bf16,
-                                     float *dst) {
+static inline const float *paged_row(const int64_t *tab, int64_t j, int64_t block, int64_t width, int storage,
+                                     int64_t group, float *dst) {
     const int64_t b = j / block, r = j % block;
-    if (!bf16) return (const float *)(intptr_t)tab[b] + r * width;
-    const uint16_t *s = (const uint16_t *)(intptr_t)tab[b] + r * width;
-    for (int64_t c = 0; c < width; c++) dst[c] = bits_f32((uint32_t)s[c] << 16);
+    if (storage == KV_FP32) return (const float *)(intptr_t)tab[b] + r * width;
+    if (storage == KV_BF16) {
+        const uint16_t *s = (const uint16_t *)(intptr_t)tab[b] + r * width;
+        for (int64_t c = 0; c < width; c++) dst[c] = bits_f32((uint32_t)s[c] << 16);
+        return dst;
+    }
+    const int8_t *s = (const int8_t *)(intptr_t)tab[b] + r * width;
+    const float *sc = int8_scales(tab, b, block, width, group, r);
+    for (int64_t c = 0; c < width; c++) dst[c] = (float)s[c] * sc[c / group];
     return dst;
 }
 
-static void paged_store(const int64_t *tab, int64_t j, int64_t block, int64_t width, int bf16, const float *src) {
+/* x [width] quantised in groups as kvquant.quantize does: scale = max |x| / 127, values rounded to nearest even */
+static void int8_quantize(const float *x, int64_t width, int64_t group, int8_t *q, float *scales) {
+    for (int64_t g0 = 0; g0 < width; g0 += group) {
+        float amax = 0.0f;
+        for (int64_t c = g0; c < g0 + group; c++) amax = fabsf(x[c]) > amax ? fabsf(x[c]) : amax;
+        const float s = amax / 127.0f, safe = s == 0.0f ? 1.0f : s;
+        for (int64_t c = g0; c < g0 + group; c++) {
+            float v = nearbyintf(x[c] / safe);
+            q[c] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+        }
+        scales[g0 / group] = s;
+    }
+}
+
+static void paged_store(const int64_t *tab, int64_t j, int64_t block, int64_t width, int storage, int64_t group,
+                        const float *src) {
     const int64_t b = j / block, r = j % block;
-    if (!bf16) {
+    if (storage == KV_FP32) {
         memcpy((float *)(intptr_t)tab[b] + r * width, src, sizeof(float) * (size_t)width);
         return;
     }
-    uint16_t *d = (uint16_t *)(intptr_t)tab[b] + r * width;
-    for (int64_t c = 0; c < width; c++) d[c] = f32_bf16(src[c]);
+    if (storage == KV_BF16) {
+        uint16_t *d = (uint16_t *)(intptr_t)tab[b] + r * width;
+        for (int64_t c = 0; c < width; c++) d[c] = f32_bf16(src[c]);
+        return;
+    }
+    int8_quantize(src, width, group, (int8_t *)(intptr_t)tab[b] + r * width,
+                  (float *)int8_scales(tab, b, block, width, group, r));
+}
+
+/* the value a store of x in this storage gives back (x itself for fp32), into dst */
+static void stored_values(const float *x, int64_t width, int storage, int64_t group, int8_t *qtmp, float *stmp,
+                          float *dst) {
+    if (storage == KV_FP32) {
+        memcpy(dst, x, sizeof(float) * (size_t)width);
+    } else if (storage == KV_BF16) {
+        for (int64_t c = 0; c < width; c++) dst[c] = bits_f32((uint32_t)f32_bf16(x[c]) << 16);
+    } else {
+        int8_quantize(x, width, group, qtmp, stmp);
+        for (int64_t c = 0; c < width; c++) dst[c] = (float)qtmp[c] * stmp[c / group];
+    }
 }
 
 static void paged_one(const paged_job *j, int64_t s, float *p, float *krow, float *row) {
     const int64_t Hq = j->Hq, Hkv = j->Hkv, D = j->D, Dv = j->Dv, G = Hq / Hkv, L = j->L[s], pos = L - 1;
-    const int bf16 = (int)j->kv_bf16;
+    const int storage = (int)j->storage;
     const int64_t *kt = j->kblocks + j->koff[s], *vt = j->vblocks + j->koff[s];
     float *qs = j->q + s * Hq * D;
     const float *kin = j->k + s * Hkv * D;
     /* the per-sequence path stores the raw key in the cache's dtype first, then norms and ropes that copy in fp32
      * and attends with it unrounded: the same here */
-    for (int64_t c = 0; c < Hkv * D; c++) krow[c] = bf16 ? bits_f32((uint32_t)f32_bf16(kin[c]) << 16) : kin[c];
+    stored_values(kin, Hkv * D, storage, j->kgroup, (int8_t *)row, row + Hkv * D, krow);
     if (j->qn) rms_rows(qs, Hq, D, j->qn, (int)j->nbf16, j->eps);
     if (j->kn) rms_rows(krow, Hkv, D, j->kn, (int)j->nbf16, j->eps);
     if (j->inv_freq) {
         rope_heads(qs, Hq, D, pos, j->inv_freq, j->factor);
         rope_heads(krow, Hkv, D, pos, j->inv_freq, j->factor);
     }
-    paged_store(kt, pos, j->block, Hkv * D, bf16, krow);
-    paged_store(vt, pos, j->block, Hkv * Dv, bf16, j->v + s * Hkv * Dv);
+    paged_store(kt, pos, j->block, Hkv * D, storage, j->kgroup, krow);
+    paged_store(vt, pos, j->block, Hkv * Dv, storage, j->vgroup, j->v + s * Hkv * Dv);
     /* scores p[h, t]: each cache row is read (and widened) once for all heads; per head the order of operations
      * is ms_gqa_attend's (t ascending), so the sums are the same */
     for (int64_t t = 0; t < L; t++) {
-        const float *kr = t == pos ? krow : paged_row(kt, t, j->block, Hkv * D, bf16, row);
+        const float *kr = t == pos ? krow : paged_row(kt, t, j->block, Hkv * D, storage, j->kgroup, row);
         for (int64_t h = 0; h < Hq; h++) {
             const float *qh = qs + h * D, *kj = kr + (h / G) * D;
             float sdot = 0.0f;
@@ -83,7 +132,7 @@ static void paged_one(const paged_job *j, int64_t s, float *p, float *krow, floa
         for (int64_t d = 0; d < Dv; d++) oh[d] = 0.0f;
     }
     for (int64_t t = 0; t < L; t++) {
-        const float *vr = paged_row(vt, t, j->block, Hkv * Dv, bf16, row);
+        const float *vr = paged_row(vt, t, j->block, Hkv * Dv, storage, j->vgroup, row);
         for (int64_t h = 0; h < Hq; h++) {
             const float w = p[h * L + t], *vj = vr + (h / G) * Dv;
             float *oh = j->out + (s * Hq + h) * Dv;
@@ -103,11 +152,13 @@ static void paged_part(void *arg, int part, int parts) {
 /* B sequences decoding one token each. q [B, Hq, D], k [B, Hkv, D], v [B, Hkv, Dv] fp32 contiguous (q is normed and
  * roped in place); sequence s holds L[s] rows after this token (its new row L[s]-1 is already inside its blocks);
  * its K and V block addresses are kblocks/vblocks[koff[s] ..], blocks of `block` rows [block, Hkv, D|Dv] in fp32
- * (kv_bf16 0) or bf16 (1). Norm weights, rope and scale as ms_gqa_attend (no window). out [B, Hq, Dv].
+ * (storage 0), bf16 (1) or int8 with fp32 scales per kgroup / vgroup values (2). Norm weights, rope and scale as
+ * ms_gqa_attend (no window). out [B, Hq, Dv].
  * Returns 0, or -1 when out of memory. */
 int ms_gqa_decode_paged(int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, float *q, const float *k,
                         const float *v, const int64_t *L, const int64_t *koff, const int64_t *kblocks,
-                        const int64_t *vblocks, int64_t block, int kv_bf16, const void *qn, const void *kn, int nbf16,
+                        const int64_t *vblocks, int64_t block, int storage, int64_t kgroup, int64_t vgroup,
+                        const void *qn, const void *kn, int nbf16,
                         float eps, const float *inv_freq, float factor, float scale, float *out) {
     if (B <= 0) return 0;
     int64_t lmax = 1;
@@ -115,10 +166,11 @@ int ms_gqa_decode_paged(int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t D
     int parts = pool_parts;
     if (parts > B) parts = (int)B;
     const int64_t width = Hkv * (D > Dv ? D : Dv);
-    const int64_t stride = (Hq * lmax + 2 * width + 15) / 16 * 16;
+    /* the widened row doubles as the int8 store's temporaries (width bytes + width / group scales) */
+    const int64_t stride = (Hq * lmax + 3 * width + 15) / 16 * 16;
     float *scratch = malloc(sizeof(float) * (size_t)(stride * parts));
     if (!scratch) return -1;
-    paged_job j = {B, Hq, Hkv, D, Dv, block, kv_bf16, nbf16, q, k, v, L, koff, kblocks, vblocks, qn, kn, eps,
+    paged_job j = {B, Hq, Hkv, D, Dv, block, storage, nbf16, kgroup, vgroup, q, k, v, L, koff, kblocks, vblocks, qn, kn, eps,
                    inv_freq, factor, scale, out, scratch, stride, lmax, width};
     pool_run(paged_part, &j, parts);
     free(scratch);

@@ -49,7 +49,7 @@ MIN_ROWS_PER_THREAD = 256
 SPIN_US = 3000
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
-_ABI = 14
+_ABI = 15
 _SOURCE = Path(__file__).with_name("_cpu.c")
 # _cpu.c #includes the others
 _SOURCES = (_SOURCE, *(Path(__file__).with_name(n)
@@ -137,8 +137,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_gqa_attend.argtypes = [i64, i64, i64, i64, i64, p, p, p, i64, p, p, ctypes.c_int, ctypes.c_float, p,
                                   ctypes.c_float, ctypes.c_float, i64, p]
     lib.ms_gqa_attend.restype = ctypes.c_int
-    lib.ms_gqa_decode_paged.argtypes = [i64, i64, i64, i64, i64, p, p, p, p, p, p, p, i64, ctypes.c_int, p, p,
-                                        ctypes.c_int, ctypes.c_float, p, ctypes.c_float, ctypes.c_float, p]
+    lib.ms_gqa_decode_paged.argtypes = [i64, i64, i64, i64, i64, p, p, p, p, p, p, p, i64, ctypes.c_int, i64, i64,
+                                        p, p, ctypes.c_int, ctypes.c_float, p, ctypes.c_float, ctypes.c_float, p]
     lib.ms_gqa_decode_paged.restype = ctypes.c_int
     lib.ms_conv_decode.argtypes = [i64, i64, i64, p, p, p, p]
     lib.ms_conv_decode.restype = None

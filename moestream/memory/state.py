@@ -15,6 +15,7 @@ import torch
 
 from moestream.config import KV_DTYPE_NAMES
 from moestream.errors import MoestreamError
+from moestream.kernels import kvquant
 from moestream.memory.accountant import MemoryAccountant
 from moestream.memory.slabs import free_block, new_block
 
@@ -24,7 +25,8 @@ GROW_TOKENS = BLOCK_TOKENS  # the old name (tests and docs speak of growth in 64
 # cache object per layer): tracemalloc measured ~7 KiB + ~1.5 KiB a layer (docs/memory.md), booked with headroom.
 HOST_BYTES_BASE = 8 << 10
 HOST_BYTES_PER_LAYER = 2 << 10
-KV_DTYPES = dict(zip(KV_DTYPE_NAMES, (torch.float32, torch.bfloat16)))  # --kv-dtype: storage; compute stays fp32
+# --kv-dtype: storage; compute stays fp32 (int8: grouped int8 with fp32 scales, kernels/kvquant.py)
+KV_DTYPES = dict(zip(KV_DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.int8)))
 
 
 def kv_dtype(name: str) -> torch.dtype:
@@ -70,7 +72,10 @@ class BlockBuffer:
     """Rows [length, *row_shape] of one dtype in fixed blocks of `block` rows. Each block is charged to the budget
     when it is allocated (never an old + new copy), appends write in place, and with a `window` the blocks wholly
     before the next query's window are dropped (reused for the next rows), so a sliding-window cache holds at most
-    window + chunk + one block of rows. Readers iterate `tiles()` or take a contiguous `gather()`."""
+    window + chunk + one block of rows. Readers iterate `tiles()` or take a contiguous `gather()`.
+
+    With dtype torch.int8 (`--kv-dtype int8`) a block is one uint8 slot holding the block's int8 rows and then their
+    fp32 group scales (kernels/kvquant.py); rows are quantised when written and read back as fp32."""
 
     def __init__(self, memory: MemoryAccountant, row_shape: tuple[int, ...], what: str = "KV cache",
                  dtype: torch.dtype = torch.float32, window: int | None = None, block: int = BLOCK_TOKENS):
@@ -81,11 +86,26 @@ class BlockBuffer:
         self.length = 0  # rows appended so far (absolute)
 
     @property
-    def row_bytes(self) -> int:
+    def quantized(self) -> bool:
+        return self.dtype == torch.int8
+
+    @property
+    def tile_dtype(self) -> torch.dtype:
+        """The dtype `tiles()` gives rows in without an extra conversion: the storage's, fp32 for int8."""
+        return torch.float32 if self.quantized else self.dtype
+
+    @property
+    def elements(self) -> int:
         n = 1
         for d in self.row_shape:
             n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n
+
+    @property
+    def row_bytes(self) -> int:
+        if self.quantized:
+            return kvquant.row_bytes(self.row_shape)
+        return self.elements * self.dtype.itemsize
 
     @property
     def block_bytes(self) -> int:
@@ -104,6 +124,40 @@ class BlockBuffer:
         """Bytes appending `n` rows will charge (blocks beyond those it holds now)."""
         return max(0, blocks_held(self.length, n, self.window, self.block) - len(self.blocks)) * self.block_bytes
 
+    def _new_block(self) -> torch.Tensor:
+        if self.quantized:
+            return new_block((self.block_bytes,), torch.uint8)
+        return new_block((self.block, *self.row_shape), self.dtype)
+
+    def _parts(self, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An int8 block's (values [block, *row_shape] int8, scales [block, *lead, groups] fp32) views."""
+        n = self.block * self.elements
+        groups = self.row_shape[-1] // kvquant.group_of(self.row_shape[-1])
+        values = blk[:n].view(torch.int8).view(self.block, *self.row_shape)
+        return values, blk[n:].view(torch.float32).view(self.block, *self.row_shape[:-1], groups)
+
+    def _write(self, blk: torch.Tensor, r: int, rows: torch.Tensor) -> None:
+        """Store rows at row r of a block (converted to, or quantised for, the storage)."""
+        if not self.quantized:
+            blk[r:r + rows.shape[0]] = rows
+            return
+        values, scales = self._parts(blk)
+        q, s = kvquant.quantize(rows)
+        values[r:r + rows.shape[0]] = q
+        scales[r:r + rows.shape[0]] = s
+
+    def _read(self, blk: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+        if not self.quantized:
+            return blk[:n].to(dtype)
+        values, scales = self._parts(blk)
+        return kvquant.dequantize(values[:n], scales[:n]).to(dtype)
+
+    def stored(self, rows: torch.Tensor) -> torch.Tensor:
+        """The fp32 values this buffer gives back for rows once stored (its storage's rounding)."""
+        if self.quantized:
+            return kvquant.roundtrip(rows)
+        return rows.to(self.dtype).float()
+
     def push(self, rows: torch.Tensor) -> None:
         """Append rows [n, *row_shape] (converted to the storage dtype)."""
         n = rows.shape[0]
@@ -112,7 +166,7 @@ class BlockBuffer:
         while at < n:
             b, r = divmod(self.length - self.start, self.block)
             take = min(self.block - r, n - at)
-            self.blocks[b][r:r + take] = rows[at:at + take]
+            self._write(self.blocks[b], r, rows[at:at + take])
             at += take
             self.length += take
 
@@ -131,7 +185,7 @@ class BlockBuffer:
         charge = max(0, need - len(free)) * self.block_bytes
         self.memory.grow_state(charge, self.what)  # BudgetError before anything is allocated
         for _ in range(need):
-            self.blocks.append(free.pop() if free else new_block((self.block, *self.row_shape), self.dtype))
+            self.blocks.append(free.pop() if free else self._new_block())
         for blk in free:  # dropped blocks this append did not reuse
             free_block(blk)
         self.memory.release_state(len(free) * self.block_bytes)
@@ -151,12 +205,12 @@ class BlockBuffer:
         """(absolute index of the first row, rows [n, *row_shape] in `dtype`) for each block, oldest first."""
         for i, blk in enumerate(self.blocks):
             first = self.start + i * self.block
-            yield first, blk[:min(self.block, self.length - first)].to(dtype)
+            yield first, self._read(blk, min(self.block, self.length - first), dtype)
 
     def gather(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The held rows [kept, *row_shape] contiguous in `dtype`: a view when one block of that dtype holds them,
         else a copy (a temporary the caller charges with `transient` when it can be large)."""
-        if len(self.blocks) == 1 and self.dtype == dtype:
+        if len(self.blocks) == 1 and self.dtype == dtype and not self.quantized:
             return self.blocks[0][:self.kept]
         if not self.blocks:
             return torch.empty((0, *self.row_shape), dtype=dtype)
@@ -164,7 +218,7 @@ class BlockBuffer:
 
     def gather_bytes(self, dtype: torch.dtype = torch.float32) -> int:
         """Bytes of a gathered copy of the held rows in `dtype`."""
-        return self.kept * self.row_bytes // self.dtype.itemsize * dtype.itemsize
+        return self.kept * self.elements * dtype.itemsize
 
     def append(self, rows: torch.Tensor) -> torch.Tensor:
         """push(rows), then the held rows as fp32 (gather)."""
@@ -172,8 +226,8 @@ class BlockBuffer:
         return self.gather()
 
     def view(self) -> torch.Tensor:
-        """The held rows in the storage dtype (a copy past one block)."""
-        return self.gather(self.dtype)
+        """The held rows as `tiles()` gives them (storage dtype, fp32 for int8; a copy past one block)."""
+        return self.gather(self.tile_dtype)
 
     def overwrite_tail(self, rows: torch.Tensor) -> None:
         """Replace the last rows.shape[0] rows (a kernel that normalised and roped them in a gathered copy)."""
@@ -182,7 +236,7 @@ class BlockBuffer:
             first = self.start + b * self.block
             lo, hi = max(first, base), min(first + self.block, self.length)
             if lo < hi:
-                blk[lo - first:hi - first] = rows[lo - base:hi - base]
+                self._write(blk, lo - first, rows[lo - base:hi - base])
 
     def clone(self, rows: int | None = None) -> "BlockBuffer":
         """A copy holding the first `rows` rows (default all), not charged (the caller charges `clone_bytes`)."""

@@ -44,7 +44,7 @@ def cache_tiles(slot: KVSlot, rows: int) -> Tiles:
         return torch.cat([p.permute(1, 0, 2) for p in parts], dim=1).float().unsqueeze(0)
 
     def pieces():  # (first position, k, v) of at most `rows` rows: blocks, cut when tiles are smaller
-        for (f, k), (_, v) in zip(slot.k.tiles(slot.k.dtype), slot.v.tiles(slot.v.dtype)):
+        for (f, k), (_, v) in zip(slot.k.tiles(slot.k.tile_dtype), slot.v.tiles(slot.v.tile_dtype)):
             for s in range(0, k.shape[0], rows):
                 yield f + s, k[s:s + rows], v[s:s + rows]
 
@@ -123,10 +123,10 @@ def _fresh_attention(slot: KVSlot, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     blocks of at most FLASH_Q_SPLIT queries x FLASH_KV_SPLIT keys per thread with an online softmax), in a
     fraction of the small torch ops' time: a 512-token prompt's 16 layers took 0.8-1.7 s in attend_tiles
     (docs/performance.md). Keys and values are the cache's rows as stored (bf16 caches round them), as the tiled
-    path reads them. Its per-thread blocks and the output are charged as scratch while it runs."""
+    path reads them (an int8 cache's quantised values likewise). Its per-thread blocks and the output are charged as scratch while it runs."""
     t, hq, d = q.shape
     if slot.k.dtype != torch.float32:
-        k, v = k.to(slot.k.dtype).float(), v.to(slot.v.dtype).float()
+        k, v = slot.k.stored(k), slot.v.stored(v)
     dv = v.shape[-1]
     block = min(t, FLASH_Q_SPLIT)
     nbytes = 4 * (torch.get_num_threads() * block * (min(t, FLASH_KV_SPLIT) + 2 * dv + 2) + t * hq * dv)
@@ -170,7 +170,7 @@ def _padded(bufs: list[BlockBuffer], longest: int) -> torch.Tensor:
     """[n, longest, *row] fp32: each buffer's held rows copied from its blocks, zero padding after."""
     out = torch.zeros(len(bufs), longest, *bufs[0].row_shape)
     for i, b in enumerate(bufs):
-        for first, rows in b.tiles(b.dtype):
+        for first, rows in b.tiles(b.tile_dtype):
             at = first - b.start
             out[i, at:at + rows.shape[0]] = rows
     return out
@@ -345,7 +345,7 @@ class GQAMixer:
         return paged.gqa_decode_paged(q.contiguous(), k.contiguous(), v.contiguous(), [s.k.length for s in slots],
                                       [s.k.blocks for s in slots], [s.v.blocks for s in slots], self.scale,
                                       self.q_norm, self.k_norm, self.eps, self.rope.inv_freq,
-                                      self.rope.attention_factor)
+                                      self.rope.attention_factor, slots[0].k.dtype, slots[0].k.block)
 
     def _native_call(self, slot: KVSlot, q: torch.Tensor, new: int) -> torch.Tensor:
         """The kernel wants the cache contiguous fp32: one fp32 block is passed as it is (the kernel norms and

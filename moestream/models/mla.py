@@ -204,7 +204,7 @@ def latent_tiles(buf: BlockBuffer, rows: int,
     each turned into (first position, keys, values) by `make` -- one tile's copy at a time, never the cache's."""
     def tiles():
         parts, first, n = [], 0, 0
-        for f, lat in buf.tiles(buf.dtype):
+        for f, lat in buf.tiles(buf.tile_dtype):
             for s in range(0, lat.shape[0], rows):
                 piece = lat[s:s + rows]
                 if n + piece.shape[0] > rows:

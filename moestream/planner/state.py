@@ -2,21 +2,32 @@
 
 Owns the per-layer formulas the models allocate by (attention.KVSlot: K and V rows of kv_heads x head_dim;
 mla.MLASlot: kv_lora_rank + qk_rope_head_dim per token; kda.KDAState: the [H, dk, dv] matrix and the q/k/v conv
-windows, fixed size), KV and latent rows in the `--kv-dtype` storage (fp32 or bf16) and recurrent state in fp32 as
-the engine keeps them, and feeds them to the server's `StateProfile`, so the bytes a sequence reaches at a context
+windows, fixed size), KV and latent rows in the `--kv-dtype` storage (fp32, bf16, or int8 with its group scales) and
+recurrent state in fp32 as the engine keeps them, and feeds them to the server's `StateProfile`, so the bytes a sequence reaches at a context
 replay the engine's block allocation exactly as admission does.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Callable
 
 from moestream.errors import MoestreamError, UnsupportedModelError
+from moestream.kernels import kvquant
 from moestream.memory.state import host_bytes_of
 from moestream.models.kimi_linear import FULL
 from moestream.server.prefix import StateProfile
 
 FP32 = 4
-KV_BYTES = {"fp32": 4, "bf16": 2}  # bytes per stored KV / latent element for each --kv-dtype (memory/state.py)
+KV_DTYPES = ("fp32", "bf16", "int8")  # --kv-dtype storages (memory/state.py KV_DTYPES)
+
+
+def _row_bytes(kv_dtype: str) -> Callable[[tuple[int, ...]], int]:
+    """Bytes one stored row of this shape takes: 4 or 2 an element, or int8 values plus fp32 group scales."""
+    if kv_dtype == "int8":
+        return kvquant.row_bytes
+    width = {"fp32": 4, "bf16": 2}[kv_dtype]
+    return lambda shape: math.prod(shape) * width
 
 
 @dataclass
@@ -47,8 +58,8 @@ class StateShape:
                 f"{self.host_bytes} bytes of bookkeeping")
 
 
-def _mla_row(raw: dict, kv: int) -> int:
-    return (int(raw.get("kv_lora_rank", 512)) + int(raw.get("qk_rope_head_dim", 64))) * kv
+def _mla_row(raw: dict, kv: Callable[[tuple[int, ...]], int]) -> int:
+    return kv((int(raw.get("kv_lora_rank", 512)) + int(raw.get("qk_rope_head_dim", 64)),))
 
 
 def _kda_fixed(heads: int, dim: int, conv: int) -> int:
@@ -57,32 +68,32 @@ def _kda_fixed(heads: int, dim: int, conv: int) -> int:
 
 def state_shape(config, kv_dtype: str = "fp32") -> StateShape:
     """The StateShape of a family's parsed config (ModelPlan.config), KV / latent rows stored as `kv_dtype`."""
-    if kv_dtype not in KV_BYTES:
-        raise MoestreamError(f"--kv-dtype must be one of {', '.join(KV_BYTES)}; got {kv_dtype!r}")
-    shape = _shape(config, KV_BYTES[kv_dtype])
+    if kv_dtype not in KV_DTYPES:
+        raise MoestreamError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
+    shape = _shape(config, _row_bytes(kv_dtype))
     shape.kv_dtype = kv_dtype
     shape.host_bytes = host_bytes_of(int(config.num_layers))
     return shape
 
 
-def _shape(config, kv: int) -> StateShape:
+def _shape(config, kv: Callable[[tuple[int, ...]], int]) -> StateShape:
     n = int(config.num_layers)
     kind = type(config).__name__
     if hasattr(config, "mla_layers"):  # Kimi K3: MLA at the listed layers, KDA elsewhere
         mla = len(config.mla_layers)
-        row = (config.kv_lora_rank + config.rope_dim) * kv
+        row = kv((config.kv_lora_rank + config.rope_dim,))
         return StateShape([row] * mla, (n - mla) * _kda_fixed(config.kda_heads, config.kda_dim, config.conv_size),
                           {"MLA latent": mla, "KDA state": n - mla})
     if hasattr(config, "layer_types") and hasattr(config, "kda"):  # Kimi Linear: "full" layers are MLA
         kda = config.kda
         full = [t for t in config.layer_types if t == FULL]
         mla = config.mla
-        row = (mla.kv_lora_rank + mla.qk_rope_head_dim) * kv
+        row = kv((mla.kv_lora_rank + mla.qk_rope_head_dim,))
         rest = n - len(full)
         return StateShape([row] * len(full), rest * _kda_fixed(kda.heads, kda.head_dim, kda.conv_kernel),
                           {"MLA latent": len(full), "KDA state": rest})
     if hasattr(config, "kv_heads") and hasattr(config, "head_dim"):  # GQA: K and V buffers per layer
-        row = config.kv_heads * config.head_dim * kv
+        row = kv((config.kv_heads, config.head_dim))
         return StateShape([row, row] * n, 0, {"GQA KV": n})
     if hasattr(config, "fp8_block"):  # DeepSeek-V3 / Kimi K2: MLA everywhere
         return StateShape([_mla_row(config.raw, kv)] * n, 0, {"MLA latent": n})
