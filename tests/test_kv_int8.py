@@ -10,7 +10,7 @@ from conftest import prompt_ids, synth_tiny
 from moestream.kernels import kvquant
 from moestream.memory.accountant import MemoryAccountant
 from moestream.memory.slabs import blocks_out
-from moestream.memory.state import BLOCK_TOKENS, BlockBuffer
+from moestream.memory.state import BLOCK_TOKENS, BlockBuffer, block_shape
 
 
 def test_quantize_error_is_within_half_a_step_of_each_group():
@@ -36,24 +36,27 @@ def test_block_buffer_int8_stores_charges_and_reads_back():
     buf.push(rows[:100])
     buf.push(rows[100:])
     assert buf.row_bytes == 2 * 128 + 2 * 2 * 4
-    assert mem.state_bytes == buf.nbytes == 3 * BLOCK_TOKENS * buf.row_bytes
+    # a block fills whole pages (the slab slot it takes) with as many rows as fit: 75 of 272 bytes in 5 pages
+    assert (buf.block, buf.block_bytes) == (75, 5 * 4096) == block_shape(272, True)
+    assert block_shape(272) == (BLOCK_TOKENS, BLOCK_TOKENS * 272)
+    assert mem.state_bytes == buf.nbytes == 2 * buf.block_bytes
     assert torch.equal(buf.gather(), kvquant.roundtrip(rows))
     assert buf.tile_dtype == torch.float32 and buf.view().dtype == torch.float32
     new = torch.randn(3, 2, 128)
-    buf.overwrite_tail(new)  # rows 147..149 span no block edge; 62..65 below do
+    buf.overwrite_tail(new)  # rows 147..149 span no block edge; 73..76 below do
     assert torch.equal(buf.gather()[-3:], kvquant.roundtrip(new))
     edge = BlockBuffer(mem, (2, 128), dtype=torch.int8)
-    edge.push(rows[:66])
+    edge.push(rows[:77])
     edge.overwrite_tail(new.repeat(2, 1, 1)[:4])
-    assert torch.equal(edge.gather()[62:], kvquant.roundtrip(new.repeat(2, 1, 1)[:4]))
+    assert torch.equal(edge.gather()[73:], kvquant.roundtrip(new.repeat(2, 1, 1)[:4]))
     copy = buf.clone(120)
     mem.grow_state(copy.clone_bytes(), "clone")  # as server/prefix.py charges a clone
-    assert torch.equal(copy.gather(), buf.gather()[:120]) and copy.clone_bytes() == 2 * BLOCK_TOKENS * buf.row_bytes
+    assert torch.equal(copy.gather(), buf.gather()[:120]) and copy.clone_bytes() == 2 * buf.block_bytes
     copy.release()
     before = blocks_out()
     buf.release()
     edge.release()
-    assert mem.state_bytes == 0 and blocks_out() == before - 5
+    assert mem.state_bytes == 0 and blocks_out() == before - 4
 
 
 def test_block_buffer_int8_window_drops_blocks():
@@ -104,7 +107,7 @@ def test_int8_state_is_about_half_of_bf16(tmp_path_factory):
     for kv in ("bf16", "int8"):
         eng = Engine.open(path, kv_dtype=kv)
         st = eng.new_sequence()
-        eng.prefill(st, prompt_ids(eng.vocab_size, 64))
+        eng.prefill(st, prompt_ids(eng.vocab_size, 300))  # tiny rows: bf16 64 bytes, int8 32 + 2 scales = 40
         held[kv] = eng.memory.state_bytes
         eng.free(st)
         eng.close()

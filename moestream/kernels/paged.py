@@ -27,8 +27,8 @@ def gqa_decode_paged(q: Tensor, k: Tensor, v: Tensor, lengths: Sequence[int], kb
     """B sequences decoding one token each: q [B, Hq, D], k [B, Hkv, D], v [B, Hkv, Dv] fp32 contiguous (q is
     normed and roped in place). Sequence s holds lengths[s] rows including this token, in its blocks kblocks[s] /
     vblocks[s] (each [block, Hkv, D|Dv], all of one dtype, fp32 or bf16; the row lengths[s] - 1 is written here).
-    With storage torch.int8 the blocks are BlockBuffer's int8 slots (uint8 [block x row bytes]: int8 values, then
-    fp32 group scales) and `block` says their rows. Returns out [B, Hq, Dv] fp32."""
+    With storage torch.int8 the blocks are BlockBuffer's int8 slots (uint8 [>= block x row bytes]: int8 values,
+    then fp32 group scales) and `block` says their rows. Returns out [B, Hq, Dv] fp32."""
     handle = required()
     b, hq, d = q.shape
     hkv, dv = v.shape[1], v.shape[2]
@@ -41,8 +41,9 @@ def gqa_decode_paged(q: Tensor, k: Tensor, v: Tensor, lengths: Sequence[int], kb
     first = kblocks[0][0]
     if storage == torch.int8:
         code = 2
-        if block is None or first.dtype != torch.uint8 or first.shape != (block * kvquant.row_bytes((hkv, d)),) \
-                or vblocks[0][0].shape != (block * kvquant.row_bytes((hkv, dv)),):
+        if block is None or first.dtype != torch.uint8 or first.dim() != 1 \
+                or first.numel() < block * kvquant.row_bytes((hkv, d)) \
+                or vblocks[0][0].numel() < block * kvquant.row_bytes((hkv, dv)):
             raise ValueError(f"gqa_decode_paged wants int8 slots of {block} rows [{hkv}, {d}|{dv}]")
     else:
         block, code = first.shape[0], _STORAGE.get(first.dtype)

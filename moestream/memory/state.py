@@ -17,7 +17,7 @@ from moestream.config import KV_DTYPE_NAMES
 from moestream.errors import MoestreamError
 from moestream.kernels import kvquant
 from moestream.memory.accountant import MemoryAccountant
-from moestream.memory.slabs import free_block, new_block
+from moestream.memory.slabs import PAGE, free_block, new_block
 
 BLOCK_TOKENS = 64  # rows per KV block: a batch of short sequences holds ~its context, not 256 rows each
 GROW_TOKENS = BLOCK_TOKENS  # the old name (tests and docs speak of growth in 64-token steps)
@@ -34,6 +34,17 @@ def kv_dtype(name: str) -> torch.dtype:
     if name not in KV_DTYPES:
         raise MoestreamError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}; got {name!r}")
     return KV_DTYPES[name]
+
+
+def block_shape(row_bytes: int, quantized: bool = False) -> tuple[int, int]:
+    """(rows, bytes) of one cache block whose rows take `row_bytes`: BLOCK_TOKENS rows for fp32 / bf16; an int8
+    block (whose rows carry their scales, so are rarely a power of two) fills whole pages instead, the slab slot it
+    lives in, with as many rows as fit (>= BLOCK_TOKENS): 272-byte rows take 75 a block in 5 pages, where 64 would
+    have left 15% of the slot unused but resident."""
+    if not quantized:
+        return BLOCK_TOKENS, BLOCK_TOKENS * row_bytes
+    nbytes = -(-BLOCK_TOKENS * row_bytes // PAGE) * PAGE
+    return nbytes // row_bytes, nbytes
 
 
 def blocks_held(length: int, n: int, window: int | None, block: int = BLOCK_TOKENS) -> int:
@@ -74,13 +85,15 @@ class BlockBuffer:
     before the next query's window are dropped (reused for the next rows), so a sliding-window cache holds at most
     window + chunk + one block of rows. Readers iterate `tiles()` or take a contiguous `gather()`.
 
-    With dtype torch.int8 (`--kv-dtype int8`) a block is one uint8 slot holding the block's int8 rows and then their
-    fp32 group scales (kernels/kvquant.py); rows are quantised when written and read back as fp32."""
+    With dtype torch.int8 (`--kv-dtype int8`) a block is one uint8 slot of whole pages holding the block's int8 rows
+    and then their fp32 group scales (kernels/kvquant.py), as many rows as fill the pages (`block_shape`); rows are
+    quantised when written and read back as fp32."""
 
     def __init__(self, memory: MemoryAccountant, row_shape: tuple[int, ...], what: str = "KV cache",
-                 dtype: torch.dtype = torch.float32, window: int | None = None, block: int = BLOCK_TOKENS):
+                 dtype: torch.dtype = torch.float32, window: int | None = None, block: int | None = None):
         self.memory, self.row_shape, self.what, self.dtype = memory, tuple(row_shape), what, dtype
-        self.window, self.block = window, block
+        self.window = window
+        self.block = block_shape(self.row_bytes, self.quantized)[0] if block is None else block
         self.blocks: list[torch.Tensor] = []
         self.start = 0  # absolute index of blocks[0]'s first row (a multiple of block)
         self.length = 0  # rows appended so far (absolute)
@@ -109,6 +122,9 @@ class BlockBuffer:
 
     @property
     def block_bytes(self) -> int:
+        """Bytes one block charges: its rows, or for int8 its whole slot (whole pages)."""
+        if self.quantized:
+            return -(-self.block * self.row_bytes // PAGE) * PAGE
         return self.block * self.row_bytes
 
     @property
@@ -134,7 +150,8 @@ class BlockBuffer:
         n = self.block * self.elements
         groups = self.row_shape[-1] // kvquant.group_of(self.row_shape[-1])
         values = blk[:n].view(torch.int8).view(self.block, *self.row_shape)
-        return values, blk[n:].view(torch.float32).view(self.block, *self.row_shape[:-1], groups)
+        scales = blk[n:n + 4 * self.block * (self.elements // self.row_shape[-1]) * groups]
+        return values, scales.view(torch.float32).view(self.block, *self.row_shape[:-1], groups)
 
     def _write(self, blk: torch.Tensor, r: int, rows: torch.Tensor) -> None:
         """Store rows at row r of a block (converted to, or quantised for, the storage)."""

@@ -45,7 +45,7 @@ class StateShape:
         return sum(self.row_bytes)
 
     def profile(self) -> StateProfile:
-        return StateProfile.of_rows(self.row_bytes, self.fixed_bytes + self.host_bytes)
+        return StateProfile.of_rows(self.row_bytes, self.fixed_bytes + self.host_bytes, self.kv_dtype == "int8")
 
     def at(self, prompt: int, context: int, chunk: int) -> int:
         """Bytes one sequence holds at `context` tokens (prompt fed `chunk` at a time), growth slack included."""

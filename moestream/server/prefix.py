@@ -12,7 +12,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from moestream.memory.accountant import MemoryAccountant
-from moestream.memory.state import BLOCK_TOKENS, BlockBuffer, SeqState, blocks_held
+from moestream.memory.state import BLOCK_TOKENS, BlockBuffer, SeqState, block_shape, blocks_held
 
 
 def _is_tensor(x: Any) -> bool:
@@ -122,11 +122,15 @@ class StateProfile:
             self.fixed = state.fixed_bytes + state.host_bytes
 
     @classmethod
-    def of_rows(cls, row_bytes: list[int], fixed: int) -> "StateProfile":
+    def of_rows(cls, row_bytes: list[int], fixed: int, quantized: bool = False) -> "StateProfile":
         """A profile known ahead of any sequence: one full-context buffer per entry of `row_bytes` (bytes per
-        token), in the engine's fixed blocks, plus `fixed` bytes (the planner's state from a config alone)."""
+        token), in the engine's blocks (memory/state.py block_shape; int8 rows with their scales when
+        `quantized`), plus `fixed` bytes (the planner's state from a config alone)."""
         prof = cls()
-        prof.shapes = [(row * BLOCK_TOKENS, None, BLOCK_TOKENS) for row in row_bytes]
+        prof.shapes = []
+        for row in row_bytes:
+            rows, nbytes = block_shape(row, quantized)
+            prof.shapes.append((nbytes, None, rows))
         prof.fixed = fixed
         return prof
 
