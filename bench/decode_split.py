@@ -9,7 +9,8 @@ of a step: norms, the attention projections (q/k/v/o), the rest of attention (q/
 the router (linear + top-k), the routed experts (the runner; its native kernel call and the lookahead separately),
 the lm_head, and
 "other" (the step minus all of those: embedding, residual adds, sampling, the engine's bookkeeping). Prints a
-table (ms per token and share), the timed decode's MoE layer steps (how many ran their experts inside the native
+table (ms per token and share), the native decode layer's own phases (cpu.layer_times: prep, q/k/v, attention,
+o_proj, router, experts), the timed decode's MoE layer steps (how many ran their experts inside the native
 decode layer, took the runner's warm path or its general one; experts read ahead) and one JSON line. The timers
 cost about a microsecond per call.
 """
@@ -154,8 +155,12 @@ def main() -> None:
             eng.free(st)
         first, _ = decode(eng, prompt, args.tokens)  # warm: every expert these tokens route to is cached
         pool0, steps0 = _pool_stats(), _layer_steps(eng)
+        phases = hasattr(cpu, "layer_times") and cpu.available() and not args.no_native
+        if phases:
+            cpu.layer_times(True)  # the native decode layer's phase clocks, from zero
         with instrumented():
             again, total = decode(eng, prompt, args.tokens)
+        inner = cpu.layer_times(False) if phases else {}
         pool = {k: v - pool0.get(k, 0) for k, v in _pool_stats().items()}
         steps = {k: v - steps0[k] for k, v in _layer_steps(eng).items()}
     tables = getattr(eng.runner, "tables", {})  # an older tree has none
@@ -184,9 +189,14 @@ def main() -> None:
             print(f"  background prefetch per token: {pool['prefetches'] / args.tokens:.1f} posted, "
                   f"{pool['prefetches_cut'] / args.tokens:.1f} cut short, "
                   f"{pool['prefetch_bytes'] / args.tokens / 1e6:.1f} MB read ahead")
+    inner_ms = {k: v / 1e6 / args.tokens for k, v in inner.items() if k != "calls"}
+    if inner.get("calls"):
+        print(f"  inside the native decode layer ({inner['calls'] / args.tokens:.0f} calls a token, wall):")
+        for name, v in inner_ms.items():
+            print(f"    {name:<38}{v:>8.2f} ms {v / ms:>7.1%}")
     print(json.dumps({"tokens_per_s": args.tokens / total, "ms_per_token": ms, "threads": args.threads,
                       "clock": clock, "split_ms": {k: v * 1e3 for k, v in rows.items()}, "tokens": first[:8],
-                      "pool": pool, "layer_steps": steps}))
+                      "pool": pool, "layer_steps": steps, "native_layer_ms": inner_ms}))
 
 
 if __name__ == "__main__":

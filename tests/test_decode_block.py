@@ -187,3 +187,26 @@ def test_background_prefetch_is_posted_stopped_and_changes_nothing(threads):
     before = cpu.pool_stats()
     fused.prefetch(fused.prefetch_regions([w]))  # one thread: nothing to hand it to
     assert cpu.pool_stats()["prefetches"] == before["prefetches"]
+
+
+@native
+def test_layer_times_count_decode_block_calls_only_while_on(tmp_path, monkeypatch):
+    """cpu.layer_times: off, decode block calls leave the clocks at zero; on, each call counts once and its time
+    lands in the phases (the experts' phase too once the warm steps run them inside the call); the read resets."""
+    synthesize("qwen3_moe", tmp_path / "m", "tiny", progress=False)
+    eng = Engine.open(tmp_path / "m", ram_budget="1GB")
+    eng.runner.lookahead.reads = 0
+    ids = prompt_ids(eng.vocab_size, 6, seed=3)
+    cpu.layer_times(False)  # zero, off
+    _decode(eng, ids, True, monkeypatch)  # also warms the expert cache
+    assert cpu.layer_times(False)["calls"] == 0
+    cpu.layer_times(True)
+    try:
+        _decode(eng, ids, True, monkeypatch)
+        got = cpu.layer_times(True)  # read and zero, stays on
+        assert cpu.layer_times(False)["calls"] == 0
+    finally:
+        cpu.layer_times(False)
+    assert got["calls"] == len(eng.model.layers) * len(ids)
+    assert set(got) == {*cpu.LAYER_PHASES, "calls"}
+    assert got["q/k/v"] > 0 and got["experts"] > 0 and all(v >= 0 for v in got.values())

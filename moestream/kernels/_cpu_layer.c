@@ -13,6 +13,30 @@ enum {
 };
 enum { DLF_EPS, DLF_FACTOR, DLF_SCALE, DLF_BETA, DLF_LBETA, DLF_COUNT };
 
+/* Optional clocks of ms_gqa_decode_block's phases (ms_layer_times; bench/decode_split.py): wall ns per phase, summed
+ * over calls, while enabled. For measurement only: one set of counters, not meant for concurrent callers. */
+enum { DLT_PREP, DLT_QKV, DLT_ATTN, DLT_O, DLT_ROUTER, DLT_EXPERTS, DLT_POST, DLT_CALLS, DLT_COUNT };
+static int dl_timing = 0;
+static int64_t dl_ns[DLT_COUNT], dl_last;
+
+#ifndef DL_MARK
+#define DL_MARK(phase) dl_mark(phase)
+#endif
+INLINE void dl_mark(int phase) {
+    if (!dl_timing) return;
+    const int64_t t = now_ns();
+    if (phase > 0) dl_ns[phase - 1] += t - dl_last;
+    else dl_ns[DLT_CALLS]++;
+    dl_last = t;
+}
+
+/* copies the counters into out[DLT_COUNT] (when not NULL), zeroes them when reset, and turns the clocks on or off */
+void ms_layer_times(int enable, int reset, int64_t *out) {
+    if (out) memcpy(out, dl_ns, sizeof(dl_ns));
+    if (reset) memset(dl_ns, 0, sizeof(dl_ns));
+    dl_timing = enable;
+}
+
 #define ATTN_SPLIT_BYTES (256 << 10) /* below this much K+V the attention runs on the calling thread alone */
 
 typedef struct {
@@ -114,6 +138,7 @@ int ms_gqa_decode_block(const int64_t *cfg, const float *fcfg, float *h, const i
     const float eps = fcfg[DLF_EPS];
     const int64_t nq = Hq * D, nk = Hkv * D, nv = Hkv * Dv, na = Hq * Dv, ldx = bf16_stride(H), lda = bf16_stride(na);
     const int64_t row = length - 1 - start;
+    DL_MARK(0);
     if (length <= start || H <= 0 || Hkv <= 0 || Hq % Hkv) return -2;
     const int64_t j0 = window > 0 && length > window ? length - window : 0, first = j0 > start ? j0 : start;
     const int attn_parts = (length - first) * nk * 8 < ATTN_SPLIT_BYTES ? 1 : dl_parts(Hq, 1);
@@ -132,7 +157,10 @@ int ms_gqa_decode_block(const int64_t *cfg, const float *fcfg, float *h, const i
     const int64_t ws[3] = {cfg[DL_WQ], cfg[DL_WK], cfg[DL_WV]}, Ns[3] = {nq, nk, nv};
     const int64_t outs[3] = {(int64_t)(intptr_t)q, (int64_t)(intptr_t)kout, (int64_t)(intptr_t)vout};
     bf16_job qkv = {xp, ldx, 1, H, 3, nq + nk + nv, ws, Ns, outs};
+    DL_MARK(1); /* phases: 1 prep, 2 q/k/v, 3 q/k norm + rope + attention, 4 o_proj, 5 post norm + router, 6 experts,
+                 * 7 the prefetch posted */
     bf16_run(&qkv, dl_parts(nq + nk + nv, min_rows));
+    DL_MARK(2);
     /* the workers read o_proj's weights ahead while this thread normalises, ropes and attends alone */
     const int64_t wo_region[3] = {1, cfg[DL_WO], H * na * 2};
     pool_prefetch(wo_region);
@@ -148,11 +176,13 @@ int ms_gqa_decode_block(const int64_t *cfg, const float *fcfg, float *h, const i
     dl_attn_job aj = {Hq, Hkv, D, Dv, start, length, first, block, kb, vb, q, att, scores, fcfg[DLF_SCALE]};
     pool_run(dl_attn_part, &aj, attn_parts);
 
+    DL_MARK(3);
     bf16_prepare_row(att, na, ap);
     const int64_t wo = cfg[DL_WO], yo = (int64_t)(intptr_t)y;
     bf16_job oj = {ap, lda, 1, na, 1, H, &wo, &H, &yo};
     bf16_run(&oj, dl_parts(H, min_rows));
     for (int64_t c = 0; c < H; c++) h[c] += y[c];
+    DL_MARK(4);
 
     memcpy(x2, h, sizeof(float) * (size_t)H);
     rms_rows(x2, 1, H, (const void *)(intptr_t)cfg[DL_POST_NORM], (int)cfg[DL_POST_BF16], eps);
@@ -162,9 +192,12 @@ int ms_gqa_decode_block(const int64_t *cfg, const float *fcfg, float *h, const i
         softmax_topk_row(logits, E, cfg[DL_TOPK], (int)cfg[DL_RENORM], taken, ids, wts);
     }
     free(mem);
+    DL_MARK(5);
     const int done = table && cfg[DL_ROUTER] && E > 0 ? dl_experts(cfg, fcfg, table, h, x2, ids, wts) : 0;
     /* the next layer's dense weights (cfg[DL_PREFETCH]: pool_prefetch's regions, 0 for none) are read ahead by the
      * workers while the caller's Python runs between this call and the next */
+    DL_MARK(6);
     pool_prefetch((const int64_t *)(intptr_t)cfg[DL_PREFETCH]);
+    DL_MARK(7);
     return done;
 }

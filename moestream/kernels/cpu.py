@@ -148,6 +148,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_gqa_decode_block.restype = ctypes.c_int
     lib.ms_prefetch_async.argtypes = [p]
     lib.ms_prefetch_async.restype = None
+    lib.ms_layer_times.argtypes = [ctypes.c_int, ctypes.c_int, p]
+    lib.ms_layer_times.restype = None
 
 
 def _load() -> None:
@@ -244,6 +246,23 @@ def pool_stats() -> dict[str, int]:
     return {"runs": out[0], "caller_sleeps": out[1], "worker_sleeps": out[2], "long_waits": out[3],
             "prefetches": out[4], "prefetches_cut": out[5], "prefetch_bytes": out[6], "taken": out[7],
             "shared_cpu": out[8]}
+
+
+LAYER_PHASES = ("prep", "q/k/v", "q/k norm, rope, attention", "o_proj", "post norm, router", "experts",
+                "prefetch posted")
+
+
+def layer_times(enable: bool, reset: bool = True) -> dict[str, int]:
+    """The native decode layer's phase clocks (fused.DecodeBlock's call, _cpu_layer.c): wall ns spent in each of
+    LAYER_PHASES since the last reset, plus "calls". Then zeroes them (reset) and turns them on or off (off at
+    load; each phase costs a clock read while on). For benchmarks: one set of counters for the process. {} without
+    the library."""
+    handle = lib()
+    if handle is None:
+        return {}
+    out = (ctypes.c_int64 * (len(LAYER_PHASES) + 1))()
+    handle.ms_layer_times(int(enable), int(reset), out)
+    return {**dict(zip(LAYER_PHASES, out[:-1])), "calls": out[-1]}
 
 
 def threads() -> int:
