@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cpu", action="store_true", help="profile the main thread's CPU time instead of wall time")
     ap.add_argument("--timeline", action="store_true", help="where in each step the disk sat idle")
-    ap.add_argument("--kv-dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--kv-dtype", choices=("fp32", "bf16", "int8"), default="fp32")
     ap.add_argument("--mixed", type=int, default=0, metavar="P",
                     help="each timed step also prefills P new sequences' whole prompts of --mixed-len tokens beside "
                          "the B decoding rows (the mixed steps of a batch job that admits as others finish)")
