@@ -39,6 +39,7 @@ def format_bytes(n: float) -> str:
 
 
 KV_DTYPE_NAMES = ("fp32", "bf16")  # --kv-dtype choices (memory/state.py maps them to torch dtypes)
+COMPUTE_DTYPE_NAMES = ("fp32", "bf16")  # --compute-dtype choices (models/blocks.py's many-row products)
 
 
 @dataclass
@@ -50,6 +51,9 @@ class EngineOptions:
     prefill_chunk: int = 512
     threads: int | None = None  # torch compute threads; None keeps torch's default (one per physical core)
     kv_dtype: str = "fp32"  # KV / latent cache storage: "fp32" (the parity bounds are fp32's) or "bf16" (half)
+    # many-row products (prefill chunks, batch steps): "fp32" (default, the parity bounds) or "bf16" (bf16 weights
+    # times bf16-rounded activations, fp32 sums: faster, about bf16's rounding off the fp32 logits; models/blocks.py)
+    compute_dtype: str = "fp32"
 
 
 def read_model_config(root: str | Path) -> dict:
