@@ -186,13 +186,14 @@ def batched_table(args: argparse.Namespace) -> None:
     native grouped kernel's bf16 compute path (bf16-rounded rows, fp32 sums: _cpu_bf16.c) against torch's bf16
     GEMM rate on the same square matrix."""
     torch.set_num_threads(args.threads or torch.get_num_threads())
+    clock = time.thread_time if args.cpu_time else time.perf_counter  # --cpu-time: the calling thread's CPU time
     cpu.set_threads(torch.get_num_threads())
     g = torch.Generator().manual_seed(0)
     inter, hidden = (int(v) for v in args.expert.split("x"))
     a, b = torch.randn(1024, 1024, generator=g), torch.randn(1024, 1024, generator=g)
-    peak = 2 * 1024 ** 3 * rate(lambda i: torch.mm(a, b), 1, args.seconds) / 1e9
+    peak = 2 * 1024 ** 3 * rate(lambda i: torch.mm(a, b), 1, args.seconds, clock) / 1e9
     ab, bb = a.bfloat16(), b.bfloat16()
-    peak16 = 2 * 1024 ** 3 * rate(lambda i: torch.mm(ab, bb), 1, args.seconds) / 1e9
+    peak16 = 2 * 1024 ** 3 * rate(lambda i: torch.mm(ab, bb), 1, args.seconds, clock) / 1e9
     print(f"{'rows':>6}{'upcast+GEMM GFLOP/s':>22}{'of GEMM':>9}{'native GFLOP/s':>16}{'of GEMM':>9}"
           f"{'bf16 GFLOP/s':>14}{'of bf16 GEMM':>14}", flush=True)
     parts = [torch.randn(*s, generator=g).bfloat16() for s in ((inter, hidden), (inter, hidden), (hidden, inter))]
@@ -201,18 +202,19 @@ def batched_table(args: argparse.Namespace) -> None:
     copies = [parts] + [[p.clone() for p in parts] for _ in range(n - 1)]
     ptrs = [[tuple(p.data_ptr() for p in c)] for c in copies]
     print(f"fp32 GEMM 1024^3: {peak:.1f} GFLOP/s   bf16 GEMM 1024^3: {peak16:.1f} GFLOP/s   threads "
-          f"{torch.get_num_threads()}   expert {inter}x{hidden}   native: {n} copies cycled   AVX-512 BF16: "
-          f"{cpu.bf16dot()}")
+          f"{torch.get_num_threads()}   clock {'thread CPU' if args.cpu_time else 'wall'}   expert {inter}x{hidden}"
+          f"   native: {n} copies cycled   AVX-512 BF16: {cpu.bf16dot()}")
     results = []
     for rows in args.batch_rows:
         x = torch.randn(rows, hidden, generator=g)
         flops = 2 * rows * 3 * inter * hidden
         with cpu.disabled():
-            torch_rate = flops * rate(lambda i: blocks.glu_mlp(x, *parts), 1, args.seconds) / 1e9
+            torch_rate = flops * rate(lambda i: blocks.glu_mlp(x, *parts), 1, args.seconds, clock) / 1e9
         out = torch.zeros(rows, hidden)
-        native_rate = flops * rate(lambda i: fused.moe_glu_bf16(x, [0], ptrs[i], inter, out), n, args.seconds) / 1e9
+        native_rate = flops * rate(lambda i: fused.moe_glu_bf16(x, [0], ptrs[i], inter, out), n, args.seconds,
+                                   clock) / 1e9
         bf16_rate = flops * rate(lambda i: fused.moe_glu_bf16(x, [0], ptrs[i], inter, out, compute="bf16"), n,
-                                 args.seconds) / 1e9
+                                 args.seconds, clock) / 1e9
         results.append({"rows": rows, "torch_GFLOPs": torch_rate, "native_GFLOPs": native_rate, "gemm_GFLOPs": peak,
                         "bf16_GFLOPs": bf16_rate, "gemm_bf16_GFLOPs": peak16})
         print(f"{rows:>6}{torch_rate:>22.1f}{torch_rate / peak:>9.0%}{native_rate:>16.1f}{native_rate / peak:>9.0%}"
@@ -226,11 +228,11 @@ def batched_table(args: argparse.Namespace) -> None:
     for rows in args.batch_rows:
         x = torch.randn(rows, hidden, generator=g)
         flops = 2 * rows * hidden * hidden
-        f32 = flops * rate(lambda i: blocks.linear(x, w[i]), len(w), args.seconds) / 1e9
+        f32 = flops * rate(lambda i: blocks.linear(x, w[i]), len(w), args.seconds, clock) / 1e9
         with blocks.compute_dtype("bf16"):
-            b16 = flops * rate(lambda i: blocks.linear(x, w[i]), len(w), args.seconds) / 1e9
+            b16 = flops * rate(lambda i: blocks.linear(x, w[i]), len(w), args.seconds, clock) / 1e9
         tb16 = flops * rate(lambda i: torch.nn.functional.linear(x.bfloat16(), w[i]).float(), len(w),
-                            args.seconds) / 1e9
+                            args.seconds, clock) / 1e9
         dense.append({"rows": rows, "fp32_GFLOPs": f32, "bf16_GFLOPs": b16, "torch_bf16_GFLOPs": tb16})
         print(f"{rows:>6}{f32:>20.1f}{b16:>20.1f}{tb16:>20.1f}", flush=True)
     print(json.dumps({"batched": results, "dense": dense, "gemm_GFLOPs": peak, "gemm_bf16_GFLOPs": peak16,

@@ -17,14 +17,25 @@
 #define MS_BF16DP 0
 #endif
 
-#define BP (2 * VW) /* tokens per bf16 panel */
-#if MS_SIMD == 1 || MS_SIMD == 0
-#define BPR 4       /* weight rows per register tile (AVX2 has 16 vector registers) */
-#else
-#define BPR 8
+/* register tile: BPR weight rows (BPR even: the GLU writes h in pairs) x BNV vectors of tokens */
+#if MS_BF16DP
+#ifndef BNV
+#define BNV 4
 #endif
+#ifndef BPR
+#define BPR 6 /* 24 accumulators: measured a little ahead of 8 x 2 (16) and well ahead of 12 x 2 (spills) */
+#endif
+#elif MS_SIMD == 2
+#define BNV 2
+#define BPR 8
+#else
+#define BNV 2
+#define BPR 4       /* AVX2 has 16 vector registers */
+#endif
+#define BP (BNV * VW) /* tokens per bf16 panel */
 
 int ms_bf16dp(void) { return MS_BF16DP; }
+int ms_bf16_panel(void) { return BP; }
 
 /* f32_bf16 (round to nearest even, as torch converts): _cpu_paged.c */
 
@@ -48,28 +59,32 @@ static void bp_pack(const float *x, int64_t K, const int64_t *rows, int64_t t0, 
     }
 }
 
-/* c[r * BP + t] = sum_k w_r[k] * xp[k][t] for BPR weight rows wr[r] (bf16, K = 2 * K2) and the NV * VW tokens of
- * one panel */
+/* c[r * BP + t] = sum_k w_r[k] * xp[k][t] for BPR weight rows wr[r] (bf16, K = 2 * K2) and the first NV * VW
+ * tokens of one panel (NV <= BNV) */
 INLINE void bp_tile(const uint16_t *const *wr, const uint32_t *xp, int64_t K2, float *c, const int NV) {
 #if MS_BF16DP
-    __m512 acc[BPR][2];
+    __m512 acc[BPR][BNV];
 #pragma GCC unroll 8
-    for (int r = 0; r < BPR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int r = 0; r < BPR; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < BNV; v++) acc[r][v] = _mm512_setzero_ps();
     for (int64_t p = 0; p < K2; p++) {
-        const __m512i x0 = _mm512_loadu_si512((const void *)(xp + p * BP));
-        const __m512i x1 = NV > 1 ? _mm512_loadu_si512((const void *)(xp + p * BP + VW)) : _mm512_setzero_si512();
+        __m512i xv[BNV];
+#pragma GCC unroll 4
+        for (int v = 0; v < BNV; v++)
+            xv[v] = v < NV ? _mm512_loadu_si512((const void *)(xp + p * BP + v * VW)) : _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int r = 0; r < BPR; r++) {
             const __m512i b = _mm512_set1_epi32((int)load_pair(wr[r] + 2 * p));
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)x0, (__m512bh)b);
-            if (NV > 1) acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)x1, (__m512bh)b);
+#pragma GCC unroll 4
+            for (int v = 0; v < BNV; v++)
+                if (v < NV) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)xv[v], (__m512bh)b);
         }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < BPR; r++) {
-        _mm512_storeu_ps(c + r * BP, acc[r][0]);
-        if (NV > 1) _mm512_storeu_ps(c + r * BP + VW, acc[r][1]);
-    }
+    for (int r = 0; r < BPR; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) _mm512_storeu_ps(c + r * BP + v * VW, acc[r][v]);
 #else
     vf acc[BPR][2];
 #pragma GCC unroll 8
@@ -99,11 +114,16 @@ INLINE void bp_tile(const uint16_t *const *wr, const uint32_t *xp, int64_t K2, f
 #endif
 }
 
-/* the tile for a panel holding `w` real tokens (half the accumulators when they fit one vector); rows rr..BPR of
- * the tile repeat row rr - 1 (computed, not used) */
+/* the tile for a panel holding `tokens` real tokens (only the vectors they fill); rows rr..BPR of the tile repeat
+ * row rr - 1 (computed, not used) */
 static void bp_run(const uint16_t *w, int64_t K, int64_t n, int rr, const uint32_t *xp, float *c, int64_t tokens) {
     const uint16_t *wr[BPR];
     for (int r = 0; r < BPR; r++) wr[r] = w + (n + (r < rr ? r : rr - 1)) * K;
+#if BNV == 4
+    if (tokens > 3 * VW) bp_tile(wr, xp, K / 2, c, 4);
+    else if (tokens > 2 * VW) bp_tile(wr, xp, K / 2, c, 3);
+    else
+#endif
     if (tokens > VW) bp_tile(wr, xp, K / 2, c, 2);
     else bp_tile(wr, xp, K / 2, c, 1);
 }

@@ -149,6 +149,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_prefetch_async.argtypes = [p]
     lib.ms_prefetch_async.restype = None
     lib.ms_bf16dp.restype = ctypes.c_int
+    lib.ms_bf16_panel.restype = ctypes.c_int
     lib.ms_bf16dot_linear.argtypes = [p, i64, i64, i64, p, p, p]
     lib.ms_bf16dot_linear.restype = ctypes.c_int
     lib.ms_bf16dot_glu.argtypes = lib.ms_moe_glu_bf16.argtypes
@@ -314,10 +315,16 @@ def bf16dot() -> bool:
     return bool(handle.ms_bf16dp()) if handle is not None else False
 
 
+def bf16_panel() -> int:
+    """Tokens per panel of the bf16 compute path (_cpu_bf16.c's BP: 64 with AVX-512 BF16); 64 without the library."""
+    handle = lib()
+    return handle.ms_bf16_panel() if handle is not None else 64
+
+
 def bf16dot_scratch(rows: int, k_in: int) -> int:
     """Bytes ms_bf16dot_linear mallocs for `rows` rows of K inputs: the rows rounded to bf16, padded to a panel."""
-    panel = 2 * {"avx512": 16, "avx2": 8}.get(simd(), 1)
-    return -(-rows // panel) * panel * k_in * 2 + 64
+    panel = bf16_panel()
+    return -(-rows // panel) * panel * k_in * 2 + 64 + 8 * 64
 
 
 def linear_bf16dot_many(x: Tensor, ws: Sequence[Tensor]) -> list[Tensor]:

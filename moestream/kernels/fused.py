@@ -109,7 +109,7 @@ def _scratch(pairs: int, experts: int, largest: int, inter: int, k_in: int) -> i
 def _scratch_bf16(pairs: int, experts: int, largest: int, inter: int, k_in: int) -> int:
     """glu_call_scratch of the bf16 compute path: per pair its routing entry and its bf16 x and h panel words, per
     expert its bookkeeping and a panel's padding (no per-thread buffers: the tiles live on the stack)."""
-    return pairs * (12 + 2 * (k_in + inter)) + experts * (32 + 2 * _PAD * (k_in + inter)) + 256
+    return pairs * (12 + 2 * (k_in + inter)) + experts * (32 + 2 * cpu.bf16_panel() * (k_in + inter)) + 256
 
 
 def _pair_counts(experts: Sequence[int], ids: Tensor | None, t: int) -> list[int]:
