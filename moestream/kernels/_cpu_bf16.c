@@ -33,6 +33,9 @@
 #define BPR 4       /* AVX2 has 16 vector registers */
 #endif
 #define BP (BNV * VW) /* tokens per bf16 panel */
+#ifndef BP_PF
+#define BP_PF 1 /* 1: prefetch the next row block of the weight while a tile runs */
+#endif
 
 int ms_bf16dp(void) { return MS_BF16DP; }
 int ms_bf16_panel(void) { return BP; }
@@ -69,6 +72,11 @@ INLINE void bp_tile(const uint16_t *const *wr, const uint32_t *xp, int64_t K2, f
 #pragma GCC unroll 4
         for (int v = 0; v < BNV; v++) acc[r][v] = _mm512_setzero_ps();
     for (int64_t p = 0; p < K2; p++) {
+#if BP_PF
+        if ((p & 15) == 0) /* the same line of the next block's rows (a weight's rows are K apart) */
+#pragma GCC unroll 8
+            for (int r = 0; r < BPR; r++) _mm_prefetch((const char *)(wr[r] + BPR * 2 * K2 + 2 * p), _MM_HINT_T0);
+#endif
         __m512i xv[BNV];
 #pragma GCC unroll 4
         for (int v = 0; v < BNV; v++)
