@@ -1,5 +1,6 @@
 """Native CPU kernels for small-batch work straight from stored weights: bf16 and MXFP4 times fp32 activations, the
-grouped fused GLU experts of a layer step, rms_norm, GQA decode attention and the KDA decode step.
+grouped fused GLU experts of a layer step, rms_norm, GQA decode attention and the KDA decode step; and the opt-in
+bf16 compute path for many rows (_cpu_bf16.c: bf16 weights times bf16-rounded activations, fp32 sums).
 
 `_cpu.c` is compiled at first use with the system gcc (-O3 -march=native), cached under
 $XDG_CACHE_HOME/moestream/kernels/ keyed by a hash of the source, the flags and the CPU (built to a temporary file
