@@ -374,7 +374,8 @@ def _context(eng, opts: BenchOptions, cold: str, disk_bw: float, base_rss: int, 
            "disk_bandwidth_bytes_per_s": disk_bw, "page_cache": cold, "policy": opts.policy,
            "lookahead": opts.lookahead, "direct_io": eng.plan.store.reader.direct,
            "compute_threads": torch.get_num_threads(), "io_threads": opts.io_threads,
-           "prompt_len": opts.prompt_len, "gen_len": opts.gen_len, "temperature": opts.temperature}
+           "prompt_len": opts.prompt_len, "gen_len": opts.gen_len, "temperature": opts.temperature,
+           "compute_dtype": eng.options.compute_dtype}
 
 
 def finish_report(r: dict) -> dict:
