@@ -187,7 +187,7 @@ def tiny(tmp_path_factory):
 
 
 @native
-def test_engine_bf16_within_bound_and_same_greedy_tokens(tiny):
+def test_engine_bf16_within_bound_and_same_greedy_tokens(tiny, monkeypatch):
     """A 96-token prompt (dense products and routed experts all in bf16) against the fp32 engine. The bound: bf16
     keeps 8 significant bits (each rounding up to 2^-9 relative), a few such roundings per layer accumulate, so
     a row's logits move by a few 1e-3 of their largest value (measured: median 0.0045 on this model); a token whose
@@ -196,18 +196,27 @@ def test_engine_bf16_within_bound_and_same_greedy_tokens(tiny):
     ids = prompt_ids(512, 96, seed=4)
     f32 = Engine.open(tiny)
     b16 = Engine.open(tiny, compute_dtype="bf16")
-    a, b = f32.logits(ids), b16.logits(ids)
+    computes, glu = [], fused.moe_glu_bf16
+    monkeypatch.setattr(fused, "moe_glu_bf16", lambda *a, **kw: (computes.append(kw.get("compute")), glu(*a, **kw)))
+    a = f32.logits(ids)
+    assert set(computes) == {"fp32"}
+    computes.clear()
+    b = b16.logits(ids)
+    assert set(computes) == {"bf16"}  # the routed experts of a 96-row step too, not only the dense products
+    computes.clear()
     rows = (b - a).abs().amax(-1) / a.abs().amax(-1)
     assert not torch.equal(a, b)  # the option does something
     assert float(rows.median()) < 0.01 and float(rows.quantile(0.9)) < 0.03
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.95
     assert b16.generate(ids, 8) == f32.generate(ids, 8)
+    computes.clear()
     # decode steps (one row) stay on the fp32 kernels: the same logits whatever the option
     sa, sb = f32.new_sequence(), b16.new_sequence()
     try:
         f32.prefill(sa, ids[:8])
         b16.prefill(sb, ids[:8])  # 8 rows: below the threshold, fp32 too
         assert torch.equal(f32.step([(sa, [ids[8]])])[0], b16.step([(sb, [ids[8]])])[0])
+        assert "bf16" not in computes
     finally:
         f32.free(sa)
         b16.free(sb)
