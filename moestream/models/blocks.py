@@ -33,11 +33,11 @@ if TYPE_CHECKING:
 
 
 UPCAST_CHUNK_BYTES = 16 << 20  # fp32 scratch for one slab of upcast weight rows (counted in the engine's scratch)
-# bf16 compute from this many rows of a step: at 16 rows a 1024 x 1024 product ran 229 GFLOP/s in bf16 against
-# 99 through the fp32 native kernel (docs/performance.md, "bf16 compute")
+# bf16 compute from this many rows of a step: at 16 rows a 1024 x 1024 product ran 286 GFLOP/s in bf16 against
+# 145 through the fp32 native kernel, at 8 rows both 123 (docs/performance.md, "bf16 compute")
 BF16_MIN_ROWS = 16
-# ... and the routed experts' GLU from this many (top-8 of 64 experts: 8 rows an expert on average); at 16 rows
-# (2 rows an expert) the panel kernel's lanes are mostly idle and the fp32 row kernel was faster
+# ... and the routed experts' GLU from this many (top-8 of 64 experts: 8 rows an expert on average, where bf16 ran
+# 150 GFLOP/s against 121); at 2 rows an expert (a 16-row step) the panels' lanes are mostly idle: 39 against 68
 BF16_GLU_MIN_ROWS = 64
 
 _COMPUTE: contextvars.ContextVar[tuple[str, "MemoryAccountant | None"]] = contextvars.ContextVar(
