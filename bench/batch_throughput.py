@@ -6,7 +6,8 @@ budget, against one stream's decode on the same budget, with the step roofline m
 
 Default budget: dense weights + compute scratch + a quarter of the expert bytes (from `engine.plan`). The run
 probes the disk (direct-I/O, before and after) and the matmul rate in the precision the expert path computes in
-(fp32: the fused native kernel widens bf16 expert weights to fp32 and multiplies in fp32 at any row count), then
+(fp32: the fused native kernel widens bf16 expert weights to fp32 and multiplies in fp32 at any row count; bf16
+with `--compute-dtype bf16`, which multiplies many-row steps' bf16 weights by bf16-rounded activations), then
 drives the job, recording per engine step the bytes read and the FLOPs (and in `step_detail` its rows, misses and
 the runner's I/O-wait, expert and lookahead seconds). Roofline per step = max(bytes / disk bandwidth,
 FLOPs / matmul rate); `roofline_fraction` = their sum over the run / wall time. The one-stream figure comes from
@@ -237,7 +238,8 @@ def single_stream(model: Path, budget: int, args: argparse.Namespace) -> dict:
     """`moestream bench` on the same budget in a child process (cold page cache, same prompt length)."""
     cmd = [sys.executable, "-m", "moestream", "bench", str(model), "--ram-budget", str(budget), "--cold", "--json",
            "--prompt-len", str(args.prompt_len), "--gen-len", str(args.single_gen_len), "--temperature",
-           str(args.temperature), "--seed", str(args.seed), "--no-probe", "--kv-dtype", args.kv_dtype]
+           str(args.temperature), "--seed", str(args.seed), "--no-probe", "--kv-dtype", args.kv_dtype,
+           "--compute-dtype", args.compute_dtype]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
@@ -261,7 +263,8 @@ def measure_batch(args: argparse.Namespace, budget: int) -> dict:
     drop_page_cache(files)
     probes = [probe_disk(files, PROBE_THREADS)] if args.probe else []
     base_rss = rss_now()
-    eng = Engine.open(args.model, ram_budget=budget, threads=args.threads, kv_dtype=args.kv_dtype)
+    eng = Engine.open(args.model, ram_budget=budget, threads=args.threads, kv_dtype=args.kv_dtype,
+                      compute_dtype=args.compute_dtype)
     rate = matmul_rate(torch.float32)
     rate_bf16 = matmul_rate(torch.bfloat16)
     tok = Tokenizer.load(args.model)
@@ -287,7 +290,7 @@ def _report(args, budget, rep, results, steps, flops, bw, probes, rate, rate_bf1
     gen = sum(r["tokens"] for r in results)
     prompt = sum(args.prompt_len for r in results if "error" not in r)
     wall = rep["wall_s"]
-    roof = roofline(steps, flops, bw, rate)
+    roof = roofline(steps, flops, bw, rate_bf16 if args.compute_dtype == "bf16" else rate)
     decode = [s for s in steps if s.decode_rows == len_or(s)]
     prefill_s = sum(s.seconds for s in steps if s.decode_rows != len_or(s))
     nbytes = sum(s.bytes_read for s in steps)
@@ -305,11 +308,11 @@ def _report(args, budget, rep, results, steps, flops, bw, probes, rate, rate_bf1
         "bytes_read": nbytes, "bytes_read_per_generated_token": nbytes / max(1, gen),
         "expert_hit_rate": stats["expert_hit_rate"],
         "disk_bandwidth_bytes_per_s": bw, "disk_probes_bytes_per_s": probes,
-        "matmul_flops_per_s": rate, "matmul_precision": "fp32", "matmul_bf16_flops_per_s": rate_bf16,
+        "matmul_flops_per_s": rate, "matmul_precision": args.compute_dtype, "matmul_bf16_flops_per_s": rate_bf16,
         **roof, "roofline_fraction": roof["roofline_s"] / wall,
         "ram_budget_bytes": budget, "peak_accounted_bytes": stats["peak_resident_bytes"], "peak_rss_bytes": peak,
         "rss_bound_bytes": bound, "rss_within_bound": peak <= bound, "interpreter_rss_bytes": base_rss,
-        "compute_threads": torch.get_num_threads(), "kv_dtype": args.kv_dtype,
+        "compute_threads": torch.get_num_threads(), "kv_dtype": args.kv_dtype, "compute_dtype": args.compute_dtype,
         "step_detail": [s.detail() for s in steps],
     }
 
@@ -334,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch compute threads (default 1: on a shared CPU, 2 threads made small ops 10-100x slower)")
     ap.add_argument("--kv-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
                     help="KV cache storage: bf16 halves each sequence's state, so about twice as many run at once")
+    ap.add_argument("--compute-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="many-row products' precision (EngineOptions.compute_dtype); the roofline's matmul rate is "
+                         "measured in the same precision")
     ap.add_argument("--runner", choices=list(RUNNERS), default="job",
                     help="job: the requests as a `moestream batch` job (input file in, fsynced output file out); "
                          "scheduler: submitted straight to the server's Scheduler, results kept in memory")
@@ -354,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _rate(r: dict) -> float:
+    """The matmul rate the roofline used (the precision the run computed in)."""
+    return r["matmul_bf16_flops_per_s"] if r["matmul_precision"] == "bf16" else r["matmul_flops_per_s"]
+
+
 def _text(r: dict) -> str:
     lines = [f"{r['requests']} requests x ({r['prompt_len']} prompt + {r['gen_len']} new) on {r['model']}, "
              f"budget {format_bytes(r['ram_budget_bytes'])}, in flight <= {r['planned_max_batch'] or r['max_batch']}",
@@ -364,7 +375,7 @@ def _text(r: dict) -> str:
                      f"{r['ratio_to_one_stream']:.1f}x")
     lines += [f"roofline {r['roofline_s']:.1f} s (io {r['io_floor_s']:.1f} s at "
               f"{format_bytes(int(r['disk_bandwidth_bytes_per_s']))}/s, compute {r['compute_floor_s']:.1f} s at "
-              f"{r['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s fp32): fraction {r['roofline_fraction']:.2f}",
+              f"{_rate(r) / 1e9:.0f} GFLOP/s {r['matmul_precision']}): fraction {r['roofline_fraction']:.2f}",
               f"bytes read per generated token {format_bytes(int(r['bytes_read_per_generated_token']))}, hit rate "
               f"{r['expert_hit_rate']:.2f}, peak RSS {format_bytes(r['peak_rss_bytes'])} (bound "
               f"{format_bytes(r['rss_bound_bytes'])}), failed {r['failed']}"]

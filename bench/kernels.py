@@ -2,6 +2,7 @@
 
 Usage: python bench/kernels.py --rows 3072 --cols 3584 --tokens 1 8 [--chunks 64 128 256] [--baseline]
        python bench/kernels.py --batched [--batch-rows 16 64 128 512] [--expert 512x1024] [--threads 2]
+       (--batched also runs the bf16 compute path, EngineOptions.compute_dtype "bf16", against torch's bf16 GEMM)
        python bench/kernels.py --native [--shapes 768x2048 2048x768 3072x3584] [--tokens 1 8] [--thread-counts 1 2]
                                [--p10] [--formats bf16 mxfp4 glu8]
 --native prints the native kernels (moestream.kernels.cpu) and the torch paths side by side, each shape, token
@@ -181,33 +182,61 @@ def native_table(args: argparse.Namespace) -> None:
 def batched_table(args: argparse.Namespace) -> None:
     """One expert (gate, up: [I, H], down: [H, I], bf16) over R rows, as a prefill step runs it (each bf16 part
     upcast to fp32, then torch's fp32 GEMM; blocks.linear) and through the native grouped kernel, in GFLOP/s
-    against torch's fp32 GEMM rate on a square matrix (the machine's measured matmul rate, same threads)."""
+    against torch's fp32 GEMM rate on a square matrix (the machine's measured matmul rate, same threads); and the
+    native grouped kernel's bf16 compute path (bf16-rounded rows, fp32 sums: _cpu_bf16.c) against torch's bf16
+    GEMM rate on the same square matrix."""
     torch.set_num_threads(args.threads or torch.get_num_threads())
+    clock = time.thread_time if args.cpu_time else time.perf_counter  # --cpu-time: the calling thread's CPU time
     cpu.set_threads(torch.get_num_threads())
     g = torch.Generator().manual_seed(0)
     inter, hidden = (int(v) for v in args.expert.split("x"))
     a, b = torch.randn(1024, 1024, generator=g), torch.randn(1024, 1024, generator=g)
-    peak = 2 * 1024 ** 3 * rate(lambda i: torch.mm(a, b), 1, args.seconds) / 1e9
-    print(f"{'rows':>6}{'upcast+GEMM GFLOP/s':>22}{'of GEMM':>9}{'native GFLOP/s':>16}{'of GEMM':>9}", flush=True)
+    peak = 2 * 1024 ** 3 * rate(lambda i: torch.mm(a, b), 1, args.seconds, clock) / 1e9
+    ab, bb = a.bfloat16(), b.bfloat16()
+    peak16 = 2 * 1024 ** 3 * rate(lambda i: torch.mm(ab, bb), 1, args.seconds, clock) / 1e9
+    print(f"{'rows':>6}{'upcast+GEMM GFLOP/s':>22}{'of GEMM':>9}{'native GFLOP/s':>16}{'of GEMM':>9}"
+          f"{'bf16 GFLOP/s':>14}{'of bf16 GEMM':>14}", flush=True)
     parts = [torch.randn(*s, generator=g).bfloat16() for s in ((inter, hidden), (inter, hidden), (hidden, inter))]
     # copies of the expert cycled through --footprint-mb, so its weights come from DRAM as in a real step
     n = copies_for(3 * inter * hidden * 2, args.footprint_mb << 20)
     copies = [parts] + [[p.clone() for p in parts] for _ in range(n - 1)]
     ptrs = [[tuple(p.data_ptr() for p in c)] for c in copies]
-    print(f"fp32 GEMM 1024^3: {peak:.1f} GFLOP/s   threads {torch.get_num_threads()}   expert {inter}x{hidden}"
-          f"   native: {n} copies cycled")
+    print(f"fp32 GEMM 1024^3: {peak:.1f} GFLOP/s   bf16 GEMM 1024^3: {peak16:.1f} GFLOP/s   threads "
+          f"{torch.get_num_threads()}   clock {'thread CPU' if args.cpu_time else 'wall'}   expert {inter}x{hidden}"
+          f"   native: {n} copies cycled   AVX-512 BF16: {cpu.bf16dot()}")
     results = []
     for rows in args.batch_rows:
         x = torch.randn(rows, hidden, generator=g)
         flops = 2 * rows * 3 * inter * hidden
         with cpu.disabled():
-            torch_rate = flops * rate(lambda i: blocks.glu_mlp(x, *parts), 1, args.seconds) / 1e9
+            torch_rate = flops * rate(lambda i: blocks.glu_mlp(x, *parts), 1, args.seconds, clock) / 1e9
         out = torch.zeros(rows, hidden)
-        native_rate = flops * rate(lambda i: fused.moe_glu_bf16(x, [0], ptrs[i], inter, out), n, args.seconds) / 1e9
-        results.append({"rows": rows, "torch_GFLOPs": torch_rate, "native_GFLOPs": native_rate, "gemm_GFLOPs": peak})
-        print(f"{rows:>6}{torch_rate:>22.1f}{torch_rate / peak:>9.0%}{native_rate:>16.1f}{native_rate / peak:>9.0%}",
-              flush=True)
-    print(json.dumps({"batched": results, "gemm_GFLOPs": peak}))
+        native_rate = flops * rate(lambda i: fused.moe_glu_bf16(x, [0], ptrs[i], inter, out), n, args.seconds,
+                                   clock) / 1e9
+        bf16_rate = flops * rate(lambda i: fused.moe_glu_bf16(x, [0], ptrs[i], inter, out, compute="bf16"), n,
+                                 args.seconds, clock) / 1e9
+        results.append({"rows": rows, "torch_GFLOPs": torch_rate, "native_GFLOPs": native_rate, "gemm_GFLOPs": peak,
+                        "bf16_GFLOPs": bf16_rate, "gemm_bf16_GFLOPs": peak16})
+        print(f"{rows:>6}{torch_rate:>22.1f}{torch_rate / peak:>9.0%}{native_rate:>16.1f}{native_rate / peak:>9.0%}"
+              f"{bf16_rate:>14.1f}{bf16_rate / peak16:>14.0%}", flush=True)
+    # a dense projection ([hidden, hidden] bf16, cycled like the expert) through blocks.linear in each precision,
+    # and torch's own bf16 linear (bf16 out) for the choice of kernel
+    w = [torch.randn(hidden, hidden, generator=g).bfloat16() for _ in range(copies_for(2 * hidden * hidden,
+                                                                                      args.footprint_mb << 20))]
+    print(f"{'rows':>6}{'dense fp32 GFLOP/s':>20}{'dense bf16 GFLOP/s':>20}{'torch bf16 GFLOP/s':>20}", flush=True)
+    dense = []
+    for rows in args.batch_rows:
+        x = torch.randn(rows, hidden, generator=g)
+        flops = 2 * rows * hidden * hidden
+        f32 = flops * rate(lambda i: blocks.linear(x, w[i]), len(w), args.seconds, clock) / 1e9
+        with blocks.compute_dtype("bf16"):
+            b16 = flops * rate(lambda i: blocks.linear(x, w[i]), len(w), args.seconds, clock) / 1e9
+        tb16 = flops * rate(lambda i: torch.nn.functional.linear(x.bfloat16(), w[i]).float(), len(w),
+                            args.seconds, clock) / 1e9
+        dense.append({"rows": rows, "fp32_GFLOPs": f32, "bf16_GFLOPs": b16, "torch_bf16_GFLOPs": tb16})
+        print(f"{rows:>6}{f32:>20.1f}{b16:>20.1f}{tb16:>20.1f}", flush=True)
+    print(json.dumps({"batched": results, "dense": dense, "gemm_GFLOPs": peak, "gemm_bf16_GFLOPs": peak16,
+                      "avx512_bf16": cpu.bf16dot()}))
 
 
 def main() -> None:

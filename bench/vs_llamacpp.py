@@ -24,6 +24,11 @@ greedy decode of --gen-len tokens, and prefill of a --long-len prompt (512) in a
 between the engines for --rounds rounds; the summary has medians over all timed passes and ratios, and says
 whether the first generated ids agree. (Where loading the model takes minutes, --rounds 1 --passes 5 keeps the
 engines' loads to one each.)
+
+`--compute-dtype fp32|bf16 ...` is moestream's precision of many-row products (EngineOptions.compute_dtype; default
+fp32): each value given runs as its own moestream child in every round (`--compute-dtype fp32 bf16` compares both
+with llama.cpp side by side in one run); a moestream row and the summary's keys name it (`moestream` is fp32,
+`moestream-bf16` bf16).
 """
 from __future__ import annotations
 
@@ -173,7 +178,8 @@ def child_moestream(args: argparse.Namespace) -> dict:
 
     from moestream import Engine
 
-    eng = Engine.open(args.model, ram_budget=args.budget, threads=args.threads)
+    eng = Engine.open(args.model, ram_budget=args.budget, threads=args.threads,
+                      compute_dtype=args.compute_dtype[0])
     prompt, forced = _stream(args, eng.vocab_size)
     st = eng.new_sequence()
     t0 = time.perf_counter()
@@ -185,7 +191,8 @@ def child_moestream(args: argparse.Namespace) -> dict:
         out.append(tok)
         (logits,) = eng.step([(st, [tok])])
     dt = time.perf_counter() - t1
-    return _result("moestream", args, dt, ttft, _read_io() - io0, out, eng.stats["expert_hit_rate"])
+    return _result(_label(args.compute_dtype[0]), args, dt, ttft, _read_io() - io0, out,
+                   eng.stats["expert_hit_rate"])
 
 
 def child_llama(args: argparse.Namespace) -> dict:
@@ -214,6 +221,11 @@ def _result(engine: str, args, dt: float, ttft: float, nbytes: int, out: list[in
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "tokens": out[:8]}
 
 
+def _label(compute_dtype: str) -> str:
+    """moestream's engine label for a compute dtype: fp32 keeps the plain name the summaries always used."""
+    return "moestream" if compute_dtype == "fp32" else f"moestream-{compute_dtype}"
+
+
 # ---- warm, in-RAM comparison (--warm) -------------------------------------------------------------------------
 def _long_prompt(args: argparse.Namespace, vocab: int) -> list[int]:
     import random
@@ -230,6 +242,8 @@ def _warm_result(engine: str, args, once) -> dict:
              "prefill_tokens_per_s": [args.prompt_len / p[0] for p in passes],
              "prefill_long_tokens_per_s": [args.long_len / p[2] for p in passes]}
     row = {"engine": engine, "threads": args.threads, "long_len": args.long_len, "tokens": passes[0][3][:8]}
+    if engine.startswith("moestream"):
+        row["compute_dtype"] = args.compute_dtype[0]
     for key, vals in rates.items():
         row[key] = sorted(vals)[len(vals) // 2]
         row[key + "_passes"] = vals
@@ -241,7 +255,8 @@ def warm_moestream(args: argparse.Namespace) -> dict:
 
     from moestream import Engine
 
-    eng = Engine.open(args.model, ram_budget=args.budget, threads=args.threads)
+    eng = Engine.open(args.model, ram_budget=args.budget, threads=args.threads,
+                      compute_dtype=args.compute_dtype[0])
     prompt, _ = _stream(args, eng.vocab_size)
     long = _long_prompt(args, eng.vocab_size)
 
@@ -262,7 +277,8 @@ def warm_moestream(args: argparse.Namespace) -> dict:
         eng.free(st)
         return t1 - t0, t2 - t1, t4 - t3, out
 
-    return _warm_result("moestream", args, once)  # the warm pass caches every expert the workload routes to
+    # the warm pass caches every expert the workload routes to
+    return _warm_result(_label(args.compute_dtype[0]), args, once)
 
 
 def warm_llama(args: argparse.Namespace) -> dict:
@@ -298,12 +314,15 @@ def run_warm(args: argparse.Namespace) -> int:
               "--seed", str(args.seed), "--long-len", str(args.long_len), "--passes", str(args.passes), "--warm"]
     me = [sys.executable, os.path.abspath(__file__)]
     print(json.dumps({"mode": "warm", "threads": args.threads, "prompt_len": args.prompt_len,
-                      "gen_len": args.gen_len, "long_len": args.long_len, "rounds": args.rounds}), flush=True)
-    results: dict[str, list[dict]] = {"moestream": [], "llama.cpp": []}
+                      "gen_len": args.gen_len, "long_len": args.long_len, "rounds": args.rounds,
+                      "compute_dtypes": args.compute_dtype}), flush=True)
+    engines = {_label(dt): dt for dt in args.compute_dtype}
+    results: dict[str, list[dict]] = {**{e: [] for e in engines}, "llama.cpp": []}
     for rnd in range(args.rounds):
-        for engine in ("moestream", "llama.cpp"):
-            sub = ["child-moestream", args.model] + (["--budget", str(args.budget)] if args.budget else []) \
-                if engine == "moestream" else ["child-llama", args.model, "--gguf", str(args.gguf)]
+        for engine in results:
+            sub = ["child-moestream", args.model, "--compute-dtype", engines[engine]] + \
+                (["--budget", str(args.budget)] if args.budget else []) \
+                if engine in engines else ["child-llama", args.model, "--gguf", str(args.gguf)]
             proc = subprocess.run(me + sub + common, capture_output=True, text=True)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             row = json.loads(lines[-1]) if proc.returncode == 0 and lines else {"error": proc.stderr[-2000:]}
@@ -321,9 +340,14 @@ def _warm_summary(results: dict[str, list[dict]]) -> dict:
 
     out: dict = {"summary": True, "mode": "warm"}
     for key in ("decode_tokens_per_s", "prefill_tokens_per_s", "prefill_long_tokens_per_s"):
-        ms, lc = med("moestream", key), med("llama.cpp", key)
-        out[f"moestream_{key}"], out[f"llamacpp_{key}"] = ms, lc
-        out[f"ratio_{key}"] = ms / lc if ms and lc else None
+        lc = med("llama.cpp", key)
+        out[f"llamacpp_{key}"] = lc
+        for engine in results:
+            if engine == "llama.cpp":
+                continue
+            ms, tag = med(engine, key), "" if engine == "moestream" else engine[len("moestream"):].replace("-", "_")
+            out[f"moestream{tag}_{key}"] = ms
+            out[f"ratio{tag}_{key}"] = ms / lc if ms and lc else None
     firsts = {tuple(r["tokens"][:1]) for rows in results.values() for r in rows if "tokens" in r}
     out["first_ids_agree"] = len(firsts) == 1
     out["first_ids"] = sorted(firsts)
@@ -407,7 +431,8 @@ def child_moestream_batch(args: argparse.Namespace) -> dict:
     from moestream.server.protocol import GenRequest
     from moestream.tokenizer import Tokenizer
 
-    eng = Engine.open(args.model, ram_budget=args.budget, threads=args.threads, kv_dtype=args.kv_dtype)
+    eng = Engine.open(args.model, ram_budget=args.budget, threads=args.threads, kv_dtype=args.kv_dtype,
+                      compute_dtype=args.compute_dtype[0])
     prompts = _batch_prompts(args, eng.vocab_size)
     reqs = [GenRequest(p, args.gen_len, 0.0) for p in prompts]
     meter = StepMeter(eng)
@@ -416,10 +441,11 @@ def child_moestream_batch(args: argparse.Namespace) -> dict:
     prefill = [s for s in meter.steps if s.decode_rows < s.logit_rows or s.tokens > s.logit_rows]
     decode = [s for s in meter.steps if s not in prefill]
     dec_bytes = sum(s.bytes_read for s in decode)
-    return _batch_result("moestream", args, sum(s.seconds for s in prefill), sum(s.seconds for s in decode),
-                         sum(s.decode_rows for s in decode), dec_bytes, [[r.get("text", "")] for r in results],
+    return _batch_result(_label(args.compute_dtype[0]), args, sum(s.seconds for s in prefill),
+                         sum(s.seconds for s in decode), sum(s.decode_rows for s in decode), dec_bytes,
+                         [[r.get("text", "")] for r in results],
                          {"batch_plan": rep["batch_plan"], "failed": rep["failed"], "steps": len(meter.steps),
-                          "kv_dtype": args.kv_dtype,
+                          "kv_dtype": args.kv_dtype, "compute_dtype": args.compute_dtype[0],
                           "expert_hit_rate": eng.stats["expert_hit_rate"], "all_bytes_read": _read_io() - io0})
 
 
@@ -459,9 +485,11 @@ def run(args: argparse.Namespace) -> int:
     common = ["--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), "--threads", str(args.threads),
               "--mode", args.mode, "--seed", str(args.seed)]
     me = [sys.executable, os.path.abspath(__file__)]
+    if len(args.compute_dtype) != 1:
+        raise SystemExit("--compute-dtype takes several values only with --warm")
     results: dict[str, list[dict]] = {"moestream": [], "llama.cpp": []}
     kind = "-batch" if args.batch else ""
-    common += ["--batch", str(args.batch), "--kv-dtype", args.kv_dtype]
+    common += ["--batch", str(args.batch), "--kv-dtype", args.kv_dtype, "--compute-dtype", args.compute_dtype[0]]
     for rnd in range(args.rounds):
         for engine in ("moestream", "llama.cpp"):
             drop_page_cache(files)
@@ -469,6 +497,8 @@ def run(args: argparse.Namespace) -> int:
                 [f"child-llama{kind}", args.model, "--gguf", str(args.gguf)]
             r, info = run_capped(me + sub + common, cap, engine.replace(".", ""))
             row = {**r, **info, "round": rnd}
+            if engine == "moestream":
+                row["compute_dtype"] = args.compute_dtype[0]
             print(json.dumps(row), flush=True)
             results[engine].append(row)
     print(json.dumps(_batch_summary(results, cap) if args.batch else _summary(results, cap)))
@@ -529,6 +559,9 @@ def main(argv: list[str] | None = None) -> int:
         r.add_argument("--kv-dtype", choices=("fp32", "bf16", "int8"), default="bf16",
                        help="--batch: moestream's KV cache (llama.cpp keeps its KV in f16 by default; fp32 doubles "
                             "the state and leaves less of the cap to experts)")
+        r.add_argument("--compute-dtype", nargs="+", choices=("fp32", "bf16"), default=["fp32"],
+                       help="moestream's precision of many-row products (EngineOptions.compute_dtype); with --warm "
+                            "several values run side by side, each as its own moestream child per round")
     args = ap.parse_args(argv)
     if args.cmd == "convert":
         convert(args.model, args.out)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from moestream.cgroup import proc_kib, rss_now  # noqa: F401  (bench/batch_throughput.py imports rss_now here)
-from moestream.cli.common import add_remote_args, add_state_room_arg
+from moestream.cli.common import add_compute_dtype_arg, add_remote_args, add_state_room_arg
 from moestream.config import format_bytes, parse_bytes
 from moestream.errors import BudgetError, MoestreamError
 from moestream.plot import pyplot
@@ -59,6 +59,7 @@ class BenchOptions:
     state_room: int | None = None  # budget the residency plan keeps for state when dense weights stream
     lookahead_reads: int | None = None  # None: the engine's default number of read-ahead experts per layer step
     kv_dtype: str = "fp32"  # KV cache storage (EngineOptions.kv_dtype)
+    compute_dtype: str = "fp32"  # many-row products' precision (EngineOptions.compute_dtype)
 
 
 @dataclass
@@ -192,7 +193,8 @@ def bench(path: str | Path, opts: BenchOptions) -> dict:
     base_rss = rss_now()
     room = bench_state_room(path, opts)
     eng = Engine.open(path, ram_budget=opts.ram_budget, cache_policy=opts.policy, io_threads=opts.io_threads,
-                      threads=opts.threads, state_room=room, kv_dtype=opts.kv_dtype)
+                      threads=opts.threads, state_room=room, kv_dtype=opts.kv_dtype,
+                      compute_dtype=opts.compute_dtype)
     try:
         _check_room(eng, room or 0)
         eng.runner.lookahead.enabled = opts.lookahead
@@ -372,7 +374,8 @@ def _context(eng, opts: BenchOptions, cold: str, disk_bw: float, base_rss: int, 
            "disk_bandwidth_bytes_per_s": disk_bw, "page_cache": cold, "policy": opts.policy,
            "lookahead": opts.lookahead, "direct_io": eng.plan.store.reader.direct,
            "compute_threads": torch.get_num_threads(), "io_threads": opts.io_threads,
-           "prompt_len": opts.prompt_len, "gen_len": opts.gen_len, "temperature": opts.temperature}
+           "prompt_len": opts.prompt_len, "gen_len": opts.gen_len, "temperature": opts.temperature,
+           "compute_dtype": eng.options.compute_dtype}
 
 
 def finish_report(r: dict) -> dict:
@@ -464,6 +467,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--ram-budget", metavar="BYTES", default=None, help="RAM for everything resident (e.g. 4GiB)")
     add_remote_args(p)
     add_state_room_arg(p)
+    add_compute_dtype_arg(p)
     p.add_argument("--prompt-len", type=int, default=64,
                    help="prompt tokens (random ids; default 64); without --state-room the run keeps room for its "
                         "sequence's state at --prompt-len + --gen-len tokens")
@@ -508,7 +512,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     return BenchOptions(budget, args.prompt_len, args.gen_len, args.cold, args.temperature, args.seed,
                         args.threads, args.io_threads, args.policy, args.lookahead, not args.buffered_io,
                         not args.no_probe, args.plot, parse_bytes(args.state_room), args.lookahead_reads,
-                        args.kv_dtype)
+                        args.kv_dtype, args.compute_dtype)
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ def format_bytes(n: float) -> str:
 
 
 KV_DTYPE_NAMES = ("fp32", "bf16", "int8")  # --kv-dtype choices (memory/state.py maps them to torch dtypes)
+COMPUTE_DTYPE_NAMES = ("fp32", "bf16")  # --compute-dtype choices (models/blocks.py's many-row products)
 
 
 @dataclass
@@ -50,7 +51,10 @@ class EngineOptions:
     prefill_chunk: int = 512
     threads: int | None = None  # torch compute threads; None keeps torch's default (one per physical core)
     kv_dtype: str = "fp32"  # KV / latent cache storage: "fp32" (the parity bounds are fp32's), "bf16" (half) or
-    # "int8" (grouped int8 + fp32 scales, ~0.53 of bf16's bytes; kernels/kvquant.py)
+    # "int8" (grouped int8 + fp32 scales, about half of bf16's bytes; kernels/kvquant.py)
+    # many-row products (prefill chunks, batch steps): "fp32" (default, the parity bounds) or "bf16" (bf16 weights
+    # times bf16-rounded activations, fp32 sums: faster, about bf16's rounding off the fp32 logits; models/blocks.py)
+    compute_dtype: str = "fp32"
 
 
 def read_model_config(root: str | Path) -> dict:

@@ -33,6 +33,7 @@ class JobConfig:
     ray_workers: int | None = None
     ray_chunk: int | None = None
     kv_dtype: str = "fp32"  # KV cache storage (EngineOptions.kv_dtype)
+    compute_dtype: str = "fp32"  # many-row products' precision (EngineOptions.compute_dtype)
 
 
 def run_job(cfg: JobConfig, engine=None) -> BatchReport:
@@ -70,7 +71,8 @@ def _run_local(cfg: JobConfig, todo, writer: OutputWriter, total: int, skipped: 
 
     owned = engine is None
     if owned:
-        engine = Engine.open(cfg.model, ram_budget=cfg.ram_budget, state_room=cfg.state_room, kv_dtype=cfg.kv_dtype)
+        engine = Engine.open(cfg.model, ram_budget=cfg.ram_budget, state_room=cfg.state_room, kv_dtype=cfg.kv_dtype,
+                             compute_dtype=cfg.compute_dtype)
     try:
         if cfg.threads:
             import torch

@@ -10,7 +10,8 @@ import json
 import signal
 import sys
 
-from moestream.cli.common import add_budget_arg, add_remote_args, add_state_room_arg, model_dir, parse_budget
+from moestream.cli.common import (add_budget_arg, add_compute_dtype_arg, add_remote_args, add_state_room_arg,
+                                   model_dir, parse_budget)
 from moestream.config import parse_bytes
 from moestream.errors import MoestreamError
 from moestream.weights.remote import is_remote
@@ -33,6 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="results, appended in fsynced groups; OUTPUT.state beside it records the input's sha256")
     add_budget_arg(p, "; default: no limit")
     add_state_room_arg(p)
+    add_compute_dtype_arg(p)
     p.add_argument("--max-batch", type=int, default=64, metavar="N",
                    help="sequences decoded together per engine step (default 64)")
     p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
@@ -91,7 +93,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     cfg = JobConfig(str(path), args.input, args.output, parse_budget(args.ram_budget), args.state_room, args.threads,
                     options, progress=False if args.no_progress else None, price_per_hour=args.price_per_hour,
                     group_lines=args.sync_every, ray=args.ray, ray_workers=args.ray_workers, ray_chunk=args.ray_chunk,
-                    kv_dtype=args.kv_dtype)
+                    kv_dtype=args.kv_dtype, compute_dtype=args.compute_dtype)
     report = run_job(cfg)
     if args.json:
         print(json.dumps(report.to_dict()))

@@ -15,7 +15,7 @@ from typing import Iterator
 
 from tqdm import tqdm
 
-from moestream.config import KV_DTYPE_NAMES, parse_bytes
+from moestream.config import COMPUTE_DTYPE_NAMES, KV_DTYPE_NAMES, parse_bytes
 from moestream.errors import MoestreamError
 
 PROGRESS_DELAY_S = 1.0  # show a bar only for work that takes longer than this
@@ -37,6 +37,15 @@ def add_state_room_arg(p: argparse.ArgumentParser) -> None:
                    help="storage of KV and latent caches: fp32 (default; the parity bounds are fp32's), bf16 "
                         "(half the bytes) or int8 (groups of 64 values with an fp32 scale: 0.27 of fp32's "
                         "bytes, about twice bf16's sequences); attention still computes in fp32")
+
+
+def add_compute_dtype_arg(p: argparse.ArgumentParser) -> None:
+    """--compute-dtype (EngineOptions.compute_dtype), shared by run, serve, batch and bench."""
+    p.add_argument("--compute-dtype", choices=COMPUTE_DTYPE_NAMES, default="fp32",
+                   help="precision of products over many rows (prefill chunks, batch steps of 16+ rows): fp32 "
+                        "(default; the parity bounds are fp32's) or bf16 (bf16 weights times activations rounded "
+                        "to bf16, fp32 sums: faster on CPUs with AVX-512 BF16, logits about bf16's rounding off "
+                        "fp32's; one-token decode and the routers stay fp32)")
 
 
 def parse_budget(value: str | None) -> int | None:
@@ -123,11 +132,13 @@ def busy(desc: str) -> Iterator[None]:
         bar.close()
 
 
-def open_engine(path: Path, budget: int | None, state_room: str | None = None, kv_dtype: str = "fp32"):
+def open_engine(path: Path, budget: int | None, state_room: str | None = None, kv_dtype: str = "fp32",
+                compute_dtype: str = "fp32"):
     from moestream.engine.engine import Engine
 
     with busy(f"opening {path.name}"):  # a remote model: its dense weights are fetched here
-        return Engine.open(path, ram_budget=budget, state_room=state_room, kv_dtype=kv_dtype)
+        return Engine.open(path, ram_budget=budget, state_room=state_room, kv_dtype=kv_dtype,
+                           compute_dtype=compute_dtype)
 
 
 def now() -> float:

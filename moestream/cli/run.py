@@ -10,8 +10,8 @@ import sys
 from dataclasses import dataclass
 from typing import TextIO
 
-from moestream.cli.common import (add_budget_arg, add_remote_args, add_state_room_arg, model_dir, now, open_engine,
-                                  parse_budget)
+from moestream.cli.common import (add_budget_arg, add_compute_dtype_arg, add_remote_args, add_state_room_arg,
+                                  model_dir, now, open_engine, parse_budget)
 from moestream.config import format_bytes
 from moestream.tokenizer import StreamDecoder, Tokenizer
 
@@ -54,13 +54,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_remote_args(p)
     add_budget_arg(p, "; default: no limit")
     add_state_room_arg(p)
+    add_compute_dtype_arg(p)
     p.add_argument("--stats", action="store_true", help="print speed and expert-cache figures after the text")
     p.set_defaults(func=cmd_run)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     path = model_dir(args.model)
-    engine = open_engine(path, parse_budget(args.ram_budget), args.state_room, args.kv_dtype)
+    engine = open_engine(path, parse_budget(args.ram_budget), args.state_room, args.kv_dtype, args.compute_dtype)
     try:
         tok = Tokenizer.load(path)
         ids = encode_prompt(tok, args.prompt, args.chat)

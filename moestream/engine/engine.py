@@ -27,7 +27,7 @@ from moestream.experts.store import ExpertStore, fp32_nbytes
 from moestream.kernels import cpu
 from moestream.kernels.qweight import dense_scratch_bytes
 from moestream.kernels.quant import GROUP_DECODE_BYTES, SCRATCH_BYTES as QUANT_SCRATCH_BYTES
-from moestream.models.blocks import UPCAST_CHUNK_BYTES
+from moestream.models.blocks import UPCAST_CHUNK_BYTES, check_compute_dtype, compute_dtype
 from moestream.models.base import DenseWeights, ExpertLayout, ModelContext
 from moestream.models.hfconfig import parse_config
 from moestream.models.kda import KDAOptions, chunk_plan
@@ -175,6 +175,7 @@ class Engine:
         path = model_path(path)  # a remote checkpoint (hf://ORG/NAME[@REV], https://.../DIR/): its local stub
         opts = EngineOptions(ram_budget=parse_bytes(ram_budget), device=device, **options)
         kv_dtype(opts.kv_dtype)  # a bad --kv-dtype fails before anything is read
+        check_compute_dtype(opts.compute_dtype)  # ... and a bad --compute-dtype
         if opts.threads:
             torch.set_num_threads(opts.threads)
             cpu.set_threads(opts.threads)  # the native kernels' pool too (without --threads: torch's count)
@@ -228,7 +229,8 @@ class Engine:
         # scheduler charges the rest of a large step's activations around it (activation_bytes)
         held = rows.shape[0] * self.vocab_size * 4 if all_logits else 0
         with tensors_fit_config(self.path), transient(self.memory, held, "all-position logits"), \
-                serial_torch(tokens.shape[0] <= SERIAL_TORCH_TOKENS):
+                serial_torch(tokens.shape[0] <= SERIAL_TORCH_TOKENS), compute_dtype(self.options.compute_dtype,
+                                                                                     self.memory):
             logits = self.model.forward(tokens, batch, rows)
         self._heap.after_step()
         for s, t in items:

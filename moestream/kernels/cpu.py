@@ -1,5 +1,6 @@
 """Native CPU kernels for small-batch work straight from stored weights: bf16 and MXFP4 times fp32 activations, the
-grouped fused GLU experts of a layer step, rms_norm, GQA decode attention and the KDA decode step.
+grouped fused GLU experts of a layer step, rms_norm, GQA decode attention and the KDA decode step; and the opt-in
+bf16 compute path for many rows (_cpu_bf16.c: bf16 weights times bf16-rounded activations, fp32 sums).
 
 `_cpu.c` is compiled at first use with the system gcc (-O3 -march=native), cached under
 $XDG_CACHE_HOME/moestream/kernels/ keyed by a hash of the source, the flags and the CPU (built to a temporary file
@@ -53,7 +54,7 @@ _ABI = 15
 _SOURCE = Path(__file__).with_name("_cpu.c")
 # _cpu.c #includes the others
 _SOURCES = (_SOURCE, *(Path(__file__).with_name(n)
-                       for n in ("_cpu_panel.c", "_cpu_step.c", "_cpu_paged.c", "_cpu_layer.c")))
+                       for n in ("_cpu_panel.c", "_cpu_step.c", "_cpu_paged.c", "_cpu_layer.c", "_cpu_bf16.c")))
 _LAYOUTS = {"low_first": 0, "gguf": 1}
 
 _lock = threading.Lock()
@@ -150,6 +151,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_prefetch_async.restype = None
     lib.ms_layer_times.argtypes = [ctypes.c_int, ctypes.c_int, p]
     lib.ms_layer_times.restype = None
+    lib.ms_bf16dp.restype = ctypes.c_int
+    lib.ms_bf16_panel.restype = ctypes.c_int
+    lib.ms_bf16dot_linear.argtypes = [p, i64, i64, i64, p, p, p]
+    lib.ms_bf16dot_linear.restype = ctypes.c_int
+    lib.ms_bf16dot_glu.argtypes = lib.ms_moe_glu_bf16.argtypes
+    lib.ms_bf16dot_glu.restype = ctypes.c_int
 
 
 def _load() -> None:
@@ -317,6 +324,45 @@ def linear_bf16_many(x: Tensor, ws: Sequence[Tensor], min_rows_per_thread: int =
     if handle.ms_linear_bf16_many(x2.data_ptr(), x2.shape[0], k, len(ws), _addresses([w.data_ptr() for w in ws]),
                                   _addresses([w.shape[0] for w in ws]), _addresses([o.data_ptr() for o in outs]),
                                   min_rows_per_thread):
+        raise MemoryError("native bf16 kernel could not allocate its input scratch")
+    return outs
+
+
+def bf16dot() -> bool:
+    """Whether the library's bf16 compute path (ms_bf16dot_*) uses the CPU's AVX-512 BF16 dot products (vdpbf16ps);
+    False: its portable code (the same bf16-rounded inputs, widened and summed with fp32 FMAs), or no library."""
+    handle = lib()
+    return bool(handle.ms_bf16dp()) if handle is not None else False
+
+
+def bf16_panel() -> int:
+    """Tokens per panel of the bf16 compute path (_cpu_bf16.c's BP: 64 with AVX-512 BF16); 64 without the library."""
+    handle = lib()
+    return handle.ms_bf16_panel() if handle is not None else 64
+
+
+def bf16dot_scratch(rows: int, k_in: int) -> int:
+    """Bytes ms_bf16dot_linear mallocs for `rows` rows of K inputs: the rows rounded to bf16, padded to a panel."""
+    panel = bf16_panel()
+    return -(-rows // panel) * panel * k_in * 2 + 64 + 8 * 64
+
+
+def linear_bf16dot_many(x: Tensor, ws: Sequence[Tensor]) -> list[Tensor]:
+    """[bf16(x) @ w^T for w in ws] in one native call: x [T, K] fp32 rounded to bf16 once (round to nearest even),
+    each w a contiguous 2-D bf16 [N_i, K], K even; products summed in fp32 (the opt-in bf16 compute path,
+    EngineOptions.compute_dtype). Each output row depends on its own input row only (not on T or on the other
+    rows). Returns float32 [T, N_i] each. Needs available()."""
+    handle = required()
+    k = ws[0].shape[1]
+    for w in ws:
+        if w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] != k or not w.is_contiguous():
+            raise ValueError(f"linear_bf16dot_many wants contiguous 2-D bfloat16 weights [N, {k}]")
+    if k % 2:
+        raise ValueError(f"linear_bf16dot_many wants an even K, got {k}")
+    x2 = rows(x, k)
+    outs = [torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32) for w in ws]
+    if handle.ms_bf16dot_linear(x2.data_ptr(), x2.shape[0], k, len(ws), _addresses([w.data_ptr() for w in ws]),
+                                _addresses([w.shape[0] for w in ws]), _addresses([o.data_ptr() for o in outs])):
         raise MemoryError("native bf16 kernel could not allocate its input scratch")
     return outs
 

@@ -21,7 +21,7 @@ ACTIVATIONS = {"silu": 0, "situ": 1}  # the GLU activations ms_moe_glu_bf16 comp
 
 def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, int, int]], inter: int, out: Tensor,
                  ids: Tensor | None = None, scores: Tensor | None = None, act: str = "silu", beta: float = 0.0,
-                 linear_beta: float = 0.0, counts: Sequence[int] | None = None) -> None:
+                 linear_beta: float = 0.0, counts: Sequence[int] | None = None, compute: str = "fp32") -> None:
     """Several bf16 GLU experts, added into out [T, D] (fp32, contiguous):
     out[t] += scores[t, j] * down_e act(gate_e x[t], up_e x[t]) for every (t, j) with ids[t, j] == experts[e].
     parts[e] = addresses of expert e's contiguous bf16 gate [inter, K], up [inter, K] and down [D, inter]; the
@@ -35,7 +35,11 @@ def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, i
     into out in the same order, so the results do not depend on the split. `counts[e]`: the (token, slot) pairs
     routed to experts[e], where the caller already knows them (the runner's Routing does), so the ids need not
     be counted here (a bincount over every pair of the step, once per call: a 1,220-row step that computes its
-    experts one call each went from 5.1-5.5 to 4.2-4.4 s without it, docs/performance.md)."""
+    experts one call each went from 5.1-5.5 to 4.2-4.4 s without it, docs/performance.md).
+
+    compute "bf16" (the opt-in bf16 compute path, EngineOptions.compute_dtype; K and inter even): x and the GLU
+    activations are rounded to bf16 and the products summed in fp32 (_cpu_bf16.c), each token's result independent
+    of the other tokens, so the split into calls does not change it either; "fp32" (default): fp32 activations."""
     required()
     t, k_in = x.shape
     if x.dtype != torch.float32 or not x.is_contiguous():
@@ -49,22 +53,28 @@ def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, i
         scores = scores if scores.dtype == torch.float32 and scores.is_contiguous() else scores.float().contiguous()
     if counts is not None and len(counts) != len(experts):
         raise ValueError(f"moe_glu_bf16: {len(counts)} counts for {len(experts)} experts")
-    call = _GluCall(experts, parts, inter, k_in, out.shape[1], act, beta, linear_beta)
+    if compute not in ("fp32", "bf16"):
+        raise ValueError(f"moe_glu_bf16: compute must be fp32 or bf16, got {compute!r}")
+    bf16 = compute == "bf16"
+    if bf16 and (inter % 2 or k_in % 2):
+        raise ValueError(f"moe_glu_bf16: bf16 compute wants even widths, got inter {inter}, K {k_in}")
+    call = _GluCall(experts, parts, inter, k_in, out.shape[1], act, beta, linear_beta, bf16)
     cap = glu_scratch_cap(inter, k_in, out.shape[1])
     # what any routing of these rows could need (t x k pairs, at most t per expert): a decode step fits without
     # counting its pairs
-    if _scratch(t * (len(experts) if ids is None else ids.shape[1]), len(experts), t, inter, k_in) <= cap:
+    pairs = t * (len(experts) if ids is None else ids.shape[1])
+    if (_scratch_bf16 if bf16 else _scratch)(pairs, len(experts), t, inter, k_in) <= cap:
         call(range(len(experts)), x, ids, scores, out)
         return
     counts = _pair_counts(experts, ids, t) if counts is None else list(counts)
-    if glu_call_scratch(counts, inter, k_in) <= cap:
+    if glu_call_scratch(counts, inter, k_in, bf16) <= cap:
         call(range(len(experts)), x, ids, scores, out)
         return
-    for group in _expert_groups(counts, inter, k_in, cap):
-        if len(group) > 1 or glu_call_scratch([counts[group[0]]], inter, k_in) <= cap:
+    for group in _expert_groups(counts, inter, k_in, cap, bf16):
+        if len(group) > 1 or glu_call_scratch([counts[group[0]]], inter, k_in, bf16) <= cap:
             call(group, x, ids, scores, out)
             continue
-        for lo, hi in _token_ranges(experts[group[0]], ids, t, counts[group[0]], inter, k_in, cap):
+        for lo, hi in _token_ranges(experts[group[0]], ids, t, counts[group[0]], inter, k_in, cap, bf16):
             call(group, x[lo:hi], None if ids is None else ids[lo:hi], None if scores is None else scores[lo:hi],
                  out[lo:hi])
 
@@ -79,12 +89,12 @@ _PAD = 32  # the widest row padding (GW) and panel (PANEL) of _cpu.c on any inst
 _GLU_ROWS, _PR = 16, 6  # _cpu_step.c's pass-1 rows per unit, _cpu_panel.c's weight rows per register tile
 
 
-def glu_call_scratch(counts: Sequence[int], inter: int, k_in: int) -> int:
+def glu_call_scratch(counts: Sequence[int], inter: int, k_in: int, bf16: bool = False) -> int:
     """An upper bound of the bytes ms_moe_glu_bf16 mallocs for experts routed counts[e] (token, slot) pairs each
     (_cpu_step.c's arithmetic, paddings rounded up): per pair its routing entry, its prepared input and hidden
     rows and their panel copies; per expert a panel's padding; per thread the pass-1 rows of the largest expert
-    and a panel packing buffer."""
-    return _scratch(sum(counts), len(counts), max(counts, default=0), inter, k_in)
+    and a panel packing buffer. bf16: ms_bf16dot_glu's (_cpu_bf16.c: routing entries, bf16 x and h panels)."""
+    return (_scratch_bf16 if bf16 else _scratch)(sum(counts), len(counts), max(counts, default=0), inter, k_in)
 
 
 def _scratch(pairs: int, experts: int, largest: int, inter: int, k_in: int) -> int:
@@ -96,6 +106,12 @@ def _scratch(pairs: int, experts: int, largest: int, inter: int, k_in: int) -> i
     return pairs * per_pair + experts * per_expert + threads * per_thread + 256
 
 
+def _scratch_bf16(pairs: int, experts: int, largest: int, inter: int, k_in: int) -> int:
+    """glu_call_scratch of the bf16 compute path: per pair its routing entry and its bf16 x and h panel words, per
+    expert its bookkeeping and a panel's padding (no per-thread buffers: the tiles live on the stack)."""
+    return pairs * (12 + 2 * (k_in + inter)) + experts * (32 + 2 * cpu.bf16_panel() * (k_in + inter)) + 256
+
+
 def _pair_counts(experts: Sequence[int], ids: Tensor | None, t: int) -> list[int]:
     if ids is None:
         return [t] * len(experts)
@@ -105,13 +121,13 @@ def _pair_counts(experts: Sequence[int], ids: Tensor | None, t: int) -> list[int
     return [hist[e] if 0 <= e < len(hist) else 0 for e in experts]
 
 
-def _expert_groups(counts: list[int], inter: int, k_in: int, cap: int) -> list[list[int]]:
+def _expert_groups(counts: list[int], inter: int, k_in: int, cap: int, bf16: bool = False) -> list[list[int]]:
     """Consecutive runs of expert indices whose call fits `cap` (a run of one may not: the caller splits it)."""
     groups: list[list[int]] = []
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        if groups and glu_call_scratch([counts[i] for i in groups[-1]] + [n], inter, k_in) <= cap:
+        if groups and glu_call_scratch([counts[i] for i in groups[-1]] + [n], inter, k_in, bf16) <= cap:
             groups[-1].append(e)
         else:
             groups.append([e])
@@ -119,12 +135,12 @@ def _expert_groups(counts: list[int], inter: int, k_in: int, cap: int) -> list[l
 
 
 def _token_ranges(expert: int, ids: Tensor | None, t: int, count: int, inter: int, k_in: int,
-                  cap: int) -> list[tuple[int, int]]:
+                  cap: int, bf16: bool = False) -> list[tuple[int, int]]:
     """Token ranges [lo, hi) splitting `expert`'s `count` pairs evenly into as few calls as fit `cap`. Even, so
     that no range is left with fewer rows than the panel kernel takes (an expert's rows then meet the same
     kernel, whose per-token sums do not depend on how tokens are grouped)."""
     per = 1
-    while per < count and glu_call_scratch([2 * per], inter, k_in) <= cap:
+    while per < count and glu_call_scratch([2 * per], inter, k_in, bf16) <= cap:
         per *= 2
     n = -(-count // per)
     if ids is None:
@@ -137,16 +153,17 @@ def _token_ranges(expert: int, ids: Tensor | None, t: int, count: int, inter: in
 
 
 class _GluCall:
-    """One ms_moe_glu_bf16 call over a subset of the experts (their addresses gathered once)."""
+    """One ms_moe_glu_bf16 (or, bf16, ms_bf16dot_glu) call over a subset of the experts (addresses gathered once)."""
 
     def __init__(self, experts: Sequence[int], parts: Sequence[tuple[int, int, int]], inter: int, k_in: int,
-                 d_out: int, act: str, beta: float, linear_beta: float):
+                 d_out: int, act: str, beta: float, linear_beta: float, bf16: bool = False):
         self.experts, self.parts, self.inter, self.k_in, self.d_out = list(experts), list(parts), inter, k_in, d_out
-        self.act, self.beta, self.linear_beta = ACTIVATIONS[act], beta, linear_beta
+        self.act, self.beta, self.linear_beta, self.bf16 = ACTIVATIONS[act], beta, linear_beta, bf16
 
     def __call__(self, which, x: Tensor, ids: Tensor | None, scores: Tensor | None, out: Tensor) -> None:
         which = list(which)
-        code = required().ms_moe_glu_bf16(
+        handle = required()
+        code = (handle.ms_bf16dot_glu if self.bf16 else handle.ms_moe_glu_bf16)(
             len(which), _addresses([self.experts[i] for i in which]), _addresses([self.parts[i][0] for i in which]),
             _addresses([self.parts[i][1] for i in which]), _addresses([self.parts[i][2] for i in which]),
             self.inter, self.k_in, self.d_out, x.data_ptr(), x.shape[0], None if ids is None else ids.data_ptr(),

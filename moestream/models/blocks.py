@@ -2,25 +2,94 @@
 
 Owns the math that several families share, in fp32 activations (weights are upcast per use, so a bf16
 checkpoint computes what its fp32 expansion computes). It does not know about checkpoints, caches or state.
+
+The opt-in bf16 compute path (EngineOptions.compute_dtype "bf16", set for a step by `compute_dtype`): products of
+a bf16 weight over many rows (a step of at least BF16_MIN_ROWS rows: prefill chunks, batch steps) multiply the
+stored weight by the activations rounded to bf16, summing in fp32 (kernels/_cpu_bf16.c): dense projections,
+shared experts and lm_head through `linear` / `linear_many`, and the routed experts' grouped GLU calls from
+BF16_GLU_MIN_ROWS rows. Routers stay fp32 (a bf16 router logit can flip an expert choice), and so do steps of fewer
+rows (one-token decode keeps its kernels), fp32 and quantised weights, and everything without the native kernels.
+Each output row then depends on its own input row only, so splitting a step's rows into calls (or the lm_head
+into slabs) changes nothing; which precision a row gets depends on its step's row count.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 
+from moestream.config import COMPUTE_DTYPE_NAMES
+from moestream.errors import MoestreamError
 from moestream.kernels import cpu, fused
 from moestream.kernels.qweight import QuantWeight
+from moestream.memory.state import scratch
+
+if TYPE_CHECKING:
+    from moestream.memory.accountant import MemoryAccountant
 
 
 UPCAST_CHUNK_BYTES = 16 << 20  # fp32 scratch for one slab of upcast weight rows (counted in the engine's scratch)
+# bf16 compute from this many rows of a step: at 16 rows a 1024 x 1024 product ran 286 GFLOP/s in bf16 against
+# 145 through the fp32 native kernel, at 8 rows both 123 (docs/performance.md, "bf16 compute")
+BF16_MIN_ROWS = 16
+# ... and the routed experts' GLU from this many (top-8 of 64 experts: 8 rows an expert on average, where bf16 ran
+# 150 GFLOP/s against 121); at 2 rows an expert (a 16-row step) the panels' lanes are mostly idle: 39 against 68
+BF16_GLU_MIN_ROWS = 64
+
+_COMPUTE: contextvars.ContextVar[tuple[str, "MemoryAccountant | None"]] = contextvars.ContextVar(
+    "moestream_compute_dtype", default=("fp32", None))
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def check_compute_dtype(name: str) -> str:
+    """`name` when it is a --compute-dtype choice; a MoestreamError naming the choices otherwise."""
+    if name not in COMPUTE_DTYPE_NAMES:
+        raise MoestreamError(f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPE_NAMES)}; got {name!r}")
+    return name
+
+
+@contextlib.contextmanager
+def compute_dtype(name: str, memory: "MemoryAccountant | None" = None) -> Iterator[None]:
+    """Within the block (this thread / context only), `linear`, `linear_many` and the GLU experts compute many-row
+    products in `name` ("fp32" or "bf16"); `memory` is charged for the bf16 rows' scratch beyond its allowance."""
+    token = _COMPUTE.set((check_compute_dtype(name), memory))
+    try:
+        yield
+    finally:
+        _COMPUTE.reset(token)
+
+
+def _bf16_rows(rows: int, least: int = BF16_MIN_ROWS) -> bool:
+    return rows >= least and _COMPUTE.get()[0] == "bf16"
+
+
+def _bf16_weight(w: torch.Tensor, k_in: int) -> bool:
+    return (type(w) is torch.Tensor and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous()
+            and w.shape[1] == k_in and k_in % 2 == 0)
+
+
+def _bf16_linear(x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> list[torch.Tensor] | None:
+    """[bf16(x) @ w^T] in one native call when the bf16 compute path applies to x and every w, else None."""
+    if x.dim() < 1 or x.requires_grad or not all(_bf16_weight(w, x.shape[-1]) for w in ws):
+        return None
+    rows = x.numel() // max(1, x.shape[-1])
+    if not _bf16_rows(rows) or not cpu.available():
+        return None
+    memory = _COMPUTE.get()[1]
+    with (scratch(memory, cpu.bf16dot_scratch(rows, x.shape[-1]), "bf16 activation rows") if memory is not None
+          else contextlib.nullcontext()):
+        ys = cpu.linear_bf16dot_many(x, ws)
+    return [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, fp32: bool = False) -> torch.Tensor:
     """x [T, in] fp32 @ w[out, in]^T (+ b), fp32 out.
 
+    Under compute_dtype("bf16") (and not `fp32`: the routers), a bf16 weight over BF16_MIN_ROWS+ rows multiplies
+    bf16-rounded rows natively with fp32 sums (the module docstring).
     A 2-D bf16 weight with at most cpu.MAX_TOKENS_BF16 rows of x goes to the native kernel (no upcast at all).
     A quantised weight (block-FP8, int4: kernels/qweight.py) is decoded a bounded chunk of rows at a time.
     Otherwise a half-precision weight larger than the slab is upcast slab by slab into a bounded scratch, never as
@@ -31,6 +100,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if isinstance(w, QuantWeight):
         y = w.linear(x)
         return y if b is None else y + b
+    if not fp32 and (got := _bf16_linear(x, (w,))) is not None:
+        return got[0] if b is None else got[0] + b
     if cpu.bf16_native(w, x):
         y = cpu.linear_bf16(x, w)
         return y if b is None else y + b
@@ -58,6 +129,8 @@ def linear_many(x: torch.Tensor, ws: tuple[torch.Tensor, ...],
     """[linear(x, w, b) for each weight]: one native call for all of them when each would take the native kernel
     (x prepared once; the weights' rows split over the threads together), else one linear each."""
     bs = bs or (None,) * len(ws)
+    if (got := _bf16_linear(x, ws)) is not None:
+        return [y if b is None else y + b.float() for y, b in zip(got, bs)]
     if len(ws) > 1 and all(cpu.bf16_native(w, x) and w.is_contiguous() and w.shape[1] == x.shape[-1] for w in ws):
         ys = cpu.linear_bf16_many(x, ws)
         return [y if b is None else y + b.float() for y, b in zip(ys, bs)]
@@ -164,8 +237,9 @@ def _native_glu(x: torch.Tensor, parts: list[Glu], spec: tuple[str, float, float
     first = parts[0]
     if any(p[3:] != first[3:] for p in parts) or first[4] != x.shape[1] or first[5] != out.shape[1]:
         return False
+    bf16 = _bf16_rows(x.shape[0], BF16_GLU_MIN_ROWS) and first[3] % 2 == 0 and first[4] % 2 == 0
     fused.moe_glu_bf16(x, experts or [0] * len(parts), [p[:3] for p in parts], first[3], out, ids, weights, *spec,
-                       counts=counts)
+                       counts=counts, compute="bf16" if bf16 else "fp32")
     return True
 
 
@@ -235,7 +309,7 @@ def softmax_route(x: torch.Tensor, gate: torch.Tensor, k: int, renormalize: bool
     if (x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and gate.is_contiguous()
             and cpu.bf16_native(gate, x) and gate.shape[1] == x.shape[1]):
         return fused.router_softmax_topk(x, gate, k, renormalize)
-    return softmax_topk(linear(x, gate), k, renormalize)
+    return softmax_topk(linear(x, gate, fp32=True), k, renormalize)
 
 
 def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -319,14 +393,14 @@ class SigmoidRouter(Router):
     topk_group: int = 1
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return sigmoid_topk(linear(x, self.weight), self.bias, self.top_k, self.renormalize, self.scale,
+        return sigmoid_topk(linear(x, self.weight, fp32=True), self.bias, self.top_k, self.renormalize, self.scale,
                             self.n_group, self.topk_group)
 
     def ranked(self, x: torch.Tensor, n: int) -> torch.Tensor:
         # the group limit leaves topk_group groups' experts selectable
         n = min(n, self.weight.shape[0] * min(self.topk_group, self.n_group) // max(1, self.n_group))
-        return sigmoid_topk(linear(x, self.weight), self.bias, n, self.renormalize, self.scale, self.n_group,
-                            self.topk_group)[0]
+        return sigmoid_topk(linear(x, self.weight, fp32=True), self.bias, n, self.renormalize, self.scale,
+                            self.n_group, self.topk_group)[0]
 
 
 @dataclass(frozen=True, eq=False)
@@ -338,11 +412,12 @@ class BiasedRouter(Router):
     top_k: int
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        top, ids = torch.topk(linear(x, self.weight, self.bias), self.top_k, dim=-1)
+        top, ids = torch.topk(linear(x, self.weight, self.bias, fp32=True), self.top_k, dim=-1)
         return ids, torch.softmax(top, dim=-1)
 
     def ranked(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        return torch.topk(linear(x, self.weight, self.bias), min(n, self.weight.shape[0]), dim=-1).indices
+        return torch.topk(linear(x, self.weight, self.bias, fp32=True), min(n, self.weight.shape[0]),
+                          dim=-1).indices
 
 
 def embed(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moestream.cli.common import add_remote_args, add_state_room_arg, model_dir
+from moestream.cli.common import add_compute_dtype_arg, add_remote_args, add_state_room_arg, model_dir
 from moestream.weights.remote import is_remote
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -26,6 +26,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--ram-budget", default=None, help="RAM budget for everything resident, e.g. 8GiB (default: none)")
     add_state_room_arg(p)
+    add_compute_dtype_arg(p)
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together per step (default 16)")
     p.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait; more get 429 (default 64)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
@@ -83,7 +84,7 @@ def run_serve(args: argparse.Namespace) -> int:
     cfg = ServerConfig(model, args.host, args.port, args.ram_budget, args.max_batch, args.max_queue,
                        args.api_key, args.prefix_cache, args.prefill_chunk, args.max_body, name,
                        threads=args.threads, state_room=args.state_room, kv_dtype=args.kv_dtype,
-                       request_timeout=args.request_timeout,
+                       compute_dtype=args.compute_dtype, request_timeout=args.request_timeout,
                        shutdown_timeout=args.shutdown_timeout)
     try:
         srv = ServerState.open(cfg)

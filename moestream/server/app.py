@@ -52,6 +52,7 @@ class ServerConfig:
     threads: int | None = None  # torch CPU threads for the forward pass (default: the engine's choice)
     state_room: str | int | None = None  # budget kept free for KV caches when dense weights stream
     kv_dtype: str = "fp32"  # KV cache storage (EngineOptions.kv_dtype)
+    compute_dtype: str = "fp32"  # many-row products' precision (EngineOptions.compute_dtype)
     request_timeout: float | None = None  # seconds; a request still running then gets a 504 and is cancelled
     shutdown_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests before cancelling them
 
@@ -89,7 +90,8 @@ class ServerState:
 
         budget = parse_bytes(cfg.ram_budget)
         prefix = parse_bytes(cfg.prefix_cache) if cfg.prefix_cache is not None else default_prefix_cache(budget)
-        engine = Engine.open(cfg.model, ram_budget=budget, state_room=cfg.state_room, kv_dtype=cfg.kv_dtype)
+        engine = Engine.open(cfg.model, ram_budget=budget, state_room=cfg.state_room, kv_dtype=cfg.kv_dtype,
+                             compute_dtype=cfg.compute_dtype)
         if cfg.threads:
             import torch
 

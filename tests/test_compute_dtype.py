@@ -1,0 +1,235 @@
+"""The opt-in bf16 compute path (--compute-dtype bf16, kernels/_cpu_bf16.c): the native products against float64
+references of the bf16-rounded inputs, each row independent of the others and of the thread count, the portable
+build (no AVX-512 BF16) against the same reference, whole models within the stated bound of fp32 with the same
+greedy tokens, the scratch charged, and the option validated."""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from conftest import prompt_ids
+from moestream import Engine
+from moestream.errors import MoestreamError
+from moestream.kernels import cpu, fused
+from moestream.memory.accountant import MemoryAccountant
+from moestream.models import blocks
+from moestream.synth import synthesize
+
+native = pytest.mark.skipif(not cpu.available(), reason=f"no native kernels here ({cpu.reason()})")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def threads():
+    before = cpu.threads()
+    yield cpu.set_threads
+    cpu.set_threads(before)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def _rounded_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.bfloat16().double() @ w.double().T
+
+
+@native
+@pytest.mark.parametrize("t,k,n", [(1, 2, 1), (5, 6, 7), (16, 64, 40), (33, 130, 9), (70, 256, 300)])
+def test_linear_is_the_bf16_rounded_product(t, k, n):
+    """Against the float64 product of the bf16-rounded rows: only fp32 summation error (a kernel that forgot the
+    rounding would be ~1e-3 off, see the second assertion; one that mixed up pairs or lanes far more)."""
+    g = _gen(t * 1000 + k)
+    x, w = torch.randn(t, k, generator=g), torch.randn(n, k, generator=g).bfloat16()
+    (y,) = cpu.linear_bf16dot_many(x, [w])
+    assert y.dtype == torch.float32 and y.shape == (t, n)
+    assert _rel(y, _rounded_reference(x, w)) < 1e-5
+    if k >= 64:  # the rounding is there: the unrounded product is further off than fp32 sums can explain
+        assert _rel(y, x.double() @ w.double().T) > 1e-4
+
+
+@native
+def test_rows_independent_of_split_and_threads(threads):
+    """Each output row depends on its own input row only: bit-identical whether rows come in one call or one by
+    one, on 1 or 2 threads, and for several weights in one call or apart."""
+    g = _gen(3)
+    x = torch.randn(45, 128, generator=g)
+    ws = [torch.randn(n, 128, generator=g).bfloat16() for n in (64, 24)]
+    threads(2)
+    both = cpu.linear_bf16dot_many(x, ws)
+    threads(1)
+    for w, y in zip(ws, both):
+        assert torch.equal(cpu.linear_bf16dot_many(x, [w])[0], y)
+        assert torch.equal(torch.cat([cpu.linear_bf16dot_many(x[i:i + 1], [w])[0] for i in range(45)]), y)
+        assert torch.equal(torch.cat([cpu.linear_bf16dot_many(x[i:i + 17], [w])[0] for i in range(0, 45, 17)]), y)
+
+
+def _glu_case(e: int, inter: int, k_in: int, d_out: int, t: int, k: int, seed: int):
+    g = _gen(seed)
+    experts = [tuple((torch.randn(*s, generator=g) * 0.2).bfloat16() for s in ((inter, k_in), (inter, k_in),
+                                                                             (d_out, inter))) for _ in range(e)]
+    x = torch.randn(t, k_in, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    scores = torch.rand(t, k, generator=g)
+    return experts, x, ids, scores
+
+
+def _glu_reference(experts, x, ids, scores) -> torch.Tensor:
+    """float64 of the bf16 path's arithmetic: x rounded to bf16, SiLU-GLU, its activations rounded to bf16."""
+    xr = x.bfloat16().double()
+    out = torch.zeros(x.shape[0], experts[0][2].shape[0], dtype=torch.float64)
+    for e, (gate, up, down) in enumerate(experts):
+        h = torch.nn.functional.silu(xr @ gate.double().T) * (xr @ up.double().T)
+        y = h.float().bfloat16().double() @ down.double().T
+        out += ((ids == e).double() * scores.double()).sum(1, keepdim=True) * y
+    return out
+
+
+def _parts(experts):
+    return [(g.data_ptr(), u.data_ptr(), d.data_ptr()) for g, u, d in experts]
+
+
+@native
+@pytest.mark.parametrize("e,inter,k_in,d_out,t,k", [(8, 64, 128, 96, 50, 2), (3, 10, 6, 14, 70, 3)])
+def test_glu_matches_the_rounded_reference_and_any_split(e, inter, k_in, d_out, t, k, threads):
+    experts, x, ids, scores = _glu_case(e, inter, k_in, d_out, t, k, seed=e + t)
+    threads(2)
+    out = torch.zeros(t, d_out)
+    fused.moe_glu_bf16(x, list(range(e)), _parts(experts), inter, out, ids, scores, compute="bf16")
+    assert _rel(out, _glu_reference(experts, x, ids, scores)) < 1e-5
+    threads(1)
+    # token ranges, and one call per expert (added in the same order), give the very same sums
+    split = torch.zeros(t, d_out)
+    for lo in range(0, t, 7):
+        fused.moe_glu_bf16(x[lo:lo + 7], list(range(e)), _parts(experts), inter, split[lo:lo + 7], ids[lo:lo + 7],
+                           scores[lo:lo + 7], compute="bf16")
+    assert torch.equal(split, out)
+    apart = torch.zeros(t, d_out)
+    for i in range(e):
+        fused.moe_glu_bf16(x, [i], _parts(experts)[i:i + 1], inter, apart, ids, scores, compute="bf16")
+    assert torch.equal(apart, out)
+
+
+@native
+def test_glu_rejects_odd_widths_and_unknown_compute():
+    experts, x, ids, scores = _glu_case(2, 5, 8, 8, 4, 1, seed=1)
+    with pytest.raises(ValueError, match="even"):
+        fused.moe_glu_bf16(x, [0, 1], _parts(experts), 5, torch.zeros(4, 8), ids, scores, compute="bf16")
+    with pytest.raises(ValueError, match="compute"):
+        fused.moe_glu_bf16(x, [0, 1], _parts(experts), 5, torch.zeros(4, 8), ids, scores, compute="fp16")
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None or not cpu.available() or cpu.simd() != "avx512",
+                    reason="needs gcc and an AVX-512 build to compare against")
+def test_portable_build_computes_the_same_products(tmp_path):
+    """The library built without AVX-512 BF16 (what a CPU lacking it compiles: pairs widened, two fp32 FMAs) gives
+    the same bf16-rounded products up to fp32 summation."""
+    lib_path = tmp_path / "portable.so"
+    done = subprocess.run(["gcc", *cpu.FLAGS, "-mno-avx512bf16", "-o", str(lib_path), str(cpu._SOURCE), "-lm"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lib = ctypes.CDLL(str(lib_path))
+    assert lib.ms_bf16dp() == 0
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.ms_bf16dot_linear.argtypes = [p, i64, i64, i64, p, p, p]
+    g = _gen(5)
+    x, w = torch.randn(37, 96, generator=g), torch.randn(50, 96, generator=g).bfloat16()
+    out = torch.empty(37, 50)
+    arr = lambda *v: (ctypes.c_int64 * len(v))(*v)  # noqa: E731
+    assert lib.ms_bf16dot_linear(x.data_ptr(), 37, 96, 1, arr(w.data_ptr()), arr(50), arr(out.data_ptr())) == 0
+    assert _rel(out, _rounded_reference(x, w)) < 1e-5
+    assert _rel(out, cpu.linear_bf16dot_many(x, [w])[0]) < 1e-5
+
+
+@native
+def test_linear_takes_the_bf16_path_only_when_asked_and_many_rows():
+    g = _gen(7)
+    w = torch.randn(48, 64, generator=g).bfloat16()
+    many, few = torch.randn(blocks.BF16_MIN_ROWS, 64, generator=g), torch.randn(blocks.BF16_MIN_ROWS - 1, 64,
+                                                                               generator=g)
+    fp32, few_fp32 = blocks.linear(many, w), blocks.linear(few, w)
+    with blocks.compute_dtype("bf16"):
+        assert torch.equal(blocks.linear(many, w), cpu.linear_bf16dot_many(many, [w])[0])
+        assert torch.equal(blocks.linear(few, w), few_fp32)  # below the threshold: the fp32 kernels
+        assert torch.equal(blocks.linear(many, w, fp32=True), fp32)  # the routers' products
+        assert all(torch.equal(a, b) for a, b in zip(blocks.linear_many(many, (w, w)), [blocks.linear(many, w)] * 2))
+    assert torch.equal(blocks.linear(many, w), fp32)  # the setting ends with the block
+    with pytest.raises(MoestreamError, match="--compute-dtype"):
+        with blocks.compute_dtype("fp16"):
+            pass
+
+
+@native
+def test_bf16_rows_are_charged_beyond_the_scratch_allowance():
+    memory = MemoryAccountant(1 << 30)
+    charged = []
+    grow = memory.grow_state
+    memory.grow_state = lambda n, what="": (charged.append((n, what)), grow(n, what))[1]
+    x, w = torch.randn(64, 256), torch.randn(32, 256).bfloat16()
+    with blocks.compute_dtype("bf16", memory):
+        blocks.linear(x, w)
+    assert charged and charged[0][0] == cpu.bf16dot_scratch(64, 256) and "bf16" in charged[0][1]
+    assert memory.state_bytes == 0  # released after the call
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bf16_compute")
+    synthesize("qwen3_moe", root / "q", "tiny", cache_dir=root / "cache", progress=False)
+    return root / "q"
+
+
+@native
+def test_engine_bf16_within_bound_and_same_greedy_tokens(tiny, monkeypatch):
+    """A 96-token prompt (dense products and routed experts all in bf16) against the fp32 engine. The bound: bf16
+    keeps 8 significant bits (each rounding up to 2^-9 relative), a few such roundings per layer accumulate, so
+    a row's logits move by a few 1e-3 of their largest value (measured: median 0.0045 on this model); a token whose
+    hidden state moves across a router's decision boundary takes another expert and moves more, so the bound is
+    on the median and the 90th percentile of the rows, not their maximum. Greedy continuations agree."""
+    ids = prompt_ids(512, 96, seed=4)
+    f32 = Engine.open(tiny)
+    b16 = Engine.open(tiny, compute_dtype="bf16")
+    computes, glu = [], fused.moe_glu_bf16
+    monkeypatch.setattr(fused, "moe_glu_bf16", lambda *a, **kw: (computes.append(kw.get("compute")), glu(*a, **kw)))
+    a = f32.logits(ids)
+    assert set(computes) == {"fp32"}
+    computes.clear()
+    b = b16.logits(ids)
+    assert set(computes) == {"bf16"}  # the routed experts of a 96-row step too, not only the dense products
+    computes.clear()
+    rows = (b - a).abs().amax(-1) / a.abs().amax(-1)
+    assert not torch.equal(a, b)  # the option does something
+    assert float(rows.median()) < 0.01 and float(rows.quantile(0.9)) < 0.03
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.95
+    assert b16.generate(ids, 8) == f32.generate(ids, 8)
+    computes.clear()
+    # decode steps (one row) stay on the fp32 kernels: the same logits whatever the option
+    sa, sb = f32.new_sequence(), b16.new_sequence()
+    try:
+        f32.prefill(sa, ids[:8])
+        b16.prefill(sb, ids[:8])  # 8 rows: below the threshold, fp32 too
+        assert torch.equal(f32.step([(sa, [ids[8]])])[0], b16.step([(sb, [ids[8]])])[0])
+        assert "bf16" not in computes
+    finally:
+        f32.free(sa)
+        b16.free(sb)
+
+
+def test_option_is_validated(tiny, capsys):
+    from moestream.cli import main
+
+    with pytest.raises(MoestreamError, match="--compute-dtype must be one of fp32, bf16"):
+        Engine.open(tiny, compute_dtype="fp16")
+    for cmd in ("run", "bench", "batch", "serve"):
+        with pytest.raises(SystemExit) as exc:  # argparse's choices: exit status 2, naming the valid ones
+            main([cmd, str(tiny), "--compute-dtype", "fp16"] + (["in.jsonl", "-o", "out.jsonl"] if cmd == "batch"
+                                                               else []))
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "--compute-dtype" in err and "bf16" in err, (cmd, err)
