@@ -458,6 +458,11 @@ def test_plan_accuracy_records_other_load_and_spin(monkeypatch):
     monkeypatch.setitem(acc.SPIN_ENV, "MOESTREAM_NATIVE_SPIN_US", "3000")
     assert acc._run(["true"], Path("cal.json")) == {}
     assert seen["MOESTREAM_NATIVE_SPIN_US"] == "3000" and seen["MOESTREAM_PLAN_CALIBRATION"] == "cal.json"
+    calls = []
+    monkeypatch.setattr(acc, "plan", lambda run, disk, calibrate=False, batch=None: calls.append(calibrate) or {})
+    out: dict = {}
+    acc.calibrate(out, {"model": "/m/q3m"})  # the calibration's own other load is kept per model
+    assert calls == [True] and out["calibration_other_cpu_load"]["q3m"] >= 0
 
 
 def test_measured_popularity_and_first_use():

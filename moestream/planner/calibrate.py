@@ -2,7 +2,9 @@
 
 Owns the probes (the disk by bench's direct-I/O probe, the one-row weight kernels the engine's decode takes per
 weight format, the multi-row path's fp32 expansion, the fp32 GEMM rate, memory read bandwidth, and the engine's
-fixed cost per layer step measured on a tiny synthetic checkpoint of the family) and their cache, a JSON file
+fixed cost per layer step measured on a tiny synthetic checkpoint of the family; the kernel and memory probes
+stream distinct buffers past the last-level cache, `stream_bytes()`, as a decode token streams its weights) and
+their cache, a JSON file
 under the user cache directory keyed by CPU (and, for the disk, by the filesystem's device), so that repeated
 plans are instant; `--recalibrate` (alias `--calibrate`) measures again. Each rate is the median of ROUNDS
 separate probes (each itself the median of short bursts), and the spread of the rounds is kept beside it, so that
