@@ -195,9 +195,10 @@ DEFAULT_SHAPE = (2048, 1024)  # an expert projection's (out, in) where the model
 # A decode token streams every weight it multiplies from DRAM (q3m_med: 16 layers x 8 experts x 3 MiB + 84 MB of
 # attention weights a token, its experts not the last token's), so a one-row probe cycles through distinct buffers
 # of at least this many stored bytes: STREAM_LLC_MULTIPLE x the last-level cache sysfs states, and at least
-# STREAM_MIN_BYTES (where no cache size is stated). Measured here (32 MiB L3): the fused GLU call ran at 50 GB/s
-# over 24 MiB of experts, 31-37 GB/s over 48 MiB, 30-36 GB/s over 96-384 MiB (docs/performance.md, "Decode kernels
-# probed past the last-level cache").
+# STREAM_MIN_BYTES (where no cache size is stated). Measured here (32 MiB L3, alternating in one process): the fused
+# GLU call at 57-62 GB/s over 24 MiB of experts, 35-48 GB/s over 48 MiB (the old probe), 28-38 GB/s over 120-384
+# MiB, and the engine's decode through the same call at 28-31 GB/s (docs/performance.md, "kernel probes past the
+# last-level cache").
 STREAM_LLC_MULTIPLE = 4
 STREAM_MIN_BYTES = 128 << 20
 CACHE_SYSFS = Path("/sys/devices/system/cpu/cpu0/cache")
