@@ -219,8 +219,8 @@ def measure(args) -> dict:
         specs = args.budgets.split(",")
         if args.batch_only:
             if args.batch and not args.keep_calibration:
-                plan({"model": str(model), "budget_bytes": budget_bytes(model, specs[0]), "args": a,
-                      "calibration": str(cal.resolve() / f"{model.name}.json")}, 1e9, calibrate=True)
+                calibrate(out, {"model": str(model), "budget_bytes": budget_bytes(model, specs[0]), "args": a,
+                                "calibration": str(cal.resolve() / f"{model.name}.json")})
             specs_decode: list[str] = []
         else:
             specs_decode = specs
@@ -228,7 +228,7 @@ def measure(args) -> dict:
             run = {"model": str(model), "spec": spec, "budget_bytes": budget_bytes(model, spec), "args": a,
                    "calibration": str(cal.resolve() / f"{model.name}.json")}
             if i == 0 and not args.keep_calibration:  # calibrate before anything else of this model, in this run
-                plan(run, 1e9, calibrate=True)
+                calibrate(out, run)
             run["disk_probe"] = probe(model)
             try:
                 run["bench"] = bench(model, run["budget_bytes"], a)
@@ -255,6 +255,18 @@ def measure(args) -> dict:
             print(_batch_line(batch_row(run)), file=sys.stderr, flush=True)
             _save(args.out, out)
     return out
+
+
+def calibrate(out: dict, run: dict) -> None:
+    """`plan --calibrate` for the run's model into its calibration file, the other processes' CPU load while it
+    probed kept beside it (a probe slowed by load prices every byte and FLOP of the prediction: docs/plan.md)."""
+    (b0, c0), t0 = cpu_busy(), time.perf_counter()
+    plan(run, 1e9, calibrate=True)
+    (b1, c1), wall = cpu_busy(), time.perf_counter() - t0
+    load = max(0.0, (b1 - b0) - (c1 - c0)) / wall
+    out.setdefault("calibration_other_cpu_load", {})[Path(run["model"]).name] = load
+    print(f"calibrated {Path(run['model']).name} in {wall:.0f} s, other load {load:.2f} CPUs", file=sys.stderr,
+          flush=True)
 
 
 def _save(path: Path | None, out: dict) -> None:
@@ -308,10 +320,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give model directories to measure, or --replan RESULTS")
     _save(args.out, out)
     rows, brows = [decode_row(r) for r in out["decode"]], [batch_row(r) for r in out["batch"]]
+    loads = out.get("calibration_other_cpu_load") or {}
     if args.json:
-        print(json.dumps({"decode": rows, "batch": brows}, indent=1))
+        print(json.dumps({"decode": rows, "batch": brows, "calibration_other_cpu_load": loads}, indent=1))
     else:
         print(_markdown(rows, brows) if args.markdown else _table(rows, brows))
+        for name, load in loads.items():
+            print(f"calibration of {name}: other load {load:.2f} CPUs")
     return 0
 
 

@@ -461,6 +461,11 @@ def test_plan_accuracy_records_other_load_and_spin(monkeypatch):
     monkeypatch.setitem(acc.SPIN_ENV, "MOESTREAM_NATIVE_SPIN_US", "3000")
     assert acc._run(["true"], Path("cal.json")) == {}
     assert seen["MOESTREAM_NATIVE_SPIN_US"] == "3000" and seen["MOESTREAM_PLAN_CALIBRATION"] == "cal.json"
+    calls = []
+    monkeypatch.setattr(acc, "plan", lambda run, disk, calibrate=False, batch=None: calls.append(calibrate) or {})
+    out: dict = {}
+    acc.calibrate(out, {"model": "/m/q3m"})  # the calibration's own other load is kept per model
+    assert calls == [True] and out["calibration_other_cpu_load"]["q3m"] >= 0
 
 
 def test_measured_popularity_and_first_use():
@@ -547,6 +552,68 @@ def test_glu_rate_probe():
     assert calibrate.glu_rate((32, 64), 4, 0.05) > 0
     r = calibrate.Rates.from_json({**RATES, "glu": 1.5e10})
     assert r.glu == 1.5e10 and calibrate.Rates.from_json(r.to_json()).glu == 1.5e10
+
+
+def _fake_caches(root: Path, caches: list[tuple[int, str, str]]) -> Path:
+    """A sysfs cpu0/cache directory listing (level, type, size) per index."""
+    for i, (level, kind, size) in enumerate(caches):
+        d = root / f"index{i}"
+        d.mkdir(parents=True)
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    return root
+
+
+def test_kernel_probes_stream_past_the_last_level_cache(tmp_path, monkeypatch):
+    """The one-row kernel probes (the fused GLU call, each format's linear) cycle through distinct buffers of at
+    least STREAM_LLC_MULTIPLE x the last-level cache sysfs states (and at least STREAM_MIN_BYTES), as a decode token
+    streams its weights from DRAM; a probe that fits in the cache times the cache, not the token."""
+    from moestream.kernels import cpu, fused
+    from moestream.models import blocks
+
+    root = _fake_caches(tmp_path / "cache", [(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "1024K"),
+                                             (3, "Unified", "2M"), (4, "Instruction", "64M")])
+    assert calibrate.llc_bytes(root) == 2 << 20  # the highest data / unified level, not an instruction cache
+    assert calibrate.llc_bytes(tmp_path / "none") == 0
+    assert calibrate._cache_size("32768K") == 32 << 20 and calibrate._cache_size("512") == 512
+    monkeypatch.setattr(calibrate, "CACHE_SYSFS", root)
+    monkeypatch.setattr(calibrate, "STREAM_MIN_BYTES", 1 << 20)
+    want = calibrate.stream_bytes()
+    assert want == calibrate.STREAM_LLC_MULTIPLE * (2 << 20)
+    monkeypatch.setattr(calibrate, "CACHE_SYSFS", tmp_path / "none")  # no cache stated: the minimum
+    assert calibrate.stream_bytes() == 1 << 20
+    monkeypatch.setattr(calibrate, "CACHE_SYSFS", root)
+
+    seen: dict[int, int] = {}  # address -> bytes of every weight buffer a probe multiplied
+    real_linear = blocks.linear
+
+    def linear(x, w, *a, **kw):
+        seen[w.data_ptr()] = w.numel() * w.element_size()
+        return real_linear(x, w, *a, **kw)
+
+    monkeypatch.setattr(blocks, "linear", linear)
+    calibrate.weight_rates("bf16", 0.02, (64, 128), wide=False)
+    assert sum(seen.values()) >= want and len(seen) >= 2
+    seen.clear()
+    calibrate.weight_rates("bf16", 0.02, (64, 128), wide=False, nbytes=64 << 10)  # the overhead probe's own size
+    assert sum(seen.values()) < want
+    if not cpu.available():
+        return
+    seen.clear()
+    real_glu = fused.moe_glu_bf16
+
+    def glu(x, experts, parts, inter, out, *a, **kw):
+        for p in parts:
+            seen[p[0]] = 3 * inter * x.shape[1] * 2  # gate, up, down of one expert
+        return real_glu(x, experts, parts, inter, out, *a, **kw)
+
+    monkeypatch.setattr(fused, "moe_glu_bf16", glu)
+    calibrate.glu_rate((32, 64), 4, 0.02)
+    assert sum(seen.values()) >= want
+    seen.clear()
+    calibrate.glu_rows_times((32, 64), 0.02, rows=(2,))
+    assert sum(seen.values()) >= want
 
 
 def test_replay_decode_counts_cold_misses():

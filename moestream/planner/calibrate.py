@@ -2,7 +2,9 @@
 
 Owns the probes (the disk by bench's direct-I/O probe, the one-row weight kernels the engine's decode takes per
 weight format, the multi-row path's fp32 expansion, the fp32 GEMM rate, memory read bandwidth, and the engine's
-fixed cost per layer step measured on a tiny synthetic checkpoint of the family) and their cache, a JSON file
+fixed cost per layer step measured on a tiny synthetic checkpoint of the family; the kernel and memory probes
+stream distinct buffers past the last-level cache, `stream_bytes()`, as a decode token streams its weights) and
+their cache, a JSON file
 under the user cache directory keyed by CPU (and, for the disk, by the filesystem's device), so that repeated
 plans are instant; `--recalibrate` (alias `--calibrate`) measures again. Each rate is the median of ROUNDS
 separate probes (each itself the median of short bursts), and the spread of the rounds is kept beside it, so that
@@ -27,7 +29,7 @@ from moestream import __version__
 from moestream.config import default_cache_dir
 
 KINDS = ("bf16", "mxfp4", "fp8", "int4", "f32")
-PROBES_VERSION = 4  # part of the cache key: a change to what a probe measures measures again
+PROBES_VERSION = 5  # part of the cache key: a change to what a probe measures measures again
 ROUNDS = 3  # separate probes per rate; the median is kept (a burst of load costs one round, not the rate)
 PROBE_FILE_BYTES = 256 << 20  # written once where the weights would live when the model has no local shards
 BURST_S = 0.15
@@ -156,48 +158,92 @@ def rounds(probe: Callable[[], float | tuple[float, ...]], n: int = ROUNDS) -> t
     return med, f"median of {len(rows)} rounds (spread {min(first):.4g}-{max(first):.4g})"
 
 
-def _weights(kind: str, out: int, inp: int, count: int) -> tuple[list, int, Callable, Callable]:
-    """`count` weight matrices of one format: (weights, stored bytes, the engine's linear fn(x, w), its expansion
-    to fp32 fn(w) as a multi-row step does before its GEMM)."""
+def _weights(kind: str, out: int, inp: int, nbytes: int) -> tuple[list, int, Callable, Callable]:
+    """Weight matrices of one format in distinct buffers, as many as make `nbytes` stored bytes (at least 2):
+    (weights, their stored bytes, the engine's linear fn(x, w), its expansion to fp32 fn(w) as a multi-row step does
+    before its GEMM). One matrix is made and copied: the probes time bytes streamed, not values."""
     from moestream.kernels import quant
     from moestream.models.blocks import linear
 
     gen = torch.Generator().manual_seed(0)
-    dense = [torch.randn(out, inp, generator=gen) * 0.02 for _ in range(count)]
-    if kind in ("bf16", "f32"):
-        ws = [w.to(torch.bfloat16 if kind == "bf16" else torch.float32) for w in dense]
-        scratch = torch.empty(out, inp)  # the engine expands into a reused fp32 scratch (no fresh pages)
-        return ws, sum(w.numel() * w.element_size() for w in ws), linear, scratch.copy_
+    dense = torch.randn(out, inp, generator=gen) * 0.02
     one = torch.ones(1, inp)
-    if kind == "mxfp4":
-        ws = [quant.quantize_mxfp4(w) for w in dense]
-        return (ws, sum(p.numel() + s.numel() for p, s in ws), lambda x, w: quant.mxfp4_linear(x, *w),
-                lambda w: quant.mxfp4_linear(one, *w, native=False))  # decoded chunk by chunk into scratch
-    if kind == "fp8":
-        ws = [quant.quantize_fp8_block(w) for w in dense]
-        return (ws, sum(q.numel() + s.numel() * 4 for q, s in ws), lambda x, w: quant.fp8_block_linear(x, *w),
-                lambda w: quant.fp8_block_linear(one, *w))
-    ws = [quant.pack_int4(w) for w in dense]
-    return (ws, sum(p.numel() * 4 + s.numel() * 2 for p, s in ws),
-            lambda x, w: quant.int4_linear(x, *w, shape=(out, inp)),
-            lambda w: quant.int4_linear(one, *w, shape=(out, inp)))
+    if kind in ("bf16", "f32"):
+        w0 = dense.to(torch.bfloat16 if kind == "bf16" else torch.float32)
+        scratch = torch.empty(out, inp)  # the engine expands into a reused fp32 scratch (no fresh pages)
+        fn, expand = linear, scratch.copy_
+    elif kind == "mxfp4":
+        w0 = quant.quantize_mxfp4(dense)
+        fn = lambda x, w: quant.mxfp4_linear(x, *w)  # noqa: E731
+        expand = lambda w: quant.mxfp4_linear(one, *w, native=False)  # noqa: E731  # decoded chunk by chunk
+    elif kind == "fp8":
+        w0 = quant.quantize_fp8_block(dense)
+        fn, expand = (lambda x, w: quant.fp8_block_linear(x, *w)), (lambda w: quant.fp8_block_linear(one, *w))
+    else:
+        w0 = quant.pack_int4(dense)
+        fn = lambda x, w: quant.int4_linear(x, *w, shape=(out, inp))  # noqa: E731
+        expand = lambda w: quant.int4_linear(one, *w, shape=(out, inp))  # noqa: E731
+    del dense
+    parts = w0 if isinstance(w0, tuple) else (w0,)
+    per = sum(t.numel() * t.element_size() for t in parts)
+    count = max(2, -(-nbytes // per))
+    ws = [w0] + [tuple(t.clone() for t in parts) if isinstance(w0, tuple) else w0.clone() for _ in range(count - 1)]
+    return ws, per * count, fn, expand
 
 
 DEFAULT_SHAPE = (2048, 1024)  # an expert projection's (out, in) where the model's is not known
-PROBE_BYTES = 32 << 20  # bf16-equivalent bytes a one-row probe streams per pass: past the last-level cache
-PROBE_MAX_MATRICES = 64
+# A decode token streams every weight it multiplies from DRAM (q3m_med: 16 layers x 8 experts x 3 MiB + 84 MB of
+# attention weights a token, its experts not the last token's), so a one-row probe cycles through distinct buffers
+# of at least this many stored bytes: STREAM_LLC_MULTIPLE x the last-level cache sysfs states, and at least
+# STREAM_MIN_BYTES (where no cache size is stated). Measured here (32 MiB L3, alternating in one process): the fused
+# GLU call at 57-62 GB/s over 24 MiB of experts, 35-48 GB/s over 48 MiB (the old probe), 28-38 GB/s over 120-384
+# MiB, and the engine's decode through the same call at 28-31 GB/s (docs/performance.md, "kernel probes past the
+# last-level cache").
+STREAM_LLC_MULTIPLE = 4
+STREAM_MIN_BYTES = 128 << 20
+CACHE_SYSFS = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def _cache_size(text: str) -> int:
+    """sysfs's cache size ("32768K", "1M", "512") in bytes."""
+    text = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text[:-1] if mult > 1 else text) * mult
+
+
+def llc_bytes(root: Path | None = None) -> int:
+    """This CPU's last-level cache: the size of the highest-level data or unified cache sysfs lists (under `root`,
+    default CACHE_SYSFS); 0 when it lists none (not Linux, a restricted container)."""
+    best = (0, 0)
+    try:
+        entries = sorted((root or CACHE_SYSFS).glob("index*"))
+    except OSError:
+        return 0
+    for d in entries:
+        try:
+            if (d / "type").read_text().strip() not in ("Data", "Unified"):
+                continue
+            best = max(best, (int((d / "level").read_text()), _cache_size((d / "size").read_text())))
+        except (OSError, ValueError):
+            continue
+    return best[1]
+
+
+def stream_bytes() -> int:
+    """Stored weight bytes a kernel probe streams per pass: past the last-level cache, as a decode token's are."""
+    return max(STREAM_MIN_BYTES, STREAM_LLC_MULTIPLE * llc_bytes())
 
 
 def weight_rates(kind: str, seconds: float = 0.6, shape: tuple[int, int] = DEFAULT_SHAPE,
-                 wide: bool = True) -> tuple[float, float]:
+                 wide: bool = True, nbytes: int | None = None) -> tuple[float, float]:
     """(one-row bytes/s through the engine's linear for the format, stored bytes/s expanded to fp32 for a multi-row
     GEMM) over matrices of `shape` (the model's own expert projection: a small matrix pays its call's fixed cost
-    on fewer bytes), as many as make 32 MiB of bf16-equivalent weights (past the last-level cache)."""
+    on fewer bytes) in distinct buffers of `nbytes` stored bytes in all (default stream_bytes(): from DRAM, as a
+    decode token streams them; the overhead probe passes its small checkpoint's own weight bytes)."""
     out, inp = shape
-    count = max(2, min(PROBE_MAX_MATRICES, -(-PROBE_BYTES // (2 * out * inp))))
-    ws, nbytes, fn, expand = _weights(kind, out, inp, count)
+    ws, nbytes, fn, expand = _weights(kind, out, inp, stream_bytes() if nbytes is None else nbytes)
     x = torch.randn(1, inp)
-    few = count if kind in ("bf16", "f32") else 1  # torch's decode of a packed format is slow: one matrix per burst
+    few = len(ws) if kind in ("bf16", "f32") else 1  # torch's decode of a packed format is slow: one matrix a burst
 
     def one() -> None:
         for w in ws:
@@ -212,23 +258,33 @@ def weight_rates(kind: str, seconds: float = 0.6, shape: tuple[int, int] = DEFAU
     return _rate(one, nbytes, seconds / 2), _rate(expand_all, nbytes * few / len(ws), seconds / 2)
 
 
-def glu_rate(shape: tuple[int, int], top_k: int, seconds: float = 0.3) -> float:
+def _glu_experts(shape: tuple[int, int], count: int) -> tuple[list, list[tuple[int, int, int]]]:
+    """`count` bf16 GLU experts of shape = (inter, hidden) (gate, up [inter, hidden], down [hidden, inter]) in
+    distinct buffers: (their tensors, which the caller keeps alive; their addresses as fused.moe_glu_bf16 takes
+    them). One expert is made and copied."""
+    inter, hidden = shape
+    gen = torch.Generator().manual_seed(0)
+    first = [(torch.randn(*dims, generator=gen) * 0.02).to(torch.bfloat16)
+             for dims in ((inter, hidden), (inter, hidden), (hidden, inter))]
+    experts = [first] + [[m.clone() for m in first] for _ in range(count - 1)]
+    return experts, [tuple(m.data_ptr() for m in e) for e in experts]
+
+
+def glu_rate(shape: tuple[int, int], top_k: int, seconds: float = 0.3, nbytes: int | None = None) -> float:
     """Bytes/s of one activation row through groups of `top_k` bf16 GLU experts (gate and up [inter, hidden], down
     [hidden, inter] for shape = (inter, hidden)), one fused native call per group as the engine's decode layer makes
-    it, over as many experts as make 32 MiB (past the last-level cache)."""
+    it, cycling through distinct experts of `nbytes` in all (default stream_bytes(): past the last-level cache, as a
+    decode token's experts stream from DRAM; at least two groups)."""
     from moestream.kernels import cpu, fused
 
+    if not cpu.available():
+        raise RuntimeError("no native kernels")
     inter, hidden = shape
     k = max(1, top_k)
     per = 3 * inter * hidden * 2
-    groups = max(2, -(-PROBE_BYTES // (per * k)))
-    gen = torch.Generator().manual_seed(0)
-    experts = [[(torch.randn(*dims, generator=gen) * 0.02).to(torch.bfloat16)
-                for dims in ((inter, hidden), (inter, hidden), (hidden, inter))] for _ in range(groups * k)]
-    parts = [tuple(m.data_ptr() for m in e) for e in experts]
+    groups = max(2, -(-(stream_bytes() if nbytes is None else nbytes) // (per * k)))
+    experts, parts = _glu_experts(shape, groups * k)
     x, out = torch.randn(1, hidden), torch.zeros(1, hidden)
-    if not cpu.available():
-        raise RuntimeError("no native kernels")
 
     def work() -> None:
         for g in range(groups):
@@ -240,23 +296,22 @@ def glu_rate(shape: tuple[int, int], top_k: int, seconds: float = 0.3) -> float:
 GLU_ROWS = (2, 4, 16, 64)  # rows per expert the many-row probe times (a batch's experts take N x top_k / E each)
 
 
-def glu_rows_times(shape: tuple[int, int], seconds: float = 0.4, rows: tuple[int, ...] = GLU_ROWS) -> dict:
+def glu_rows_times(shape: tuple[int, int], seconds: float = 0.4, rows: tuple[int, ...] = GLU_ROWS,
+                   nbytes: int | None = None) -> dict:
     """Seconds per expert of the fused bf16 GLU call (fused.moe_glu_bf16, the path a batch step takes for bf16 GLU
     experts: below its panel threshold row by row, above it the panel kernel) at each of `rows` rows per expert:
-    {"group": {rows: s}} for as many experts as make 32 MiB in one call (a layer step's resident experts), and
-    {"single": {rows: s}} for one expert a call (each read expert as it lands). Every row goes through every
-    expert (no routing table: the same kernel work per (row, expert) pair)."""
+    {"group": {rows: s}} for distinct experts of `nbytes` in all (default stream_bytes(), past the last-level cache)
+    in one call (a layer step's resident experts), and {"single": {rows: s}} for one expert a call (each read
+    expert as it lands). Every row goes through every expert (no routing table: the same kernel work per (row,
+    expert) pair)."""
     from moestream.kernels import cpu, fused
 
     if not cpu.available():
         raise RuntimeError("no native kernels")
     inter, hidden = shape
     per = 3 * inter * hidden * 2
-    count = max(2, min(PROBE_MAX_MATRICES, -(-PROBE_BYTES // per)))
-    gen = torch.Generator().manual_seed(0)
-    experts = [[(torch.randn(*dims, generator=gen) * 0.02).to(torch.bfloat16)
-                for dims in ((inter, hidden), (inter, hidden), (hidden, inter))] for _ in range(count)]
-    parts = [tuple(m.data_ptr() for m in e) for e in experts]
+    count = max(2, -(-(stream_bytes() if nbytes is None else nbytes) // per))
+    experts, parts = _glu_experts(shape, count)
     out: dict[str, dict[str, float]] = {"group": {}, "single": {}}
     each = seconds / (2 * len(rows))
     for r in rows:
@@ -296,7 +351,8 @@ def gemm_rate(seconds: float = 0.5) -> float:
 
 
 def memory_rate(seconds: float = 0.3) -> float:
-    data = torch.ones(32 << 20, dtype=torch.float32)  # 128 MiB
+    """fp32 bytes/s read by a sum over stream_bytes() (past the last-level cache)."""
+    data = torch.ones(stream_bytes() // 4, dtype=torch.float32)
     return _rate(lambda: torch.sum(data), data.numel() * 4, seconds)
 
 
@@ -407,43 +463,55 @@ def _tiny(family: str, out: Path, top_k: int, experts: int, widths: dict[str, in
     return f"tiny synthetic {family} (its own top-k)"
 
 
-def _weights_time(path: Path, gemv: dict[str, float]) -> float:
-    """Seconds a one-row step of the probe checkpoint spends streaming its weights at `gemv` (bytes/s per format):
-    what its measured step time holds beyond the engine's fixed cost."""
+def _probe_facts(path: Path):
     from moestream.planner.facts import model_facts, open_plan
 
     p = open_plan(path)
     try:
-        f = model_facts(path, p)
+        return model_facts(path, p)
     finally:
         p.store.close()
+
+
+def _weights_time(f, gemv: dict[str, float]) -> float:
+    """Seconds a one-row step of the probe checkpoint (its ModelFacts `f`) spends streaming its weights at `gemv`
+    (bytes/s per format): what its measured step time holds beyond the engine's fixed cost."""
     rate = lambda k: gemv.get(k) or gemv["bf16"]  # noqa: E731
     expert = gemv.get("glu") if f.expert_kind == "bf16" and gemv.get("glu") else rate(f.expert_kind)
     return (sum(b / rate(k) for k, b in f.dense_bytes.items()) + f.head_bytes / rate(f.head_kind)
             + f.moe_layers * f.top_k * f.expert_bytes / expert)
 
 
+def _step_bytes(f) -> int:
+    """Weight bytes a one-row step of the probe checkpoint (its ModelFacts `f`) multiplies: its working set, which
+    stays in the last-level cache between its timed steps (a few MB at 32-wide experts), unlike a real model's."""
+    return int(sum(f.dense_bytes.values()) + f.head_bytes + f.moe_layers * f.top_k * f.expert_bytes)
+
+
 def overhead(model_type: str, seconds: float = 1.0, top_k: int = 0, experts: int = 0,
              widths: dict[str, int] | None = None, gemv: dict[str, float] | None = None,
-             rounds_n: int = 1, rate_probe: Callable[[], dict[str, float]] | None = None) -> Overhead:
+             rounds_n: int = 1, rate_probe: Callable[[int], dict[str, float]] | None = None) -> Overhead:
     """The engine's per-layer-step fixed cost for `model_type` routing `top_k` of `experts` experts per token at
     the model's `widths`: a small synthetic checkpoint decoded warm one row and eight rows at a time, and prefilled
-    in 64-token chunks, `rounds_n` times; time per layer, less its weights' streaming (priced apart by the planner)
-    at the kernel rates `rate_probe` measures in the same round, right before the steps (else at `gemv`), so that
-    a burst of load slows both sides of the difference; the median of the rounds' differences is kept."""
+    in 64-token chunks, `rounds_n` times; time per layer, less its weights' time (priced apart by the planner)
+    at the kernel rates `rate_probe(working set)` measures in the same round, right before the steps, over as many
+    bytes as the checkpoint's step multiplies (they stay in the last-level cache between its steps, so they are
+    priced at the in-cache rate; else at `gemv`), so that a burst of load slows both sides of the difference; the
+    median of the rounds' differences is kept."""
     from moestream import Engine
     from moestream.synth import supported
 
     family = model_type if model_type in supported() else "qwen3_moe"
     with tempfile.TemporaryDirectory(prefix="moestream-plan-") as tmp:
         what = _tiny(family, Path(tmp) / "m", top_k, experts, widths or {})
+        facts = _probe_facts(Path(tmp) / "m")
         eng = Engine.open(Path(tmp) / "m")
         try:
             layers = len(eng.model.layers)
             runs, general = [], []
             for _ in range(max(1, rounds_n)):
-                rates = rate_probe() if rate_probe is not None else gemv
-                w = _weights_time(Path(tmp) / "m", rates) if rates else 0.0
+                rates = rate_probe(_step_bytes(facts)) if rate_probe is not None else gemv
+                w = _weights_time(facts, rates) if rates else 0.0
                 runs.append((_step_time(eng, 1, 1, seconds / 3), _step_time(eng, 8, 1, seconds / 3),
                              _step_time(eng, 1, 64, seconds / 3), w))
                 general.append(_general_step(eng, seconds / 3))
@@ -613,11 +681,11 @@ class Calibrator:
         # (an overhead measured before the general-path probe existed lacks general_s: measured again)
         if all("general_s" not in e.setdefault("overhead", {}).get(k, {}) for k in (key, model_type)):
             self.log(f"calibrating: engine overhead per layer step ({key})")
-            def now() -> dict[str, float]:  # the kernel rates, measured again in each round of the probe
-                got = {k: weight_rates(k, self.seconds / 3, (shapes or {}).get(k, DEFAULT_SHAPE), wide=False)[0]
-                       for k in chosen}
+            def now(hot: int) -> dict[str, float]:  # the kernel rates in each round, over the probe's working set
+                got = {k: weight_rates(k, self.seconds / 3, (shapes or {}).get(k, DEFAULT_SHAPE), wide=False,
+                                       nbytes=hot)[0] for k in chosen}
                 if gkey:
-                    got["glu"] = glu_rate(glu_shape, top_k, self.seconds / 3)
+                    got["glu"] = glu_rate(glu_shape, top_k, self.seconds / 3, nbytes=hot)
                 return got
 
             o = overhead(model_type, self.seconds, top_k, experts, widths,
