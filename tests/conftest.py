@@ -92,6 +92,20 @@ def model_type_of(path) -> str:
     return json.loads((Path(path) / "config.json").read_text()).get("model_type", "?")
 
 
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def threads():
+    """Yields cpu.set_threads (the native kernels' threads per call); the count is restored after the test."""
+    from moestream.kernels import cpu
+
+    before = cpu.threads()
+    yield cpu.set_threads
+    cpu.set_threads(before)
+
+
 @pytest.fixture
 def one_thread():
     """One torch thread for a test: on two shared cores torch's threaded ops stall under load, and tiny tensors

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import prompt_ids
+from conftest import prompt_ids, seeded
 from moestream import Engine
 from moestream.errors import MoestreamError
 from moestream.kernels import cpu, fused
@@ -20,17 +20,6 @@ from moestream.models import blocks
 from moestream.synth import synthesize
 
 native = pytest.mark.skipif(not cpu.available(), reason=f"no native kernels here ({cpu.reason()})")
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-@pytest.fixture
-def threads():
-    before = cpu.threads()
-    yield cpu.set_threads
-    cpu.set_threads(before)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -46,7 +35,7 @@ def _rounded_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def test_linear_is_the_bf16_rounded_product(t, k, n):
     """Against the float64 product of the bf16-rounded rows: only fp32 summation error (a kernel that forgot the
     rounding would be ~1e-3 off, see the second assertion; one that mixed up pairs or lanes far more)."""
-    g = _gen(t * 1000 + k)
+    g = seeded(t * 1000 + k)
     x, w = torch.randn(t, k, generator=g), torch.randn(n, k, generator=g).bfloat16()
     (y,) = cpu.linear_bf16dot_many(x, [w])
     assert y.dtype == torch.float32 and y.shape == (t, n)
@@ -59,7 +48,7 @@ def test_linear_is_the_bf16_rounded_product(t, k, n):
 def test_rows_independent_of_split_and_threads(threads):
     """Each output row depends on its own input row only: bit-identical whether rows come in one call or one by
     one, on 1 or 2 threads, and for several weights in one call or apart."""
-    g = _gen(3)
+    g = seeded(3)
     x = torch.randn(45, 128, generator=g)
     ws = [torch.randn(n, 128, generator=g).bfloat16() for n in (64, 24)]
     threads(2)
@@ -72,7 +61,7 @@ def test_rows_independent_of_split_and_threads(threads):
 
 
 def _glu_case(e: int, inter: int, k_in: int, d_out: int, t: int, k: int, seed: int):
-    g = _gen(seed)
+    g = seeded(seed)
     experts = [tuple((torch.randn(*s, generator=g) * 0.2).bfloat16() for s in ((inter, k_in), (inter, k_in),
                                                                              (d_out, inter))) for _ in range(e)]
     x = torch.randn(t, k_in, generator=g)
@@ -139,7 +128,7 @@ def test_portable_build_computes_the_same_products(tmp_path):
     assert lib.ms_bf16dp() == 0
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.ms_bf16dot_linear.argtypes = [p, i64, i64, i64, p, p, p]
-    g = _gen(5)
+    g = seeded(5)
     x, w = torch.randn(37, 96, generator=g), torch.randn(50, 96, generator=g).bfloat16()
     out = torch.empty(37, 50)
     arr = lambda *v: (ctypes.c_int64 * len(v))(*v)  # noqa: E731
@@ -150,7 +139,7 @@ def test_portable_build_computes_the_same_products(tmp_path):
 
 @native
 def test_linear_takes_the_bf16_path_only_when_asked_and_many_rows():
-    g = _gen(7)
+    g = seeded(7)
     w = torch.randn(48, 64, generator=g).bfloat16()
     many, few = torch.randn(blocks.BF16_MIN_ROWS, 64, generator=g), torch.randn(blocks.BF16_MIN_ROWS - 1, 64,
                                                                                generator=g)

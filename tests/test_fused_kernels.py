@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import max_rel_diff, prompt_ids
+from conftest import max_rel_diff, prompt_ids, seeded
 from moestream import Engine
 from moestream.kernels import cpu, fused
 from moestream.models import attention, blocks
@@ -17,19 +17,8 @@ from moestream.synth import synthesize
 native = pytest.mark.skipif(not cpu.available(), reason=f"no native kernels here ({cpu.reason()})")
 
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-@pytest.fixture
-def threads():
-    before = cpu.threads()
-    yield cpu.set_threads
-    cpu.set_threads(before)
-
-
 def _experts(n: int, inter: int, k_in: int, d_out: int, seed: int):
-    g = _gen(seed)
+    g = seeded(seed)
     return [tuple(torch.randn(*shape, generator=g).bfloat16() for shape in ((inter, k_in), (inter, k_in), (d_out, inter)))
             for _ in range(n)]
 
@@ -62,9 +51,9 @@ def test_moe_glu_matches_float64(shape, act, threads):
     experts = _experts(len(names), inter, k_in, d_out, seed=sum(shape))
     ref_act = _silu if act == "silu" else _situ
     for t in (1, 3, 9, 20, 48, 75):  # 48, 75: 16+ tokens per expert, the panel kernel (one and two vectors)
-        x = torch.randn(t, k_in, generator=_gen(t))
-        ids = torch.stack([torch.randperm(12, generator=_gen(100 + i))[:4] for i in range(t)])
-        scores = torch.rand(t, 4, generator=_gen(t + 7))
+        x = torch.randn(t, k_in, generator=seeded(t))
+        ids = torch.stack([torch.randperm(12, generator=seeded(100 + i))[:4] for i in range(t)])
+        scores = torch.rand(t, 4, generator=seeded(t + 7))
         want = _reference(x, experts, ids, scores, names, ref_act)
         got = []
         for n in (1, 2):
@@ -81,7 +70,7 @@ def test_moe_glu_matches_float64(shape, act, threads):
 def test_moe_glu_without_routing_is_each_expert_alone():
     experts = _experts(1, 25, 40, 56, seed=3)
     for t in (5, 40):  # 40: the panel kernel, two full panels and a half one
-        x = torch.randn(t, 40, generator=_gen(4))
+        x = torch.randn(t, 40, generator=seeded(4))
         out = torch.zeros(t, 56)
         fused.moe_glu_bf16(x, [0], [tuple(m.data_ptr() for m in experts[0])], 25, out)
         gate, up, down = (m.double() for m in experts[0])
@@ -94,7 +83,7 @@ def test_glu_group_and_expert_fn_take_the_fused_kernel_and_match_torch():
     gate, up, down = _experts(1, 24, 40, 40, seed=5)[0]
     fused = {"gate_up": torch.cat([gate, up]), "down": down}
     named = {"w1": gate, "w3": up, "w2": down}
-    x = torch.randn(3, 40, generator=_gen(6))
+    x = torch.randn(3, 40, generator=seeded(6))
     fn = blocks.expert_glu()
     with cpu.disabled():
         want = fn(x, {"gate": gate, "up": up, "down": down})
@@ -112,9 +101,9 @@ def test_glu_group_and_expert_fn_take_the_fused_kernel_and_match_torch():
 
 @native
 def test_linear_many_matches_separate_linears(threads):
-    ws = [torch.randn(n, 33, generator=_gen(n)).bfloat16() for n in (5, 64, 17)]
-    bs = (None, torch.randn(64, generator=_gen(1)).bfloat16(), None)
-    x = torch.randn(3, 33, generator=_gen(2))
+    ws = [torch.randn(n, 33, generator=seeded(n)).bfloat16() for n in (5, 64, 17)]
+    bs = (None, torch.randn(64, generator=seeded(1)).bfloat16(), None)
+    x = torch.randn(3, 33, generator=seeded(2))
     for n in (1, 2):
         threads(n)
         got = blocks.linear_many(x, tuple(ws), bs)
@@ -127,8 +116,8 @@ def test_linear_many_matches_separate_linears(threads):
 @pytest.mark.parametrize("tokens,experts,k_in,top", [(1, 64, 1024, 8), (3, 10, 33, 2), (16, 128, 40, 8), (2, 5, 16, 5)])
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_native_router_matches_softmax_topk(tokens, experts, k_in, top, renormalize):
-    x = torch.randn(tokens, k_in, generator=_gen(12))
-    gate = torch.randn(experts, k_in, generator=_gen(13)).bfloat16()
+    x = torch.randn(tokens, k_in, generator=seeded(12))
+    gate = torch.randn(experts, k_in, generator=seeded(13)).bfloat16()
     ids, wts = fused.router_softmax_topk(x, gate, top, renormalize)
     with cpu.disabled():
         want_ids, want_wts = blocks.softmax_route(x, gate, top, renormalize)
@@ -150,8 +139,8 @@ def test_native_router_rejects_bad_operands():
 @native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, None])
 def test_rms_norm_native_matches_torch(dtype):
-    x = torch.randn(3, 130, generator=_gen(8)) * 3
-    w = None if dtype is None else torch.randn(130, generator=_gen(9)).to(dtype)
+    x = torch.randn(3, 130, generator=seeded(8)) * 3
+    w = None if dtype is None else torch.randn(130, generator=seeded(9)).to(dtype)
     got = blocks.rms_norm(x, w, 1e-6)
     with cpu.disabled():
         want = blocks.rms_norm(x, w, 1e-6)
@@ -173,7 +162,7 @@ def _torch_attention(q, k_new, v_new, k_old, v_old, pos0, qn, kn, rope, window, 
 @pytest.mark.parametrize("new", [1, 2, 5])
 def test_gqa_attend_matches_torch(window, new):
     hq, hkv, d, pos0 = 6, 2, 16, 7
-    g = _gen(new)
+    g = seeded(new)
     rope = Rope(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), attention_factor=1.1)
     qn, kn = torch.randn(d, generator=g).bfloat16(), torch.randn(d, generator=g).bfloat16()
     k_old, v_old = torch.randn(pos0, hkv, d, generator=g), torch.randn(pos0, hkv, d, generator=g)

@@ -295,36 +295,16 @@ int ms_bf16dot_glu(int64_t E, const int64_t *experts, const int64_t *gates, cons
                    int64_t k, float *out, int act, float beta, float lbeta) {
     if (E <= 0 || T <= 0 || D <= 0) return 0;
     if (K % 2 || I % 2 || K <= 0 || I <= 0) return -2;
-    int64_t A = 0;
-    if (ids == NULL) {
-        A = E * T;
-    } else {
-        for (int64_t e = 0; e < E; e++)
-            for (int64_t i = 0; i < T * k; i++) A += ids[i] == experts[e];
-    }
+    const int64_t A = glu_pairs(E, experts, T, ids, k);
     if (A == 0) return 0;
     char *mem = malloc(sizeof(int64_t) * (size_t)(4 * E + 2 + A) + sizeof(float) * (size_t)A);
     if (!mem) return -1;
     int64_t *start = (int64_t *)mem, *count = start + E, *poff = count + E, *ustart = poff + E + 1;
     int64_t *row = ustart + E + 1;
     float *wt = (float *)(row + A);
-    int64_t a = 0;
+    glu_group(E, experts, T, ids, wts, k, start, count, row, wt);
     poff[0] = ustart[0] = 0;
     for (int64_t e = 0; e < E; e++) {
-        start[e] = a;
-        for (int64_t t = 0; t < T; t++) {
-            if (ids == NULL) {
-                row[a] = t;
-                wt[a++] = 1.0f;
-                continue;
-            }
-            for (int64_t i = 0; i < k; i++)
-                if (ids[t * k + i] == experts[e]) {
-                    row[a] = t;
-                    wt[a++] = wts[t * k + i];
-                }
-        }
-        count[e] = a - start[e];
         poff[e + 1] = poff[e] + bp_count(count[e]);
         ustart[e + 1] = ustart[e] + (count[e] ? (I + BPG_ROWS - 1) / BPG_ROWS : 0);
     }

@@ -154,32 +154,19 @@ static void glu_down_part(void *arg, int64_t part, int64_t parts, int slot) {
     }
 }
 
-/* For each of E experts (ids experts[e]; bf16 weights gate [I, K], up [I, K], down [D, I] at the addresses
- * gates[e], ups[e], downs[e]): out[t] += w * down act(gate x[t], up x[t]) for every (t, j) with
- * ids[t * k + j] == experts[e], w = wts[t * k + j]. With ids NULL every token goes through every expert with weight
- * 1. x fp32 [T, K], out fp32 [T, D], both contiguous. act: 0 SiLU-GLU, 1 SiTU-GLU(beta, lbeta). Returns 0, or -1
- * when out of memory. */
-int ms_moe_glu_bf16(int64_t E, const int64_t *experts, const int64_t *gates, const int64_t *ups,
-                    const int64_t *downs, int64_t I, int64_t K, int64_t D, const float *x, int64_t T,
-                    const int64_t *ids, const float *wts, int64_t k, float *out, int act, float beta, float lbeta) {
-    if (E <= 0 || T <= 0 || D <= 0) return 0;
+/* (token, slot) pairs routed to the E experts (every token through every expert without ids) */
+static int64_t glu_pairs(int64_t E, const int64_t *experts, int64_t T, const int64_t *ids, int64_t k) {
+    if (ids == NULL) return E * T;
     int64_t A = 0;
-    if (ids == NULL) {
-        A = E * T;
-    } else {
-        for (int64_t e = 0; e < E; e++)
-            for (int64_t i = 0; i < T * k; i++) A += ids[i] == experts[e];
-    }
-    if (A == 0) return 0;
-    const int64_t ldx = bf16_stride(K), ldh = bf16_stride(I);
-    int parts = pool_parts; /* a thread's wake-up costs about as much as streaming 100-200 KB */
-    while (parts > 1 && E * (2 * I * K + D * I) * 2 / parts < MIN_BYTES_PER_PART) parts--;
-    const size_t meta = sizeof(int64_t) * (size_t)(2 * E + A) + sizeof(float) * (size_t)A;
-    char *mem = malloc(meta + 64 + sizeof(float) * (size_t)(A * (ldx + ldh)));
-    if (!mem) return -1;
-    int64_t *start = (int64_t *)mem, *count = start + E, *row = count + E;
-    float *wt = (float *)(row + A);
-    float *xa = (float *)(((uintptr_t)(mem + meta) + 63) & ~(uintptr_t)63), *h = xa + A * ldx;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t i = 0; i < T * k; i++) A += ids[i] == experts[e];
+    return A;
+}
+
+/* The pairs expert-major: expert e's are row / wt[start[e] .. start[e] + count[e]), tokens ascending (weight 1
+ * without ids). Returns the largest count. */
+static int64_t glu_group(int64_t E, const int64_t *experts, int64_t T, const int64_t *ids, const float *wts,
+                         int64_t k, int64_t *start, int64_t *count, int64_t *row, float *wt) {
     int64_t a = 0, maxcount = 0;
     for (int64_t e = 0; e < E; e++) {
         start[e] = a;
@@ -198,6 +185,30 @@ int ms_moe_glu_bf16(int64_t E, const int64_t *experts, const int64_t *gates, con
         count[e] = a - start[e];
         if (count[e] > maxcount) maxcount = count[e];
     }
+    return maxcount;
+}
+
+/* For each of E experts (ids experts[e]; bf16 weights gate [I, K], up [I, K], down [D, I] at the addresses
+ * gates[e], ups[e], downs[e]): out[t] += w * down act(gate x[t], up x[t]) for every (t, j) with
+ * ids[t * k + j] == experts[e], w = wts[t * k + j]. With ids NULL every token goes through every expert with weight
+ * 1. x fp32 [T, K], out fp32 [T, D], both contiguous. act: 0 SiLU-GLU, 1 SiTU-GLU(beta, lbeta). Returns 0, or -1
+ * when out of memory. */
+int ms_moe_glu_bf16(int64_t E, const int64_t *experts, const int64_t *gates, const int64_t *ups,
+                    const int64_t *downs, int64_t I, int64_t K, int64_t D, const float *x, int64_t T,
+                    const int64_t *ids, const float *wts, int64_t k, float *out, int act, float beta, float lbeta) {
+    if (E <= 0 || T <= 0 || D <= 0) return 0;
+    const int64_t A = glu_pairs(E, experts, T, ids, k);
+    if (A == 0) return 0;
+    const int64_t ldx = bf16_stride(K), ldh = bf16_stride(I);
+    int parts = pool_parts; /* a thread's wake-up costs about as much as streaming 100-200 KB */
+    while (parts > 1 && E * (2 * I * K + D * I) * 2 / parts < MIN_BYTES_PER_PART) parts--;
+    const size_t meta = sizeof(int64_t) * (size_t)(2 * E + A) + sizeof(float) * (size_t)A;
+    char *mem = malloc(meta + 64 + sizeof(float) * (size_t)(A * (ldx + ldh)));
+    if (!mem) return -1;
+    int64_t *start = (int64_t *)mem, *count = start + E, *row = count + E;
+    float *wt = (float *)(row + A);
+    float *xa = (float *)(((uintptr_t)(mem + meta) + 63) & ~(uintptr_t)63), *h = xa + A * ldx;
+    const int64_t maxcount = glu_group(E, experts, T, ids, wts, k, start, count, row, wt);
     /* experts with many tokens run on the panel kernel (_cpu_panel.c): their panel offsets and pass-1 units */
     int64_t *poff = malloc(sizeof(int64_t) * (size_t)(2 * E + 1)), *ustart = poff + E, pfl = 0;
     if (!poff) {
@@ -225,7 +236,8 @@ int ms_moe_glu_bf16(int64_t E, const int64_t *experts, const int64_t *gates, con
     /* only the rows some expert takes (a batch step hands every expert of a layer the whole step's x) */
     for (int64_t e = 0; e < E; e++)
         if (poff[e] < 0)
-            for (a = start[e]; a < start[e] + count[e]; a++) bf16_prepare_row(x + row[a] * K, K, xa + a * ldx);
+            for (int64_t a = start[e]; a < start[e] + count[e]; a++)
+                bf16_prepare_row(x + row[a] * K, K, xa + a * ldx);
     memset(h, 0, sizeof(float) * (size_t)(A * ldh)); /* the padding of each row stays zero */
     if (pfl) memset(hp, 0, sizeof(float) * (size_t)(pfl * I)); /* ... and the padded tokens of each panel */
     glu_job j = {E, I, K, D, ldx, ldh, maxcount, D, (const uint16_t *const *)gates, (const uint16_t *const *)ups,
