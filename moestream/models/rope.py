@@ -7,7 +7,7 @@ attention or caches.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,20 +22,37 @@ class Rope:
     attention_factor: float = 1.0  # multiplies cos and sin (YaRN mscale)
     interleaved: bool = False
 
+    _last: tuple | None = field(default=None, repr=False, compare=False)  # (positions, (cos, sin)) of the last call
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] of positions [T]. Every layer of a step asks with the step's one positions tensor: the
+        answer for the same tensor object is kept and given again (positions are never written in place)."""
+        last = self._last
+        if last is not None and last[0] is positions:
+            return last[1]
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+        out = emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+        self._last = (positions, out)
+        return out
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D]; cos/sin [T, D]."""
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        """x [T, H, D]; cos/sin [T, D]. Each half is written once, with the same products and sums as
+        x * cos + rotate_half(x) * sin (x1 c - x2 s rounds as x1 c + (-x2) s), so the values are bit for bit
+        those of rotate_half; without its negated half, concatenated copy and full-width temporaries."""
         if self.interleaved:
             t, h, d = x.shape
             x = x.view(t, h, d // 2, 2).transpose(-1, -2).reshape(t, h, d)
         half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        x1, x2 = x[..., :half], x[..., half:]
+        c1, c2 = cos[:, None, :half], cos[:, None, half:]
+        s1, s2 = sin[:, None, :half], sin[:, None, half:]
+        out = torch.empty_like(x)
+        torch.mul(x1, c1, out=out[..., :half])
+        out[..., :half] -= x2 * s1
+        torch.mul(x2, c2, out=out[..., half:])
+        out[..., half:] += x1 * s2
+        return out
 
 
 def rope_params(cfg: dict) -> dict:
