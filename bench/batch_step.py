@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", action="store_true", help="profile the main thread's CPU time instead of wall time")
     ap.add_argument("--timeline", action="store_true", help="where in each step the disk sat idle")
     ap.add_argument("--kv-dtype", choices=("fp32", "bf16", "int8"), default="fp32")
+    ap.add_argument("--compute-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="many-row products' precision (EngineOptions.compute_dtype)")
     ap.add_argument("--mixed", type=int, default=0, metavar="P",
                     help="each timed step also prefills P new sequences' whole prompts of --mixed-len tokens beside "
                          "the B decoding rows (the mixed steps of a batch job that admits as others finish)")
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 
     budget = default_budget(args.model) + args.batch * args.state_per_seq if args.budget is None else \
         (int(args.budget) or None)
-    eng = Engine.open(args.model, budget, threads=args.threads, kv_dtype=args.kv_dtype)
+    eng = Engine.open(args.model, budget, threads=args.threads, kv_dtype=args.kv_dtype,
+                      compute_dtype=args.compute_dtype)
     rate = matmul_rate(torch.float32)
     flops = FlopModel.of(eng)
     gen = torch.Generator().manual_seed(0)
