@@ -2,8 +2,8 @@
 
 The caller (models/attention.py) has reserved each sequence's new row in its KV blocks; the kernel norms and ropes
 the new query and key, writes key and value into those rows (fp32 or bf16 blocks, or int8 blocks with their group
-scales, kernels/kvquant.py) and attends over each sequence's
-blocks in place: no per-sequence Python, no gathered copy of a bf16 cache. Same values as `fused.gqa_attend` per
+scales, kernels/kvquant.py) and attends over each sequence's blocks in place: no per-sequence Python, no gathered
+copy of a bf16 cache. Same values as `fused.gqa_attend` per
 sequence, bit for bit (tests/test_paged_attention.py).
 """
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from moestream.kernels import kvquant
 from moestream.kernels.cpu import _addresses, required
 from moestream.kernels.fused import qk_prep
-from moestream.kernels import kvquant
 
-_STORAGE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_STORAGE = {torch.float32: 0, torch.bfloat16: 1}  # block dtype -> the kernel's storage code; int8 slots are 2
 
 
 def gqa_decode_paged(q: Tensor, k: Tensor, v: Tensor, lengths: Sequence[int], kblocks: Sequence[Sequence[Tensor]],
@@ -47,7 +47,7 @@ def gqa_decode_paged(q: Tensor, k: Tensor, v: Tensor, lengths: Sequence[int], kb
             raise ValueError(f"gqa_decode_paged wants int8 slots of {block} rows [{hkv}, {d}|{dv}]")
     else:
         block, code = first.shape[0], _STORAGE.get(first.dtype)
-        if code is None or code == 2 or first.shape[1:] != (hkv, d) or vblocks[0][0].shape[1:] != (hkv, dv) \
+        if code is None or first.shape[1:] != (hkv, d) or vblocks[0][0].shape[1:] != (hkv, dv) \
                 or vblocks[0][0].dtype != first.dtype:
             raise ValueError(f"gqa_decode_paged wants fp32 or bf16 blocks [block, {hkv}, {d}|{dv}]")
     offsets, kptrs, vptrs = [], [], []

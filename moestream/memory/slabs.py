@@ -15,14 +15,19 @@ import threading
 import torch
 
 PAGE = mmap.PAGESIZE
+
+
+def slot_bytes(nbytes: int) -> int:
+    """Bytes of the slab slot that holds a block of `nbytes`: whole pages."""
+    return -(-nbytes // PAGE) * PAGE
 SLAB_BYTES = 64 << 20  # virtual: pages are mapped only when a slot is first written
 
 
 class SlabPool:
     """Fixed-size slots of `slot_bytes` (a page multiple) carved from slabs of at least SLAB_BYTES each."""
 
-    def __init__(self, slot_bytes: int):
-        self.slot_bytes = -(-slot_bytes // PAGE) * PAGE
+    def __init__(self, nbytes: int):
+        self.slot_bytes = slot_bytes(nbytes)
         self.per_slab = max(1, SLAB_BYTES // self.slot_bytes)
         self.slabs: list[mmap.mmap] = []
         self.free: list[tuple[int, int]] = []  # (slab, slot), most recently freed last
@@ -64,7 +69,7 @@ _pools_lock = threading.Lock()
 
 
 def _pool(nbytes: int) -> SlabPool:
-    key = -(-nbytes // PAGE) * PAGE
+    key = slot_bytes(nbytes)
     with _pools_lock:
         if key not in _pools:
             _pools[key] = SlabPool(key)

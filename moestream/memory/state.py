@@ -8,6 +8,7 @@ Models create their per-layer state lazily through `slot()`.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -17,7 +18,7 @@ from moestream.config import KV_DTYPE_NAMES
 from moestream.errors import MoestreamError
 from moestream.kernels import kvquant
 from moestream.memory.accountant import MemoryAccountant
-from moestream.memory.slabs import PAGE, free_block, new_block
+from moestream.memory.slabs import free_block, new_block, slot_bytes
 
 BLOCK_TOKENS = 64  # rows per KV block: a batch of short sequences holds ~its context, not 256 rows each
 GROW_TOKENS = BLOCK_TOKENS  # the old name (tests and docs speak of growth in 64-token steps)
@@ -36,6 +37,18 @@ def kv_dtype(name: str) -> torch.dtype:
     return KV_DTYPES[name]
 
 
+def stored_row_bytes(row_shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes one cache row of this shape takes in `dtype`'s storage (int8: its values and group scales)."""
+    if dtype == torch.int8:
+        return kvquant.row_bytes(row_shape)
+    return math.prod(row_shape) * dtype.itemsize
+
+
+def block_bytes(rows: int, row_bytes: int, quantized: bool) -> int:
+    """Bytes a block of `rows` rows charges: the rows, or for int8 the whole slab slot (whole pages) it takes."""
+    return slot_bytes(rows * row_bytes) if quantized else rows * row_bytes
+
+
 def block_shape(row_bytes: int, quantized: bool = False) -> tuple[int, int]:
     """(rows, bytes) of one cache block whose rows take `row_bytes`: BLOCK_TOKENS rows for fp32 / bf16; an int8
     block (whose rows carry their scales, so are rarely a power of two) fills whole pages instead, the slab slot it
@@ -43,7 +56,7 @@ def block_shape(row_bytes: int, quantized: bool = False) -> tuple[int, int]:
     have left 15% of the slot unused but resident."""
     if not quantized:
         return BLOCK_TOKENS, BLOCK_TOKENS * row_bytes
-    nbytes = -(-BLOCK_TOKENS * row_bytes // PAGE) * PAGE
+    nbytes = slot_bytes(BLOCK_TOKENS * row_bytes)
     return nbytes // row_bytes, nbytes
 
 
@@ -109,23 +122,16 @@ class BlockBuffer:
 
     @property
     def elements(self) -> int:
-        n = 1
-        for d in self.row_shape:
-            n *= d
-        return n
+        return math.prod(self.row_shape)
 
     @property
     def row_bytes(self) -> int:
-        if self.quantized:
-            return kvquant.row_bytes(self.row_shape)
-        return self.elements * self.dtype.itemsize
+        return stored_row_bytes(self.row_shape, self.dtype)
 
     @property
     def block_bytes(self) -> int:
         """Bytes one block charges: its rows, or for int8 its whole slot (whole pages)."""
-        if self.quantized:
-            return -(-self.block * self.row_bytes // PAGE) * PAGE
-        return self.block * self.row_bytes
+        return block_bytes(self.block, self.row_bytes, self.quantized)
 
     @property
     def nbytes(self) -> int:

@@ -1,8 +1,8 @@
 """Grouped-query softmax attention over a per-sequence KV cache (Mixtral, Qwen3-MoE, gpt-oss).
 
 Owns the cache layout ([Hkv, D] rows in a sequence's blocks, models/tiled.py's online softmax over them for
-prefill; a whole prompt attending to itself goes to torch's fused flash attention kernel instead), causal and sliding-window masks and attention sinks, the padded batched decode and the native decode
-call. Projections, norms and rope are done by the caller; this module sees per-head q, k, v.
+prefill; a whole prompt attending to itself goes to torch's fused flash attention kernel instead), causal and
+sliding-window masks and attention sinks, the padded batched decode and the native decode call. Projections, norms and rope are done by the caller; this module sees per-head q, k, v.
 """
 from __future__ import annotations
 
@@ -122,8 +122,9 @@ def _fresh_attention(slot: KVSlot, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     flash attention kernel, causal, GQA grouped, which like attend_tiles never builds a score matrix (it works in
     blocks of at most FLASH_Q_SPLIT queries x FLASH_KV_SPLIT keys per thread with an online softmax), in a
     fraction of the small torch ops' time: a 512-token prompt's 16 layers took 0.8-1.7 s in attend_tiles
-    (docs/performance.md). Keys and values are the cache's rows as stored (bf16 caches round them), as the tiled
-    path reads them (an int8 cache's quantised values likewise). Its per-thread blocks and the output are charged as scratch while it runs."""
+    (docs/performance.md). Keys and values are the cache's rows as stored (bf16 caches round them, int8 caches
+    quantise them), as the tiled path reads them. Its per-thread blocks and the output are charged as scratch while
+    it runs."""
     t, hq, d = q.shape
     if slot.k.dtype != torch.float32:
         k, v = slot.k.stored(k), slot.v.stored(v)

@@ -8,26 +8,15 @@ replay the engine's block allocation exactly as admission does.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
-from moestream.errors import MoestreamError, UnsupportedModelError
-from moestream.kernels import kvquant
-from moestream.memory.state import host_bytes_of
+from moestream.errors import UnsupportedModelError
+from moestream.memory.state import host_bytes_of, kv_dtype as storage_of, stored_row_bytes
 from moestream.models.kimi_linear import FULL
 from moestream.server.prefix import StateProfile
 
 FP32 = 4
-KV_DTYPES = ("fp32", "bf16", "int8")  # --kv-dtype storages (memory/state.py KV_DTYPES)
-
-
-def _row_bytes(kv_dtype: str) -> Callable[[tuple[int, ...]], int]:
-    """Bytes one stored row of this shape takes: 4 or 2 an element, or int8 values plus fp32 group scales."""
-    if kv_dtype == "int8":
-        return kvquant.row_bytes
-    width = {"fp32": 4, "bf16": 2}[kv_dtype]
-    return lambda shape: math.prod(shape) * width
 
 
 @dataclass
@@ -68,9 +57,8 @@ def _kda_fixed(heads: int, dim: int, conv: int) -> int:
 
 def state_shape(config, kv_dtype: str = "fp32") -> StateShape:
     """The StateShape of a family's parsed config (ModelPlan.config), KV / latent rows stored as `kv_dtype`."""
-    if kv_dtype not in KV_DTYPES:
-        raise MoestreamError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
-    shape = _shape(config, _row_bytes(kv_dtype))
+    storage = storage_of(kv_dtype)  # a MoestreamError naming the choices for anything else
+    shape = _shape(config, lambda row: stored_row_bytes(row, storage))
     shape.kv_dtype = kv_dtype
     shape.host_bytes = host_bytes_of(int(config.num_layers))
     return shape
