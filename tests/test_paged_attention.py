@@ -121,3 +121,41 @@ def test_batch_decode_step_takes_the_paged_path_and_equals_one_at_a_time(tmp_pat
     for a, b in zip(alone, together):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
         assert int(a.argmax()) == int(b.argmax())
+
+
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
+def test_a_step_that_also_prefills_decodes_its_sequences_in_the_paged_call(tmp_path_factory, monkeypatch, kv):
+    """Three sequences decoding in the same step as a new prompt's prefill: the decoding rows still take one paged
+    call per layer (not the padded torch path), and every sequence gets the logits of a step without the prompt,
+    the prompt those of its prefill alone (int8: its rows quantised once for the step's prompts)."""
+    from moestream import Engine
+    from tests.conftest import prompt_ids, synth_tiny
+
+    path = synth_tiny(tmp_path_factory, "qwen3_moe")
+    eng = Engine.open(path, kv_dtype=kv)
+    prompts = [prompt_ids(eng.vocab_size, n, seed=n) for n in (5, 64, 70)]
+    newcomer = prompt_ids(eng.vocab_size, 40, seed=40)
+    nxt = [3, 4, 5]
+
+    def prefilled():
+        states = [eng.new_sequence() for _ in prompts]
+        for st, ids in zip(states, prompts):
+            eng.step([(st, ids)])
+        return states
+
+    states = prefilled()
+    decode_only = eng.step([(st, [t]) for st, t in zip(states, nxt)])
+    st = eng.new_sequence()
+    prompt_alone = eng.step([(st, newcomer)])[0]
+    for s in states + [st]:
+        eng.free(s)
+    calls = []
+    real = paged.gqa_decode_paged
+    monkeypatch.setattr(paged, "gqa_decode_paged", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    states = prefilled()
+    st = eng.new_sequence()
+    mixed = eng.step([(s, [t]) for s, t in zip(states, nxt)] + [(st, newcomer)])
+    assert calls and set(calls) == {3}
+    for a, b in zip(list(decode_only) + [prompt_alone], mixed):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        assert int(a.argmax()) == int(b.argmax())

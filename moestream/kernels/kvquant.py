@@ -9,6 +9,8 @@ first, then its fp32 scales.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 GROUP = 64  # values per scale along the last dimension, where it divides it
@@ -44,6 +46,24 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     d = q.shape[-1]
     g = group_of(d)
     return (q.reshape(*q.shape[:-1], d // g, g).float() * scale.unsqueeze(-1)).reshape(q.shape)
+
+
+class Quantized(NamedTuple):
+    """Rows quantised once (int8 values, fp32 scales) with the fp32 values they decode to, so that a step's rows for
+    many sequences are quantised in one call and each sequence's cache takes its slice."""
+    values: torch.Tensor
+    scales: torch.Tensor
+    decoded: torch.Tensor
+
+    def rows(self, r) -> "Quantized":
+        """The same rows' subset (any index along the first dimension)."""
+        return Quantized(self.values[r], self.scales[r], self.decoded[r])
+
+
+def quantized(x: torch.Tensor) -> Quantized:
+    """x [..., D] -> its Quantized form (quantize, then dequantize once)."""
+    q, s = quantize(x)
+    return Quantized(q, s, dequantize(q, s))
 
 
 def roundtrip(x: torch.Tensor) -> torch.Tensor:

@@ -159,13 +159,14 @@ class BlockBuffer:
         scales = blk[n:n + 4 * self.block * (self.elements // self.row_shape[-1]) * groups]
         return values, scales.view(torch.float32).view(self.block, *self.row_shape[:-1], groups)
 
-    def _write(self, blk: torch.Tensor, r: int, rows: torch.Tensor) -> None:
-        """Store rows at row r of a block (converted to, or quantised for, the storage)."""
+    def _write(self, blk: torch.Tensor, r: int, rows: torch.Tensor, pre: kvquant.Quantized | None = None) -> None:
+        """Store rows at row r of a block (converted to, or quantised for, the storage; an int8 buffer takes `pre`,
+        the same rows already quantised, when given)."""
         if not self.quantized:
             blk[r:r + rows.shape[0]] = rows
             return
         values, scales = self._parts(blk)
-        q, s = kvquant.quantize(rows)
+        q, s = (pre.values, pre.scales) if pre is not None else kvquant.quantize(rows)
         values[r:r + rows.shape[0]] = q
         scales[r:r + rows.shape[0]] = s
 
@@ -181,15 +182,17 @@ class BlockBuffer:
             return kvquant.roundtrip(rows)
         return rows.to(self.dtype).float()
 
-    def push(self, rows: torch.Tensor) -> None:
-        """Append rows [n, *row_shape] (converted to the storage dtype)."""
+    def push(self, rows: torch.Tensor, pre: kvquant.Quantized | None = None) -> None:
+        """Append rows [n, *row_shape] (converted to the storage dtype; for an int8 buffer, `pre` is the same rows
+        already quantised by kvquant.quantized, written as they are)."""
         n = rows.shape[0]
         self._room(n)
         at = 0
         while at < n:
             b, r = divmod(self.length - self.start, self.block)
             take = min(self.block - r, n - at)
-            self._write(self.blocks[b], r, rows[at:at + take])
+            part = None if pre is None else pre.rows(slice(at, at + take))
+            self._write(self.blocks[b], r, rows[at:at + take], part)
             at += take
             self.length += take
 

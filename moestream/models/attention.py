@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moestream.memory.state import BLOCK_TOKENS, BlockBuffer, Segment, scratch, scratch_budget
 from moestream.errors import CheckpointError
-from moestream.kernels import cpu, fused, paged
+from moestream.kernels import cpu, fused, kvquant, paged
 from moestream.models.blocks import linear, linear_many, rms_norm
 from moestream.models.tiled import TILE_BYTES, Tiles, attend_tiles, tile_plan
 
@@ -97,15 +97,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def cached_attention(seg: Segment, slot: KVSlot, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     window: int | None = None, sinks: torch.Tensor | None = None,
+                     pre: tuple[kvquant.Quantized, kvquant.Quantized] | None = None) -> torch.Tensor:
     """Append this segment's k, v [T, Hkv, D] to the cache and attend its queries q [T, Hq, D] over the cache in
     key tiles (online softmax) sized to the scratch allowance (anything over it is charged while it exists)
-    -> [T, Hq, Dv]."""
-    slot.k.push(k)
-    slot.v.push(v)
+    -> [T, Hq, Dv]. For an int8 cache, `pre` may carry k and v already quantised (a step's rows for all its
+    sequences quantised in one call)."""
+    pre_k, pre_v = pre if pre is not None and slot.k.quantized else (None, None)
+    slot.k.push(k, pre_k)
+    slot.v.push(v, pre_v)
     t, hq, d = q.shape
     memory = slot.k.memory
     if window is None and sinks is None and seg.pos == 0 and slot.k.kept == t:
+        if pre_k is not None:
+            k, v = pre_k.decoded, pre_v.decoded
+        elif slot.k.dtype != torch.float32:
+            k, v = slot.k.stored(k), slot.v.stored(v)
         return _fresh_attention(slot, q, k, v, scale)
     rows, keys, nbytes = tile_plan(hq, k.shape[1], t, slot.k.kept, d, v.shape[-1], scratch_budget(memory, TILE_BYTES))
     with scratch(memory, nbytes, "attention scratch"):
@@ -122,12 +129,10 @@ def _fresh_attention(slot: KVSlot, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     flash attention kernel, causal, GQA grouped, which like attend_tiles never builds a score matrix (it works in
     blocks of at most FLASH_Q_SPLIT queries x FLASH_KV_SPLIT keys per thread with an online softmax), in a
     fraction of the small torch ops' time: a 512-token prompt's 16 layers took 0.8-1.7 s in attend_tiles
-    (docs/performance.md). Keys and values are the cache's rows as stored (bf16 caches round them, int8 caches
-    quantise them), as the tiled path reads them. Its per-thread blocks and the output are charged as scratch while
-    it runs."""
+    (docs/performance.md). The caller passes keys and values as the cache stores them (bf16 caches round them, int8
+    caches quantise them), as the tiled path reads them. Its per-thread blocks and the output are charged as scratch
+    while it runs."""
     t, hq, d = q.shape
-    if slot.k.dtype != torch.float32:
-        k, v = slot.k.stored(k), slot.v.stored(v)
     dv = v.shape[-1]
     block = min(t, FLASH_Q_SPLIT)
     nbytes = 4 * (torch.get_num_threads() * block * (min(t, FLASH_KV_SPLIT) + 2 * dv + 2) + t * hq * dv)
@@ -230,24 +235,30 @@ class GQAMixer:
         k, v = k.view(t, self.kv_heads, self.head_dim), v.view(t, self.kv_heads, self.head_dim)
         if self._native(x, batch):
             return linear(self._attend_native(q, k, v, batch, index).view(t, -1), self.o, self.ob)
+        out = torch.empty(t, self.heads, self.head_dim)
+        single = [seg for seg in batch.segments if seg.length == 1 and seg.pos > 0]
+        if len(single) < PAGED_MIN_SEQUENCES:
+            single = []
+        rows = torch.tensor([seg.start for seg in single], dtype=torch.long)
+        paged_rows = bool(single) and self._kernel_fits(x) and self.window is None
+        if paged_rows:  # a step that also prefills: its decoding sequences still take the one paged call
+            out[rows] = self._attend_paged(q[rows], k[rows], v[rows], single, index)
         if self.q_norm is not None:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         cos, sin = self.rope.cos_sin(batch.positions)
         q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
-        out = torch.empty(t, self.heads, self.head_dim)
-        single = [seg for seg in batch.segments if seg.length == 1 and seg.pos > 0]
-        if len(single) < 2:
-            single = []
-        else:  # decoding sequences: one batched attention instead of one small call each
-            rows = torch.tensor([seg.start for seg in single])
+        if single and not paged_rows:  # decoding sequences: one batched attention instead of one small call each
             slots = [self.slot(seg, index) for seg in single]
             out[rows] = decode_attention(slots, q[rows], k[rows], v[rows], self.scale, self.window, self.sinks)
         done = {id(seg) for seg in single}
-        for seg in batch.segments:
-            if id(seg) not in done:
-                r = seg.rows
-                out[r] = cached_attention(seg, self.slot(seg, index), q[r], k[r], v[r], self.scale,
-                                          self.window, self.sinks)
+        rest = [seg for seg in batch.segments if id(seg) not in done]
+        pre = None
+        if any(seg.state.kv_dtype == torch.int8 for seg in rest):  # quantised once for all of them
+            pre = (kvquant.quantized(k), kvquant.quantized(v))
+        for seg in rest:
+            r = seg.rows
+            out[r] = cached_attention(seg, self.slot(seg, index), q[r], k[r], v[r], self.scale, self.window,
+                                      self.sinks, None if pre is None else (pre[0].rows(r), pre[1].rows(r)))
         return linear(out.reshape(t, -1), self.o, self.ob)
 
     def decode_block(self, h: torch.Tensor, batch, index: int, in_norm: torch.Tensor, post_norm: torch.Tensor,
@@ -309,15 +320,18 @@ class GQAMixer:
         """Small segments, no sinks, rotate-half rope, a cache that still starts at position 0 (the kernel ropes
         new keys at their index in the cache; a window that has dropped blocks goes the torch way): q/k norms,
         rope, KV append and attention in one native call per sequence (instead of some thirty small torch ops)."""
+        return self._kernel_fits(x) and all(
+            seg.length <= NATIVE_MAX_TOKENS and (self.window is None or seg.pos - self.window + 1 < BLOCK_TOKENS)
+            for seg in batch.segments)
+
+    def _kernel_fits(self, x: torch.Tensor) -> bool:
+        """The native attention kernels take this layer: no sinks, rotate-half rope over the whole head, no grad."""
         return (self.sinks is None and not self.rope.interleaved and not x.requires_grad and cpu.available()
-                and self.rope.inv_freq.numel() * 2 == self.head_dim
-                and all(seg.length <= NATIVE_MAX_TOKENS and (self.window is None
-                                                             or seg.pos - self.window + 1 < BLOCK_TOKENS)
-                        for seg in batch.segments))
+                and self.rope.inv_freq.numel() * 2 == self.head_dim)
 
     def _attend_native(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, index: int) -> torch.Tensor:
         if self._paged(batch):
-            return self._attend_paged(q, k, v, batch, index)
+            return self._attend_paged(q, k, v, batch.segments, index)
         one = len(batch.segments) == 1
         out = None if one else torch.empty(q.shape[0], self.heads, self.head_dim)
         for seg in batch.segments:
@@ -337,9 +351,10 @@ class GQAMixer:
         return len(segs) >= PAGED_MIN_SEQUENCES and self.window is None and all(
             seg.length == 1 and seg.start == i for i, seg in enumerate(segs))
 
-    def _attend_paged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch, index: int) -> torch.Tensor:
-        """Reserve each sequence's new row in its blocks; the kernel writes it and attends over the blocks in place."""
-        slots = [self.slot(seg, index) for seg in batch.segments]
+    def _attend_paged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments, index: int) -> torch.Tensor:
+        """Segments decoding one token each, q / k / v their rows before q/k norm and rope: reserve each sequence's
+        new row in its blocks; the kernel norms and ropes, writes the row and attends over the blocks in place."""
+        slots = [self.slot(seg, index) for seg in segments]
         for slot in slots:
             slot.k.reserve(1)
             slot.v.reserve(1)
