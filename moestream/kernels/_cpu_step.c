@@ -362,11 +362,22 @@ int ms_router_softmax_topk(const float *x, int64_t T, int64_t K, const uint16_t 
 /* --------------------------------------------------------------------------- norms, rope, GQA attention */
 /* rms-normalise n rows of width H in place: x * rsqrt(mean(x^2) + eps) * w, w fp32 (wbf16 0) or bf16 (1), or
  * NULL for none */
+#define SUMSQ_LANES 16 /* independent partial sums (one AVX-512 register): the compiler keeps a serial sum serial */
+static float sum_squares(const float *r, int64_t H) {
+    float lane[SUMSQ_LANES] = {0};
+    int64_t c = 0;
+    for (; c + SUMSQ_LANES <= H; c += SUMSQ_LANES)
+        for (int l = 0; l < SUMSQ_LANES; l++) lane[l] += r[c + l] * r[c + l];
+    float ss = 0.0f;
+    for (int l = 0; l < SUMSQ_LANES; l++) ss += lane[l];
+    for (; c < H; c++) ss += r[c] * r[c];
+    return ss;
+}
+
 static void rms_rows(float *x, int64_t n, int64_t H, const void *w, int wbf16, float eps) {
     for (int64_t i = 0; i < n; i++) {
         float *r = x + i * H;
-        float ss = 0.0f;
-        for (int64_t c = 0; c < H; c++) ss += r[c] * r[c];
+        const float ss = sum_squares(r, H);
         const float inv = 1.0f / sqrtf(ss / (float)H + eps);
         if (!w)
             for (int64_t c = 0; c < H; c++) r[c] *= inv;
@@ -377,10 +388,28 @@ static void rms_rows(float *x, int64_t n, int64_t H, const void *w, int wbf16, f
     }
 }
 
-/* out[T, H] = rms_norm(x[T, H]) * w (x, out fp32; w as in rms_rows) */
+typedef struct {
+    const float *x; float *out; int64_t T, H; const void *w; int wbf16; float eps;
+} rms_job;
+
+static void rms_part(void *arg, int64_t chunk, int64_t chunks, int slot) {
+    const rms_job *j = arg;
+    (void)slot;
+    const int64_t r0 = j->T * chunk / chunks, r1 = j->T * (chunk + 1) / chunks;
+    if (j->out != j->x) memcpy(j->out + r0 * j->H, j->x + r0 * j->H, sizeof(float) * (size_t)((r1 - r0) * j->H));
+    rms_rows(j->out + r0 * j->H, r1 - r0, j->H, j->w, j->wbf16, j->eps);
+}
+
+#define RMS_CHUNK_FLOATS (64 << 10) /* 256 KiB of rows a chunk: a many-row norm is split over the pool */
+
+/* out[T, H] = rms_norm(x[T, H]) * w (x, out fp32; w as in rms_rows); each row is computed alike on any thread */
 void ms_rms_norm(const float *x, int64_t T, int64_t H, const void *w, int wbf16, float eps, float *out) {
-    if (out != x) memcpy(out, x, sizeof(float) * (size_t)(T * H));
-    rms_rows(out, T, H, w, wbf16, eps);
+    rms_job j = {x, out, T, H, w, wbf16, eps};
+    const int64_t chunks = T * H / RMS_CHUNK_FLOATS;
+    if (chunks >= 2 && pool_parts > 1)
+        pool_run_chunks(rms_part, &j, chunks < T ? chunks : T, pool_parts);
+    else
+        rms_part(&j, 0, 1, 0);
 }
 
 /* rotate-half rope of H heads of width D at position pos, in place: x*cos + rotate_half(x)*sin with
