@@ -59,9 +59,7 @@ static void dl_attn_part(void *arg, int part, int parts) {
         for (int64_t i = j->j0; i < j->length; i++) {
             const int64_t r = i - j->start;
             const float *kj = (const float *)(intptr_t)j->kb[r / j->block] + ((r % j->block) * j->Hkv + g) * j->D;
-            float sdot = 0.0f;
-            for (int64_t d = 0; d < j->D; d++) sdot += qh[d] * kj[d];
-            p[i] = sdot * j->scale;
+            p[i] = dot_lanes(qh, kj, j->D) * j->scale;
             if (p[i] > m) m = p[i];
         }
         float sum = 0.0f;

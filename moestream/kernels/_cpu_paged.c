@@ -44,7 +44,10 @@ static inline const float *paged_row(const int64_t *tab, int64_t j, int64_t bloc
     }
     const int8_t *s = (const int8_t *)(intptr_t)tab[b] + r * width;
     const float *sc = int8_scales(tab, b, block, width, group, r);
-    for (int64_t c = 0; c < width; c++) dst[c] = (float)s[c] * sc[c / group];
+    for (int64_t g0 = 0; g0 < width; g0 += group) {
+        const float scale = sc[g0 / group];
+        for (int64_t c = g0; c < g0 + group; c++) dst[c] = (float)s[c] * scale;
+    }
     return dst;
 }
 
@@ -114,9 +117,7 @@ static void paged_one(const paged_job *j, int64_t s, float *p, float *krow, floa
         const float *kr = t == pos ? krow : paged_row(kt, t, j->block, Hkv * D, storage, j->kgroup, row);
         for (int64_t h = 0; h < Hq; h++) {
             const float *qh = qs + h * D, *kj = kr + (h / G) * D;
-            float sdot = 0.0f;
-            for (int64_t d = 0; d < D; d++) sdot += qh[d] * kj[d];
-            p[h * L + t] = sdot * j->scale;
+            p[h * L + t] = dot_lanes(qh, kj, D) * j->scale;
         }
     }
     for (int64_t h = 0; h < Hq; h++) {

@@ -374,6 +374,20 @@ static float sum_squares(const float *r, int64_t H) {
     return ss;
 }
 
+/* a . b over n floats in SUMSQ_LANES partial sums folded pairwise: the attention kernels' q.k (ms_gqa_attend, the
+ * decode block's and the paged batch call all use it, so their scores stay bit-identical to one another) */
+static inline float dot_lanes(const float *a, const float *b, int64_t n) {
+    float lane[SUMSQ_LANES] = {0};
+    int64_t c = 0;
+    for (; c + SUMSQ_LANES <= n; c += SUMSQ_LANES)
+        for (int l = 0; l < SUMSQ_LANES; l++) lane[l] += a[c + l] * b[c + l];
+    for (int w = SUMSQ_LANES / 2; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) lane[l] += lane[l + w];
+    float s = lane[0];
+    for (; c < n; c++) s += a[c] * b[c];
+    return s;
+}
+
 static void rms_rows(float *x, int64_t n, int64_t H, const void *w, int wbf16, float eps) {
     for (int64_t i = 0; i < n; i++) {
         float *r = x + i * H;
@@ -456,9 +470,7 @@ int ms_gqa_attend(int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, flo
             float m = -INFINITY;
             for (int64_t j = j0; j < n; j++) {
                 const float *kj = kc + (j * Hkv + g) * D;
-                float sdot = 0.0f;
-                for (int64_t d = 0; d < D; d++) sdot += qh[d] * kj[d];
-                p[j] = sdot * scale;
+                p[j] = dot_lanes(qh, kj, D) * scale;
                 if (p[j] > m) m = p[j];
             }
             float sum = 0.0f;
