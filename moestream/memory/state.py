@@ -371,6 +371,6 @@ class Batch:
         segs, pos, start = [], [], 0
         for state, n in items:
             segs.append(Segment(state, start, n, state.pos))
-            pos.append(torch.arange(state.pos, state.pos + n))
+            pos.extend(range(state.pos, state.pos + n))
             start += n
-        return cls(segs, torch.cat(pos))
+        return cls(segs, torch.tensor(pos, dtype=torch.long))
