@@ -17,6 +17,7 @@ from moestream.batch.runner import BatchOptions, Emit, counted, execute, request
 from moestream.errors import MoestreamError
 
 CHUNKS_PER_WORKER = 2  # in flight per worker: the next chunk is already queued when one ends
+RAY_CHUNK_MAX = 512  # requests a chunk by default at most (4 x --max-batch else), so a job spreads over the workers
 WORKER_PREFIX = "moestream-batch-worker"
 
 
@@ -90,7 +91,7 @@ def run_on_ray(cfg, todo: Iterator[BatchRequest], emit: Emit, tally: Tally) -> B
     _connect(ray, cfg.ray)
     alive = [n for n in ray.nodes() if n.get("Alive")]
     n_workers = cfg.ray_workers or max(1, len(alive))
-    chunk = cfg.ray_chunk or 2 * cfg.options.in_flight
+    chunk = cfg.ray_chunk or min(2 * cfg.options.in_flight, RAY_CHUNK_MAX)
     actor = ray.remote(num_cpus=1, max_restarts=0, max_concurrency=CHUNKS_PER_WORKER + 1)(BatchWorker)
     workers = {i: actor.options(name=f"{WORKER_PREFIX}-{i}", scheduling_strategy="SPREAD").remote(
         cfg.model, cfg.ram_budget, cfg.state_room, cfg.threads, cfg.options, cfg.kv_dtype, cfg.compute_dtype)

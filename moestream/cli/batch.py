@@ -16,6 +16,10 @@ from moestream.config import parse_bytes
 from moestream.errors import MoestreamError
 from moestream.weights.remote import is_remote
 
+BUDGETED_MAX_BATCH = 1024  # --max-batch's default under --ram-budget: the budget's state room is the real bound
+UNBUDGETED_MAX_BATCH = 64  # ... and without one, where nothing else bounds the sequences' memory
+BATCH_PREFILL_CHUNK = 2048  # --prefill-chunk's default (serve's is 256: there, decoding streams wait on prefill)
+
 DESCRIPTION = """\
 Run every request of INPUT (the OpenAI Batch API format: one JSON object a line with custom_id, method "POST",
 url "/v1/chat/completions" or "/v1/completions", and body as `moestream serve` accepts it) and write one line per
@@ -35,10 +39,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_budget_arg(p, "; default: no limit")
     add_state_room_arg(p)
     add_compute_dtype_arg(p)
-    p.add_argument("--max-batch", type=int, default=64, metavar="N",
-                   help="sequences decoded together per engine step (default 64)")
-    p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
-                   help="prompt tokens prefilled per step across all new sequences (default 256)")
+    p.add_argument("--max-batch", type=int, default=None, metavar="N",
+                   help=f"sequences decoded together per engine step (default: with --ram-budget {BUDGETED_MAX_BATCH}, "
+                        f"admission keeping to what the budget's state room holds; without one {UNBUDGETED_MAX_BATCH})")
+    p.add_argument("--prefill-chunk", type=int, default=BATCH_PREFILL_CHUNK, metavar="N",
+                   help="prompt tokens prefilled per step across all new sequences (default "
+                        f"{BATCH_PREFILL_CHUNK}: each step reads the experts it routes to once, so a batch job "
+                        "prefills in large steps)")
     p.add_argument("--prefix-cache", default="0", metavar="BYTES",
                    help="saved prompt state reused by later requests with the same prefix, e.g. 256MiB "
                         "(default 0: off); counted in --ram-budget")
@@ -60,7 +67,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ray-workers", type=int, default=None, metavar="N",
                    help="Ray workers, one engine each (default: one per node of the cluster)")
     p.add_argument("--ray-chunk", type=int, default=None, metavar="N",
-                   help="requests sent to a worker at a time (default: 4 x --max-batch)")
+                   help="requests sent to a worker at a time (default: 4 x --max-batch, at most 512)")
     add_remote_args(p)
     p.set_defaults(func=cmd_batch)
 
@@ -88,7 +95,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
     path = model_dir(args.model)  # a remote model: its local stub (bodies still name it as typed)
     signal.signal(signal.SIGTERM, _interrupt)
     name = args.model_name or (args.model if is_remote(args.model) else None)
-    options = BatchOptions(args.max_batch, args.prefill_chunk, parse_bytes(args.prefix_cache) or 0, args.max_tokens,
+    max_batch = args.max_batch or (BUDGETED_MAX_BATCH if parse_budget(args.ram_budget) else UNBUDGETED_MAX_BATCH)
+    options = BatchOptions(max_batch, args.prefill_chunk, parse_bytes(args.prefix_cache) or 0, args.max_tokens,
                            name)
     cfg = JobConfig(str(path), args.input, args.output, parse_budget(args.ram_budget), args.state_room, args.threads,
                     options, progress=False if args.no_progress else None, price_per_hour=args.price_per_hour,
