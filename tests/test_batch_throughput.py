@@ -99,7 +99,7 @@ def test_peak_blocks_replays_block_buffer():
                 buf.push(torch.zeros(n, 1))
                 peak = max(peak, mem.state_bytes)
                 fed += n
-            assert peak_blocks(prompt, context, chunk, window) * buf.block_bytes == peak, (prompt, context, chunk, window)
+            assert peak_blocks(prompt, context, chunk, window) * buf.block_charge == peak, (prompt, context, chunk, window)
         assert rows_at(prompt, context, chunk) == -(-max(context, min(prompt, context)) // 64) * 64
 
 

@@ -39,7 +39,7 @@ def test_block_buffer_int8_stores_charges_and_reads_back():
     # a block fills whole pages (the slab slot it takes) with as many rows as fit: 75 of 272 bytes in 5 pages
     assert (buf.block, buf.block_bytes) == (75, 5 * 4096) == block_shape(272, True)
     assert block_shape(272) == (BLOCK_TOKENS, BLOCK_TOKENS * 272)
-    assert mem.state_bytes == buf.nbytes == 2 * buf.block_bytes
+    assert mem.state_bytes == buf.nbytes == 2 * buf.block_charge
     assert torch.equal(buf.gather(), kvquant.roundtrip(rows))
     assert buf.tile_dtype == torch.float32 and buf.view().dtype == torch.float32
     new = torch.randn(3, 2, 128)
@@ -51,7 +51,7 @@ def test_block_buffer_int8_stores_charges_and_reads_back():
     assert torch.equal(edge.gather()[73:], kvquant.roundtrip(new.repeat(2, 1, 1)[:4]))
     copy = buf.clone(120)
     mem.grow_state(copy.clone_bytes(), "clone")  # as server/prefix.py charges a clone
-    assert torch.equal(copy.gather(), buf.gather()[:120]) and copy.clone_bytes() == 2 * buf.block_bytes
+    assert torch.equal(copy.gather(), buf.gather()[:120]) and copy.clone_bytes() == 2 * buf.block_charge
     copy.release()
     before = blocks_out()
     buf.release()

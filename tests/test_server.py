@@ -18,6 +18,7 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
+from moestream.memory.state import BLOCK_HOST_BYTES  # noqa: E402
 from moestream.server.app import ServerConfig, ServerState, create_app  # noqa: E402
 from moestream.server.stops import StopMatcher  # noqa: E402
 
@@ -191,7 +192,8 @@ def test_clone_state_deep_copies_and_accounts():
     cut = clone_state(kv, 3)
     assert truncatable(kv) and cut.pos == 3 and cut.layers[1].v.length == 3
     assert torch.equal(cut.layers[1].v.view(), kv.layers[1].v.view()[:3])
-    assert mem.state_bytes == base + 2 * 2 * 64 * 2 * 4 * 4  # layers x (k, v) x one 64-row block of [2, 4] fp32
+    # layers x (k, v) x one 64-row block of [2, 4] fp32, each with its tensor object's host bytes
+    assert mem.state_bytes == base + 2 * 2 * (64 * 2 * 4 * 4 + BLOCK_HOST_BYTES)
     cut.layers[0].k.blocks[0][0] += 1  # independent storage
     assert not torch.equal(cut.layers[0].k.view(), kv.layers[0].k.view()[:3])
     cut.release()

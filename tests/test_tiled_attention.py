@@ -9,7 +9,8 @@ from conftest import max_rel_diff, prompt_ids, reference_greedy, reference_logit
 from moestream import Engine
 from moestream.errors import BudgetError
 from moestream.memory.accountant import MemoryAccountant
-from moestream.memory.state import BLOCK_TOKENS, BlockBuffer, SeqState, Segment
+from moestream.server.prefix import buffers
+from moestream.memory.state import BLOCK_HOST_BYTES, BLOCK_TOKENS, BlockBuffer, SeqState, Segment
 from moestream.models import tiled
 from moestream.models.attention import KVSlot, attend, causal_mask, cached_attention, decode_attention
 
@@ -70,22 +71,23 @@ def test_block_buffer_accounting_and_reads():
     buf = BlockBuffer(mem, (2, 3))
     rows = torch.randn(150, 2, 3)
     buf.push(rows[:1])
-    assert mem.state_bytes == buf.nbytes == buf.block_bytes == BLOCK_TOKENS * 6 * 4
+    assert buf.block_bytes == BLOCK_TOKENS * 6 * 4 and buf.block_charge == buf.block_bytes + BLOCK_HOST_BYTES
+    assert mem.state_bytes == buf.nbytes == buf.block_charge
     buf.push(rows[1:130])
-    assert len(buf.blocks) == 3 and mem.state_bytes == 3 * buf.block_bytes
-    assert buf.growth(20) == buf.block_bytes * 0 and buf.growth(70) == buf.block_bytes
+    assert len(buf.blocks) == 3 and mem.state_bytes == 3 * buf.block_charge
+    assert buf.growth(20) == 0 and buf.growth(70) == buf.block_charge
     buf.push(rows[130:])
     assert torch.equal(buf.gather(), rows) and torch.equal(torch.cat([t for _, t in buf.tiles()]), rows)
     buf.overwrite_tail(torch.zeros(30, 2, 3))
     assert torch.equal(buf.gather()[:120], rows[:120]) and buf.gather()[120:].abs().sum() == 0
     copy = buf.clone(70)
-    assert copy.length == 70 and len(copy.blocks) == 2 and buf.clone_bytes(70) == 2 * buf.block_bytes
+    assert copy.length == 70 and len(copy.blocks) == 2 and buf.clone_bytes(70) == 2 * buf.block_charge
     buf.release()
     assert mem.state_bytes == 0
 
 
 def test_block_buffer_never_exceeds_the_budget():
-    block = BLOCK_TOKENS * 4 * 4
+    block = BLOCK_TOKENS * 4 * 4 + BLOCK_HOST_BYTES  # charged a block: its rows and its tensor object
     mem = MemoryAccountant(3 * block)
     buf = BlockBuffer(mem, (4,))
     buf.push(torch.zeros(150, 4))
@@ -116,7 +118,7 @@ def test_sliding_window_cache_is_bounded_and_exact(allowance):
         assert slot.k.kept <= window + n + BLOCK_TOKENS
         pos += n
     assert slot.k.start > 0 and slot.k.kept <= window + BLOCK_TOKENS
-    assert mem.state_bytes == 2 * slot.k.nbytes == 2 * len(slot.k.blocks) * slot.k.block_bytes
+    assert mem.state_bytes == 2 * slot.k.nbytes == 2 * len(slot.k.blocks) * slot.k.block_charge
 
 
 def test_batched_decode_over_windowed_blocks():
@@ -180,11 +182,12 @@ def test_bf16_kv_close_to_fp32(windowed):
     assert bf16.generate(ids, 16, stop_token_ids=[]) == fp32.generate(ids, 16, stop_token_ids=[])
     state = bf16.new_sequence()
     bf16.prefill(state, ids[:64])
-    half = bf16.memory.state_bytes
+    host = BLOCK_HOST_BYTES * sum(len(b.blocks) for b in buffers(state))  # charged per block, whatever its dtype
+    half = bf16.memory.state_bytes - host
     bf16.free(state)
     state = fp32.new_sequence()
     fp32.prefill(state, ids[:64])
-    assert fp32.memory.state_bytes == 2 * half
+    assert fp32.memory.state_bytes - host == 2 * half
     fp32.free(state)
 
 
@@ -281,7 +284,7 @@ def test_a_fresh_prompt_takes_flash_attention_and_matches(monkeypatch, dtype, hq
     assert calls == [t]
     assert mem.state_bytes == 2 * slot.k.nbytes  # the scratch was given back
     # its blocks and output are charged: a budget holding the cache but not them is a clear error
-    cache = 2 * -(-t // BLOCK_TOKENS) * BLOCK_TOKENS * hkv * 16 * dtype.itemsize
+    cache = 2 * -(-t // BLOCK_TOKENS) * (BLOCK_TOKENS * hkv * 16 * dtype.itemsize + BLOCK_HOST_BYTES)
     tight = MemoryAccountant(cache + 64)
     with pytest.raises(BudgetError, match="attention scratch"):
         cached_attention(Segment(SeqState(tight, 1), 0, t, 0), KVSlot(tight, hkv, 16, 16, dtype), q[:t], k[:t],

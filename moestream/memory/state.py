@@ -26,6 +26,9 @@ GROW_TOKENS = BLOCK_TOKENS  # the old name (tests and docs speak of growth in 64
 # cache object per layer): tracemalloc measured ~7 KiB + ~1.5 KiB a layer (docs/memory.md), booked with headroom.
 HOST_BYTES_BASE = 8 << 10
 HOST_BYTES_PER_LAYER = 2 << 10
+# ... and each cache block's tensor object (torch's TensorImpl and the Python wrapper of a view on its slab slot:
+# ~600 bytes measured, docs/performance.md), which tracemalloc does not see: charged with the block
+BLOCK_HOST_BYTES = 640
 # --kv-dtype: storage; compute stays fp32 (int8: grouped int8 with fp32 scales, kernels/kvquant.py)
 KV_DTYPES = dict(zip(KV_DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.int8)))
 
@@ -134,8 +137,13 @@ class BlockBuffer:
         return block_bytes(self.block, self.row_bytes, self.quantized)
 
     @property
+    def block_charge(self) -> int:
+        """Bytes the budget is charged per block: its storage and its tensor object's host memory."""
+        return self.block_bytes + BLOCK_HOST_BYTES
+
+    @property
     def nbytes(self) -> int:
-        return len(self.blocks) * self.block_bytes
+        return len(self.blocks) * self.block_charge
 
     @property
     def kept(self) -> int:
@@ -144,7 +152,7 @@ class BlockBuffer:
 
     def growth(self, n: int) -> int:
         """Bytes appending `n` rows will charge (blocks beyond those it holds now)."""
-        return max(0, blocks_held(self.length, n, self.window, self.block) - len(self.blocks)) * self.block_bytes
+        return max(0, blocks_held(self.length, n, self.window, self.block) - len(self.blocks)) * self.block_charge
 
     def _new_block(self) -> torch.Tensor:
         if self.quantized:
@@ -208,13 +216,13 @@ class BlockBuffer:
             return  # the last block has room (most decode appends): nothing to trim, charge or allocate
         free = self._trim()
         need = blocks_held(self.length, n, self.window, self.block) - len(self.blocks)
-        charge = max(0, need - len(free)) * self.block_bytes
+        charge = max(0, need - len(free)) * self.block_charge
         self.memory.grow_state(charge, self.what)  # BudgetError before anything is allocated
         for _ in range(need):
             self.blocks.append(free.pop() if free else self._new_block())
         for blk in free:  # dropped blocks this append did not reuse
             free_block(blk)
-        self.memory.release_state(len(free) * self.block_bytes)
+        self.memory.release_state(len(free) * self.block_charge)
 
     def _trim(self) -> list[torch.Tensor]:
         """Drop the blocks no query from `length` on can see (window only); returns them for reuse."""
@@ -276,7 +284,7 @@ class BlockBuffer:
 
     def clone_bytes(self, rows: int | None = None) -> int:
         n = self.length if rows is None else rows
-        return -(-(n - self.start) // self.block) * self.block_bytes
+        return -(-(n - self.start) // self.block) * self.block_charge
 
     def release(self) -> None:
         """Give every block back (its pages to the kernel) and its bytes to the budget."""

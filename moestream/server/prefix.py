@@ -12,7 +12,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from moestream.memory.accountant import MemoryAccountant
-from moestream.memory.state import BLOCK_TOKENS, BlockBuffer, SeqState, block_shape, blocks_held
+from moestream.memory.state import BLOCK_HOST_BYTES, BLOCK_TOKENS, BlockBuffer, SeqState, block_shape, blocks_held
 
 
 def _is_tensor(x: Any) -> bool:
@@ -113,12 +113,12 @@ class StateProfile:
     """What a fresh sequence's state will look like, learned from the first sequence that has state."""
 
     def __init__(self) -> None:
-        self.shapes: list[tuple[int, int | None, int]] | None = None  # per buffer: block bytes, window, block rows
+        self.shapes: list[tuple[int, int | None, int]] | None = None  # per buffer: bytes charged a block, window, block rows
         self.fixed = 0
 
     def learn(self, state: SeqState) -> None:
         if self.shapes is None and state.pos > 0:
-            self.shapes = [(b.block_bytes, b.window, b.block) for b in buffers(state)]
+            self.shapes = [(b.block_charge, b.window, b.block) for b in buffers(state)]
             self.fixed = state.fixed_bytes + state.host_bytes
 
     @classmethod
@@ -130,7 +130,7 @@ class StateProfile:
         prof.shapes = []
         for row in row_bytes:
             rows, nbytes = block_shape(row, quantized)
-            prof.shapes.append((nbytes, None, rows))
+            prof.shapes.append((nbytes + BLOCK_HOST_BYTES, None, rows))
         prof.fixed = fixed
         return prof
 
