@@ -1,7 +1,7 @@
 """Where a warm decode step's time goes, for the GQA families (qwen3_moe, mixtral): wall-clock splits.
 
     python bench/decode_split.py MODEL [--threads 2] [--tokens 24] [--prompt-len 16] [--native|--no-native]
-                                 [--warm-long 512]
+                                 [--warm-long 512] [--prefill 5]
 
 Opens MODEL with a budget that holds every expert, decodes `--tokens` greedy tokens once to warm the cache (and
 the page cache), then decodes the same tokens again from a fresh sequence with timers wrapped around the pieces
@@ -13,6 +13,10 @@ table (ms per token and share), the native decode layer's own phases (cpu.layer_
 o_proj, router, experts), the timed decode's MoE layer steps (how many ran their experts inside the native
 decode layer, took the runner's warm path or its general one; experts read ahead) and one JSON line. The timers
 cost about a microsecond per call.
+
+`--prefill N` splits a warm prefill of the `--prompt-len` prompt instead (what vs_llamacpp.py --warm times as
+its 16-token prefill): after the warm decode, the prompt is prefilled N times in fresh sequences under the same
+timers, and the table is per prefill (ms per prefill, shares of it).
 """
 from __future__ import annotations
 
@@ -105,6 +109,19 @@ def decode(eng: Engine, prompt: list[int], tokens: int) -> tuple[list[int], floa
     return out, dt
 
 
+def prefills(eng: Engine, prompt: list[int], times: int) -> float:
+    """Seconds of `times` warm prefills of `prompt`, each in a fresh sequence (the split counts only them)."""
+    SPENT.clear()
+    total = 0.0
+    for _ in range(times):
+        st = eng.new_sequence()
+        t0 = CLOCK[0]()
+        eng.prefill(st, prompt)
+        total += CLOCK[0]() - t0
+        eng.free(st)
+    return total
+
+
 def _pool_stats() -> dict[str, int]:
     """The native pool's counters (an older tree has none: {})."""
     return cpu.pool_stats() if hasattr(cpu, "pool_stats") else {}
@@ -139,6 +156,8 @@ def main() -> None:
                     help="first prefill this many random tokens in a throwaway sequence, as vs_llamacpp.py --warm's "
                          "warm pass does (on the peer checkpoint 512 leave 1,672 of its 2,048 experts cached: its "
                          "deep layers route them to 29-42 of their 64)")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="split this many warm prefills of the prompt instead of the decode (per prefill)")
     args = ap.parse_args()
     if args.cpu_time:
         CLOCK[0] = time.thread_time
@@ -159,17 +178,24 @@ def main() -> None:
         if phases:
             cpu.layer_times(True)  # the native decode layer's phase clocks, from zero
         with instrumented():
-            again, total = decode(eng, prompt, args.tokens)
+            if args.prefill:
+                again, total = first, prefills(eng, prompt, args.prefill)
+            else:
+                again, total = decode(eng, prompt, args.tokens)
         inner = cpu.layer_times(False) if phases else {}
         pool = {k: v - pool0.get(k, 0) for k, v in _pool_stats().items()}
         steps = {k: v - steps0[k] for k, v in _layer_steps(eng).items()}
     tables = getattr(eng.runner, "tables", {})  # an older tree has none
     fused_share = sum(t.used for t in tables.values() if t is not None) / max(1, eng.runner.times.resident_steps)
     assert again == first, "the warm run decoded other tokens"
-    rows = split(total, args.tokens)
-    ms = total / args.tokens * 1e3
+    units = args.prefill or args.tokens  # the table's unit: one prefill, or one decoded token
+    rows = split(total, units)
+    ms = total / units * 1e3
     clock = "thread CPU time" if args.cpu_time else "wall"
-    print(f"warm decode ({clock}): {args.tokens / total:.2f} tok/s, {ms:.2f} ms/token, threads {args.threads}, "
+    what = f"prefill of {args.prompt_len} tokens" if args.prefill else "token"
+    rate = args.prompt_len * units / total if args.prefill else units / total
+    print(f"warm {'prefill' if args.prefill else 'decode'} ({clock}): {rate:.2f} tok/s, {ms:.2f} ms/{what}, "
+          f"threads {args.threads}, "
           f"native {cpu.available() and not args.no_native} ({cpu.simd() or 'scalar'})")
     # (an older tree's simd() said only whether AVX-512 was in: True/False)
     print(f"  layer steps with the experts inside the native decode layer: {fused_share:.0%} of resident steps "
@@ -181,20 +207,20 @@ def main() -> None:
     for name, sec in rows.items():
         print(f"  {name:<40}{sec * 1e3:>8.2f} ms {sec * 1e3 / ms:>7.1%}")
     if pool:
-        print(f"  native pool per token: {pool['runs'] / args.tokens:.1f} threaded calls, the caller slept in "
-              f"{pool['caller_sleeps'] / args.tokens:.1f}, a worker slept between calls "
-              f"{pool['worker_sleeps'] / args.tokens:.1f} times; the caller polled > 2000 pauses in "
-              f"{pool.get('long_waits', 0) / args.tokens:.1f}")
+        print(f"  native pool per {what}: {pool['runs'] / units:.1f} threaded calls, the caller slept in "
+              f"{pool['caller_sleeps'] / units:.1f}, a worker slept between calls "
+              f"{pool['worker_sleeps'] / units:.1f} times; the caller polled > 2000 pauses in "
+              f"{pool.get('long_waits', 0) / units:.1f}")
         if pool.get("prefetches"):
-            print(f"  background prefetch per token: {pool['prefetches'] / args.tokens:.1f} posted, "
-                  f"{pool['prefetches_cut'] / args.tokens:.1f} cut short, "
-                  f"{pool['prefetch_bytes'] / args.tokens / 1e6:.1f} MB read ahead")
-    inner_ms = {k: v / 1e6 / args.tokens for k, v in inner.items() if k != "calls"}
+            print(f"  background prefetch per {what}: {pool['prefetches'] / units:.1f} posted, "
+                  f"{pool['prefetches_cut'] / units:.1f} cut short, "
+                  f"{pool['prefetch_bytes'] / units / 1e6:.1f} MB read ahead")
+    inner_ms = {k: v / 1e6 / units for k, v in inner.items() if k != "calls"}
     if inner.get("calls"):
-        print(f"  inside the native decode layer ({inner['calls'] / args.tokens:.0f} calls a token, wall):")
+        print(f"  inside the native decode layer ({inner['calls'] / units:.0f} calls a token, wall):")
         for name, v in inner_ms.items():
             print(f"    {name:<38}{v:>8.2f} ms {v / ms:>7.1%}")
-    print(json.dumps({"tokens_per_s": args.tokens / total, "ms_per_token": ms, "threads": args.threads,
+    print(json.dumps({"tokens_per_s": rate, "ms_per_token": ms, "unit": what, "threads": args.threads,
                       "clock": clock, "split_ms": {k: v * 1e3 for k, v in rows.items()}, "tokens": first[:8],
                       "pool": pool, "layer_steps": steps, "native_layer_ms": inner_ms}))
 

@@ -501,6 +501,60 @@ def test_glu_calls_split_to_fit_their_scratch_with_the_same_sums():
 
 
 @native
+def test_a_short_prefill_over_many_experts_is_one_glu_call(monkeypatch):
+    """A 16-row step routed top-8 over 24 experts (2-11 rows each, none on the panel kernel) fits one native call:
+    the scratch bound counts a panel's padding only for experts that can take the panel kernel (the old bound
+    counted one per expert and split this step into several calls). The sums are the reference's."""
+    g = _gen(29)
+    n_exp, inter, k_in, d_out, T = 24, 512, 512, 48, 16
+    w = [{n: (torch.randn(*shape, generator=g) * 0.05).bfloat16() for n, shape in
+          (("gate", (inter, k_in)), ("up", (inter, k_in)), ("down", (d_out, inter)))} for _ in range(n_exp)]
+    parts = [(e["gate"].data_ptr(), e["up"].data_ptr(), e["down"].data_ptr()) for e in w]
+    x = torch.randn(T, k_in, generator=g)
+    ids = torch.stack([torch.randperm(n_exp, generator=g)[:8] for _ in range(T)])
+    wts = torch.rand(T, 8, generator=g)
+    counts = fused._pair_counts(list(range(n_exp)), ids, T)
+    assert max(counts) < 16 and len(fused._expert_groups(counts, inter, k_in, fused.glu_scratch_cap(inter, k_in, d_out))) == 1
+    calls = []
+    handle = cpu.required()
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(handle, name)
+
+        def ms_moe_glu_bf16(self, *args):
+            calls.append(args[0])
+            return handle.ms_moe_glu_bf16(*args)
+
+    monkeypatch.setattr(cpu, "_lib", Counting())
+    out = torch.zeros(T, d_out)
+    fused.moe_glu_bf16(x, list(range(n_exp)), parts, inter, out, ids, wts)
+    assert calls == [n_exp]
+    ref = torch.zeros(T, d_out)
+    for e in range(n_exp):
+        rows, slots = torch.nonzero(ids == e, as_tuple=True)
+        ref[rows] += wts[rows, slots].unsqueeze(-1) * blocks.glu_mlp(
+            x[rows], w[e]["gate"].float(), w[e]["up"].float(), w[e]["down"].float())
+    assert max_rel_diff(out, ref) < 1e-5
+
+
+@native
+def test_bf16_rows_do_not_depend_on_the_row_count():
+    """Each output of the multi-row bf16 kernel (2-15 rows: the token tiles) is the same fp32 sum whatever the row
+    count and the rows' grouping into register tiles, so a row computed in a call of 2 rows and in one of 15 agree
+    bit for bit (the kernel's rows per register block only schedule the same sums)."""
+    g = _gen(31)
+    w = torch.randn(70, 1000, generator=g).bfloat16()
+    x = torch.randn(15, 1000, generator=g)
+    whole = cpu.linear_bf16(x, w)
+    for lo in range(0, 14):
+        for n in (2, 3, 5, 8, 9):
+            if lo + n <= 15:
+                assert torch.equal(cpu.linear_bf16(x[lo:lo + n], w), whole[lo:lo + n])
+    assert max_rel_diff(whole, x @ w.float().T) < 1e-5
+
+
+@native
 def test_a_batched_step_does_not_expand_bf16_glu_experts(tmp_path):
     """A multi-row step over a bf16 GLU model: every expert runs from its stored bytes (the runner's fp32 upcast
     buffer is never used) and the logits match the same step with the native kernels off."""

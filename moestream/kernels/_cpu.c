@@ -202,9 +202,21 @@ static void bf16_block(const float *x, int64_t ldx, int tt, const uint16_t *w, i
 }
 
 /* rows per register block for a token tile of tt: accumulators plus weights must fit the register file (32
- * vectors with AVX-512, 16 with AVX2) */
+ * vectors with AVX-512, 16 with AVX2). With AVX-512 one row: the tile then reads its weights as one sequential
+ * stream (rows are contiguous), which the hardware prefetcher follows, where 2-4 rows read side by side are 2-4
+ * short streams 2 KiB apart. Weights that stream from memory (every expert and dense matrix of a model larger
+ * than the L3) ran faster so on the Zen 5 this was measured on, although more rows win when the weights sit in
+ * cache: grouped GLU experts of 512 x 1024, one core, 2 / 3 / 4 / 8 tokens an expert, 22.7 / 17.2 / 12.0 / 7.0
+ * GB/s with the old 4 / 4 / 4 / 2 rows against 26.3 / 23.9 / 18.5 / 11.7 with one (in cache 48 / 40 / 34 / 16
+ * against 40 / 31 / 28 / 16; at 5-6 tokens two rows were as fast or faster, 13.3-19.3 against 12.9-13.1 GB/s);
+ * a layer step of 16 tokens routed top-8 over 64 experts, both cores, 31.7-33.6 -> 34.8-35.3 GB/s, and with
+ * the peer model's skewed routing (28-30 experts a layer, 1-16 rows each) 13.7 -> 15.5 GB/s on one core
+ * (docs/performance.md). The sums per output are the same for any row count. */
 static int rows_for(int tt) {
-#if MS_SIMD == 1
+#if MS_SIMD == 2
+    (void)tt;
+    return 1;
+#elif MS_SIMD == 1
     return tt <= 2 ? 4 : (tt <= 4 ? 2 : 1);
 #else
     return tt <= 4 ? 4 : 2;

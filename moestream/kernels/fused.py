@@ -87,6 +87,7 @@ def glu_scratch_cap(inter: int, k_in: int, d_out: int) -> int:
 
 _PAD = 32  # the widest row padding (GW) and panel (PANEL) of _cpu.c on any instruction set
 _GLU_ROWS, _PR = 16, 6  # _cpu_step.c's pass-1 rows per unit, _cpu_panel.c's weight rows per register tile
+_PANEL_MIN_T = 16  # _cpu_panel.c's PANEL_MIN_T: an expert with this many pairs takes the panel kernel
 
 
 def glu_call_scratch(counts: Sequence[int], inter: int, k_in: int, bf16: bool = False) -> int:
@@ -98,12 +99,15 @@ def glu_call_scratch(counts: Sequence[int], inter: int, k_in: int, bf16: bool = 
 
 
 def _scratch(pairs: int, experts: int, largest: int, inter: int, k_in: int) -> int:
-    """glu_call_scratch for `pairs` pairs over `experts` experts, the largest taking `largest`."""
+    """glu_call_scratch for `pairs` pairs over `experts` experts, the largest taking `largest`. A panel's padding
+    is counted only for the experts that can take the panel kernel (at most one in _PANEL_MIN_T pairs, and none
+    when the largest takes fewer): a 16-token step over 56 of 64 peer experts counted 56 paddings (11 MB, past
+    the cap) and ran as three calls where one fits."""
     wide, threads = max(inter, k_in), max(1, cpu.threads())
     per_pair = 12 + 4 * (k_in + inter + 2 * _PAD) + 4 * (k_in + inter)
-    per_expert = 40 + 4 * _PAD * (k_in + inter)
+    panels = min(experts, pairs // _PANEL_MIN_T) if largest >= _PANEL_MIN_T else 0
     per_thread = 4 * (2 * _GLU_ROWS * largest + 2 * _PR * (wide + _PAD))
-    return pairs * per_pair + experts * per_expert + threads * per_thread + 256
+    return pairs * per_pair + experts * 40 + panels * 4 * _PAD * (k_in + inter) + threads * per_thread + 256
 
 
 def _scratch_bf16(pairs: int, experts: int, largest: int, inter: int, k_in: int) -> int:
