@@ -25,6 +25,9 @@ RATES = {"gemv": {k: 8e9 for k in calibrate.KINDS}, "expand": {k: 4e9 for k in c
          "overhead": {t: {"decode_s": 3e-4, "decode_row_s": 5e-5, "prefill_s": 5e-3, "source": "seeded by the test",
                           "miss_s": 1e-3, "general_s": 5e-4, "lookahead_s": 1e-4}
                       for t in ("qwen3_moe", "kimi_k3", "kimi_linear", "mixtral")}}
+# the cache file's --kv-dtype storage work for any model (seeded so that plans with bf16 / int8 caches do not probe)
+SEEDED_KV = {d: {"decode_s": 1e-6, "decode_row_s": 1e-9, "batch_s": 1e-6, "batch_row_s": 1e-9, "prefill_token_s": 1e-7}
+             for d in ("bf16", "int8")}
 # the cache file's fused GLU many-row times for any shape (seconds an expert, fp32 and bf16 compute): seeded so that
 # plans of bf16 experts do not probe them
 SEEDED_GLU_ROWS = {"bf16": {"group": {"2": 2e-5, "16": 8e-5, "64": 3e-4},
@@ -39,7 +42,8 @@ def seeded_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     path = calibrate.cache_path()
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"machines": {calibrate.machine_key(): {**RATES, "glu_rows": SEEDED_GLU_ROWS}}}))
+    path.write_text(json.dumps({"machines": {calibrate.machine_key(): {**RATES, "glu_rows": SEEDED_GLU_ROWS,
+                                                                        "kv": SEEDED_KV}}}))
     return path
 
 
