@@ -2,7 +2,8 @@
 budget, and batch throughput, side by side in one run.
 
     flock /work/bench.lock python bench/plan_accuracy.py MODEL... --budgets e0.25,e0.5,e1 [--batch 8]
-        [--prompt-len 64] [--gen-len 16] [--skew 0.64] [--reuse 0.25] [--out RESULTS.json] [--json]
+        [--prompt-len 64] [--gen-len 16] [--skew 0.64] [--reuse 0.25] [--kv-dtype int8] [--compute-dtype bf16]
+        [--out RESULTS.json] [--json]
     python bench/plan_accuracy.py --replan RESULTS.json [--json]
 
 Budgets: bytes ("1.5GB") or `eF`: every dense weight resident plus the share F of the expert bytes. For each
@@ -83,7 +84,13 @@ def plan(run: dict, disk: float | None, calibrate: bool = False, batch: int | No
     cmd += ["--disk-bandwidth", str(int(disk))] if disk else []
     cmd += ["--calibrate"] if calibrate else []
     cmd += ["--batch", str(batch)] if batch else []
+    cmd += dtype_args(a)
     return _run(cmd, Path(run["calibration"]))
+
+
+def dtype_args(a: dict) -> list[str]:
+    """--kv-dtype / --compute-dtype of the run (plan, bench and the batch run alike; absent in older results)."""
+    return ["--kv-dtype", a.get("kv_dtype") or "fp32", "--compute-dtype", a.get("compute_dtype") or "fp32"]
 
 
 def cpu_busy() -> tuple[float, float]:
@@ -101,7 +108,7 @@ def bench(model: Path, budget: int, a: dict) -> dict:
     (b0, c0), t0 = cpu_busy(), time.perf_counter()
     out = _run([PY, "-m", "moestream", "bench", str(model), "--cold", "--json", "--ram-budget", str(budget),
                 "--prompt-len", str(a["prompt_len"]), "--gen-len", str(a["gen_len"]), "--temperature", "1.0",
-                "--seed", "0"])
+                "--seed", "0", *dtype_args(a)])
     (b1, c1), wall = cpu_busy(), time.perf_counter() - t0
     out.pop("generated_ids", None)
     # CPUs busy with other processes while the bench ran (niced ones included): a shared two-core machine's
@@ -115,7 +122,8 @@ def batch(model: Path, budget: int, a: dict) -> dict:
     return _run([PY, str(here / "batch_throughput.py"), str(model), "--json", "--budget", str(budget),
                  "--requests", str(a.get("batch_requests") or a["batch"]), "--max-batch", str(a["batch"]),
                  "--prompt-len", str(a["prompt_len"]),
-                 "--gen-len", str(a["batch_gen_len"]), "--single-gen-len", "0", "--threads", str(a["threads"])])
+                 "--gen-len", str(a["batch_gen_len"]), "--single-gen-len", "0", "--threads", str(a["threads"]),
+                 *dtype_args(a)])
 
 
 # ---- predictions from saved measurements -------------------------------------------------------------------------
@@ -177,6 +185,8 @@ def batch_row(run: dict) -> dict:
     pred, meas = run["plan"], run["batch_run"]
     m = meas["decode_only_tokens_per_s"]
     row = {"model": Path(run["model"]).name, "budget": run["spec"], "batch": run["args"]["batch"],
+           "kv_dtype": run["args"].get("kv_dtype") or "fp32",
+           "compute_dtype": run["args"].get("compute_dtype") or "fp32",
            "predicted": pred["batch_tokens_per_s"], "measured": m, "ratio": pred["batch_tokens_per_s"] / m,
            "step_predicted": pred["batch_step"], "hit_measured": meas["expert_hit_rate"],
            "bytes_per_token_measured": meas["bytes_read_per_generated_token"],
@@ -210,7 +220,7 @@ def batch_row(run: dict) -> dict:
 # ---- the measured run --------------------------------------------------------------------------------------------
 def measure(args) -> dict:
     a = {k: getattr(args, k) for k in ("prompt_len", "gen_len", "skew", "reuse", "batch", "batch_gen_len",
-                                        "batch_requests", "threads", "spin_us")}
+                                        "batch_requests", "threads", "spin_us", "kv_dtype", "compute_dtype")}
     if args.skew_from:
         a["skew_from"] = str(args.skew_from.resolve())
     cal = args.out.with_suffix(".cal") if args.out else Path(f"plan-accuracy-{int(time.time())}.cal")
@@ -293,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure only the batch run (on the first budget), no one-stream benches")
     ap.add_argument("--batch-requests", type=int, default=0, help="requests of the batch run (default: --batch)")
     ap.add_argument("--threads", type=int, default=2, help="batch run's torch threads (the engine default here)")
+    ap.add_argument("--kv-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
+                    help="KV cache storage of the bench, the batch run and plan (default fp32)")
+    ap.add_argument("--compute-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="many-row products' precision of the bench, the batch run and plan (default fp32)")
     ap.add_argument("--spin-us", type=int, default=None,
                     help="MOESTREAM_NATIVE_SPIN_US for the bench, batch and calibration runs (default: the engine's)")
     ap.add_argument("--keep-calibration", action="store_true",
@@ -343,7 +357,8 @@ def _line(r: dict) -> str:
 
 
 def _batch_line(b: dict) -> str:
-    return (f"batch {b['batch']} on {b['model']} {b['budget']}: predicted {b['predicted']:.3f} tok/s, measured "
+    return (f"batch {b['batch']} on {b['model']} {b['budget']} ({b.get('kv_dtype', 'fp32')} KV, "
+            f"{b.get('compute_dtype', 'fp32')} compute): predicted {b['predicted']:.3f} tok/s, measured "
             f"{b['measured']:.3f} tok/s, ratio {b['ratio']:.2f}; MB/token measured "
             f"{b['bytes_per_token_measured'] / 1e6:.0f}, hit {b['hit_measured']:.2f} (predicted "
             f"{b['step_predicted']['hit_rate']:.2f})"

@@ -19,9 +19,21 @@ from moestream.planner.skew import Skew, distinct, fit_exponent, hit_rate, selec
 K3_CONFIG = Path(__file__).parent / "data" / "kimi_k3_config.json"
 RATES = {"gemv": {k: 8e9 for k in calibrate.KINDS}, "expand": {k: 4e9 for k in calibrate.KINDS},
          "gemm_flops": 5e10, "memory": 1e10, "page_faults": 2e9, "glu_kernels": {"bf16": 1.6e10},
+         # the dense probe's seconds a call for any shape (a 1024 x 1024-sized weight), fp32 and bf16 compute
+         "dense_rows": {"bf16": {"fp32": {"1": 2e-4, "16": 1e-3, "64": 3e-3, "256": 1e-2},
+                                 "bf16": {"16": 5e-4, "64": 1e-3, "256": 3e-3}}},
          "overhead": {t: {"decode_s": 3e-4, "decode_row_s": 5e-5, "prefill_s": 5e-3, "source": "seeded by the test",
                           "miss_s": 1e-3, "general_s": 5e-4, "lookahead_s": 1e-4}
                       for t in ("qwen3_moe", "kimi_k3", "kimi_linear", "mixtral")}}
+# the cache file's --kv-dtype storage work for any model (seeded so that plans with bf16 / int8 caches do not probe)
+SEEDED_KV = {d: {"decode_s": 1e-6, "decode_row_s": 1e-9, "batch_s": 1e-6, "batch_row_s": 1e-9, "prefill_token_s": 1e-7}
+             for d in ("bf16", "int8")}
+# the cache file's fused GLU many-row times for any shape (seconds an expert, fp32 and bf16 compute): seeded so that
+# plans of bf16 experts do not probe them
+SEEDED_GLU_ROWS = {"bf16": {"group": {"2": 2e-5, "16": 8e-5, "64": 3e-4},
+                            "single": {"2": 3e-5, "16": 9e-5, "64": 3.2e-4},
+                            "group_bf16": {"2": 4e-5, "16": 6e-5, "64": 1.5e-4},
+                            "single_bf16": {"2": 5e-5, "16": 7e-5, "64": 1.7e-4}}}
 
 
 @pytest.fixture(autouse=True)
@@ -30,7 +42,8 @@ def seeded_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     path = calibrate.cache_path()
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"machines": {calibrate.machine_key(): RATES}}))
+    path.write_text(json.dumps({"machines": {calibrate.machine_key(): {**RATES, "glu_rows": SEEDED_GLU_ROWS,
+                                                                        "kv": SEEDED_KV}}}))
     return path
 
 
@@ -746,3 +759,152 @@ def test_plan_states_the_batch_step(tiny, capsys):
     assert "read_window_experts" in got["batch_step"]["layer_step"]
     text = " ".join(got["assumptions"])
     assert "a multi-row step, layer by layer" in text and "OVERLAP" not in text
+
+
+def _facts_scenario(path, share: float, rates: dict, kv_dtype: str = "fp32", compute_dtype: str = "fp32"):
+    from moestream.planner.facts import model_facts, open_plan
+    from moestream.planner.predict import Scenario
+
+    p = open_plan(path)
+    try:
+        facts = model_facts(path, p, kv_dtype)
+        return Scenario(facts, facts.fit(p, budget_of(path, share)), calibrate.Rates.from_json(rates),
+                        Skew(0.3, "test", 0.1), compute_dtype=compute_dtype)
+    finally:
+        p.store.close()
+
+
+GLU_ROWS_FP32 = {"group": {"2": 2e-5, "4": 3e-5, "16": 8e-5, "64": 3e-4, "256": 1.2e-3},
+                 "single": {"2": 3e-5, "4": 4e-5, "16": 9e-5, "64": 3.2e-4, "256": 1.3e-3}}
+DENSE = {"bf16 64x64": {"fp32": {"1": 1e-5, "16": 4e-5, "64": 1.6e-4, "256": 6.4e-4},
+                        "bf16": {"16": 2e-5, "64": 5e-5, "256": 1.6e-4}}}
+
+
+def test_bf16_compute_prices_many_row_steps_at_the_bf16_probes(tiny):
+    """--compute-dtype bf16 changes nothing below blocks.BF16_MIN_ROWS rows (one-token decode, small batches);
+    from 16 rows a step its bf16 dense weights take the bf16 dense probe's times, from 64 rows its routed experts
+    the fused call's bf16 many-row times; faster bf16 probes make those steps faster, slower ones slower (the
+    direction is the probes', not assumed)."""
+    from moestream.models.blocks import BF16_GLU_MIN_ROWS, BF16_MIN_ROWS
+
+    fast = {k + "_bf16": {r: t / 2 for r, t in v.items()} for k, v in GLU_ROWS_FP32.items()}
+    rates = {**RATES, "disk": 1e8, "glu_rows": {**GLU_ROWS_FP32, **fast}, "dense_rows": DENSE}
+    fp32, bf16 = (_facts_scenario(tiny, 1.0, rates, compute_dtype=c) for c in ("fp32", "bf16"))
+    for n in (1, BF16_MIN_ROWS - 1):  # below the dense threshold: the same step
+        assert bf16.decode(n, 32).seconds == pytest.approx(fp32.decode(n, 32).seconds)
+    a, b = fp32.decode(BF16_MIN_ROWS, 32), bf16.decode(BF16_MIN_ROWS, 32)
+    assert b.parts["dense_s"] < a.parts["dense_s"]
+    assert b.parts["experts_s"] == pytest.approx(a.parts["experts_s"])  # experts: fp32 below 64 rows a step
+    assert "bf16" not in b.detail["expert_rates"]
+    n = BF16_GLU_MIN_ROWS
+    a, b = fp32.decode(n, 32), bf16.decode(n, 32)
+    assert b.parts["experts_s"] < a.parts["experts_s"] and b.parts["dense_s"] < a.parts["dense_s"]
+    assert b.seconds < a.seconds and b.detail["expert_rates"].endswith("bf16 compute")
+    assert bf16.prefill(64, 512, cold=False)[0].seconds < fp32.prefill(64, 512, cold=False)[0].seconds
+    slow_glu = {k + "_bf16": {r: 3 * t for r, t in v.items()} for k, v in GLU_ROWS_FP32.items()}
+    slow = {**rates, "glu_rows": {**GLU_ROWS_FP32, **slow_glu},
+            "dense_rows": {k: {"fp32": v["fp32"], "bf16": {r: 10 * t for r, t in v["bf16"].items()}}
+                           for k, v in DENSE.items()}}
+    assert _facts_scenario(tiny, 1.0, slow, compute_dtype="bf16").decode(n, 32).seconds > a.seconds
+    # without the bf16 many-row probe the experts keep the fp32 times
+    plain = _facts_scenario(tiny, 1.0, {**rates, "glu_rows": GLU_ROWS_FP32}, compute_dtype="bf16").decode(n, 32)
+    assert plain.parts["experts_s"] == pytest.approx(a.parts["experts_s"])
+
+
+def test_dense_weights_priced_at_their_own_shapes(tiny, k3_dir):
+    """The dense probe's shapes are the model's (the most bytes, the lm_head apart, K3's lm_head cut to the probe's
+    size); a weight is priced at the probed shape nearest in size, scaled by its parameters; the multi-row dense
+    term follows the table; one-row decode keeps small weights at the one-row rate."""
+    from moestream.planner.facts import model_facts, open_plan
+
+    p = open_plan(k3_dir)
+    try:
+        k3 = model_facts(k3_dir, p)
+    finally:
+        p.store.close()
+    shapes = k3.dense_probe_shapes()
+    assert k3.head_shape in shapes and len(shapes) <= calibrate.DENSE_SHAPES_MAX + 1
+    biggest = max(((o, i) for (k, o, i), n in k3.dense_shapes.items() if k == "bf16"), key=lambda s: s[0] * s[1] *
+                  k3.dense_shapes[("bf16", *s)])
+    assert biggest in shapes
+    o, i = calibrate.dense_probe_shape(k3.head_shape)
+    assert i == k3.head_shape[1] and 2 * o * i <= calibrate.DENSE_MATRIX_MAX < 2 * k3.head_shape[0] * i
+    assert calibrate.nearest_dense(DENSE, (128, 64)) == ("bf16 64x64", 2.0)
+    assert calibrate.interp_rows({"1": 1.0, "16": 4.0}, 6) == pytest.approx(2.0)
+    assert calibrate.interp_rows({"16": 4.0, "64": 3.0}, 128) == pytest.approx(4.0)  # never faster with more rows
+    rates = {**RATES, "disk": 1e8, "dense_rows": DENSE}
+    sc = _facts_scenario(tiny, 1.0, rates)
+    f = sc.facts
+    want = calibrate.dense_rows_s(f.dense_shapes, DENSE, 32) + sc.dense_time(f.head_shape, 32)
+    rest = sc._dense(32, 32) - want  # the formats / 1-D weights the probe does not cover
+    assert rest >= 0 and rest < 0.05 * want
+    slower = {k: {"fp32": {r: 2 * t for r, t in v["fp32"].items()}, "bf16": v["bf16"]} for k, v in DENSE.items()}
+    assert _facts_scenario(tiny, 1.0, {**rates, "dense_rows": slower})._dense(32, 32) > sc._dense(32, 32)
+    # one row: the tiny model's weights are below DENSE_OWN_MIN_BYTES, so the one-row kernel's rate prices them
+    plain = _facts_scenario(tiny, 1.0, {**RATES, "disk": 1e8})
+    assert sc._dense(1, 1) - sc._head(1) == pytest.approx(plain._dense(1, 1) - plain._head(1))
+
+
+def test_kv_dtype_storage_work_is_priced(tiny):
+    """An int8 cache's measured work beyond fp32's (calibrate.kv_costs) is a compute term of every step, per layer
+    with a cache: one-row decode by its context, a batch step by its sequences and context, a prompt by its
+    tokens; an fp32 cache, or an unmeasured one, adds nothing."""
+    kv = {"decode_s": 1e-5, "decode_row_s": 1e-7, "batch_s": 2e-5, "batch_row_s": 2e-7, "prefill_token_s": 3e-6}
+    rates = {**RATES, "disk": 1e8, "kv": {"int8": kv}}
+    q8 = _facts_scenario(tiny, 1.0, rates, kv_dtype="int8")
+    layers = len(q8.facts.attention)
+    assert q8.decode(1, 100).parts["kv_s"] == pytest.approx(layers * (1e-5 + 100 * 1e-7))
+    assert q8.decode(8, 100).parts["kv_s"] == pytest.approx(8 * layers * (2e-5 + 100 * 2e-7))
+    assert q8.prefill(64, 512, cold=False)[0].parts["kv_s"] == pytest.approx(layers * 3e-6 * 64)
+    assert _facts_scenario(tiny, 1.0, rates).decode(8, 100).parts["kv_s"] == 0.0
+    assert _facts_scenario(tiny, 1.0, {**RATES, "disk": 1e8}, kv_dtype="int8").decode(8, 100).parts["kv_s"] == 0.0
+    base = _facts_scenario(tiny, 1.0, {**RATES, "disk": 1e8}, kv_dtype="int8")
+    assert q8.decode(8, 100).seconds > base.decode(8, 100).seconds
+
+
+def test_batch_overhead_from_the_multi_row_probe(tiny):
+    """A multi-row step's engine overhead is batch_s + batch_row_s x rows where the overhead probe measured it on
+    the multi-row path, else the one-row step's plus decode_row_s per extra row."""
+    sc = _facts_scenario(tiny, 1.0, {**RATES, "disk": 1e8})
+    o = RATES["overhead"]["qwen3_moe"]
+    L = sc.facts.num_layers
+    assert sc._overhead("decode", 9) == pytest.approx(L * (o["decode_s"] + 8 * o["decode_row_s"]))
+    measured = {**RATES, "disk": 1e8, "overhead": {"qwen3_moe": {**o, "batch_s": 1e-3, "batch_row_s": 2e-5}}}
+    sc = _facts_scenario(tiny, 1.0, measured)
+    assert sc._overhead("decode", 9) == pytest.approx(L * (1e-3 + 9 * 2e-5))
+    assert sc._overhead("decode", 1) == pytest.approx(L * o["decode_s"])
+
+
+def test_plan_compute_and_kv_dtype_options(tiny, seeded_cache, capsys):
+    """`plan --compute-dtype bf16 --kv-dtype int8` plans with both and states them; bad values are refused."""
+    data = json.loads(seeded_cache.read_text())
+    data["machines"][calibrate.machine_key()]["kv"] = {"int8": {"decode_s": 1e-5, "decode_row_s": 1e-7,
+                                                                "batch_s": 2e-5, "batch_row_s": 2e-7,
+                                                                "prefill_token_s": 3e-6}}
+    seeded_cache.write_text(json.dumps(data))
+    args = (str(tiny), "--batch", "64", "--ram-budget", str(budget_of(tiny, 1.0)), "--disk-bandwidth", "1e8",
+            "--prompt-len", "8", "--gen-len", "4")
+    fp32 = plan_json(*args, capsys=capsys)
+    got = plan_json(*args, "--compute-dtype", "bf16", "--kv-dtype", "int8", capsys=capsys)
+    assert got["compute_dtype"] == "bf16" and got["kv_dtype"] == "int8" and fp32["compute_dtype"] == "fp32"
+    assert got["batch_step"]["compute_parts"]["kv_s"] > 0 == fp32["batch_step"]["compute_parts"]["kv_s"]
+    text = " ".join(got["assumptions"])
+    assert "compute dtype bf16" in text and "--kv-dtype int8: its storage work" in text
+    assert got["rates"]["dense_rows"], "the seeded dense table stands for the model's shapes"
+    with pytest.raises(SystemExit):
+        main(["plan", str(tiny), "--compute-dtype", "fp16"])
+
+
+def test_dense_and_kv_probes_measure_the_engine_paths(tiny):
+    """The dense probe times blocks.linear in fp32 at every row count and in bf16 compute from BF16_MIN_ROWS rows;
+    the KV probe returns each storage cost, none negative (values not asserted: nothing is timed)."""
+    from moestream.kernels import cpu
+    from moestream.models.blocks import BF16_MIN_ROWS
+
+    got = calibrate.dense_rows_times((64, 128), seconds=0.05, rows=(1, 16, 32), nbytes=1 << 20)
+    assert set(got["fp32"]) == {"1", "16", "32"} and all(v > 0 for v in got["fp32"].values())
+    if cpu.available():
+        assert set(got["bf16"]) == {str(r) for r in (16, 32) if r >= BF16_MIN_ROWS}
+    kv = calibrate.kv_costs(tiny, "int8", seconds=0.2)
+    assert set(kv) == {"decode_s", "decode_row_s", "batch_s", "batch_row_s", "prefill_token_s"}
+    assert all(v >= 0 for v in kv.values())

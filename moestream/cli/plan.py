@@ -10,7 +10,7 @@ import json
 import sys
 
 from moestream.cli.common import add_budget_arg, add_remote_args, model_dir, parse_budget
-from moestream.config import KV_DTYPE_NAMES, format_bytes, parse_bytes
+from moestream.config import COMPUTE_DTYPE_NAMES, KV_DTYPE_NAMES, format_bytes, parse_bytes
 from moestream.errors import MoestreamError
 from moestream.planner.plan import DEFAULT_SKEW, MACHINES, PlanOptions, make_plan
 from moestream.planner.skew import Skew
@@ -49,6 +49,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_NAMES), default="fp32",
                    help="KV / latent cache storage the engine would run with (--kv-dtype of run / serve): bf16 "
                         "halves those caches and int8 takes about a quarter, so more sequences fit (default fp32)")
+    p.add_argument("--compute-dtype", choices=COMPUTE_DTYPE_NAMES, default="fp32",
+                   help="many-row products' precision the engine would run with (--compute-dtype of run / serve / "
+                        "batch): bf16 prices batch steps and prompt chunks at the bf16 kernels' probed times "
+                        "(default fp32)")
     p.add_argument("--price-per-hour", type=float, default=None, metavar="P", help="machine price: prints cost "
                                                                                    "per million tokens")
     p.add_argument("--machine", choices=sorted(MACHINES), default=None,
@@ -86,7 +90,8 @@ def options(args: argparse.Namespace) -> PlanOptions:
                     DEFAULT_SKEW.reuse if args.reuse is None else args.reuse)
     return PlanOptions(parse_budget(args.ram_budget), args.batch, args.prompt_len, args.gen_len, disk,
                        args.price_per_hour, skew, args.calibrate, args.machine, args.reference, args.kv_dtype,
-                       skew_from=args.skew_from, skew_tokens=args.skew_tokens, save_skew=args.save_skew,
+                       compute_dtype=args.compute_dtype, skew_from=args.skew_from, skew_tokens=args.skew_tokens,
+                       save_skew=args.save_skew,
                        log=lambda msg: print(msg, file=sys.stderr))
 
 

@@ -13,6 +13,7 @@ a calibration taken while something else ran shows it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import shutil
@@ -29,7 +30,7 @@ from moestream import __version__
 from moestream.config import default_cache_dir
 
 KINDS = ("bf16", "mxfp4", "fp8", "int4", "f32")
-PROBES_VERSION = 5  # part of the cache key: a change to what a probe measures measures again
+PROBES_VERSION = 6  # part of the cache key: a change to what a probe measures measures again
 ROUNDS = 3  # separate probes per rate; the median is kept (a burst of load costs one round, not the rate)
 PROBE_FILE_BYTES = 256 << 20  # written once where the weights would live when the model has no local shards
 BURST_S = 0.15
@@ -50,6 +51,10 @@ class Overhead:
     # experts apart from the native decode layer, the lookahead router) beyond the warm step, per layer step
     general_s: float = 0.0
     lookahead_s: float = 0.0  # the lookahead router and its queueing, per layer step (runner.times.lookahead_s)
+    # a multi-row decode step (a batch) per layer step: batch_s + batch_row_s x rows, from steps of 8 and
+    # BATCH_ROWS rows less their dense weights; both 0: not measured (decode_s + decode_row_s x (rows - 1))
+    batch_s: float = 0.0
+    batch_row_s: float = 0.0
 
 
 @dataclass
@@ -70,6 +75,14 @@ class Rates:
     # layer step's resident experts in one call) and "single" (a read expert's own call as it lands), each
     # {rows: seconds per expert}; empty: not measured, a multi-row expert is priced as fp32 expansion + GEMM
     glu_rows: dict[str, dict[str, float]] = field(default_factory=dict)
+    # seconds per call of blocks.linear over R rows, per dense bf16 weight shape ("bf16 OUTxIN") and compute
+    # precision: {shape: {"fp32": {rows: s}, "bf16": {rows: s}}} ("bf16": from BF16_MIN_ROWS rows, under
+    # --compute-dtype bf16); empty: not measured, dense weights priced by the one-row rate and fp32 expansion
+    dense_rows: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    # the KV / latent cache's storage work beyond fp32's, per --kv-dtype (quantise on write, dequantise on read):
+    # {kv_dtype: {"decode_s", "decode_row_s", "batch_s", "batch_row_s", "prefill_token_s"}} seconds per layer with
+    # a cache (per sequence; "_row_s": per token of context); empty: not measured (priced as fp32's)
+    kv: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def overhead_for(self, model_type: str, top_k: int, widths: dict[str, int] | None = None) -> Overhead | None:
         """The family's overhead at this top-k and these widths, else at this top-k, else the family's, else any
@@ -88,6 +101,9 @@ class Rates:
                   float(d.get("disk", 0.0)), {}, float(d.get("page_faults", 0.0)), float(d.get("glu", 0.0)),
                   source=dict(d.get("source", {})))
         out.glu_rows = {k: {str(r): float(t) for r, t in v.items()} for k, v in (d.get("glu_rows") or {}).items()}
+        out.dense_rows = {shape: {c: {str(r): float(t) for r, t in v.items()} for c, v in by.items()}
+                          for shape, by in (d.get("dense_rows") or {}).items()}
+        out.kv = {k: {n: float(t) for n, t in v.items()} for k, v in (d.get("kv") or {}).items()}
         out.overhead = {k: Overhead(**v) for k, v in d.get("overhead", {}).items()}
         return out
 
@@ -293,17 +309,19 @@ def glu_rate(shape: tuple[int, int], top_k: int, seconds: float = 0.3, nbytes: i
     return _rate(work, per * k * groups, seconds)
 
 
-GLU_ROWS = (2, 4, 16, 64)  # rows per expert the many-row probe times (a batch's experts take N x top_k / E each)
+GLU_ROWS = (2, 4, 16, 64, 256)  # rows per expert the many-row probe times (a batch's experts take N x top_k / E
+# each; a prefill step of 2,300 rows gives q3m_med's experts about 290)
 
 
 def glu_rows_times(shape: tuple[int, int], seconds: float = 0.4, rows: tuple[int, ...] = GLU_ROWS,
-                   nbytes: int | None = None) -> dict:
+                   nbytes: int | None = None, compute: str = "fp32") -> dict:
     """Seconds per expert of the fused bf16 GLU call (fused.moe_glu_bf16, the path a batch step takes for bf16 GLU
     experts: below its panel threshold row by row, above it the panel kernel) at each of `rows` rows per expert:
     {"group": {rows: s}} for distinct experts of `nbytes` in all (default stream_bytes(), past the last-level cache)
     in one call (a layer step's resident experts), and {"single": {rows: s}} for one expert a call (each read
     expert as it lands). Every row goes through every expert (no routing table: the same kernel work per (row,
-    expert) pair)."""
+    expert) pair). `compute` "bf16": the call as --compute-dtype bf16 makes it (bf16-rounded activations, the
+    vdpbf16ps kernels), which the engine takes for a step of BF16_GLU_MIN_ROWS rows or more."""
     from moestream.kernels import cpu, fused
 
     if not cpu.available():
@@ -318,15 +336,143 @@ def glu_rows_times(shape: tuple[int, int], seconds: float = 0.4, rows: tuple[int
         x, y = torch.randn(r, hidden), torch.zeros(r, hidden)
 
         def group() -> None:
-            fused.moe_glu_bf16(x, list(range(count)), parts, inter, y)
+            fused.moe_glu_bf16(x, list(range(count)), parts, inter, y, compute=compute)
 
         def single() -> None:
             for p in parts:
-                fused.moe_glu_bf16(x, [0], [p], inter, y)
+                fused.moe_glu_bf16(x, [0], [p], inter, y, compute=compute)
 
         out["group"][str(r)] = 1.0 / _rate(group, count, each)
         out["single"][str(r)] = 1.0 / _rate(single, count, each)
     return out
+
+
+DENSE_ROWS = (1, 16, 64, 256)  # rows of a step the dense probe times (one-token decode, batch steps, prompt chunks)
+DENSE_SHAPES_MAX = 4  # dense shapes probed per model (the most bytes); the lm_head's apart
+DENSE_MATRIX_MAX = 64 << 20  # a probed dense matrix's stored bytes at most: a larger one (K3's lm_head, 2.3 GB)
+# is probed with its rows cut to fit (a GEMV / GEMM of that width runs at the same rate per byte)
+
+
+def dense_probe_shape(shape: tuple[int, int]) -> tuple[int, int]:
+    """The (out, in) a bf16 dense weight of `shape` is probed at: its own, its rows cut to DENSE_MATRIX_MAX."""
+    out, inp = shape
+    return max(1, min(out, DENSE_MATRIX_MAX // (2 * max(1, inp)))), inp
+
+
+def dense_rows_times(shape: tuple[int, int], seconds: float = 0.4, rows: tuple[int, ...] = DENSE_ROWS,
+                     nbytes: int | None = None) -> dict:
+    """Seconds per call of the engine's `blocks.linear` through one bf16 weight of `shape` (out, in) over each of
+    `rows` activation rows, cycling through distinct copies of the weight of `nbytes` stored bytes in all (default
+    stream_bytes(): from DRAM, as a step streams them), one copy a call: {"fp32": {rows: s}} as the engine runs by
+    default (the one-row native kernel up to cpu.MAX_TOKENS_BF16 rows, above it the weight upcast slab by slab and
+    torch's fp32 GEMM), and {"bf16": {rows: s}} under compute_dtype("bf16") for the rows that path takes
+    (blocks.BF16_MIN_ROWS and more; only with the native kernels)."""
+    from moestream.kernels import cpu
+    from moestream.models.blocks import BF16_MIN_ROWS, compute_dtype, linear
+
+    out_f, inp = shape
+    ws, _, _, _ = _weights("bf16", out_f, inp, stream_bytes() if nbytes is None else nbytes)
+    got: dict[str, dict[str, float]] = {"fp32": {}, "bf16": {}}
+    modes = ["fp32"] + (["bf16"] if cpu.available() else [])
+    each = seconds / (len(rows) * len(modes))
+    for r in rows:
+        x = torch.randn(r, inp)
+        for mode in modes:
+            if mode == "bf16" and r < BF16_MIN_ROWS:
+                continue
+            at = [0]
+
+            def call() -> None:
+                linear(x, ws[at[0] % len(ws)])
+                at[0] += 1
+
+            with compute_dtype(mode):
+                got[mode][str(r)] = 1.0 / _rate(call, 1, each)
+    return got
+
+
+KV_CONTEXTS = (8, 520)  # context lengths the KV storage probe decodes at (the slope per token of context)
+KV_BATCH = 8  # sequences of the probe's batch decode step (several sequences: the paged kernel's path)
+KV_PROMPT = 64  # a prompt's tokens in the probe's prefill step
+
+
+def kv_costs(path: Path, kv_dtype: str, seconds: float = 1.0) -> dict[str, float]:
+    """Seconds per layer with a cache that the `kv_dtype` storage costs beyond fp32's (quantise on write,
+    dequantise on read), measured on the checkpoint at `path` (the overhead probe's, at the model's widths): the
+    same steps on two engines, fp32 and `kv_dtype` caches, alternated, medians; per sequence of a one-row decode
+    step ("decode_s" + "decode_row_s" x context), of a KV_BATCH-sequence decode step ("batch_s" + "batch_row_s" x
+    context) and per token of a fresh prompt ("prefill_token_s"), over the checkpoint's layers with a KV / latent
+    cache. Each difference is floored at 0."""
+    from moestream import Engine
+
+    engines = {d: Engine.open(path, kv_dtype=d) for d in ("fp32", kv_dtype)}
+    try:
+        layers = max(1, len(_probe_facts(path).attention))  # the layers with a KV / latent cache
+        each = seconds / 12
+        got: dict[str, dict] = {d: {} for d in engines}
+        for _ in range(2):  # alternated: a burst of load falls on both
+            for d, eng in engines.items():
+                for c in KV_CONTEXTS:
+                    got[d].setdefault(("one", c), []).append(_context_step(eng, 1, c, each))
+                    got[d].setdefault(("batch", c), []).append(_context_step(eng, KV_BATCH, c, each))
+                got[d].setdefault("prefill", []).append(_prompt_step(eng, KV_PROMPT, each))
+    finally:
+        for eng in engines.values():
+            eng.close()
+    med = {d: {k: statistics.median(v) for k, v in g.items()} for d, g in got.items()}
+    diff = {k: med[kv_dtype][k] - med["fp32"][k] for k in med["fp32"]}
+    lo, hi = KV_CONTEXTS
+    out = {}
+    for kind, rows in (("one", 1), ("batch", KV_BATCH)):
+        slope = (diff[(kind, hi)] - diff[(kind, lo)]) / (hi - lo) / rows / layers
+        base = diff[(kind, lo)] / rows / layers - slope * lo
+        name = "decode" if kind == "one" else "batch"
+        out[f"{name}_row_s"], out[f"{name}_s"] = max(0.0, slope), max(0.0, base)
+    out["prefill_token_s"] = max(0.0, diff["prefill"] / KV_PROMPT / layers)
+    return out
+
+
+def kv_probe(model_type: str, kv_dtype: str, seconds: float = 1.0, top_k: int = 0, experts: int = 0,
+             widths: dict[str, int] | None = None) -> tuple[dict[str, float], str]:
+    """kv_costs on the overhead probe's small checkpoint of the family at the model's widths: (costs, what)."""
+    from moestream.synth import supported
+
+    family = model_type if model_type in supported() else "qwen3_moe"
+    with tempfile.TemporaryDirectory(prefix="moestream-plan-kv-") as tmp:
+        what = _tiny(family, Path(tmp) / "m", top_k, experts, widths or {})
+        return kv_costs(Path(tmp) / "m", kv_dtype, seconds), what
+
+
+def _prompt_step(eng, tokens: int, seconds: float) -> float:
+    """Median seconds of a fresh sequence's first step over a `tokens`-token prompt."""
+    times, deadline = [], time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 3:
+        s = eng.new_sequence()
+        try:
+            t = time.perf_counter()
+            eng.step([(s, [1 + i % 7 for i in range(tokens)])])
+            times.append(time.perf_counter() - t)
+        finally:
+            eng.free(s)
+    return statistics.median(times)
+
+
+def _context_step(eng, rows: int, context: int, seconds: float) -> float:
+    """Median seconds of one decode step (one token each) of `rows` sequences holding `context` tokens."""
+    states = [eng.new_sequence() for _ in range(rows)]
+    try:
+        for i, s in enumerate(states):
+            eng.prefill(s, [1 + (i + j) % 7 for j in range(context)])
+        times, deadline, n = [], time.perf_counter() + seconds, 0
+        while (time.perf_counter() < deadline or len(times) < 3) and n < 16:
+            t = time.perf_counter()
+            eng.step([(s, [3 + n % 5]) for s in states])
+            times.append(time.perf_counter() - t)
+            n += 1
+    finally:
+        for s in states:
+            eng.free(s)
+    return statistics.median(times)
 
 
 def glu_available() -> bool:
@@ -488,9 +634,56 @@ def _step_bytes(f) -> int:
     return int(sum(f.dense_bytes.values()) + f.head_bytes + f.moe_layers * f.top_k * f.expert_bytes)
 
 
+BATCH_ROWS = 32  # the overhead probe's wider multi-row step (with its 8-row one: the fixed cost and cost per row)
+
+
+def nearest_dense(tables: dict, shape: tuple[int, int]) -> tuple[str, float] | None:
+    """(the probed dense shape's key nearest `shape` in size, the parameters' ratio shape / probed), or None."""
+    size = {}
+    for k in tables:  # "FORMAT OUTxIN" keys (a seeded file's format-only key names no shape)
+        dims = k.split()[-1].split("x")
+        if len(dims) == 2 and all(d.isdigit() for d in dims):
+            size[k] = max(1, int(dims[0]) * int(dims[1]))
+    if not size:
+        return None
+    params = max(1, shape[0] * shape[1])
+    best = min(size, key=lambda k: (abs(math.log(size[k] / params)), k))
+    return best, params / size[best]
+
+
+def interp_rows(table: dict[str, float], x: float) -> float:
+    """`table` {rows: seconds} at `x` rows: linear between the probed counts, on the last segment's line beyond
+    them, the first count's value below it; never less at more rows than at fewer (a probe slowed by load)."""
+    pts = sorted((float(k), v) for k, v in table.items())
+    for i in range(1, len(pts)):
+        pts[i] = (pts[i][0], max(pts[i][1], pts[i - 1][1]))
+    if len(pts) == 1 or x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1 or (x1, y1) == pts[-1]:
+            return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+    return pts[-1][1]
+
+
+def dense_rows_s(shapes: dict[tuple[str, int, int], int], tables: dict, rows: float, compute: str = "fp32") -> float:
+    """Seconds of the bf16 dense weights `shapes` ((format, out, in) -> count) over `rows` rows by the dense probe's
+    `tables` (shape key -> {precision: {rows: s}}): each at the probed shape nearest in size, scaled by its
+    parameters; 0 without tables."""
+    t = 0.0
+    for (kind, o, i), n in shapes.items():
+        got = nearest_dense(tables, (o, i)) if kind == "bf16" else None
+        if got is None:
+            continue
+        by = tables[got[0]]
+        mode = compute if by.get(compute) and min(float(r) for r in by[compute]) <= rows else "fp32"
+        t += n * interp_rows(by[mode], rows) * got[1]
+    return t
+
+
 def overhead(model_type: str, seconds: float = 1.0, top_k: int = 0, experts: int = 0,
              widths: dict[str, int] | None = None, gemv: dict[str, float] | None = None,
-             rounds_n: int = 1, rate_probe: Callable[[int], dict[str, float]] | None = None) -> Overhead:
+             rounds_n: int = 1, rate_probe: Callable[[int], dict[str, float]] | None = None,
+             dense_tables: dict | None = None) -> Overhead:
     """The engine's per-layer-step fixed cost for `model_type` routing `top_k` of `experts` experts per token at
     the model's `widths`: a small synthetic checkpoint decoded warm one row and eight rows at a time, and prefilled
     in 64-token chunks, `rounds_n` times; time per layer, less its weights' time (priced apart by the planner)
@@ -513,12 +706,12 @@ def overhead(model_type: str, seconds: float = 1.0, top_k: int = 0, experts: int
                 rates = rate_probe(_step_bytes(facts)) if rate_probe is not None else gemv
                 w = _weights_time(facts, rates) if rates else 0.0
                 runs.append((_step_time(eng, 1, 1, seconds / 3), _step_time(eng, 8, 1, seconds / 3),
-                             _step_time(eng, 1, 64, seconds / 3), w))
+                             _step_time(eng, 1, 64, seconds / 3), w, _step_time(eng, BATCH_ROWS, 1, seconds / 3)))
                 general.append(_general_step(eng, seconds / 3))
             tight = _tight_budget(eng)
         finally:
             eng.close()
-        one, eight, chunk, weights_s = (statistics.median(col) for col in zip(*runs))
+        one, eight, chunk, weights_s, wide = (statistics.median(col) for col in zip(*runs))
         off_warm = statistics.median(g for g, _ in general)
         misses = [_miss_time(Path(tmp) / "m", tight, off_warm, seconds / 3) for _ in range(max(1, rounds_n))]
     note = "" if family == model_type else f" (no synthetic {model_type}: measured on {family})"
@@ -529,10 +722,20 @@ def overhead(model_type: str, seconds: float = 1.0, top_k: int = 0, experts: int
              f"{min(diff) * 1e3:.3g}-{max(diff) * 1e3:.3g} ms; " \
              f"off the warm path {min(g for g, _ in general) * 1e3:.3g}-{max(g for g, _ in general) * 1e3:.3g} ms " \
              f"a step; a miss {min(misses) * 1e3:.3g}-{max(misses) * 1e3:.3g} ms beyond that)"
+    # a multi-row step's fixed cost and cost per row, from steps of 8 and BATCH_ROWS rows (both the multi-row
+    # path; fresh sequences' first step after an 8-token prompt, which measured the same as steadily decoding
+    # ones: docs/performance.md), less the probe's dense weights at those rows by the model's dense probe
+    # (`dense_tables`: the probe model has the planned model's attention widths, so its projections are the
+    # model's shapes)
+    d8, dw = (dense_rows_s(facts.dense_shapes, dense_tables or {}, r) for r in (8, BATCH_ROWS))
+    row_s = max(0.0, ((wide - dw) - (eight - d8)) / (BATCH_ROWS - 8) / layers)
+    spread += (f"; multi-row steps of 8 / {BATCH_ROWS} rows {eight * 1e3:.3g} / {wide * 1e3:.3g} ms, less their "
+               f"dense weights {d8 * 1e3:.3g} / {dw * 1e3:.3g} ms")
     return Overhead(max(0.0, statistics.median(diff)) / layers, max(0.0, (eight - one) / 7 / layers),
                     max(0.0, statistics.median(r[2] - r[3] for r in runs)) / layers,
                     f"{what}, {layers} layers{note}, {spread}", statistics.median(misses),
-                    max(0.0, off_warm - one) / layers, statistics.median(la for _, la in general))
+                    max(0.0, off_warm - one) / layers, statistics.median(la for _, la in general),
+                    max(0.0, (eight - d8) / layers - 8 * row_s), row_s)
 
 
 def _tight_budget(eng) -> tuple[int, int]:
@@ -631,10 +834,14 @@ class Calibrator:
 
     def rates(self, kinds: set[str], model_type: str, top_k: int = 0, experts: int = 0,
               shapes: dict[str, tuple[int, int]] | None = None, widths: dict[str, int] | None = None,
-              glu_shape: tuple[int, int] | None = None) -> Rates:
+              glu_shape: tuple[int, int] | None = None, dense_shapes: list[tuple[int, int]] | None = None,
+              kv_dtype: str = "fp32") -> Rates:
         """The rates for weights of `kinds` (each probed at `shapes[kind]`, the model's matrix shape for it, else
         DEFAULT_SHAPE), the fp32 GEMM, memory, and the family's overhead at `top_k`; with `glu_shape` (a bf16 GLU
-        expert's (inter, hidden)) the fused expert kernel over top_k of them; measured where missing."""
+        expert's (inter, hidden)) the fused expert kernel over top_k of them, over many rows in fp32 and bf16
+        compute; `dense_shapes`: bf16 dense weights' (out, in) to time over DENSE_ROWS rows in both precisions
+        (dense_rows_times); `kv_dtype` other than fp32: its cache storage's cost (kv_probe); measured where
+        missing."""
         e = self._entry()
         src = e.setdefault("source", {})
         gemv, expand = e.setdefault("gemv", {}), e.setdefault("expand", {})
@@ -660,13 +867,43 @@ class Calibrator:
             rkey = "bf16"  # stated for any shape (seeded files)
         if rkey and rkey not in e["glu_rows"]:
             self.log(f"calibrating: {rkey} fused expert kernel over many rows")
-            got = [glu_rows_times(glu_shape, self.seconds / 2) for _ in range(max(1, self.rounds))]
+            got = []
+            for _ in range(max(1, self.rounds)):  # fp32 and bf16 compute in each round (a burst of load: both)
+                g = glu_rows_times(glu_shape, self.seconds / 2)
+                b = glu_rows_times(glu_shape, self.seconds / 2, compute="bf16")
+                got.append({**g, **{f"{k}_bf16": v for k, v in b.items()}})
             e["glu_rows"][rkey] = {k: {r: statistics.median(g[k][r] for g in got) for r in got[0][k]}
                                    for k in got[0]}
             mid = str(GLU_ROWS[-1])
             src[rkey] = (f"median of {len(got)} rounds (group, {mid} rows: "
                          f"{min(g['group'][mid] for g in got) * 1e3:.3g}-{max(g['group'][mid] for g in got) * 1e3:.3g}"
                          f" ms an expert), {self._stamp()}")
+        dense_keys = {}  # shape key -> the cache's entry for it
+        for shape in dict.fromkeys(dense_probe_shape(sh) for sh in (dense_shapes or [])):
+            dkey = dense_keys[shape_key("bf16", shape)] = shape_key("bf16", shape)
+            if dkey not in e.setdefault("dense_rows", {}) and "bf16" in e["dense_rows"]:
+                dense_keys[dkey] = "bf16"  # stated for any shape (seeded files)
+                continue
+            if dkey not in e["dense_rows"]:
+                self.log(f"calibrating: dense {dkey} over {', '.join(map(str, DENSE_ROWS))} rows, fp32 and bf16")
+                got = [dense_rows_times(shape, self.seconds / 2) for _ in range(max(1, self.rounds))]
+                e["dense_rows"][dkey] = {c: {r: statistics.median(g[c][r] for g in got) for r in got[0][c]}
+                                         for c in got[0]}
+                src[f"dense {dkey}"] = (f"median of {len(got)} rounds (1 row: "
+                                        f"{min(g['fp32']['1'] for g in got) * 1e3:.3g}-"
+                                        f"{max(g['fp32']['1'] for g in got) * 1e3:.3g} ms a call), {self._stamp()}")
+        kv_key = f"kv {kv_dtype} {overhead_key(model_type, top_k, widths)}" if kv_dtype != "fp32" else None
+        if kv_key and kv_key not in e.setdefault("kv", {}) and kv_dtype in e["kv"]:
+            kv_key = kv_dtype  # stated for any model (seeded files)
+        if kv_key and kv_key not in e["kv"]:
+            self.log(f"calibrating: {kv_dtype} KV storage against fp32 ({kv_key})")
+            got = [kv_probe(model_type, kv_dtype, self.seconds, top_k, experts, widths)
+                   for _ in range(max(1, self.rounds))]
+            e["kv"][kv_key] = {k: statistics.median(g[0][k] for g in got) for k in got[0][0]}
+            src[kv_key] = (f"{got[0][1]}, fp32 and {kv_dtype} caches alternated, median of {len(got)} rounds "
+                           f"(one-row decode per layer at {KV_CONTEXTS[-1]} tokens: " + ", ".join(
+                               f"{(g[0]['decode_s'] + KV_CONTEXTS[-1] * g[0]['decode_row_s']) * 1e6:.3g}"
+                               for g in got) + f" us), {self._stamp()}")
         if "gemm_flops" not in e:
             self.log("calibrating: fp32 matmul and memory bandwidth")
             (e["gemm_flops"],), s1 = rounds(lambda: gemm_rate(self.seconds / 2), self.rounds)
@@ -689,14 +926,22 @@ class Calibrator:
                 return got
 
             o = overhead(model_type, self.seconds, top_k, experts, widths,
-                         {k: gemv[v] for k, v in chosen.items()}, self.rounds, rate_probe=now)
+                         {k: gemv[v] for k, v in chosen.items()}, self.rounds, rate_probe=now,
+                         dense_tables={k: e["dense_rows"][v] for k, v in dense_keys.items()})
             o.source += f", {self._stamp()}"
             e["overhead"][key] = asdict(o)
         _save(self.data)
         out = Rates.from_json({**e, "gemv": {k: gemv[v] for k, v in chosen.items()},
                                "expand": {k: expand[v] for k, v in chosen.items()},
                                "glu": e.get("glu_kernels", {}).get(gkey, 0.0) if gkey else 0.0,
-                               "glu_rows": e.get("glu_rows", {}).get(rkey, {}) if rkey else {}})
+                               "glu_rows": e.get("glu_rows", {}).get(rkey, {}) if rkey else {},
+                               "dense_rows": {k: e["dense_rows"][v] for k, v in dense_keys.items()},
+                               "kv": {kv_dtype: e["kv"][kv_key]} if kv_key else {}})
+        for k in dense_keys:
+            if f"dense {k}" in src:
+                out.source[f"dense {k}"] = src[f"dense {k}"]
+        if kv_key and kv_key in src:
+            out.source[f"kv {kv_dtype}"] = src[kv_key]
         if gkey and gkey in src:
             out.source["glu"] = f"{gkey}: {src[gkey]}"
         if rkey and rkey in src:

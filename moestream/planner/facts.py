@@ -14,7 +14,7 @@ from moestream.engine.engine import ModelPlan, plan
 from moestream.engine.residency import EMBED, HEAD, layer_of
 from moestream.errors import BudgetError
 from moestream.info import BudgetFit, ModelInfo, budget_fit, info_from_plan, tensor_params
-from moestream.planner.calibrate import model_widths
+from moestream.planner.calibrate import DENSE_SHAPES_MAX, model_widths
 from moestream.planner.state import StateShape, state_shape
 
 _KIND = {"BF16": "bf16", "F16": "bf16", "F32": "f32", "F8_E4M3": "fp8", "U8": "mxfp4", "I32": "int4"}
@@ -46,6 +46,9 @@ class ModelFacts:
     state: StateShape
     hidden: int = 0  # the residual width (the input width of every expert projection)
     widths: dict[str, int] = field(default_factory=dict)  # calibrate.model_widths: the overhead probe's widths
+    # the 2-D dense weights a token is multiplied through (lm_head apart): (format, out, in) -> how many
+    dense_shapes: dict[tuple[str, int, int], int] = field(default_factory=dict)
+    head_shape: tuple[int, int] | None = None  # the lm_head's (out, in)
 
     def probe_shapes(self) -> dict[str, tuple[int, int]]:
         """(out, in) per weight format at which calibration probes its kernel: the routed expert's projection for
@@ -56,6 +59,16 @@ class ModelFacts:
         if self.expert_params:
             shapes[self.expert_kind] = (max(1, round(self.expert_params / 3 / self.hidden)), self.hidden)
         return shapes
+
+    def dense_probe_shapes(self, most: int = DENSE_SHAPES_MAX) -> list[tuple[int, int]]:
+        """(out, in) of the bf16 dense weights calibration times over many rows: the `most` shapes holding the most
+        bytes, and the lm_head's."""
+        bf16 = sorted(((n * o * i, (o, i)) for (k, o, i), n in self.dense_shapes.items() if k == "bf16"),
+                      reverse=True)
+        shapes = [sh for _, sh in bf16[:most]]
+        if self.head_shape is not None and self.head_kind == "bf16":
+            shapes.append(self.head_shape)
+        return list(dict.fromkeys(shapes))
 
     def glu_shape(self) -> tuple[int, int] | None:
         """(inter, hidden) of a bf16 routed expert (the fused GLU kernel's shape), else None."""
@@ -90,6 +103,8 @@ def model_facts(path: str | Path, p: ModelPlan, kv_dtype: str = "fp32") -> Model
     dense: dict[str, int] = {}
     dense_params = head_bytes = head_params = 0
     head_kind = "bf16"
+    head_shape = None
+    shapes: dict[tuple[str, int, int], int] = {}
     tied = not any(n == prefix + HEAD for n in p.dense_names)
     for full in p.dense_names:
         name, t = full[len(prefix):], index[full]
@@ -98,6 +113,7 @@ def model_facts(path: str | Path, p: ModelPlan, kv_dtype: str = "fp32") -> Model
             continue  # multi-token-prediction layers: never loaded
         if name == HEAD or (tied and name == EMBED):
             head_bytes, head_params, head_kind = t.nbytes, tensor_params(t), kind_of(t.dtype)
+            head_shape = (int(t.shape[0]), int(t.shape[1])) if len(t.shape) == 2 else None
             continue
         if name == EMBED:
             continue  # a row lookup, not a multiply
@@ -105,6 +121,8 @@ def model_facts(path: str | Path, p: ModelPlan, kv_dtype: str = "fp32") -> Model
         dense[k] = dense.get(k, 0) + t.nbytes
         if len(t.shape) == 2:
             dense_params += tensor_params(t)
+            key = (k, int(t.shape[0]), int(t.shape[1]))
+            shapes[key] = shapes.get(key, 0) + 1
     locs = p.store.locate(layout.moe_layers[0], 0) if layout.moe_layers else []
     expert_kind = kind_of(max(locs, key=lambda l: l.nbytes).dtype) if locs else "bf16"
     expert_params = sum(tensor_params(index[prefix + part.tensor.format(layer=layout.moe_layers[0], expert=0)])
@@ -116,7 +134,7 @@ def model_facts(path: str | Path, p: ModelPlan, kv_dtype: str = "fp32") -> Model
                       head_bytes, head_kind, head_params, attention_shapes(p.config, n_layers),
                       kda_shape(p.config, n_layers),
                       state_shape(p.config, kv_dtype), _hidden(p.config),
-                      model_widths(getattr(p.config, "raw", None) or {}))
+                      model_widths(getattr(p.config, "raw", None) or {}), shapes, head_shape)
 
 
 def _hidden(cfg) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from moestream.cgroup import proc_kib
-from moestream.config import format_bytes
+from moestream.config import COMPUTE_DTYPE_NAMES, format_bytes
 from moestream.errors import MoestreamError
 from moestream.planner.calibrate import Calibrator, Overhead, Rates
 from moestream.planner.facts import ModelFacts, model_facts, open_plan
@@ -93,7 +93,8 @@ class PlanOptions:
     calibrate: bool = False
     machine: str | None = None  # plan for a reference machine instead of this one
     reference: bool = False  # also plan every reference machine
-    kv_dtype: str = "fp32"  # KV / latent cache storage (--kv-dtype): sets the state per sequence
+    kv_dtype: str = "fp32"  # KV / latent cache storage (--kv-dtype): sets the state per sequence and its work
+    compute_dtype: str = "fp32"  # --compute-dtype: many-row steps' bf16 products at the bf16 probes' rates
     skew_from: str | None = None  # a `moestream trace` file, or "model": trace the local weights' own router
     skew_tokens: int = 0  # tokens a --skew-from model trace routes (0: routing.TRACE_TOKENS)
     save_skew: str | None = None  # --save-skew: write the --skew-from model trace's routing report here
@@ -109,6 +110,9 @@ class PlanOptions:
             raise MoestreamError(f"--disk-bandwidth must be a positive number of bytes/s, got {self.disk_bandwidth}")
         if self.price_per_hour is not None and not self.price_per_hour >= 0:
             raise MoestreamError(f"--price-per-hour must be >= 0, got {self.price_per_hour}")
+        if self.compute_dtype not in COMPUTE_DTYPE_NAMES:
+            raise MoestreamError(f"--compute-dtype must be one of {', '.join(COMPUTE_DTYPE_NAMES)}, got "
+                                 f"{self.compute_dtype!r}")
         if self.machine is not None and self.machine not in MACHINES:
             raise MoestreamError(f"unknown --machine {self.machine!r}; choose from {', '.join(MACHINES)}")
         if self.skew.exponent < 0 or not math.isfinite(self.skew.exponent):
@@ -162,7 +166,7 @@ def make_plan(path: str | Path, opts: PlanOptions) -> dict:
         cal = Calibrator(fresh=opts.calibrate, seconds=opts.probe_seconds, log=opts.log)
         kinds = set(facts.dense_bytes) | {facts.expert_kind, facts.head_kind}
         here = cal.rates(kinds, facts.model_type, facts.top_k, facts.num_experts, facts.probe_shapes(), facts.widths,
-                         facts.glu_shape())
+                         facts.glu_shape(), facts.dense_probe_shapes(), opts.kv_dtype)
         if opts.disk_bandwidth is not None:
             here.disk, here.source["disk"] = opts.disk_bandwidth, "--disk-bandwidth"
         elif opts.machine is None:
@@ -197,7 +201,7 @@ def _probe_target(path: Path) -> tuple[list[Path], Path]:
 def _predict(facts: ModelFacts, p, rates: Rates, budget: int, opts: PlanOptions, machine: str) -> dict:
     per_seq = facts.state.at(opts.prompt_len, opts.prompt_len + opts.gen_len, SCHEDULER_CHUNK)
     fit = facts.fit(p, budget, per_seq)  # dense residency keeps room for one sequence (as --state-room would)
-    sc = Scenario(facts, fit, rates, opts.skew)
+    sc = Scenario(facts, fit, rates, opts.skew, compute_dtype=opts.compute_dtype)
     context = opts.prompt_len + opts.gen_len / 2  # mean context over the generated tokens
     # one stream from an engine just opened (as `moestream run` / `bench --cold`): its prompt fills the cache, and
     # the cached experts it did not use miss on first use during the generation; the steady state has none of these
@@ -216,6 +220,7 @@ def _predict(facts: ModelFacts, p, rates: Rates, budget: int, opts: PlanOptions,
         "prefill_cold_tokens_per_s": opts.prompt_len / ttft_cold, "ttft_cold_s": ttft_cold,
         "max_sequences": max_seq, "state_bytes_per_sequence": per_seq, "state_room_bytes": max(0, room),
         "expert_hit_rate": one.hit_rate, "experts_cached": fit.experts_fit, "experts_total": fit.experts_total,
+        "kv_dtype": opts.kv_dtype, "compute_dtype": opts.compute_dtype,
         "cache_bytes": fit.cache_bytes, "resident_dense_bytes": fit.residency.resident_dense_bytes,
         "streamed_dense_bytes_per_step": fit.residency.streamed_bytes_per_step,
         "disk_bytes_per_token": one.expert_reads * facts.expert_bytes + fit.residency.streamed_bytes_per_step,
@@ -283,7 +288,7 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
         "next layer's ahead into the free room; a step that evicts queues all its reads at once and reads nothing "
         "ahead; streamed dense layers are read one layer ahead; nothing is read across steps; misses spread evenly "
         "over the layers (whole reads); the lm_head after the last layer"
-        + (f"; bf16 GLU experts at the fused call's measured many-row times ({src['glu_rows']}), a layer step's "
+        + (f"; bf16 GLU experts at the fused call's measured many-row times ({src.get('glu_rows', 'source not recorded')}), a layer step's "
            "hits grouped, each read expert alone, linear between the probed row counts"
            if r.get("glu_rows") and f.expert_kind == "bf16" else
            "; routed experts over several rows expanded to fp32 and multiplied by the fp32 GEMM (no many-row "
@@ -300,6 +305,27 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
         f"later requests); prefill in chunks of "
         f"{ENGINE_CHUNK}; ttft_s with the cache at its steady share, ttft_cold_s with an empty cache",
     ]
+    kinds = [f"bf16 dense weights over {len(r.get('dense_rows') or {})} probed shapes ("
+             + ", ".join(k.split()[-1] for k in (r.get("dense_rows") or {})) + "): blocks.linear timed over "
+             "1-256 rows in fp32 and bf16 compute, each weight priced at the probed shape nearest in size, scaled by "
+             "its parameters (one row: only weights of 16 MiB or more, and the lm_head; smaller ones at the one-row "
+             "kernel's rate)"] if r.get("dense_rows") else ["dense weights: one-row kernel rate and fp32 expansion + "
+                                                            "GEMM (no dense shape probed)"]
+    lines.append(f"compute dtype {opts.compute_dtype}: " + (
+        "steps of 16+ rows multiply bf16 dense weights in bf16 (blocks.BF16_MIN_ROWS), steps of 64+ rows the routed "
+        "bf16 GLU experts too (BF16_GLU_MIN_ROWS) at the fused call's bf16 many-row times; one-row decode and "
+        "routers stay fp32" if opts.compute_dtype == "bf16" else "fp32 products at every row count")
+        + "; " + kinds[0])
+    kv = (r.get("kv") or {}).get(opts.kv_dtype)
+    if opts.kv_dtype != "fp32":
+        lines.append(f"--kv-dtype {opts.kv_dtype}: " + (
+            "its storage work beyond fp32's per layer with a cache (quantise on write, dequantise on read; "
+            f"{src.get('kv ' + opts.kv_dtype, '')}): one-row decode {kv.get('decode_s', 0) * 1e6:.3g} us + "
+            f"{kv.get('decode_row_s', 0) * 1e9:.3g} ns per token of context, batch decode "
+            f"{kv.get('batch_s', 0) * 1e6:.3g} us + {kv.get('batch_row_s', 0) * 1e9:.3g} ns per sequence, "
+            f"prompts {kv.get('prefill_token_s', 0) * 1e6:.3g} us per token" if kv else
+            "its storage work (quantise on write, dequantise on read) not measured for this machine: priced as "
+            "fp32's"))
     if out.get("decode_cache_replay"):
         lines.append("one-stream decode hit rate: the measured routing replayed through the engine's cache "
                      f"({out['decode_cache_replay']}, capacity {out['experts_cached']} experts less the state's "

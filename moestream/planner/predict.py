@@ -6,7 +6,10 @@ Owns the arithmetic `moestream plan` prints, term by term (docs/plan.md states i
 - compute per step: weights touched at the one-row kernel's byte rate (a layer's bf16 GLU experts at the rate of
   the fused native call that runs them together; a multi-row step: expanded to fp32 at the expansion rate plus
   rows x FLOPs at the fp32 GEMM rate), sequence state read at memory bandwidth, attention
-  FLOPs at the GEMM rate;
+  FLOPs at the GEMM rate; bf16 dense weights over several rows (and the large ones, the lm_head among them, at
+  one row) at the dense probe's measured times at the model's own shapes, in bf16 compute (--compute-dtype bf16)
+  from 16 rows a step, the routed bf16 GLU experts at the fused call's bf16 many-row times from 64; the
+  --kv-dtype cache's measured work beyond fp32's (quantise on write, dequantise on read);
 - the engine's fixed cost per layer step (calibrated);
 - the CPU cost of each expert read on a miss of a one-row step (one sequence's decode), beyond its multiply:
   the engine's per-miss work (calibrated by decoding the overhead probe's checkpoint under a budget where most
@@ -38,7 +41,8 @@ from dataclasses import dataclass, field
 from moestream.info import BudgetFit
 from moestream.experts.dispatch import NATIVE_MAX_ROWS, SCAN_SHARE, scan_window
 from moestream.kernels.cpu import MAX_TOKENS_BF16, MAX_TOKENS_MXFP4
-from moestream.planner.calibrate import Rates
+from moestream.models.blocks import BF16_GLU_MIN_ROWS, BF16_MIN_ROWS
+from moestream.planner.calibrate import Rates, interp_rows, nearest_dense
 from moestream.planner.facts import ModelFacts
 from moestream.planner.skew import (Skew, binomial_spread, distinct, first_use, replay_decode, single_row,
                                      split_cache)
@@ -47,6 +51,10 @@ NATIVE_ROWS = {"bf16": MAX_TOKENS_BF16, "mxfp4": MAX_TOKENS_MXFP4}  # rows the o
 # rows a routed expert runs in the one-row kernel: bf16 experts over more rows are expanded to fp32 once
 # (experts/dispatch.py); MXFP4 experts go through kernels.quant, native up to its row limit
 EXPERT_ROWS = {"bf16": NATIVE_MAX_ROWS, "mxfp4": MAX_TOKENS_MXFP4}
+# a dense bf16 weight of at least this many bytes is priced at one row by the dense probe at its own shape (K3's
+# MLP, g / o projections, lm_head: a GEMV of that size is its streaming rate at that shape); smaller ones by the
+# one-row kernel's rate at hidden x hidden, which the overhead probe's subtraction uses too
+DENSE_OWN_MIN_BYTES = 16 << 20
 
 
 @dataclass
@@ -151,6 +159,7 @@ class Scenario:
     rates: Rates
     skew: Skew
     replayed: str = ""  # what decode replayed of the skew's recorded routing (empty: the analytic model)
+    compute_dtype: str = "fp32"  # --compute-dtype: "bf16" prices many-row steps' bf16 products at the bf16 probes
 
     @property
     def residency(self):
@@ -167,7 +176,12 @@ class Scenario:
         o = self.rates.overhead_for(self.facts.model_type, self.facts.top_k, self.facts.widths)
         if o is None:
             return 0.0
-        per = o.prefill_s if kind == "prefill" else o.decode_s + o.decode_row_s * max(0, rows - 1)
+        if kind == "prefill":
+            per = o.prefill_s
+        elif rows > 1 and (o.batch_s or o.batch_row_s):  # a multi-row step, measured on that path
+            per = o.batch_s + o.batch_row_s * rows
+        else:
+            per = o.decode_s + o.decode_row_s * max(0, rows - 1)
         return per * self.facts.num_layers
 
     def _weights(self, nbytes: float, kind: str, params: float, rows: float, limit: dict = NATIVE_ROWS) -> float:
@@ -191,17 +205,27 @@ class Scenario:
         r = self.rates
         return r.glu if self.facts.expert_kind == "bf16" and r.glu > 0 else r.gemv[self.facts.expert_kind]
 
-    def expert_time(self, rows: float, grouped: bool) -> float | None:
-        """Seconds of one bf16 GLU expert over `rows` rows in a multi-row step, by the fused call's measured
-        times (calibrate.glu_rows_times: `grouped`, a layer step's resident experts in one call; else a read
-        expert's own call), linear between the probed row counts (one row: the fused decode rate) and beyond the
-        last; None where not measured or not a bf16 expert."""
+    def bf16_experts(self, step_rows: float) -> bool:
+        """Whether a step of `step_rows` rows runs its routed bf16 GLU experts in bf16 compute (--compute-dtype
+        bf16 from blocks.BF16_GLU_MIN_ROWS rows a step) with the bf16 many-row times measured."""
+        return (self.compute_dtype == "bf16" and step_rows >= BF16_GLU_MIN_ROWS
+                and bool(self.rates.glu_rows.get("group_bf16")))
+
+    def expert_time(self, rows: float, grouped: bool, step_rows: float = 0.0) -> float | None:
+        """Seconds of one bf16 GLU expert over `rows` rows in a multi-row step of `step_rows` rows, by the fused
+        call's measured times (calibrate.glu_rows_times: `grouped`, a layer step's resident experts in one call;
+        else a read expert's own call; in bf16 compute where `bf16_experts(step_rows)`), linear between the probed
+        row counts (fp32: one row at the fused decode rate; bf16: below its first probed count at that count's
+        time, the panel kernel's lanes idle) and beyond the last; None where not measured or not a bf16
+        expert."""
         f = self.facts
-        table = self.rates.glu_rows.get("group" if grouped else "single") if f.expert_kind == "bf16" else None
+        bf16 = self.bf16_experts(step_rows)
+        name = ("group" if grouped else "single") + ("_bf16" if bf16 else "")
+        table = self.rates.glu_rows.get(name) if f.expert_kind == "bf16" else None
         if not table:
             return None
-        pts = [(1.0, f.expert_bytes / self.expert_rate())] + sorted((float(k), v) for k, v in table.items()
-                                                                     if float(k) > 1)
+        probed = sorted((float(k), v) for k, v in table.items() if float(k) > 1)
+        pts = ([(1.0, probed[0][1])] if bf16 else [(1.0, f.expert_bytes / self.expert_rate())]) + probed
         for i in range(1, len(pts)):  # more rows never take less time (a probe slowed by load at fewer rows)
             pts[i] = (pts[i][0], max(pts[i][1], pts[i - 1][1]))
         x = max(1.0, rows)
@@ -248,11 +272,71 @@ class Scenario:
             wait += share * max(0.0, pages + m * read + last - work)
         return f.moe_layers * cpu, f.moe_layers * wait
 
+    def dense_time(self, shape: tuple[int, int], rows: float) -> float | None:
+        """Seconds of one bf16 dense weight of `shape` (out, in) over `rows` rows, from the dense probe
+        (calibrate.dense_rows_times) at the probed shape nearest in size, scaled by the parameters' ratio, linear
+        between the probed row counts and beyond the last; in bf16 compute (--compute-dtype bf16) from
+        blocks.BF16_MIN_ROWS rows. None where no dense shape was probed."""
+        tables = self.rates.dense_rows
+        got = nearest_dense(tables, shape)
+        if got is None:
+            return None
+        by = tables[got[0]]
+        mode = "bf16" if self.compute_dtype == "bf16" and rows >= BF16_MIN_ROWS and by.get("bf16") else "fp32"
+        if not by.get(mode):
+            return None
+        return interp_rows(by[mode], rows) * got[1]
+
+    def _dense_shapes(self, rows: float) -> tuple[float, dict[str, float], float]:
+        """(seconds, bytes by format, parameters) of the dense weights the dense probe prices at `rows` rows: every
+        bf16 dense weight over several rows; at one row only those of DENSE_OWN_MIN_BYTES or more (the smaller
+        ones keep the one-row kernel's rate: the engine's decode layer multiplies them in fused native calls,
+        whose per-call cost the overhead probe measures)."""
+        t, nbytes, params = 0.0, {}, 0.0
+        for (kind, o, i), n in self.facts.dense_shapes.items():
+            if kind != "bf16" or (rows <= 1 and 2 * o * i < DENSE_OWN_MIN_BYTES):
+                continue
+            got = self.dense_time((o, i), rows)
+            if got is None:
+                continue
+            t += n * got
+            nbytes[kind] = nbytes.get(kind, 0.0) + n * 2.0 * o * i
+            params += n * o * i
+        return t, nbytes, params
+
+    def _head(self, rows: float) -> float:
+        """The lm_head over `rows` rows: the dense probe at its shape where measured (several rows, or one row of a
+        head of DENSE_OWN_MIN_BYTES or more), else the format's one-row / expansion rule."""
+        f = self.facts
+        if f.head_shape is not None and f.head_kind == "bf16" and (rows > 1 or f.head_bytes >= DENSE_OWN_MIN_BYTES):
+            got = self.dense_time(f.head_shape, rows)
+            if got is not None:
+                return got
+        return self._weights(f.head_bytes, f.head_kind, f.head_params, rows)
+
     def _dense(self, rows: int, head_rows: int) -> float:
         f = self.facts
-        total_bytes = sum(f.dense_bytes.values()) or 1
-        t = sum(self._weights(b, k, f.dense_params * b / total_bytes, rows) for k, b in f.dense_bytes.items())
-        return t + self._weights(f.head_bytes, f.head_kind, f.head_params, head_rows)
+        t, probed, probed_params = self._dense_shapes(rows)
+        rest_params = max(0.0, f.dense_params - probed_params)
+        rest = {k: max(0.0, b - probed.get(k, 0.0)) for k, b in f.dense_bytes.items()}
+        rest_total = sum(rest.values()) or 1.0
+        t += sum(self._weights(b, k, rest_params * b / rest_total, rows) for k, b in rest.items() if b > 0)
+        return t + self._head(head_rows)
+
+    def _kv(self, sequences: int, context: float, prompt_tokens: int = 0) -> float:
+        """The `--kv-dtype` storage's work beyond fp32's (calibrate.kv_costs: quantise on write, dequantise on
+        read) per step, over the layers with a KV / latent cache: one-row decode, a batch decode step of
+        `sequences`, or a prompt chunk of `prompt_tokens`; 0 for fp32 or where not measured."""
+        f = self.facts
+        k = self.rates.kv.get(f.state.kv_dtype) if f.state.kv_dtype != "fp32" else None
+        if not k:
+            return 0.0
+        layers = len(f.attention)
+        if prompt_tokens:
+            return layers * k.get("prefill_token_s", 0.0) * prompt_tokens
+        if sequences <= 1:
+            return layers * (k.get("decode_s", 0.0) + k.get("decode_row_s", 0.0) * context)
+        return sequences * layers * (k.get("batch_s", 0.0) + k.get("batch_row_s", 0.0) * context)
 
     def _attention(self, rows: int, context: float) -> float:
         """Score and value FLOPs of `rows` queries over `context` keys, plus KDA's per-token state update."""
@@ -270,7 +354,7 @@ class Scenario:
         return self.residency.streamed_bytes_per_step / self.rates.disk if self.rates.disk > 0 else 0.0
 
     def _multi(self, used: float, missing: float, rows: float, fallback: float, parts: dict[str, float],
-               head: float, overhead: float, window: float | None) -> Step:
+               head: float, overhead: float, window: float | None, step_rows: float = 0.0) -> Step:
         """A multi-row step (a batch, a prompt chunk) layer by layer (batch_timeline): per MoE layer step `used`
         distinct experts, `missing` of them read, `rows` rows each on average; the hits in one grouped call, each
         read expert in its own call as it lands, at the fused GLU call's measured many-row times (bf16 GLU
@@ -280,7 +364,7 @@ class Scenario:
         after the last. `window`: a scanning step's read window in experts (None: a step that evicts)."""
         f, r = self.facts, self.rates
         hits = max(0.0, used - missing)
-        group, single = self.expert_time(rows, True), self.expert_time(rows, False)
+        group, single = self.expert_time(rows, True, step_rows), self.expert_time(rows, False, step_rows)
         if group is None or single is None:
             group = single = fallback / max(1e-9, used)
         # a read expert's engine work beyond its call: landing, the policy's bookkeeping, the spill, queueing the
@@ -301,8 +385,10 @@ class Scenario:
         detail = {"experts_per_layer_step": used, "reads_per_layer_step": missing, "rows_per_expert": rows,
                   "hit_expert_s": group, "read_expert_s": single, "read_engine_s": land, "read_s": read,
                   "read_window_experts": window, "disk_busy_share": busy / total if total > 0 else 0.0,
-                  "expert_rates": "fused GLU many-row probe" if self.expert_time(rows, True) is not None
-                  else "fp32 expansion + GEMM"}
+                  "expert_rates": ("fused GLU many-row probe" + (", bf16 compute" if self.bf16_experts(step_rows)
+                                                                   else "")
+                                   if self.expert_time(rows, True, step_rows) is not None
+                                   else "fp32 expansion + GEMM")}
         return Step(io, compute, overhead, layers * missing, max(0.0, 1.0 - missing / max(1e-9, used)), parts,
                     max(0.0, total - compute - overhead), total, detail)
 
@@ -349,13 +435,13 @@ class Scenario:
             scan = used >= SCAN_SHARE * f.num_experts and capacity < f.num_experts * f.moe_layers
             window = scan_window(1, f.num_experts, f.top_k, f.moe_layers, capacity) if scan else None
             parts = {"dense_s": self._dense(sequences, sequences), "attention_s": self._attention(sequences, context),
-                     "state_s": self._state_read(sequences, context)}
-            head = self._weights(f.head_bytes, f.head_kind, f.head_params, sequences)
+                     "state_s": self._state_read(sequences, context), "kv_s": self._kv(sequences, context)}
+            head = self._head(sequences)
             return self._multi(used, missing, sequences * f.top_k / max(1e-9, used), experts / f.moe_layers, parts,
-                               head, self._overhead("decode", sequences), window)
+                               head, self._overhead("decode", sequences), window, sequences)
         parts = {"experts_s": experts, "dense_s": self._dense(sequences, sequences),
                  "attention_s": self._attention(sequences, context), "state_s": self._state_read(sequences, context),
-                 "misses_s": 0.0}
+                 "kv_s": self._kv(sequences, context), "misses_s": 0.0}
         wait = None
         if sequences == 1:
             # the lookahead router runs in every layer step while the cache lacks any expert: always from open
@@ -395,8 +481,9 @@ class Scenario:
             capacity = int(cap * f.moe_layers)
             scan = used >= SCAN_SHARE * f.num_experts and capacity < f.num_experts * f.moe_layers
             window = scan_window(1, f.num_experts, f.top_k, f.moe_layers, capacity) if scan else None
-            head = self._weights(f.head_bytes, f.head_kind, f.head_params, 1)
-            parts = {"dense_s": self._dense(n, 1), "attention_s": self._attention(n, done + n / 2)}
-            steps.append(self._multi(used, missing, rows, experts, parts, head, self._overhead("prefill"), window))
+            head = self._head(1)
+            parts = {"dense_s": self._dense(n, 1), "attention_s": self._attention(n, done + n / 2),
+                     "kv_s": self._kv(1, done + n / 2, n)}
+            steps.append(self._multi(used, missing, rows, experts, parts, head, self._overhead("prefill"), window, n))
             done += n
         return steps
