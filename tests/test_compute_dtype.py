@@ -5,6 +5,7 @@ greedy tokens, the scratch charged, and the option validated."""
 from __future__ import annotations
 
 import ctypes
+import platform
 import shutil
 import subprocess
 
@@ -135,6 +136,52 @@ def test_portable_build_computes_the_same_products(tmp_path):
     assert lib.ms_bf16dot_linear(x.data_ptr(), 37, 96, 1, arr(w.data_ptr()), arr(50), arr(out.data_ptr())) == 0
     assert _rel(out, _rounded_reference(x, w)) < 1e-5
     assert _rel(out, cpu.linear_bf16dot_many(x, [w])[0]) < 1e-5
+
+
+def _glu_call(lib, experts, x, ids, scores, out, act: int, beta: float = 0.0, linear_beta: float = 0.0) -> None:
+    arr = lambda v: (ctypes.c_int64 * len(v))(*v)  # noqa: E731
+    e, (inter, k_in), d_out = len(experts), experts[0][0].shape, experts[0][2].shape[0]
+    assert lib.ms_bf16dot_glu(e, arr(range(e)), *(arr([ex[i].data_ptr() for ex in experts]) for i in range(3)), inter,
+                              k_in, d_out, x.data_ptr(), x.shape[0], ids.data_ptr(), scores.data_ptr(), ids.shape[1],
+                              out.data_ptr(), act, beta, linear_beta) == 0
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None or not cpu.available() or cpu.simd() != "avx512",
+                    reason="needs gcc and an AVX-512 build to compare against")
+def test_vectorised_glu_parts_are_bit_identical_to_the_scalar_code(tmp_path, threads):
+    """AVX-512 packs x, applies the GLU activation (SiLU: expf in vector code, the C library's algorithm; lanes of
+    |gate| >= 88 through expf itself), rounds h to bf16 and scatters the weighted outputs in vector code; built with
+    -DMS_GLU_VEC=0 the same library does those in the scalar code. Both must give the same bits, for SiLU and SiTU,
+    over shapes with partial panels, column tails, pair tails and gates far beyond the exp range."""
+    lib_path = tmp_path / "scalar_glu.so"
+    done = subprocess.run(["gcc", *cpu.FLAGS, "-DMS_GLU_VEC=0", "-o", str(lib_path), str(cpu._SOURCE), "-lm"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    scalar, vector = ctypes.CDLL(str(lib_path)), cpu.lib()
+    cpu._declare(scalar)
+    assert scalar.ms_glu_vexp() == 0
+    if platform.libc_ver()[0] == "glibc":  # the algorithm vexpf reproduces (else SiLU stays scalar, still equal)
+        assert vector.ms_glu_vexp() == 1, "the vector expf differs from this glibc's expf: SiLU runs scalar"
+    for n in (1, 2):
+        scalar.ms_set_threads(n)
+        threads(n)
+        for e, inter, k_in, d_out, t, k, scale in [(3, 96, 100, 212, 150, 2, 1.0), (2, 36, 300, 200, 37, 1, 30.0),
+                                                   (4, 128, 64, 40, 70, 4, 8.0), (1, 6, 34, 17, 3, 1, 200.0)]:
+            experts, x, ids, scores = _glu_case(e, inter, k_in, d_out, t, k, seed=t + n)
+            x = x * scale
+            for act, beta, linear_beta in [(0, 0.0, 0.0), (1, 4.0, 25.0)]:
+                want, got = torch.zeros(t, d_out), torch.zeros(t, d_out)
+                _glu_call(scalar, experts, x, ids, scores, want, act, beta, linear_beta)
+                _glu_call(vector, experts, x, ids, scores, got, act, beta, linear_beta)
+                assert want.isfinite().all()
+                assert torch.equal(want.view(torch.int32), got.view(torch.int32)), (n, e, inter, k_in, act)
+    x = torch.randn(45, 300, generator=seeded(3))
+    w = torch.randn(70, 300, generator=seeded(4)).bfloat16()
+    want, got = torch.empty(45, 70), torch.empty(45, 70)
+    arr = lambda *v: (ctypes.c_int64 * len(v))(*v)  # noqa: E731
+    for lib, out in ((scalar, want), (vector, got)):
+        assert lib.ms_bf16dot_linear(x.data_ptr(), 45, 300, 1, arr(w.data_ptr()), arr(70), arr(out.data_ptr())) == 0
+    assert torch.equal(want, got)
 
 
 @native
