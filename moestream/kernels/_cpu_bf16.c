@@ -106,93 +106,98 @@ INLINE __m512i vbf16_pair(__m512 lo, __m512 hi) {
 
 INLINE __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u); }
 
-/* expf of 16 lanes, the same value as the C library's expf, bit for bit, where the library is glibc (2.27 on) with
- * its FMA variant, as on any x86-64 CPU with AVX-512: 2^(k/32) from a table of 32 doubles times a cubic in the
- * remainder, all in double with the same fused operations and constants, rounded to float once. Lanes the library
- * treats apart (|x| >= 88, inf, NaN) call expf itself. vexpf_ok() checks the match on this machine's library at
- * first use; where it fails, callers keep the scalar code. */
-static const uint64_t EXPF_T[32] __attribute__((aligned(64))) = { /* bits of 2^(i/32) - (i << 47) */
-    0x3ff0000000000000ULL, 0x3fefd9b0d3158574ULL, 0x3fefb5586cf9890fULL, 0x3fef9301d0125b51ULL,
-    0x3fef72b83c7d517bULL, 0x3fef54873168b9aaULL, 0x3fef387a6e756238ULL, 0x3fef1e9df51fdee1ULL,
-    0x3fef06fe0a31b715ULL, 0x3feef1a7373aa9cbULL, 0x3feedea64c123422ULL, 0x3feece086061892dULL,
-    0x3feebfdad5362a27ULL, 0x3feeb42b569d4f82ULL, 0x3feeab07dd485429ULL, 0x3feea47eb03a5585ULL,
-    0x3feea09e667f3bcdULL, 0x3fee9f75e8ec5f74ULL, 0x3feea11473eb0187ULL, 0x3feea589994cce13ULL,
-    0x3feeace5422aa0dbULL, 0x3feeb737b0cdc5e5ULL, 0x3feec49182a3f090ULL, 0x3feed503b23e255dULL,
-    0x3feee89f995ad3adULL, 0x3feeff76f2fb5e47ULL, 0x3fef199bdd85529cULL, 0x3fef3720dcef9069ULL,
-    0x3fef5818dcfba487ULL, 0x3fef7c97337b9b5fULL, 0x3fefa4afa2a490daULL, 0x3fefd0765b6e4540ULL};
+#endif
 
-INLINE __m512d vexp_pd(__m512d xd) {
-    const __m512d inv_ln2n = _mm512_set1_pd(0x1.71547652b82fep+5), shift = _mm512_set1_pd(0x1.8p+52);
-    __m512d kd = _mm512_fmadd_pd(inv_ln2n, xd, shift);
-    const __m512i ki = _mm512_castpd_si512(kd);
-    kd = _mm512_sub_pd(kd, shift);
-    const __m512d r = _mm512_fmsub_pd(inv_ln2n, xd, kd);
-    const __m512i idx = _mm512_and_si512(ki, _mm512_set1_epi64(31));
-    const __m512i t0 = _mm512_load_si512((const void *)EXPF_T), t1 = _mm512_load_si512((const void *)(EXPF_T + 8));
-    const __m512i t2 = _mm512_load_si512((const void *)(EXPF_T + 16)), t3 = _mm512_load_si512((const void *)(EXPF_T + 24));
-    const __m512i t = _mm512_mask_blend_epi64(_mm512_test_epi64_mask(idx, _mm512_set1_epi64(16)),
-                                              _mm512_permutex2var_epi64(t0, idx, t1), _mm512_permutex2var_epi64(t2, idx, t3));
-    const __m512d s = _mm512_castsi512_pd(_mm512_add_epi64(t, _mm512_slli_epi64(ki, 47)));
-    const __m512d z = _mm512_fmadd_pd(r, _mm512_set1_pd(0x1.c6af84b912394p-20), _mm512_set1_pd(0x1.ebfce50fac4f3p-13));
-    const __m512d r2 = _mm512_mul_pd(r, r);
-    __m512d y = _mm512_fmadd_pd(r, _mm512_set1_pd(0x1.62e42ff0c52d6p-6), _mm512_set1_pd(1.0));
-    y = _mm512_fmadd_pd(z, r2, y);
-    return _mm512_mul_pd(y, s);
-}
+/* ---- the exponential of this path's SiLU (our own; libm's expf stays in the fp32 kernels): exp(x) = 2^k e^r with
+ * k the nearest integer to x / ln2 and r = x - k ln2 (ln2 split in two floats, fused), e^r by its Taylor polynomial
+ * to degree 7 (Horner, fused), then times 2^k in two steps (2^(k >> 1), 2^(k - (k >> 1))) so that results near the
+ * overflow and in the subnormal range are rounded once. x is clamped to [-104, 89] first: above ~88.72 the result
+ * is inf, below ~-103.97 it is 0 (subnormal results are kept, not flushed); NaN gives NaN (quieted). Within 2 ulp of
+ * exp (tests/test_compute_dtype.py sweeps it). exp_f32 (scalar) and vexp_f32 (AVX-512, 16 lanes) do the same
+ * operations in the same order, so they give the same bits. */
+#define EXP_HI 89.0f
+#define EXP_LO (-104.0f)
+#define EXP_SHIFT 0x1.8p23f                /* adding it rounds |v| < 2^22 to an integer */
+#define EXP_INV_LN2 0x1.715476p+0f
+#define EXP_LN2_HI 0x1.62e43p-1f           /* ln2 rounded to float ... */
+#define EXP_LN2_LO (-0x1.05c610p-29f)      /* ... and what it leaves: ln2 - EXP_LN2_HI, rounded */
+#define EXP_C7 (1.0f / 5040.0f)
+#define EXP_C6 (1.0f / 720.0f)
+#define EXP_C5 (1.0f / 120.0f)
+#define EXP_C4 (1.0f / 24.0f)
+#define EXP_C3 (1.0f / 6.0f)
+#define EXP_C2 0.5f
 
-INLINE __m512 vexpf(__m512 x) {
-    const __m256 lo = _mm512_cvtpd_ps(vexp_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(x))));
-    const __m256 hi = _mm512_cvtpd_ps(vexp_pd(_mm512_cvtps_pd(
-        _mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(x), 1)))));
-    __m512 y = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
-    const __mmask16 apart = _mm512_cmpge_epu32_mask(
-        _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 20), _mm512_set1_epi32(0x7ff)), _mm512_set1_epi32(0x42b));
-    if (__builtin_expect(apart != 0, 0)) {
-        float xs[16] __attribute__((aligned(64))), ys[16] __attribute__((aligned(64)));
-        _mm512_store_ps(xs, x);
-        _mm512_store_ps(ys, y);
-        for (int i = 0; i < 16; i++)
-            if (apart >> i & 1) ys[i] = expf(xs[i]);
-        y = _mm512_load_ps(ys);
-    }
+/* keeps a rounded product from being fused into the caller's next add (gcc contracts a * b + c by default): the
+ * scalar and vector code must round the same operations */
+#if defined(__GNUC__) && defined(__x86_64__)
+#define FP_KEEP(v) __asm__("" : "+x"(v))
+#define FP_KEEPV(v) __asm__("" : "+v"(v))
+#elif defined(__GNUC__) && defined(__aarch64__)
+#define FP_KEEP(v) __asm__("" : "+w"(v))
+#else
+#define FP_KEEP(v) ((void)0)
+#endif
+#ifndef FP_KEEPV
+#define FP_KEEPV(v) ((void)0)
+#endif
+
+INLINE float exp_f32(float x) {
+    float xc = x > EXP_LO ? x : EXP_LO; /* NaN: EXP_LO, fixed below */
+    xc = xc < EXP_HI ? xc : EXP_HI;
+    const float kf = fmaf(xc, EXP_INV_LN2, EXP_SHIFT) - EXP_SHIFT;
+    float r = fmaf(-kf, EXP_LN2_HI, xc); /* exact */
+    r = fmaf(-kf, EXP_LN2_LO, r);
+    float p = fmaf(EXP_C7, r, EXP_C6);
+    p = fmaf(p, r, EXP_C5);
+    p = fmaf(p, r, EXP_C4);
+    p = fmaf(p, r, EXP_C3);
+    p = fmaf(p, r, EXP_C2);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    const int32_t k = (int32_t)kf, k1 = k >> 1, k2 = k - k1; /* k in [-150, 128] */
+    float y = p * bits_f32((uint32_t)(k1 + 127) << 23) * bits_f32((uint32_t)(k2 + 127) << 23);
+    if (x != x) y = x + x;
+    FP_KEEP(y);
     return y;
 }
 
-static _Atomic int vexpf_state; /* 0 unchecked, 1 matches the library's expf, 2 does not */
+/* the SiLU-GLU of this path: g / (1 + exp(-g)) * u */
+INLINE float silu_glu(float g, float u) { return g / (1.0f + exp_f32(-g)) * u; }
 
-/* whether vexpf matches expf on this machine: a sweep of [-110, 110] and every 2^k scale (also the lanes apart) */
-__attribute__((unused)) static int vexpf_ok(void) {
-    int st = atomic_load_explicit(&vexpf_state, memory_order_relaxed);
-    if (st) return st == 1;
-    float xs[16] __attribute__((aligned(64))), ys[16] __attribute__((aligned(64)));
-    int ok = 1;
-    uint32_t lcg = 12345u;
-    for (int i = 0; i < 8192 && ok; i++) {
-        for (int l = 0; l < 16; l++) {
-            lcg = lcg * 1664525u + 1013904223u;
-            const int kind = (i + l) % 4;
-            if (kind == 0) xs[l] = -110.0f + 220.0f * (float)(i * 16 + l) / (8192.0f * 16.0f);
-            else if (kind == 1) xs[l] = bits_f32((lcg & 0x807FFFFFu) | ((0x60u + (lcg >> 24) % 0x26u) << 23)); /* 2^-31..2^6 */
-            else xs[l] = (float)(int32_t)lcg * (1.0f / 2.0e7f); /* about [-107, 107] */
-        }
-        _mm512_store_ps(ys, vexpf(_mm512_load_ps(xs)));
-        for (int l = 0; l < 16; l++) {
-            const float e = expf(xs[l]);
-            if (memcmp(&e, &ys[l], 4)) ok = 0;
-        }
-    }
-    atomic_store_explicit(&vexpf_state, ok ? 1 : 2, memory_order_relaxed);
-    return ok;
+#if MS_AVX512
+INLINE __m512 vexp_f32(__m512 x) {
+    __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(EXP_LO));
+    xc = _mm512_min_ps(xc, _mm512_set1_ps(EXP_HI));
+    const __m512 kf = _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(EXP_INV_LN2), _mm512_set1_ps(EXP_SHIFT)),
+                                    _mm512_set1_ps(EXP_SHIFT));
+    __m512 r = _mm512_fnmadd_ps(kf, _mm512_set1_ps(EXP_LN2_HI), xc);
+    r = _mm512_fnmadd_ps(kf, _mm512_set1_ps(EXP_LN2_LO), r);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(EXP_C7), r, _mm512_set1_ps(EXP_C6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C5));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i k = _mm512_cvttps_epi32(kf), k1 = _mm512_srai_epi32(k, 1), k2 = _mm512_sub_epi32(k, k1);
+    const __m512i bias = _mm512_set1_epi32(127);
+    __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k1, bias), 23))),
+                             _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k2, bias), 23)));
+    y = _mm512_mask_add_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x, x);
+    FP_KEEPV(y);
+    return y;
 }
 #endif
 
-/* 1 when the SiLU activation of this path runs in vector code (AVX-512 and vexpf matching the C library's expf) */
-int ms_glu_vexp(void) {
+/* exp_f32 (vector code where MS_GLU_VEC) of x[0..n) into y, for the tests */
+void ms_glu_exp(const float *x, float *y, int64_t n) {
+    int64_t i = 0;
 #if MS_GLU_VEC
-    return vexpf_ok();
-#else
-    return 0;
+    for (; i < n; i += 16)
+        _mm512_mask_storeu_ps(y + i, lanes(n - i), vexp_f32(_mm512_maskz_loadu_ps(lanes(n - i), x + i)));
 #endif
+    for (; i < n; i++) y[i] = exp_f32(x[i]);
 }
 
 /* panel of tokens rows[0..w) (rows NULL: t0 + 0..w) of fp32 x [*, K] (row stride K) into dst [K/2][BP] words,
@@ -417,7 +422,7 @@ static void bpg_up_part(void *arg, int64_t chunk, int64_t chunks, int slot) {
     (void)chunks, (void)slot;
     float cg[BPR * BP] __attribute__((aligned(64))), cu[BPR * BP] __attribute__((aligned(64)));
 #if MS_GLU_VEC
-    const int vec = j->act == ACT_SILU && vexpf_ok();
+    const int vec = j->act == ACT_SILU;
 #endif
     int64_t e = 0;
     while (chunk >= j->ustart[e + 1]) e++;
@@ -439,9 +444,9 @@ static void bpg_up_part(void *arg, int64_t chunk, int64_t chunks, int slot) {
                     for (int64_t t = 0; t < w; t += 16) {
                         __m512 hv[2];
 #pragma GCC unroll 2
-                        for (int i = 0; i < 2; i++) { /* g / (1 + expf(-g)) * u */
+                        for (int i = 0; i < 2; i++) { /* silu_glu: g / (1 + exp_f32(-g)) * u */
                             const __m512 g = _mm512_loadu_ps(cg + (r + i) * BP + t);
-                            const __m512 ex = vexpf(_mm512_castsi512_ps(
+                            const __m512 ex = vexp_f32(_mm512_castsi512_ps(
                                 _mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u))));
                             hv[i] = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), ex)),
                                                   _mm512_loadu_ps(cu + (r + i) * BP + t));
@@ -454,8 +459,11 @@ static void bpg_up_part(void *arg, int64_t chunk, int64_t chunks, int slot) {
             uint16_t *h = (uint16_t *)(j->hp + (j->poff[e] + p) * BP * I2);
             for (int r = 0; r < rr; r++) {
                 const int64_t q = (n + r) / 2 * BP * 2 + ((n + r) & 1);
-                for (int64_t t = 0; t < w; t++)
-                    h[q + 2 * t] = f32_bf16(glu_act(j->act, cg[r * BP + t], cu[r * BP + t], j->beta, j->lbeta));
+                if (j->act == ACT_SILU)
+                    for (int64_t t = 0; t < w; t++) h[q + 2 * t] = f32_bf16(silu_glu(cg[r * BP + t], cu[r * BP + t]));
+                else
+                    for (int64_t t = 0; t < w; t++)
+                        h[q + 2 * t] = f32_bf16(glu_act(j->act, cg[r * BP + t], cu[r * BP + t], j->beta, j->lbeta));
             }
         }
     }
@@ -538,9 +546,6 @@ int ms_bf16dot_glu(int64_t E, const int64_t *experts, const int64_t *gates, cons
         poff[e + 1] = poff[e] + bp_count(count[e]);
         ustart[e + 1] = ustart[e] + (count[e] ? (I + BPG_ROWS - 1) / BPG_ROWS : 0);
     }
-#if MS_GLU_VEC
-    if (act == ACT_SILU) (void)vexpf_ok(); /* checked once, before the threads start */
-#endif
     const int64_t P = poff[E];
     uint32_t *xp = aligned_alloc(64, (sizeof(uint32_t) * (size_t)(P * BP * (K / 2 + I / 2)) + 63) / 64 * 64);
     if (!xp) {
