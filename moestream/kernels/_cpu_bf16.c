@@ -9,7 +9,9 @@
  * vdpbf16ps adds both products of a pair into each lane's fp32 sum; elsewhere the pair is widened (bf16 is the top
  * half of fp32) and added with two fp32 FMAs (the portable path: the same inputs, fp32 rounding of the sums may
  * differ in the last bit). Every output is one lane's sum over k in order: it does not depend on how tokens are
- * grouped into panels or calls, nor on the thread count. K (and the GLU's intermediate width) must be even. */
+ * grouped into panels or calls, nor on the thread count. K (and the GLU's intermediate width) must be even.
+ * With AVX-512 the parts around the tiles (packing x, the SiLU-GLU activation and bf16 rounding of h, the weighted
+ * scatter of the outputs) run in vector code that gives the scalar code's bits (MS_GLU_VEC below). */
 
 #if MS_AVX512 && defined(__AVX512BF16__)
 #define MS_BF16DP 1
@@ -50,17 +52,189 @@ INLINE uint32_t load_pair(const uint16_t *p) {
 
 static int64_t bp_count(int64_t T) { return (T + BP - 1) / BP; }
 
+/* MS_GLU_VEC 0 (-DMS_GLU_VEC=0) keeps the scalar code of those parts on AVX-512 too (the tests compare the two) */
+#ifndef MS_GLU_VEC
+#define MS_GLU_VEC MS_AVX512
+#endif
+
+#if MS_AVX512
+/* ---- AVX-512 helpers of the scalar-looking parts (packing, the GLU activation, the output scatter); each computes
+ * exactly what the scalar code below them computes, bit for bit */
+
+/* 16 x 16 transpose of 32-bit lanes: r[i] lane j -> r[j] lane i */
+INLINE void tr16(__m512i r[16]) {
+    __m512i a[16], b[16];
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++) {
+        a[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+        a[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) { /* b[4k + c], 128-bit lane L: column 4L + c of rows 4k..4k+3 */
+        b[4 * k] = _mm512_unpacklo_epi64(a[4 * k], a[4 * k + 2]);
+        b[4 * k + 1] = _mm512_unpackhi_epi64(a[4 * k], a[4 * k + 2]);
+        b[4 * k + 2] = _mm512_unpacklo_epi64(a[4 * k + 1], a[4 * k + 3]);
+        b[4 * k + 3] = _mm512_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        const __m512i s0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88), s1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xDD);
+        const __m512i s2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x88);
+        const __m512i s3 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xDD);
+        r[c] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+        r[4 + c] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+    }
+}
+
+/* f32_bf16 of every lane, left in the high 16 bits of the lane (the low bits are junk) */
+INLINE __m512i vbf16_hi(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                           _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                  _mm512_set1_epi32(0x7F800000));
+    return _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000)); /* quiet NaN: (u >> 16) | 0x40 */
+}
+
+/* 16 words (lo | hi << 16) = (f32_bf16(lo lane), f32_bf16(hi lane)) */
+INLINE __m512i vbf16_pair(__m512 lo, __m512 hi) {
+    return _mm512_or_si512(_mm512_srli_epi32(vbf16_hi(lo), 16),
+                           _mm512_and_si512(vbf16_hi(hi), _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+INLINE __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u); }
+
+#endif
+
+/* ---- the exponential of this path's SiLU (our own; libm's expf stays in the fp32 kernels): exp(x) = 2^k e^r with
+ * k the nearest integer to x / ln2 and r = x - k ln2 (ln2 split in two floats, fused), e^r by its Taylor polynomial
+ * to degree 7 (Horner, fused), then times 2^k in two steps (2^(k >> 1), 2^(k - (k >> 1))) so that results near the
+ * overflow and in the subnormal range are rounded once. x is clamped to [-104, 89] first: above ~88.72 the result
+ * is inf, below ~-103.97 it is 0 (subnormal results are kept, not flushed); NaN gives NaN (quieted). Within 1 ulp of
+ * exp (0.94 measured over every float; tests/test_compute_dtype.py checks it). exp_f32 (scalar) and vexp_f32
+ * (AVX-512, 16 lanes) do the same operations in the same order, so they give the same bits. */
+#define EXP_HI 89.0f
+#define EXP_LO (-104.0f)
+#define EXP_SHIFT 0x1.8p23f                /* adding it rounds |v| < 2^22 to an integer */
+#define EXP_INV_LN2 0x1.715476p+0f
+#define EXP_LN2_HI 0x1.62e43p-1f           /* ln2 rounded to float ... */
+#define EXP_LN2_LO (-0x1.05c610p-29f)      /* ... and what it leaves: ln2 - EXP_LN2_HI, rounded */
+#define EXP_C7 (1.0f / 5040.0f)
+#define EXP_C6 (1.0f / 720.0f)
+#define EXP_C5 (1.0f / 120.0f)
+#define EXP_C4 (1.0f / 24.0f)
+#define EXP_C3 (1.0f / 6.0f)
+#define EXP_C2 0.5f
+
+/* keeps a rounded product from being fused into the caller's next add (gcc contracts a * b + c by default): the
+ * scalar and vector code must round the same operations */
+#if defined(__GNUC__) && defined(__x86_64__)
+#define FP_KEEP(v) __asm__("" : "+x"(v))
+#define FP_KEEPV(v) __asm__("" : "+v"(v))
+#elif defined(__GNUC__) && defined(__aarch64__)
+#define FP_KEEP(v) __asm__("" : "+w"(v))
+#else
+#define FP_KEEP(v) ((void)0)
+#endif
+#ifndef FP_KEEPV
+#define FP_KEEPV(v) ((void)0)
+#endif
+
+INLINE float exp_f32(float x) {
+    float xc = x > EXP_LO ? x : EXP_LO; /* NaN: EXP_LO, fixed below */
+    xc = xc < EXP_HI ? xc : EXP_HI;
+    const float kf = fmaf(xc, EXP_INV_LN2, EXP_SHIFT) - EXP_SHIFT;
+    float r = fmaf(-kf, EXP_LN2_HI, xc); /* exact */
+    r = fmaf(-kf, EXP_LN2_LO, r);
+    float p = fmaf(EXP_C7, r, EXP_C6);
+    p = fmaf(p, r, EXP_C5);
+    p = fmaf(p, r, EXP_C4);
+    p = fmaf(p, r, EXP_C3);
+    p = fmaf(p, r, EXP_C2);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    const int32_t k = (int32_t)kf, k1 = k >> 1, k2 = k - k1; /* k in [-150, 128] */
+    float y = p * bits_f32((uint32_t)(k1 + 127) << 23) * bits_f32((uint32_t)(k2 + 127) << 23);
+    if (x != x) y = x + x;
+    FP_KEEP(y);
+    return y;
+}
+
+/* the SiLU-GLU of this path: g / (1 + exp(-g)) * u */
+INLINE float silu_glu(float g, float u) { return g / (1.0f + exp_f32(-g)) * u; }
+
+#if MS_AVX512
+INLINE __m512 vexp_f32(__m512 x) {
+    __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(EXP_LO));
+    xc = _mm512_min_ps(xc, _mm512_set1_ps(EXP_HI));
+    const __m512 kf = _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(EXP_INV_LN2), _mm512_set1_ps(EXP_SHIFT)),
+                                    _mm512_set1_ps(EXP_SHIFT));
+    __m512 r = _mm512_fnmadd_ps(kf, _mm512_set1_ps(EXP_LN2_HI), xc);
+    r = _mm512_fnmadd_ps(kf, _mm512_set1_ps(EXP_LN2_LO), r);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(EXP_C7), r, _mm512_set1_ps(EXP_C6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C5));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i k = _mm512_cvttps_epi32(kf), k1 = _mm512_srai_epi32(k, 1), k2 = _mm512_sub_epi32(k, k1);
+    const __m512i bias = _mm512_set1_epi32(127);
+    __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k1, bias), 23))),
+                             _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k2, bias), 23)));
+    y = _mm512_mask_add_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x, x);
+    FP_KEEPV(y);
+    return y;
+}
+#endif
+
+/* exp_f32 (vector code where MS_GLU_VEC) of x[0..n) into y, for the tests */
+void ms_glu_exp(const float *x, float *y, int64_t n) {
+    int64_t i = 0;
+#if MS_GLU_VEC
+    for (; i < n; i += 16)
+        _mm512_mask_storeu_ps(y + i, lanes(n - i), vexp_f32(_mm512_maskz_loadu_ps(lanes(n - i), x + i)));
+#endif
+    for (; i < n; i++) y[i] = exp_f32(x[i]);
+}
+
 /* panel of tokens rows[0..w) (rows NULL: t0 + 0..w) of fp32 x [*, K] (row stride K) into dst [K/2][BP] words,
- * tokens w..BP zero */
-static void bp_pack(const float *x, int64_t K, const int64_t *rows, int64_t t0, int64_t w, uint32_t *dst) {
-    const int64_t K2 = K / 2;
-    if (w < BP) memset(dst, 0, sizeof(uint32_t) * (size_t)(K2 * BP));
+ * pairs [pa, pb) only, tokens w..BP zero */
+static void bp_pack(const float *x, int64_t K, const int64_t *rows, int64_t t0, int64_t w, uint32_t *dst, int64_t pa,
+                    int64_t pb) {
+    if (w < BP) memset(dst + pa * BP, 0, sizeof(uint32_t) * (size_t)((pb - pa) * BP));
+    int64_t pv = pa;
+#if MS_GLU_VEC
+    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25,
+                                         23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    for (int64_t tb = 0; tb < w; tb += 16) {
+        const int64_t nt = w - tb < 16 ? w - tb : 16;
+        const float *src[16];
+        for (int i = 0; i < nt; i++) src[i] = x + (rows ? rows[tb + i] : t0 + tb + i) * K;
+        for (pv = pa; pv + 16 <= pb; pv += 16) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = i < nt ? _mm512_permutex2var_epi16(vbf16_hi(_mm512_loadu_ps(src[i] + 2 * pv)), odd,
+                                                          vbf16_hi(_mm512_loadu_ps(src[i] + 2 * pv + 16)))
+                              : _mm512_setzero_si512();
+            tr16(r);
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; j++) _mm512_storeu_si512((void *)(dst + (pv + j) * BP + tb), r[j]);
+        }
+    }
+#endif
     for (int64_t t = 0; t < w; t++) {
         const float *src = x + (rows ? rows[t] : t0 + t) * K;
-        for (int64_t p = 0; p < K2; p++)
+        for (int64_t p = pv; p < pb; p++)
             dst[p * BP + t] = (uint32_t)f32_bf16(src[2 * p]) | (uint32_t)f32_bf16(src[2 * p + 1]) << 16;
     }
 }
+
+#define BP_SLICE 128 /* pairs of inputs per packing task (a panel's packing is split over the threads) */
+
+static int64_t bp_slices(int64_t K) { return (K / 2 + BP_SLICE - 1) / BP_SLICE; }
 
 /* c[r * BP + t] = sum_k w_r[k] * xp[k][t] for BPR weight rows wr[r] (bf16, K = 2 * K2) and the first NV * VW
  * tokens of one panel (NV <= BNV) */
@@ -145,11 +319,13 @@ typedef struct {
     uint32_t *xp;                            /* P panels [K/2][BP] */
 } bpl_job;
 
-static void bpl_pack_part(void *arg, int64_t p, int64_t parts, int slot) {
+static void bpl_pack_part(void *arg, int64_t part, int64_t parts, int slot) {
     const bpl_job *j = arg;
     (void)parts, (void)slot;
+    const int64_t S = bp_slices(j->K), p = part / S, pa = part % S * BP_SLICE;
+    const int64_t pb = pa + BP_SLICE < j->K / 2 ? pa + BP_SLICE : j->K / 2;
     const int64_t w = j->T - p * BP < BP ? j->T - p * BP : BP;
-    bp_pack(j->x, j->K, NULL, p * BP, w, j->xp + p * BP * (j->K / 2));
+    bp_pack(j->x, j->K, NULL, p * BP, w, j->xp + p * BP * (j->K / 2), pa, pb);
 }
 
 #define BPL_UNITS 2 /* row blocks of BPR per chunk */
@@ -200,10 +376,10 @@ int ms_bf16dot_linear(const float *x, int64_t T, int64_t K, int64_t nw, const in
     bpl_job j = {x, T, K, P, nw, ws, Ns, outs, ustart, xp};
     const int64_t chunks = (ustart[nw] + BPL_UNITS - 1) / BPL_UNITS;
     if (pool_parts <= 1) {
-        for (int64_t p = 0; p < P; p++) bpl_pack_part(&j, p, P, 0);
+        for (int64_t p = 0; p < P * bp_slices(K); p++) bpl_pack_part(&j, p, P * bp_slices(K), 0);
         for (int64_t c = 0; c < chunks; c++) bpl_part(&j, c, chunks, 0);
     } else {
-        pool_run_chunks(bpl_pack_part, &j, P, pool_parts);
+        pool_run_chunks(bpl_pack_part, &j, P * bp_slices(K), pool_parts);
         pool_run_chunks(bpl_part, &j, chunks, pool_parts);
     }
     free(xp);
@@ -224,39 +400,70 @@ typedef struct {
     float beta, lbeta;
 } bpg_job;
 
-static void bpg_pack_part(void *arg, int64_t part, int64_t parts, int slot) {
+static void bpg_pack_part(void *arg, int64_t task, int64_t tasks, int slot) {
     const bpg_job *j = arg;
-    (void)parts, (void)slot;
+    (void)tasks, (void)slot;
+    const int64_t S = bp_slices(j->K), part = task / S, pa = task % S * BP_SLICE;
+    const int64_t pb = pa + BP_SLICE < j->K / 2 ? pa + BP_SLICE : j->K / 2;
     int64_t e = 0;
     while (e + 1 < j->E && part >= j->poff[e + 1]) e++;
     const int64_t p = part - j->poff[e], a = j->start[e] + p * BP;
     const int64_t w = j->count[e] - p * BP < BP ? j->count[e] - p * BP : BP;
-    bp_pack(j->x, j->K, j->row + a, 0, w, j->xp + part * BP * (j->K / 2));
+    bp_pack(j->x, j->K, j->row + a, 0, w, j->xp + part * BP * (j->K / 2), pa, pb);
 }
 
+#ifndef BPG_ROWS
 #define BPG_ROWS (4 * BPR) /* gate/up rows per unit of pass 1 */
+#endif
 
 /* pass 1, unit u: gate/up rows of one expert, h = bf16(act(gate x, up x)) into its h panels */
 static void bpg_up_part(void *arg, int64_t chunk, int64_t chunks, int slot) {
     const bpg_job *j = arg;
     (void)chunks, (void)slot;
-    float cg[BPR * BP], cu[BPR * BP];
+    float cg[BPR * BP] __attribute__((aligned(64))), cu[BPR * BP] __attribute__((aligned(64)));
+#if MS_GLU_VEC
+    const int vec = j->act == ACT_SILU;
+#endif
     int64_t e = 0;
     while (chunk >= j->ustart[e + 1]) e++;
     const int64_t T = j->count[e], P = bp_count(T), I2 = j->I / 2;
     const int64_t n0 = (chunk - j->ustart[e]) * BPG_ROWS, n1 = n0 + BPG_ROWS < j->I ? n0 + BPG_ROWS : j->I;
-    for (int64_t n = n0; n < n1; n += BPR) {
-        const int rr = (int)(n1 - n < BPR ? n1 - n : BPR);
-        for (int64_t p = 0; p < P; p++) {
-            const int64_t w = T - p * BP < BP ? T - p * BP : BP;
-            const uint32_t *xp = j->xp + (j->poff[e] + p) * BP * (j->K / 2);
+    /* panels outer: each row block of the unit reads the panel while it is in L2 (rows outer would re-read every
+     * panel per row block, from L3 once they outgrow L2; measured about even at 64-512 rows of 1024 inputs) */
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t w = T - p * BP < BP ? T - p * BP : BP;
+        const uint32_t *xp = j->xp + (j->poff[e] + p) * BP * (j->K / 2);
+        for (int64_t n = n0; n < n1; n += BPR) {
+            const int rr = (int)(n1 - n < BPR ? n1 - n : BPR);
             bp_run(j->gate[e], j->K, n, rr, xp, cg, w);
             bp_run(j->up[e], j->K, n, rr, xp, cu, w);
+#if MS_GLU_VEC
+            if (vec) { /* rr is even (n and I are): rows n + r, n + r + 1 make one row of words */
+                uint32_t *h32 = j->hp + (j->poff[e] + p) * BP * I2 + n / 2 * BP;
+                for (int r = 0; r < rr; r += 2)
+                    for (int64_t t = 0; t < w; t += 16) {
+                        __m512 hv[2];
+#pragma GCC unroll 2
+                        for (int i = 0; i < 2; i++) { /* silu_glu: g / (1 + exp_f32(-g)) * u */
+                            const __m512 g = _mm512_loadu_ps(cg + (r + i) * BP + t);
+                            const __m512 ex = vexp_f32(_mm512_castsi512_ps(
+                                _mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u))));
+                            hv[i] = _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), ex)),
+                                                  _mm512_loadu_ps(cu + (r + i) * BP + t));
+                        }
+                        _mm512_mask_storeu_epi32(h32 + r / 2 * BP + t, lanes(w - t), vbf16_pair(hv[0], hv[1]));
+                    }
+                continue;
+            }
+#endif
             uint16_t *h = (uint16_t *)(j->hp + (j->poff[e] + p) * BP * I2);
             for (int r = 0; r < rr; r++) {
                 const int64_t q = (n + r) / 2 * BP * 2 + ((n + r) & 1);
-                for (int64_t t = 0; t < w; t++)
-                    h[q + 2 * t] = f32_bf16(glu_act(j->act, cg[r * BP + t], cu[r * BP + t], j->beta, j->lbeta));
+                if (j->act == ACT_SILU)
+                    for (int64_t t = 0; t < w; t++) h[q + 2 * t] = f32_bf16(silu_glu(cg[r * BP + t], cu[r * BP + t]));
+                else
+                    for (int64_t t = 0; t < w; t++)
+                        h[q + 2 * t] = f32_bf16(glu_act(j->act, cg[r * BP + t], cu[r * BP + t], j->beta, j->lbeta));
             }
         }
     }
@@ -264,25 +471,56 @@ static void bpg_up_part(void *arg, int64_t chunk, int64_t chunks, int slot) {
 
 #define BPG_COLS (4 * BPR) /* output columns per chunk of pass 2 */
 
-/* pass 2, chunk c: output columns [c0, c1) of every expert, added into out in the experts' order */
+/* pass 2, chunk c: output columns [c0, c1) of every expert, added into out in the experts' order (each output
+ * gets one fused multiply-add per expert routed its token) */
 static void bpg_down_part(void *arg, int64_t chunk, int64_t chunks, int slot) {
     const bpg_job *j = arg;
     (void)chunks, (void)slot;
-    float c[BPR * BP];
+    float c[BPG_COLS * BP] __attribute__((aligned(64))); /* [column - c0][token of the panel] */
+    memset(c, 0, sizeof(c));
     const int64_t c0 = chunk * BPG_COLS, c1 = c0 + BPG_COLS < j->D ? c0 + BPG_COLS : j->D, I2 = j->I / 2;
+    const int64_t nc = c1 - c0;
     for (int64_t e = 0; e < j->E; e++) {
         const int64_t T = j->count[e], P = bp_count(T), a0 = j->start[e];
-        for (int64_t n = c0; n < c1; n += BPR) {
-            const int rr = (int)(c1 - n < BPR ? c1 - n : BPR);
-            for (int64_t p = 0; p < P; p++) {
-                const int64_t w = T - p * BP < BP ? T - p * BP : BP;
-                bp_run(j->down[e], j->I, n, rr, j->hp + (j->poff[e] + p) * BP * I2, c, w);
-                for (int64_t t = 0; t < w; t++) {
-                    const float wt = j->wt[a0 + p * BP + t];
-                    float *o = j->out + j->row[a0 + p * BP + t] * j->D + n;
-                    for (int r = 0; r < rr; r++) o[r] += wt * c[r * BP + t];
+        for (int64_t p = 0; p < P; p++) {
+            const int64_t w = T - p * BP < BP ? T - p * BP : BP;
+            const uint32_t *hp = j->hp + (j->poff[e] + p) * BP * I2;
+            const float *wts = j->wt + a0 + p * BP;
+            const int64_t *rows = j->row + a0 + p * BP;
+            for (int64_t t = 0; t < w; t++) { /* the output rows' lines, fetched while the tiles run */
+                const char *o = (const char *)(j->out + rows[t] * j->D + c0);
+                for (int64_t b = 0; b < nc * 4; b += 64) __builtin_prefetch(o + b, 1, 3);
+                __builtin_prefetch(o + nc * 4 - 1, 1, 3);
+            }
+            for (int64_t n = c0; n < c1; n += BPR)
+                bp_run(j->down[e], j->I, n, (int)(c1 - n < BPR ? c1 - n : BPR), hp, c + (n - c0) * BP, w);
+#if MS_GLU_VEC && BPG_COLS <= 32
+            for (int64_t tb = 0; tb < w; tb += 16) {
+                __m512i lo[16], hi[16];
+                for (int i = 0; i < 16; i++) lo[i] = _mm512_load_si512((const void *)(c + i * BP + tb));
+                tr16(lo);
+                if (nc > 16) {
+                    for (int i = 0; i < 16; i++)
+                        hi[i] = i < BPG_COLS - 16 ? _mm512_load_si512((const void *)(c + (16 + i) * BP + tb))
+                                                  : _mm512_setzero_si512();
+                    tr16(hi);
+                }
+                const __mmask16 mlo = lanes(nc), mhi = lanes(nc - 16);
+                for (int64_t i = 0; i < 16 && tb + i < w; i++) {
+                    const __m512 wt = _mm512_set1_ps(wts[tb + i]);
+                    float *o = j->out + rows[tb + i] * j->D + c0;
+                    _mm512_mask_storeu_ps(o, mlo, _mm512_fmadd_ps(wt, _mm512_castsi512_ps(lo[i]), _mm512_maskz_loadu_ps(mlo, o)));
+                    if (nc > 16)
+                        _mm512_mask_storeu_ps(o + 16, mhi, _mm512_fmadd_ps(wt, _mm512_castsi512_ps(hi[i]),
+                                                                           _mm512_maskz_loadu_ps(mhi, o + 16)));
                 }
             }
+#else
+            for (int64_t t = 0; t < w; t++) {
+                float *o = j->out + rows[t] * j->D + c0;
+                for (int64_t r = 0; r < nc; r++) o[r] += wts[t] * c[r * BP + t];
+            }
+#endif
         }
     }
 }
@@ -320,11 +558,11 @@ int ms_bf16dot_glu(int64_t E, const int64_t *experts, const int64_t *gates, cons
                  (const uint16_t *const *)downs, start, count, row, poff, ustart, wt, x, xp, hp, out, act, beta, lbeta};
     const int64_t cols = (D + BPG_COLS - 1) / BPG_COLS;
     if (pool_parts <= 1) {
-        for (int64_t p = 0; p < P; p++) bpg_pack_part(&j, p, P, 0);
+        for (int64_t p = 0; p < P * bp_slices(K); p++) bpg_pack_part(&j, p, P * bp_slices(K), 0);
         for (int64_t u = 0; u < ustart[E]; u++) bpg_up_part(&j, u, ustart[E], 0);
         for (int64_t c = 0; c < cols; c++) bpg_down_part(&j, c, cols, 0);
     } else {
-        pool_run_chunks(bpg_pack_part, &j, P, pool_parts);
+        pool_run_chunks(bpg_pack_part, &j, P * bp_slices(K), pool_parts);
         pool_run_chunks(bpg_up_part, &j, ustart[E], pool_parts);
         pool_run_chunks(bpg_down_part, &j, cols, pool_parts);
     }
