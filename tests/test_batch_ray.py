@@ -62,3 +62,11 @@ def test_worker_killed_mid_job_loses_nothing(model, cluster, tmp_path):
         engine.close()
     assert {r["custom_id"]: essence(r["response"]["body"]) for r in results} == \
         {r["custom_id"]: essence(r["response"]["body"]) for r in want}
+
+
+def test_default_chunk_spreads_a_job_over_the_workers():
+    from moestream.batch.distributed import CHUNKS_PER_WORKER, RAY_CHUNK_MAX, default_chunk
+
+    assert default_chunk(2048, 2, 256) * 2 * CHUNKS_PER_WORKER >= 256 > default_chunk(2048, 2, 256) * 2
+    assert default_chunk(2048, 2, 10 ** 6) == RAY_CHUNK_MAX and default_chunk(8, 2, 10 ** 6) == 16
+    assert default_chunk(2048, 4, 3) == 1 and default_chunk(64, 2, None) == 128

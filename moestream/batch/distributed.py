@@ -75,6 +75,15 @@ def _connect(ray, address: str) -> None:
         raise RayError(f"cannot start or reach the Ray cluster{' at ' + address if address else ''}: {e}") from None
 
 
+def default_chunk(in_flight: int, workers: int, remaining: int | None) -> int:
+    """Requests a chunk when --ray-chunk is not given: twice a worker's in-flight requests, at most RAY_CHUNK_MAX,
+    and no more than gives every worker its CHUNKS_PER_WORKER chunks of a job of `remaining` requests."""
+    chunk = min(2 * in_flight, RAY_CHUNK_MAX)
+    if remaining:
+        chunk = min(chunk, -(-remaining // (workers * CHUNKS_PER_WORKER)))
+    return max(1, chunk)
+
+
 def _chunks(todo: Iterator[BatchRequest], size: int) -> Iterator[list[BatchRequest]]:
     while chunk := list(itertools.islice(todo, size)):
         yield chunk
@@ -85,13 +94,14 @@ def _first_line(e: Exception | None) -> str:
     return lines[-1].strip() if lines else type(e).__name__
 
 
-def run_on_ray(cfg, todo: Iterator[BatchRequest], emit: Emit, tally: Tally) -> BatchReport:
-    """Run the requests of `todo` on Ray workers; every result line goes to `emit` exactly once."""
+def run_on_ray(cfg, todo: Iterator[BatchRequest], emit: Emit, tally: Tally, remaining: int | None = None) -> BatchReport:
+    """Run the requests of `todo` (`remaining` of them, when known) on Ray workers; every result line goes to
+    `emit` exactly once."""
     ray = _ray()
     _connect(ray, cfg.ray)
     alive = [n for n in ray.nodes() if n.get("Alive")]
     n_workers = cfg.ray_workers or max(1, len(alive))
-    chunk = cfg.ray_chunk or min(2 * cfg.options.in_flight, RAY_CHUNK_MAX)
+    chunk = cfg.ray_chunk or default_chunk(cfg.options.in_flight, n_workers, remaining)
     actor = ray.remote(num_cpus=1, max_restarts=0, max_concurrency=CHUNKS_PER_WORKER + 1)(BatchWorker)
     workers = {i: actor.options(name=f"{WORKER_PREFIX}-{i}", scheduling_strategy="SPREAD").remote(
         cfg.model, cfg.ram_budget, cfg.state_room, cfg.threads, cfg.options, cfg.kv_dtype, cfg.compute_dtype)

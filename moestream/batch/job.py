@@ -59,7 +59,7 @@ def run_job(cfg: JobConfig, engine=None) -> BatchReport:
             from moestream.batch.distributed import run_on_ray
 
             tally = Tally(None, len(ids), len(done), cfg.progress, cfg.price_per_hour)
-            return run_on_ray(cfg, todo, writer.add, tally)
+            return run_on_ray(cfg, todo, writer.add, tally, len(ids) - len(done))
         return _run_local(cfg, todo, writer, len(ids), len(done), engine)
     finally:
         writer.close()

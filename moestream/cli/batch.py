@@ -67,7 +67,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ray-workers", type=int, default=None, metavar="N",
                    help="Ray workers, one engine each (default: one per node of the cluster)")
     p.add_argument("--ray-chunk", type=int, default=None, metavar="N",
-                   help="requests sent to a worker at a time (default: 4 x --max-batch, at most 512)")
+                   help="requests sent to a worker at a time (default: 4 x --max-batch, at most 512, and small enough that "
+                        "every worker gets two chunks of the job)")
     add_remote_args(p)
     p.set_defaults(func=cmd_batch)
 
