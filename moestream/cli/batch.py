@@ -96,10 +96,11 @@ def cmd_batch(args: argparse.Namespace) -> int:
     path = model_dir(args.model)  # a remote model: its local stub (bodies still name it as typed)
     signal.signal(signal.SIGTERM, _interrupt)
     name = args.model_name or (args.model if is_remote(args.model) else None)
-    max_batch = args.max_batch or (BUDGETED_MAX_BATCH if parse_budget(args.ram_budget) else UNBUDGETED_MAX_BATCH)
+    budget = parse_budget(args.ram_budget)
+    max_batch = args.max_batch or (BUDGETED_MAX_BATCH if budget else UNBUDGETED_MAX_BATCH)
     options = BatchOptions(max_batch, args.prefill_chunk, parse_bytes(args.prefix_cache) or 0, args.max_tokens,
                            name)
-    cfg = JobConfig(str(path), args.input, args.output, parse_budget(args.ram_budget), args.state_room, args.threads,
+    cfg = JobConfig(str(path), args.input, args.output, budget, args.state_room, args.threads,
                     options, progress=False if args.no_progress else None, price_per_hour=args.price_per_hour,
                     group_lines=args.sync_every, ray=args.ray, ray_workers=args.ray_workers, ray_chunk=args.ray_chunk,
                     kv_dtype=args.kv_dtype, compute_dtype=args.compute_dtype)

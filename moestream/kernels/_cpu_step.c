@@ -360,38 +360,29 @@ int ms_router_softmax_topk(const float *x, int64_t T, int64_t K, const uint16_t 
 }
 
 /* --------------------------------------------------------------------------- norms, rope, GQA attention */
-/* rms-normalise n rows of width H in place: x * rsqrt(mean(x^2) + eps) * w, w fp32 (wbf16 0) or bf16 (1), or
- * NULL for none */
-#define SUMSQ_LANES 16 /* independent partial sums (one AVX-512 register): the compiler keeps a serial sum serial */
-static float sum_squares(const float *r, int64_t H) {
-    float lane[SUMSQ_LANES] = {0};
-    int64_t c = 0;
-    for (; c + SUMSQ_LANES <= H; c += SUMSQ_LANES)
-        for (int l = 0; l < SUMSQ_LANES; l++) lane[l] += r[c + l] * r[c + l];
-    float ss = 0.0f;
-    for (int l = 0; l < SUMSQ_LANES; l++) ss += lane[l];
-    for (; c < H; c++) ss += r[c] * r[c];
-    return ss;
-}
+#define DOT_LANES 16 /* independent partial sums (one AVX-512 register): the compiler keeps a serial sum serial */
 
-/* a . b over n floats in SUMSQ_LANES partial sums folded pairwise: the attention kernels' q.k (ms_gqa_attend, the
- * decode block's and the paged batch call all use it, so their scores stay bit-identical to one another) */
+/* a . b over n floats in DOT_LANES partial sums folded pairwise: the norms' sum of squares and the attention
+ * kernels' q.k (ms_gqa_attend, the decode block's and the paged batch call all use it, so their results stay
+ * bit-identical to one another) */
 static inline float dot_lanes(const float *a, const float *b, int64_t n) {
-    float lane[SUMSQ_LANES] = {0};
+    float lane[DOT_LANES] = {0};
     int64_t c = 0;
-    for (; c + SUMSQ_LANES <= n; c += SUMSQ_LANES)
-        for (int l = 0; l < SUMSQ_LANES; l++) lane[l] += a[c + l] * b[c + l];
-    for (int w = SUMSQ_LANES / 2; w >= 1; w /= 2)
+    for (; c + DOT_LANES <= n; c += DOT_LANES)
+        for (int l = 0; l < DOT_LANES; l++) lane[l] += a[c + l] * b[c + l];
+    for (int w = DOT_LANES / 2; w >= 1; w /= 2)
         for (int l = 0; l < w; l++) lane[l] += lane[l + w];
     float s = lane[0];
     for (; c < n; c++) s += a[c] * b[c];
     return s;
 }
 
+/* rms-normalise n rows of width H in place: x * rsqrt(mean(x^2) + eps) * w, w fp32 (wbf16 0) or bf16 (1), or
+ * NULL for none */
 static void rms_rows(float *x, int64_t n, int64_t H, const void *w, int wbf16, float eps) {
     for (int64_t i = 0; i < n; i++) {
         float *r = x + i * H;
-        const float ss = sum_squares(r, H);
+        const float ss = dot_lanes(r, r, H);
         const float inv = 1.0f / sqrtf(ss / (float)H + eps);
         if (!w)
             for (int64_t c = 0; c < H; c++) r[c] *= inv;

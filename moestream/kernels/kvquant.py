@@ -9,6 +9,7 @@ first, then its fp32 scales.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -24,9 +25,7 @@ def group_of(d: int) -> int:
 
 def row_bytes(row_shape: tuple[int, ...]) -> int:
     """Stored bytes of one row: its int8 values and one fp32 scale per group."""
-    n = 1
-    for s in row_shape:
-        n *= s
+    n = math.prod(row_shape)
     return n + 4 * (n // group_of(row_shape[-1]))
 
 

@@ -52,6 +52,12 @@ def block_bytes(rows: int, row_bytes: int, quantized: bool) -> int:
     return slot_bytes(rows * row_bytes) if quantized else rows * row_bytes
 
 
+def block_charge(storage_bytes: int) -> int:
+    """Bytes the budget is charged for one block of `storage_bytes`: its storage and its tensor object's host
+    memory (BLOCK_HOST_BYTES)."""
+    return storage_bytes + BLOCK_HOST_BYTES
+
+
 def block_shape(row_bytes: int, quantized: bool = False) -> tuple[int, int]:
     """(rows, bytes) of one cache block whose rows take `row_bytes`: BLOCK_TOKENS rows for fp32 / bf16; an int8
     block (whose rows carry their scales, so are rarely a power of two) fills whole pages instead, the slab slot it
@@ -138,8 +144,8 @@ class BlockBuffer:
 
     @property
     def block_charge(self) -> int:
-        """Bytes the budget is charged per block: its storage and its tensor object's host memory."""
-        return self.block_bytes + BLOCK_HOST_BYTES
+        """Bytes the budget is charged per block (block_charge)."""
+        return block_charge(self.block_bytes)
 
     @property
     def nbytes(self) -> int:

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from moestream.memory.accountant import MemoryAccountant
-from moestream.memory.state import BLOCK_HOST_BYTES, BLOCK_TOKENS, BlockBuffer, SeqState, block_shape, blocks_held
+from moestream.memory.state import BLOCK_TOKENS, BlockBuffer, SeqState, block_charge, block_shape, blocks_held
 
 
 def _is_tensor(x: Any) -> bool:
@@ -130,7 +130,7 @@ class StateProfile:
         prof.shapes = []
         for row in row_bytes:
             rows, nbytes = block_shape(row, quantized)
-            prof.shapes.append((nbytes + BLOCK_HOST_BYTES, None, rows))
+            prof.shapes.append((block_charge(nbytes), None, rows))
         prof.fixed = fixed
         return prof
 
