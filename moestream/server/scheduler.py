@@ -45,9 +45,10 @@ class SchedulerConfig:
 STATS_EVERY_S = 0.25  # while streams run, /metrics engine figures are at most this old
 
 
-@dataclass
+@dataclass(eq=False)
 class _Seq:
-    """One admitted request while it runs (scheduler thread only)."""
+    """One admitted request while it runs (scheduler thread only). Compared by identity: `seq in self.active` must
+    not compare every field of ~1,000 sequences a step (the generated dataclass __eq__ did)."""
 
     ticket: Ticket
     state: Any
@@ -191,7 +192,8 @@ class Scheduler:
     def _step(self) -> None:
         items = self._plan()
         items = self._make_room(items)
-        items = [(seq, toks) for seq, toks in items if seq in self.active]  # a failed choice ends its siblings
+        live = set(self.active)
+        items = [(seq, toks) for seq, toks in items if seq in live]  # a failed choice ends its siblings
         if not items:
             return
         scoring = [seq.scorer is not None and not seq.prefilled for seq, _ in items]
