@@ -160,3 +160,20 @@ def test_a_step_that_also_prefills_decodes_its_sequences_in_the_paged_call(tmp_p
     for a, b in zip(list(decode_only) + [prompt_alone], mixed):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
         assert int(a.argmax()) == int(b.argmax())
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, kvquant.INT4])
+def test_portable_build_stores_and_reads_quantised_rows_the_same(tmp_path, monkeypatch, dtype):
+    """The scalar build (no -march=native) writes the same quantised rows and attends to the same outputs as the
+    torch path, as the native build does (test_paged_equals_per_sequence)."""
+    if cpu.shutil.which("gcc") is None:
+        pytest.skip("no gcc here")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu, "FLAGS", ("-O2", "-fPIC", "-shared", "-pthread"))
+    cpu.reset()
+    try:
+        assert cpu.available() and not cpu.simd(), cpu.reason()
+        test_paged_equals_per_sequence(dtype, 128, 1)
+    finally:
+        monkeypatch.undo()
+        cpu.reset()

@@ -68,8 +68,8 @@ def block_shape(row_bytes: int, bits: int = 0) -> tuple[int, int]:
     at 8 bits a value, i.e. BLOCK_TOKENS x 8 / bits rows: a block's bytes, and so the share its fixed costs take (its
     host charge, BLOCK_HOST_BYTES, and its entry in every step's block tables), stay int8's when the values narrow,
     and the tail a sequence leaves unused (under a block a buffer) is no more than int8's in bytes; 144-byte int4
-    rows take 142 a block in the 5 pages int8's 75 take, where a 64-row minimum (85 rows in 3 pages) would hold 6
-    pages a buffer from 86 to 170 tokens and 64-row blocks' host charge twice as often per byte."""
+    rows take 142 a block in the 5 pages int8's 75 take. A 64-row minimum (85 rows in 3 pages) would hold fewer bytes
+    at some contexts (under 86 tokens) and more at others (86 to 142 tokens); about even on average (docs/memory.md)."""
     if not bits:
         return BLOCK_TOKENS, BLOCK_TOKENS * row_bytes
     nbytes = slot_bytes(BLOCK_TOKENS * 8 // bits * row_bytes)
