@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from moestream.config import KV_DTYPE_NAMES
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batch_throughput import FlopModel, Step, default_budget, matmul_rate  # noqa: E402
 from io_timeline import Recorder, busy_time  # noqa: E402
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cpu", action="store_true", help="profile the main thread's CPU time instead of wall time")
     ap.add_argument("--timeline", action="store_true", help="where in each step the disk sat idle")
-    ap.add_argument("--kv-dtype", choices=("fp32", "bf16", "int8"), default="fp32")
+    ap.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, default="fp32")
     ap.add_argument("--compute-dtype", choices=("fp32", "bf16"), default="fp32",
                     help="many-row products' precision (EngineOptions.compute_dtype)")
     ap.add_argument("--mixed", type=int, default=0, metavar="P",

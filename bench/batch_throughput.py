@@ -30,7 +30,7 @@ import torch
 
 from moestream.bench import (PROBE_THREADS, RSS_LIBRARY_ALLOWANCE, drop_page_cache, model_files, peak_rss,
                              probe_disk, rss_now)
-from moestream.config import format_bytes
+from moestream.config import KV_DTYPE_NAMES, format_bytes
 from moestream.planner.facts import attention_shapes, kda_shape
 from moestream.server.protocol import GenRequest
 from moestream.server.scheduler import Scheduler, SchedulerConfig
@@ -335,8 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per step, across prompts")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch compute threads (default 1: on a shared CPU, 2 threads made small ops 10-100x slower)")
-    ap.add_argument("--kv-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
-                    help="KV cache storage: bf16 halves each sequence's state, so about twice as many run at once")
+    ap.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, default="fp32",
+                    help="KV cache storage: bf16 halves each sequence's state, so about twice as many run at once; "
+                         "int8 and int4 quarter and eighth it (their group scales aside)")
     ap.add_argument("--compute-dtype", choices=("fp32", "bf16"), default="fp32",
                     help="many-row products' precision (EngineOptions.compute_dtype); the roofline's matmul rate is "
                          "measured in the same precision")

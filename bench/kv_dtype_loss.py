@@ -1,4 +1,4 @@
-"""Held-out loss of the built-in demo model run by the engine with fp32, bf16 and int8 KV / latent caches.
+"""Held-out loss of the built-in demo model run by the engine with fp32, bf16, int8 and int4 KV / latent caches.
 
 The held-out text is train/data.py's split of the training text (every 20th block), encoded with the demo
 checkpoint's tokenizer and cut into train/data.py's held-out windows (the training run's seq_len 128); each window
@@ -41,11 +41,11 @@ def main() -> None:
     tokens = data.encode(tok, held[:args.chars])
     windows = data.heldout_windows(tokens, opts["seq_len"], args.windows)
     out = {"windows": int(windows.shape[0]), "seq_len": opts["seq_len"], "tokens": int(windows[:, 1:].numel())}
-    for kv in ("fp32", "bf16", "int8"):
+    for kv in ("fp32", "bf16", "int8", "int4"):
         eng = Engine.open(path, kv_dtype=kv)
         out[f"{kv}_kv_loss"] = round(heldout_loss(eng, windows), 5)
         eng.close()
-    for kv in ("bf16", "int8"):
+    for kv in ("bf16", "int8", "int4"):
         out[f"{kv}_delta"] = round(out[f"{kv}_kv_loss"] - out["fp32_kv_loss"], 5)
     print(json.dumps(out))
 

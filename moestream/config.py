@@ -38,7 +38,7 @@ def format_bytes(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
-KV_DTYPE_NAMES = ("fp32", "bf16", "int8")  # --kv-dtype choices (memory/state.py maps them to torch dtypes)
+KV_DTYPE_NAMES = ("fp32", "bf16", "int8", "int4")  # --kv-dtype choices (memory/state.py maps them to torch dtypes)
 COMPUTE_DTYPE_NAMES = ("fp32", "bf16")  # --compute-dtype choices (models/blocks.py's many-row products)
 
 
@@ -50,8 +50,9 @@ class EngineOptions:
     io_threads: int = 2  # reads in flight (experts.reader.IO_THREADS)
     prefill_chunk: int = 512
     threads: int | None = None  # torch compute threads; None keeps torch's default (one per physical core)
-    kv_dtype: str = "fp32"  # KV / latent cache storage: "fp32" (the parity bounds are fp32's), "bf16" (half) or
-    # "int8" (grouped int8 + fp32 scales, about half of bf16's bytes; kernels/kvquant.py)
+    kv_dtype: str = "fp32"  # KV / latent cache storage: "fp32" (the parity bounds are fp32's), "bf16" (half),
+    # "int8" (grouped int8 + fp32 scales, about half of bf16's bytes) or "int4" (grouped int4, two a byte, + fp32
+    # scales, about half of int8's; kernels/kvquant.py)
     # many-row products (prefill chunks, batch steps): "fp32" (default, the parity bounds) or "bf16" (bf16 weights
     # times bf16-rounded activations, fp32 sums: faster, about bf16's rounding off the fp32 logits; models/blocks.py)
     compute_dtype: str = "fp32"

@@ -37,7 +37,7 @@ def test_block_buffer_int8_stores_charges_and_reads_back():
     buf.push(rows[100:])
     assert buf.row_bytes == 2 * 128 + 2 * 2 * 4
     # a block fills whole pages (the slab slot it takes) with as many rows as fit: 75 of 272 bytes in 5 pages
-    assert (buf.block, buf.block_bytes) == (75, 5 * 4096) == block_shape(272, True)
+    assert (buf.block, buf.block_bytes) == (75, 5 * 4096) == block_shape(272, 8)
     assert block_shape(272) == (BLOCK_TOKENS, BLOCK_TOKENS * 272)
     assert mem.state_bytes == buf.nbytes == 2 * buf.block_charge
     assert torch.equal(buf.gather(), kvquant.roundtrip(rows))

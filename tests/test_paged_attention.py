@@ -1,11 +1,11 @@
 """The paged batch decode attention (kernels/paged.py) against the per-sequence native path it replaces: same
-outputs and same cache rows, bit for bit, for fp32, bf16 and int8 caches; and a batch step takes it."""
+outputs and same cache rows, bit for bit, for fp32, bf16, int8 and int4 caches; and a batch step takes it."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moestream.kernels import cpu, fused, paged
+from moestream.kernels import cpu, fused, kvquant, paged
 from moestream.memory.accountant import MemoryAccountant
 from moestream.memory.state import BlockBuffer
 
@@ -41,15 +41,16 @@ def _per_sequence(caches, q, k, v, norms, inv_freq):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("dtype,d", [(torch.float32, D), (torch.bfloat16, D), (torch.int8, D), (torch.int8, 128)])
+@pytest.mark.parametrize("dtype,d", [(torch.float32, D), (torch.bfloat16, D), (torch.int8, D), (torch.int8, 128),
+                                     (kvquant.INT4, D), (kvquant.INT4, 128)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_paged_equals_per_sequence(dtype, d, threads):
-    """int8 at D=16 keeps one scale per head row, at D=128 two (groups of 64)."""
+    """int8 / int4 at D=16 keep one scale per head row, at D=128 two (groups of 64)."""
     gen = torch.Generator().manual_seed(0)
     lengths = [1, 2, 63, 64, 65, 130, 7]
     b = len(lengths)
     q, k, v = (torch.randn(b, h, d, generator=gen) for h in (HQ, HKV, HKV))
-    v[3] = 0.0  # an all-zero value row: scale 0 in an int8 cache
+    v[3] = 0.0  # an all-zero value row: scale 0 in an int8 / int4 cache
     norms = (torch.rand(d, generator=gen) + 0.5, torch.rand(d, generator=gen) + 0.5)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     old = _caches(lengths, dtype, torch.Generator().manual_seed(1), d)
@@ -69,7 +70,7 @@ def test_paged_equals_per_sequence(dtype, d, threads):
     assert torch.equal(got, want)
     for (ko, vo), (kn, vn) in zip(old, new):
         assert torch.equal(ko.view(), kn.view()) and torch.equal(vo.view(), vn.view())
-        for a, c in zip(ko.blocks + vo.blocks, kn.blocks + vn.blocks):  # the stored bytes too (int8 values, scales)
+        for a, c in zip(ko.blocks + vo.blocks, kn.blocks + vn.blocks):  # the stored bytes too (values, scales)
             assert torch.equal(a.view(torch.uint8), c.view(torch.uint8))
 
 
@@ -93,7 +94,7 @@ def test_reserve_charges_like_push():
     assert mem.state_bytes == 2 * a.nbytes
 
 
-@pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "int8", "int4"])
 def test_batch_decode_step_takes_the_paged_path_and_equals_one_at_a_time(tmp_path_factory, monkeypatch, kv):
     """Three sequences decoding together (one paged call per layer) give each the logits it gets decoding alone (up
     to fp32 summation order: the projections and experts of a 3-row step run other kernels than a 1-row step's)."""
@@ -123,7 +124,7 @@ def test_batch_decode_step_takes_the_paged_path_and_equals_one_at_a_time(tmp_pat
         assert int(a.argmax()) == int(b.argmax())
 
 
-@pytest.mark.parametrize("kv", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "int8", "int4"])
 def test_a_step_that_also_prefills_decodes_its_sequences_in_the_paged_call(tmp_path_factory, monkeypatch, kv):
     """Three sequences decoding in the same step as a new prompt's prefill: the decoding rows still take one paged
     call per layer (not the padded torch path), and every sequence gets the logits of a step without the prompt,
@@ -159,3 +160,20 @@ def test_a_step_that_also_prefills_decodes_its_sequences_in_the_paged_call(tmp_p
     for a, b in zip(list(decode_only) + [prompt_alone], mixed):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
         assert int(a.argmax()) == int(b.argmax())
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, kvquant.INT4])
+def test_portable_build_stores_and_reads_quantised_rows_the_same(tmp_path, monkeypatch, dtype):
+    """The scalar build (no -march=native) writes the same quantised rows and attends to the same outputs as the
+    torch path, as the native build does (test_paged_equals_per_sequence)."""
+    if cpu.shutil.which("gcc") is None:
+        pytest.skip("no gcc here")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu, "FLAGS", ("-O2", "-fPIC", "-shared", "-pthread"))
+    cpu.reset()
+    try:
+        assert cpu.available() and not cpu.simd(), cpu.reason()
+        test_paged_equals_per_sequence(dtype, 128, 1)
+    finally:
+        monkeypatch.undo()
+        cpu.reset()

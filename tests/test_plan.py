@@ -25,9 +25,10 @@ RATES = {"gemv": {k: 8e9 for k in calibrate.KINDS}, "expand": {k: 4e9 for k in c
          "overhead": {t: {"decode_s": 3e-4, "decode_row_s": 5e-5, "prefill_s": 5e-3, "source": "seeded by the test",
                           "miss_s": 1e-3, "general_s": 5e-4, "lookahead_s": 1e-4}
                       for t in ("qwen3_moe", "kimi_k3", "kimi_linear", "mixtral")}}
-# the cache file's --kv-dtype storage work for any model (seeded so that plans with bf16 / int8 caches do not probe)
+# the cache file's --kv-dtype storage work for any model (seeded so that plans with bf16 / int8 / int4 caches do not
+# probe)
 SEEDED_KV = {d: {"decode_s": 1e-6, "decode_row_s": 1e-9, "batch_s": 1e-6, "batch_row_s": 1e-9, "prefill_token_s": 1e-7}
-             for d in ("bf16", "int8")}
+             for d in ("bf16", "int8", "int4")}
 # the cache file's fused GLU many-row times for any shape (seconds an expert, fp32 and bf16 compute): seeded so that
 # plans of bf16 experts do not probe them
 SEEDED_GLU_ROWS = {"bf16": {"group": {"2": 2e-5, "16": 8e-5, "64": 3e-4},
@@ -254,7 +255,7 @@ def test_kv_dtype_state_matches_engine(tmp_path_factory, family):
 
     path = synth_tiny(tmp_path_factory, family)
     shapes = {}
-    for dtype in ("fp32", "bf16", "int8"):
+    for dtype in ("fp32", "bf16", "int8", "int4"):
         p = open_plan(path)
         try:
             shapes[dtype] = model_facts(path, p, dtype).state
@@ -273,6 +274,8 @@ def test_kv_dtype_state_matches_engine(tmp_path_factory, family):
     assert shapes["bf16"].bytes_per_token * 2 == shapes["fp32"].bytes_per_token > 0
     assert shapes["bf16"].fixed_bytes == shapes["fp32"].fixed_bytes == shapes["int8"].fixed_bytes
     assert shapes["bf16"].bytes_per_token / 2 < shapes["int8"].bytes_per_token < shapes["bf16"].bytes_per_token
+    assert shapes["int8"].bytes_per_token / 2 < shapes["int4"].bytes_per_token < shapes["int8"].bytes_per_token
+    assert shapes["int4"].fixed_bytes == shapes["fp32"].fixed_bytes
 
 
 def test_kv_dtype_option(tiny, k3_dir, capsys):
@@ -287,6 +290,9 @@ def test_kv_dtype_option(tiny, k3_dir, capsys):
     assert b16["max_sequences"] > 1.5 * f32["max_sequences"] > 0
     i8 = plan_json(str(tiny), *args, "--kv-dtype", "int8", capsys=capsys)
     assert i8["max_sequences"] > b16["max_sequences"] and "int8 KV" in i8["model"]["state"]
+    i4 = plan_json(str(tiny), *args, "--kv-dtype", "int4", capsys=capsys)
+    assert i4["state_bytes_per_sequence"] < i8["state_bytes_per_sequence"] and "int4 KV" in i4["model"]["state"]
+    assert i4["max_sequences"] >= i8["max_sequences"]
     assert "bf16 KV" in b16["model"]["state"]
     k3 = [plan_json(str(k3_dir), "--ram-budget", "64GB", "--disk-bandwidth", "3GB", "--kv-dtype", d, capsys=capsys)
           for d in ("fp32", "bf16")]

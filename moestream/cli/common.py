@@ -35,8 +35,10 @@ def add_state_room_arg(p: argparse.ArgumentParser) -> None:
                         "the expert cache and a too-long context fails with a budget error)")
     p.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_NAMES), default="fp32",
                    help="storage of KV and latent caches: fp32 (default; the parity bounds are fp32's), bf16 "
-                        "(half the bytes) or int8 (groups of 64 values with an fp32 scale: 0.27 of fp32's "
-                        "bytes, about twice bf16's sequences); attention still computes in fp32")
+                        "(half the bytes), int8 (groups of 64 values with an fp32 scale: 0.27 of fp32's "
+                        "bytes, about twice bf16's sequences) or int4 (the same groups, two values a byte: 0.14 of "
+                        "fp32's bytes, about twice int8's sequences, a larger loss: docs/memory.md); attention "
+                        "still computes in fp32")
 
 
 def add_compute_dtype_arg(p: argparse.ArgumentParser) -> None:

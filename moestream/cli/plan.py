@@ -48,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "--skew-from FILE reads it without tracing again)")
     p.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_NAMES), default="fp32",
                    help="KV / latent cache storage the engine would run with (--kv-dtype of run / serve): bf16 "
-                        "halves those caches and int8 takes about a quarter, so more sequences fit (default fp32)")
+                        "halves those caches, int8 takes about a quarter and int4 about an eighth, so more sequences fit "
+                        "(default fp32)")
     p.add_argument("--compute-dtype", choices=COMPUTE_DTYPE_NAMES, default="fp32",
                    help="many-row products' precision the engine would run with (--compute-dtype of run / serve / "
                         "batch): bf16 prices batch steps and prompt chunks at the bf16 kernels' probed times "

@@ -4,7 +4,8 @@
  * Python-side append to the sequence's KV blocks and, for a bf16 cache, a gathered fp32 copy of it. Here one call
  * does all of them, straight on the block storage: for each sequence it normalises and ropes the new query and key,
  * writes the key and value into the row the caller reserved in the sequence's blocks (fp32; bf16 rounded to
- * nearest even as torch converts; int8 in groups as kernels/kvquant.py quantises), and attends over rows 0 .. L-1
+ * nearest even as torch converts; int8 or int4 in groups as kernels/kvquant.py quantises), and attends over rows
+ * 0 .. L-1
  * in the same order of operations as
  * ms_gqa_attend, so results are bit-identical to the per-sequence path. Sequences are split over the pool. */
 
@@ -23,13 +24,19 @@ typedef struct {
     float *scratch; int64_t stride, lmax, width; /* per part: scores [Hq, lmax], the new key, one widened row */
 } paged_job;
 
-enum { KV_FP32 = 0, KV_BF16 = 1, KV_INT8 = 2 };
+enum { KV_FP32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_INT4 = 3 };
 
-/* An int8 block (kernels/kvquant.py): int8 values [block, width], then fp32 scales [block, width / group], one per
- * `group` consecutive values (groups never straddle a head: group divides the head width). */
-static inline const float *int8_scales(const int64_t *tab, int64_t b, int64_t block, int64_t width, int64_t group,
-                                       int64_t r) {
-    return (const float *)((const int8_t *)(intptr_t)tab[b] + block * width) + r * (width / group);
+/* A quantised block (kernels/kvquant.py): fp32 scales [block, width / group], one per `group` consecutive values
+ * (groups never straddle a head: group divides the head width), then the values [block, width] int8, or for int4
+ * [block, width / 2] bytes, element 2i + 8 in byte i's low nibble and element 2i + 1 + 8 in its high one. */
+static inline float *quant_scales(const int64_t *tab, int64_t b, int64_t width, int64_t group, int64_t r) {
+    return (float *)(intptr_t)tab[b] + r * (width / group);
+}
+
+static inline uint8_t *quant_values(const int64_t *tab, int64_t b, int64_t block, int64_t width, int storage,
+                                    int64_t group, int64_t r) {
+    const int64_t row = storage == KV_INT4 ? width / 2 : width;
+    return (uint8_t *)(intptr_t)tab[b] + 4 * block * (width / group) + r * row;
 }
 
 /* row j of a sequence's blocks (block table `tab`), as fp32 into dst (n values) or a pointer when fp32 */
@@ -42,27 +49,53 @@ static inline const float *paged_row(const int64_t *tab, int64_t j, int64_t bloc
         for (int64_t c = 0; c < width; c++) dst[c] = bits_f32((uint32_t)s[c] << 16);
         return dst;
     }
-    const int8_t *s = (const int8_t *)(intptr_t)tab[b] + r * width;
-    const float *sc = int8_scales(tab, b, block, width, group, r);
-    for (int64_t g0 = 0; g0 < width; g0 += group) {
+    const uint8_t *s = quant_values(tab, b, block, width, storage, group, r);
+    const float *sc = quant_scales(tab, b, width, group, r);
+    if (storage == KV_INT8) {
+        for (int64_t g0 = 0; g0 < width; g0 += group) {
+            const float scale = sc[g0 / group];
+            for (int64_t c = g0; c < g0 + group; c++) dst[c] = (float)(int8_t)s[c] * scale;
+        }
+        return dst;
+    }
+    for (int64_t g0 = 0; g0 < width; g0 += group) { /* int4: a group's bytes unpacked, then scaled */
         const float scale = sc[g0 / group];
-        for (int64_t c = g0; c < g0 + group; c++) dst[c] = (float)s[c] * scale;
+        for (int64_t c = g0; c < g0 + group; c += 2) {
+            const uint8_t byte = s[c / 2];
+            dst[c] = (float)((int)(byte & 0x0F) - 8) * scale;
+            dst[c + 1] = (float)((int)(byte >> 4) - 8) * scale;
+        }
     }
     return dst;
 }
 
-/* x [width] quantised in groups as kvquant.quantize does: scale = max |x| / 127, values rounded to nearest even */
-static void int8_quantize(const float *x, int64_t width, int64_t group, int8_t *q, float *scales) {
+/* x [width] quantised in groups as kvquant.quantize does: scale = max |x| / qmax (127 for int8, 7 for int4), values
+ * rounded to nearest even and clamped to [-qmax, qmax]; int8 codes into q[c], int4 codes + 8 packed two a byte
+ * (element c into byte c / 2, even elements low) */
+static void quantize_row(const float *x, int64_t width, int storage, int64_t group, uint8_t *q, float *scales) {
+    const float qmax = storage == KV_INT4 ? 7.0f : 127.0f;
     for (int64_t g0 = 0; g0 < width; g0 += group) {
         float amax = 0.0f;
         for (int64_t c = g0; c < g0 + group; c++) amax = fabsf(x[c]) > amax ? fabsf(x[c]) : amax;
-        const float s = amax / 127.0f, safe = s == 0.0f ? 1.0f : s;
+        const float s = amax / qmax, safe = s == 0.0f ? 1.0f : s;
         for (int64_t c = g0; c < g0 + group; c++) {
             float v = nearbyintf(x[c] / safe);
-            q[c] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+            const int code = (int)(v > qmax ? qmax : v < -qmax ? -qmax : v);
+            if (storage == KV_INT8)
+                q[c] = (uint8_t)(int8_t)code;
+            else if (c % 2 == 0)
+                q[c / 2] = (uint8_t)(code + 8);
+            else
+                q[c / 2] |= (uint8_t)((code + 8) << 4);
         }
         scales[g0 / group] = s;
     }
+}
+
+/* code c of a row quantize_row wrote, as an int */
+static inline int quant_code(const uint8_t *q, int storage, int64_t c) {
+    if (storage == KV_INT8) return (int8_t)q[c];
+    return (int)((c % 2 ? q[c / 2] >> 4 : q[c / 2] & 0x0F)) - 8;
 }
 
 static void paged_store(const int64_t *tab, int64_t j, int64_t block, int64_t width, int storage, int64_t group,
@@ -77,20 +110,20 @@ static void paged_store(const int64_t *tab, int64_t j, int64_t block, int64_t wi
         for (int64_t c = 0; c < width; c++) d[c] = f32_bf16(src[c]);
         return;
     }
-    int8_quantize(src, width, group, (int8_t *)(intptr_t)tab[b] + r * width,
-                  (float *)int8_scales(tab, b, block, width, group, r));
+    quantize_row(src, width, storage, group, quant_values(tab, b, block, width, storage, group, r),
+                 quant_scales(tab, b, width, group, r));
 }
 
 /* the value a store of x in this storage gives back (x itself for fp32), into dst */
-static void stored_values(const float *x, int64_t width, int storage, int64_t group, int8_t *qtmp, float *stmp,
+static void stored_values(const float *x, int64_t width, int storage, int64_t group, uint8_t *qtmp, float *stmp,
                           float *dst) {
     if (storage == KV_FP32) {
         memcpy(dst, x, sizeof(float) * (size_t)width);
     } else if (storage == KV_BF16) {
         for (int64_t c = 0; c < width; c++) dst[c] = bits_f32((uint32_t)f32_bf16(x[c]) << 16);
     } else {
-        int8_quantize(x, width, group, qtmp, stmp);
-        for (int64_t c = 0; c < width; c++) dst[c] = (float)qtmp[c] * stmp[c / group];
+        quantize_row(x, width, storage, group, qtmp, stmp);
+        for (int64_t c = 0; c < width; c++) dst[c] = (float)quant_code(qtmp, storage, c) * stmp[c / group];
     }
 }
 
@@ -102,7 +135,7 @@ static void paged_one(const paged_job *j, int64_t s, float *p, float *krow, floa
     const float *kin = j->k + s * Hkv * D;
     /* the per-sequence path stores the raw key in the cache's dtype first, then norms and ropes that copy in fp32
      * and attends with it unrounded: the same here */
-    stored_values(kin, Hkv * D, storage, j->kgroup, (int8_t *)row, row + Hkv * D, krow);
+    stored_values(kin, Hkv * D, storage, j->kgroup, (uint8_t *)row, row + Hkv * D, krow);
     if (j->qn) rms_rows(qs, Hq, D, j->qn, (int)j->nbf16, j->eps);
     if (j->kn) rms_rows(krow, Hkv, D, j->kn, (int)j->nbf16, j->eps);
     if (j->inv_freq) {
@@ -153,8 +186,8 @@ static void paged_part(void *arg, int part, int parts) {
 /* B sequences decoding one token each. q [B, Hq, D], k [B, Hkv, D], v [B, Hkv, Dv] fp32 contiguous (q is normed and
  * roped in place); sequence s holds L[s] rows after this token (its new row L[s]-1 is already inside its blocks);
  * its K and V block addresses are kblocks/vblocks[koff[s] ..], blocks of `block` rows [block, Hkv, D|Dv] in fp32
- * (storage 0), bf16 (1) or int8 with fp32 scales per kgroup / vgroup values (2). Norm weights, rope and scale as
- * ms_gqa_attend (no window). out [B, Hq, Dv].
+ * (storage 0), bf16 (1), or fp32 scales per kgroup / vgroup values then int8 (2) or packed int4 (3) values. Norm
+ * weights, rope and scale as ms_gqa_attend (no window). out [B, Hq, Dv].
  * Returns 0, or -1 when out of memory. */
 int ms_gqa_decode_paged(int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, float *q, const float *k,
                         const float *v, const int64_t *L, const int64_t *koff, const int64_t *kblocks,
@@ -167,7 +200,7 @@ int ms_gqa_decode_paged(int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t D
     int parts = pool_parts;
     if (parts > B) parts = (int)B;
     const int64_t width = Hkv * (D > Dv ? D : Dv);
-    /* the widened row doubles as the int8 store's temporaries (width bytes + width / group scales) */
+    /* the widened row doubles as the quantised store's temporaries (at most width bytes + width / group scales) */
     const int64_t stride = (Hq * lmax + 3 * width + 15) / 16 * 16;
     float *scratch = malloc(sizeof(float) * (size_t)(stride * parts));
     if (!scratch) return -1;

@@ -1,8 +1,8 @@
 """Paged GQA decode attention for a batch of sequences in one native call (`_cpu_paged.c`).
 
 The caller (models/attention.py) has reserved each sequence's new row in its KV blocks; the kernel norms and ropes
-the new query and key, writes key and value into those rows (fp32 or bf16 blocks, or int8 blocks with their group
-scales, kernels/kvquant.py) and attends over each sequence's blocks in place: no per-sequence Python, no gathered
+the new query and key, writes key and value into those rows (fp32 or bf16 blocks, or int8 / int4 blocks with their
+group scales, kernels/kvquant.py) and attends over each sequence's blocks in place: no per-sequence Python, no gathered
 copy of a bf16 cache. Same values as `fused.gqa_attend` per
 sequence, bit for bit (tests/test_paged_attention.py).
 """
@@ -17,7 +17,8 @@ from moestream.kernels import kvquant
 from moestream.kernels.cpu import _addresses, required
 from moestream.kernels.fused import qk_prep
 
-_STORAGE = {torch.float32: 0, torch.bfloat16: 1}  # block dtype -> the kernel's storage code; int8 slots are 2
+_STORAGE = {torch.float32: 0, torch.bfloat16: 1}  # block dtype -> the kernel's storage code
+_QUANT_STORAGE = {8: 2, 4: 3}  # a quantised cache's bits -> the kernel's storage code (its blocks are uint8 slots)
 
 
 def gqa_decode_paged(q: Tensor, k: Tensor, v: Tensor, lengths: Sequence[int], kblocks: Sequence[Sequence[Tensor]],
@@ -27,8 +28,9 @@ def gqa_decode_paged(q: Tensor, k: Tensor, v: Tensor, lengths: Sequence[int], kb
     """B sequences decoding one token each: q [B, Hq, D], k [B, Hkv, D], v [B, Hkv, Dv] fp32 contiguous (q is
     normed and roped in place). Sequence s holds lengths[s] rows including this token, in its blocks kblocks[s] /
     vblocks[s] (each [block, Hkv, D|Dv], all of one dtype, fp32 or bf16; the row lengths[s] - 1 is written here).
-    With storage torch.int8 the blocks are BlockBuffer's int8 slots (uint8 [>= block x row bytes]: int8 values,
-    then fp32 group scales) and `block` says their rows. Returns out [B, Hq, Dv] fp32."""
+    With storage torch.int8 or kvquant.INT4 the blocks are BlockBuffer's quantised slots (uint8 [>= block x row
+    bytes]: fp32 group scales, then int8 or packed int4 values) and `block` says their rows. Returns out [B, Hq, Dv]
+    fp32."""
     handle = required()
     b, hq, d = q.shape
     hkv, dv = v.shape[1], v.shape[2]
@@ -39,12 +41,13 @@ def gqa_decode_paged(q: Tensor, k: Tensor, v: Tensor, lengths: Sequence[int], kb
         raise ValueError(f"gqa_decode_paged: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"{len(lengths)} lengths")
     first = kblocks[0][0]
-    if storage == torch.int8:
-        code = 2
+    bits = kvquant.bits_of(storage) if storage is not None else 0
+    if bits:
+        code = _QUANT_STORAGE[bits]
         if block is None or first.dtype != torch.uint8 or first.dim() != 1 \
-                or first.numel() < block * kvquant.row_bytes((hkv, d)) \
-                or vblocks[0][0].numel() < block * kvquant.row_bytes((hkv, dv)):
-            raise ValueError(f"gqa_decode_paged wants int8 slots of {block} rows [{hkv}, {d}|{dv}]")
+                or first.numel() < block * kvquant.row_bytes((hkv, d), bits) \
+                or vblocks[0][0].numel() < block * kvquant.row_bytes((hkv, dv), bits):
+            raise ValueError(f"gqa_decode_paged wants int{bits} slots of {block} rows [{hkv}, {d}|{dv}]")
     else:
         block, code = first.shape[0], _STORAGE.get(first.dtype)
         if code is None or first.shape[1:] != (hkv, d) or vblocks[0][0].shape[1:] != (hkv, dv) \

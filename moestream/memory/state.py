@@ -29,8 +29,9 @@ HOST_BYTES_PER_LAYER = 2 << 10
 # ... and each cache block's tensor object (torch's TensorImpl and the Python wrapper of a view on its slab slot:
 # ~600 bytes measured, docs/performance.md), which tracemalloc does not see: charged with the block
 BLOCK_HOST_BYTES = 640
-# --kv-dtype: storage; compute stays fp32 (int8: grouped int8 with fp32 scales, kernels/kvquant.py)
-KV_DTYPES = dict(zip(KV_DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.int8)))
+# --kv-dtype: storage; compute stays fp32 (int8 / int4: grouped integers with fp32 scales, kernels/kvquant.py; int4
+# is named by kvquant's dtype tag)
+KV_DTYPES = dict(zip(KV_DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.int8, kvquant.INT4)))
 
 
 def kv_dtype(name: str) -> torch.dtype:
@@ -41,14 +42,15 @@ def kv_dtype(name: str) -> torch.dtype:
 
 
 def stored_row_bytes(row_shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    """Bytes one cache row of this shape takes in `dtype`'s storage (int8: its values and group scales)."""
-    if dtype == torch.int8:
-        return kvquant.row_bytes(row_shape)
+    """Bytes one cache row of this shape takes in `dtype`'s storage (int8 / int4: its values and group scales)."""
+    if kvquant.bits_of(dtype):
+        return kvquant.row_bytes(row_shape, kvquant.bits_of(dtype))
     return math.prod(row_shape) * dtype.itemsize
 
 
 def block_bytes(rows: int, row_bytes: int, quantized: bool) -> int:
-    """Bytes a block of `rows` rows charges: the rows, or for int8 the whole slab slot (whole pages) it takes."""
+    """Bytes a block of `rows` rows charges: the rows, or for int8 / int4 the whole slab slot (whole pages) it
+    takes."""
     return slot_bytes(rows * row_bytes) if quantized else rows * row_bytes
 
 
@@ -58,14 +60,19 @@ def block_charge(storage_bytes: int) -> int:
     return storage_bytes + BLOCK_HOST_BYTES
 
 
-def block_shape(row_bytes: int, quantized: bool = False) -> tuple[int, int]:
-    """(rows, bytes) of one cache block whose rows take `row_bytes`: BLOCK_TOKENS rows for fp32 / bf16; an int8
-    block (whose rows carry their scales, so are rarely a power of two) fills whole pages instead, the slab slot it
-    lives in, with as many rows as fit (>= BLOCK_TOKENS): 272-byte rows take 75 a block in 5 pages, where 64 would
-    have left 15% of the slot unused but resident."""
-    if not quantized:
+def block_shape(row_bytes: int, bits: int = 0) -> tuple[int, int]:
+    """(rows, bytes) of one cache block whose rows take `row_bytes`: BLOCK_TOKENS rows for fp32 / bf16 (`bits` 0).
+    A quantised block (`bits` 8 or 4 a value; its rows carry their scales, so are rarely a power of two) fills
+    whole pages instead, the slab slot it lives in, with as many rows as fit: 272-byte int8 rows take 75 a block in
+    5 pages, where 64 would have left 15% of the slot unused but resident. The pages are those of BLOCK_TOKENS rows
+    at 8 bits a value, i.e. BLOCK_TOKENS x 8 / bits rows: a block's bytes, and so the share its fixed costs take (its
+    host charge, BLOCK_HOST_BYTES, and its entry in every step's block tables), stay int8's when the values narrow,
+    and the tail a sequence leaves unused (under a block a buffer) is no more than int8's in bytes; 144-byte int4
+    rows take 142 a block in the 5 pages int8's 75 take. A 64-row minimum (85 rows in 3 pages) would hold fewer bytes
+    at some contexts (under 86 tokens) and more at others (86 to 142 tokens); about even on average (docs/memory.md)."""
+    if not bits:
         return BLOCK_TOKENS, BLOCK_TOKENS * row_bytes
-    nbytes = slot_bytes(BLOCK_TOKENS * row_bytes)
+    nbytes = slot_bytes(BLOCK_TOKENS * 8 // bits * row_bytes)
     return nbytes // row_bytes, nbytes
 
 
@@ -107,26 +114,31 @@ class BlockBuffer:
     before the next query's window are dropped (reused for the next rows), so a sliding-window cache holds at most
     window + chunk + one block of rows. Readers iterate `tiles()` or take a contiguous `gather()`.
 
-    With dtype torch.int8 (`--kv-dtype int8`) a block is one uint8 slot of whole pages holding the block's int8 rows
-    and then their fp32 group scales (kernels/kvquant.py), as many rows as fill the pages (`block_shape`); rows are
-    quantised when written and read back as fp32."""
+    With dtype torch.int8 or kvquant.INT4 (`--kv-dtype int8 / int4`) a block is one uint8 slot of whole pages
+    holding the block's fp32 group scales and then its int8 (or packed int4) rows (kernels/kvquant.py), as many rows
+    as fill the pages (`block_shape`); rows are quantised when written and read back as fp32."""
 
     def __init__(self, memory: MemoryAccountant, row_shape: tuple[int, ...], what: str = "KV cache",
                  dtype: torch.dtype = torch.float32, window: int | None = None, block: int | None = None):
         self.memory, self.row_shape, self.what, self.dtype = memory, tuple(row_shape), what, dtype
         self.window = window
-        self.block = block_shape(self.row_bytes, self.quantized)[0] if block is None else block
+        self.block = block_shape(self.row_bytes, self.bits)[0] if block is None else block
         self.blocks: list[torch.Tensor] = []
         self.start = 0  # absolute index of blocks[0]'s first row (a multiple of block)
         self.length = 0  # rows appended so far (absolute)
 
     @property
+    def bits(self) -> int:
+        """Bits a stored value: 8 (int8) or 4 (int4) when quantised, else 0."""
+        return kvquant.bits_of(self.dtype)
+
+    @property
     def quantized(self) -> bool:
-        return self.dtype == torch.int8
+        return self.bits != 0
 
     @property
     def tile_dtype(self) -> torch.dtype:
-        """The dtype `tiles()` gives rows in without an extra conversion: the storage's, fp32 for int8."""
+        """The dtype `tiles()` gives rows in without an extra conversion: the storage's, fp32 when quantised."""
         return torch.float32 if self.quantized else self.dtype
 
     @property
@@ -139,7 +151,7 @@ class BlockBuffer:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes one block charges: its rows, or for int8 its whole slot (whole pages)."""
+        """Bytes one block charges: its rows, or when quantised its whole slot (whole pages)."""
         return block_bytes(self.block, self.row_bytes, self.quantized)
 
     @property
@@ -166,21 +178,24 @@ class BlockBuffer:
         return new_block((self.block, *self.row_shape), self.dtype)
 
     def _parts(self, blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """An int8 block's (values [block, *row_shape] int8, scales [block, *lead, groups] fp32) views."""
-        n = self.block * self.elements
+        """A quantised block's (values, scales [block, *lead, groups] fp32) views: values int8 [block, *row_shape],
+        or for int4 packed uint8 [block, *lead, last / 2]."""
         groups = self.row_shape[-1] // kvquant.group_of(self.row_shape[-1])
-        values = blk[:n].view(torch.int8).view(self.block, *self.row_shape)
-        scales = blk[n:n + 4 * self.block * (self.elements // self.row_shape[-1]) * groups]
-        return values, scales.view(torch.float32).view(self.block, *self.row_shape[:-1], groups)
+        n = 4 * self.block * (self.elements // self.row_shape[-1]) * groups
+        scales = blk[:n].view(torch.float32).view(self.block, *self.row_shape[:-1], groups)
+        values = blk[n:n + self.block * kvquant.value_bytes(self.row_shape, self.bits)]
+        if self.bits == 8:
+            return values.view(torch.int8).view(self.block, *self.row_shape), scales
+        return values.view(self.block, *self.row_shape[:-1], self.row_shape[-1] // 2), scales
 
     def _write(self, blk: torch.Tensor, r: int, rows: torch.Tensor, pre: kvquant.Quantized | None = None) -> None:
-        """Store rows at row r of a block (converted to, or quantised for, the storage; an int8 buffer takes `pre`,
-        the same rows already quantised, when given)."""
+        """Store rows at row r of a block (converted to, or quantised for, the storage; a quantised buffer takes
+        `pre`, the same rows already quantised at its bits, when given)."""
         if not self.quantized:
             blk[r:r + rows.shape[0]] = rows
             return
         values, scales = self._parts(blk)
-        q, s = (pre.values, pre.scales) if pre is not None else kvquant.quantize(rows)
+        q, s = (pre.values, pre.scales) if pre is not None else kvquant.quantize(rows, self.bits)
         values[r:r + rows.shape[0]] = q
         scales[r:r + rows.shape[0]] = s
 
@@ -188,17 +203,17 @@ class BlockBuffer:
         if not self.quantized:
             return blk[:n].to(dtype)
         values, scales = self._parts(blk)
-        return kvquant.dequantize(values[:n], scales[:n]).to(dtype)
+        return kvquant.dequantize(values[:n], scales[:n], self.bits).to(dtype)
 
     def stored(self, rows: torch.Tensor) -> torch.Tensor:
         """The fp32 values this buffer gives back for rows once stored (its storage's rounding)."""
         if self.quantized:
-            return kvquant.roundtrip(rows)
+            return kvquant.roundtrip(rows, self.bits)
         return rows.to(self.dtype).float()
 
     def push(self, rows: torch.Tensor, pre: kvquant.Quantized | None = None) -> None:
-        """Append rows [n, *row_shape] (converted to the storage dtype; for an int8 buffer, `pre` is the same rows
-        already quantised by kvquant.quantized, written as they are)."""
+        """Append rows [n, *row_shape] (converted to the storage dtype; for a quantised buffer, `pre` is the same
+        rows already quantised by kvquant.quantized at its bits, written as they are)."""
         n = rows.shape[0]
         self._room(n)
         at = 0
@@ -266,7 +281,7 @@ class BlockBuffer:
         return self.gather()
 
     def view(self) -> torch.Tensor:
-        """The held rows as `tiles()` gives them (storage dtype, fp32 for int8; a copy past one block)."""
+        """The held rows as `tiles()` gives them (storage dtype, fp32 when quantised; a copy past one block)."""
         return self.gather(self.tile_dtype)
 
     def overwrite_tail(self, rows: torch.Tensor) -> None:

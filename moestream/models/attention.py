@@ -101,8 +101,8 @@ def cached_attention(seg: Segment, slot: KVSlot, q: torch.Tensor, k: torch.Tenso
                      pre: tuple[kvquant.Quantized, kvquant.Quantized] | None = None) -> torch.Tensor:
     """Append this segment's k, v [T, Hkv, D] to the cache and attend its queries q [T, Hq, D] over the cache in
     key tiles (online softmax) sized to the scratch allowance (anything over it is charged while it exists)
-    -> [T, Hq, Dv]. For an int8 cache, `pre` may carry k and v already quantised (a step's rows for all its
-    sequences quantised in one call)."""
+    -> [T, Hq, Dv]. For a quantised cache, `pre` may carry k and v already quantised at its bits (a step's rows for
+    all its sequences quantised in one call)."""
     pre_k, pre_v = pre if pre is not None and slot.k.quantized else (None, None)
     slot.k.push(k, pre_k)
     slot.v.push(v, pre_v)
@@ -129,8 +129,8 @@ def _fresh_attention(slot: KVSlot, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     flash attention kernel, causal, GQA grouped, which like attend_tiles never builds a score matrix (it works in
     blocks of at most FLASH_Q_SPLIT queries x FLASH_KV_SPLIT keys per thread with an online softmax), in a
     fraction of the small torch ops' time: a 512-token prompt's 16 layers took 0.8-1.7 s in attend_tiles
-    (docs/performance.md). The caller passes keys and values as the cache stores them (bf16 caches round them, int8
-    caches quantise them), as the tiled path reads them. Its per-thread blocks and the output are charged as scratch
+    (docs/performance.md). The caller passes keys and values as the cache stores them (bf16 caches round them, int8 /
+    int4 caches quantise them), as the tiled path reads them. Its per-thread blocks and the output are charged as scratch
     while it runs."""
     t, hq, d = q.shape
     dv = v.shape[-1]
@@ -252,13 +252,14 @@ class GQAMixer:
             out[rows] = decode_attention(slots, q[rows], k[rows], v[rows], self.scale, self.window, self.sinks)
         done = {id(seg) for seg in single}
         rest = [seg for seg in batch.segments if id(seg) not in done]
-        pre = None
-        if any(seg.state.kv_dtype == torch.int8 for seg in rest):  # quantised once for all of them
-            pre = (kvquant.quantized(k), kvquant.quantized(v))
+        pre = {}  # quantised storage's bits -> k and v quantised once for all the sequences of that storage
+        for bits in {kvquant.bits_of(seg.state.kv_dtype) for seg in rest} - {0}:
+            pre[bits] = (kvquant.quantized(k, bits), kvquant.quantized(v, bits))
         for seg in rest:
             r = seg.rows
+            got = pre.get(kvquant.bits_of(seg.state.kv_dtype))
             out[r] = cached_attention(seg, self.slot(seg, index), q[r], k[r], v[r], self.scale, self.window,
-                                      self.sinks, None if pre is None else (pre[0].rows(r), pre[1].rows(r)))
+                                      self.sinks, None if got is None else (got[0].rows(r), got[1].rows(r)))
         return linear(out.reshape(t, -1), self.o, self.ob)
 
     def decode_block(self, h: torch.Tensor, batch, index: int, in_norm: torch.Tensor, post_norm: torch.Tensor,

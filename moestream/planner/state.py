@@ -2,7 +2,8 @@
 
 Owns the per-layer formulas the models allocate by (attention.KVSlot: K and V rows of kv_heads x head_dim;
 mla.MLASlot: kv_lora_rank + qk_rope_head_dim per token; kda.KDAState: the [H, dk, dv] matrix and the q/k/v conv
-windows, fixed size), KV and latent rows in the `--kv-dtype` storage (fp32, bf16, or int8 with its group scales) and
+windows, fixed size), KV and latent rows in the `--kv-dtype` storage (fp32, bf16, or int8 / int4 with their group
+scales) and
 recurrent state in fp32 as the engine keeps them, and feeds them to the server's `StateProfile`, so the bytes a sequence reaches at a context
 replay the engine's block allocation exactly as admission does.
 """
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moestream.errors import UnsupportedModelError
+from moestream.kernels.kvquant import bits_of
 from moestream.memory.state import host_bytes_of, kv_dtype as storage_of, stored_row_bytes
 from moestream.models.kimi_linear import FULL
 from moestream.server.prefix import StateProfile
@@ -34,7 +36,8 @@ class StateShape:
         return sum(self.row_bytes)
 
     def profile(self) -> StateProfile:
-        return StateProfile.of_rows(self.row_bytes, self.fixed_bytes + self.host_bytes, self.kv_dtype == "int8")
+        return StateProfile.of_rows(self.row_bytes, self.fixed_bytes + self.host_bytes,
+                                    bits_of(storage_of(self.kv_dtype)))
 
     def at(self, prompt: int, context: int, chunk: int) -> int:
         """Bytes one sequence holds at `context` tokens (prompt fed `chunk` at a time), growth slack included."""

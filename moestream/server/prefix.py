@@ -122,14 +122,14 @@ class StateProfile:
             self.fixed = state.fixed_bytes + state.host_bytes
 
     @classmethod
-    def of_rows(cls, row_bytes: list[int], fixed: int, quantized: bool = False) -> "StateProfile":
+    def of_rows(cls, row_bytes: list[int], fixed: int, bits: int = 0) -> "StateProfile":
         """A profile known ahead of any sequence: one full-context buffer per entry of `row_bytes` (bytes per
-        token), in the engine's blocks (memory/state.py block_shape; int8 rows with their scales when
-        `quantized`), plus `fixed` bytes (the planner's state from a config alone)."""
+        token), in the engine's blocks (memory/state.py block_shape; int8 / int4 rows with their scales when
+        `bits` is 8 / 4), plus `fixed` bytes (the planner's state from a config alone)."""
         prof = cls()
         prof.shapes = []
         for row in row_bytes:
-            rows, nbytes = block_shape(row, quantized)
+            rows, nbytes = block_shape(row, bits)
             prof.shapes.append((block_charge(nbytes), None, rows))
         prof.fixed = fixed
         return prof
