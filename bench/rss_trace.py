@@ -69,10 +69,50 @@ def rollup() -> dict:
     return out
 
 
-def anon_maps() -> dict:
-    """RSS of the process's anonymous mappings by kind: the brk heap, exactly 1 MiB (CPython's object arenas),
-    exactly 64 MiB (KV slabs; glibc's thread arenas reserve 64 MiB too), under 1 MiB, the rest (malloc's own
-    mappings of big chunks, expert buffers, thread stacks)."""
+def _address(buf) -> int | None:
+    try:
+        probe = ctypes.c_char.from_buffer(buf)
+    except (TypeError, ValueError):
+        return None
+    try:
+        return ctypes.addressof(probe)
+    finally:
+        del probe
+
+
+def known_mappings(engine) -> dict[int, str]:
+    """Start address -> what it is, for the mappings the engine made itself: KV slabs, cached and idle expert
+    buffers. Call from the engine's own thread (the cache is not locked)."""
+    from moestream.memory import slabs
+
+    out: dict[int, str] = {}
+    with slabs._pools_lock:
+        pools = list(slabs._pools.values())
+    for p in pools:
+        for mm in list(p.slabs):
+            a = _address(mm)
+            if a is not None:
+                out[a] = "slab"
+    cache = engine.memory.cache
+    for blob, _ in list(cache._items.values()) if cache is not None else []:
+        a = _address(blob.buf)
+        if a is not None:
+            out[a] = "expert_cached"
+    pool = engine.plan.store.reader.pool
+    with pool._lock:
+        idle = [b for lst in pool._free.values() for b in lst]
+    for b in idle:
+        a = _address(b)
+        if a is not None:
+            out[a] = "expert_idle"
+    return out
+
+
+def anon_maps(known: dict[int, str] | None = None) -> dict:
+    """RSS of the process's anonymous mappings by kind: `known` start addresses (slabs, expert buffers), the brk
+    heap, 64 MiB-aligned ones of at most 64 MiB (glibc's thread arenas), exactly 1 MiB (CPython's object arenas),
+    and the rest by size ("MiB:N" rounded down, "small" under 1 MiB) with their count."""
+    known = known or {}
     out: dict[str, int] = {}
     key = None
     try:
@@ -87,14 +127,18 @@ def anon_maps() -> dict:
                         key = "brk_heap"
                     elif path:
                         key = None if path.startswith("/") else path
+                    elif lo in known:
+                        key = known[lo]
+                    elif lo % (64 << 20) == 0 and size <= 64 << 20:
+                        key = "thread_arena"
                     elif size == 1 << 20:
                         key = "1MiB"
-                    elif size == 64 << 20:
-                        key = "64MiB"
                     elif size < 1 << 20:
                         key = "small"
                     else:
-                        key = "other"
+                        key = f"MiB:{size >> 20}"
+                    if key is not None:
+                        out["n:" + key] = out.get("n:" + key, 0) + 1
                 elif head[0] == "Rss:" and key is not None:
                     out[key] = out.get(key, 0) + int(head[1]) * 1024
     except OSError:
@@ -141,6 +185,7 @@ def books(engine) -> dict:
     slab_resident = sum(resident_bytes(mm) for p in pools for mm in list(p.slabs))
     return {"dense": mem.dense_bytes, "state": mem.state_bytes, "scratch": mem.scratch_bytes,
             "stream": mem.stream_bytes, "cache": cache, "resident": mem.resident(),
+            "unbooked": getattr(mem, "unbooked_bytes", 0),
             "idle_expert_buffers": engine.plan.store.reader.pool.idle_bytes,
             "slab_mapped": slab_mapped, "slab_out": slab_out, "slab_resident": slab_resident, "py_blocks": sys.getallocatedblocks()}
 
@@ -195,7 +240,7 @@ class RssTrace:
                "hwm": vm_hwm(), "end": self._snap(rss, file), "rollup": rollup(), "peak": top[1],
                "between_peak": between[1]}
         if rec["hwm"] > self.hwm:  # the mapping breakdown where the peak grew (a walk of /proc/self/smaps)
-            self.hwm, rec["maps"] = rec["hwm"], anon_maps()
+            self.hwm, rec["maps"] = rec["hwm"], anon_maps(known_mappings(self.engine))
         self.out.write(json.dumps(rec) + "\n")
         self.out.flush()
         self.n += 1
