@@ -263,6 +263,11 @@ def measure_batch(args: argparse.Namespace, budget: int) -> dict:
     drop_page_cache(files)
     probes = [probe_disk(files, PROBE_THREADS)] if args.probe else []
     base_rss = rss_now()
+    before = None
+    if args.rss_trace is not None:
+        from rss_trace import base  # bench/rss_trace.py, beside this script
+
+        before = base()
     eng = Engine.open(args.model, ram_budget=budget, threads=args.threads, kv_dtype=args.kv_dtype,
                       compute_dtype=args.compute_dtype)
     rate = matmul_rate(torch.float32)
@@ -270,6 +275,11 @@ def measure_batch(args: argparse.Namespace, budget: int) -> dict:
     tok = Tokenizer.load(args.model)
     reqs = job_requests(eng.vocab_size, args.requests, args.prompt_len, args.gen_len, args.temperature, args.seed)
     meter = StepMeter(eng)
+    trace = None
+    if args.rss_trace is not None:
+        from rss_trace import RssTrace
+
+        trace = RssTrace(eng, args.rss_trace, before=before)
     try:
         extra = {"keep": args.keep} if args.keep is not None else {}
         results, rep = RUNNERS[args.runner](eng, tok, reqs, args.max_batch, args.prefill_chunk, **extra)
@@ -278,6 +288,8 @@ def measure_batch(args: argparse.Namespace, budget: int) -> dict:
         meter.close()
         eng.runner.finish()
         eng.close()
+        if trace is not None:
+            trace.close("after the last step, engine closed")
     peak = peak_rss()
     if args.probe:
         probes.append(probe_disk(files, PROBE_THREADS, seed=1))
@@ -349,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--single-gen-len", type=int, default=16, help="one-stream decode tokens (0: skip it)")
     ap.add_argument("--no-probe", dest="probe", action="store_false",
                     help="skip the disk probe (no I/O floor in the roofline: for runs that must not load the disk)")
+    ap.add_argument("--rss-trace", type=Path, default=None,
+                    help="write a JSON line per engine step: RSS, VmHWM and what the books, the heap and the "
+                         "mappings held at the step's RSS maximum (bench/rss_trace.py; a sampling thread: not for "
+                         "timed runs)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     budget = args.budget or default_budget(args.model)

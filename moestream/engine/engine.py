@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 
 from moestream.config import EngineOptions, format_bytes, parse_bytes, read_model_config
-from moestream.engine.allocator import HeapTrim, return_freed_memory
+from moestream.engine.allocator import HeapTrim, ResidentCheck, return_freed_memory
 from moestream.memory.accountant import MemoryAccountant
 from moestream.engine.residency import DenseStreamer, ResidencyPlan, plan_residency
 from moestream.engine.sampling import SamplingParams, sample
@@ -164,6 +164,7 @@ class Engine:
         self.vocab_size = model.vocab_size
         self.residency: ResidencyPlan | None = None  # what stays resident and what streams (set by open)
         self._heap = HeapTrim()  # freed step temporaries back to the kernel (RSS beyond the books otherwise)
+        self._resident: ResidentCheck | None = None  # measured RSS beyond the books (watch_resident)
 
     @classmethod
     def open(cls, path: str | Path, ram_budget: str | int | None = None, device: str = "cpu",
@@ -233,11 +234,20 @@ class Engine:
                                                                                      self.memory):
             logits = self.model.forward(tokens, batch, rows)
         self._heap.after_step()
+        if self._resident is not None:
+            self._resident.after_step()
         for s, t in items:
             s.pos += len(t)
         if not all_logits:
             return list(logits.unbind(0))
         return [logits[seg.rows] for seg in batch.segments]
+
+    def watch_resident(self, keep: int = 0) -> None:
+        """From now on, book after each step the process's anonymous RSS grown beyond the books (engine/allocator.py
+        `ResidentCheck`), so the expert cache makes room for it, all but `keep` bytes. For a process the engine
+        owns (server, batch)."""
+        if self._resident is None and self.memory.limited:
+            self._resident = ResidentCheck(self.memory, lambda: self.plan.store.reader.pool.idle_bytes, keep)
 
     def activation_bytes(self, rows: int, logit_rows: int) -> int:
         """What a step of `rows` tokens returning `logit_rows` rows of logits holds while it runs beyond the fixed

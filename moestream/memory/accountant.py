@@ -2,8 +2,10 @@
 
 Owns the byte counts of resident dense weights, streamed dense weights in RAM right now (inside a reserve the
 residency plan sets aside for its double buffers), per-sequence state (KV cache, recurrent state), the expert
-cache and a fixed compute scratch allowance, and the peak of their sum. It gives the expert cache its capacity
-(whatever the budget leaves) and makes the cache shrink when state grows. It allocates nothing itself.
+cache and a fixed compute scratch allowance, the process memory measured resident outside those books
+(`set_unbooked`, engine/allocator.py's `ResidentCheck`), and the peak of their sum. It gives the expert cache its
+capacity (whatever the budget leaves) and makes the cache shrink when state or unbooked memory grows. It
+allocates nothing itself.
 """
 from __future__ import annotations
 
@@ -29,10 +31,14 @@ class MemoryAccountant:
         self.stream_bytes = 0  # streamed dense bytes in RAM right now (at most stream_reserve)
         self.streamer = None  # the engine's DenseStreamer when some dense weights stream (DenseWeights asks it)
         self.cache: ExpertCache | None = None
+        # resident memory the books above do not see (freed heap the allocators keep, ...), as last measured: it
+        # displaces experts only, never state (grow_state may take it back; the next measurement sets it again)
+        self.unbooked_bytes = 0
+        self.unbooked_keep = 0  # cache room unbooked memory never takes (what a step needs to read its experts)
         self.peak = 0
 
     def cache_capacity(self) -> int:
-        return max(0, self.budget - self.fixed() - self.state_bytes)
+        return max(0, self.budget - self.fixed() - self.state_bytes - self.unbooked_bytes)
 
     def fixed(self) -> int:
         """Bytes the budget holds before any state or expert: resident dense, compute scratch, stream buffers."""
@@ -40,7 +46,26 @@ class MemoryAccountant:
 
     def resident(self) -> int:
         cached = self.cache.resident_bytes if self.cache is not None else 0
-        return self.dense_bytes + self.state_bytes + self.scratch_bytes + self.stream_bytes + cached
+        return (self.dense_bytes + self.state_bytes + self.scratch_bytes + self.stream_bytes + cached
+                + self.unbooked_bytes)
+
+    def set_unbooked(self, nbytes: int, grow_step: int = 0, shrink_step: int = 0, keep: int = 0) -> None:
+        """Book `nbytes` of measured resident memory outside the books, within what state leaves less `keep`
+        bytes of expert room (experts are evicted to make room). It moves only when the measurement is more than
+        `grow_step` above or `shrink_step` below the current figure, so small swings do not evict and re-read
+        experts every step."""
+        if not self.limited:
+            return
+        self.unbooked_keep = keep
+        nbytes = max(0, min(nbytes, self._unbooked_room()))
+        if nbytes > self.unbooked_bytes + grow_step or nbytes < self.unbooked_bytes - shrink_step:
+            self.unbooked_bytes = nbytes
+            if self.cache is not None:
+                self.cache.shrink_to_capacity()
+            self.observe()
+
+    def _unbooked_room(self) -> int:
+        return max(0, self.budget - self.fixed() - self.state_bytes - self.unbooked_keep)
 
     def observe(self) -> None:
         r = self.resident()
@@ -73,6 +98,8 @@ class MemoryAccountant:
                     f"({format_bytes(self.state_bytes)}): raise --ram-budget or shorten the context"
                 )
             self.state_bytes += nbytes
+            # state never fails for unbooked memory: it gives up room (re-measured after the step)
+            self.unbooked_bytes = min(self.unbooked_bytes, self._unbooked_room())
             if self.cache is not None:
                 self.cache.shrink_to_capacity()
         else:

@@ -100,6 +100,8 @@ class Scheduler:
 
     # ---- the handlers' side (event loop thread) -------------------------------------------------------------
     def start(self) -> "Scheduler":
+        # the process is the scheduler's: RSS beyond the books displaces experts, down to the room it plans for them
+        self.engine.watch_resident(self.expert_room)
         self.thread.start()
         return self
 

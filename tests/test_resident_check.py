@@ -1,0 +1,56 @@
+"""Resident memory outside the accountant's books is booked after a step (engine/allocator.ResidentCheck), so the
+expert cache gives its room up: what the freed objects of a batch job's finished sequences left resident (a
+1,024-request job ended 25 MiB over its RSS bound, docs/memory.md)."""
+import pytest
+
+from conftest import synth_tiny
+from moestream import Engine
+from moestream.engine.allocator import anon_rss
+from moestream.engine.engine import plan
+from moestream.memory.accountant import MemoryAccountant
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return synth_tiny(tmp_path_factory, "qwen3_moe")
+
+
+def test_unbooked_memory_gives_way_to_state_and_keeps_expert_room():
+    m = MemoryAccountant(100 * MiB)
+    m.dense_bytes = 10 * MiB
+    m.set_unbooked(200 * MiB, keep=20 * MiB)  # more than there is: all but the kept expert room
+    assert m.unbooked_bytes == 70 * MiB and m.cache_capacity() == 20 * MiB and m.resident() == 80 * MiB
+    m.grow_state(50 * MiB)  # state never fails for it: unbooked gives its room back
+    assert m.state_bytes == 50 * MiB and m.unbooked_bytes == 20 * MiB and m.cache_capacity() == 20 * MiB
+    m.release_state(50 * MiB)
+    m.set_unbooked(23 * MiB, grow_step=4 * MiB, shrink_step=8 * MiB, keep=20 * MiB)  # small swings: no change
+    assert m.unbooked_bytes == 20 * MiB
+    m.set_unbooked(11 * MiB, grow_step=4 * MiB, shrink_step=8 * MiB, keep=20 * MiB)
+    assert m.unbooked_bytes == 11 * MiB
+    unlimited = MemoryAccountant(None)
+    unlimited.set_unbooked(50 * MiB)
+    assert unlimited.unbooked_bytes == 0
+
+
+@pytest.mark.skipif(anon_rss() == 0, reason="no /proc/self/statm")
+def test_resident_memory_outside_the_books_displaces_experts(tiny):
+    p = plan(tiny)
+    eng = Engine.open(tiny, ram_budget=p.dense_bytes + p.scratch_bytes + 96 * MiB)
+    try:
+        eng.watch_resident(keep=p.max_expert_bytes)
+        st = eng.new_sequence()
+        eng.step([(st, [1, 2, 3, 4])])
+        room = eng.memory.cache_capacity()
+        held = b"\x01" * (48 * MiB)  # touched, resident, on nobody's books
+        eng.step([(st, [5])])
+        assert eng.memory.unbooked_bytes >= 40 * MiB
+        assert eng.memory.cache_capacity() <= room - 40 * MiB
+        assert eng.memory.resident() <= eng.memory.budget
+        assert eng.runner.cache.resident_bytes <= eng.memory.cache_capacity()
+        del held  # unmapped: the room goes back to the experts
+        eng.step([(st, [6])])
+        assert eng.memory.unbooked_bytes < 16 * MiB
+    finally:
+        eng.close()
