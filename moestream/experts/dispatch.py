@@ -28,7 +28,9 @@ from moestream.experts.policies import HeatPolicy, POLICIES, heat_path
 from moestream.experts.prefetch import Lookahead, RouterFn
 from moestream.experts.reader import AHEAD, SCAN_DEPTH
 from moestream.experts.store import ExpertBlob, ExpertStore
+from moestream.kernels import invariant
 from moestream.kernels.cpu import bf16_native
+from moestream.memory.state import scratch
 
 ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 # An ExpertFn may carry `fn.accumulate(x, ids, weights, expert, rows, tensors, out) -> bool`: it adds the expert's
@@ -110,12 +112,25 @@ class ExpertRunner:
         what lets a batch of sequences share a layer step); experts still being read go one by one.
         `router_input`: what this layer's router read, when the experts get something else (K3's latent MoE:
         experts see the narrow z, the routers the full-width x); the lookahead runs the next router on it."""
+        if invariant.active():
+            # each (row, slot)'s expert output apart, summed in slot order at the end: a row's sum then does not
+            # depend on the order its experts ran in (hits first, reads as they land), nor on which call held them
+            pairs = torch.zeros(x.shape[0], ids.shape[1], out_dim or x.shape[1], dtype=torch.float32)
+            with scratch(self.memory, pairs.numel() * 4, "per-slot expert outputs"):
+                self._run(layer, x, ids, weights, fn, pairs, group, router_input)
+            return invariant.combine(pairs, weights)
         out = torch.zeros(x.shape[0], out_dim or x.shape[1], dtype=torch.float32)
+        return self._run(layer, x, ids, weights, fn, out, group, router_input)
+
+    def _run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fn: ExpertFn,
+             out: torch.Tensor, group: GroupFn | None, router_input: torch.Tensor | None) -> torch.Tensor:
+        """`run` into `out`: [T, D] summed, or (batch-invariant) [T, k, D] per slot, unweighted."""
+        fixed = out.dim() == 3
         route_x = x if router_input is None else router_input
-        if group is not None and x.shape[0] == 1 and self._resident_step(layer, x, ids, weights, fn, group, out,
-                                                                         route_x):
+        if group is not None and x.shape[0] == 1 and not fixed and self._resident_step(layer, x, ids, weights, fn,
+                                                                                       group, out, route_x):
             return out
-        route = Routing.of(ids, weights) if x.shape[0] > 1 else None
+        route = Routing.of(ids, weights) if x.shape[0] > 1 or fixed else None
         uniq = route.experts if route is not None else torch.unique(ids).tolist()
         if self.times.steps == 0:
             self.configure_pins(layer)
@@ -473,6 +488,9 @@ class ExpertRunner:
         # one row: the native GEMV reads the stored bytes; more rows: expanded once to fp32 for one GEMM over all
         # of them (docs/performance.md)
         y = fn(x.index_select(0, rows), self.upcast(blob.tensors(), n if n <= NATIVE_MAX_ROWS else None)).float()
+        if out.dim() == 3:  # batch-invariant per-slot outputs (the expert function's own kernels decide its bits)
+            out[rows, route.slots(e)] = y
+            return
         out.index_add_(0, rows, y * w)
 
 
@@ -497,6 +515,7 @@ class Routing:
                  ids: torch.Tensor | None = None, raw: torch.Tensor | None = None):
         self.rows, self.weights, self.experts, self._spans = rows, weights, experts, spans
         self.ids, self.raw = ids, raw  # the step's routing as given: ids [T, k] and their weights [T, k]
+        self._slots = torch.empty(0, dtype=torch.long)  # each sorted pair's slot (set by `of`)
 
     @classmethod
     def of(cls, ids: torch.Tensor, weights: torch.Tensor) -> "Routing":
@@ -506,8 +525,14 @@ class Routing:
         ends = torch.cumsum(counts, 0).tolist()
         spans = {e: slice(end - n, end) for e, n, end in zip(experts.tolist(), counts.tolist(), ends)}
         rows = torch.div(order, ids.shape[1], rounding_mode="floor")
-        return cls(rows, weights.reshape(-1)[order].float().unsqueeze(-1), list(spans), spans,
-                   ids.long().contiguous(), weights.float().contiguous())
+        got = cls(rows, weights.reshape(-1)[order].float().unsqueeze(-1), list(spans), spans,
+                  ids.long().contiguous(), weights.float().contiguous())
+        got._slots = order % ids.shape[1]
+        return got
+
+    def slots(self, e: int) -> torch.Tensor:
+        """The slots (top-k ranks) of the pairs routed to `e`, in the order of `pairs(e)`'s rows."""
+        return self._slots[self._spans[e]]
 
     def pairs(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows routed to `e` (ascending) and their routing weights [n, 1] fp32."""
