@@ -115,7 +115,8 @@ class ExpertRunner:
         if invariant.active():
             # each (row, slot)'s expert output apart, summed in slot order at the end: a row's sum then does not
             # depend on the order its experts ran in (hits first, reads as they land), nor on which call held them
-            pairs = torch.zeros(x.shape[0], ids.shape[1], out_dim or x.shape[1], dtype=torch.float32)
+            # (every pair is written: each routed expert is computed once, or the step fails)
+            pairs = torch.empty(x.shape[0], ids.shape[1], out_dim or x.shape[1], dtype=torch.float32)
             with scratch(self.memory, pairs.numel() * 4, "per-slot expert outputs"):
                 self._run(layer, x, ids, weights, fn, pairs, group, router_input)
             return invariant.combine(pairs, weights)

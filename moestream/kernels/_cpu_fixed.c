@@ -96,3 +96,21 @@ int ms_softmax_topk(float *logits, int64_t T, int64_t E, int64_t k, int renorm, 
     free(taken);
     return 0;
 }
+
+/* out[t, :] = sum_j w[t, j] * pairs[t, j, :] over the k slots in order (slot 0 first; each product rounded, then
+ * added, never fused: the same bits as invariant.combine's torch ops), fp32: a MoE layer's per-slot expert outputs
+ * combined by the row's own slots alone. pairs [T, k, D], w [T, k], out [T, D], contiguous. */
+__attribute__((optimize("fp-contract=off"))) void ms_combine_slots(const float *pairs, int64_t T, int64_t k, int64_t D, const float *w, float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        float *o = out + t * D;
+        const float *y = pairs + t * k * D, *wt = w + t * k;
+        for (int64_t d = 0; d < D; d++) {
+            float acc = wt[0] * y[d];
+            for (int64_t j = 1; j < k; j++) {
+                const float p = wt[j] * y[j * D + d];
+                acc = acc + p;
+            }
+            o[d] = acc;
+        }
+    }
+}

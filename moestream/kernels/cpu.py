@@ -164,6 +164,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_linear_fixed.restype = ctypes.c_int
     lib.ms_softmax_topk.argtypes = [p, i64, i64, i64, ctypes.c_int, p, p]
     lib.ms_softmax_topk.restype = ctypes.c_int
+    lib.ms_combine_slots.argtypes = [p, i64, i64, i64, p, p]
+    lib.ms_combine_slots.restype = None
 
 
 def _load() -> None:
@@ -337,6 +339,18 @@ def linear_fixed(x: Tensor, w: Tensor) -> Tensor:
                               out.data_ptr()):
         raise MemoryError("native fixed-order kernel could not allocate its input panels")
     return out if x2 is x else out.view(*x.shape[:-1], n)
+
+
+def combine_slots(pairs: Tensor, weights: Tensor) -> Tensor:
+    """sum_j weights[t, j] * pairs[t, j] over the slots in order, fp32 [T, D], natively in one pass (pairs fp32
+    [T, k, D] and weights [T, k], made contiguous fp32). Needs available()."""
+    handle = required()
+    t, k, d = pairs.shape
+    pairs = pairs.float().contiguous()
+    w = weights.float().contiguous()
+    out = torch.empty(t, d, dtype=torch.float32)
+    handle.ms_combine_slots(pairs.data_ptr(), t, k, d, w.data_ptr(), out.data_ptr())
+    return out
 
 
 def softmax_topk(logits: Tensor, k: int, renormalize: bool) -> tuple[Tensor, Tensor]:

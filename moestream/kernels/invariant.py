@@ -19,6 +19,8 @@ from typing import Iterator
 
 import torch
 
+from moestream.kernels import cpu
+
 _ON: contextvars.ContextVar[bool] = contextvars.ContextVar("moestream_batch_invariant", default=False)
 
 
@@ -39,7 +41,10 @@ def mode(on: bool) -> Iterator[None]:
 
 def combine(pairs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """sum_j weights[t, j] * pairs[t, j] over the slots in order (slot 0 first), fp32 [T, D]: each product and each
-    sum one elementwise op, so a row's result depends on its own slots alone. pairs [T, k, D], weights [T, k]."""
+    sum one elementwise op, so a row's result depends on its own slots alone. pairs [T, k, D], weights [T, k].
+    Natively in one pass where the kernels are built (the same operations in the same order)."""
+    if cpu.available():
+        return cpu.combine_slots(pairs, weights)
     w = weights.float()
     out = pairs[:, 0] * w[:, 0:1]
     for j in range(1, pairs.shape[1]):
