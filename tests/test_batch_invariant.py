@@ -121,12 +121,13 @@ def _sampled_requests(model_name: str, n: int, max_tokens: int) -> list[dict]:
     words = ["tea", "moon", "river", "stone", "cloud", "lamp", "fox", "salt"]
     return [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
              "body": {"model": model_name, "prompt": " ".join(rng.choices(words, k=rng.randrange(2, 30))),
-                      "max_tokens": max_tokens, "temperature": 1.0, "seed": 1000 + i}} for i in range(n)]
+                      "max_tokens": max_tokens, "temperature": 1.0, "seed": 1000 + i, "logprobs": 1}}
+            for i in range(n)]
 
 
 def test_seeded_job_is_identical_at_any_batch_width(model):
     """A seeded temperature-1 job through the Scheduler: one request at a time, 5 and 24 together (prompts cut by
-    their own length at a 16-token prefill chunk) give the same outputs."""
+    their own length at a 16-token prefill chunk) give the same outputs, logprobs to the last bit."""
     reqs = _sampled_requests(model.name, 24, 12)
     eng = Engine.open(model, batch_invariant=True)
     try:
@@ -135,5 +136,8 @@ def test_seeded_job_is_identical_at_any_batch_width(model):
                 for b in (1, 5, 24)]
     finally:
         eng.close()
-    by_id = [{r["custom_id"]: essence(r["response"]["body"]) for r in res} for res in runs]
+    def exact(body: dict) -> tuple:  # tokens, and their logprobs to the last bit
+        return essence(body), [c["logprobs"]["token_logprobs"] for c in body["choices"]]
+
+    by_id = [{r["custom_id"]: exact(r["response"]["body"]) for r in res} for res in runs]
     assert len(by_id[0]) == 24 and by_id[0] == by_id[1] == by_id[2]
