@@ -33,6 +33,13 @@ def model(tmp_path_factory):
     return root / "m"
 
 
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    root = tmp_path_factory.mktemp("invariant_mixtral")
+    synthesize("mixtral", root / "m", "tiny", cache_dir=root / "cache", progress=False)
+    return root / "m"
+
+
 def _trace(eng: Engine, prompt: list[int], companions: int, prefill_beside: int, seed: int) -> list[torch.Tensor]:
     """The target's logits: its prompt prefilled alone, then 4 decode steps beside `companions` decoding sequences
     (random prompts of 1-40 tokens, prefilled together first) and, when `prefill_beside`, a new prompt of that many
@@ -62,9 +69,10 @@ def _trace(eng: Engine, prompt: list[int], companions: int, prefill_beside: int,
             eng.free(s)
 
 
-@pytest.mark.parametrize("kv", ["fp32", "int8"])
-def test_decode_logits_do_not_depend_on_companions(model, kv):
-    eng = Engine.open(model, kv_dtype=kv, batch_invariant=True)
+@pytest.mark.parametrize("kv", ["fp32", "int8", "mixtral"])
+def test_decode_logits_do_not_depend_on_companions(model, mixtral, kv):
+    eng = Engine.open(mixtral if kv == "mixtral" else model, kv_dtype="fp32" if kv == "mixtral" else kv,
+                      batch_invariant=True)
     try:
         prompt = random.Random(7).choices(range(eng.vocab_size), k=23)
         alone = _trace(eng, prompt, 0, 0, 0)

@@ -9,7 +9,8 @@ store each (row, slot) output apart (fused.moe_glu_bf16 with `pairs`), summed he
 experts ran in (cache hits first, reads as they land) no longer matters; one-token steps skip the fused decode
 layer, decode rows always take the paged attention call and prompt chunks the tiled / flash path (models/), and
 the scheduler cuts a prompt into chunks by its own length alone (server/scheduler.py). What it does not cover is
-said where it applies (kernels/quantised weights, bf16 compute, other families' routers: docs/batch.md).
+listed in README.md's batch section (quantised weights and experts, bf16 compute, sigmoid / biased routers, MLA /
+KDA attention, prefix reuse).
 """
 from __future__ import annotations
 
