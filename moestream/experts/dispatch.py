@@ -37,6 +37,8 @@ ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 # weighted output for its `rows` routed rows into out itself, from the stored bytes, or declines (models/blocks).
 # Several resident experts at once: (x, ids, weights, experts, their tensors, out) -> False when it declines.
 # It must add exactly what _apply would add for each expert (sum of weights x expert output over its rows).
+# Either may set `.pairs = True`: it also takes the batch-invariant out [T, k, D] (each pair's unweighted output at
+# out[t, j], kernels/invariant.py); the runner does not hand that out to one without it.
 GroupFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[dict[str, torch.Tensor]],
                     torch.Tensor], bool]
 Key = tuple[int, int]
@@ -127,6 +129,8 @@ class ExpertRunner:
              out: torch.Tensor, group: GroupFn | None, router_input: torch.Tensor | None) -> torch.Tensor:
         """`run` into `out`: [T, D] summed, or (batch-invariant) [T, k, D] per slot, unweighted."""
         fixed = out.dim() == 3
+        if fixed and not getattr(group, "pairs", False):
+            group = None  # a grouped call that only adds into [T, D]: expert by expert instead
         route_x = x if router_input is None else router_input
         if group is not None and x.shape[0] == 1 and not fixed and self._resident_step(layer, x, ids, weights, fn,
                                                                                        group, out, route_x):
@@ -484,6 +488,8 @@ class ExpertRunner:
             w = weights[rows, slots].unsqueeze(-1).float()
         n = rows.numel()
         acc = getattr(fn, "accumulate", None)
+        if out.dim() == 3 and not getattr(acc, "pairs", False):
+            acc = None  # it adds into [T, D] only
         if acc is not None and isinstance(route, Routing) and acc(x, route.ids, route.raw, e, n, blob.tensors(), out):
             return  # a fused native GLU over up to a few dozen rows, from the stored bytes, added in place
         # one row: the native GEMV reads the stored bytes; more rows: expanded once to fp32 for one GEMM over all

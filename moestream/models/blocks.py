@@ -292,6 +292,7 @@ def expert_glu(act=silu_glu):
         replaces, the torch path lost even at hundreds of rows an expert (docs/performance.md)."""
         return _native_add(spec, x, ids, weights, [expert], [t], out, [rows])
 
+    accumulate.pairs = True  # type: ignore[attr-defined]  # takes the runner's batch-invariant [T, k, D] out
     fn.accumulate = accumulate  # type: ignore[attr-defined]
     fn.act = act  # what the native decode layer's expert table computes (SoftmaxMoE.resident_table)
     return fn
@@ -307,6 +308,7 @@ def glu_group(act=silu_glu) -> Callable[..., bool]:
     def run(x, ids, weights, experts, tensors, out) -> bool:
         return _native_add(spec, x, ids, weights, experts, tensors, out)
 
+    run.pairs = True  # type: ignore[attr-defined]  # takes the runner's batch-invariant [T, k, D] out
     return run
 
 
