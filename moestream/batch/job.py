@@ -34,13 +34,13 @@ class JobConfig:
     ray_chunk: int | None = None
     kv_dtype: str = "fp32"  # KV cache storage (EngineOptions.kv_dtype)
     compute_dtype: str = "fp32"  # many-row products' precision (EngineOptions.compute_dtype)
-    # a request's results independent of its step companions (EngineOptions.batch_invariant); None: on with --ray
-    # (where workers batch requests differently from a local run) when computing in fp32, off otherwise
+    # a request's results independent of its step companions (EngineOptions.batch_invariant), so a local run and
+    # Ray workers (which batch requests differently) give the same outputs; None: on when computing in fp32
     batch_invariant: bool | None = None
 
     def invariant(self) -> bool:
         if self.batch_invariant is None:
-            return self.ray is not None and self.compute_dtype == "fp32"
+            return self.compute_dtype == "fp32"
         return self.batch_invariant
 
 

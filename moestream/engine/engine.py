@@ -177,8 +177,8 @@ class Engine:
         kv_dtype(opts.kv_dtype)  # a bad --kv-dtype fails before anything is read
         check_compute_dtype(opts.compute_dtype)  # ... and a bad --compute-dtype
         if opts.batch_invariant and opts.compute_dtype != "fp32":
-            raise MoestreamError("batch invariance (--batch-invariant, on with --ray) computes in fp32: it cannot go "
-                                 f"with --compute-dtype {opts.compute_dtype}")
+            raise MoestreamError("batch invariance (--batch-invariant) computes in fp32: it cannot go with "
+                                 f"--compute-dtype {opts.compute_dtype}")
         if opts.threads:
             torch.set_num_threads(opts.threads)
             cpu.set_threads(opts.threads)  # the native kernels' pool too (without --threads: torch's count)

@@ -1,4 +1,4 @@
-"""Batch invariance (EngineOptions.batch_invariant, `moestream batch --batch-invariant`, on with `--ray`): a row's
+"""Batch invariance (EngineOptions.batch_invariant; `moestream batch` turns it on with fp32 compute): a row's
 logits bit-identical whatever other rows share its step.
 
 Owns the switch the compute paths read (`active()`, set for a step by `mode`) and the rank-order combine of a MoE
