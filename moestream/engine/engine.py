@@ -234,7 +234,10 @@ class Engine:
         with tensors_fit_config(self.path), transient(self.memory, held, "all-position logits"), \
                 serial_torch(tokens.shape[0] <= SERIAL_TORCH_TOKENS and not self.options.batch_invariant), \
                 compute_dtype(self.options.compute_dtype, self.memory), invariant.mode(self.options.batch_invariant):
-            logits = self.model.forward(tokens, batch, rows)
+            try:
+                logits = self.model.forward(tokens, batch, rows)
+            finally:
+                self.runner.end_step()
         self._heap.after_step()
         for s, t in items:
             s.pos += len(t)

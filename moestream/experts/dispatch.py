@@ -30,7 +30,6 @@ from moestream.experts.reader import AHEAD, SCAN_DEPTH
 from moestream.experts.store import ExpertBlob, ExpertStore
 from moestream.kernels import invariant
 from moestream.kernels.cpu import bf16_native
-from moestream.memory.state import scratch
 
 ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 # An ExpertFn may carry `fn.accumulate(x, ids, weights, expert, rows, tensors, out) -> bool`: it adds the expert's
@@ -89,6 +88,7 @@ class ExpertRunner:
         # layer -> its resident experts' addresses for the native decode layer (models/base.py SoftmaxMoE makes
         # them, or None for a layer without one); filled here from warm steps' hits, cleared on eviction
         self.tables: dict[int, Any] = {}
+        self._pairs = torch.empty(0, dtype=torch.float32)  # batch-invariant per-slot outputs (_pair_buffer)
         if isinstance(pol, HeatPolicy):
             atexit.register(_save_heat, weakref.ref(self))
 
@@ -118,12 +118,27 @@ class ExpertRunner:
             # each (row, slot)'s expert output apart, summed in slot order at the end: a row's sum then does not
             # depend on the order its experts ran in (hits first, reads as they land), nor on which call held them
             # (every pair is written: each routed expert is computed once, or the step fails)
-            pairs = torch.empty(x.shape[0], ids.shape[1], out_dim or x.shape[1], dtype=torch.float32)
-            with scratch(self.memory, pairs.numel() * 4, "per-slot expert outputs"):
-                self._run(layer, x, ids, weights, fn, pairs, group, router_input)
+            pairs = self._pair_buffer(x.shape[0], ids.shape[1], out_dim or x.shape[1])
+            self._run(layer, x, ids, weights, fn, pairs, group, router_input)
             return invariant.combine(pairs, weights)
         out = torch.zeros(x.shape[0], out_dim or x.shape[1], dtype=torch.float32)
         return self._run(layer, x, ids, weights, fn, out, group, router_input)
+
+    def _pair_buffer(self, t: int, k: int, d: int) -> torch.Tensor:
+        """fp32 [t, k, d] for the batch-invariant per-slot outputs: one buffer for every MoE layer of an engine step
+        (fresh pages each layer cost a 542-row decode step ~0.1 s of page faults), charged to the budget while it
+        is held, given back by `end_step`."""
+        need = t * k * d
+        if self._pairs.numel() < need:
+            self.memory.grow_state(4 * (need - self._pairs.numel()), "per-slot expert outputs")
+            self._pairs = torch.empty(need, dtype=torch.float32)
+        return self._pairs[:need].view(t, k, d)
+
+    def end_step(self) -> None:
+        """The engine step is over: the per-slot output buffer goes back (to the kernel and the budget)."""
+        if self._pairs.numel():
+            self.memory.release_state(4 * self._pairs.numel())
+            self._pairs = torch.empty(0, dtype=torch.float32)
 
     def _run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fn: ExpertFn,
              out: torch.Tensor, group: GroupFn | None, router_input: torch.Tensor | None) -> torch.Tensor:
