@@ -72,8 +72,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="each request's results bit-identical whatever requests share its steps (fixed-order "
                         "kernels, prompts cut by their own length), so a seeded temperature > 0 job gives the same "
-                        "output locally and on any number of Ray workers; costs a few percent a step (default: on "
-                        "with fp32 compute; it cannot go with --compute-dtype bf16)")
+                        "output locally and on any number of Ray workers (default: on with fp32 compute; it cannot go "
+                        "with --compute-dtype bf16)")
     add_remote_args(p)
     p.set_defaults(func=cmd_batch)
 
