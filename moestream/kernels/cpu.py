@@ -326,6 +326,12 @@ def fixed_weight(w: Tensor, k_in: int) -> bool:
             and w.is_contiguous() and w.shape[1] == k_in and not w.requires_grad)
 
 
+def fixed_scratch(tokens: int, k_in: int) -> int:
+    """An upper bound of the bytes ms_linear_fixed mallocs for `tokens` rows of width k_in: the rows in panels of
+    up to 32 tokens (_cpu_panel.c's PANEL on any instruction set) and a packing buffer per thread."""
+    return 4 * (-(-tokens // 32) * 32 * k_in + max(1, threads()) * 6 * (k_in + 32)) + 64
+
+
 def linear_fixed(x: Tensor, w: Tensor) -> Tensor:
     """x [..., K] @ w[N, K]^T (w contiguous bf16 or fp32: fixed_weight), float32 [..., N], each output one fp32 sum
     over K in order whatever the number of rows (_cpu_fixed.c): the batch-invariant product. Needs available()."""

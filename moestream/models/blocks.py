@@ -101,7 +101,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, fp32
         y = w.linear(x)
         return y if b is None else y + b
     if invariant.active() and not x.requires_grad and cpu.fixed_weight(w, x.shape[-1]) and cpu.available():
-        y = cpu.linear_fixed(x, w)  # one fixed summation order for any row count (kernels/invariant.py)
+        memory, rows = _COMPUTE.get()[1], x.numel() // max(1, x.shape[-1])
+        with (scratch(memory, cpu.fixed_scratch(rows, x.shape[-1]), "fixed-order input panels")
+              if memory is not None else contextlib.nullcontext()):
+            y = cpu.linear_fixed(x, w)  # one fixed summation order for any row count (kernels/invariant.py)
         return y if b is None else y + b
     if not fp32 and (got := _bf16_linear(x, (w,))) is not None:
         return got[0] if b is None else got[0] + b
@@ -115,10 +118,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, fp32
         return F.linear(x, w.float(), b)
     xt = x.reshape(-1, x.shape[-1]).T  # [in, T]
     out_t = torch.empty(w.shape[0], xt.shape[1], dtype=torch.float32)  # [out, T]: slabs fill contiguous rows
-    scratch = torch.empty(rows, w.shape[1], dtype=torch.float32)
+    upcast = torch.empty(rows, w.shape[1], dtype=torch.float32)
     for r in range(0, w.shape[0], rows):
         n = min(rows, w.shape[0] - r)
-        slab = scratch[:n]
+        slab = upcast[:n]
         slab.copy_(w[r:r + n])
         torch.mm(slab, xt, out=out_t[r:r + n])
     out = out_t.T
