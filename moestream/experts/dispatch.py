@@ -89,6 +89,7 @@ class ExpertRunner:
         # them, or None for a layer without one); filled here from warm steps' hits, cleared on eviction
         self.tables: dict[int, Any] = {}
         self._pairs = torch.empty(0, dtype=torch.float32)  # batch-invariant per-slot outputs (_pair_buffer)
+        self._pairs_charged = 0  # ... the bytes of it charged to the budget
         if isinstance(pol, HeatPolicy):
             atexit.register(_save_heat, weakref.ref(self))
 
@@ -126,19 +127,20 @@ class ExpertRunner:
 
     def _pair_buffer(self, t: int, k: int, d: int) -> torch.Tensor:
         """fp32 [t, k, d] for the batch-invariant per-slot outputs: one buffer for every MoE layer of an engine step
-        (fresh pages each layer cost a 542-row decode step ~0.1 s of page faults), charged to the budget while it
-        is held, given back by `end_step`."""
+        (fresh pages each layer cost a 542-row decode step ~0.1 s of page faults); like `scratch`, the part the
+        fixed scratch allowance does not cover is charged to the budget while it is held, until `end_step`."""
         need = t * k * d
         if self._pairs.numel() < need:
-            self.memory.grow_state(4 * (need - self._pairs.numel()), "per-slot expert outputs")
-            self._pairs = torch.empty(need, dtype=torch.float32)
+            charge = max(0, 4 * need - self.memory.scratch_bytes)
+            self.memory.grow_state(charge - self._pairs_charged, "per-slot expert outputs")
+            self._pairs, self._pairs_charged = torch.empty(need, dtype=torch.float32), charge
         return self._pairs[:need].view(t, k, d)
 
     def end_step(self) -> None:
         """The engine step is over: the per-slot output buffer goes back (to the kernel and the budget)."""
         if self._pairs.numel():
-            self.memory.release_state(4 * self._pairs.numel())
-            self._pairs = torch.empty(0, dtype=torch.float32)
+            self.memory.release_state(self._pairs_charged)
+            self._pairs, self._pairs_charged = torch.empty(0, dtype=torch.float32), 0
 
     def _run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fn: ExpertFn,
              out: torch.Tensor, group: GroupFn | None, router_input: torch.Tensor | None) -> torch.Tensor:
