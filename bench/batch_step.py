@@ -2,6 +2,7 @@
 dense + scratch + a quarter of the experts + their state, a few timed decode steps after a short prefill.
 
     python bench/batch_step.py /work/synth/q3m_med --batch 256 [--prompt-len 4] [--steps 2] [--profile]
+        [--batch-invariant | --alternate]
 
 Reports per step: wall, I/O wait and expert time (the runner's own clocks), attention (models' attend calls),
 bytes read and the disk's rate while reading, and the step roofline (bytes / --disk-bw vs FLOPs / the fp32 matmul
@@ -52,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="each timed step also prefills P new sequences' whole prompts of --mixed-len tokens beside "
                          "the B decoding rows (the mixed steps of a batch job that admits as others finish)")
     ap.add_argument("--mixed-len", type=int, default=64)
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="compute batch-invariantly (EngineOptions.batch_invariant, kernels/invariant.py)")
+    ap.add_argument("--alternate", action="store_true",
+                    help="A/B in one run: the timed steps alternate without and with batch invariance (off first)")
     args = ap.parse_args(argv)
     rec = Recorder() if args.timeline else None
     if rec is not None:
@@ -61,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = default_budget(args.model) + args.batch * args.state_per_seq if args.budget is None else \
         (int(args.budget) or None)
     eng = Engine.open(args.model, budget, threads=args.threads, kv_dtype=args.kv_dtype,
-                      compute_dtype=args.compute_dtype)
+                      compute_dtype=args.compute_dtype, batch_invariant=args.batch_invariant)
     rate = matmul_rate(torch.float32)
     flops = FlopModel.of(eng)
     gen = torch.Generator().manual_seed(0)
@@ -73,13 +78,15 @@ def main(argv: list[str] | None = None) -> int:
         logits = eng.step(list(zip(states[i:i + per], prompts[i:i + per])))
     prefill_s = time.perf_counter() - t
     nxt = [[int(torch.randint(3, eng.vocab_size, (1,), generator=gen))] for _ in states]
-    out = {"batch": args.batch, "budget": budget, "prefill_s": prefill_s, "fp32_flops_per_s": rate, "steps": []}
+    out = {"batch": args.batch, "batch_invariant": args.batch_invariant, "budget": budget, "prefill_s": prefill_s, "fp32_flops_per_s": rate, "steps": []}
     for k in range(args.steps):
         fresh = [(eng.new_sequence(), torch.randint(3, eng.vocab_size, (args.mixed_len,), generator=gen).tolist())
                  for _ in range(args.mixed)]
         r, stats = eng.runner.times, eng.plan.store.reader.stats
         before = (r.io_wait_s, r.expert_s, r.lookahead_s, eng.plan.store.bytes_read, stats.busy_s, time.thread_time(),
                   time.process_time())
+        if args.alternate:
+            eng.options.batch_invariant = k % 2 == 1
         last = args.profile and k == args.steps - 1
         prof = (cProfile.Profile(time.thread_time) if args.cpu else cProfile.Profile()) if last else None
         t = time.perf_counter()
@@ -103,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             "read_rate_while_busy": nbytes / max(1e-9, stats.busy_s - before[4]), "flops": f,
             "io_floor_s": nbytes / args.disk_bw, "compute_floor_s": f / rate,
             "roofline_fraction": max(nbytes / args.disk_bw, f / rate) / wall,
-            "hit_rate": eng.stats["expert_hit_rate"], "rows": rows})
+            "hit_rate": eng.stats["expert_hit_rate"], "rows": rows,
+            "batch_invariant": eng.options.batch_invariant})
         if rec is not None:
             out["steps"][-1]["disk_idle"] = idle_split(rec, t_rec, rec.now())
         if prof:

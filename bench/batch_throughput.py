@@ -268,8 +268,9 @@ def measure_batch(args: argparse.Namespace, budget: int) -> dict:
         from rss_trace import base  # bench/rss_trace.py, beside this script
 
         before = base()
+    invariant = args.compute_dtype == "fp32" if args.batch_invariant is None else args.batch_invariant
     eng = Engine.open(args.model, ram_budget=budget, threads=args.threads, kv_dtype=args.kv_dtype,
-                      compute_dtype=args.compute_dtype)
+                      compute_dtype=args.compute_dtype, batch_invariant=invariant)
     rate = matmul_rate(torch.float32)
     rate_bf16 = matmul_rate(torch.bfloat16)
     tok = Tokenizer.load(args.model)
@@ -325,6 +326,7 @@ def _report(args, budget, rep, results, steps, flops, bw, probes, rate, rate_bf1
         "ram_budget_bytes": budget, "peak_accounted_bytes": stats["peak_resident_bytes"], "peak_rss_bytes": peak,
         "rss_bound_bytes": bound, "rss_within_bound": peak <= bound, "interpreter_rss_bytes": base_rss,
         "compute_threads": torch.get_num_threads(), "kv_dtype": args.kv_dtype, "compute_dtype": args.compute_dtype,
+        "batch_invariant": invariant,
         "step_detail": [s.detail() for s in steps],
     }
 
@@ -353,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compute-dtype", choices=("fp32", "bf16"), default="fp32",
                     help="many-row products' precision (EngineOptions.compute_dtype); the roofline's matmul rate is "
                          "measured in the same precision")
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                    help="EngineOptions.batch_invariant (default: as `moestream batch`, on with fp32 compute)")
     ap.add_argument("--runner", choices=list(RUNNERS), default="job",
                     help="job: the requests as a `moestream batch` job (input file in, fsynced output file out); "
                          "scheduler: submitted straight to the server's Scheduler, results kept in memory")

@@ -56,6 +56,8 @@ class EngineOptions:
     # many-row products (prefill chunks, batch steps): "fp32" (default, the parity bounds) or "bf16" (bf16 weights
     # times bf16-rounded activations, fp32 sums: faster, about bf16's rounding off the fp32 logits; models/blocks.py)
     compute_dtype: str = "fp32"
+    # a row's logits bit-identical whatever rows share its step (kernels/invariant.py; fp32 compute only)
+    batch_invariant: bool = False
 
 
 def read_model_config(root: str | Path) -> dict:

@@ -29,13 +29,14 @@ class BatchWorker:
     """A Ray actor (async: its chunks share one event loop and one Scheduler, hence one engine batch)."""
 
     def __init__(self, model: str, ram_budget: int | None, state_room: str | None, threads: int | None,
-                 options: BatchOptions, kv_dtype: str = "fp32", compute_dtype: str = "fp32"):
+                 options: BatchOptions, kv_dtype: str = "fp32", compute_dtype: str = "fp32",
+                 batch_invariant: bool = False):
         from moestream.engine.engine import Engine
         from moestream.server.scheduler import Scheduler, SchedulerConfig
         from moestream.tokenizer import Tokenizer
 
         self.engine = Engine.open(model, ram_budget=ram_budget, state_room=state_room, kv_dtype=kv_dtype,
-                                  compute_dtype=compute_dtype)
+                                  compute_dtype=compute_dtype, batch_invariant=batch_invariant)
         if threads:
             import torch
 
@@ -104,7 +105,8 @@ def run_on_ray(cfg, todo: Iterator[BatchRequest], emit: Emit, tally: Tally, rema
     chunk = cfg.ray_chunk or default_chunk(cfg.options.in_flight, n_workers, remaining)
     actor = ray.remote(num_cpus=1, max_restarts=0, max_concurrency=CHUNKS_PER_WORKER + 1)(BatchWorker)
     workers = {i: actor.options(name=f"{WORKER_PREFIX}-{i}", scheduling_strategy="SPREAD").remote(
-        cfg.model, cfg.ram_budget, cfg.state_room, cfg.threads, cfg.options, cfg.kv_dtype, cfg.compute_dtype)
+        cfg.model, cfg.ram_budget, cfg.state_room, cfg.threads, cfg.options, cfg.kv_dtype, cfg.compute_dtype,
+        cfg.invariant())
         for i in range(n_workers)}
     driver = _Driver(ray, workers, _chunks(todo, chunk), counted(emit, tally), tally)
     try:

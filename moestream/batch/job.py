@@ -34,6 +34,14 @@ class JobConfig:
     ray_chunk: int | None = None
     kv_dtype: str = "fp32"  # KV cache storage (EngineOptions.kv_dtype)
     compute_dtype: str = "fp32"  # many-row products' precision (EngineOptions.compute_dtype)
+    # a request's results independent of its step companions (EngineOptions.batch_invariant), so a local run and
+    # Ray workers (which batch requests differently) give the same outputs; None: on when computing in fp32
+    batch_invariant: bool | None = None
+
+    def invariant(self) -> bool:
+        if self.batch_invariant is None:
+            return self.compute_dtype == "fp32"
+        return self.batch_invariant
 
 
 def run_job(cfg: JobConfig, engine=None) -> BatchReport:
@@ -72,7 +80,7 @@ def _run_local(cfg: JobConfig, todo, writer: OutputWriter, total: int, skipped: 
     owned = engine is None
     if owned:
         engine = Engine.open(cfg.model, ram_budget=cfg.ram_budget, state_room=cfg.state_room, kv_dtype=cfg.kv_dtype,
-                             compute_dtype=cfg.compute_dtype)
+                             compute_dtype=cfg.compute_dtype, batch_invariant=cfg.invariant())
     try:
         if cfg.threads:
             import torch

@@ -69,6 +69,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ray-chunk", type=int, default=None, metavar="N",
                    help="requests sent to a worker at a time (default: 4 x --max-batch, at most 512, and small enough that "
                         "every worker gets two chunks of the job)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="each request's results bit-identical whatever requests share its steps (fixed-order "
+                        "kernels, prompts cut by their own length), so a seeded temperature > 0 job gives the same "
+                        "output locally and on any number of Ray workers (default: on with fp32 compute; it cannot go "
+                        "with --compute-dtype bf16)")
     add_remote_args(p)
     p.set_defaults(func=cmd_batch)
 
@@ -103,7 +108,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     cfg = JobConfig(str(path), args.input, args.output, budget, args.state_room, args.threads,
                     options, progress=False if args.no_progress else None, price_per_hour=args.price_per_hour,
                     group_lines=args.sync_every, ray=args.ray, ray_workers=args.ray_workers, ray_chunk=args.ray_chunk,
-                    kv_dtype=args.kv_dtype, compute_dtype=args.compute_dtype)
+                    kv_dtype=args.kv_dtype, compute_dtype=args.compute_dtype, batch_invariant=args.batch_invariant)
     report = run_job(cfg)
     if args.json:
         print(json.dumps(report.to_dict()))

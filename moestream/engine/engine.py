@@ -24,7 +24,7 @@ from moestream.errors import BudgetError, CheckpointError, MoestreamError, Reque
 from moestream.experts.dispatch import ExpertRunner
 from moestream.experts.reader import IO_THREADS
 from moestream.experts.store import ExpertStore, fp32_nbytes
-from moestream.kernels import cpu
+from moestream.kernels import cpu, invariant
 from moestream.kernels.qweight import dense_scratch_bytes
 from moestream.kernels.quant import GROUP_DECODE_BYTES, SCRATCH_BYTES as QUANT_SCRATCH_BYTES
 from moestream.models.blocks import UPCAST_CHUNK_BYTES, check_compute_dtype, compute_dtype
@@ -177,6 +177,9 @@ class Engine:
         opts = EngineOptions(ram_budget=parse_bytes(ram_budget), device=device, **options)
         kv_dtype(opts.kv_dtype)  # a bad --kv-dtype fails before anything is read
         check_compute_dtype(opts.compute_dtype)  # ... and a bad --compute-dtype
+        if opts.batch_invariant and opts.compute_dtype != "fp32":
+            raise MoestreamError("batch invariance (--batch-invariant) computes in fp32: it cannot go with "
+                                 f"--compute-dtype {opts.compute_dtype}")
         if opts.threads:
             torch.set_num_threads(opts.threads)
             cpu.set_threads(opts.threads)  # the native kernels' pool too (without --threads: torch's count)
@@ -230,9 +233,12 @@ class Engine:
         # scheduler charges the rest of a large step's activations around it (activation_bytes)
         held = rows.shape[0] * self.vocab_size * 4 if all_logits else 0
         with tensors_fit_config(self.path), transient(self.memory, held, "all-position logits"), \
-                serial_torch(tokens.shape[0] <= SERIAL_TORCH_TOKENS), compute_dtype(self.options.compute_dtype,
-                                                                                     self.memory):
-            logits = self.model.forward(tokens, batch, rows)
+                serial_torch(tokens.shape[0] <= SERIAL_TORCH_TOKENS and not self.options.batch_invariant), \
+                compute_dtype(self.options.compute_dtype, self.memory), invariant.mode(self.options.batch_invariant):
+            try:
+                logits = self.model.forward(tokens, batch, rows)
+            finally:
+                self.runner.end_step()
         self._heap.after_step()
         if self._resident is not None:
             self._resident.after_step()

@@ -28,6 +28,7 @@ from moestream.experts.policies import HeatPolicy, POLICIES, heat_path
 from moestream.experts.prefetch import Lookahead, RouterFn
 from moestream.experts.reader import AHEAD, SCAN_DEPTH
 from moestream.experts.store import ExpertBlob, ExpertStore
+from moestream.kernels import invariant
 from moestream.kernels.cpu import bf16_native
 
 ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
@@ -35,6 +36,8 @@ ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 # weighted output for its `rows` routed rows into out itself, from the stored bytes, or declines (models/blocks).
 # Several resident experts at once: (x, ids, weights, experts, their tensors, out) -> False when it declines.
 # It must add exactly what _apply would add for each expert (sum of weights x expert output over its rows).
+# Either may set `.pairs = True`: it also takes the batch-invariant out [T, k, D] (each pair's unweighted output at
+# out[t, j], kernels/invariant.py); the runner does not hand that out to one without it.
 GroupFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[dict[str, torch.Tensor]],
                     torch.Tensor], bool]
 Key = tuple[int, int]
@@ -85,6 +88,8 @@ class ExpertRunner:
         # layer -> its resident experts' addresses for the native decode layer (models/base.py SoftmaxMoE makes
         # them, or None for a layer without one); filled here from warm steps' hits, cleared on eviction
         self.tables: dict[int, Any] = {}
+        self._pairs = torch.empty(0, dtype=torch.float32)  # batch-invariant per-slot outputs (_pair_buffer)
+        self._pairs_charged = 0  # ... the bytes of it charged to the budget
         if isinstance(pol, HeatPolicy):
             atexit.register(_save_heat, weakref.ref(self))
 
@@ -110,12 +115,44 @@ class ExpertRunner:
         what lets a batch of sequences share a layer step); experts still being read go one by one.
         `router_input`: what this layer's router read, when the experts get something else (K3's latent MoE:
         experts see the narrow z, the routers the full-width x); the lookahead runs the next router on it."""
+        if invariant.active():
+            # each (row, slot)'s expert output apart, summed in slot order at the end: a row's sum then does not
+            # depend on the order its experts ran in (hits first, reads as they land), nor on which call held them
+            # (every pair is written: each routed expert is computed once, or the step fails)
+            pairs = self._pair_buffer(x.shape[0], ids.shape[1], out_dim or x.shape[1])
+            self._run(layer, x, ids, weights, fn, pairs, group, router_input)
+            return invariant.combine(pairs, weights)
         out = torch.zeros(x.shape[0], out_dim or x.shape[1], dtype=torch.float32)
+        return self._run(layer, x, ids, weights, fn, out, group, router_input)
+
+    def _pair_buffer(self, t: int, k: int, d: int) -> torch.Tensor:
+        """fp32 [t, k, d] for the batch-invariant per-slot outputs: one buffer for every MoE layer of an engine step
+        (fresh pages each layer cost a 542-row decode step ~0.1 s of page faults); like `scratch`, the part the
+        fixed scratch allowance does not cover is charged to the budget while it is held, until `end_step`."""
+        need = t * k * d
+        if self._pairs.numel() < need:
+            charge = max(0, 4 * need - self.memory.scratch_bytes)
+            self.memory.grow_state(charge - self._pairs_charged, "per-slot expert outputs")
+            self._pairs, self._pairs_charged = torch.empty(need, dtype=torch.float32), charge
+        return self._pairs[:need].view(t, k, d)
+
+    def end_step(self) -> None:
+        """The engine step is over: the per-slot output buffer goes back (to the kernel and the budget)."""
+        if self._pairs.numel():
+            self.memory.release_state(self._pairs_charged)
+            self._pairs, self._pairs_charged = torch.empty(0, dtype=torch.float32), 0
+
+    def _run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fn: ExpertFn,
+             out: torch.Tensor, group: GroupFn | None, router_input: torch.Tensor | None) -> torch.Tensor:
+        """`run` into `out`: [T, D] summed, or (batch-invariant) [T, k, D] per slot, unweighted."""
+        fixed = out.dim() == 3
+        if fixed and not getattr(group, "pairs", False):
+            group = None  # a grouped call that only adds into [T, D]: expert by expert instead
         route_x = x if router_input is None else router_input
-        if group is not None and x.shape[0] == 1 and self._resident_step(layer, x, ids, weights, fn, group, out,
-                                                                         route_x):
+        if group is not None and x.shape[0] == 1 and not fixed and self._resident_step(layer, x, ids, weights, fn,
+                                                                                       group, out, route_x):
             return out
-        route = Routing.of(ids, weights) if x.shape[0] > 1 else None
+        route = Routing.of(ids, weights) if x.shape[0] > 1 or fixed else None
         uniq = route.experts if route is not None else torch.unique(ids).tolist()
         if self.times.steps == 0:
             self.configure_pins(layer)
@@ -468,11 +505,16 @@ class ExpertRunner:
             w = weights[rows, slots].unsqueeze(-1).float()
         n = rows.numel()
         acc = getattr(fn, "accumulate", None)
+        if out.dim() == 3 and not getattr(acc, "pairs", False):
+            acc = None  # it adds into [T, D] only
         if acc is not None and isinstance(route, Routing) and acc(x, route.ids, route.raw, e, n, blob.tensors(), out):
             return  # a fused native GLU over up to a few dozen rows, from the stored bytes, added in place
         # one row: the native GEMV reads the stored bytes; more rows: expanded once to fp32 for one GEMM over all
         # of them (docs/performance.md)
         y = fn(x.index_select(0, rows), self.upcast(blob.tensors(), n if n <= NATIVE_MAX_ROWS else None)).float()
+        if out.dim() == 3:  # batch-invariant per-slot outputs (the expert function's own kernels decide its bits)
+            out[rows, route.slots(e)] = y
+            return
         out.index_add_(0, rows, y * w)
 
 
@@ -497,6 +539,7 @@ class Routing:
                  ids: torch.Tensor | None = None, raw: torch.Tensor | None = None):
         self.rows, self.weights, self.experts, self._spans = rows, weights, experts, spans
         self.ids, self.raw = ids, raw  # the step's routing as given: ids [T, k] and their weights [T, k]
+        self._slots = torch.empty(0, dtype=torch.long)  # each sorted pair's slot (set by `of`)
 
     @classmethod
     def of(cls, ids: torch.Tensor, weights: torch.Tensor) -> "Routing":
@@ -506,8 +549,14 @@ class Routing:
         ends = torch.cumsum(counts, 0).tolist()
         spans = {e: slice(end - n, end) for e, n, end in zip(experts.tolist(), counts.tolist(), ends)}
         rows = torch.div(order, ids.shape[1], rounding_mode="floor")
-        return cls(rows, weights.reshape(-1)[order].float().unsqueeze(-1), list(spans), spans,
-                   ids.long().contiguous(), weights.float().contiguous())
+        got = cls(rows, weights.reshape(-1)[order].float().unsqueeze(-1), list(spans), spans,
+                  ids.long().contiguous(), weights.float().contiguous())
+        got._slots = order % ids.shape[1]
+        return got
+
+    def slots(self, e: int) -> torch.Tensor:
+        """The slots (top-k ranks) of the pairs routed to `e`, in the order of `pairs(e)`'s rows."""
+        return self._slots[self._spans[e]]
 
     def pairs(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows routed to `e` (ascending) and their routing weights [n, 1] fp32."""

@@ -540,7 +540,7 @@ int ms_bf16dot_glu(int64_t E, const int64_t *experts, const int64_t *gates, cons
     int64_t *start = (int64_t *)mem, *count = start + E, *poff = count + E, *ustart = poff + E + 1;
     int64_t *row = ustart + E + 1;
     float *wt = (float *)(row + A);
-    glu_group(E, experts, T, ids, wts, k, start, count, row, wt);
+    glu_group(E, experts, T, ids, wts, k, start, count, row, wt, NULL);
     poff[0] = ustart[0] = 0;
     for (int64_t e = 0; e < E; e++) {
         poff[e + 1] = poff[e] + bp_count(count[e]);

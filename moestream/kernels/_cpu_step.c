@@ -38,6 +38,10 @@ typedef struct {
     float *xp, *hp;
     float *pack;                  /* per part: pack_floats floats */
     int64_t pack_floats;
+    /* the batch-invariant form (ms_moe_glu_bf16_pairs): each assignment's unweighted output stored at
+     * pairs + pair[a] * D (pair[a] = t * k + j) instead of added into out; NULL otherwise */
+    const int64_t *pair;
+    float *pairs;
 } glu_job;
 
 INLINE float glu_act(int act, float g, float u, float beta, float lbeta) {
@@ -80,6 +84,11 @@ static void glu_down_panel(const glu_job *j, int64_t e, int64_t c0, int64_t c1, 
             const int64_t w = T - p * PANEL < PANEL ? T - p * PANEL : PANEL;
             panel_run(pd, hp + p * PANEL * I, I, c, w);
             for (int64_t t = 0; t < w; t++) {
+                if (j->pairs) {
+                    float *o = j->pairs + j->pair[a0 + p * PANEL + t] * j->ldo + n;
+                    for (int r = 0; r < rr; r++) o[r] = c[r * PANEL + t];
+                    continue;
+                }
                 const float wt = j->wt[a0 + p * PANEL + t];
                 float *o = j->out + j->row[a0 + p * PANEL + t] * j->ldo + n;
                 for (int r = 0; r < rr; r++) o[r] += wt * c[r * PANEL + t];
@@ -146,6 +155,11 @@ static void glu_down_part(void *arg, int64_t part, int64_t parts, int slot) {
             const int64_t nn = c1 - n0 < DOWN_ROWS ? c1 - n0 : DOWN_ROWS;
             bf16_rows(j->h + a0 * j->ldh, j->ldh, T, j->I, j->down[e], n0, n0 + nn, y, DOWN_ROWS);
             for (int64_t t = 0; t < T; t++) {
+                if (j->pairs) {
+                    float *o = j->pairs + j->pair[a0 + t] * j->ldo + n0;
+                    for (int64_t n = 0; n < nn; n++) o[n] = y[t * DOWN_ROWS + n];
+                    continue;
+                }
                 const float w = j->wt[a0 + t];
                 float *o = j->out + j->row[a0 + t] * j->ldo + n0;
                 for (int64_t n = 0; n < nn; n++) o[n] += w * y[t * DOWN_ROWS + n];
@@ -164,20 +178,22 @@ static int64_t glu_pairs(int64_t E, const int64_t *experts, int64_t T, const int
 }
 
 /* The pairs expert-major: expert e's are row / wt[start[e] .. start[e] + count[e]), tokens ascending (weight 1
- * without ids). Returns the largest count. */
+ * without ids), and each one's index t * k + j into `pair` when not NULL (t without ids). Returns the largest count. */
 static int64_t glu_group(int64_t E, const int64_t *experts, int64_t T, const int64_t *ids, const float *wts,
-                         int64_t k, int64_t *start, int64_t *count, int64_t *row, float *wt) {
+                         int64_t k, int64_t *start, int64_t *count, int64_t *row, float *wt, int64_t *pair) {
     int64_t a = 0, maxcount = 0;
     for (int64_t e = 0; e < E; e++) {
         start[e] = a;
         for (int64_t t = 0; t < T; t++) {
             if (ids == NULL) {
+                if (pair) pair[a] = t;
                 row[a] = t;
                 wt[a++] = 1.0f;
                 continue;
             }
             for (int64_t i = 0; i < k; i++)
                 if (ids[t * k + i] == experts[e]) {
+                    if (pair) pair[a] = t * k + i;
                     row[a] = t;
                     wt[a++] = wts[t * k + i];
                 }
@@ -193,22 +209,23 @@ static int64_t glu_group(int64_t E, const int64_t *experts, int64_t T, const int
  * ids[t * k + j] == experts[e], w = wts[t * k + j]. With ids NULL every token goes through every expert with weight
  * 1. x fp32 [T, K], out fp32 [T, D], both contiguous. act: 0 SiLU-GLU, 1 SiTU-GLU(beta, lbeta). Returns 0, or -1
  * when out of memory. */
-int ms_moe_glu_bf16(int64_t E, const int64_t *experts, const int64_t *gates, const int64_t *ups,
-                    const int64_t *downs, int64_t I, int64_t K, int64_t D, const float *x, int64_t T,
-                    const int64_t *ids, const float *wts, int64_t k, float *out, int act, float beta, float lbeta) {
+static int moe_glu(int64_t E, const int64_t *experts, const int64_t *gates, const int64_t *ups,
+                   const int64_t *downs, int64_t I, int64_t K, int64_t D, const float *x, int64_t T,
+                   const int64_t *ids, const float *wts, int64_t k, float *out, int act, float beta, float lbeta,
+                   int64_t panel_min, float *pairs) {
     if (E <= 0 || T <= 0 || D <= 0) return 0;
     const int64_t A = glu_pairs(E, experts, T, ids, k);
     if (A == 0) return 0;
     const int64_t ldx = bf16_stride(K), ldh = bf16_stride(I);
     int parts = pool_parts; /* a thread's wake-up costs about as much as streaming 100-200 KB */
     while (parts > 1 && E * (2 * I * K + D * I) * 2 / parts < MIN_BYTES_PER_PART) parts--;
-    const size_t meta = sizeof(int64_t) * (size_t)(2 * E + A) + sizeof(float) * (size_t)A;
+    const size_t meta = sizeof(int64_t) * (size_t)(2 * E + 2 * A) + sizeof(float) * (size_t)A;
     char *mem = malloc(meta + 64 + sizeof(float) * (size_t)(A * (ldx + ldh)));
     if (!mem) return -1;
-    int64_t *start = (int64_t *)mem, *count = start + E, *row = count + E;
-    float *wt = (float *)(row + A);
+    int64_t *start = (int64_t *)mem, *count = start + E, *row = count + E, *pair = row + A;
+    float *wt = (float *)(pair + A);
     float *xa = (float *)(((uintptr_t)(mem + meta) + 63) & ~(uintptr_t)63), *h = xa + A * ldx;
-    const int64_t maxcount = glu_group(E, experts, T, ids, wts, k, start, count, row, wt);
+    const int64_t maxcount = glu_group(E, experts, T, ids, wts, k, start, count, row, wt, pair);
     /* experts with many tokens run on the panel kernel (_cpu_panel.c): their panel offsets and pass-1 units */
     int64_t *poff = malloc(sizeof(int64_t) * (size_t)(2 * E + 1)), *ustart = poff + E, pfl = 0;
     if (!poff) {
@@ -217,7 +234,7 @@ int ms_moe_glu_bf16(int64_t E, const int64_t *experts, const int64_t *gates, con
     }
     ustart[0] = 0;
     for (int64_t e = 0; e < E; e++) {
-        const int use = count[e] >= PANEL_MIN_T;
+        const int use = count[e] >= panel_min;
         poff[e] = use ? pfl : -1;
         pfl += use ? panel_count(count[e]) * PANEL : 0;
         const int64_t rows = use ? PANEL_ROWS : GLU_ROWS;
@@ -242,7 +259,7 @@ int ms_moe_glu_bf16(int64_t E, const int64_t *experts, const int64_t *gates, con
     if (pfl) memset(hp, 0, sizeof(float) * (size_t)(pfl * I)); /* ... and the padded tokens of each panel */
     glu_job j = {E, I, K, D, ldx, ldh, maxcount, D, (const uint16_t *const *)gates, (const uint16_t *const *)ups,
                  (const uint16_t *const *)downs, start, count, row, wt, xa, h, scratch, out, act, beta, lbeta,
-                 x, poff, ustart, xp, hp, pk, pack_floats};
+                 x, poff, ustart, xp, hp, pk, pack_floats, pair, pairs};
     if (parts <= 1) {
         for (int64_t p = 0; p < pfl / PANEL; p++) glu_pack_part(&j, p, pfl / PANEL, 0);
         glu_up_part(&j, 0, 1, 0);
@@ -259,6 +276,26 @@ int ms_moe_glu_bf16(int64_t E, const int64_t *experts, const int64_t *gates, con
     free(poff);
     free(mem);
     return 0;
+}
+
+int ms_moe_glu_bf16(int64_t E, const int64_t *experts, const int64_t *gates, const int64_t *ups,
+                    const int64_t *downs, int64_t I, int64_t K, int64_t D, const float *x, int64_t T,
+                    const int64_t *ids, const float *wts, int64_t k, float *out, int act, float beta, float lbeta) {
+    return moe_glu(E, experts, gates, ups, downs, I, K, D, x, T, ids, wts, k, out, act, beta, lbeta, PANEL_MIN_T,
+                   NULL);
+}
+
+/* The batch-invariant form of ms_moe_glu_bf16 (ids required): every expert on the panel kernel whatever its row
+ * count (each output one fp32 sum over its inputs in order, the same bits for an expert of 1 row or of 500), and
+ * each (t, j) pair's unweighted expert output stored at pairs[(t * k + j) * D ..] (fp32 [T, k, D]) instead of
+ * added into out, so that the caller sums a row's experts in slot order whatever order the experts ran in.
+ * Returns 0, or -1 when out of memory. */
+int ms_moe_glu_bf16_pairs(int64_t E, const int64_t *experts, const int64_t *gates, const int64_t *ups,
+                          const int64_t *downs, int64_t I, int64_t K, int64_t D, const float *x, int64_t T,
+                          const int64_t *ids, const float *wts, int64_t k, float *pairs, int act, float beta,
+                          float lbeta) {
+    if (ids == NULL) return -2;
+    return moe_glu(E, experts, gates, ups, downs, I, K, D, x, T, ids, wts, k, NULL, act, beta, lbeta, 1, pairs);
 }
 
 typedef struct {

@@ -54,7 +54,8 @@ _ABI = 16
 _SOURCE = Path(__file__).with_name("_cpu.c")
 # _cpu.c #includes the others
 _SOURCES = (_SOURCE, *(Path(__file__).with_name(n)
-                       for n in ("_cpu_panel.c", "_cpu_step.c", "_cpu_paged.c", "_cpu_layer.c", "_cpu_bf16.c")))
+                       for n in ("_cpu_panel.c", "_cpu_step.c", "_cpu_paged.c", "_cpu_layer.c", "_cpu_bf16.c",
+                                 "_cpu_fixed.c")))
 _LAYOUTS = {"low_first": 0, "gguf": 1}
 
 _lock = threading.Lock()
@@ -157,6 +158,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_bf16dot_linear.restype = ctypes.c_int
     lib.ms_bf16dot_glu.argtypes = lib.ms_moe_glu_bf16.argtypes
     lib.ms_bf16dot_glu.restype = ctypes.c_int
+    lib.ms_moe_glu_bf16_pairs.argtypes = lib.ms_moe_glu_bf16.argtypes
+    lib.ms_moe_glu_bf16_pairs.restype = ctypes.c_int
+    lib.ms_linear_fixed.argtypes = [p, i64, i64, p, ctypes.c_int, i64, p]
+    lib.ms_linear_fixed.restype = ctypes.c_int
+    lib.ms_softmax_topk.argtypes = [p, i64, i64, i64, ctypes.c_int, p, p]
+    lib.ms_softmax_topk.restype = ctypes.c_int
+    lib.ms_combine_slots.argtypes = [p, i64, i64, i64, p, p]
+    lib.ms_combine_slots.restype = None
 
 
 def _load() -> None:
@@ -309,6 +318,58 @@ def linear_bf16(x: Tensor, w: Tensor, min_rows_per_thread: int = MIN_ROWS_PER_TH
     if handle.ms_linear_bf16(x2.data_ptr(), x2.shape[0], k, w.data_ptr(), n, out.data_ptr(), min_rows_per_thread):
         raise MemoryError("native bf16 kernel could not allocate its input scratch")
     return out if x2 is x else out.view(*x.shape[:-1], n)
+
+
+def fixed_weight(w: Tensor, k_in: int) -> bool:
+    """Whether `linear_fixed` takes w for inputs of width k_in: a plain contiguous 2-D bf16 or fp32 [N, k_in]."""
+    return (type(w) is torch.Tensor and w.dtype in (torch.bfloat16, torch.float32) and w.dim() == 2
+            and w.is_contiguous() and w.shape[1] == k_in and not w.requires_grad)
+
+
+def fixed_scratch(tokens: int, k_in: int) -> int:
+    """An upper bound of the bytes ms_linear_fixed mallocs for `tokens` rows of width k_in: the rows in panels of
+    up to 32 tokens (_cpu_panel.c's PANEL on any instruction set) and a packing buffer per thread."""
+    return 4 * (-(-tokens // 32) * 32 * k_in + max(1, threads()) * 6 * (k_in + 32)) + 64
+
+
+def linear_fixed(x: Tensor, w: Tensor) -> Tensor:
+    """x [..., K] @ w[N, K]^T (w contiguous bf16 or fp32: fixed_weight), float32 [..., N], each output one fp32 sum
+    over K in order whatever the number of rows (_cpu_fixed.c): the batch-invariant product. Needs available()."""
+    handle = required()
+    n, k = w.shape
+    if not fixed_weight(w, k):
+        raise ValueError(f"linear_fixed wants a contiguous 2-D bf16 or fp32 weight, got {tuple(w.shape)} {w.dtype}")
+    x2 = rows(x, k)
+    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    if handle.ms_linear_fixed(x2.data_ptr(), x2.shape[0], k, w.data_ptr(), int(w.dtype == torch.bfloat16), n,
+                              out.data_ptr()):
+        raise MemoryError("native fixed-order kernel could not allocate its input panels")
+    return out if x2 is x else out.view(*x.shape[:-1], n)
+
+
+def combine_slots(pairs: Tensor, weights: Tensor) -> Tensor:
+    """sum_j weights[t, j] * pairs[t, j] over the slots in order, fp32 [T, D], natively in one pass (pairs fp32
+    [T, k, D] and weights [T, k], made contiguous fp32). Needs available()."""
+    handle = required()
+    t, k, d = pairs.shape
+    pairs = pairs.float().contiguous()
+    w = weights.float().contiguous()
+    out = torch.empty(t, d, dtype=torch.float32)
+    handle.ms_combine_slots(pairs.data_ptr(), t, k, d, w.data_ptr(), out.data_ptr())
+    return out
+
+
+def softmax_topk(logits: Tensor, k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """softmax over each row of logits [T, E] (fp32) and its top k, best first, renormalised when asked, one row at a
+    time natively (the same bits for a row whatever T). Returns (ids int64 [T, k], weights fp32 [T, k])."""
+    handle = required()
+    lg = logits.to(torch.float32).contiguous().clone()
+    t, e = lg.shape
+    ids = torch.empty(t, k, dtype=torch.int64)
+    wts = torch.empty(t, k, dtype=torch.float32)
+    if handle.ms_softmax_topk(lg.data_ptr(), t, e, k, int(renormalize), ids.data_ptr(), wts.data_ptr()):
+        raise MemoryError("native softmax top-k could not allocate its scratch")
+    return ids, wts
 
 
 def linear_bf16_many(x: Tensor, ws: Sequence[Tensor], min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> list[Tensor]:

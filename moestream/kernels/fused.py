@@ -39,12 +39,19 @@ def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, i
 
     compute "bf16" (the opt-in bf16 compute path, EngineOptions.compute_dtype; K and inter even): x and the GLU
     activations are rounded to bf16 and the products summed in fp32 (_cpu_bf16.c), each token's result independent
-    of the other tokens, so the split into calls does not change it either; "fp32" (default): fp32 activations."""
+    of the other tokens, so the split into calls does not change it either; "fp32" (default): fp32 activations.
+
+    The batch-invariant form (kernels/invariant.py): `out` fp32 [T, k, D] (ids required, compute "fp32") receives
+    each (t, j) pair's unweighted expert output at out[t, j] (ms_moe_glu_bf16_pairs: every expert on the panel
+    kernel), for the caller to sum in slot order."""
     required()
     t, k_in = x.shape
     if x.dtype != torch.float32 or not x.is_contiguous():
         x = x.float().contiguous()
-    if out.dtype != torch.float32 or not out.is_contiguous() or out.dim() != 2 or out.shape[0] != t:
+    pairs = out.dim() == 3
+    if pairs and (ids is None or compute != "fp32" or out.shape[1] != ids.shape[1]):
+        raise ValueError("moe_glu_bf16: per-pair outputs [T, k, D] need ids [T, k] and fp32 compute")
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.dim() not in (2, 3) or out.shape[0] != t:
         raise ValueError(f"moe_glu_bf16 wants a contiguous fp32 out [{t}, D], got {tuple(out.shape)} {out.dtype}")
     if ids is not None:
         if scores is None or ids.shape != scores.shape or ids.dim() != 2 or ids.shape[0] != t:
@@ -58,23 +65,24 @@ def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, i
     bf16 = compute == "bf16"
     if bf16 and (inter % 2 or k_in % 2):
         raise ValueError(f"moe_glu_bf16: bf16 compute wants even widths, got inter {inter}, K {k_in}")
-    call = _GluCall(experts, parts, inter, k_in, out.shape[1], act, beta, linear_beta, bf16)
-    cap = glu_scratch_cap(inter, k_in, out.shape[1])
+    call = _GluCall(experts, parts, inter, k_in, out.shape[-1], act, beta, linear_beta, bf16, pairs)
+    cap = glu_scratch_cap(inter, k_in, out.shape[-1])
     # what any routing of these rows could need (t x k pairs, at most t per expert): a decode step fits without
     # counting its pairs
-    pairs = t * (len(experts) if ids is None else ids.shape[1])
-    if (_scratch_bf16 if bf16 else _scratch)(pairs, len(experts), t, inter, k_in) <= cap:
+    n_pairs = t * (len(experts) if ids is None else ids.shape[1])
+    if (_scratch_bf16(n_pairs, len(experts), t, inter, k_in) if bf16
+            else _scratch(n_pairs, len(experts), t, inter, k_in, pairs)) <= cap:
         call(range(len(experts)), x, ids, scores, out)
         return
     counts = _pair_counts(experts, ids, t) if counts is None else list(counts)
-    if glu_call_scratch(counts, inter, k_in, bf16) <= cap:
+    if glu_call_scratch(counts, inter, k_in, bf16, pairs) <= cap:
         call(range(len(experts)), x, ids, scores, out)
         return
-    for group in _expert_groups(counts, inter, k_in, cap, bf16):
-        if len(group) > 1 or glu_call_scratch([counts[group[0]]], inter, k_in, bf16) <= cap:
+    for group in _expert_groups(counts, inter, k_in, cap, bf16, pairs):
+        if len(group) > 1 or glu_call_scratch([counts[group[0]]], inter, k_in, bf16, pairs) <= cap:
             call(group, x, ids, scores, out)
             continue
-        for lo, hi in _token_ranges(experts[group[0]], ids, t, counts[group[0]], inter, k_in, cap, bf16):
+        for lo, hi in _token_ranges(experts[group[0]], ids, t, counts[group[0]], inter, k_in, cap, bf16, pairs):
             call(group, x[lo:hi], None if ids is None else ids[lo:hi], None if scores is None else scores[lo:hi],
                  out[lo:hi])
 
@@ -90,22 +98,28 @@ _GLU_ROWS, _PR = 16, 6  # _cpu_step.c's pass-1 rows per unit, _cpu_panel.c's wei
 _PANEL_MIN_T = 16  # _cpu_panel.c's PANEL_MIN_T: an expert with this many pairs takes the panel kernel
 
 
-def glu_call_scratch(counts: Sequence[int], inter: int, k_in: int, bf16: bool = False) -> int:
+def glu_call_scratch(counts: Sequence[int], inter: int, k_in: int, bf16: bool = False, pairs: bool = False) -> int:
     """An upper bound of the bytes ms_moe_glu_bf16 mallocs for experts routed counts[e] (token, slot) pairs each
     (_cpu_step.c's arithmetic, paddings rounded up): per pair its routing entry, its prepared input and hidden
     rows and their panel copies; per expert a panel's padding; per thread the pass-1 rows of the largest expert
-    and a panel packing buffer. bf16: ms_bf16dot_glu's (_cpu_bf16.c: routing entries, bf16 x and h panels)."""
-    return (_scratch_bf16 if bf16 else _scratch)(sum(counts), len(counts), max(counts, default=0), inter, k_in)
+    and a panel packing buffer. bf16: ms_bf16dot_glu's (_cpu_bf16.c: routing entries, bf16 x and h panels).
+    pairs: ms_moe_glu_bf16_pairs' (every expert on the panel kernel, a pair index per pair)."""
+    if bf16:
+        return _scratch_bf16(sum(counts), len(counts), max(counts, default=0), inter, k_in)
+    return _scratch(sum(counts), len(counts), max(counts, default=0), inter, k_in, pairs)
 
 
-def _scratch(pairs: int, experts: int, largest: int, inter: int, k_in: int) -> int:
+def _scratch(pairs: int, experts: int, largest: int, inter: int, k_in: int, every_panel: bool = False) -> int:
     """glu_call_scratch for `pairs` pairs over `experts` experts, the largest taking `largest`. A panel's padding
     is counted only for the experts that can take the panel kernel (at most one in _PANEL_MIN_T pairs, and none
     when the largest takes fewer): a 16-token step over 56 of 64 peer experts counted 56 paddings (11 MB, past
-    the cap) and ran as three calls where one fits."""
+    the cap) and ran as three calls where one fits. every_panel: the batch-invariant call (all experts on panels)."""
     wide, threads = max(inter, k_in), max(1, cpu.threads())
-    per_pair = 12 + 4 * (k_in + inter + 2 * _PAD) + 4 * (k_in + inter)
-    panels = min(experts, pairs // _PANEL_MIN_T) if largest >= _PANEL_MIN_T else 0
+    per_pair = 20 + 4 * (k_in + inter + 2 * _PAD) + 4 * (k_in + inter)
+    if every_panel:
+        panels = experts
+    else:
+        panels = min(experts, pairs // _PANEL_MIN_T) if largest >= _PANEL_MIN_T else 0
     per_thread = 4 * (2 * _GLU_ROWS * largest + 2 * _PR * (wide + _PAD))
     return pairs * per_pair + experts * 40 + panels * 4 * _PAD * (k_in + inter) + threads * per_thread + 256
 
@@ -125,13 +139,14 @@ def _pair_counts(experts: Sequence[int], ids: Tensor | None, t: int) -> list[int
     return [hist[e] if 0 <= e < len(hist) else 0 for e in experts]
 
 
-def _expert_groups(counts: list[int], inter: int, k_in: int, cap: int, bf16: bool = False) -> list[list[int]]:
+def _expert_groups(counts: list[int], inter: int, k_in: int, cap: int, bf16: bool = False,
+                   pairs: bool = False) -> list[list[int]]:
     """Consecutive runs of expert indices whose call fits `cap` (a run of one may not: the caller splits it)."""
     groups: list[list[int]] = []
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        if groups and glu_call_scratch([counts[i] for i in groups[-1]] + [n], inter, k_in, bf16) <= cap:
+        if groups and glu_call_scratch([counts[i] for i in groups[-1]] + [n], inter, k_in, bf16, pairs) <= cap:
             groups[-1].append(e)
         else:
             groups.append([e])
@@ -139,12 +154,12 @@ def _expert_groups(counts: list[int], inter: int, k_in: int, cap: int, bf16: boo
 
 
 def _token_ranges(expert: int, ids: Tensor | None, t: int, count: int, inter: int, k_in: int,
-                  cap: int, bf16: bool = False) -> list[tuple[int, int]]:
+                  cap: int, bf16: bool = False, pairs: bool = False) -> list[tuple[int, int]]:
     """Token ranges [lo, hi) splitting `expert`'s `count` pairs evenly into as few calls as fit `cap`. Even, so
     that no range is left with fewer rows than the panel kernel takes (an expert's rows then meet the same
     kernel, whose per-token sums do not depend on how tokens are grouped)."""
     per = 1
-    while per < count and glu_call_scratch([2 * per], inter, k_in, bf16) <= cap:
+    while per < count and glu_call_scratch([2 * per], inter, k_in, bf16, pairs) <= cap:
         per *= 2
     n = -(-count // per)
     if ids is None:
@@ -160,14 +175,16 @@ class _GluCall:
     """One ms_moe_glu_bf16 (or, bf16, ms_bf16dot_glu) call over a subset of the experts (addresses gathered once)."""
 
     def __init__(self, experts: Sequence[int], parts: Sequence[tuple[int, int, int]], inter: int, k_in: int,
-                 d_out: int, act: str, beta: float, linear_beta: float, bf16: bool = False):
+                 d_out: int, act: str, beta: float, linear_beta: float, bf16: bool = False, pairs: bool = False):
         self.experts, self.parts, self.inter, self.k_in, self.d_out = list(experts), list(parts), inter, k_in, d_out
         self.act, self.beta, self.linear_beta, self.bf16 = ACTIVATIONS[act], beta, linear_beta, bf16
+        self.pairs = pairs  # out is [T, k, D]: ms_moe_glu_bf16_pairs
 
     def __call__(self, which, x: Tensor, ids: Tensor | None, scores: Tensor | None, out: Tensor) -> None:
         which = list(which)
         handle = required()
-        code = (handle.ms_bf16dot_glu if self.bf16 else handle.ms_moe_glu_bf16)(
+        fn = handle.ms_bf16dot_glu if self.bf16 else handle.ms_moe_glu_bf16_pairs if self.pairs else handle.ms_moe_glu_bf16
+        code = fn(
             len(which), _addresses([self.experts[i] for i in which]), _addresses([self.parts[i][0] for i in which]),
             _addresses([self.parts[i][1] for i in which]), _addresses([self.parts[i][2] for i in which]),
             self.inter, self.k_in, self.d_out, x.data_ptr(), x.shape[0], None if ids is None else ids.data_ptr(),

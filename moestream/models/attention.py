@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moestream.memory.state import BLOCK_TOKENS, BlockBuffer, Segment, scratch, scratch_budget
 from moestream.errors import CheckpointError
-from moestream.kernels import cpu, fused, kvquant, paged
+from moestream.kernels import cpu, fused, invariant, kvquant, paged
 from moestream.models.blocks import linear, linear_many, rms_norm
 from moestream.models.tiled import TILE_BYTES, Tiles, attend_tiles, tile_plan
 
@@ -233,14 +233,17 @@ class GQAMixer:
         q, k, v = linear_many(x, (self.q, self.k, self.v), (self.qb, self.kb, self.vb))
         q = q.view(t, self.heads, self.head_dim)
         k, v = k.view(t, self.kv_heads, self.head_dim), v.view(t, self.kv_heads, self.head_dim)
-        if self._native(x, batch):
+        fixed = invariant.active()  # each sequence's attention by its own shape alone, never by its companions'
+        if not fixed and self._native(x, batch):
             return linear(self._attend_native(q, k, v, batch, index).view(t, -1), self.o, self.ob)
         out = torch.empty(t, self.heads, self.head_dim)
         single = [seg for seg in batch.segments if seg.length == 1 and seg.pos > 0]
-        if len(single) < PAGED_MIN_SEQUENCES:
+        if len(single) < (1 if fixed else PAGED_MIN_SEQUENCES):
+            single = []
+        paged_rows = bool(single) and self._kernel_fits(x) and self.window is None
+        if fixed and not paged_rows:  # the padded batch call's shape depends on the others: one sequence at a time
             single = []
         rows = torch.tensor([seg.start for seg in single], dtype=torch.long)
-        paged_rows = bool(single) and self._kernel_fits(x) and self.window is None
         if paged_rows:  # a step that also prefills: its decoding sequences still take the one paged call
             out[rows] = self._attend_paged(q[rows], k[rows], v[rows], single, index)
         if self.q_norm is not None:

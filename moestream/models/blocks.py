@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from moestream.config import COMPUTE_DTYPE_NAMES
 from moestream.errors import MoestreamError
-from moestream.kernels import cpu, fused
+from moestream.kernels import cpu, fused, invariant
 from moestream.kernels.qweight import QuantWeight
 from moestream.memory.state import scratch
 
@@ -100,6 +100,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, fp32
     if isinstance(w, QuantWeight):
         y = w.linear(x)
         return y if b is None else y + b
+    if invariant.active() and not x.requires_grad and cpu.fixed_weight(w, x.shape[-1]) and cpu.available():
+        memory, rows = _COMPUTE.get()[1], x.numel() // max(1, x.shape[-1])
+        with (scratch(memory, cpu.fixed_scratch(rows, x.shape[-1]), "fixed-order input panels")
+              if memory is not None else contextlib.nullcontext()):
+            y = cpu.linear_fixed(x, w)  # one fixed summation order for any row count (kernels/invariant.py)
+        return y if b is None else y + b
     if not fp32 and (got := _bf16_linear(x, (w,))) is not None:
         return got[0] if b is None else got[0] + b
     if cpu.bf16_native(w, x):
@@ -112,10 +118,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, fp32
         return F.linear(x, w.float(), b)
     xt = x.reshape(-1, x.shape[-1]).T  # [in, T]
     out_t = torch.empty(w.shape[0], xt.shape[1], dtype=torch.float32)  # [out, T]: slabs fill contiguous rows
-    scratch = torch.empty(rows, w.shape[1], dtype=torch.float32)
+    upcast = torch.empty(rows, w.shape[1], dtype=torch.float32)
     for r in range(0, w.shape[0], rows):
         n = min(rows, w.shape[0] - r)
-        slab = scratch[:n]
+        slab = upcast[:n]
         slab.copy_(w[r:r + n])
         torch.mm(slab, xt, out=out_t[r:r + n])
     out = out_t.T
@@ -129,6 +135,8 @@ def linear_many(x: torch.Tensor, ws: tuple[torch.Tensor, ...],
     """[linear(x, w, b) for each weight]: one native call for all of them when each would take the native kernel
     (x prepared once; the weights' rows split over the threads together), else one linear each."""
     bs = bs or (None,) * len(ws)
+    if invariant.active():
+        return [linear(x, w, b) for w, b in zip(ws, bs)]
     if (got := _bf16_linear(x, ws)) is not None:
         return [y if b is None else y + b.float() for y, b in zip(got, bs)]
     if len(ws) > 1 and all(cpu.bf16_native(w, x) and w.is_contiguous() and w.shape[1] == x.shape[-1] for w in ws):
@@ -235,9 +243,10 @@ def _native_glu(x: torch.Tensor, parts: list[Glu], spec: tuple[str, float, float
     """One fused native call for experts of one shape; False (nothing done) when the shapes do not fit.
     `counts`: each expert's routed pairs, where the caller knows them (fused.moe_glu_bf16)."""
     first = parts[0]
-    if any(p[3:] != first[3:] for p in parts) or first[4] != x.shape[1] or first[5] != out.shape[1]:
+    if any(p[3:] != first[3:] for p in parts) or first[4] != x.shape[1] or first[5] != out.shape[-1]:
         return False
-    bf16 = _bf16_rows(x.shape[0], BF16_GLU_MIN_ROWS) and first[3] % 2 == 0 and first[4] % 2 == 0
+    bf16 = (out.dim() == 2 and _bf16_rows(x.shape[0], BF16_GLU_MIN_ROWS) and first[3] % 2 == 0
+            and first[4] % 2 == 0)
     fused.moe_glu_bf16(x, experts or [0] * len(parts), [p[:3] for p in parts], first[3], out, ids, weights, *spec,
                        counts=counts, compute="bf16" if bf16 else "fp32")
     return True
@@ -248,7 +257,8 @@ def _native_add(spec: tuple[str, float, float] | None, x: torch.Tensor, ids: tor
                 counts: list[int] | None = None) -> bool:
     """out[t] += weights[t, j] * expert(x[t]) for every (t, j) routed to one of `experts` (bf16 GLU tensors), in one
     fused native call from the stored bytes; False, with nothing done, where that kernel does not apply.
-    `counts`: the pairs routed to each of `experts`, where the caller knows them."""
+    `counts`: the pairs routed to each of `experts`, where the caller knows them. An out of [T, k, D] (the
+    batch-invariant runner's per-slot outputs) receives out[t, j] = expert(x[t]) instead (fused.moe_glu_bf16)."""
     if spec is None or x.requires_grad or not cpu.available():
         return False
     parts = [glu_parts(t) for t in tensors]
@@ -285,6 +295,7 @@ def expert_glu(act=silu_glu):
         replaces, the torch path lost even at hundreds of rows an expert (docs/performance.md)."""
         return _native_add(spec, x, ids, weights, [expert], [t], out, [rows])
 
+    accumulate.pairs = True  # type: ignore[attr-defined]  # takes the runner's batch-invariant [T, k, D] out
     fn.accumulate = accumulate  # type: ignore[attr-defined]
     fn.act = act  # what the native decode layer's expert table computes (SoftmaxMoE.resident_table)
     return fn
@@ -300,12 +311,16 @@ def glu_group(act=silu_glu) -> Callable[..., bool]:
     def run(x, ids, weights, experts, tensors, out) -> bool:
         return _native_add(spec, x, ids, weights, experts, tensors, out)
 
+    run.pairs = True  # type: ignore[attr-defined]  # takes the runner's batch-invariant [T, k, D] out
     return run
 
 
 def softmax_route(x: torch.Tensor, gate: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax_topk(linear(x, gate), k, renormalize), in one native call (GEMV, softmax, top-k) for the few rows of
-    a decode step with a bf16 router; the same values up to fp32 rounding."""
+    a decode step with a bf16 router; the same values up to fp32 rounding. Batch-invariantly (kernels/invariant.py):
+    the fixed-order product, then softmax and top-k one row at a time natively."""
+    if invariant.active() and cpu.available():
+        return cpu.softmax_topk(linear(x, gate, fp32=True), k, renormalize)
     if (x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous() and gate.is_contiguous()
             and cpu.bf16_native(gate, x) and gate.shape[1] == x.shape[1]):
         return fused.router_softmax_topk(x, gate, k, renormalize)

@@ -391,6 +391,9 @@ class Scheduler:
     def _plan(self) -> list[tuple[_Seq, list[int]]]:
         """Decoding sequences advance by one token; prefilling ones share `prefill_chunk` prompt tokens (FIFO)."""
         items, budget = [], max(1, self.cfg.prefill_chunk)
+        fixed = getattr(self.engine.options, "batch_invariant", False)
+        if fixed:
+            return self._plan_fixed(items, budget)
         if self.engine.memory.limited and not self.profile.known:
             budget = 1  # one token shows the state's shape (admission waits for it); a whole prompt would read more
         for seq in self.active:
@@ -401,6 +404,26 @@ class Scheduler:
                 seq.todo = seq.todo[len(take):]
                 budget -= len(take)
                 items.append((seq, take))
+        return items
+
+    def _plan_fixed(self, items: list[tuple[_Seq, list[int]]], budget: int) -> list[tuple[_Seq, list[int]]]:
+        """`_plan` for a batch-invariant engine: a prompt is cut where its own length says (every `prefill_chunk`
+        tokens from its start), never where the step's budget ran out, so its attention and KV rows are the same
+        whatever prompts share its steps. Prefilling sequences take their next whole piece while the step's budget
+        holds it, in order (the first always fits); while the state's shape is unknown, one piece of one prompt."""
+        chunk = budget
+        one = self.engine.memory.limited and not self.profile.known
+        for seq in self.active:
+            if not seq.todo:
+                items.append((seq, [seq.next_token]))
+                continue
+            take = seq.todo[:chunk - len(seq.fed) % chunk]
+            if len(take) > budget:
+                budget = 0  # first come, first served: no later prompt goes ahead of this one
+                continue
+            seq.todo = seq.todo[len(take):]
+            budget = 0 if one else budget - len(take)
+            items.append((seq, take))
         return items
 
     def _make_room(self, items: list[tuple[_Seq, list[int]]]) -> list[tuple[_Seq, list[int]]]:
