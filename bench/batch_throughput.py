@@ -268,7 +268,7 @@ def measure_batch(args: argparse.Namespace, budget: int) -> dict:
         from rss_trace import base  # bench/rss_trace.py, beside this script
 
         before = base()
-    invariant = args.compute_dtype == "fp32" if args.batch_invariant is None else args.batch_invariant
+    invariant = batch_invariant(args)
     eng = Engine.open(args.model, ram_budget=budget, threads=args.threads, kv_dtype=args.kv_dtype,
                       compute_dtype=args.compute_dtype, batch_invariant=invariant)
     rate = matmul_rate(torch.float32)
@@ -299,6 +299,11 @@ def measure_batch(args: argparse.Namespace, budget: int) -> dict:
                    peak, base_rss)
 
 
+def batch_invariant(args) -> bool:
+    """--batch-invariant as given, else as `moestream batch` decides: on with fp32 compute."""
+    return args.compute_dtype == "fp32" if args.batch_invariant is None else args.batch_invariant
+
+
 def _report(args, budget, rep, results, steps, flops, bw, probes, rate, rate_bf16, stats, peak, base_rss) -> dict:
     gen = sum(r["tokens"] for r in results)
     prompt = sum(args.prompt_len for r in results if "error" not in r)
@@ -326,7 +331,7 @@ def _report(args, budget, rep, results, steps, flops, bw, probes, rate, rate_bf1
         "ram_budget_bytes": budget, "peak_accounted_bytes": stats["peak_resident_bytes"], "peak_rss_bytes": peak,
         "rss_bound_bytes": bound, "rss_within_bound": peak <= bound, "interpreter_rss_bytes": base_rss,
         "compute_threads": torch.get_num_threads(), "kv_dtype": args.kv_dtype, "compute_dtype": args.compute_dtype,
-        "batch_invariant": invariant,
+        "batch_invariant": batch_invariant(args),
         "step_detail": [s.detail() for s in steps],
     }
 
