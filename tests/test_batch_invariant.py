@@ -14,7 +14,7 @@ from moestream.batch import BatchOptions, requests_from, run_batch
 from moestream.engine.engine import Engine
 from moestream.errors import MoestreamError
 from moestream.kernels import cpu
-from moestream.synth import synthesize
+from conftest import synth_tiny
 from moestream.tokenizer import Tokenizer
 
 from test_batch import essence
@@ -28,16 +28,12 @@ COMPANIONS = (0, 1, 2, 3, 7, 8, 15, 16, 17, 63, 64, 65, 130, 255, 520)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    root = tmp_path_factory.mktemp("invariant_model")
-    synthesize("qwen3_moe", root / "m", "tiny", cache_dir=root / "cache", progress=False)
-    return root / "m"
+    return synth_tiny(tmp_path_factory, "qwen3_moe")
 
 
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory):
-    root = tmp_path_factory.mktemp("invariant_mixtral")
-    synthesize("mixtral", root / "m", "tiny", cache_dir=root / "cache", progress=False)
-    return root / "m"
+    return synth_tiny(tmp_path_factory, "mixtral")
 
 
 def _trace(eng: Engine, prompt: list[int], companions: int, prefill_beside: int, seed: int) -> list[torch.Tensor]:

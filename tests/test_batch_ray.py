@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray")
 from moestream.batch import BatchOptions, JobConfig, requests_from, run_batch, run_job  # noqa: E402
 from moestream.batch.distributed import WORKER_PREFIX  # noqa: E402
 from moestream.engine.engine import Engine  # noqa: E402
-from moestream.synth import synthesize  # noqa: E402
+from conftest import synth_tiny  # noqa: E402
 from moestream.tokenizer import Tokenizer  # noqa: E402
 
 from test_batch import count_lines, essence, read_jsonl, requests, write_jsonl  # noqa: E402
@@ -22,9 +22,7 @@ from test_batch import count_lines, essence, read_jsonl, requests, write_jsonl  
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ray_model")
-    synthesize("qwen3_moe", root / "m", "tiny", cache_dir=root / "cache", progress=False)
-    return root / "m"
+    return synth_tiny(tmp_path_factory, "qwen3_moe")
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import prompt_ids, synth_tiny
+from test_kv_int8 import check_tail_edge_clone, held_state
 from moestream.errors import MoestreamError
 from moestream.kernels import kvquant
 from moestream.memory.accountant import MemoryAccountant
@@ -81,32 +82,8 @@ def test_block_buffer_int4_stores_charges_and_reads_back():
     blk = buf.blocks[0]
     assert torch.equal(blk[:142 * 2 * 2 * 4].view(torch.float32), s.flatten())
     assert torch.equal(blk[142 * 16:142 * 16 + 142 * 128], q.flatten())
-    new = torch.randn(4, 2, 128)
-    buf.overwrite_tail(new)  # rows 296..299 span no block edge
-    assert torch.equal(buf.gather()[-4:], kvquant.roundtrip(new, 4))
-    edge = BlockBuffer(mem, (2, 128), dtype=kv_dtype("int4"))
-    edge.push(rows[:144])
-    edge.overwrite_tail(new)  # rows 140..143 span the edge at 142
-    assert torch.equal(edge.gather()[140:], kvquant.roundtrip(new, 4))
-    assert torch.equal(edge.gather()[:140], kvquant.roundtrip(rows[:140], 4))
-    copy = buf.clone(200)
-    mem.grow_state(copy.clone_bytes(), "clone")  # as server/prefix.py charges a clone
-    assert torch.equal(copy.gather(), buf.gather()[:200]) and copy.clone_bytes() == 2 * buf.block_charge
-    copy.release()
-    before = blocks_out()
-    buf.release()
-    edge.release()
-    assert mem.state_bytes == 0 and blocks_out() == before - 5
+    check_tail_edge_clone(mem, buf, rows, 4)
 
-
-def test_block_buffer_int4_window_drops_blocks():
-    mem = MemoryAccountant(None)
-    buf = BlockBuffer(mem, (1, 64), dtype=kv_dtype("int4"), window=16)
-    rows = torch.randn(600, 1, 64)
-    for i in range(600):
-        buf.push(rows[i:i + 1])
-    assert len(buf.blocks) <= 2 and buf.length == 600
-    assert torch.equal(buf.gather()[-16:], kvquant.roundtrip(rows[-16:], 4))
 
 
 # Per family: the bound on the median and the 80th percentile of the per-position max logit difference against
@@ -157,15 +134,6 @@ def test_int4_bound_fails_with_a_wrong_scale(tmp_path_factory, monkeypatch):
 
 
 def test_int4_state_is_about_half_of_int8(tmp_path_factory):
-    from moestream import Engine
-
-    path = synth_tiny(tmp_path_factory, "qwen3_moe")
-    held = {}
-    for kv in ("int8", "int4"):
-        eng = Engine.open(path, kv_dtype=kv)
-        st = eng.new_sequence()
-        eng.prefill(st, prompt_ids(eng.vocab_size, 1000))  # tiny rows: int8 32 + 2 scales = 40 bytes, int4 24
-        held[kv] = eng.memory.state_bytes
-        eng.free(st)
-        eng.close()
+    # tiny rows: int8 32 + 2 scales = 40 bytes, int4 24
+    held = held_state(synth_tiny(tmp_path_factory, "qwen3_moe"), ("int8", "int4"), 1000)
     assert held["int8"] / 2 < held["int4"] < 0.7 * held["int8"]

@@ -10,7 +10,7 @@ from conftest import prompt_ids, synth_tiny
 from moestream.kernels import kvquant
 from moestream.memory.accountant import MemoryAccountant
 from moestream.memory.slabs import blocks_out
-from moestream.memory.state import BLOCK_TOKENS, BlockBuffer, block_shape
+from moestream.memory.state import BLOCK_TOKENS, BlockBuffer, block_shape, kv_dtype
 
 
 def test_quantize_error_is_within_half_a_step_of_each_group():
@@ -42,31 +42,41 @@ def test_block_buffer_int8_stores_charges_and_reads_back():
     assert mem.state_bytes == buf.nbytes == 2 * buf.block_charge
     assert torch.equal(buf.gather(), kvquant.roundtrip(rows))
     assert buf.tile_dtype == torch.float32 and buf.view().dtype == torch.float32
-    new = torch.randn(3, 2, 128)
-    buf.overwrite_tail(new)  # rows 147..149 span no block edge; 73..76 below do
-    assert torch.equal(buf.gather()[-3:], kvquant.roundtrip(new))
-    edge = BlockBuffer(mem, (2, 128), dtype=torch.int8)
-    edge.push(rows[:77])
-    edge.overwrite_tail(new.repeat(2, 1, 1)[:4])
-    assert torch.equal(edge.gather()[73:], kvquant.roundtrip(new.repeat(2, 1, 1)[:4]))
-    copy = buf.clone(120)
+    check_tail_edge_clone(mem, buf, rows, 8)
+
+
+def check_tail_edge_clone(mem: MemoryAccountant, buf: BlockBuffer, rows: torch.Tensor, bits: int) -> None:
+    """A quantised BlockBuffer `buf` holding `rows` (its last rows inside one block): overwrite_tail inside a block
+    and across a block edge, a clone of a block and a half, and every block given back (int8 and int4 tests)."""
+    new = torch.randn(4, *rows.shape[1:])
+    buf.overwrite_tail(new)  # within the last block
+    assert torch.equal(buf.gather()[-4:], kvquant.roundtrip(new, bits))
+    b = buf.block
+    edge = BlockBuffer(mem, tuple(rows.shape[1:]), dtype=buf.dtype)
+    edge.push(rows[:b + 2])
+    edge.overwrite_tail(new)  # rows b - 2 .. b + 1 span the edge
+    assert torch.equal(edge.gather()[b - 2:], kvquant.roundtrip(new, bits))
+    assert torch.equal(edge.gather()[:b - 2], kvquant.roundtrip(rows[:b - 2], bits))
+    n = b + b // 2
+    copy = buf.clone(n)
     mem.grow_state(copy.clone_bytes(), "clone")  # as server/prefix.py charges a clone
-    assert torch.equal(copy.gather(), buf.gather()[:120]) and copy.clone_bytes() == 2 * buf.block_charge
+    assert torch.equal(copy.gather(), buf.gather()[:n]) and copy.clone_bytes() == 2 * buf.block_charge
     copy.release()
-    before = blocks_out()
+    before, held = blocks_out(), len(buf.blocks) + len(edge.blocks)
     buf.release()
     edge.release()
-    assert mem.state_bytes == 0 and blocks_out() == before - 4
+    assert mem.state_bytes == 0 and blocks_out() == before - held
 
 
-def test_block_buffer_int8_window_drops_blocks():
+@pytest.mark.parametrize("name, bits, n", [("int8", 8, 300), ("int4", 4, 600)])
+def test_block_buffer_quantized_window_drops_blocks(name, bits, n):
     mem = MemoryAccountant(None)
-    buf = BlockBuffer(mem, (1, 64), dtype=torch.int8, window=16)
-    rows = torch.randn(300, 1, 64)
-    for i in range(300):
+    buf = BlockBuffer(mem, (1, 64), dtype=kv_dtype(name), window=16)
+    rows = torch.randn(n, 1, 64)
+    for i in range(n):
         buf.push(rows[i:i + 1])
-    assert len(buf.blocks) <= 2 and buf.length == 300
-    assert torch.equal(buf.gather()[-16:], kvquant.roundtrip(rows[-16:]))
+    assert len(buf.blocks) <= 2 and buf.length == n
+    assert torch.equal(buf.gather()[-16:], kvquant.roundtrip(rows[-16:], bits))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "kimi_k3", "kimi_linear"])
@@ -99,16 +109,22 @@ def test_int8_kv_close_to_fp32(tmp_path_factory, family):
         int8.close()
 
 
-def test_int8_state_is_about_half_of_bf16(tmp_path_factory):
+def held_state(path, kv_dtypes, prompt_len: int) -> dict:
+    """The state bytes one sequence's prefill of `prompt_len` tokens books, per KV dtype."""
     from moestream import Engine
 
-    path = synth_tiny(tmp_path_factory, "qwen3_moe")
     held = {}
-    for kv in ("bf16", "int8"):
+    for kv in kv_dtypes:
         eng = Engine.open(path, kv_dtype=kv)
         st = eng.new_sequence()
-        eng.prefill(st, prompt_ids(eng.vocab_size, 300))  # tiny rows: bf16 64 bytes, int8 32 + 2 scales = 40
+        eng.prefill(st, prompt_ids(eng.vocab_size, prompt_len))
         held[kv] = eng.memory.state_bytes
         eng.free(st)
         eng.close()
+    return held
+
+
+def test_int8_state_is_about_half_of_bf16(tmp_path_factory):
+    # tiny rows: bf16 64 bytes, int8 32 + 2 scales = 40
+    held = held_state(synth_tiny(tmp_path_factory, "qwen3_moe"), ("bf16", "int8"), 300)
     assert held["bf16"] / 2 < held["int8"] < 0.7 * held["bf16"]
