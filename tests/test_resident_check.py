@@ -1,6 +1,8 @@
 """Resident memory outside the accountant's books is booked after a step (engine/allocator.ResidentCheck), so the
 expert cache gives its room up: what the freed objects of a batch job's finished sequences left resident (a
 1,024-request job ended 25 MiB over its RSS bound, docs/memory.md)."""
+import mmap
+
 import pytest
 
 from conftest import synth_tiny
@@ -47,13 +49,17 @@ def test_resident_memory_outside_the_books_displaces_experts(tiny):
         eng.watch_resident(keep=p.max_expert_bytes)
         eng.step([(st, [5])])
         room = eng.memory.cache_capacity()
-        held = b"\x01" * (48 * MiB)  # touched, resident, on nobody's books
+        # a mapping of its own: a bytes object this size can be carved from a free hole that earlier tests left in
+        # the heap, and after `del` its pages stay resident until the next trim (measured in the full suite)
+        held = mmap.mmap(-1, 48 * MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        for page in range(0, 48 * MiB, mmap.PAGESIZE):
+            held[page] = 1  # touched, resident, on nobody's books
         eng.step([(st, [6])])
         assert eng.memory.unbooked_bytes >= 40 * MiB
         assert eng.memory.cache_capacity() <= room - 40 * MiB
         assert eng.memory.resident() <= eng.memory.budget
         assert eng.runner.cache.resident_bytes <= eng.memory.cache_capacity()
-        del held  # unmapped: the room goes back to the experts
+        held.close()  # unmapped: the room goes back to the experts
         eng.step([(st, [7])])
         assert eng.memory.unbooked_bytes < 16 * MiB
     finally:
