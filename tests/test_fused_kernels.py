@@ -67,6 +67,29 @@ def test_moe_glu_matches_float64(shape, act, threads):
 
 
 @native
+def test_moe_glu_one_pass_on_two_threads(threads):
+    """Experts big enough to split over two threads (8 x 96 KiB): at 1-3 tokens an expert (the row kernels) both
+    passes run as one threaded call, the down projections waiting per expert for its activations; the sums equal
+    one thread's bit for bit and the float64 reference's."""
+    names = list(range(8))
+    experts = _experts(len(names), 64, 128, 128, seed=11)
+    for t in (1, 3):
+        x = torch.randn(t, 128, generator=seeded(t + 50))
+        ids = torch.stack([torch.randperm(8, generator=seeded(200 + i))[:8] for i in range(t)])
+        scores = torch.rand(t, 8, generator=seeded(t + 9))
+        got = []
+        for n in (1, 2):
+            threads(n)
+            runs = cpu.pool_stats()["runs"]
+            out = torch.zeros(t, 128)
+            fused.moe_glu_bf16(x, names, [tuple(m.data_ptr() for m in e) for e in experts], 64, out, ids, scores)
+            got.append(out)
+            assert cpu.pool_stats()["runs"] - runs == n - 1  # two threads: one threaded call for both passes
+        assert torch.equal(got[0], got[1])
+        assert max_rel_diff(got[1], _reference(x, experts, ids, scores, names, _silu)) < 1e-5
+
+
+@native
 def test_moe_glu_without_routing_is_each_expert_alone():
     experts = _experts(1, 25, 40, 56, seed=3)
     for t in (5, 40):  # 40: the panel kernel, two full panels and a half one

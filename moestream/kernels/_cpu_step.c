@@ -42,6 +42,10 @@ typedef struct {
      * pairs + pair[a] * D (pair[a] = t * k + j) instead of added into out; NULL otherwise */
     const int64_t *pair;
     float *pairs;
+    /* one pass instead of two (glu_step_part): the first up_chunks chunks are pass 1's, the rest pass 2's, and
+     * left[e] counts expert e's pass-1 units not yet finished; NULL for two passes */
+    int64_t up_chunks;
+    _Atomic int64_t *left;
 } glu_job;
 
 INLINE float glu_act(int act, float g, float u, float beta, float lbeta) {
@@ -138,6 +142,15 @@ static void glu_up_part(void *arg, int64_t part, int64_t parts, int slot) {
 }
 
 
+/* waits until every pass-1 unit of an expert has finished (its h complete): polls, yielding the CPU now and then
+ * so that a thread still computing those units gets it if both share one CPU */
+static void glu_wait(_Atomic int64_t *left) {
+    for (int spins = 1; atomic_load_explicit(left, memory_order_acquire) > 0; spins++) {
+        cpu_relax();
+        if ((spins & 255) == 0) sched_yield();
+    }
+}
+
 /* output columns of chunk `part` of `parts` (each column's experts added in their given order) */
 static void glu_down_part(void *arg, int64_t part, int64_t parts, int slot) {
     const glu_job *j = arg;
@@ -147,6 +160,7 @@ static void glu_down_part(void *arg, int64_t part, int64_t parts, int slot) {
     for (int64_t e = 0; e < j->E; e++) {
         const int64_t T = j->count[e], a0 = j->start[e];
         if (T <= 0) continue;
+        if (j->left) glu_wait(&j->left[e]);
         if (j->poff[e] >= 0) {
             glu_down_panel(j, e, c0, c1, slot);
             continue;
@@ -165,6 +179,25 @@ static void glu_down_part(void *arg, int64_t part, int64_t parts, int slot) {
                 for (int64_t n = 0; n < nn; n++) o[n] += w * y[t * DOWN_ROWS + n];
             }
         }
+    }
+}
+
+/* Both passes as one list of chunks (experts on the row kernels only): chunks below up_chunks are pass 1's, the
+ * rest pass 2's. Chunks are handed out in order, so every pass-1 chunk is taken (and being computed) before the
+ * first pass-2 chunk is; a pass-2 chunk waits for each expert's h just before it reads it (glu_down_part), so the
+ * thread that finishes pass 1 first starts on the down projections at once instead of waiting at a barrier for
+ * the other's last chunk. Each value is computed by the same code as in two passes, in the same order. */
+static void glu_step_part(void *arg, int64_t chunk, int64_t chunks, int slot) {
+    const glu_job *j = arg;
+    if (chunk >= j->up_chunks) {
+        glu_down_part(arg, chunk - j->up_chunks, chunks - j->up_chunks, slot);
+        return;
+    }
+    glu_up_part(arg, chunk, j->up_chunks, slot);
+    const int64_t units = j->ustart[j->E], u0 = units * chunk / j->up_chunks, u1 = units * (chunk + 1) / j->up_chunks;
+    for (int64_t e = 0; e < j->E; e++) { /* this chunk's units of each expert are done */
+        const int64_t lo = u0 > j->ustart[e] ? u0 : j->ustart[e], hi = u1 < j->ustart[e + 1] ? u1 : j->ustart[e + 1];
+        if (lo < hi) atomic_fetch_sub_explicit(&j->left[e], hi - lo, memory_order_release);
     }
 }
 
@@ -259,7 +292,7 @@ static int moe_glu(int64_t E, const int64_t *experts, const int64_t *gates, cons
     if (pfl) memset(hp, 0, sizeof(float) * (size_t)(pfl * I)); /* ... and the padded tokens of each panel */
     glu_job j = {E, I, K, D, ldx, ldh, maxcount, D, (const uint16_t *const *)gates, (const uint16_t *const *)ups,
                  (const uint16_t *const *)downs, start, count, row, wt, xa, h, scratch, out, act, beta, lbeta,
-                 x, poff, ustart, xp, hp, pk, pack_floats, pair, pairs};
+                 x, poff, ustart, xp, hp, pk, pack_floats, pair, pairs, 0, NULL};
     if (parts <= 1) {
         for (int64_t p = 0; p < pfl / PANEL; p++) glu_pack_part(&j, p, pfl / PANEL, 0);
         glu_up_part(&j, 0, 1, 0);
@@ -269,8 +302,19 @@ static int moe_glu(int64_t E, const int64_t *experts, const int64_t *gates, cons
         /* panel units are 4 register tiles of rows each: hand them out one by one, so that a thread the OS
          * delays for a moment does not hold up the pass */
         const int64_t per = pfl ? 1 : 8;
-        pool_run_chunks(glu_up_part, &j, ustart[E] / per > parts ? ustart[E] / per : parts, parts);
-        pool_run_chunks(glu_down_part, &j, (D + 63) / 64 > parts ? (D + 63) / 64 : parts, parts);
+        const int64_t up_chunks = ustart[E] / per > parts ? ustart[E] / per : parts;
+        const int64_t down_chunks = (D + 63) / 64 > parts ? (D + 63) / 64 : parts;
+        _Atomic int64_t *left = pfl ? NULL : malloc(sizeof(*left) * (size_t)E);
+        if (left) { /* row kernels only (a decode step's experts): one pass, no barrier between the two */
+            for (int64_t e = 0; e < E; e++) atomic_init(&left[e], ustart[e + 1] - ustart[e]);
+            j.up_chunks = up_chunks;
+            j.left = left;
+            pool_run_chunks(glu_step_part, &j, up_chunks + down_chunks, parts);
+            free(left);
+        } else {
+            pool_run_chunks(glu_up_part, &j, up_chunks, parts);
+            pool_run_chunks(glu_down_part, &j, down_chunks, parts);
+        }
     }
     free(scratch);
     free(poff);
