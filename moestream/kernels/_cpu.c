@@ -228,7 +228,9 @@ static int rows_for(int tt) {
  * (one sequential stream over the whole block) with four independent accumulators, so the FMA latency never limits
  * the stream. A non-temporal software prefetch GEMV_PF bytes ahead carries the stream over 4 KiB page boundaries,
  * where the hardware prefetcher stops: a peer layer's 8 grouped experts on one core went from 13.4-14.5 to
- * 15.3-18.2 GB/s (thread CPU time, loaded machine; 512 B and 2 KiB ahead were no better than none). */
+ * 15.3-18.2 GB/s (thread CPU time, loaded machine; 512 B and 2 KiB ahead were no better than none). An iteration
+ * reads two 64-byte lines and prefetches both (one prefetch an iteration left every other line to the hardware):
+ * 32 peer-shaped decode layers from DRAM, two threads, 21.5-22.8 -> 18.8-20.2 ms (docs/performance.md). */
 #ifndef GEMV_PF
 #define GEMV_PF 1024
 #endif
@@ -240,6 +242,7 @@ static void bf16_gemv(const float *x, int64_t K, const uint16_t *w, int64_t n0, 
         for (; k + 2 * GW <= K; k += 2 * GW) {
 #if GEMV_PF > 0
             __builtin_prefetch((const char *)(row + k) + GEMV_PF, 0, 0);
+            __builtin_prefetch((const char *)(row + k) + GEMV_PF + 64, 0, 0);
 #endif
             vw_t v0 = vloadw(row + k), v1 = vloadw(row + k + GW);
             a0 = vfma(veven(v0), vloadf(x + k), a0);

@@ -14,6 +14,9 @@
 #endif
 #define MIN_BYTES_PER_PART (128 << 10)
 #define DOWN_ROWS 32  /* down rows per block of pass 2 (the same scratch: 2 * GLU_ROWS floats per token) */
+#ifndef DOWN_CHUNK
+#define DOWN_CHUNK 64 /* output columns per chunk of pass 2 handed out to a thread */
+#endif
 
 enum { ACT_SILU = 0, ACT_SITU = 1 };
 
@@ -303,7 +306,7 @@ static int moe_glu(int64_t E, const int64_t *experts, const int64_t *gates, cons
          * delays for a moment does not hold up the pass */
         const int64_t per = pfl ? 1 : 8;
         const int64_t up_chunks = ustart[E] / per > parts ? ustart[E] / per : parts;
-        const int64_t down_chunks = (D + 63) / 64 > parts ? (D + 63) / 64 : parts;
+        const int64_t down_chunks = (D + DOWN_CHUNK - 1) / DOWN_CHUNK > parts ? (D + DOWN_CHUNK - 1) / DOWN_CHUNK : parts;
         _Atomic int64_t *left = pfl ? NULL : malloc(sizeof(*left) * (size_t)E);
         if (left) { /* row kernels only (a decode step's experts): one pass, no barrier between the two */
             for (int64_t e = 0; e < E; e++) atomic_init(&left[e], ustart[e + 1] - ustart[e]);
