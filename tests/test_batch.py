@@ -179,6 +179,34 @@ def test_resume_after_sigkill_at_several_points(models, tmp_path):
     assert {r["custom_id"]: essence(r["response"]["body"]) for r in results} == want
 
 
+def test_a_second_job_on_the_same_output_is_refused(models, tmp_path):
+    """Two jobs on one output would each write every result (seen by hand: the same command started again while the
+    first still ran left each custom_id twice). The second stops with a clear error before it reads or writes
+    anything; the lock goes with its holder, so after a SIGKILL the same command continues, each id once."""
+    path = models["qwen3_moe"]
+    reqs = requests(path.name, 200, max_tokens=16, logprobs=False)
+    inp = write_jsonl(tmp_path / "in.jsonl", reqs)
+    out = tmp_path / "out.jsonl"
+    cmd = _cli(path, inp, out, "--max-batch", "1")
+    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while count_lines(out) < 2 and first.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        assert first.poll() is None, "the first job ended before the second started"
+        before = out.read_bytes()
+        with pytest.raises(OutputError, match="being written by another moestream batch job"):
+            run_job(JobConfig(str(path), str(inp), str(out), progress=False))
+        assert out.read_bytes()[:len(before)] == before and first.poll() is None
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    ids = [r["custom_id"] for r in read_jsonl(out)]
+    assert sorted(ids) == sorted(r["custom_id"] for r in reqs) and len(set(ids)) == len(ids)
+
+
 def test_torn_last_line_is_cut_and_redone(models, tmp_path):
     path = models["qwen3_moe"]
     inp = write_jsonl(tmp_path / "in.jsonl", requests(path.name, 4, max_tokens=2, logprobs=False))

@@ -145,3 +145,39 @@ def test_seeded_job_is_identical_at_any_batch_width(model):
 
     by_id = [{r["custom_id"]: exact(r["response"]["body"]) for r in res} for res in runs]
     assert len(by_id[0]) == 24 and by_id[0] == by_id[1] == by_id[2]
+
+
+def test_step_charge_is_what_an_invariant_step_charges_itself(model, monkeypatch):
+    """What a batch-invariant step charges itself while it runs (the per-slot expert outputs, the fixed-order
+    kernel's input panels, beyond the scratch allowance) is what `Engine.step_charge` tells the scheduler to make
+    room for. Uncounted, a large prefill step beside a full state room raised a BudgetError inside the step, which
+    failed every sequence in it: 400 requests on a small model retried 128 of them in 329 steps (104 counted)."""
+    from moestream.memory.accountant import MemoryAccountant
+    from moestream.engine.engine import plan
+
+    p = plan(model)
+    eng = Engine.open(model, ram_budget=p.dense_bytes + p.scratch_bytes + 64 * (1 << 20), batch_invariant=True)
+    try:
+        st = eng.new_sequence()
+        eng.step([(st, [1, 2, 3])])
+        peak = [0]
+        grow = MemoryAccountant.grow_state
+
+        def watched(self, nbytes, what="sequence state"):
+            grow(self, nbytes, what)
+            peak[0] = max(peak[0], self.state_bytes)
+
+        monkeypatch.setattr(MemoryAccountant, "grow_state", watched)
+        for rows in (10, 700, 1500):
+            peak[0] = 0
+            eng.step([(st, [5] * rows)])
+            held = peak[0] - eng.memory.state_bytes  # charged inside the step and given back at its end
+            assert held == eng.step_charge(rows), rows
+        assert eng.step_charge(10) == 0 and eng.step_charge(1500) > eng.step_charge(700) > 0
+    finally:
+        eng.close()
+    plain = Engine.open(model, ram_budget=p.dense_bytes + p.scratch_bytes + 64 * (1 << 20))
+    try:
+        assert plain.step_charge(1500) == 0
+    finally:
+        plain.close()

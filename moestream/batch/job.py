@@ -6,12 +6,13 @@ result going through the output writer. Ctrl-C keeps every finished result.
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from moestream.batch.inputs import index_input
-from moestream.batch.output import OutputWriter, check_owner, scan
+from moestream.batch.output import OutputWriter, check_owner, lock_output, scan
 from moestream.batch.report import BatchReport, Tally
 from moestream.batch.runner import BatchOptions, run_batch
 
@@ -51,6 +52,14 @@ def run_job(cfg: JobConfig, engine=None) -> BatchReport:
         raise ValueError("run_job: an open engine runs the job in this process; it cannot go with --ray")
     index = index_input(cfg.input)
     output = Path(cfg.output)
+    held = lock_output(output)  # before anything reads or cuts the output: one job at a time writes it
+    try:
+        return _run_locked(cfg, index, output, engine)
+    finally:
+        os.close(held)
+
+
+def _run_locked(cfg: JobConfig, index, output: Path, engine) -> BatchReport:
     check_owner(output, index)
     resume = scan(output)
     if resume.cut_bytes:

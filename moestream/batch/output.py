@@ -3,11 +3,15 @@
 Owns OUTPUT.jsonl and its sidecar OUTPUT.jsonl.state (the input's sha256). Results are appended in groups, each
 written whole and fsynced, so a kill at any moment loses at most the group not yet synced; on resume a torn or
 unreadable tail is cut and the ids already written are skipped. A write that fails (disk full, read-only) is
-rolled back to the last whole group and reported as an OutputError; nothing written before is touched.
+rolled back to the last whole group and reported as an OutputError; nothing written before is touched. A job
+holds an exclusive lock on OUTPUT while it runs (`lock_output`), so a second job on the same output stops with a
+clear error instead of writing every result again beside the first (the kernel drops the lock when the holder
+dies, SIGKILL included, so a killed job never leaves a stale one).
 """
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import time
@@ -70,6 +74,27 @@ def _write_state(path: Path, index: InputIndex) -> None:
         except OSError:  # a read-only file system: there is no temp file to remove
             pass
         raise OutputError(f"{_why(e, path)}; nothing was run") from None
+
+
+def lock_output(output: Path) -> int:
+    """Open OUTPUT (creating it empty if new) and take an exclusive lock on it for this job; returns the fd to close
+    at the end. OutputError if another job holds it."""
+    if not output.parent.is_dir():
+        raise OutputError(f"{output.parent}: no such directory for the output file")
+    try:
+        fd = os.open(output, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise OutputError(f"{_why(e, output)}; nothing was run") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise OutputError(f"{output} is being written by another moestream batch job (it holds the file's lock): "
+                              "wait for that job to end (the same command then continues where it stops), or give "
+                              "this one another -o") from None
+        raise OutputError(f"cannot lock {output}: {e.strerror or e}; nothing was run") from None
+    return fd
 
 
 def check_owner(output: Path, index: InputIndex) -> None:

@@ -50,6 +50,8 @@ class ModelPlan:
     max_expert_bytes: int
     scratch_bytes: int
     activation_row_bytes: int = 0  # fp32 activations one token of a step holds at its widest (activation_bytes)
+    pair_row_bytes: int = 0  # fp32 per-slot expert outputs of one token under batch invariance (top_k x hidden)
+    widest_input: int = 0  # the widest input of a 2-D dense weight (step_charge: the fixed-order kernel's panels)
 
 
 def model_config(path: str | Path):
@@ -96,9 +98,11 @@ def plan(path: str | Path, io_threads: int = IO_THREADS) -> ModelPlan:
     dense_bytes = sum(index[n].nbytes for n in dense)
     per_layer = [[store.expert_nbytes(l, e) for e in range(layout.num_experts)] for l in layout.moe_layers]
     sizes = [b for row in per_layer for b in row]
-    act, logit = _activation_row_bytes(index, dense)
+    act, logit, hidden = _activation_row_bytes(index, dense)
     scratch = max(_scratch_bytes(index, dense, store, layout), _kda_scratch(cfg)) + ACT_FREE_ROWS * (act + logit)
-    return ModelPlan(family, cfg, layout, store, dense, dense_bytes, sum(sizes), max(sizes, default=0), scratch, act)
+    widest_input = max((index[n].shape[1] for n in dense if len(index[n].shape) == 2), default=0)
+    return ModelPlan(family, cfg, layout, store, dense, dense_bytes, sum(sizes), max(sizes, default=0), scratch, act,
+                     4 * layout.top_k * hidden, widest_input)
 
 
 ACT_HIDDEN_COPIES = 8  # [T, hidden] fp32 tensors a layer holds at once: residual, norm, attention in/out, MoE sum...
@@ -108,17 +112,17 @@ ACT_WIDE_COPIES = 3  # [T, widest] ones: a dense MLP's gate, up and activation (
 ACT_FREE_ROWS = 16
 
 
-def _activation_row_bytes(index: CheckpointIndex, dense: list[str]) -> tuple[int, int]:
-    """(fp32 activation bytes per token of a step at its widest point, fp32 bytes of one row of logits): a few
-    hidden-wide rows plus the widest dense projection's outputs (a dense MLP's intermediate, the query heads). A step
-    of thousands of rows (a batch job's prefill chunk) holds tens of MB of them."""
+def _activation_row_bytes(index: CheckpointIndex, dense: list[str]) -> tuple[int, int, int]:
+    """(fp32 activation bytes per token of a step at its widest point, fp32 bytes of one row of logits, the hidden
+    size): a few hidden-wide rows plus the widest dense projection's outputs (a dense MLP's intermediate, the query
+    heads). A step of thousands of rows (a batch job's prefill chunk) holds tens of MB of them."""
     shapes = [index[n].shape for n in dense if len(index[n].shape) == 2]
     if not shapes:
-        return 0, 0
+        return 0, 0, 0
     vocab = max(max(s) for s in shapes)  # embeddings and lm_head: their rows are the vocabulary, not activations
     hidden = max(min(s) for s in shapes)
     widest = max((s[0] for s in shapes if s[0] != vocab), default=hidden)
-    return 4 * (ACT_HIDDEN_COPIES * hidden + ACT_WIDE_COPIES * widest), 4 * vocab
+    return 4 * (ACT_HIDDEN_COPIES * hidden + ACT_WIDE_COPIES * widest), 4 * vocab, hidden
 
 
 def _scratch_bytes(index: CheckpointIndex, dense: list[str], store: ExpertStore, layout: ExpertLayout) -> int:
@@ -262,6 +266,19 @@ class Engine:
         a single sequence's steps are bounded by --prefill-chunk and fit the allowance's order of size."""
         acts = max(0, rows - ACT_FREE_ROWS) * self.plan.activation_row_bytes
         return acts + max(0, logit_rows - ACT_FREE_ROWS) * self.vocab_size * 4
+
+    def step_charge(self, rows: int) -> int:
+        """What a step of `rows` tokens charges to the budget itself while it runs, beyond `activation_bytes` (which
+        its caller charges). Under batch invariance: the per-slot expert outputs (ExpertRunner._pair_buffer, held
+        through the step; top_k x hidden fp32 a token, an upper bound where experts output a narrower latent) and
+        the fixed-order dense kernel's input panels at the widest dense input (models/blocks.linear), each beyond the
+        fixed scratch allowance as they are charged. A scheduler makes room for this too before the step: a
+        BudgetError inside it fails every sequence in it."""
+        if not self.options.batch_invariant or not self.memory.limited:
+            return 0
+        allowance = self.memory.scratch_bytes
+        panels = cpu.fixed_scratch(rows, self.plan.widest_input) if cpu.available() else 0
+        return max(0, rows * self.plan.pair_row_bytes - allowance) + max(0, panels - allowance)
 
     def prefill(self, state: SeqState, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
         """Process a prompt in chunks of `prefill_chunk` tokens; returns the last (or all) logits. All positions'

@@ -428,9 +428,9 @@ class Scheduler:
 
     def _make_room(self, items: list[tuple[_Seq, list[int]]]) -> list[tuple[_Seq, list[int]]]:
         """Evict saved prefixes, then hold back the newest sequences for a later step (failing one only when it
-        would not fit even alone), until the step's state growth and activations fit the budget with the dense
-        stream buffers and `expert_reserve` left free: a BudgetError inside `engine.step` would fail every sequence
-        in it."""
+        would not fit even alone), until the step's state growth, activations and what the step charges itself
+        (`engine.step_charge`: batch invariance's buffers) fit the budget with the dense stream buffers and
+        `expert_reserve` left free: a BudgetError inside `engine.step` would fail every sequence in it."""
         mem = self.engine.memory
         if not mem.limited:
             return items
@@ -440,7 +440,8 @@ class Scheduler:
                 self._defer(*items.pop(i))
         while items:
             need = sum(self.profile.growth(seq.state, len(toks)) for seq, toks in items)
-            need += self.engine.activation_bytes(sum(len(toks) for _, toks in items), len(items))
+            rows = sum(len(toks) for _, toks in items)
+            need += self.engine.activation_bytes(rows, len(items)) + self.engine.step_charge(rows)
             room = mem.budget - mem.fixed() - mem.state_bytes - self.expert_reserve
             if need == 0 or need <= room:
                 return items
