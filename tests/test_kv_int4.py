@@ -12,7 +12,6 @@ from test_kv_int8 import check_tail_edge_clone, held_state
 from moestream.errors import MoestreamError
 from moestream.kernels import kvquant
 from moestream.memory.accountant import MemoryAccountant
-from moestream.memory.slabs import blocks_out
 from moestream.memory.state import BLOCK_HOST_BYTES, BLOCK_TOKENS, BlockBuffer, block_shape, kv_dtype
 
 
@@ -83,7 +82,6 @@ def test_block_buffer_int4_stores_charges_and_reads_back():
     assert torch.equal(blk[:142 * 2 * 2 * 4].view(torch.float32), s.flatten())
     assert torch.equal(blk[142 * 16:142 * 16 + 142 * 128], q.flatten())
     check_tail_edge_clone(mem, buf, rows, 4)
-
 
 
 # Per family: the bound on the median and the 80th percentile of the per-position max logit difference against

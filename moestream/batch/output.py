@@ -98,9 +98,8 @@ def lock_output(output: Path) -> int:
 
 
 def check_owner(output: Path, index: InputIndex) -> None:
-    """Refuse an output that belongs to another input file (or to no batch job at all); record ours if new."""
-    if not output.parent.is_dir():
-        raise OutputError(f"{output.parent}: no such directory for the output file")
+    """Refuse an output that belongs to another input file (or to no batch job at all); record ours if new. Runs
+    under `lock_output`, which has checked the directory."""
     state = state_path(output)
     if state.exists():
         try:

@@ -19,7 +19,7 @@ from moestream.engine.allocator import HeapTrim, ResidentCheck, return_freed_mem
 from moestream.memory.accountant import MemoryAccountant
 from moestream.engine.residency import DenseStreamer, ResidencyPlan, plan_residency
 from moestream.engine.sampling import SamplingParams, sample
-from moestream.memory.state import Batch, SeqState, kv_dtype, transient
+from moestream.memory.state import Batch, SeqState, beyond_allowance, kv_dtype, transient
 from moestream.errors import BudgetError, CheckpointError, MoestreamError, RequestError
 from moestream.experts.dispatch import ExpertRunner
 from moestream.experts.reader import IO_THREADS
@@ -276,9 +276,8 @@ class Engine:
         BudgetError inside it fails every sequence in it."""
         if not self.options.batch_invariant or not self.memory.limited:
             return 0
-        allowance = self.memory.scratch_bytes
         panels = cpu.fixed_scratch(rows, self.plan.widest_input) if cpu.available() else 0
-        return max(0, rows * self.plan.pair_row_bytes - allowance) + max(0, panels - allowance)
+        return beyond_allowance(self.memory, rows * self.plan.pair_row_bytes) + beyond_allowance(self.memory, panels)
 
     def prefill(self, state: SeqState, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
         """Process a prompt in chunks of `prefill_chunk` tokens; returns the last (or all) logits. All positions'

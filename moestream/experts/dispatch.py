@@ -22,6 +22,7 @@ import torch
 
 from moestream.config import format_bytes
 from moestream.memory.accountant import MemoryAccountant
+from moestream.memory.state import beyond_allowance
 from moestream.errors import BudgetError
 from moestream.experts.cache import ExpertCache
 from moestream.experts.policies import HeatPolicy, POLICIES, heat_path
@@ -131,7 +132,7 @@ class ExpertRunner:
         fixed scratch allowance does not cover is charged to the budget while it is held, until `end_step`."""
         need = t * k * d
         if self._pairs.numel() < need:
-            charge = max(0, 4 * need - self.memory.scratch_bytes)
+            charge = beyond_allowance(self.memory, 4 * need)
             self.memory.grow_state(charge - self._pairs_charged, "per-slot expert outputs")
             self._pairs, self._pairs_charged = torch.empty(need, dtype=torch.float32), charge
         return self._pairs[:need].view(t, k, d)

@@ -101,10 +101,15 @@ def scratch_budget(memory: MemoryAccountant, default: int) -> int:
     return min(default, memory.scratch_bytes) if memory.limited else default
 
 
+def beyond_allowance(memory: MemoryAccountant, nbytes: int) -> int:
+    """The part of `nbytes` of compute scratch that the fixed scratch allowance does not cover (what is charged)."""
+    return max(0, nbytes - memory.scratch_bytes)
+
+
 @contextlib.contextmanager
 def scratch(memory: MemoryAccountant, nbytes: int, what: str) -> Iterator[None]:
     """Use `nbytes` of compute scratch: the part the fixed scratch allowance does not cover is charged meanwhile."""
-    with transient(memory, max(0, nbytes - memory.scratch_bytes), what):
+    with transient(memory, beyond_allowance(memory, nbytes), what):
         yield
 
 
