@@ -270,14 +270,14 @@ class Engine:
     def step_charge(self, rows: int) -> int:
         """What a step of `rows` tokens charges to the budget itself while it runs, beyond `activation_bytes` (which
         its caller charges). Under batch invariance: the per-slot expert outputs (ExpertRunner._pair_buffer, held
-        through the step; top_k x hidden fp32 a token, an upper bound where experts output a narrower latent) and
-        the fixed-order dense kernel's input panels at the widest dense input (models/blocks.linear), each beyond the
-        fixed scratch allowance as they are charged. A scheduler makes room for this too before the step: a
-        BudgetError inside it fails every sequence in it."""
+        through the step beside every phase's scratch, so charged whole; top_k x hidden fp32 a token, an upper bound
+        where experts output a narrower latent) and the fixed-order dense kernel's input panels at the widest dense
+        input (models/blocks.linear), beyond the fixed scratch allowance as they are charged. A scheduler makes room
+        for this too before the step: a BudgetError inside it fails every sequence in it."""
         if not self.options.batch_invariant or not self.memory.limited:
             return 0
         panels = cpu.fixed_scratch(rows, self.plan.widest_input) if cpu.available() else 0
-        return beyond_allowance(self.memory, rows * self.plan.pair_row_bytes) + beyond_allowance(self.memory, panels)
+        return rows * self.plan.pair_row_bytes + beyond_allowance(self.memory, panels)
 
     def prefill(self, state: SeqState, token_ids: list[int], all_logits: bool = False) -> torch.Tensor:
         """Process a prompt in chunks of `prefill_chunk` tokens; returns the last (or all) logits. All positions'

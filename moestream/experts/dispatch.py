@@ -22,7 +22,6 @@ import torch
 
 from moestream.config import format_bytes
 from moestream.memory.accountant import MemoryAccountant
-from moestream.memory.state import beyond_allowance
 from moestream.errors import BudgetError
 from moestream.experts.cache import ExpertCache
 from moestream.experts.policies import HeatPolicy, POLICIES, heat_path
@@ -128,11 +127,12 @@ class ExpertRunner:
 
     def _pair_buffer(self, t: int, k: int, d: int) -> torch.Tensor:
         """fp32 [t, k, d] for the batch-invariant per-slot outputs: one buffer for every MoE layer of an engine step
-        (fresh pages each layer cost a 542-row decode step ~0.1 s of page faults); like `scratch`, the part the
-        fixed scratch allowance does not cover is charged to the budget while it is held, until `end_step`."""
+        (fresh pages each layer cost a 542-row decode step ~0.1 s of page faults). It is held through the whole
+        step, beside the scratch each phase takes from the fixed allowance, so all of it is charged to the budget
+        while it is held, until `end_step`."""
         need = t * k * d
         if self._pairs.numel() < need:
-            charge = beyond_allowance(self.memory, 4 * need)
+            charge = 4 * need
             self.memory.grow_state(charge - self._pairs_charged, "per-slot expert outputs")
             self._pairs, self._pairs_charged = torch.empty(need, dtype=torch.float32), charge
         return self._pairs[:need].view(t, k, d)
