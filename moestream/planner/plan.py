@@ -233,6 +233,8 @@ def _predict(facts: ModelFacts, p, rates: Rates, budget: int, opts: PlanOptions,
         step = sc.decode(n, context, n * per_seq, since_open=(opts.prompt_len, opts.gen_len))
         out.update({"batch": opts.batch, "batch_sequences": n, "batch_tokens_per_s": n / step.seconds,
                     "batch_step": _step_json(step)})
+        if sc.replayed_batch:
+            out["batch_cache_replay"] = sc.replayed_batch
     if opts.price_per_hour is not None:
         out["cost_per_million_tokens"] = _cost(opts.price_per_hour, out["decode_tokens_per_s"])
         if "batch_tokens_per_s" in out:
@@ -329,7 +331,12 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
     if out.get("decode_cache_replay"):
         lines.append("one-stream decode hit rate: the measured routing replayed through the engine's cache "
                      f"({out['decode_cache_replay']}, capacity {out['experts_cached']} experts less the state's "
-                     "room); batch and steady-state figures from the measured popularity of each layer")
+                     "room); batch and steady-state figures from the measured popularity of each layer"
+                     + (" (but the batch's reads: below)" if out.get("batch_cache_replay") else ""))
+    if out.get("batch_cache_replay"):
+        lines.append("batch reads: the measured routing of as many recorded prompts as the batch has sequences, "
+                     f"decoding together through the engine's cache from empty ({out['batch_cache_replay']}): each "
+                     "sequence's own experts stay cached for its next tokens")
     if o is not None:
         lines.append(f"engine overhead per layer step: {o.decode_s * 1e3:.3g} ms decode + "
                      f"{o.decode_row_s * 1e3:.3g} ms per extra row, {o.prefill_s * 1e3:.3g} ms per prefill "

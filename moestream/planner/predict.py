@@ -44,8 +44,8 @@ from moestream.kernels.cpu import MAX_TOKENS_BF16, MAX_TOKENS_MXFP4
 from moestream.models.blocks import BF16_GLU_MIN_ROWS, BF16_MIN_ROWS
 from moestream.planner.calibrate import Rates, interp_rows, nearest_dense
 from moestream.planner.facts import ModelFacts
-from moestream.planner.skew import (Skew, binomial_spread, distinct, first_use, replay_decode, single_row,
-                                     split_cache)
+from moestream.planner.skew import (Skew, binomial_spread, distinct, first_use, replay_batch, replay_decode,
+                                     single_row, split_cache)
 
 NATIVE_ROWS = {"bf16": MAX_TOKENS_BF16, "mxfp4": MAX_TOKENS_MXFP4}  # rows the one-row kernels take in one pass
 # rows a routed expert runs in the one-row kernel: bf16 experts over more rows are expanded to fp32 once
@@ -159,6 +159,7 @@ class Scenario:
     rates: Rates
     skew: Skew
     replayed: str = ""  # what decode replayed of the skew's recorded routing (empty: the analytic model)
+    replayed_batch: str = ""  # what a batch's decode replayed of it (empty: the analytic model)
     compute_dtype: str = "fp32"  # --compute-dtype: "bf16" prices many-row steps' bf16 products at the bf16 probes
 
     @property
@@ -419,6 +420,14 @@ class Scenario:
             spread, fills = {}, []
             per_token, _, self.replayed = replay_decode(s.routing, capacity, *since_open, spread=spread, fills=fills)
             missing = min(used, per_token / max(1, f.moe_layers))
+        elif (since_open is not None and since_open[1] > 0 and sequences > 1
+              and s.replayable(f.num_experts, f.moe_layers)
+              and (got := replay_batch(s.routing, capacity, since_open[0], since_open[1], sequences, f.num_experts,
+                                       scan_share=SCAN_SHARE)) is not None):
+            # the recorded routing of `sequences` independent prompts decoding together, from an empty cache: each
+            # sequence's own experts stay cached for its next tokens (a pooled popularity misses that)
+            per_step, used, _, self.replayed_batch = got
+            missing = min(used, per_step / max(1, f.moe_layers))
         elif used >= SCAN_SHARE * f.num_experts and capacity < f.num_experts * f.moe_layers:
             # a scanning step (a batch routing to most of every layer's experts): the engine evicts nothing to read
             # (experts/dispatch.py, _scan_window), so the cache keeps what it held, bar a window for reads in

@@ -362,3 +362,73 @@ def replay_decode(routing: list, capacity: int, prompt: int, gen: int, policy: s
     return (misses / gen_tokens, 1.0 - misses / routed,
             f"{windows} windows of {p} prompt + {g} generated recorded tokens replayed through {policy}")
 
+
+
+def batch_windows(routing: list, prompt: int, gen: int) -> list[list]:
+    """The recorded prompts cut into windows of prompt + gen tokens, in the order a batch of independent sequences
+    takes them: every prompt's first window, then every prompt's second, ... (windows of one prompt share its
+    direction in the residual stream, so distinct prompts come first)."""
+    cut = [[tokens[s:s + prompt + gen] for s in range(0, len(tokens) - (prompt + gen) + 1, prompt + gen)]
+           for tokens in routing if len(tokens) >= prompt + gen]
+    return [c[i] for i in range(max((len(c) for c in cut), default=0)) for c in cut if i < len(c)]
+
+
+def replay_batch(routing: list, capacity: int, prompt: int, gen: int, sequences: int, num_experts: int,
+                 policy: str = "lfru", chunk: int = 512,
+                 scan_share: float = 0.5) -> tuple[float, float, float, str] | None:
+    """`sequences` sequences decoding together from an engine just opened, replayed through the engine's cache
+    policy: (expert reads per decode step, all MoE layers together; distinct experts per layer step; hit rate of
+    the decode steps; what was replayed), or None where the recording has fewer than `sequences` windows of
+    prompt + gen tokens (batch_windows). Each group of `sequences` windows starts with an empty cache of `capacity`
+    experts (shared by every layer): their prompts fed `chunk` tokens a step, then `gen` decode steps, each layer
+    step routing to the union of the sequences' experts for that token, served as the engine serves a multi-row
+    step (experts/dispatch.py): hits first, then reads, each evicting the policy's victim outside the step's own
+    experts, except in a step routing to `scan_share` or more of a layer's experts, which evicts nothing (reads fill
+    free room only, else stream through). Every sequence keeps its own routing, so the experts its own tokens reuse
+    stay cached, which a pooled popularity does not see."""
+    from moestream.experts.policies import POLICIES
+
+    wins = batch_windows(routing, prompt, gen)
+    n = max(1, sequences)
+    if len(wins) < n or gen < 1:
+        return None
+    reads = routed = steps = distinct_sum = layer_steps = 0
+    groups = len(wins) // n
+    for g0 in range(groups):
+        group = wins[g0 * n:(g0 + 1) * n]
+        resident: set = set()
+        pol = POLICIES[policy]()
+
+        def serve(step: list) -> int:
+            keep, scan = frozenset(step), len(step) >= scan_share * num_experts
+            missed = 0
+            for key in step:
+                if key in resident:
+                    pol.touch(key)
+                    continue
+                missed += 1
+                if len(resident) >= capacity:
+                    victim = None if scan else next((k for k in pol.victims() if k not in keep), None)
+                    if victim is None:
+                        continue
+                    resident.discard(victim)
+                    pol.remove(victim)
+                resident.add(key)
+                pol.insert(key)
+            return missed
+
+        layers = len(group[0][0])
+        for c0 in range(0, prompt, chunk):
+            for j in range(layers):
+                serve(sorted({(j, int(e)) for w in group for tok in w[c0:min(prompt, c0 + chunk)] for e in tok[j]}))
+        for t in range(prompt, prompt + gen):
+            steps += 1
+            for j in range(layers):
+                step = sorted({(j, int(e)) for w in group for e in w[t][j]})
+                reads += serve(step)
+                routed += len(step)
+                distinct_sum += len(step)
+                layer_steps += 1
+    return (reads / steps, distinct_sum / layer_steps, 1.0 - reads / max(1, routed),
+            f"{groups} group(s) of {n} windows of {prompt} prompt + {gen} generated recorded tokens decoding "
+            f"together, replayed through {policy}")
