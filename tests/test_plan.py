@@ -164,6 +164,20 @@ def test_bad_options(tiny, capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+def test_a_budget_too_small_fails_before_the_calibration(tiny, capsys, monkeypatch):
+    """A user's typo in --ram-budget is an error at once, not after the calibration's probes (seconds to a minute
+    on a machine without a saved calibration, and `--skew-from model`'s trace)."""
+    from moestream.planner import plan as planmod
+
+    def no_probes(*a, **k):
+        raise AssertionError("calibrated before checking the budget")
+
+    monkeypatch.setattr(planmod, "Calibrator", no_probes)
+    monkeypatch.setattr(planmod, "measured_skew", no_probes)
+    assert main(["plan", str(tiny), "--ram-budget", "1KB", "--skew-from", "model"]) == 2
+    assert "too small" in capsys.readouterr().err
+
+
 def test_bad_model_dirs(tmp_path, capsys):
     assert main(["plan", str(tmp_path / "missing")]) == 2
     assert "no such model directory" in capsys.readouterr().err

@@ -161,6 +161,8 @@ def make_plan(path: str | Path, opts: PlanOptions) -> dict:
     p = open_plan(path)
     try:
         facts = model_facts(path, p, opts.kv_dtype)
+        if opts.machine is None and opts.ram_budget:  # a budget too small is an error now, not after the probes
+            facts.fit(p, opts.ram_budget)
         if opts.skew_from:
             opts.skew = measured_skew(path, opts, facts)
         cal = Calibrator(fresh=opts.calibrate, seconds=opts.probe_seconds, log=opts.log)
