@@ -363,7 +363,6 @@ def replay_decode(routing: list, capacity: int, prompt: int, gen: int, policy: s
             f"{windows} windows of {p} prompt + {g} generated recorded tokens replayed through {policy}")
 
 
-
 def batch_windows(routing: list, prompt: int, gen: int) -> list[list]:
     """The recorded prompts cut into windows of prompt + gen tokens, in the order a batch of independent sequences
     takes them: every prompt's first window, then every prompt's second, ... (windows of one prompt share its
