@@ -328,19 +328,10 @@ def replay_decode(routing: list, capacity: int, prompt: int, gen: int, policy: s
                 before = misses
                 for key in step:
                     routed += count
-                    if key in resident:
-                        pol.touch(key)
-                        continue
-                    misses += count
-                    filled += count and len(resident) < capacity
-                    if len(resident) >= capacity:
-                        victim = next((k for k in pol.victims() if k not in keep), None)
-                        if victim is None:
-                            continue
-                        resident.discard(victim)
-                        pol.remove(victim)
-                    resident.add(key)
-                    pol.insert(key)
+                    free = len(resident) < capacity
+                    if serve_key(key, resident, pol, capacity, keep):
+                        misses += count
+                        filled += count and free
                 if count:
                     counts[misses - before] = counts.get(misses - before, 0) + 1
 
@@ -362,6 +353,23 @@ def replay_decode(routing: list, capacity: int, prompt: int, gen: int, policy: s
     return (misses / gen_tokens, 1.0 - misses / routed,
             f"{windows} windows of {p} prompt + {g} generated recorded tokens replayed through {policy}")
 
+
+def serve_key(key, resident: set, pol, capacity: int, keep: frozenset, evict: bool = True) -> bool:
+    """One routed expert through a replayed cache of `capacity` experts under policy `pol`; True on a miss. A hit is
+    touched; a miss is read and kept, evicting the policy's first victim outside `keep` (the step's own experts)
+    when the cache is full, or (`evict` False: a scanning step) kept only where there is free room."""
+    if key in resident:
+        pol.touch(key)
+        return False
+    if len(resident) >= capacity:
+        victim = next((k for k in pol.victims() if k not in keep), None) if evict else None
+        if victim is None:
+            return True
+        resident.discard(victim)
+        pol.remove(victim)
+    resident.add(key)
+    pol.insert(key)
+    return True
 
 def batch_windows(routing: list, prompt: int, gen: int) -> list[list]:
     """The recorded prompts cut into windows of prompt + gen tokens, in the order a batch of independent sequences
@@ -400,21 +408,7 @@ def replay_batch(routing: list, capacity: int, prompt: int, gen: int, sequences:
 
         def serve(step: list) -> int:
             keep, scan = frozenset(step), len(step) >= scan_share * num_experts
-            missed = 0
-            for key in step:
-                if key in resident:
-                    pol.touch(key)
-                    continue
-                missed += 1
-                if len(resident) >= capacity:
-                    victim = None if scan else next((k for k in pol.victims() if k not in keep), None)
-                    if victim is None:
-                        continue
-                    resident.discard(victim)
-                    pol.remove(victim)
-                resident.add(key)
-                pol.insert(key)
-            return missed
+            return sum(serve_key(key, resident, pol, capacity, keep, evict=not scan) for key in step)
 
         layers = len(group[0][0])
         for c0 in range(0, prompt, chunk):
