@@ -150,8 +150,9 @@ def test_seeded_job_is_identical_at_any_batch_width(model):
 def test_step_charge_is_what_an_invariant_step_charges_itself(model, monkeypatch):
     """What a batch-invariant step charges itself while it runs (the per-slot expert outputs, whole: they are held
     beside every phase's scratch; the fixed-order kernel's input panels beyond the scratch allowance) is what
-    `Engine.step_charge` tells the scheduler to make room for. Uncounted, a large prefill step beside a full state room raised a BudgetError inside the step, which
-    failed every sequence in it: 400 requests on a small model retried 128 of them in 329 steps (104 counted)."""
+    `Engine.step_charge` tells the scheduler to make room for. Uncounted, a large prefill step beside a full state
+    room raised a BudgetError inside the step, which failed every sequence in it: 400 requests on a small model
+    retried 128 of them in 329 steps (104 counted)."""
     from moestream.memory.accountant import MemoryAccountant
     from moestream.engine.engine import plan
 

@@ -371,6 +371,7 @@ def serve_key(key, resident: set, pol, capacity: int, keep: frozenset, evict: bo
     pol.insert(key)
     return True
 
+
 def batch_windows(routing: list, prompt: int, gen: int) -> list[list]:
     """The recorded prompts cut into windows of prompt + gen tokens, in the order a batch of independent sequences
     takes them: every prompt's first window, then every prompt's second, ... (windows of one prompt share its
@@ -399,7 +400,7 @@ def replay_batch(routing: list, capacity: int, prompt: int, gen: int, sequences:
     n = max(1, sequences)
     if len(wins) < n or gen < 1:
         return None
-    reads = routed = steps = distinct_sum = layer_steps = 0
+    reads = routed = steps = layer_steps = 0
     groups = len(wins) // n
     for g0 in range(groups):
         group = wins[g0 * n:(g0 + 1) * n]
@@ -419,9 +420,8 @@ def replay_batch(routing: list, capacity: int, prompt: int, gen: int, sequences:
             for j in range(layers):
                 step = sorted({(j, int(e)) for w in group for e in w[t][j]})
                 reads += serve(step)
-                routed += len(step)
-                distinct_sum += len(step)
+                routed += len(step)  # distinct experts of the layer step (each routed once)
                 layer_steps += 1
-    return (reads / steps, distinct_sum / layer_steps, 1.0 - reads / max(1, routed),
+    return (reads / steps, routed / layer_steps, 1.0 - reads / max(1, routed),
             f"{groups} group(s) of {n} windows of {prompt} prompt + {gen} generated recorded tokens decoding "
             f"together, replayed through {policy}")
