@@ -15,6 +15,10 @@ peak step, RSS beyond the books. `HeapTrim.after_step` gives their pages back wi
 step, at most once a second (a 1-4 ms call: a batch step of seconds pays it each time, a 60 ms decode step once in
 many) (docs/performance.md).
 
+A step of many rows (a prompt chunk, a batch step) makes its temporaries on the heap instead (`StepHeap`): each
+fresh mapping above the fixed threshold faults in every page it touches, which cost a 512-token prefill 40% of its
+time; the step's freed temporaries are reused by its later ones and given back with malloc_trim(0) when it ends.
+
 Even trimmed, a heap keeps what its live neighbours pin: when a batch job's sequences end, the small objects they
 held (tensor objects of their cache blocks, per-sequence Python state, mostly in the engine thread's own glibc
 arena) are freed among those still live, the books release their charge, the expert cache takes the room back,
@@ -29,6 +33,7 @@ import ctypes.util
 import mmap
 import os
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -50,6 +55,9 @@ def _libc_fn(name: str, argtypes: list) -> ctypes._CFuncPtr | None:
     return fn
 
 
+_MALLOPT = _libc_fn("mallopt", [ctypes.c_int, ctypes.c_int])
+
+
 def return_freed_memory() -> bool:
     """Configure glibc's malloc once per process (no-op elsewhere, or with MOESTREAM_MALLOC_TUNING=0, the
     switch for A/B runs). True when the setting is in force."""
@@ -57,15 +65,65 @@ def return_freed_memory() -> bool:
     if _done is None:
         _done = False
         if sys.platform.startswith("linux") and os.environ.get("MOESTREAM_MALLOC_TUNING", "1") != "0":
-            mallopt = _libc_fn("mallopt", [ctypes.c_int, ctypes.c_int])
-            if mallopt is None:  # not glibc (musl has no mallopt)
+            if _MALLOPT is None:  # not glibc (musl has no mallopt)
                 return False
-            _done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) \
-                and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+            _done = bool(_MALLOPT(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) \
+                and bool(_MALLOPT(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
     return _done
 
 
 _TRIM = _libc_fn("malloc_trim", [ctypes.c_size_t])
+
+# A step of many rows (a prompt chunk, a batch step) makes hundreds of temporaries of 64 KiB to tens of MB (a
+# 512-row chunk of a hidden-1024 model: 2 MB activations, 10 MB upcast weights, the experts' outputs). Above the
+# fixed mmap threshold each is a fresh mapping whose every page faults on first touch: a warm 512-token prefill of
+# a 32-layer hidden-1024 qwen3_moe took 4.98-5.23 s with that setting against 3.44-3.66 s with glibc's defaults
+# (docs/performance.md). So such a step runs with the heap taking blocks up to STEP_MMAP_THRESHOLD_BYTES and keeping
+# its free top, and gives the freed pages back with malloc_trim(0) when it ends: a step's temporaries are faulted in
+# once a step instead of once a block, and RSS after the step is what it was with the fixed setting. While the step
+# runs the heap holds more than its live blocks (freed holes between them): a 512-token prefill of a published-width
+# Kimi K3 peaked 130-180 MB higher with 8 MiB, 210-300 MB with 32 MiB (glibc's largest); larger blocks (K3's
+# 15 MB activation rows) keep their own mappings.
+STEP_MMAP_THRESHOLD_BYTES = 8 << 20
+STEP_TRIM_THRESHOLD_BYTES = (1 << 31) - 1  # mallopt takes an int: no trim while the step runs, the one at its end
+STEP_HEAP_ROWS = 16  # rows a step has from which it runs on the step heap (a row's activation is 4 KiB a 1024 wide)
+
+
+class StepHeap:
+    """`with StepHeap.enter(rows):` a step of `rows` rows; from STEP_HEAP_ROWS rows (and where the fixed setting
+    is in force) the heap keeps the step's freed temporaries for its later ones, and when the last such step in the
+    process ends (steps of several engines on several threads nest), the fixed thresholds are restored and the
+    freed pages given back (malloc_trim(0)). `trims` counts those."""
+
+    depth = 0
+    trims = 0
+    _lock = threading.Lock()
+
+    def __init__(self, active: bool):
+        self.active = active
+
+    @classmethod
+    def enter(cls, rows: int) -> "StepHeap":
+        return cls(rows >= STEP_HEAP_ROWS and bool(_done) and _MALLOPT is not None and _TRIM is not None)
+
+    def __enter__(self) -> "StepHeap":
+        if self.active:
+            with StepHeap._lock:
+                if StepHeap.depth == 0:
+                    _MALLOPT(M_MMAP_THRESHOLD, STEP_MMAP_THRESHOLD_BYTES)
+                    _MALLOPT(M_TRIM_THRESHOLD, STEP_TRIM_THRESHOLD_BYTES)
+                StepHeap.depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.active:
+            with StepHeap._lock:
+                StepHeap.depth -= 1
+                if StepHeap.depth == 0:
+                    _MALLOPT(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+                    _MALLOPT(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+                    _TRIM(0)
+                    StepHeap.trims += 1
 
 
 def trim_available() -> bool:

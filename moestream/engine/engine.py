@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 
 from moestream.config import EngineOptions, format_bytes, parse_bytes, read_model_config
-from moestream.engine.allocator import HeapTrim, ResidentCheck, return_freed_memory
+from moestream.engine.allocator import HeapTrim, ResidentCheck, StepHeap, return_freed_memory
 from moestream.memory.accountant import MemoryAccountant
 from moestream.engine.residency import DenseStreamer, ResidencyPlan, plan_residency
 from moestream.engine.sampling import SamplingParams, sample
@@ -238,7 +238,8 @@ class Engine:
         held = rows.shape[0] * self.vocab_size * 4 if all_logits else 0
         with tensors_fit_config(self.path), transient(self.memory, held, "all-position logits"), \
                 serial_torch(tokens.shape[0] <= SERIAL_TORCH_TOKENS and not self.options.batch_invariant), \
-                compute_dtype(self.options.compute_dtype, self.memory), invariant.mode(self.options.batch_invariant):
+                compute_dtype(self.options.compute_dtype, self.memory), invariant.mode(self.options.batch_invariant), \
+                StepHeap.enter(tokens.shape[0]):
             try:
                 logits = self.model.forward(tokens, batch, rows)
             finally:
