@@ -6,12 +6,16 @@ Runs one cold decode like `moestream bench` (random prompt, temperature 1, fixed
 `_read_run` and the runner's `run` wrapped to record (start, end) wall times; nothing else changes. Prints, over
 the decode steps after the first `--skip`: the share of wall time with at least one read in flight, the idle
 gaps' distribution, how long a read waited between being queued with a thread free and starting (GIL and
-wake-up latency), and optionally one step's timeline (MoE steps and reads, in ms from the step's start).
+wake-up latency), the reading thread's page faults and system CPU per read (a read into a buffer never touched
+before faults in every page of it inside the read: on this VM, at ~12 us a page once the host has taken the page
+back, docs/performance.md "Fresh pages"), and optionally one step's timeline (MoE steps and reads, in ms from the
+step's start).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -24,10 +28,14 @@ from moestream.config import parse_bytes
 from moestream.experts import dispatch, reader
 
 
+RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)  # Linux: the calling thread alone
+
+
 class Recorder:
     def __init__(self) -> None:
         self.t0 = time.perf_counter()
         self.reads: list[tuple[float, float, int]] = []  # (start, end, bytes)
+        self.costs: list[tuple[int, float]] = []  # per read, as `reads`: (minor faults, system CPU s) of its thread
         self.moe: list[tuple[float, float, int]] = []  # (start, end, layer)
         self.lags: list[float] = []  # queued with a thread free -> started
         self._queued: dict[int, float] = {}
@@ -43,8 +51,11 @@ class Recorder:
             t = rec.now()
             if queued is not None:
                 rec.lags.append(t - queued)
+            ru = resource.getrusage(RUSAGE_THREAD)
             calls = read_run(self, r, view)
+            ru1 = resource.getrusage(RUSAGE_THREAD)
             rec.reads.append((t, rec.now(), r.length))
+            rec.costs.append((ru1.ru_minflt - ru.ru_minflt, ru1.ru_stime - ru.ru_stime))
             return calls
 
         def timed_submit(self, plan, priority=reader.DEMAND, then=None):
@@ -121,6 +132,10 @@ def main() -> int:
         q = statistics.quantiles(gaps, n=10) if len(gaps) > 1 else gaps
         print(f"idle gaps: {len(gaps)}, {sum(gaps) * 1e3 / n:.1f} ms per token; deciles (ms) "
               + " ".join(f"{1e3 * x:.2f}" for x in q))
+    picked = [c for (s, _, _), c in zip(rec.reads, rec.costs) if a <= s < b]
+    if picked:
+        print(f"per read: {statistics.mean(f for f, _ in picked):.0f} page faults, "
+              f"{1e3 * statistics.mean(st for _, st in picked):.1f} ms system CPU of its thread (mean of {len(picked)})")
     if rec.lags:
         print(f"queued with a thread free -> started: median {1e3 * statistics.median(rec.lags):.3f} ms, "
               f"max {1e3 * max(rec.lags):.3f} ms ({len(rec.lags)} reads)")
