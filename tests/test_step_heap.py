@@ -70,3 +70,24 @@ def test_step_reuses_heap_pages_and_gives_them_back():
     # the step held the freed 60 MB while it ran, and gave them back when it ended
     assert got["in_step_rss"] > 40 << 20, got
     assert got["after_rss"] < 10 << 20, got
+
+
+def test_engine_steps_use_the_step_heap_unless_a_scheduler_holds_rss(tmp_path_factory):
+    from conftest import expert_budget, synth_tiny
+    from moestream import Engine
+
+    tiny = synth_tiny(tmp_path_factory, "qwen3_moe")
+    eng = Engine.open(tiny, ram_budget=expert_budget(tiny, 1.0))
+    try:
+        st = eng.new_sequence()
+        t0 = heap.StepHeap.trims
+        eng.step([(st, list(range(1, heap.STEP_HEAP_ROWS)))])  # too few rows
+        assert heap.StepHeap.trims == t0
+        eng.step([(st, list(range(1, heap.STEP_HEAP_ROWS + 1)))])
+        assert heap.StepHeap.trims == t0 + (1 if heap.return_freed_memory() else 0)
+        assert heap.StepHeap.depth == 0
+        eng.watch_resident()
+        eng.step([(st, list(range(1, 33)))])  # a scheduler's step: the fixed setting stays
+        assert heap.StepHeap.trims == t0 + (1 if heap.return_freed_memory() else 0)
+    finally:
+        eng.close()

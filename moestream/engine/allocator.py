@@ -82,8 +82,10 @@ _TRIM = _libc_fn("malloc_trim", [ctypes.c_size_t])
 # its free top, and gives the freed pages back with malloc_trim(0) when it ends: a step's temporaries are faulted in
 # once a step instead of once a block, and RSS after the step is what it was with the fixed setting. While the step
 # runs the heap holds more than its live blocks (freed holes between them): a 512-token prefill of a published-width
-# Kimi K3 peaked 130-180 MB higher with 8 MiB, 210-300 MB with 32 MiB (glibc's largest); larger blocks (K3's
-# 15 MB activation rows) keep their own mappings.
+# Kimi K3 peaked 130-170 MB higher with 8 MiB, 210-350 MB with 32 MiB (glibc's largest); larger blocks (K3's
+# 15 MB activation rows) keep their own mappings. An engine whose RSS a server or batch scheduler holds to the budget
+# (`Engine.watch_resident`) keeps the fixed setting: that bound has no room for the holes (the 1,024-request job of
+# docs/performance.md peaked 1.49 GB against its 1.23 GB bound with them, 1.22 GB without).
 STEP_MMAP_THRESHOLD_BYTES = 8 << 20
 STEP_TRIM_THRESHOLD_BYTES = (1 << 31) - 1  # mallopt takes an int: no trim while the step runs, the one at its end
 STEP_HEAP_ROWS = 16  # rows a step has from which it runs on the step heap (a row's activation is 4 KiB a 1024 wide)

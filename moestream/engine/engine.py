@@ -239,7 +239,7 @@ class Engine:
         with tensors_fit_config(self.path), transient(self.memory, held, "all-position logits"), \
                 serial_torch(tokens.shape[0] <= SERIAL_TORCH_TOKENS and not self.options.batch_invariant), \
                 compute_dtype(self.options.compute_dtype, self.memory), invariant.mode(self.options.batch_invariant), \
-                StepHeap.enter(tokens.shape[0]):
+                StepHeap.enter(0 if self._resident is not None else tokens.shape[0]):
             try:
                 logits = self.model.forward(tokens, batch, rows)
             finally:
