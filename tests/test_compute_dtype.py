@@ -108,6 +108,49 @@ def test_glu_matches_the_rounded_reference_and_any_split(e, inter, k_in, d_out, 
 
 
 @native
+@pytest.mark.parametrize("cap", [60_000, 20_000])
+def test_glu_split_by_the_scratch_cap_shares_one_workspace_and_gives_the_same_sums(cap, threads, monkeypatch):
+    """A layer whose scratch is past the cap runs as several calls (groups of experts; at the smaller cap an expert
+    alone is split into token ranges too) that share one workspace (ms_bf16dot_glu_ws): the same bits as one call."""
+    experts, x, ids, scores = _glu_case(12, 64, 128, 96, 90, 4, seed=7)
+    threads(2)
+    whole = torch.zeros(90, 96)
+    fused.moe_glu_bf16(x, list(range(12)), _parts(experts), 64, whole, ids, scores, compute="bf16")
+    calls = []
+    real = fused._GluCall.__call__
+
+    def spy(self, which, *a):
+        calls.append((list(which), self.workspace))
+        return real(self, which, *a)
+
+    monkeypatch.setattr(fused._GluCall, "__call__", spy)
+    monkeypatch.setattr(fused, "glu_scratch_cap", lambda *a: cap)
+    split = torch.zeros(90, 96)
+    fused.moe_glu_bf16(x, list(range(12)), _parts(experts), 64, split, ids, scores, compute="bf16")
+    assert len(calls) > 2 and all(ws is not None and ws is calls[0][1] for _, ws in calls)
+    assert torch.equal(split, whole)
+
+
+@native
+def test_glu_workspace_contents_and_size_do_not_change_the_sums():
+    """ms_bf16dot_glu_ws over a workspace full of junk, one too small (the call mallocs its own) and none: same bits."""
+    experts, x, ids, scores = _glu_case(5, 32, 64, 48, 40, 2, seed=3)
+    lib = cpu.required()
+    arr = lambda v: (ctypes.c_int64 * len(v))(*v)  # noqa: E731
+    outs = []
+    need = fused.glu_call_scratch([int((ids == e).sum()) for e in range(5)], 32, 64, bf16=True)
+    for ws in (torch.full((need,), 0xFF, dtype=torch.uint8), torch.full((need // 3,), 0x7F, dtype=torch.uint8), None):
+        out = torch.zeros(40, 48)
+        assert lib.ms_bf16dot_glu_ws(5, arr(range(5)), *(arr([ex[i].data_ptr() for ex in experts]) for i in range(3)),
+                                     32, 64, 48, x.data_ptr(), 40, ids.data_ptr(), scores.data_ptr(), 2,
+                                     out.data_ptr(), 0, 0.0, 0.0, None if ws is None else ws.data_ptr(),
+                                     0 if ws is None else ws.numel()) == 0
+        outs.append(out)
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2])
+    assert _rel(outs[2], _glu_reference(experts, x, ids, scores)) < 1e-5
+
+
+@native
 def test_glu_rejects_odd_widths_and_unknown_compute():
     experts, x, ids, scores = _glu_case(2, 5, 8, 8, 4, 1, seed=1)
     with pytest.raises(ValueError, match="even"):

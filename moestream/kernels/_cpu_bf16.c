@@ -527,15 +527,22 @@ static void bpg_down_part(void *arg, int64_t chunk, int64_t chunks, int slot) {
 
 /* ms_moe_glu_bf16's contract (experts, their bf16 gate [I, K], up [I, K], down [D, I], routing ids / wts or every
  * token through every expert, out fp32 [T, D] added into) computed in bf16: x and the activations h rounded to bf16,
- * products summed in fp32. K and I even. Returns 0, -1 when out of memory, -2 for an odd K or I. */
-int ms_bf16dot_glu(int64_t E, const int64_t *experts, const int64_t *gates, const int64_t *ups, const int64_t *downs,
-                   int64_t I, int64_t K, int64_t D, const float *x, int64_t T, const int64_t *ids, const float *wts,
-                   int64_t k, float *out, int act, float beta, float lbeta) {
+ * products summed in fp32. K and I even. ws (ws_bytes): the caller's scratch, used when it holds this call's
+ * (routing entries, then the x and h panels 64-byte aligned; fused.glu_call_scratch bounds it), else the call
+ * mallocs its own: a caller making several calls in a row passes one buffer, so its pages are faulted in once
+ * instead of once a call (with the engine's 64 KiB mmap threshold every malloc of the panels is a fresh mapping).
+ * The same values either way. Returns 0, -1 when out of memory, -2 for an odd K or I. */
+int ms_bf16dot_glu_ws(int64_t E, const int64_t *experts, const int64_t *gates, const int64_t *ups, const int64_t *downs,
+                      int64_t I, int64_t K, int64_t D, const float *x, int64_t T, const int64_t *ids, const float *wts,
+                      int64_t k, float *out, int act, float beta, float lbeta, void *ws, int64_t ws_bytes) {
     if (E <= 0 || T <= 0 || D <= 0) return 0;
     if (K % 2 || I % 2 || K <= 0 || I <= 0) return -2;
     const int64_t A = glu_pairs(E, experts, T, ids, k);
     if (A == 0) return 0;
-    char *mem = malloc(sizeof(int64_t) * (size_t)(4 * E + 2 + A) + sizeof(float) * (size_t)A);
+    const size_t mem_bytes = sizeof(int64_t) * (size_t)(4 * E + 2 + A) + sizeof(float) * (size_t)A;
+    const size_t mem_room = (mem_bytes + 63) / 64 * 64;
+    const int own_mem = !ws || (int64_t)mem_room > ws_bytes;
+    char *mem = own_mem ? malloc(mem_bytes) : (char *)ws;
     if (!mem) return -1;
     int64_t *start = (int64_t *)mem, *count = start + E, *poff = count + E, *ustart = poff + E + 1;
     int64_t *row = ustart + E + 1;
@@ -547,9 +554,13 @@ int ms_bf16dot_glu(int64_t E, const int64_t *experts, const int64_t *gates, cons
         ustart[e + 1] = ustart[e] + (count[e] ? (I + BPG_ROWS - 1) / BPG_ROWS : 0);
     }
     const int64_t P = poff[E];
-    uint32_t *xp = aligned_alloc(64, (sizeof(uint32_t) * (size_t)(P * BP * (K / 2 + I / 2)) + 63) / 64 * 64);
+    const size_t xp_bytes = (sizeof(uint32_t) * (size_t)(P * BP * (K / 2 + I / 2)) + 63) / 64 * 64;
+    /* the panels after the routing entries in ws, at a 64-byte boundary of the address */
+    char *room = own_mem ? NULL : (char *)(((uintptr_t)ws + mem_room + 63) / 64 * 64);
+    const int own_xp = own_mem || room + xp_bytes > (char *)ws + ws_bytes;
+    uint32_t *xp = own_xp ? aligned_alloc(64, xp_bytes) : (uint32_t *)room;
     if (!xp) {
-        free(mem);
+        if (own_mem) free(mem);
         return -1;
     }
     uint32_t *hp = xp + P * BP * (K / 2);
@@ -566,7 +577,14 @@ int ms_bf16dot_glu(int64_t E, const int64_t *experts, const int64_t *gates, cons
         pool_run_chunks(bpg_up_part, &j, ustart[E], pool_parts);
         pool_run_chunks(bpg_down_part, &j, cols, pool_parts);
     }
-    free(xp);
-    free(mem);
+    if (own_xp) free(xp);
+    if (own_mem) free(mem);
     return 0;
+}
+
+/* ms_bf16dot_glu_ws with its own scratch */
+int ms_bf16dot_glu(int64_t E, const int64_t *experts, const int64_t *gates, const int64_t *ups, const int64_t *downs,
+                   int64_t I, int64_t K, int64_t D, const float *x, int64_t T, const int64_t *ids, const float *wts,
+                   int64_t k, float *out, int act, float beta, float lbeta) {
+    return ms_bf16dot_glu_ws(E, experts, gates, ups, downs, I, K, D, x, T, ids, wts, k, out, act, beta, lbeta, NULL, 0);
 }

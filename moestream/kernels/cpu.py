@@ -158,6 +158,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_bf16dot_linear.restype = ctypes.c_int
     lib.ms_bf16dot_glu.argtypes = lib.ms_moe_glu_bf16.argtypes
     lib.ms_bf16dot_glu.restype = ctypes.c_int
+    lib.ms_bf16dot_glu_ws.argtypes = [*lib.ms_moe_glu_bf16.argtypes, p, i64]
+    lib.ms_bf16dot_glu_ws.restype = ctypes.c_int
     lib.ms_moe_glu_bf16_pairs.argtypes = lib.ms_moe_glu_bf16.argtypes
     lib.ms_moe_glu_bf16_pairs.restype = ctypes.c_int
     lib.ms_linear_fixed.argtypes = [p, i64, i64, p, ctypes.c_int, i64, p]

@@ -78,7 +78,12 @@ def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, i
     if glu_call_scratch(counts, inter, k_in, bf16, pairs) <= cap:
         call(range(len(experts)), x, ids, scores, out)
         return
-    for group in _expert_groups(counts, inter, k_in, cap, bf16, pairs):
+    groups = _expert_groups(counts, inter, k_in, cap, bf16, pairs)
+    if bf16:
+        # one scratch for all the calls (the largest call's, within the cap), so its pages are faulted in once
+        call.workspace = torch.empty(max(min(cap, glu_call_scratch([counts[i] for i in g], inter, k_in, True))
+                                         for g in groups), dtype=torch.uint8)
+    for group in groups:
         if len(group) > 1 or glu_call_scratch([counts[group[0]]], inter, k_in, bf16, pairs) <= cap:
             call(group, x, ids, scores, out)
             continue
@@ -179,17 +184,22 @@ class _GluCall:
         self.experts, self.parts, self.inter, self.k_in, self.d_out = list(experts), list(parts), inter, k_in, d_out
         self.act, self.beta, self.linear_beta, self.bf16 = ACTIVATIONS[act], beta, linear_beta, bf16
         self.pairs = pairs  # out is [T, k, D]: ms_moe_glu_bf16_pairs
+        self.workspace: Tensor | None = None  # bf16: scratch the calls share (ms_bf16dot_glu_ws), else their own
 
     def __call__(self, which, x: Tensor, ids: Tensor | None, scores: Tensor | None, out: Tensor) -> None:
         which = list(which)
         handle = required()
-        fn = handle.ms_bf16dot_glu if self.bf16 else handle.ms_moe_glu_bf16_pairs if self.pairs else handle.ms_moe_glu_bf16
-        code = fn(
-            len(which), _addresses([self.experts[i] for i in which]), _addresses([self.parts[i][0] for i in which]),
-            _addresses([self.parts[i][1] for i in which]), _addresses([self.parts[i][2] for i in which]),
-            self.inter, self.k_in, self.d_out, x.data_ptr(), x.shape[0], None if ids is None else ids.data_ptr(),
-            None if scores is None else scores.data_ptr(), 0 if ids is None else ids.shape[1], out.data_ptr(),
-            self.act, self.beta, self.linear_beta)
+        args = (len(which), _addresses([self.experts[i] for i in which]),
+                _addresses([self.parts[i][0] for i in which]), _addresses([self.parts[i][1] for i in which]),
+                _addresses([self.parts[i][2] for i in which]), self.inter, self.k_in, self.d_out, x.data_ptr(),
+                x.shape[0], None if ids is None else ids.data_ptr(), None if scores is None else scores.data_ptr(),
+                0 if ids is None else ids.shape[1], out.data_ptr(), self.act, self.beta, self.linear_beta)
+        if self.bf16:
+            ws = self.workspace
+            code = handle.ms_bf16dot_glu_ws(*args, None if ws is None else ws.data_ptr(),
+                                            0 if ws is None else ws.numel())
+        else:
+            code = (handle.ms_moe_glu_bf16_pairs if self.pairs else handle.ms_moe_glu_bf16)(*args)
         if code != 0:
             raise MemoryError("native GLU expert kernel could not allocate its scratch")
 
