@@ -179,8 +179,10 @@ class ExpertRunner:
             self._prefetch_next(layer, route_x, need)
         t = time.perf_counter()
         blobs = [self.cache.get((layer, e)) for e in hits]
-        grouped = group is not None and len(hits) > 1 and group(x, ids, weights, hits,
-                                                                [b.tensors() for b in blobs], out)
+        grouped = group is not None and len(hits) > 1 and (
+            group(x, ids, weights, hits, [b.tensors() for b in blobs], out, counts=route.counts(hits))
+            if route is not None and getattr(group, "counts", False) else
+            group(x, ids, weights, hits, [b.tensors() for b in blobs], out))
         for e, blob in zip(hits, blobs):
             self._use(layer, e, hit=True)
             if not grouped:
@@ -554,6 +556,11 @@ class Routing:
                   ids.long().contiguous(), weights.float().contiguous())
         got._slots = order % ids.shape[1]
         return got
+
+    def counts(self, experts: list[int]) -> list[int]:
+        """The pairs routed to each of `experts` (each one of this step's experts)."""
+        spans = self._spans
+        return [spans[e].stop - spans[e].start for e in experts]
 
     def slots(self, e: int) -> torch.Tensor:
         """The slots (top-k ranks) of the pairs routed to `e`, in the order of `pairs(e)`'s rows."""

@@ -132,7 +132,20 @@ def _scratch(pairs: int, experts: int, largest: int, inter: int, k_in: int, ever
 def _scratch_bf16(pairs: int, experts: int, largest: int, inter: int, k_in: int) -> int:
     """glu_call_scratch of the bf16 compute path: per pair its routing entry and its bf16 x and h panel words, per
     expert its bookkeeping and a panel's padding (no per-thread buffers: the tiles live on the stack)."""
-    return pairs * (12 + 2 * (k_in + inter)) + experts * (32 + 2 * cpu.bf16_panel() * (k_in + inter)) + 256
+    return pairs * (12 + 2 * (k_in + inter)) + experts * (32 + 2 * _bf16_panel() * (k_in + inter)) + 256
+
+
+_PANEL: int | None = None
+
+
+def _bf16_panel() -> int:
+    """cpu.bf16_panel(), asked of the library once (a build constant): _expert_groups prices every expert."""
+    global _PANEL
+    if _PANEL is None:
+        if cpu.lib() is None:
+            return cpu.bf16_panel()
+        _PANEL = cpu.bf16_panel()
+    return _PANEL
 
 
 def _pair_counts(experts: Sequence[int], ids: Tensor | None, t: int) -> list[int]:
@@ -146,15 +159,20 @@ def _pair_counts(experts: Sequence[int], ids: Tensor | None, t: int) -> list[int
 
 def _expert_groups(counts: list[int], inter: int, k_in: int, cap: int, bf16: bool = False,
                    pairs: bool = False) -> list[list[int]]:
-    """Consecutive runs of expert indices whose call fits `cap` (a run of one may not: the caller splits it)."""
+    """Consecutive runs of expert indices whose call fits `cap` (a run of one may not: the caller splits it).
+    glu_call_scratch of the run so far, from its running pair count, length and largest count."""
     groups: list[list[int]] = []
+    total = largest = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        if groups and glu_call_scratch([counts[i] for i in groups[-1]] + [n], inter, k_in, bf16, pairs) <= cap:
+        if groups and (_scratch_bf16(total + n, len(groups[-1]) + 1, max(largest, n), inter, k_in) if bf16 else
+                       _scratch(total + n, len(groups[-1]) + 1, max(largest, n), inter, k_in, pairs)) <= cap:
             groups[-1].append(e)
+            total, largest = total + n, max(largest, n)
         else:
             groups.append([e])
+            total = largest = n
     return groups
 
 

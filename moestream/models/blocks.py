@@ -308,10 +308,11 @@ def glu_group(act=silu_glu) -> Callable[..., bool]:
     or without the native kernels."""
     spec = native_act(act)
 
-    def run(x, ids, weights, experts, tensors, out) -> bool:
-        return _native_add(spec, x, ids, weights, experts, tensors, out)
+    def run(x, ids, weights, experts, tensors, out, counts: list[int] | None = None) -> bool:
+        return _native_add(spec, x, ids, weights, experts, tensors, out, counts)
 
     run.pairs = True  # type: ignore[attr-defined]  # takes the runner's batch-invariant [T, k, D] out
+    run.counts = True  # type: ignore[attr-defined]  # takes the pairs routed to each expert (no bincount per call)
     return run
 
 
