@@ -16,8 +16,9 @@ step, at most once a second (a 1-4 ms call: a batch step of seconds pays it each
 many) (docs/performance.md).
 
 A step of many rows (a prompt chunk, a batch step) makes its temporaries on the heap instead (`StepHeap`): each
-fresh mapping above the fixed threshold faults in every page it touches, which cost a 512-token prefill 40% of its
-time; the step's freed temporaries are reused by its later ones and given back with malloc_trim(0) when it ends.
+fresh mapping above the fixed threshold faults in every page it touches, which made a 512-token prefill take 1.4x
+as long; the step's freed temporaries are reused by its later ones and given back with malloc_trim(0) when it ends.
+Not in an engine whose RSS a server or batch scheduler holds to the budget (below).
 
 Even trimmed, a heap keeps what its live neighbours pin: when a batch job's sequences end, the small objects they
 held (tensor objects of their cache blocks, per-sequence Python state, mostly in the engine thread's own glibc
@@ -82,7 +83,7 @@ _TRIM = _libc_fn("malloc_trim", [ctypes.c_size_t])
 # its free top, and gives the freed pages back with malloc_trim(0) when it ends: a step's temporaries are faulted in
 # once a step instead of once a block, and RSS after the step is what it was with the fixed setting. While the step
 # runs the heap holds more than its live blocks (freed holes between them): a 512-token prefill of a published-width
-# Kimi K3 peaked 130-170 MB higher with 8 MiB, 210-350 MB with 32 MiB (glibc's largest); larger blocks (K3's
+# Kimi K3 peaked 120-170 MB higher with 8 MiB, 210-350 MB with 32 MiB (glibc's largest); larger blocks (K3's
 # 15 MB activation rows) keep their own mappings. An engine whose RSS a server or batch scheduler holds to the budget
 # (`Engine.watch_resident`) keeps the fixed setting: that bound has no room for the holes (the 1,024-request job of
 # docs/performance.md peaked 1.49 GB against its 1.23 GB bound with them, 1.22 GB without).
