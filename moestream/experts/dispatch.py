@@ -179,10 +179,10 @@ class ExpertRunner:
             self._prefetch_next(layer, route_x, need)
         t = time.perf_counter()
         blobs = [self.cache.get((layer, e)) for e in hits]
-        grouped = group is not None and len(hits) > 1 and (
-            group(x, ids, weights, hits, [b.tensors() for b in blobs], out, counts=route.counts(hits))
-            if route is not None and getattr(group, "counts", False) else
-            group(x, ids, weights, hits, [b.tensors() for b in blobs], out))
+        grouped = False
+        if group is not None and len(hits) > 1:
+            counts = {"counts": route.counts(hits)} if route is not None and getattr(group, "counts", False) else {}
+            grouped = group(x, ids, weights, hits, [b.tensors() for b in blobs], out, **counts)
         for e, blob in zip(hits, blobs):
             self._use(layer, e, hit=True)
             if not grouped:

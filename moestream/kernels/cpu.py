@@ -398,10 +398,17 @@ def bf16dot() -> bool:
     return bool(handle.ms_bf16dp()) if handle is not None else False
 
 
+_BF16_PANEL: list[int] = []  # the library's answer, asked once (a build constant; the GLU grouping prices every expert)
+
+
 def bf16_panel() -> int:
     """Tokens per panel of the bf16 compute path (_cpu_bf16.c's BP: 64 with AVX-512 BF16); 64 without the library."""
     handle = lib()
-    return handle.ms_bf16_panel() if handle is not None else 64
+    if handle is None:
+        return 64
+    if not _BF16_PANEL:
+        _BF16_PANEL.append(handle.ms_bf16_panel())
+    return _BF16_PANEL[0]
 
 
 def bf16dot_scratch(rows: int, k_in: int) -> int:

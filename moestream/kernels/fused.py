@@ -70,8 +70,7 @@ def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, i
     # what any routing of these rows could need (t x k pairs, at most t per expert): a decode step fits without
     # counting its pairs
     n_pairs = t * (len(experts) if ids is None else ids.shape[1])
-    if (_scratch_bf16(n_pairs, len(experts), t, inter, k_in) if bf16
-            else _scratch(n_pairs, len(experts), t, inter, k_in, pairs)) <= cap:
+    if _call_scratch(n_pairs, len(experts), t, inter, k_in, bf16, pairs) <= cap:
         call(range(len(experts)), x, ids, scores, out)
         return
     counts = _pair_counts(experts, ids, t) if counts is None else list(counts)
@@ -109,9 +108,14 @@ def glu_call_scratch(counts: Sequence[int], inter: int, k_in: int, bf16: bool = 
     rows and their panel copies; per expert a panel's padding; per thread the pass-1 rows of the largest expert
     and a panel packing buffer. bf16: ms_bf16dot_glu's (_cpu_bf16.c: routing entries, bf16 x and h panels).
     pairs: ms_moe_glu_bf16_pairs' (every expert on the panel kernel, a pair index per pair)."""
+    return _call_scratch(sum(counts), len(counts), max(counts, default=0), inter, k_in, bf16, pairs)
+
+
+def _call_scratch(n_pairs: int, experts: int, largest: int, inter: int, k_in: int, bf16: bool, pairs: bool) -> int:
+    """glu_call_scratch from the call's totals: its pairs, experts and largest expert's pairs."""
     if bf16:
-        return _scratch_bf16(sum(counts), len(counts), max(counts, default=0), inter, k_in)
-    return _scratch(sum(counts), len(counts), max(counts, default=0), inter, k_in, pairs)
+        return _scratch_bf16(n_pairs, experts, largest, inter, k_in)
+    return _scratch(n_pairs, experts, largest, inter, k_in, pairs)
 
 
 def _scratch(pairs: int, experts: int, largest: int, inter: int, k_in: int, every_panel: bool = False) -> int:
@@ -132,20 +136,7 @@ def _scratch(pairs: int, experts: int, largest: int, inter: int, k_in: int, ever
 def _scratch_bf16(pairs: int, experts: int, largest: int, inter: int, k_in: int) -> int:
     """glu_call_scratch of the bf16 compute path: per pair its routing entry and its bf16 x and h panel words, per
     expert its bookkeeping and a panel's padding (no per-thread buffers: the tiles live on the stack)."""
-    return pairs * (12 + 2 * (k_in + inter)) + experts * (32 + 2 * _bf16_panel() * (k_in + inter)) + 256
-
-
-_PANEL: int | None = None
-
-
-def _bf16_panel() -> int:
-    """cpu.bf16_panel(), asked of the library once (a build constant): _expert_groups prices every expert."""
-    global _PANEL
-    if _PANEL is None:
-        if cpu.lib() is None:
-            return cpu.bf16_panel()
-        _PANEL = cpu.bf16_panel()
-    return _PANEL
+    return pairs * (12 + 2 * (k_in + inter)) + experts * (32 + 2 * cpu.bf16_panel() * (k_in + inter)) + 256
 
 
 def _pair_counts(experts: Sequence[int], ids: Tensor | None, t: int) -> list[int]:
@@ -166,8 +157,7 @@ def _expert_groups(counts: list[int], inter: int, k_in: int, cap: int, bf16: boo
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        if groups and (_scratch_bf16(total + n, len(groups[-1]) + 1, max(largest, n), inter, k_in) if bf16 else
-                       _scratch(total + n, len(groups[-1]) + 1, max(largest, n), inter, k_in, pairs)) <= cap:
+        if groups and _call_scratch(total + n, len(groups[-1]) + 1, max(largest, n), inter, k_in, bf16, pairs) <= cap:
             groups[-1].append(e)
             total, largest = total + n, max(largest, n)
         else:
