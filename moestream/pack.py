@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Callable
 
 from moestream.errors import CheckpointError, MoestreamError
-from moestream.weights.index import (ALIGN, PACK_FORMAT, PACK_MANIFEST, PACK_VERSION, CheckpointIndex, TensorInfo,
-                                     drop_file_pages, drop_pages, pread_fill)
+from moestream.kernels import b12
+from moestream.weights.index import (ALIGN, DTYPES, PACK_FORMAT, PACK_MANIFEST, PACK_VERSION, CheckpointIndex,
+                                     TensorInfo, bytes_to_tensor, drop_file_pages, drop_pages, pread_fill)
 
 # every expert starts on the reader's O_DIRECT boundary (weights/index.py: ALIGN), so it is read whole, no widening
 PART_ALIGN = 64  # a part keeps the offset modulo 64 it had in the original's read buffer (see _lay_out)
@@ -47,6 +48,11 @@ class PartPlan:
     src: TensorInfo  # the source bytes of this part (file, offset, nbytes; dtype and shape of the slice)
     phase: int = 0  # where the part started, modulo PART_ALIGN, in the buffer the original's reader fills
     offset: int = 0  # within the expert
+    coded: int = -1  # --codec b12: the part's coded size (kernels/b12.py); -1 when stored as it is
+
+    @property
+    def nbytes(self) -> int:
+        return self.src.nbytes if self.coded < 0 else self.coded
 
 
 @dataclass
@@ -66,6 +72,11 @@ class PackPlan:
     tensors: dict[str, tuple[str, tuple[int, ...], bool]]  # packed tensor -> (dtype, shape, fused)
     dense_shards: list[list[TensorInfo]]
     expert_file_sizes: list[int] = field(default_factory=list)
+    codec: str | None = None
+
+    @property
+    def coded_tensors(self) -> set[str]:
+        return {p.tensor for e in self.experts for p in e.parts if p.coded >= 0}
 
     @property
     def dense_bytes(self) -> int:
@@ -94,6 +105,7 @@ class PackSummary:
     expert_bytes: int  # payload of the experts (what the source held)
     disk_bytes: int  # every file written, alignment padding included
     verified: bool = False
+    coded_bytes: int = 0  # with a codec: the experts' bytes as written
 
 
 def dense_name(i: int, n: int) -> str:
@@ -107,7 +119,8 @@ def expert_name(i: int, n: int) -> str:
 # ---- planning (headers only) ------------------------------------------------------------------------------
 def plan_pack(src: str | Path, dense_shard_bytes: int = DENSE_SHARD_BYTES,
               expert_file_bytes: int = EXPERT_FILE_BYTES) -> tuple[PackPlan, CheckpointIndex]:
-    """Where every byte of `src` goes, from its config and headers (nothing is read or written)."""
+    """Where every byte of `src` goes, from its config and headers (nothing is read or written). A coded pack
+    (`pack(codec=...)`) sizes its coded parts afterwards (_size_coded) and lays the experts out again."""
     from moestream.engine.engine import plan  # the family's expert layout, exactly as the engine sees it
 
     p = plan(src, io_threads=1)
@@ -158,7 +171,7 @@ def _lay_out(pp: PackPlan, expert_file_bytes: int) -> None:
         length = 0
         for part in ex.parts:
             part.offset = length + (part.phase - length) % PART_ALIGN
-            length = part.offset + part.src.nbytes
+            length = part.offset + part.nbytes
         ex.length = length
         if pos > HEADER_BYTES and pos + length > expert_file_bytes:
             sizes.append(pos)
@@ -168,6 +181,38 @@ def _lay_out(pp: PackPlan, expert_file_bytes: int) -> None:
     if pp.experts:
         sizes.append(pos)
     pp.expert_file_sizes = sizes
+
+
+def _codable(part: PartPlan) -> bool:
+    return b12.supported(tuple(part.src.shape), DTYPES.get(part.src.dtype, (None,))[0])
+
+
+def _codable_bytes(pp: PackPlan) -> int:
+    return sum(p.src.nbytes for e in pp.experts for p in e.parts if _codable(p))
+
+
+def _size_coded(pp: PackPlan, progress: Progress) -> None:
+    """The coded size of every expert part the coding takes (its rows stored whole are known only from its
+    values, so each is read once here and once when written)."""
+    src = _Source()
+    try:
+        for ex in pp.experts:
+            for part in ex.parts:
+                if _codable(part):
+                    w = _matrix(src, part.src)
+                    part.coded = b12.coded_nbytes(*w.shape, b12.raw_rows(w))
+                    progress(part.src.nbytes)
+    finally:
+        src.close()
+
+
+def _matrix(src: "_Source", t: TensorInfo):
+    """One part's bf16 matrix, read whole (one expert matrix: the packer's largest allocation with a codec)."""
+    buf, at = bytearray(t.nbytes), 0
+    for chunk in src.chunks(t):
+        buf[at:at + len(chunk)] = chunk
+        at += len(chunk)
+    return bytes_to_tensor(buf, t.dtype, t.shape)
 
 
 # ---- writing ----------------------------------------------------------------------------------------------
@@ -247,11 +292,19 @@ def _write_experts(path: Path, experts: list[ExpertPlan], size: int, src: _Sourc
                 pad = zeros[:part.offset - at]
                 crc = zlib.crc32(pad, crc)
                 f.write(pad)
-                for chunk in src.chunks(part.src):
-                    crc = zlib.crc32(chunk, crc)
-                    f.write(chunk)
-                    progress(len(chunk))
-                at = part.offset + part.src.nbytes
+                if part.coded >= 0:
+                    data = memoryview(b12.encode(_matrix(src, part.src)).numpy())
+                    if len(data) != part.coded:  # the source changed between sizing and writing
+                        raise CheckpointError(f"{part.src.file}: tensor {part.tensor!r} changed while packing")
+                    crc = zlib.crc32(data, crc)
+                    f.write(data)
+                    progress(part.src.nbytes)
+                else:
+                    for chunk in src.chunks(part.src):
+                        crc = zlib.crc32(chunk, crc)
+                        f.write(chunk)
+                        progress(len(chunk))
+                at = part.offset + part.nbytes
             ex.crc32 = crc
             pos = ex.offset + ex.length
         f.write(zeros[:size - pos])
@@ -285,9 +338,11 @@ def _copy_other_files(src: Path, tmp: Path, skip: set[str]) -> list[str]:
 
 def pack(src: str | Path, dst: str | Path, verify: bool = False, progress: Progress | None = None,
          total: Callable[[int], None] | None = None, dense_shard_bytes: int = DENSE_SHARD_BYTES,
-         expert_file_bytes: int = EXPERT_FILE_BYTES) -> PackSummary:
+         expert_file_bytes: int = EXPERT_FILE_BYTES, codec: str | None = None) -> PackSummary:
     """Write the packed form of checkpoint `src` to the new directory `dst` (atomically). `total(n)` is told the
-    payload bytes first, then `progress(k)` after every copied chunk."""
+    payload bytes first, then `progress(k)` after every copied chunk (with codec "b12", the coded experts' bytes
+    count twice: once when sized, once when written). codec "b12": bf16 expert matrices whose rows are a multiple
+    of 64 values are stored in kernels/b12.py's lossless coding (the same values, 25% fewer bytes)."""
     src, dst = Path(src), Path(dst)
     if dst.exists() or dst.is_symlink():
         raise MoestreamError(f"{dst}: already exists; `moestream pack` never overwrites, choose a new directory")
@@ -295,15 +350,21 @@ def pack(src: str | Path, dst: str | Path, verify: bool = False, progress: Progr
         raise CheckpointError(f"{src}: not a checkpoint directory")
     if dst.resolve().is_relative_to(src.resolve()):
         raise MoestreamError(f"{dst}: must not lie inside the source checkpoint {src}")
+    if codec not in (None, "b12"):
+        raise MoestreamError(f"--codec must be b12 (or none), got {codec!r}")
     pp, index = plan_pack(src, dense_shard_bytes, expert_file_bytes)
     parent = dst.parent if str(dst.parent) else Path(".")
     parent.mkdir(parents=True, exist_ok=True)
+    progress = progress or (lambda n: None)
+    if total is not None:
+        total(pp.payload_bytes + (_codable_bytes(pp) if codec else 0))
+    if codec:  # sized before anything is written: the layout and the free-space check need the coded sizes
+        pp.codec = codec
+        _size_coded(pp, progress)
+        _lay_out(pp, expert_file_bytes)
     free = shutil.disk_usage(parent).free
     if pp.disk_bytes > free:
         raise MoestreamError(f"{parent}: {pp.disk_bytes} bytes needed for the packed checkpoint, {free} free")
-    progress = progress or (lambda n: None)
-    if total is not None:
-        total(pp.payload_bytes)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.packing-", dir=parent))
     umask = os.umask(0)
     os.umask(umask)
@@ -331,7 +392,8 @@ def pack(src: str | Path, dst: str | Path, verify: bool = False, progress: Progr
     finally:
         source.close()
     summary = PackSummary(str(dst), len(pp.experts), len(pp.expert_file_sizes), len(pp.dense_shards),
-                          pp.dense_bytes, pp.expert_bytes, sum(f.stat().st_size for f in dst.rglob("*") if f.is_file()))
+                          pp.dense_bytes, pp.expert_bytes, sum(f.stat().st_size for f in dst.rglob("*") if f.is_file()),
+                          coded_bytes=sum(p.nbytes for e in pp.experts for p in e.parts) if pp.coded_tensors else 0)
     if verify:
         verify_pack(dst)
         summary.verified = True
@@ -340,16 +402,19 @@ def pack(src: str | Path, dst: str | Path, verify: bool = False, progress: Progr
 
 def _manifest(pp: PackPlan, crcs: dict[str, int]) -> dict:
     n_dense, n_exp = len(pp.dense_shards), len(pp.expert_file_sizes)
+    coded = pp.coded_tensors
     return {
         "format": PACK_FORMAT, "version": PACK_VERSION, "align": ALIGN, "checksum": "crc32",
         "dense_files": [dense_name(i, n_dense) for i in range(n_dense)],
         "expert_files": [expert_name(i, n_exp) for i in range(n_exp)],
         "dense_crc32": crcs,
-        "tensors": {name: {"dtype": d, "shape": list(s), "fused": f} for name, (d, s, f) in pp.tensors.items()},
+        "tensors": {name: {"dtype": d, "shape": list(s), "fused": f, **({"codec": pp.codec} if name in coded else {})}
+                    for name, (d, s, f) in pp.tensors.items()},
         "experts": [{"layer": e.layer, "expert": e.expert, "file": expert_name(e.file, n_exp), "offset": e.offset,
                      "length": e.length, "crc32": e.crc32,
                      "parts": [{"tensor": p.tensor, "index": p.index, "dtype": p.src.dtype, "shape": list(p.src.shape),
-                                "offset": p.offset, "nbytes": p.src.nbytes} for p in e.parts]}
+                                "offset": p.offset, "nbytes": p.nbytes, **({"codec": pp.codec} if p.coded >= 0 else {})}
+                               for p in e.parts]}
                     for e in pp.experts],
     }
 

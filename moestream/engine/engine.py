@@ -25,6 +25,7 @@ from moestream.experts.dispatch import ExpertRunner
 from moestream.experts.reader import IO_THREADS
 from moestream.experts.store import ExpertStore, fp32_nbytes
 from moestream.kernels import cpu, invariant
+from moestream.kernels.fused import b12_scratch
 from moestream.kernels.qweight import dense_scratch_bytes
 from moestream.kernels.quant import GROUP_DECODE_BYTES, SCRATCH_BYTES as QUANT_SCRATCH_BYTES
 from moestream.models.blocks import UPCAST_CHUNK_BYTES, check_compute_dtype, compute_dtype
@@ -141,6 +142,9 @@ def _scratch_bytes(index: CheckpointIndex, dense: list[str], store: ExpertStore,
         scratch += sum(fp32_nbytes(loc) for loc in locs)
         if any(loc.dtype in ("U8", "I32", "F8_E4M3") for loc in locs):
             scratch += QUANT_SCRATCH_BYTES + GROUP_DECODE_BYTES
+        coded = [loc.shape for loc in locs if loc.codec is not None]
+        if coded:  # b12 experts: the GLU call's rows decoded per thread, beyond the bf16 call's scratch
+            scratch += b12_scratch(min(s[0] for s in coded), max(s[1] for s in coded), max(s[0] for s in coded))
     return scratch
 
 

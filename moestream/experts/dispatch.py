@@ -28,8 +28,9 @@ from moestream.experts.policies import HeatPolicy, POLICIES, heat_path
 from moestream.experts.prefetch import Lookahead, RouterFn
 from moestream.experts.reader import AHEAD, SCAN_DEPTH
 from moestream.experts.store import ExpertBlob, ExpertStore
-from moestream.kernels import invariant
-from moestream.kernels.cpu import bf16_native
+from moestream.kernels import b12, invariant
+from moestream.kernels.b12 import B12Weight
+from moestream.kernels.cpu import MAX_TOKENS_BF16, bf16_native
 
 ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 # An ExpertFn may carry `fn.accumulate(x, ids, weights, expert, rows, tensors, out) -> bool`: it adds the expert's
@@ -588,13 +589,13 @@ class Upcast:
         self.buf = torch.empty(0, dtype=torch.float32)
 
     def __call__(self, tensors: dict[str, torch.Tensor], tokens: int | None = None) -> Mapping[str, torch.Tensor]:
-        if not all(t.dtype in _FLOATS for t in tensors.values()):
+        if not all(t.dtype in _FLOATS or type(t) is B12Weight for t in tensors.values()):
             return tensors
         half = [t for t in tensors.values() if t.dtype != torch.float32]
-        if tokens is not None and half and all(t.dim() != 2 or bf16_native(t, tokens=tokens) for t in half) \
-                and any(t.dim() == 2 for t in half):
+        if tokens is not None and half and all(_stays(t, tokens) for t in half) \
+                and any(t.dim() == 2 or type(t) is B12Weight for t in half):
             return tensors
-        need = sum(t.numel() for t in tensors.values() if t.dtype != torch.float32)
+        need = sum(_numel(t) for t in tensors.values() if t.dtype != torch.float32)
         if need == 0:
             return tensors
         if self.buf.numel() < need:
@@ -611,7 +612,7 @@ class _Expanded(Mapping):
         for name, t in tensors.items():
             if t.dtype != torch.float32:
                 self._slots[name] = off
-                off += t.numel()
+                off += _numel(t)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         got = self._done.get(name)
@@ -619,7 +620,15 @@ class _Expanded(Mapping):
             t = self._src[name]
             if name in self._slots:
                 off = self._slots[name]
-                t = self._buf[off:off + t.numel()].view(t.shape).copy_(t)
+                if type(t) is B12Weight:  # decoded a bounded slab of rows at a time, the same values as bf16's
+                    dst = self._buf[off:off + _numel(t)].view(t.out_features, t.in_features)
+                    step = max(1, B12_SLAB // (2 * t.in_features))
+                    for r in range(0, t.out_features, step):
+                        dst[r:r + step].copy_(b12.decode_rows(t.codes, t.out_features, t.in_features, r,
+                                                              min(t.out_features, r + step)))
+                    t = dst
+                else:
+                    t = self._buf[off:off + t.numel()].view(t.shape).copy_(t)
             got = self._done[name] = t
         return got
 
@@ -631,6 +640,20 @@ class _Expanded(Mapping):
 
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+B12_SLAB = 256 << 10  # bf16 bytes of a b12 expert decoded at a time when it is expanded to fp32
+
+
+def _numel(t: torch.Tensor) -> int:
+    return t.out_features * t.in_features if type(t) is B12Weight else t.numel()
+
+
+def _stays(t: torch.Tensor, tokens: int) -> bool:
+    """Whether a half-precision part is left as stored for `tokens` rows: a bf16 matrix the native kernel takes
+    (bf16_native), a b12 one for the rows the native kernels take its bf16 twin, so that both take the same path
+    and give the same bits; a part of another rank never needs the expansion."""
+    if type(t) is B12Weight:
+        return tokens <= MAX_TOKENS_BF16
+    return t.dim() != 2 or bf16_native(t, tokens=tokens)
 
 
 def _save_heat(ref: "weakref.ref[ExpertRunner]") -> None:

@@ -8,6 +8,7 @@ on every read (a mismatch raises CheckpointError). It does not decide residency 
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import threading
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from moestream.errors import CheckpointError
+from moestream.kernels.b12 import B12Weight
 from moestream.experts.reader import DEMAND, IO_THREADS, ReadPlan, Reader, Span, plan_reads
 from moestream.weights.index import DTYPES, CheckpointIndex, PackedExpert, bytes_to_tensor
 
@@ -52,6 +54,7 @@ class PartLocation:
     dtype: str
     shape: tuple[int, ...]
     group: int = -1  # packed checkpoints: the checksummed expert range (CheckpointIndex.packed) holding it
+    codec: str | None = None  # "b12": the bytes are kernels/b12.py's coding of a bf16 matrix of `shape`
 
 
 @dataclass(frozen=True)
@@ -87,9 +90,7 @@ class ExpertBlob:
     def tensors(self) -> dict[str, torch.Tensor]:
         if self._views is None:
             mv = memoryview(self.buf)
-            self._views = PartViews(
-                (name, bytes_to_tensor(mv[off:off + loc.nbytes], loc.dtype, loc.shape)) for name, off, loc in self.parts
-            )
+            self._views = PartViews((name, _view(mv[off:off + loc.nbytes], loc)) for name, off, loc in self.parts)
         return self._views
 
 
@@ -143,7 +144,7 @@ class ExpertStore:
         if pieces is not None:  # packed: the expert's slice is a piece of one checksummed range
             pc = pieces[expert if part.fused else 0]
             return PartLocation(part.name, pc.file, pc.offset, pc.nbytes, info.dtype,
-                                info.shape[1:] if part.fused else info.shape, pc.group)
+                                info.shape[1:] if part.fused else info.shape, pc.group, info.codec)
         if not part.fused:
             return PartLocation(part.name, info.file, info.offset, info.nbytes, info.dtype, info.shape)
         stride = info.nbytes // self.num_experts
@@ -261,5 +262,14 @@ def _part(p: tuple | None) -> str:
 
 def fp32_nbytes(loc: PartLocation) -> int:
     """Bytes of the part once expanded to fp32 for compute (scratch sizing)."""
+    if loc.codec is not None:
+        return 4 * math.prod(loc.shape)
     numel = loc.nbytes // DTYPES[loc.dtype][1]
     return numel * 4
+
+
+def _view(mv: memoryview, loc: PartLocation) -> torch.Tensor:
+    """A part's zero-copy tensor: its dtype and shape, or a B12Weight over a b12-coded part's bytes."""
+    if loc.codec == "b12":
+        return B12Weight.wrap(bytes_to_tensor(mv, "U8", (len(mv),)), loc.shape)
+    return bytes_to_tensor(mv, loc.dtype, loc.shape)

@@ -1115,6 +1115,7 @@ int ms_linear_bf16_heads(const float *x, int64_t H, int64_t T, int64_t K, const 
 }
 
 #include "_cpu_panel.c"
+#include "_cpu_b12.c"
 #include "_cpu_step.c"
 #include "_cpu_paged.c"
 #include "_cpu_layer.c"

@@ -398,6 +398,8 @@ typedef struct {
     float *out;
     int act;
     float beta, lbeta;
+    uint16_t *dec; /* b12-coded experts (_cpu_b12.c): per part dec_len bf16 values to decode a unit's rows into */
+    int64_t dec_len;
 } bpg_job;
 
 static void bpg_pack_part(void *arg, int64_t task, int64_t tasks, int slot) {
@@ -419,7 +421,7 @@ static void bpg_pack_part(void *arg, int64_t task, int64_t tasks, int slot) {
 /* pass 1, unit u: gate/up rows of one expert, h = bf16(act(gate x, up x)) into its h panels */
 static void bpg_up_part(void *arg, int64_t chunk, int64_t chunks, int slot) {
     const bpg_job *j = arg;
-    (void)chunks, (void)slot;
+    (void)chunks;
     float cg[BPR * BP] __attribute__((aligned(64))), cu[BPR * BP] __attribute__((aligned(64)));
 #if MS_GLU_VEC
     const int vec = j->act == ACT_SILU;
@@ -428,6 +430,15 @@ static void bpg_up_part(void *arg, int64_t chunk, int64_t chunks, int slot) {
     while (chunk >= j->ustart[e + 1]) e++;
     const int64_t T = j->count[e], P = bp_count(T), I2 = j->I / 2;
     const int64_t n0 = (chunk - j->ustart[e]) * BPG_ROWS, n1 = n0 + BPG_ROWS < j->I ? n0 + BPG_ROWS : j->I;
+    /* the unit's rows as bf16: the matrices themselves (from row 0), or a coded expert's rows decoded once */
+    const uint16_t *gw = j->gate[e], *uw = j->up[e];
+    int64_t base = 0;
+    if (b12_tagged(gw) || b12_tagged(uw)) {
+        uint16_t *dec = j->dec + (int64_t)slot * j->dec_len;
+        gw = w_bf16_rows(gw, j->I, j->K, n0, n1 - n0, dec);
+        uw = w_bf16_rows(uw, j->I, j->K, n0, n1 - n0, dec + BPG_ROWS * j->K);
+        base = n0;
+    }
     /* panels outer: each row block of the unit reads the panel while it is in L2 (rows outer would re-read every
      * panel per row block, from L3 once they outgrow L2; measured about even at 64-512 rows of 1024 inputs) */
     for (int64_t p = 0; p < P; p++) {
@@ -435,8 +446,8 @@ static void bpg_up_part(void *arg, int64_t chunk, int64_t chunks, int slot) {
         const uint32_t *xp = j->xp + (j->poff[e] + p) * BP * (j->K / 2);
         for (int64_t n = n0; n < n1; n += BPR) {
             const int rr = (int)(n1 - n < BPR ? n1 - n : BPR);
-            bp_run(j->gate[e], j->K, n, rr, xp, cg, w);
-            bp_run(j->up[e], j->K, n, rr, xp, cu, w);
+            bp_run(gw, j->K, n - base, rr, xp, cg, w);
+            bp_run(uw, j->K, n - base, rr, xp, cu, w);
 #if MS_GLU_VEC
             if (vec) { /* rr is even (n and I are): rows n + r, n + r + 1 make one row of words */
                 uint32_t *h32 = j->hp + (j->poff[e] + p) * BP * I2 + n / 2 * BP;
@@ -475,13 +486,19 @@ static void bpg_up_part(void *arg, int64_t chunk, int64_t chunks, int slot) {
  * gets one fused multiply-add per expert routed its token) */
 static void bpg_down_part(void *arg, int64_t chunk, int64_t chunks, int slot) {
     const bpg_job *j = arg;
-    (void)chunks, (void)slot;
+    (void)chunks;
     float c[BPG_COLS * BP] __attribute__((aligned(64))); /* [column - c0][token of the panel] */
     memset(c, 0, sizeof(c));
     const int64_t c0 = chunk * BPG_COLS, c1 = c0 + BPG_COLS < j->D ? c0 + BPG_COLS : j->D, I2 = j->I / 2;
     const int64_t nc = c1 - c0;
     for (int64_t e = 0; e < j->E; e++) {
         const int64_t T = j->count[e], P = bp_count(T), a0 = j->start[e];
+        const uint16_t *dw = j->down[e];
+        int64_t base = 0;
+        if (T > 0 && b12_tagged(dw)) { /* a coded expert's rows c0..c1 decoded once for all its panels */
+            dw = w_bf16_rows(dw, j->D, j->I, c0, nc, j->dec + (int64_t)slot * j->dec_len);
+            base = c0;
+        }
         for (int64_t p = 0; p < P; p++) {
             const int64_t w = T - p * BP < BP ? T - p * BP : BP;
             const uint32_t *hp = j->hp + (j->poff[e] + p) * BP * I2;
@@ -493,7 +510,7 @@ static void bpg_down_part(void *arg, int64_t chunk, int64_t chunks, int slot) {
                 __builtin_prefetch(o + nc * 4 - 1, 1, 3);
             }
             for (int64_t n = c0; n < c1; n += BPR)
-                bp_run(j->down[e], j->I, n, (int)(c1 - n < BPR ? c1 - n : BPR), hp, c + (n - c0) * BP, w);
+                bp_run(dw, j->I, n - base, (int)(c1 - n < BPR ? c1 - n : BPR), hp, c + (n - c0) * BP, w);
 #if MS_GLU_VEC && BPG_COLS <= 32
             for (int64_t tb = 0; tb < w; tb += 16) {
                 __m512i lo[16], hi[16];
@@ -565,8 +582,19 @@ int ms_bf16dot_glu_ws(int64_t E, const int64_t *experts, const int64_t *gates, c
     }
     uint32_t *hp = xp + P * BP * (K / 2);
     memset(hp, 0, sizeof(uint32_t) * (size_t)(P * BP * (I / 2))); /* padded tokens' h stay zero */
+    int coded = 0; /* b12 experts: each part decodes a unit's gate and up rows, or a chunk's down rows */
+    for (int64_t e = 0; e < E; e++) coded |= b12_tagged((const void *)gates[e]) | b12_tagged((const void *)ups[e]) |
+                                             b12_tagged((const void *)downs[e]);
+    const int64_t dec_len = coded ? (2 * BPG_ROWS * K > BPG_COLS * I ? 2 * BPG_ROWS * K : BPG_COLS * I) + 32 : 0;
+    uint16_t *dec = coded ? aligned_alloc(64, (size_t)((pool_parts * dec_len * 2 + 63) / 64 * 64)) : NULL;
+    if (coded && !dec) {
+        if (own_xp) free(xp);
+        if (own_mem) free(mem);
+        return -1;
+    }
     bpg_job j = {E, I, K, D, (const uint16_t *const *)gates, (const uint16_t *const *)ups,
-                 (const uint16_t *const *)downs, start, count, row, poff, ustart, wt, x, xp, hp, out, act, beta, lbeta};
+                 (const uint16_t *const *)downs, start, count, row, poff, ustart, wt, x, xp, hp, out, act, beta, lbeta,
+                 dec, dec_len};
     const int64_t cols = (D + BPG_COLS - 1) / BPG_COLS;
     if (pool_parts <= 1) {
         for (int64_t p = 0; p < P * bp_slices(K); p++) bpg_pack_part(&j, p, P * bp_slices(K), 0);
@@ -577,6 +605,7 @@ int ms_bf16dot_glu_ws(int64_t E, const int64_t *experts, const int64_t *gates, c
         pool_run_chunks(bpg_up_part, &j, ustart[E], pool_parts);
         pool_run_chunks(bpg_down_part, &j, cols, pool_parts);
     }
+    free(dec);
     if (own_xp) free(xp);
     if (own_mem) free(mem);
     return 0;

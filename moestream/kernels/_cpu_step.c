@@ -49,6 +49,9 @@ typedef struct {
      * left[e] counts expert e's pass-1 units not yet finished; NULL for two passes */
     int64_t up_chunks;
     _Atomic int64_t *left;
+    /* b12-coded experts (_cpu_b12.c: tagged addresses): per part dec_len bf16 values to decode rows into */
+    uint16_t *dec;
+    int64_t dec_len;
 } glu_job;
 
 INLINE float glu_act(int act, float g, float u, float beta, float lbeta) {
@@ -65,8 +68,9 @@ static void glu_up_panel(const glu_job *j, int64_t e, int64_t n0, int64_t n1, in
     float *hp = j->hp + j->poff[e] * I;
     for (int64_t n = n0; n < n1; n += PR) {
         const int rr = (int)(n1 - n < PR ? n1 - n : PR);
-        panel_pack_w(j->gate[e], K, n, rr, pg);
-        panel_pack_w(j->up[e], K, n, rr, pu);
+        uint16_t *dec = j->dec + (int64_t)slot * j->dec_len;
+        panel_pack_w(w_bf16_rows(j->gate[e], I, K, n, rr, dec), K, 0, rr, pg);
+        panel_pack_w(w_bf16_rows(j->up[e], I, K, n, rr, dec), K, 0, rr, pu);
         for (int64_t p = 0; p < P; p++) {
             const int64_t w = T - p * PANEL < PANEL ? T - p * PANEL : PANEL;
             panel_run(pg, xp + p * PANEL * K, K, cg, w);
@@ -86,7 +90,7 @@ static void glu_down_panel(const glu_job *j, int64_t e, int64_t c0, int64_t c1, 
     const float *hp = j->hp + j->poff[e] * I;
     for (int64_t n = c0; n < c1; n += PR) {
         const int rr = (int)(c1 - n < PR ? c1 - n : PR);
-        panel_pack_w(j->down[e], I, n, rr, pd);
+        panel_pack_w(w_bf16_rows(j->down[e], j->D, I, n, rr, j->dec + (int64_t)slot * j->dec_len), I, 0, rr, pd);
         for (int64_t p = 0; p < P; p++) {
             const int64_t w = T - p * PANEL < PANEL ? T - p * PANEL : PANEL;
             panel_run(pd, hp + p * PANEL * I, I, c, w);
@@ -134,8 +138,9 @@ static void glu_up_part(void *arg, int64_t part, int64_t parts, int slot) {
             continue;
         }
         const float *x = j->xa + j->start[e] * j->ldx;
-        bf16_rows(x, j->ldx, T, j->K, j->gate[e], n0, n1, g, GLU_ROWS);
-        bf16_rows(x, j->ldx, T, j->K, j->up[e], n0, n1, u, GLU_ROWS);
+        uint16_t *dec = j->dec + (int64_t)slot * j->dec_len;
+        w_rows(x, j->ldx, T, j->K, j->gate[e], j->I, n0, n1, g, GLU_ROWS, dec);
+        w_rows(x, j->ldx, T, j->K, j->up[e], j->I, n0, n1, u, GLU_ROWS, dec);
         for (int64_t t = 0; t < T; t++) {
             float *h = j->h + (j->start[e] + t) * j->ldh;
             for (int64_t n = n0; n < n1; n++)
@@ -170,7 +175,8 @@ static void glu_down_part(void *arg, int64_t part, int64_t parts, int slot) {
         }
         for (int64_t n0 = c0; n0 < c1; n0 += DOWN_ROWS) {
             const int64_t nn = c1 - n0 < DOWN_ROWS ? c1 - n0 : DOWN_ROWS;
-            bf16_rows(j->h + a0 * j->ldh, j->ldh, T, j->I, j->down[e], n0, n0 + nn, y, DOWN_ROWS);
+            w_rows(j->h + a0 * j->ldh, j->ldh, T, j->I, j->down[e], j->D, n0, n0 + nn, y, DOWN_ROWS,
+                   j->dec + (int64_t)slot * j->dec_len);
             for (int64_t t = 0; t < T; t++) {
                 if (j->pairs) {
                     float *o = j->pairs + j->pair[a0 + t] * j->ldo + n0;
@@ -277,14 +283,24 @@ static int moe_glu(int64_t E, const int64_t *experts, const int64_t *gates, cons
         ustart[e + 1] = ustart[e] + (I + rows - 1) / rows;
     }
     const int64_t pack_floats = 2 * PR * (I > K ? I : K) + 2 * PR * PANEL;
-    float *scratch = malloc(sizeof(float) * (size_t)(parts * 2 * GLU_ROWS * maxcount + 16 +
+    int coded = 0; /* b12 experts: each part decodes up to GLU_ROWS / DOWN_ROWS / PR rows at a time */
+    for (int64_t e = 0; e < E; e++) coded |= b12_tagged((const void *)gates[e]) | b12_tagged((const void *)ups[e]) |
+                                             b12_tagged((const void *)downs[e]);
+    int64_t dec_len = 0;
+    if (coded) {
+        const int64_t most = GLU_ROWS > PR ? GLU_ROWS : PR, down_most = DOWN_ROWS > PR ? DOWN_ROWS : PR;
+        dec_len = (most * K > down_most * I ? most * K : down_most * I) + 32;
+    }
+    const int64_t dec_floats = (parts * dec_len + 1) / 2;
+    float *scratch = malloc(sizeof(float) * (size_t)(parts * 2 * GLU_ROWS * maxcount + 16 + dec_floats + 16 +
                                                      (pfl ? parts * pack_floats + pfl * (K + I) : 0)));
     if (!scratch) {
         free(poff);
         free(mem);
         return -1;
     }
-    float *pk = (float *)(((uintptr_t)(scratch + parts * 2 * GLU_ROWS * maxcount) + 63) & ~(uintptr_t)63);
+    uint16_t *dec = (uint16_t *)(((uintptr_t)(scratch + parts * 2 * GLU_ROWS * maxcount) + 63) & ~(uintptr_t)63);
+    float *pk = (float *)(((uintptr_t)((float *)dec + dec_floats) + 63) & ~(uintptr_t)63);
     float *xp = pk + parts * pack_floats, *hp = xp + pfl * K;
     /* only the rows some expert takes (a batch step hands every expert of a layer the whole step's x) */
     for (int64_t e = 0; e < E; e++)
@@ -295,7 +311,7 @@ static int moe_glu(int64_t E, const int64_t *experts, const int64_t *gates, cons
     if (pfl) memset(hp, 0, sizeof(float) * (size_t)(pfl * I)); /* ... and the padded tokens of each panel */
     glu_job j = {E, I, K, D, ldx, ldh, maxcount, D, (const uint16_t *const *)gates, (const uint16_t *const *)ups,
                  (const uint16_t *const *)downs, start, count, row, wt, xa, h, scratch, out, act, beta, lbeta,
-                 x, poff, ustart, xp, hp, pk, pack_floats, pair, pairs, 0, NULL};
+                 x, poff, ustart, xp, hp, pk, pack_floats, pair, pairs, 0, NULL, dec, dec_len};
     if (parts <= 1) {
         for (int64_t p = 0; p < pfl / PANEL; p++) glu_pack_part(&j, p, pfl / PANEL, 0);
         glu_up_part(&j, 0, 1, 0);

@@ -54,7 +54,7 @@ _ABI = 16
 _SOURCE = Path(__file__).with_name("_cpu.c")
 # _cpu.c #includes the others
 _SOURCES = (_SOURCE, *(Path(__file__).with_name(n)
-                       for n in ("_cpu_panel.c", "_cpu_step.c", "_cpu_paged.c", "_cpu_layer.c", "_cpu_bf16.c",
+                       for n in ("_cpu_panel.c", "_cpu_b12.c", "_cpu_step.c", "_cpu_paged.c", "_cpu_layer.c", "_cpu_bf16.c",
                                  "_cpu_fixed.c")))
 _LAYOUTS = {"low_first": 0, "gguf": 1}
 
@@ -162,6 +162,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_bf16dot_glu_ws.restype = ctypes.c_int
     lib.ms_moe_glu_bf16_pairs.argtypes = lib.ms_moe_glu_bf16.argtypes
     lib.ms_moe_glu_bf16_pairs.restype = ctypes.c_int
+    lib.ms_b12_decode.argtypes = [p, i64, i64, p]
+    lib.ms_b12_decode.restype = None
     lib.ms_linear_fixed.argtypes = [p, i64, i64, p, ctypes.c_int, i64, p]
     lib.ms_linear_fixed.restype = ctypes.c_int
     lib.ms_softmax_topk.argtypes = [p, i64, i64, i64, ctypes.c_int, p, p]

@@ -66,7 +66,7 @@ def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, i
     if bf16 and (inter % 2 or k_in % 2):
         raise ValueError(f"moe_glu_bf16: bf16 compute wants even widths, got inter {inter}, K {k_in}")
     call = _GluCall(experts, parts, inter, k_in, out.shape[-1], act, beta, linear_beta, bf16, pairs)
-    cap = glu_scratch_cap(inter, k_in, out.shape[-1])
+    cap = glu_scratch_cap(inter, k_in, out.shape[-1])  # (coded experts' decode rows: b12_scratch, counted apart)
     # what any routing of these rows could need (t x k pairs, at most t per expert): a decode step fits without
     # counting its pairs
     n_pairs = t * (len(experts) if ids is None else ids.shape[1])
@@ -91,12 +91,23 @@ def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, i
                  out[lo:hi])
 
 
+def b12_scratch(inter: int, k_in: int, d_out: int = 0) -> int:
+    """What a call over b12-coded experts mallocs beyond glu_call_scratch: each thread's rows decoded to bf16
+    (_cpu_step.c moe_glu: 16 gate/up rows or 32 down rows at a time; _cpu_bf16.c: a unit's 4 * BPR gate and up
+    rows, or 4 * BPR down rows), for the most threads a call can use. The
+    engine counts it in its fixed scratch (engine._scratch_bytes) rather than in the call's cap, so that a coded
+    expert's rows are split into the same calls, on the same kernels, as its bf16 twin's."""
+    return _MAX_THREADS * 2 * (max(_GLU_ROWS * k_in, 32 * inter, 2 * 4 * _BPR * k_in, 4 * _BPR * inter) + 32) + 192
+
+
 def glu_scratch_cap(inter: int, k_in: int, d_out: int) -> int:
     """Scratch one moe_glu_bf16 native call may allocate: one expert's weights in fp32 (what the engine's fixed
     compute scratch holds for an expert, engine._scratch_bytes), and at least one panel of rows of one expert."""
     return max(4 * (2 * inter * k_in + d_out * inter), glu_call_scratch([_PAD], inter, k_in))
 
 
+_MAX_THREADS = 16  # _cpu.c MAX_THREADS: the most threads (parts) one native call runs on
+_BPR = 8  # _cpu_bf16.c's widest BPR (weight rows per register tile); its units are 4 * BPR rows
 _PAD = 32  # the widest row padding (GW) and panel (PANEL) of _cpu.c on any instruction set
 _GLU_ROWS, _PR = 16, 6  # _cpu_step.c's pass-1 rows per unit, _cpu_panel.c's weight rows per register tile
 _PANEL_MIN_T = 16  # _cpu_panel.c's PANEL_MIN_T: an expert with this many pairs takes the panel kernel

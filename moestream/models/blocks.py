@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from moestream.config import COMPUTE_DTYPE_NAMES
 from moestream.errors import MoestreamError
 from moestream.kernels import cpu, fused, invariant
+from moestream.kernels.b12 import B12Weight
 from moestream.kernels.qweight import QuantWeight
 from moestream.memory.state import scratch
 
@@ -210,7 +211,17 @@ def glu_tensors(t: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...] | Non
 
 
 def _bf16_matrix(m: torch.Tensor) -> bool:
-    return type(m) is torch.Tensor and m.dtype == torch.bfloat16 and m.dim() == 2 and m.is_contiguous()
+    return (type(m) is torch.Tensor and m.dtype == torch.bfloat16 and m.dim() == 2 and m.is_contiguous()) \
+        or type(m) is B12Weight
+
+
+def _shape(m: torch.Tensor) -> tuple[int, int]:
+    return (m.out_features, m.in_features) if type(m) is B12Weight else tuple(m.shape)
+
+
+def _address(m: torch.Tensor) -> int:
+    """What the native GLU kernels take: a bf16 matrix's address, a b12 one's tagged (_cpu_b12.c)."""
+    return m.tagged_address if type(m) is B12Weight else m.data_ptr()
 
 
 def glu_parts(t: Mapping[str, torch.Tensor]) -> Glu | None:
@@ -225,13 +236,14 @@ def glu_parts(t: Mapping[str, torch.Tensor]) -> Glu | None:
         if len(parts) == 2:
             gu, down = parts
             inter = gu.shape[0] // 2
-            if gu.shape[0] % 2 == 0 and down.shape[1] == inter:
+            # a b12 gate_up is one coded matrix: its up rows have no address of their own (the general path)
+            if type(gu) is torch.Tensor and gu.shape[0] % 2 == 0 and _shape(down)[1] == inter:
                 gate = gu.data_ptr()
-                got = (gate, gate + inter * gu.shape[1] * 2, down.data_ptr(), inter, gu.shape[1], down.shape[0])
+                got = (gate, gate + inter * gu.shape[1] * 2, _address(down), inter, gu.shape[1], _shape(down)[0])
         else:
             gate, up, down = parts
-            if gate.shape == up.shape and down.shape[1] == gate.shape[0]:
-                got = (gate.data_ptr(), up.data_ptr(), down.data_ptr(), *gate.shape, down.shape[0])
+            if _shape(gate) == _shape(up) and _shape(down)[1] == _shape(gate)[0]:
+                got = (_address(gate), _address(up), _address(down), *_shape(gate), _shape(down)[0])
     if hasattr(t, "ptrs"):
         t.ptrs = ("glu", got)
     return got

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from moestream.errors import CheckpointError
+from moestream.kernels import b12
 from moestream.weights.validate import (check_align, check_no_overlap, header_entry, is_int, member_file,
                                        regular_file)
 
@@ -53,6 +54,7 @@ class TensorInfo:
     nbytes: int
     dtype: str  # safetensors dtype string
     shape: tuple[int, ...]
+    codec: str | None = None  # packed experts only: "b12" when each piece holds kernels/b12.py's coding
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -188,6 +190,13 @@ class CheckpointIndex:
         expert tensor is gathered from its pieces; a packed dense tensor is checked against its crc32."""
         info = self[name]
         pieces = self.pieces.get(name)
+        if pieces is not None and info.codec is not None:  # b12: each piece decoded to its bf16 slice
+            out = torch.empty(info.shape, dtype=torch.bfloat16)
+            rows = out.view(len(pieces), *info.shape[-2:])
+            for i, piece in enumerate(pieces):
+                coded = torch.frombuffer(read_range(piece.file, piece.offset, piece.nbytes), dtype=torch.uint8)
+                rows[i] = b12.decode(coded, *info.shape[-2:])
+            return out
         if pieces is not None:
             buf, at = bytearray(info.nbytes), 0
             for piece in pieces:
@@ -255,6 +264,7 @@ def _packed_index(cls, root: Path, m: dict) -> CheckpointIndex:
     align = check_align(root / PACK_MANIFEST, m.get("align", 4096))
     meta = {name: (str(t["dtype"]), tuple(_count(s, f"tensor {name!r} shape") for s in t["shape"]), bool(t["fused"]))
             for name, t in m["tensors"].items()}
+    codecs = {name: t.get("codec") for name, t in m["tensors"].items()}
     packed: list[PackedExpert] = []
     slots: dict[str, dict[int, Piece]] = {name: {} for name in meta}
     for rec in m["experts"]:
@@ -285,15 +295,23 @@ def _packed_index(cls, root: Path, m: dict) -> CheckpointIndex:
         nbytes = numel * DTYPES[dtype][1] if dtype in DTYPES else -1
         count = shape[0] if fused and shape else 1
         got = slots[name]
-        if dtype not in DTYPES or len(got) != count or sorted(got) != list(range(count)) \
-                or sum(p.nbytes for p in got.values()) != nbytes or len({p.nbytes for p in got.values()}) > 1:
-            raise CheckpointError(f"{root}: packed tensor {name!r} ({dtype}{list(shape)}) is not fully described "
+        codec = codecs[name]
+        if codec is not None:  # b12 pieces: each between the coded size with no row and with every row stored whole
+            piece = shape[1:] if fused else shape
+            sizes_ok = (codec == "b12" and b12.supported(piece, DTYPES.get(dtype, (None,))[0])
+                        and all(b12.coded_nbytes(*piece, 0) <= p.nbytes <= b12.coded_nbytes(*piece, piece[0])
+                                for p in got.values()))
+        else:
+            sizes_ok = sum(p.nbytes for p in got.values()) == nbytes and len({p.nbytes for p in got.values()}) <= 1
+        if dtype not in DTYPES or len(got) != count or sorted(got) != list(range(count)) or not sizes_ok:
+            raise CheckpointError(f"{root}: packed tensor {name!r} ({dtype}{list(shape)}"
+                                  f"{', ' + str(codec) if codec else ''}) is not fully described "
                                   f"by its {len(got)} pieces in {PACK_MANIFEST}")
         if name in tensors:
             raise CheckpointError(f"{root}: tensor {name!r} is both dense and packed")
         pieces[name] = tuple(got[i] for i in range(count))
         first = pieces[name][0]
-        tensors[name] = TensorInfo(name, first.file, first.offset, nbytes, dtype, shape)
+        tensors[name] = TensorInfo(name, first.file, first.offset, nbytes, dtype, shape, codec)
     return cls(root, tensors, packed=packed, pieces=pieces, crcs=crcs)
 
 

@@ -1,0 +1,140 @@
+/* moestream native CPU kernels, part 0 (#included in _cpu.c before the GLU code): bf16 matrices in the lossless
+ * 12-bit "b12" coding of kernels/b12.py, which a packed checkpoint may hold its bf16 experts in
+ * (`moestream pack --codec b12`, docs/pack.md).
+ *
+ * A bf16 value is its low byte (the exponent's last bit and the 7 mantissa bits, stored as is) and its high byte
+ * (sign and the exponent's upper 7 bits). Within a row the high bytes take at most 16 values: the sign and 8
+ * consecutive upper-exponent values from the row's base, a 4-bit code (c < 8: base + c, c >= 8: sign set,
+ * base + c - 8). A row whose values do not fit (a value 2^15 or more below the row's largest, zeros included) is
+ * stored whole as bf16 ("raw"). Layout of an N x K matrix (K a multiple of 64):
+ *   N slots of K * 3 / 2 bytes: per 64 values, 64 low bytes then 32 code bytes (position p < 32 in a code byte's
+ *     low nibble, p >= 32 in byte p - 32's high nibble), positions in the order the AVX-512 unpack gives
+ *     (b12_weight below); a raw row's slot starts with the int64 byte offset of its bf16 row in the matrix;
+ *   N base bytes (0xFF: raw), padded to a multiple of 64;
+ *   the raw rows, K bf16 values each.
+ * The products below read the coded bytes: 25% fewer bytes than bf16 stream from memory, and every product sums
+ * exactly as it would over the bf16 matrix (one-row products in bf16_gemv's order; others decode rows into a
+ * thread's scratch and run the bf16 kernels), so results are bit for bit those of the bf16 weights.
+ * A matrix is passed to the GLU kernels as its address with bit 0 set (B12_TAG); bf16 addresses are even. */
+
+#define B12_TAG ((uintptr_t)1)
+#define B12_RAW 0xFF
+
+#ifndef B12_PF
+#define B12_PF 6144
+#endif
+
+INLINE int b12_tagged(const void *w) { return ((uintptr_t)w & B12_TAG) != 0; }
+INLINE const uint8_t *b12_addr(const void *w) { return (const uint8_t *)((uintptr_t)w & ~B12_TAG); }
+INLINE int64_t b12_slot(int64_t K) { return K * 3 / 2; }
+
+/* the value a block position holds: 0-7 of each 16 are values 8q + r of the first 32, 8-15 of the second */
+INLINE int b12_weight(int p) { return (p % 16 < 8) ? 8 * (p / 16) + p % 16 : 32 + 8 * (p / 16) + p % 16 - 8; }
+
+INLINE const uint16_t *b12_raw_row(const uint8_t *m, int64_t K, int64_t n) {
+    int64_t off;
+    memcpy(&off, m + n * b12_slot(K), sizeof(off));
+    return (const uint16_t *)(m + off);
+}
+
+/* row n of the N x K matrix m decoded to bf16 into dst[K] */
+static void b12_decode_row(const uint8_t *m, int64_t N, int64_t K, int64_t n, uint16_t *dst) {
+    const int base = m[N * b12_slot(K) + n];
+    if (base == B12_RAW) {
+        memcpy(dst, b12_raw_row(m, K, n), sizeof(uint16_t) * (size_t)K);
+        return;
+    }
+    const uint8_t *s = m + n * b12_slot(K);
+#if MS_SIMD == 2
+    uint8_t lut[16];
+    for (int c = 0; c < 16; c++) lut[c] = (uint8_t)(c < 8 ? base + c : 0x80 | (base + c - 8));
+    const __m512i L4 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)lut));
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t k = 0; k < K; k += 64, s += 96) {
+        __builtin_prefetch(s + B12_PF, 0, 0);
+        __builtin_prefetch(s + B12_PF + 64, 0, 0);
+        const __m256i c = _mm256_loadu_si256((const __m256i *)(s + 64));
+        const __m512i cc = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(c, m4)),
+                                              _mm256_and_si256(_mm256_srli_epi16(c, 4), m4), 1);
+        const __m512i hi = _mm512_shuffle_epi8(L4, cc), lo = _mm512_loadu_si512((const void *)s);
+        _mm512_storeu_si512((void *)(dst + k), _mm512_unpacklo_epi8(lo, hi));
+        _mm512_storeu_si512((void *)(dst + k + 32), _mm512_unpackhi_epi8(lo, hi));
+    }
+#else
+    for (int64_t k = 0; k < K; k += 64, s += 96)
+        for (int p = 0; p < 64; p++) {
+            const int c = p < 32 ? s[64 + p] & 15 : s[64 + p - 32] >> 4;
+            const int hi = c < 8 ? base + c : 0x80 | (base + c - 8);
+            dst[k + b12_weight(p)] = (uint16_t)(hi << 8 | s[p]);
+        }
+#endif
+}
+
+#if MS_SIMD == 2
+/* One token, rows [n0, n1) of the coded matrix: bf16_gemv's loop (the same four accumulators over the same
+ * 64-value steps, so the same sums) with each step's 128 bytes of bf16 replaced by 96 coded bytes decoded in
+ * registers. Prefetches run further ahead than bf16_gemv's: in a standalone stream of 400 MB of rows from DRAM, two
+ * threads, 1 KiB ahead ran at 21-22 GB/s of coded bytes, 3-6 KiB ahead at 34-52 (bf16_gemv 39-52 GB/s at the same
+ * minutes), i.e. 1.2-1.45x bf16_gemv's time for the same values (docs/performance.md). */
+static void b12_gemv(const float *x, int64_t K, const uint8_t *m, int64_t N, int64_t n0, int64_t n1, float *out) {
+    const uint8_t *bases = m + N * b12_slot(K);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t n = n0; n < n1; n++) {
+        const int base = bases[n];
+        if (base == B12_RAW) {
+            bf16_gemv(x, K, b12_raw_row(m, K, n), 0, 1, out + (n - n0));
+            continue;
+        }
+        uint8_t lut[16];
+        for (int c = 0; c < 16; c++) lut[c] = (uint8_t)(c < 8 ? base + c : 0x80 | (base + c - 8));
+        const __m512i L4 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)lut));
+        const uint8_t *s = m + n * b12_slot(K);
+        vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+        for (int64_t k = 0; k < K; k += 64, s += 96) {
+            __builtin_prefetch(s + B12_PF, 0, 0);
+            __builtin_prefetch(s + B12_PF + 64, 0, 0);
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(s + 64));
+            const __m512i cc = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(c, m4)),
+                                                  _mm256_and_si256(_mm256_srli_epi16(c, 4), m4), 1);
+            const __m512i hi = _mm512_shuffle_epi8(L4, cc), lo = _mm512_loadu_si512((const void *)s);
+            const vw_t v0 = _mm512_unpacklo_epi8(lo, hi), v1 = _mm512_unpackhi_epi8(lo, hi);
+            a0 = vfma(veven(v0), vloadf(x + k), a0);
+            a1 = vfma(vodd(v0), vloadf(x + k + VW), a1);
+            a2 = vfma(veven(v1), vloadf(x + k + GW), a2);
+            a3 = vfma(vodd(v1), vloadf(x + k + GW + VW), a3);
+        }
+        out[n - n0] = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
+    }
+}
+#endif
+
+/* bf16_rows over rows [n0, n1) of w [N, K]: a bf16 matrix, or a coded one (tagged address), whose rows are
+ * decoded into dec [(n1 - n0) * K] first unless one token reads them in registers. */
+static void w_rows(const float *x, int64_t ldx, int64_t T, int64_t K, const uint16_t *w, int64_t N, int64_t n0,
+                   int64_t n1, float *out, int64_t ldo, uint16_t *dec) {
+    if (!b12_tagged(w)) {
+        bf16_rows(x, ldx, T, K, w, n0, n1, out, ldo);
+        return;
+    }
+    const uint8_t *m = b12_addr(w);
+#if MS_SIMD == 2
+    if (T == 1) {
+        b12_gemv(x, K, m, N, n0, n1, out);
+        return;
+    }
+#endif
+    for (int64_t n = n0; n < n1; n++) b12_decode_row(m, N, K, n, dec + (n - n0) * K);
+    bf16_rows(x, ldx, T, K, dec, 0, n1 - n0, out, ldo);
+}
+
+/* rows [n, n + rr) of w [N, K] as bf16 rows: w itself (from row n), or decoded into dec [rr * K] */
+static const uint16_t *w_bf16_rows(const uint16_t *w, int64_t N, int64_t K, int64_t n, int64_t rr, uint16_t *dec) {
+    if (!b12_tagged(w)) return w + n * K;
+    for (int64_t r = 0; r < rr; r++) b12_decode_row(b12_addr(w), N, K, n + r, dec + r * K);
+    return dec;
+}
+
+/* Decodes the whole N x K matrix m into out [N, K] bf16 (tests and the general path's check). */
+void ms_b12_decode(const uint8_t *m, int64_t N, int64_t K, uint16_t *out) {
+    for (int64_t n = 0; n < N; n++) b12_decode_row(m, N, K, n, out + n * K);
+}

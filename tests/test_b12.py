@@ -1,0 +1,192 @@
+"""b12, the lossless 12-bit coding of bf16 expert matrices (`moestream pack --codec b12`): exact round trips, the
+native kernels' sums bit for bit those of the bf16 weights, a coded pack's logits and tokens equal to the
+original's under evictions, and a damaged manifest refused."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import prompt_ids
+from moestream import Engine
+from moestream.cli import main
+from moestream.errors import CheckpointError
+from moestream.kernels import b12, cpu, fused
+from moestream.weights.index import PACK_MANIFEST, CheckpointIndex
+from test_pack import VOCAB, _budget, _mixtral, _qwen
+
+native = pytest.mark.skipif(not cpu.available(), reason="native kernels not built")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+def _matrix(n: int, k: int, seed: int = 0, std: float = 0.05) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g) * std).bfloat16()
+
+
+def test_round_trip_is_exact_including_rows_stored_whole():
+    w = _matrix(40, 192)
+    w[0, 5] = 0.0  # an exact zero: 2^15+ below the row's largest, so the row is stored whole
+    w[1, 7] = -0.0
+    w[2, 9] = float("inf")
+    w[3, 0] = float("nan")
+    w[4, 3] = 1e-39  # a subnormal
+    w[5] = torch.full((192,), 3.0).bfloat16()  # a constant row fits the window
+    w[6, :] = (torch.arange(192) - 96).bfloat16() * 1e3  # a wide row (with its zero): stored whole
+    data = b12.encode(w)
+    assert data.dtype == torch.uint8 and data.dim() == 1
+    raw = b12.raw_rows(w)
+    assert raw >= 6 and data.numel() == b12.coded_nbytes(40, 192, raw)
+    back = b12.decode(data, 40, 192)
+    assert torch.equal(_bits(back), _bits(w))
+    assert torch.equal(_bits(b12.decode_rows(data, 40, 192, 3, 9)), _bits(w[3:9]))
+    plain = _matrix(64, 1024)  # normal values at a weight's scale: few rows stored whole, ~0.76 of the bytes
+    assert b12.encode(plain).numel() < 0.82 * plain.numel() * 2
+
+
+def test_shapes_the_coding_does_not_take_are_refused():
+    for w in (torch.zeros(4, 96, dtype=torch.bfloat16), torch.zeros(4, 64), torch.zeros(64, dtype=torch.bfloat16)):
+        assert not b12.supported(tuple(w.shape), w.dtype)
+        with pytest.raises(ValueError, match="b12 codes"):
+            b12.encode(w)
+
+
+@native
+def test_native_decode_matches():
+    w = _matrix(33, 128, seed=3)
+    w[4, 0] = 0.0
+    data = b12.encode(w)
+    out = torch.empty(33, 128, dtype=torch.bfloat16)
+    cpu.required().ms_b12_decode(data.data_ptr(), 33, 128, out.data_ptr())
+    assert torch.equal(_bits(out), _bits(w))
+
+
+def _experts(n: int, inter: int, k: int, d: int) -> list[list[torch.Tensor]]:
+    out = []
+    for e in range(n):
+        ms = [_matrix(inter, k, 10 * e), _matrix(inter, k, 10 * e + 1), _matrix(d, inter, 10 * e + 2)]
+        ms[e % 3][e, 1] = 0.0  # some rows of some matrices stored whole
+        out.append(ms)
+    return out
+
+
+@native
+@pytest.mark.parametrize("tokens", [1, 3, 8, 20, 40, 100])
+def test_glu_on_coded_experts_sums_exactly_as_on_bf16(tokens):
+    """Every kernel the grouped GLU call picks by rows an expert (one-row GEMV, tiles, GEMM, panels) gives the
+    same bits from the coded bytes as from the bf16 matrices, at 1 and 2 threads."""
+    inter, k, d, n = 128, 256, 192, 4
+    ws = _experts(n, inter, k, d)
+    codes = [[b12.encode(m) for m in w] for w in ws]
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, k, generator=g)
+    ids = torch.stack([torch.randperm(n, generator=g)[:2] for _ in range(tokens)])
+    scores = torch.rand(tokens, 2, generator=g)
+    before = cpu.threads()
+    try:
+        for threads in (1, 2):
+            cpu.set_threads(threads)
+            ref, got = torch.zeros(tokens, d), torch.zeros(tokens, d)
+            fused.moe_glu_bf16(x, list(range(n)), [tuple(m.data_ptr() for m in w) for w in ws], inter, ref, ids,
+                               scores)
+            fused.moe_glu_bf16(x, list(range(n)), [tuple(c.data_ptr() | 1 for c in w) for w in codes], inter, got,
+                               ids, scores)
+            assert torch.equal(ref, got), threads
+            # the bf16 compute path (_cpu_bf16.c) decodes each unit's rows once: the same bits as its bf16 twin
+            rb, gb = torch.zeros(tokens, d), torch.zeros(tokens, d)
+            fused.moe_glu_bf16(x, list(range(n)), [tuple(m.data_ptr() for m in w) for w in ws], inter, rb, ids,
+                               scores, compute="bf16")
+            fused.moe_glu_bf16(x, list(range(n)), [tuple(c.data_ptr() | 1 for c in w) for w in codes], inter, gb,
+                               ids, scores, compute="bf16")
+            assert torch.equal(rb, gb)
+            assert not torch.equal(rb, ref)  # (it is the other kernel)
+            # the batch-invariant per-pair form
+            pr, pg = torch.zeros(tokens, 2, d), torch.zeros(tokens, 2, d)
+            fused.moe_glu_bf16(x, list(range(n)), [tuple(m.data_ptr() for m in w) for w in ws], inter, pr, ids,
+                               scores)
+            fused.moe_glu_bf16(x, list(range(n)), [tuple(c.data_ptr() | 1 for c in w) for w in codes], inter, pg,
+                               ids, scores)
+            assert torch.equal(pr, pg)
+    finally:
+        cpu.set_threads(before)
+
+
+def test_b12_weight_linear_and_rows():
+    w = _matrix(100, 128, seed=7)
+    w[3, 3] = 0.0
+    bw = b12.B12Weight.wrap(b12.encode(w), (100, 128))
+    x = torch.randn(5, 128)
+    assert torch.equal(bw.rows(10, 20), w[10:20].float())
+    assert torch.allclose(bw.linear(x), x @ w.float().T, rtol=1e-5, atol=1e-6)
+    assert bw.linear(x.view(5, 1, 128)).shape == (5, 1, 100)
+
+
+def _to_bf16(path: Path) -> None:
+    """Rewrite a checkpoint's shards in bf16 (how Qwen3-MoE and Mixtral are published; transformers saves fp32)."""
+    from safetensors.torch import load_file, save_file
+
+    for f in path.glob("*.safetensors"):
+        save_file({k: v.bfloat16() for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def coded(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"b12_{request.param}")
+    src, dst = root / "src", root / "dst"
+    (_qwen if request.param == "qwen3_moe" else _mixtral)(src)
+    _to_bf16(src)
+    assert main(["pack", str(src), str(dst), "--codec", "b12", "--verify"]) == 0
+    return src, dst
+
+
+def test_coded_pack_logits_and_tokens_are_the_originals(coded):
+    src, dst = coded
+    manifest = json.loads((dst / PACK_MANIFEST).read_text())
+    parts = [p for e in manifest["experts"] for p in e["parts"]]
+    assert parts and all(p.get("codec") == "b12" for p in parts)
+    assert sum(p["nbytes"] for p in parts) < 0.85 * sum(2 * p["shape"][0] * p["shape"][1] for p in parts)
+    a, b = CheckpointIndex.open(src), CheckpointIndex.open(dst)
+    for n in a.names():
+        assert (a[n].dtype, a[n].shape) == (b[n].dtype, b[n].shape), n
+        assert torch.equal(a.load(n), b.load(n)), n  # a coded tensor loads decoded, bit for bit
+    ids = prompt_ids(VOCAB, 32)
+    warm = {}
+    for path in (src, dst):
+        eng = Engine.open(path)
+        eng.logits(ids)
+        warm[path] = eng.logits(ids)
+    assert torch.equal(warm[src], warm[dst])
+    got = {}
+    for path in (src, dst):
+        eng = Engine.open(path, ram_budget=_budget(src))
+        got[path] = eng.generate(ids, 12, stop_token_ids=[])
+        assert eng.stats["expert_evictions"] > 0, "the budget was meant to force evictions"
+    assert got[src] == got[dst]
+
+
+def test_damaged_coded_manifest_is_refused(coded, tmp_path):
+    _, dst = coded
+    bad = tmp_path / "bad"
+    shutil.copytree(dst, bad)
+    manifest = json.loads((dst / PACK_MANIFEST).read_text())
+    manifest["experts"][0]["parts"][0]["nbytes"] = 10  # smaller than any coding of its shape
+    (bad / PACK_MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"\(BF16\[.*\], b12\) is not fully described"):
+        CheckpointIndex.open(bad)
+    manifest = json.loads((dst / PACK_MANIFEST).read_text())
+    name = manifest["experts"][0]["parts"][0]["tensor"]
+    manifest["tensors"][name]["codec"] = "zstd"
+    (bad / PACK_MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="zstd"):
+        CheckpointIndex.open(bad)
+
+
+def test_pack_codec_option_is_validated(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["pack", str(tmp_path / "a"), str(tmp_path / "b"), "--codec", "zip"])
