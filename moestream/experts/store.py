@@ -13,7 +13,6 @@ import os
 import re
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import torch
 from moestream.errors import CheckpointError
 from moestream.kernels.b12 import B12Weight
 from moestream.experts.reader import DEMAND, IO_THREADS, ReadPlan, Reader, Span, plan_reads
+from moestream.weights.crc import crc32
 from moestream.weights.index import DTYPES, CheckpointIndex, PackedExpert, bytes_to_tensor
 
 
@@ -200,7 +200,7 @@ class ExpertStore:
         if check is not None and self.verify:
             pe = check.packed
             t = time.perf_counter()
-            got = zlib.crc32(memoryview(buf)[check.start:check.start + pe.nbytes])  # releases the GIL
+            got = crc32(memoryview(buf)[check.start:check.start + pe.nbytes])  # releases the GIL
             with self._check_lock:
                 self.checksum_s += time.perf_counter() - t
                 self.checksum_bytes += pe.nbytes

@@ -27,10 +27,7 @@ from pathlib import Path
 
 from moestream.weights.buffers import Lease, aligned, copy_into
 
-try:  # ISA-L's crc32: the same values as zlib's, several times faster (both release the GIL)
-    from isal.isal_zlib import crc32
-except ImportError:  # pragma: no cover - the http extra installs it
-    from zlib import crc32
+from moestream.weights.crc import crc32  # the data blocks' (the headers' small crcs use zlib's)
 
 MAGIC, VERSION = b"MSRG", 1
 BLOCK = 1 << 20  # checksum granularity: a read verifies only the blocks it touches

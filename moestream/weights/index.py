@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 
 from moestream.errors import CheckpointError
 from moestream.kernels import b12
+from moestream.weights.crc import crc32
 from moestream.weights.validate import (check_align, check_no_overlap, header_entry, is_int, member_file,
                                        regular_file)
 
@@ -205,8 +205,8 @@ class CheckpointIndex:
         else:
             buf = read_range(info.file, info.offset, info.nbytes)
             want = self.crcs.get(name)
-            if want is not None and zlib.crc32(buf) != want:
-                raise CheckpointError(f"{info.file}: tensor {name!r} fails its checksum (crc32 {zlib.crc32(buf):08x}, "
+            if want is not None and crc32(buf) != want:
+                raise CheckpointError(f"{info.file}: tensor {name!r} fails its checksum (crc32 {crc32(buf):08x}, "
                                       f"manifest {want:08x}): the packed checkpoint is damaged; pack it again")
         return bytes_to_tensor(buf, info.dtype, info.shape)
 
