@@ -3,16 +3,17 @@
 With its default wait policy libgomp (torch's OpenMP runtime in the Linux wheels) keeps each worker spinning after
 a parallel op: about 10 ms of CPU per op on the 2-core test VM. The spinning worker holds a core that the native
 kernels' thread pool (kernels/_cpu.c) needs for the call right after a torch op, and the caller then runs that call
-alone: a q3m_med 128-row bf16 batch step's fused GLU calls took 0.33 ms an expert that way and 0.22 with the passive
-policy (docs/performance.md, "The batch step's GLU calls" and "torch's OpenMP workers sleep").
+alone: a q3m_med 128-row bf16 batch step took 0.39 s that way and 0.27 s with the passive policy, its fused GLU calls
+0.33 and 0.22 ms an expert; warm one-stream decode runs no OpenMP region and is unchanged (docs/performance.md,
+"The batch step's GLU calls" and "torch's OpenMP workers sleep").
 
 libgomp reads OMP_WAIT_POLICY once, in its constructor, when the library is loaded. `load_passive_openmp` sets
 OMP_WAIT_POLICY=PASSIVE, loads the libgomp that torch's own libraries will link to (the one in the torch package,
 found without importing torch) and removes the variable again: torch, imported later, finds that library loaded
 (the dynamic loader matches it by its soname) and uses it with the passive policy, and child processes (llama.cpp
 peers, Ray's processes, subprocesses) start with the environment they would have had without moestream. Loading
-torch itself instead would cost every `import moestream` about a second and 200 MB of RSS, torch-free tools
-included.
+torch itself instead would cost every `import moestream` 1-5 s on the test VM and about 200 MB of RSS, torch-free
+tools (a small child under a memory cap importing moestream.cgroup) included.
 
 It does nothing where the choice is not ours or could no longer take effect: torch already imported or an OpenMP
 runtime already loaded, the user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT, MOESTREAM_OMP_PASSIVE=0 (the switch for
