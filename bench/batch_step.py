@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import moestream  # noqa: F401  # before torch: its OpenMP runtime's wait policy (moestream/omp.py)
 import torch
 
 from moestream.config import KV_DTYPE_NAMES

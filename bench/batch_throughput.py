@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import moestream  # noqa: F401  # before torch: its OpenMP runtime's wait policy (moestream/omp.py)
 import torch
 
 from moestream.bench import (PROBE_THREADS, RSS_LIBRARY_ALLOWANCE, drop_page_cache, model_files, peak_rss,

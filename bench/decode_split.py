@@ -26,6 +26,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
+import moestream  # noqa: F401  # before torch: its OpenMP runtime's wait policy (moestream/omp.py)
 import torch
 
 from moestream import Engine
