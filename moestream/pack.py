@@ -135,6 +135,9 @@ def plan_pack(src: str | Path, dense_shard_bytes: int = DENSE_SHARD_BYTES,
                 parts = []
                 starts = [start for _, start, _ in store.read_plan(layer, e)[1]]
                 for (name, fused, loc), start in zip(store.named_parts(layer, e), starts):
+                    if loc.codec is not None:
+                        raise MoestreamError(f"{src}: its experts are already coded ({loc.codec}); pack the original "
+                                             f"checkpoint instead")
                     info = index[name]
                     packed[name] = (info.dtype, info.shape, fused)
                     parts.append(PartPlan(name, e if fused else None,

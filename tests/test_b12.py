@@ -13,8 +13,9 @@ import torch
 from conftest import prompt_ids
 from moestream import Engine
 from moestream.cli import main
-from moestream.errors import CheckpointError
+from moestream.errors import CheckpointError, MoestreamError
 from moestream.kernels import b12, cpu, fused
+from moestream.pack import pack
 from moestream.weights.index import PACK_MANIFEST, CheckpointIndex
 from test_pack import VOCAB, _budget, _mixtral, _qwen
 
@@ -151,6 +152,9 @@ def test_coded_pack_logits_and_tokens_are_the_originals(coded):
     parts = [p for e in manifest["experts"] for p in e["parts"]]
     assert parts and all(p.get("codec") == "b12" for p in parts)
     assert sum(p["nbytes"] for p in parts) < 0.85 * sum(2 * p["shape"][0] * p["shape"][1] for p in parts)
+    # experts of one shape padded to one length (pack._lay_out): their read buffers recycle
+    assert len({e["length"] for e in manifest["experts"]}) == 1
+    assert len({sum(p["nbytes"] for p in e["parts"]) for e in manifest["experts"]}) > 1
     a, b = CheckpointIndex.open(src), CheckpointIndex.open(dst)
     for n in a.names():
         assert (a[n].dtype, a[n].shape) == (b[n].dtype, b[n].shape), n
@@ -185,6 +189,13 @@ def test_damaged_coded_manifest_is_refused(coded, tmp_path):
     (bad / PACK_MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="zstd"):
         CheckpointIndex.open(bad)
+
+
+def test_a_coded_pack_is_not_packed_again(coded, tmp_path):
+    _, dst = coded
+    with pytest.raises(MoestreamError, match="already coded"):
+        pack(dst, tmp_path / "again", codec="b12")
+    assert not (tmp_path / "again").exists()
 
 
 def test_pack_codec_option_is_validated(tmp_path):

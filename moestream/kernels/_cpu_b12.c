@@ -73,9 +73,10 @@ static void b12_decode_row(const uint8_t *m, int64_t N, int64_t K, int64_t n, ui
 #if MS_SIMD == 2
 /* One token, rows [n0, n1) of the coded matrix: bf16_gemv's loop (the same four accumulators over the same
  * 64-value steps, so the same sums) with each step's 128 bytes of bf16 replaced by 96 coded bytes decoded in
- * registers. Prefetches run further ahead than bf16_gemv's: in a standalone stream of 400 MB of rows from DRAM, two
- * threads, 1 KiB ahead ran at 21-22 GB/s of coded bytes, 3-6 KiB ahead at 34-52 (bf16_gemv 39-52 GB/s at the same
- * minutes), i.e. 1.2-1.45x bf16_gemv's time for the same values (docs/performance.md). */
+ * registers. In a standalone stream of 302 MB of coded rows from DRAM, two threads, the coded bytes read at 34-52
+ * GB/s with prefetches 3-6 KiB ahead, 1.08-1.45x faster than bf16_gemv over the same values in the same runs
+ * (39-52 GB/s); a layout with each row's codes in a plane of their own read at 17-21 GB/s (docs/performance.md,
+ * "b12"). */
 static void b12_gemv(const float *x, int64_t K, const uint8_t *m, int64_t N, int64_t n0, int64_t n1, float *out) {
     const uint8_t *bases = m + N * b12_slot(K);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
