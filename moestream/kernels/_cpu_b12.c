@@ -37,6 +37,27 @@ INLINE const uint16_t *b12_raw_row(const uint8_t *m, int64_t K, int64_t n) {
     return (const uint16_t *)(m + off);
 }
 
+#if MS_SIMD == 2
+/* a row's table, code -> high byte, in each 128-bit lane (vpshufb looks up within lanes) */
+INLINE __m512i b12_table(int base) {
+    uint8_t lut[16];
+    for (int c = 0; c < 16; c++) lut[c] = (uint8_t)(c < 8 ? base + c : 0x80 | (base + c - 8));
+    return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)lut));
+}
+
+/* the 64 values of the block at s (64 low bytes, then 32 code bytes) as bf16: values 0-31 in v0, 32-63 in v1 */
+INLINE void b12_block(const uint8_t *s, __m512i table, __m512i *v0, __m512i *v1) {
+    __builtin_prefetch(s + B12_PF, 0, 0);
+    __builtin_prefetch(s + B12_PF + 64, 0, 0);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), c = _mm256_loadu_si256((const __m256i *)(s + 64));
+    const __m512i cc = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(c, m4)),
+                                          _mm256_and_si256(_mm256_srli_epi16(c, 4), m4), 1);
+    const __m512i hi = _mm512_shuffle_epi8(table, cc), lo = _mm512_loadu_si512((const void *)s);
+    *v0 = _mm512_unpacklo_epi8(lo, hi);
+    *v1 = _mm512_unpackhi_epi8(lo, hi);
+}
+#endif
+
 /* row n of the N x K matrix m decoded to bf16 into dst[K] */
 static void b12_decode_row(const uint8_t *m, int64_t N, int64_t K, int64_t n, uint16_t *dst) {
     const int base = m[N * b12_slot(K) + n];
@@ -46,19 +67,12 @@ static void b12_decode_row(const uint8_t *m, int64_t N, int64_t K, int64_t n, ui
     }
     const uint8_t *s = m + n * b12_slot(K);
 #if MS_SIMD == 2
-    uint8_t lut[16];
-    for (int c = 0; c < 16; c++) lut[c] = (uint8_t)(c < 8 ? base + c : 0x80 | (base + c - 8));
-    const __m512i L4 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)lut));
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m512i table = b12_table(base);
     for (int64_t k = 0; k < K; k += 64, s += 96) {
-        __builtin_prefetch(s + B12_PF, 0, 0);
-        __builtin_prefetch(s + B12_PF + 64, 0, 0);
-        const __m256i c = _mm256_loadu_si256((const __m256i *)(s + 64));
-        const __m512i cc = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(c, m4)),
-                                              _mm256_and_si256(_mm256_srli_epi16(c, 4), m4), 1);
-        const __m512i hi = _mm512_shuffle_epi8(L4, cc), lo = _mm512_loadu_si512((const void *)s);
-        _mm512_storeu_si512((void *)(dst + k), _mm512_unpacklo_epi8(lo, hi));
-        _mm512_storeu_si512((void *)(dst + k + 32), _mm512_unpackhi_epi8(lo, hi));
+        __m512i v0, v1;
+        b12_block(s, table, &v0, &v1);
+        _mm512_storeu_si512((void *)(dst + k), v0);
+        _mm512_storeu_si512((void *)(dst + k + 32), v1);
     }
 #else
     for (int64_t k = 0; k < K; k += 64, s += 96)
@@ -79,26 +93,18 @@ static void b12_decode_row(const uint8_t *m, int64_t N, int64_t K, int64_t n, ui
  * "b12"). */
 static void b12_gemv(const float *x, int64_t K, const uint8_t *m, int64_t N, int64_t n0, int64_t n1, float *out) {
     const uint8_t *bases = m + N * b12_slot(K);
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int64_t n = n0; n < n1; n++) {
         const int base = bases[n];
         if (base == B12_RAW) {
             bf16_gemv(x, K, b12_raw_row(m, K, n), 0, 1, out + (n - n0));
             continue;
         }
-        uint8_t lut[16];
-        for (int c = 0; c < 16; c++) lut[c] = (uint8_t)(c < 8 ? base + c : 0x80 | (base + c - 8));
-        const __m512i L4 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)lut));
+        const __m512i table = b12_table(base);
         const uint8_t *s = m + n * b12_slot(K);
         vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
         for (int64_t k = 0; k < K; k += 64, s += 96) {
-            __builtin_prefetch(s + B12_PF, 0, 0);
-            __builtin_prefetch(s + B12_PF + 64, 0, 0);
-            const __m256i c = _mm256_loadu_si256((const __m256i *)(s + 64));
-            const __m512i cc = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(c, m4)),
-                                                  _mm256_and_si256(_mm256_srli_epi16(c, 4), m4), 1);
-            const __m512i hi = _mm512_shuffle_epi8(L4, cc), lo = _mm512_loadu_si512((const void *)s);
-            const vw_t v0 = _mm512_unpacklo_epi8(lo, hi), v1 = _mm512_unpackhi_epi8(lo, hi);
+            vw_t v0, v1;
+            b12_block(s, table, &v0, &v1);
             a0 = vfma(veven(v0), vloadf(x + k), a0);
             a1 = vfma(vodd(v0), vloadf(x + k + VW), a1);
             a2 = vfma(veven(v1), vloadf(x + k + GW), a2);
