@@ -174,6 +174,7 @@ def _stream(args: argparse.Namespace, vocab: int) -> tuple[list[int], list[int]]
 
 
 def child_moestream(args: argparse.Namespace) -> dict:
+    import moestream  # noqa: F401  # before torch: its OpenMP runtime's wait policy (moestream/omp.py)
     import torch
 
     from moestream import Engine
@@ -251,6 +252,7 @@ def _warm_result(engine: str, args, once) -> dict:
 
 
 def warm_moestream(args: argparse.Namespace) -> dict:
+    import moestream  # noqa: F401  # before torch: its OpenMP runtime's wait policy (moestream/omp.py)
     import torch
 
     from moestream import Engine
