@@ -130,7 +130,8 @@ def _scratch_bytes(index: CheckpointIndex, dense: list[str], store: ExpertStore,
     """Fixed compute scratch counted in the budget: one expert expanded to fp32 (or, for bf16 GLU experts, the
     native kernel's scratch of one call, which fused.moe_glu_bf16 keeps within that size), the slab that upcasts a
     half-precision dense weight (blocks.linear), the chunk a quantised dense weight decodes into, and the
-    packed-expert decode slabs (kernels.quant, and the grouped decode of several resident experts in latent_moe)."""
+    packed-expert decode slabs (kernels.quant, and the grouped decode of several resident experts in latent_moe),
+    and for b12-coded experts the rows each thread of a GLU call decodes (fused.b12_scratch)."""
     half = [index[n].nbytes * 2 for n in dense if index[n].dtype in ("BF16", "F16")]
     scratch = min(UPCAST_CHUNK_BYTES, max(half, default=0))
     packed = [index[n].nbytes * (2 if index[n].dtype == "I32" else 1) for n in dense
@@ -142,9 +143,9 @@ def _scratch_bytes(index: CheckpointIndex, dense: list[str], store: ExpertStore,
         scratch += sum(fp32_nbytes(loc) for loc in locs)
         if any(loc.dtype in ("U8", "I32", "F8_E4M3") for loc in locs):
             scratch += QUANT_SCRATCH_BYTES + GROUP_DECODE_BYTES
-        coded = [loc.shape for loc in locs if loc.codec is not None]
+        coded = [max(loc.shape) for loc in locs if loc.codec is not None]
         if coded:  # b12 experts: the GLU call's rows decoded per thread, beyond the bf16 call's scratch
-            scratch += b12_scratch(min(s[0] for s in coded), max(s[1] for s in coded), max(s[0] for s in coded))
+            scratch += b12_scratch(max(coded))
     return scratch
 
 

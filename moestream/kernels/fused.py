@@ -91,13 +91,13 @@ def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, i
                  out[lo:hi])
 
 
-def b12_scratch(inter: int, k_in: int, d_out: int = 0) -> int:
-    """What a call over b12-coded experts mallocs beyond glu_call_scratch: each thread's rows decoded to bf16
-    (_cpu_step.c moe_glu: 16 gate/up rows or 32 down rows at a time; _cpu_bf16.c: a unit's 4 * BPR gate and up
-    rows, or 4 * BPR down rows), for the most threads a call can use. The
-    engine counts it in its fixed scratch (engine._scratch_bytes) rather than in the call's cap, so that a coded
-    expert's rows are split into the same calls, on the same kernels, as its bf16 twin's."""
-    return _MAX_THREADS * 2 * (max(_GLU_ROWS * k_in, 32 * inter, 2 * 4 * _BPR * k_in, 4 * _BPR * inter) + 32) + 192
+def b12_scratch(widest: int) -> int:
+    """An upper bound of what a call over b12-coded experts whose matrices are at most `widest` values wide
+    mallocs beyond glu_call_scratch: each thread's rows decoded to bf16 (_cpu_step.c moe_glu: 16 gate/up rows or 32
+    down rows at a time; _cpu_bf16.c: a unit's 4 * BPR gate and up rows, or 4 * BPR down rows), for the most threads
+    a call can use. The engine counts it in its fixed scratch (engine._scratch_bytes) rather than in the call's cap,
+    so that a coded expert's rows are split into the same calls, on the same kernels, as its bf16 twin's."""
+    return _MAX_THREADS * 2 * (max(_GLU_ROWS, 32, 2 * 4 * _BPR) * widest + 32) + 192
 
 
 def glu_scratch_cap(inter: int, k_in: int, d_out: int) -> int:
