@@ -1,7 +1,7 @@
 """Where a warm decode step's time goes, for the GQA families (qwen3_moe, mixtral): wall-clock splits.
 
     python bench/decode_split.py MODEL [--threads 2] [--tokens 24] [--prompt-len 16] [--native|--no-native]
-                                 [--warm-long 512] [--prefill 5]
+                                 [--warm-long 512] [--prefill 5] [--compute-dtype fp32|bf16]
 
 Opens MODEL with a budget that holds every expert, decodes `--tokens` greedy tokens once to warm the cache (and
 the page cache), then decodes the same tokens again from a fresh sequence with timers wrapped around the pieces
@@ -153,6 +153,8 @@ def main() -> None:
     ap.add_argument("--cpu-time", action="store_true",
                     help="the calling thread's CPU time instead of wall time (with --threads 1: all the compute)")
     ap.add_argument("--no-native", action="store_true", help="torch paths only (cpu.disabled())")
+    ap.add_argument("--compute-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="the engine's precision of many-row products (EngineOptions.compute_dtype)")
     ap.add_argument("--warm-long", type=int, default=0,
                     help="first prefill this many random tokens in a throwaway sequence, as vs_llamacpp.py --warm's "
                          "warm pass does (on the peer checkpoint 512 leave 1,672 of its 2,048 experts cached: its "
@@ -162,7 +164,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.cpu_time:
         CLOCK[0] = time.thread_time
-    eng = Engine.open(args.model, ram_budget=args.budget, threads=args.threads)
+    eng = Engine.open(args.model, ram_budget=args.budget, threads=args.threads, compute_dtype=args.compute_dtype)
     cpu.set_threads(args.threads)
     prompt = [(i * 7919) % eng.vocab_size for i in range(3, 3 + args.prompt_len)]
     ctx = cpu.disabled() if args.no_native else contextmanager(lambda: (yield))()

@@ -95,16 +95,60 @@ def test_glu_matches_the_rounded_reference_and_any_split(e, inter, k_in, d_out, 
     fused.moe_glu_bf16(x, list(range(e)), _parts(experts), inter, out, ids, scores, compute="bf16")
     assert _rel(out, _glu_reference(experts, x, ids, scores)) < 1e-5
     threads(1)
-    # token ranges, and one call per expert (added in the same order), give the very same sums
+    # token ranges, and one call per expert (added in the same order), give the very same sums where each expert
+    # meets the same kernel (panels, or the row kernel below ms_bf16dot_row_limit rows: a range can only have fewer)
     split = torch.zeros(t, d_out)
     for lo in range(0, t, 7):
         fused.moe_glu_bf16(x[lo:lo + 7], list(range(e)), _parts(experts), inter, split[lo:lo + 7], ids[lo:lo + 7],
                            scores[lo:lo + 7], compute="bf16")
-    assert torch.equal(split, out)
+    if not _row_kernel(inter, k_in) or all(int((ids == i).sum()) < _row_kernel(inter, k_in) for i in range(e)):
+        assert torch.equal(split, out)
+    assert _rel(split, _glu_reference(experts, x, ids, scores)) < 1e-5
     apart = torch.zeros(t, d_out)
     for i in range(e):
         fused.moe_glu_bf16(x, [i], _parts(experts)[i:i + 1], inter, apart, ids, scores, compute="bf16")
     assert torch.equal(apart, out)
+
+
+def _row_kernel(inter: int, k_in: int) -> int:
+    """rows an expert below which the bf16 GLU takes the row kernel for these widths (0: never)"""
+    return cpu.lib().ms_bf16dot_row_limit() if inter % 64 == 0 and k_in % 64 == 0 else 0
+
+
+@native
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 15, 16, 17])
+def test_glu_few_rows_an_expert(rows, threads):
+    """An expert routed fewer than ms_bf16dot_row_limit() rows runs on the row kernel (weights in the lanes,
+    _cpu_bf16.c brk_rows), from there on panels: both within 1e-5 of the bf16-rounded reference, the same bits at 1
+    and 2 threads and from a b12-coded twin (a row stored whole among its rows); on the row kernel a token's result
+    does not depend on the other tokens of its expert (one call a token gives the same bits)."""
+    from moestream.kernels import b12
+    e, inter, k_in, d_out = 3, 128, 192, 80
+    t = rows * e
+    experts, x, _, _ = _glu_case(e, inter, k_in, d_out, t, 1, seed=rows)
+    experts[1][0][3, 5] = 0.0  # a zero among normal values: that gate row is stored whole in the coding
+    experts[2][2][7, 1] = 0.0
+    ids = (torch.arange(t) % e).view(t, 1)
+    scores = torch.rand(t, 1, generator=seeded(rows + 100))
+    coded = [tuple(b12.encode(m) for m in ex) for ex in experts]
+    assert any(b12.raw_rows(m) for ex in experts for m in ex)
+    outs = []
+    for n in (1, 2):
+        threads(n)
+        for parts in (_parts(experts), [tuple(c.data_ptr() | 1 for c in ex) for ex in coded]):
+            out = torch.zeros(t, d_out)
+            fused.moe_glu_bf16(x, list(range(e)), parts, inter, out, ids, scores, compute="bf16")
+            outs.append(out)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    # (1e-4: an h whose fp32 sum lies within the sums' rounding of a bf16 rounding boundary may round the other way
+    # than the float64 reference's, which moves an output by ~1e-5 of the largest)
+    assert _rel(outs[0], _glu_reference(experts, x, ids, scores)) < 1e-4
+    alone = torch.zeros(t, d_out)
+    for i in range(t):
+        fused.moe_glu_bf16(x[i:i + 1], list(range(e)), _parts(experts), inter, alone[i:i + 1], ids[i:i + 1],
+                           scores[i:i + 1], compute="bf16")
+    limit = _row_kernel(inter, k_in)
+    assert torch.equal(alone, outs[0]) == (rows < limit or limit == 0)
 
 
 @native

@@ -10,6 +10,9 @@
  * half of fp32) and added with two fp32 FMAs (the portable path: the same inputs, fp32 rounding of the sums may
  * differ in the last bit). Every output is one lane's sum over k in order: it does not depend on how tokens are
  * grouped into panels or calls, nor on the thread count. K (and the GLU's intermediate width) must be even.
+ * The grouped GLU runs an expert routed fewer than 16 rows of a call on a row kernel instead (weights in the lanes,
+ * brk_rows below): its tokens' sums do not depend on the other tokens or the threads either, but differ in order
+ * from a panel's, so a token's result depends on which side of 16 its expert's rows fall.
  * With AVX-512 the parts around the tiles (packing x, the SiLU-GLU activation and bf16 rounding of h, the weighted
  * scatter of the outputs) run in vector code that gives the scalar code's bits (MS_GLU_VEC below). */
 
@@ -310,6 +313,145 @@ static void bp_run(const uint16_t *w, int64_t K, int64_t n, int rr, const uint32
     else bp_tile(wr, xp, K / 2, c, 1);
 }
 
+/* ---- experts routed fewer than BRK_T rows: the weights in the lanes instead of the tokens. A panel tile gives each
+ * token a lane, so an expert of 2 rows left 15 of 16 lanes idle (39 GFLOP/s against 68 for fp32 at a 16-row step,
+ * blocks.BF16_GLU_MIN_ROWS). Here a weight row's 32 values fill a vector, each of the expert's tokens (its x or h
+ * rounded to bf16, a row of K values) is multiplied into its own accumulators by vdpbf16ps (both products of a pair
+ * into a lane's fp32 sum), and the lanes are added at the end of the row: each weight line is loaded once for all
+ * the tokens, and a b12-coded row is decoded in registers (b12_block) instead of into scratch. A token's sums then
+ * run in another order than on a panel, so its result depends on whether its expert took fewer than BRK_T rows of
+ * the call (as the fp32 kernels' choice between GEMV, tiles and panels does). K and I multiples of 64. */
+#if MS_BF16DP && MS_SIMD == 2
+#define BRK 1
+#else
+#define BRK 0
+#endif
+#ifndef BRK_T
+#define BRK_T 16 /* experts of fewer rows take the row kernel; PANEL_MIN_T's counterpart */
+#endif
+#define BRK_G 8    /* tokens a pass over a weight row (16 accumulators) */
+#ifndef BRK_R
+#define BRK_R 1    /* weight rows a pass, 1 or 2 (2: each x load serves two rows; slower from memory) */
+#endif
+#ifndef BRK_PF
+#define BRK_PF 4096 /* bytes ahead of a bf16 row's read (b12 rows: B12_PF) */
+#endif
+
+#if BRK
+/* y[r + g * ldy] = sum_k w_r[k] * xb[g * ldb + k] for R weight rows r < R and G tokens g < G: row r bf16 at wrow[r],
+ * or (wrow[r] NULL) the b12 slot s[r] with its table. One fp32 accumulator a row and token, both halves of each
+ * 64-value block added into it in turn: a row's sums are the same whether it runs in a pair or alone. Two rows a
+ * pass make each load of a token's x serve two products (one row alone was bound by those loads in cache). */
+INLINE void brk_row(const uint16_t *const *wrow, const uint8_t *const *s, const __m512i *table, int64_t K,
+                    const uint16_t *xb, int64_t ldb, float *y, int64_t ldy, const int R, const int G) {
+    __m512 a[2][BRK_G];
+#pragma GCC unroll 2
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int g = 0; g < G; g++) a[r][g] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 64) {
+        __m512i w0[2], w1[2];
+#pragma GCC unroll 2
+        for (int r = 0; r < R; r++) {
+            if (wrow[r]) {
+                _mm_prefetch((const char *)(wrow[r] + k) + BRK_PF, _MM_HINT_T0);
+                _mm_prefetch((const char *)(wrow[r] + k) + BRK_PF + 64, _MM_HINT_T0);
+                w0[r] = _mm512_loadu_si512((const void *)(wrow[r] + k));
+                w1[r] = _mm512_loadu_si512((const void *)(wrow[r] + k + 32));
+            } else {
+                b12_block(s[r] + k / 64 * 96, table[r], &w0[r], &w1[r]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int g = 0; g < G; g++) {
+            const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(xb + g * ldb + k));
+#pragma GCC unroll 2
+            for (int r = 0; r < R; r++) a[r][g] = _mm512_dpbf16_ps(a[r][g], (__m512bh)w0[r], x0);
+        }
+#pragma GCC unroll 8
+        for (int g = 0; g < G; g++) {
+            const __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void *)(xb + g * ldb + k + 32));
+#pragma GCC unroll 2
+            for (int r = 0; r < R; r++) a[r][g] = _mm512_dpbf16_ps(a[r][g], (__m512bh)w1[r], x1);
+        }
+    }
+#pragma GCC unroll 2
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int g = 0; g < G; g++) y[r + g * ldy] = _mm512_reduce_add_ps(a[r][g]);
+}
+
+#define BRK_CASE(R, G) brk_row(wrow, s, table, K, xo, ldb, yo, ldy, R, G)
+#define BRK_CASES(R)                                                                                                  \
+    switch (T - t0 < BRK_G ? T - t0 : BRK_G) {                                                                        \
+    case 1: BRK_CASE(R, 1); break;                                                                                    \
+    case 2: BRK_CASE(R, 2); break;                                                                                    \
+    case 3: BRK_CASE(R, 3); break;                                                                                    \
+    case 4: BRK_CASE(R, 4); break;                                                                                    \
+    case 5: BRK_CASE(R, 5); break;                                                                                    \
+    case 6: BRK_CASE(R, 6); break;                                                                                    \
+    case 7: BRK_CASE(R, 7); break;                                                                                    \
+    default: BRK_CASE(R, 8); break;                                                                                   \
+    }
+
+/* y[t * ldy + n - n0] = row n of w [N, K] (bf16, or b12 at a tagged address) times token t's bf16 row xb + t * ldb,
+ * for rows [n0, n1) (two at a time) and tokens t < T */
+static void brk_rows(const uint16_t *w, int64_t N, int64_t K, int64_t n0, int64_t n1, const uint16_t *xb, int64_t ldb,
+                     int64_t T, float *y, int64_t ldy) {
+    const int coded = b12_tagged(w);
+    const uint8_t *m = b12_addr(w);
+    for (int64_t n = n0; n < n1; n += BRK_R) {
+        const int R = n1 - n < 2 || BRK_R == 1 ? 1 : 2;
+        const uint16_t *wrow[2] = {NULL, NULL};
+        const uint8_t *s[2] = {NULL, NULL};
+        __m512i table[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        for (int r = 0; r < R; r++) {
+            if (!coded) {
+                wrow[r] = w + (n + r) * K;
+                continue;
+            }
+            const int base = m[N * b12_slot(K) + n + r];
+            if (base == B12_RAW) {
+                wrow[r] = b12_raw_row(m, K, n + r);
+            } else {
+                s[r] = m + (n + r) * b12_slot(K);
+                table[r] = b12_table(base);
+            }
+        }
+        for (int64_t t0 = 0; t0 < T; t0 += BRK_G) {
+            const uint16_t *xo = xb + t0 * ldb;
+            float *yo = y + t0 * ldy + (n - n0);
+            if (R == 2) {
+                BRK_CASES(2)
+            } else {
+                BRK_CASES(1)
+            }
+        }
+    }
+}
+#endif
+
+/* experts of fewer rows than brk_limit take the row kernel (0: none; a build without it keeps 0) */
+static int brk_limit = BRK ? BRK_T : 0;
+int ms_bf16dot_row_limit(void) { return brk_limit; }
+
+/* sets the limit (clamped to [0, BRK_T]; benchmarks and tests compare the two kernels) and returns it */
+int ms_bf16dot_set_row_limit(int rows) {
+    brk_limit = BRK ? (rows < 0 ? 0 : rows > BRK_T ? BRK_T : rows) : 0;
+    return brk_limit;
+}
+
+#if BRK
+/* fp32 x [K] (K % 32 == 0) rounded to bf16 (f32_bf16's bits) into dst [K] */
+static void brk_round_row(const float *x, int64_t K, uint16_t *dst) {
+    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25,
+                                         23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    for (int64_t k = 0; k < K; k += 32)
+        _mm512_storeu_si512((void *)(dst + k), _mm512_permutex2var_epi16(vbf16_hi(_mm512_loadu_ps(x + k)), odd,
+                                                                         vbf16_hi(_mm512_loadu_ps(x + k + 16))));
+}
+#endif
+
 /* ------------------------------------------------------------------------------------ y = x @ W^T, many W */
 
 typedef struct {
@@ -400,6 +542,10 @@ typedef struct {
     float beta, lbeta;
     uint16_t *dec; /* b12-coded experts (_cpu_b12.c): per part dec_len bf16 values to decode a unit's rows into */
     int64_t dec_len;
+    /* experts on the row kernel (brk_rows): roff[e] >= 0 their first row in xr [., K] and hr [., I] (bf16 x and h
+     * rows, one per pair in the expert's order), -1 for experts on panels */
+    const int64_t *roff;
+    uint16_t *xr, *hr;
 } bpg_job;
 
 static void bpg_pack_part(void *arg, int64_t task, int64_t tasks, int slot) {
@@ -430,6 +576,23 @@ static void bpg_up_part(void *arg, int64_t chunk, int64_t chunks, int slot) {
     while (chunk >= j->ustart[e + 1]) e++;
     const int64_t T = j->count[e], P = bp_count(T), I2 = j->I / 2;
     const int64_t n0 = (chunk - j->ustart[e]) * BPG_ROWS, n1 = n0 + BPG_ROWS < j->I ? n0 + BPG_ROWS : j->I;
+#if BRK
+    if (j->roff[e] >= 0) { /* h = bf16(act(gate x, up x)) into the expert's h rows */
+        float g[BRK_T * BPG_ROWS], u[BRK_T * BPG_ROWS];
+        const int64_t r0 = j->roff[e];
+        brk_rows(j->gate[e], j->I, j->K, n0, n1, j->xr + r0 * j->K, j->K, T, g, BPG_ROWS);
+        brk_rows(j->up[e], j->I, j->K, n0, n1, j->xr + r0 * j->K, j->K, T, u, BPG_ROWS);
+        for (int64_t t = 0; t < T; t++) {
+            uint16_t *h = j->hr + (r0 + t) * j->I;
+            const float *gt = g + t * BPG_ROWS, *ut = u + t * BPG_ROWS;
+            if (j->act == ACT_SILU)
+                for (int64_t n = n0; n < n1; n++) h[n] = f32_bf16(silu_glu(gt[n - n0], ut[n - n0]));
+            else
+                for (int64_t n = n0; n < n1; n++) h[n] = f32_bf16(glu_act(j->act, gt[n - n0], ut[n - n0], j->beta, j->lbeta));
+        }
+        return;
+    }
+#endif
     /* the unit's rows as bf16: the matrices themselves (from row 0), or a coded expert's rows decoded once */
     const uint16_t *gw = j->gate[e], *uw = j->up[e];
     int64_t base = 0;
@@ -495,6 +658,18 @@ static void bpg_down_part(void *arg, int64_t chunk, int64_t chunks, int slot) {
         const int64_t T = j->count[e], P = bp_count(T), a0 = j->start[e];
         const uint16_t *dw = j->down[e];
         int64_t base = 0;
+#if BRK
+        if (T > 0 && j->roff[e] >= 0) { /* columns c0..c1 of the expert's tokens, added in its order */
+            float y[BRK_T * BPG_COLS];
+            brk_rows(dw, j->D, j->I, c0, c1, j->hr + j->roff[e] * j->I, j->I, T, y, BPG_COLS);
+            for (int64_t t = 0; t < T; t++) {
+                float *o = j->out + j->row[a0 + t] * j->D + c0;
+                const float wt = j->wt[a0 + t];
+                for (int64_t r = 0; r < nc; r++) o[r] += wt * y[t * BPG_COLS + r];
+            }
+            continue;
+        }
+#endif
         if (T > 0 && b12_tagged(dw)) { /* a coded expert's rows c0..c1 decoded once for all its panels */
             dw = w_bf16_rows(dw, j->D, j->I, c0, nc, j->dec + (int64_t)slot * j->dec_len);
             base = c0;
@@ -556,22 +731,28 @@ int ms_bf16dot_glu_ws(int64_t E, const int64_t *experts, const int64_t *gates, c
     if (K % 2 || I % 2 || K <= 0 || I <= 0) return -2;
     const int64_t A = glu_pairs(E, experts, T, ids, k);
     if (A == 0) return 0;
-    const size_t mem_bytes = sizeof(int64_t) * (size_t)(4 * E + 2 + A) + sizeof(float) * (size_t)A;
+    const size_t mem_bytes = sizeof(int64_t) * (size_t)(5 * E + 2 + A) + sizeof(float) * (size_t)A;
     const size_t mem_room = (mem_bytes + 63) / 64 * 64;
     const int own_mem = !ws || (int64_t)mem_room > ws_bytes;
     char *mem = own_mem ? malloc(mem_bytes) : (char *)ws;
     if (!mem) return -1;
     int64_t *start = (int64_t *)mem, *count = start + E, *poff = count + E, *ustart = poff + E + 1;
-    int64_t *row = ustart + E + 1;
+    int64_t *roff = ustart + E + 1, *row = roff + E;
     float *wt = (float *)(row + A);
     glu_group(E, experts, T, ids, wts, k, start, count, row, wt, NULL);
     poff[0] = ustart[0] = 0;
+    int64_t R = 0; /* rows of the experts on the row kernel */
     for (int64_t e = 0; e < E; e++) {
-        poff[e + 1] = poff[e] + bp_count(count[e]);
+        const int rows = BRK && count[e] > 0 && count[e] < brk_limit && K % 64 == 0 && I % 64 == 0;
+        roff[e] = rows ? R : -1;
+        R += rows ? count[e] : 0;
+        poff[e + 1] = poff[e] + (rows ? 0 : bp_count(count[e]));
         ustart[e + 1] = ustart[e] + (count[e] ? (I + BPG_ROWS - 1) / BPG_ROWS : 0);
     }
     const int64_t P = poff[E];
-    const size_t xp_bytes = (sizeof(uint32_t) * (size_t)(P * BP * (K / 2 + I / 2)) + 63) / 64 * 64;
+    /* x and h panels, then the row experts' bf16 x and h rows (as many bytes a pair as its panel words) */
+    const size_t xp_bytes = (sizeof(uint32_t) * (size_t)(P * BP * (K / 2 + I / 2)) + sizeof(uint16_t) * (size_t)(R * (K + I)) +
+                             63) / 64 * 64;
     /* the panels after the routing entries in ws, at a 64-byte boundary of the address */
     char *room = own_mem ? NULL : (char *)(((uintptr_t)ws + mem_room + 63) / 64 * 64);
     const int own_xp = own_mem || room + xp_bytes > (char *)ws + ws_bytes;
@@ -582,9 +763,16 @@ int ms_bf16dot_glu_ws(int64_t E, const int64_t *experts, const int64_t *gates, c
     }
     uint32_t *hp = xp + P * BP * (K / 2);
     memset(hp, 0, sizeof(uint32_t) * (size_t)(P * BP * (I / 2))); /* padded tokens' h stay zero */
-    int coded = 0; /* b12 experts: each part decodes a unit's gate and up rows, or a chunk's down rows */
-    for (int64_t e = 0; e < E; e++) coded |= b12_tagged((const void *)gates[e]) | b12_tagged((const void *)ups[e]) |
-                                             b12_tagged((const void *)downs[e]);
+    uint16_t *xr = (uint16_t *)(hp + P * BP * (I / 2)), *hr = xr + R * K;
+#if BRK
+    for (int64_t e = 0; e < E; e++)
+        if (roff[e] >= 0)
+            for (int64_t t = 0; t < count[e]; t++) brk_round_row(x + row[start[e] + t] * K, K, xr + (roff[e] + t) * K);
+#endif
+    int coded = 0; /* b12 experts on panels: each part decodes a unit's gate and up rows, or a chunk's down rows */
+    for (int64_t e = 0; e < E; e++)
+        if (roff[e] < 0)
+            coded |= b12_tagged((const void *)gates[e]) | b12_tagged((const void *)ups[e]) | b12_tagged((const void *)downs[e]);
     const int64_t dec_len = coded ? (2 * BPG_ROWS * K > BPG_COLS * I ? 2 * BPG_ROWS * K : BPG_COLS * I) + 32 : 0;
     uint16_t *dec = coded ? aligned_alloc(64, (size_t)((pool_parts * dec_len * 2 + 63) / 64 * 64)) : NULL;
     if (coded && !dec) {
@@ -594,7 +782,7 @@ int ms_bf16dot_glu_ws(int64_t E, const int64_t *experts, const int64_t *gates, c
     }
     bpg_job j = {E, I, K, D, (const uint16_t *const *)gates, (const uint16_t *const *)ups,
                  (const uint16_t *const *)downs, start, count, row, poff, ustart, wt, x, xp, hp, out, act, beta, lbeta,
-                 dec, dec_len};
+                 dec, dec_len, roff, xr, hr};
     const int64_t cols = (D + BPG_COLS - 1) / BPG_COLS;
     if (pool_parts <= 1) {
         for (int64_t p = 0; p < P * bp_slices(K); p++) bpg_pack_part(&j, p, P * bp_slices(K), 0);

@@ -154,6 +154,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_layer_times.restype = None
     lib.ms_bf16dp.restype = ctypes.c_int
     lib.ms_bf16_panel.restype = ctypes.c_int
+    lib.ms_bf16dot_row_limit.restype = ctypes.c_int
+    lib.ms_bf16dot_set_row_limit.argtypes = [ctypes.c_int]
+    lib.ms_bf16dot_set_row_limit.restype = ctypes.c_int
     lib.ms_bf16dot_linear.argtypes = [p, i64, i64, i64, p, p, p]
     lib.ms_bf16dot_linear.restype = ctypes.c_int
     lib.ms_bf16dot_glu.argtypes = lib.ms_moe_glu_bf16.argtypes

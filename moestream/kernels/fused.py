@@ -38,8 +38,10 @@ def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, i
     experts one call each went from 5.1-5.5 to 4.2-4.4 s without it, docs/performance.md).
 
     compute "bf16" (the opt-in bf16 compute path, EngineOptions.compute_dtype; K and inter even): x and the GLU
-    activations are rounded to bf16 and the products summed in fp32 (_cpu_bf16.c), each token's result independent
-    of the other tokens, so the split into calls does not change it either; "fp32" (default): fp32 activations.
+    activations are rounded to bf16 and the products summed in fp32 (_cpu_bf16.c). An expert routed fewer than
+    cpu.lib().ms_bf16dot_row_limit() (16) rows of the call runs on the row kernel, the others on panels; a token's
+    sums do not depend on the other tokens beyond that choice, and the split into calls keeps it (token ranges
+    never leave an expert fewer rows than the limit); "fp32" (default): fp32 activations.
 
     The batch-invariant form (kernels/invariant.py): `out` fp32 [T, k, D] (ids required, compute "fp32") receives
     each (t, j) pair's unweighted expert output at out[t, j] (ms_moe_glu_bf16_pairs: every expert on the panel
@@ -181,11 +183,14 @@ def _token_ranges(expert: int, ids: Tensor | None, t: int, count: int, inter: in
                   cap: int, bf16: bool = False, pairs: bool = False) -> list[tuple[int, int]]:
     """Token ranges [lo, hi) splitting `expert`'s `count` pairs evenly into as few calls as fit `cap`. Even, so
     that no range is left with fewer rows than the panel kernel takes (an expert's rows then meet the same
-    kernel, whose per-token sums do not depend on how tokens are grouped)."""
+    kernel, whose per-token sums do not depend on how tokens are grouped). bf16: never fewer rows a range than the
+    row kernel's limit (ms_bf16dot_row_limit), even where that passes a cap too small for so many rows."""
     per = 1
     while per < count and glu_call_scratch([2 * per], inter, k_in, bf16, pairs) <= cap:
         per *= 2
     n = -(-count // per)
+    if bf16:
+        n = min(n, max(1, count // max(1, cpu.lib().ms_bf16dot_row_limit())))
     if ids is None:
         cuts = [t * i // n for i in range(n + 1)]
         return [(lo, hi) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
