@@ -330,101 +330,72 @@ static void bp_run(const uint16_t *w, int64_t K, int64_t n, int rr, const uint32
 #define BRK_T 16 /* experts of fewer rows take the row kernel; PANEL_MIN_T's counterpart */
 #endif
 #define BRK_G 8    /* tokens a pass over a weight row (16 accumulators) */
-#ifndef BRK_R
-#define BRK_R 1    /* weight rows a pass, 1 or 2 (2: each x load serves two rows; slower from memory) */
-#endif
 #ifndef BRK_PF
 #define BRK_PF 4096 /* bytes ahead of a bf16 row's read (b12 rows: B12_PF) */
 #endif
 
 #if BRK
-/* y[r + g * ldy] = sum_k w_r[k] * xb[g * ldb + k] for R weight rows r < R and G tokens g < G: row r bf16 at wrow[r],
- * or (wrow[r] NULL) the b12 slot s[r] with its table. One fp32 accumulator a row and token, both halves of each
- * 64-value block added into it in turn: a row's sums are the same whether it runs in a pair or alone. Two rows a
- * pass make each load of a token's x serve two products (one row alone was bound by those loads in cache). */
-INLINE void brk_row(const uint16_t *const *wrow, const uint8_t *const *s, const __m512i *table, int64_t K,
-                    const uint16_t *xb, int64_t ldb, float *y, int64_t ldy, const int R, const int G) {
-    __m512 a[2][BRK_G];
-#pragma GCC unroll 2
-    for (int r = 0; r < R; r++)
+/* y[g * ldy] = sum_k w[k] * xb[g * ldb + k] for the G tokens g < G: one weight row, bf16 at wrow or (wrow NULL) the
+ * b12 slot s with its table. Two accumulators a token (the block's first and second 32 values), added at the end:
+ * with one (both halves in turn) the chain of dependent vdpbf16ps ran 0.8-1.0x as fast from memory at 1-15 rows. */
+INLINE void brk_row(const uint16_t *wrow, const uint8_t *s, __m512i table, int64_t K, const uint16_t *xb, int64_t ldb,
+                    float *y, int64_t ldy, const int G) {
+    __m512 a0[BRK_G], a1[BRK_G];
 #pragma GCC unroll 8
-        for (int g = 0; g < G; g++) a[r][g] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) a0[g] = a1[g] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 64) {
-        __m512i w0[2], w1[2];
-#pragma GCC unroll 2
-        for (int r = 0; r < R; r++) {
-            if (wrow[r]) {
-                _mm_prefetch((const char *)(wrow[r] + k) + BRK_PF, _MM_HINT_T0);
-                _mm_prefetch((const char *)(wrow[r] + k) + BRK_PF + 64, _MM_HINT_T0);
-                w0[r] = _mm512_loadu_si512((const void *)(wrow[r] + k));
-                w1[r] = _mm512_loadu_si512((const void *)(wrow[r] + k + 32));
-            } else {
-                b12_block(s[r] + k / 64 * 96, table[r], &w0[r], &w1[r]);
-            }
+        __m512i w0, w1;
+        if (wrow) {
+            _mm_prefetch((const char *)(wrow + k) + BRK_PF, _MM_HINT_T0);
+            _mm_prefetch((const char *)(wrow + k) + BRK_PF + 64, _MM_HINT_T0);
+            w0 = _mm512_loadu_si512((const void *)(wrow + k));
+            w1 = _mm512_loadu_si512((const void *)(wrow + k + 32));
+        } else {
+            b12_block(s + k / 64 * 96, table, &w0, &w1);
         }
 #pragma GCC unroll 8
         for (int g = 0; g < G; g++) {
-            const __m512bh x0 = (__m512bh)_mm512_loadu_si512((const void *)(xb + g * ldb + k));
-#pragma GCC unroll 2
-            for (int r = 0; r < R; r++) a[r][g] = _mm512_dpbf16_ps(a[r][g], (__m512bh)w0[r], x0);
-        }
-#pragma GCC unroll 8
-        for (int g = 0; g < G; g++) {
-            const __m512bh x1 = (__m512bh)_mm512_loadu_si512((const void *)(xb + g * ldb + k + 32));
-#pragma GCC unroll 2
-            for (int r = 0; r < R; r++) a[r][g] = _mm512_dpbf16_ps(a[r][g], (__m512bh)w1[r], x1);
+            a0[g] = _mm512_dpbf16_ps(a0[g], (__m512bh)w0, (__m512bh)_mm512_loadu_si512((const void *)(xb + g * ldb + k)));
+            a1[g] = _mm512_dpbf16_ps(a1[g], (__m512bh)w1,
+                                     (__m512bh)_mm512_loadu_si512((const void *)(xb + g * ldb + k + 32)));
         }
     }
-#pragma GCC unroll 2
-    for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-        for (int g = 0; g < G; g++) y[r + g * ldy] = _mm512_reduce_add_ps(a[r][g]);
+    for (int g = 0; g < G; g++) y[g * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(a0[g], a1[g]));
 }
 
-#define BRK_CASE(R, G) brk_row(wrow, s, table, K, xo, ldb, yo, ldy, R, G)
-#define BRK_CASES(R)                                                                                                  \
-    switch (T - t0 < BRK_G ? T - t0 : BRK_G) {                                                                        \
-    case 1: BRK_CASE(R, 1); break;                                                                                    \
-    case 2: BRK_CASE(R, 2); break;                                                                                    \
-    case 3: BRK_CASE(R, 3); break;                                                                                    \
-    case 4: BRK_CASE(R, 4); break;                                                                                    \
-    case 5: BRK_CASE(R, 5); break;                                                                                    \
-    case 6: BRK_CASE(R, 6); break;                                                                                    \
-    case 7: BRK_CASE(R, 7); break;                                                                                    \
-    default: BRK_CASE(R, 8); break;                                                                                   \
-    }
-
 /* y[t * ldy + n - n0] = row n of w [N, K] (bf16, or b12 at a tagged address) times token t's bf16 row xb + t * ldb,
- * for rows [n0, n1) (two at a time) and tokens t < T */
+ * for rows [n0, n1) and tokens t < T, BRK_G tokens a pass over the row (a row of two weight rows a pass, so that each
+ * load of x served both, ran slower from memory: 15.8 against 22.1 GB/s at one row an expert) */
 static void brk_rows(const uint16_t *w, int64_t N, int64_t K, int64_t n0, int64_t n1, const uint16_t *xb, int64_t ldb,
                      int64_t T, float *y, int64_t ldy) {
     const int coded = b12_tagged(w);
     const uint8_t *m = b12_addr(w);
-    for (int64_t n = n0; n < n1; n += BRK_R) {
-        const int R = n1 - n < 2 || BRK_R == 1 ? 1 : 2;
-        const uint16_t *wrow[2] = {NULL, NULL};
-        const uint8_t *s[2] = {NULL, NULL};
-        __m512i table[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-        for (int r = 0; r < R; r++) {
-            if (!coded) {
-                wrow[r] = w + (n + r) * K;
-                continue;
-            }
-            const int base = m[N * b12_slot(K) + n + r];
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *wrow = coded ? NULL : w + n * K;
+        const uint8_t *s = NULL;
+        __m512i table = _mm512_setzero_si512();
+        if (coded) {
+            const int base = m[N * b12_slot(K) + n];
             if (base == B12_RAW) {
-                wrow[r] = b12_raw_row(m, K, n + r);
+                wrow = b12_raw_row(m, K, n);
             } else {
-                s[r] = m + (n + r) * b12_slot(K);
-                table[r] = b12_table(base);
+                s = m + n * b12_slot(K);
+                table = b12_table(base);
             }
         }
         for (int64_t t0 = 0; t0 < T; t0 += BRK_G) {
             const uint16_t *xo = xb + t0 * ldb;
             float *yo = y + t0 * ldy + (n - n0);
-            if (R == 2) {
-                BRK_CASES(2)
-            } else {
-                BRK_CASES(1)
+            switch (T - t0 < BRK_G ? T - t0 : BRK_G) {
+            case 1: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 1); break;
+            case 2: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 2); break;
+            case 3: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 3); break;
+            case 4: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 4); break;
+            case 5: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 5); break;
+            case 6: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 6); break;
+            case 7: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 7); break;
+            default: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 8); break;
             }
         }
     }
