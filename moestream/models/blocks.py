@@ -9,9 +9,10 @@ stored weight by the activations rounded to bf16, summing in fp32 (kernels/_cpu_
 shared experts and lm_head through `linear` / `linear_many`, and the routed experts' grouped GLU calls from
 BF16_GLU_MIN_ROWS rows. Routers stay fp32 (a bf16 router logit can flip an expert choice), and so do steps of fewer
 rows (one-token decode keeps its kernels), fp32 and quantised weights, and everything without the native kernels.
-Each output row then depends on its own input row only, so splitting a step's rows into calls (or the lm_head
-into slabs) changes nothing; which precision a row gets depends on its step's row count, and, in the routed
-experts, which kernel on whether its expert took fewer than 16 rows of the call (fused.moe_glu_bf16).
+Each output row then depends on its own input row, and in the routed experts on whether its expert took fewer
+than 16 rows of the call (which kernel runs it, fused.moe_glu_bf16), so splitting a step's rows into calls (or the
+lm_head into slabs; an expert's rows are never split below 16) changes nothing; which precision a row gets depends
+on its step's row count.
 """
 from __future__ import annotations
 
