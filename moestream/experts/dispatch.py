@@ -28,7 +28,7 @@ from moestream.experts.policies import HeatPolicy, POLICIES, heat_path
 from moestream.experts.prefetch import Lookahead, RouterFn
 from moestream.experts.reader import AHEAD, SCAN_DEPTH
 from moestream.experts.store import ExpertBlob, ExpertStore
-from moestream.kernels import b12, invariant
+from moestream.kernels import invariant
 from moestream.kernels.b12 import B12Weight
 from moestream.kernels.cpu import MAX_TOKENS_BF16, bf16_native
 
@@ -621,12 +621,7 @@ class _Expanded(Mapping):
             if name in self._slots:
                 off = self._slots[name]
                 if type(t) is B12Weight:  # decoded a bounded slab of rows at a time, the same values as bf16's
-                    dst = self._buf[off:off + _numel(t)].view(t.out_features, t.in_features)
-                    step = max(1, B12_SLAB // (2 * t.in_features))
-                    for r in range(0, t.out_features, step):
-                        dst[r:r + step].copy_(b12.decode_rows(t.codes, t.out_features, t.in_features, r,
-                                                              min(t.out_features, r + step)))
-                    t = dst
+                    t = t.expand_into(self._buf[off:off + _numel(t)].view(t.out_features, t.in_features))
                 else:
                     t = self._buf[off:off + t.numel()].view(t.shape).copy_(t)
             got = self._done[name] = t
@@ -640,7 +635,6 @@ class _Expanded(Mapping):
 
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
-B12_SLAB = 256 << 10  # bf16 bytes of a b12 expert decoded at a time when it is expanded to fp32
 
 
 def _numel(t: torch.Tensor) -> int:

@@ -115,30 +115,28 @@ static void b12_gemv(const float *x, int64_t K, const uint8_t *m, int64_t N, int
 }
 #endif
 
+/* rows [n, n + rr) of w [N, K] as bf16 rows: w itself (from row n), or decoded into dec [rr * K] */
+static const uint16_t *w_bf16_rows(const uint16_t *w, int64_t N, int64_t K, int64_t n, int64_t rr, uint16_t *dec) {
+    if (!b12_tagged(w)) return w + n * K;
+    for (int64_t r = 0; r < rr; r++) b12_decode_row(b12_addr(w), N, K, n + r, dec + r * K);
+    return dec;
+}
+
 /* bf16_rows over rows [n0, n1) of w [N, K]: a bf16 matrix, or a coded one (tagged address), whose rows are
- * decoded into dec [(n1 - n0) * K] first unless one token reads them in registers. */
+ * decoded into dec [(n1 - n0) * K] first (w_bf16_rows) unless one token reads them in registers. */
 static void w_rows(const float *x, int64_t ldx, int64_t T, int64_t K, const uint16_t *w, int64_t N, int64_t n0,
                    int64_t n1, float *out, int64_t ldo, uint16_t *dec) {
     if (!b12_tagged(w)) {
         bf16_rows(x, ldx, T, K, w, n0, n1, out, ldo);
         return;
     }
-    const uint8_t *m = b12_addr(w);
 #if MS_SIMD == 2
     if (T == 1) {
-        b12_gemv(x, K, m, N, n0, n1, out);
+        b12_gemv(x, K, b12_addr(w), N, n0, n1, out);
         return;
     }
 #endif
-    for (int64_t n = n0; n < n1; n++) b12_decode_row(m, N, K, n, dec + (n - n0) * K);
-    bf16_rows(x, ldx, T, K, dec, 0, n1 - n0, out, ldo);
-}
-
-/* rows [n, n + rr) of w [N, K] as bf16 rows: w itself (from row n), or decoded into dec [rr * K] */
-static const uint16_t *w_bf16_rows(const uint16_t *w, int64_t N, int64_t K, int64_t n, int64_t rr, uint16_t *dec) {
-    if (!b12_tagged(w)) return w + n * K;
-    for (int64_t r = 0; r < rr; r++) b12_decode_row(b12_addr(w), N, K, n + r, dec + r * K);
-    return dec;
+    bf16_rows(x, ldx, T, K, w_bf16_rows(w, N, K, n0, n1 - n0, dec), 0, n1 - n0, out, ldo);
 }
 
 /* Decodes the whole N x K matrix m into out [N, K] bf16 (tests and the general path's check). */

@@ -107,6 +107,13 @@ INLINE __m512i vbf16_pair(__m512 lo, __m512 hi) {
                            _mm512_and_si512(vbf16_hi(hi), _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 
+/* the 32 fp32 values at src rounded to bf16 (f32_bf16's bits), in order: one vector of 32 bf16 (16 pairs) */
+INLINE __m512i vbf16_row32(const float *src) {
+    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25,
+                                         23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    return _mm512_permutex2var_epi16(vbf16_hi(_mm512_loadu_ps(src)), odd, vbf16_hi(_mm512_loadu_ps(src + 16)));
+}
+
 INLINE __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u); }
 
 #endif
@@ -210,8 +217,6 @@ static void bp_pack(const float *x, int64_t K, const int64_t *rows, int64_t t0, 
     if (w < BP) memset(dst + pa * BP, 0, sizeof(uint32_t) * (size_t)((pb - pa) * BP));
     int64_t pv = pa;
 #if MS_GLU_VEC
-    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25,
-                                         23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
     for (int64_t tb = 0; tb < w; tb += 16) {
         const int64_t nt = w - tb < 16 ? w - tb : 16;
         const float *src[16];
@@ -219,9 +224,7 @@ static void bp_pack(const float *x, int64_t K, const int64_t *rows, int64_t t0, 
         for (pv = pa; pv + 16 <= pb; pv += 16) {
             __m512i r[16];
             for (int i = 0; i < 16; i++)
-                r[i] = i < nt ? _mm512_permutex2var_epi16(vbf16_hi(_mm512_loadu_ps(src[i] + 2 * pv)), odd,
-                                                          vbf16_hi(_mm512_loadu_ps(src[i] + 2 * pv + 16)))
-                              : _mm512_setzero_si512();
+                r[i] = i < nt ? vbf16_row32(src[i] + 2 * pv) : _mm512_setzero_si512();
             tr16(r);
 #pragma GCC unroll 16
             for (int j = 0; j < 16; j++) _mm512_storeu_si512((void *)(dst + (pv + j) * BP + tb), r[j]);
@@ -415,11 +418,7 @@ int ms_bf16dot_set_row_limit(int rows) {
 #if BRK
 /* fp32 x [K] (K % 32 == 0) rounded to bf16 (f32_bf16's bits) into dst [K] */
 static void brk_round_row(const float *x, int64_t K, uint16_t *dst) {
-    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25,
-                                         23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-    for (int64_t k = 0; k < K; k += 32)
-        _mm512_storeu_si512((void *)(dst + k), _mm512_permutex2var_epi16(vbf16_hi(_mm512_loadu_ps(x + k)), odd,
-                                                                         vbf16_hi(_mm512_loadu_ps(x + k + 16))));
+    for (int64_t k = 0; k < K; k += 32) _mm512_storeu_si512((void *)(dst + k), vbf16_row32(x + k));
 }
 #endif
 
@@ -714,7 +713,7 @@ int ms_bf16dot_glu_ws(int64_t E, const int64_t *experts, const int64_t *gates, c
     poff[0] = ustart[0] = 0;
     int64_t R = 0; /* rows of the experts on the row kernel */
     for (int64_t e = 0; e < E; e++) {
-        const int rows = BRK && count[e] > 0 && count[e] < brk_limit && K % 64 == 0 && I % 64 == 0;
+        const int rows = count[e] > 0 && count[e] < brk_limit && K % 64 == 0 && I % 64 == 0; /* brk_limit 0: no BRK */
         roff[e] = rows ? R : -1;
         R += rows ? count[e] : 0;
         poff[e + 1] = poff[e] + (rows ? 0 : bp_count(count[e]));

@@ -17,6 +17,7 @@ from moestream.kernels.qweight import QuantWeight, dense_rows_per_chunk
 
 RAW = 0xFF  # base byte of a row stored whole
 BLOCK = 64  # values per coded block (64 low bytes, 32 code bytes)
+EXPAND_SLAB = 256 << 10  # bf16 bytes decoded at a time by B12Weight.expand_into
 
 
 def _positions() -> Tensor:
@@ -121,6 +122,15 @@ class B12Weight(QuantWeight):
     @property
     def tagged_address(self) -> int:
         return self.codes.data_ptr() | 1
+
+    def expand_into(self, dst: Tensor) -> Tensor:
+        """The matrix decoded into dst (a float tensor [out, in], e.g. an fp32 expansion buffer), a bounded slab of
+        bf16 rows at a time; returns dst."""
+        step = max(1, EXPAND_SLAB // (2 * self.in_features))
+        for r in range(0, self.out_features, step):
+            stop = min(self.out_features, r + step)
+            dst[r:stop].copy_(decode_rows(self.codes, self.out_features, self.in_features, r, stop))
+        return dst
 
     def rows(self, start: int, stop: int) -> Tensor:
         return decode_rows(self.codes, self.out_features, self.in_features, start, stop).float()
