@@ -201,3 +201,24 @@ def test_a_coded_pack_is_not_packed_again(coded, tmp_path):
 def test_pack_codec_option_is_validated(tmp_path):
     with pytest.raises(SystemExit):
         main(["pack", str(tmp_path / "a"), str(tmp_path / "b"), "--codec", "zip"])
+
+
+@native
+def test_few_token_products_decode_in_registers_with_the_tiles_sums():
+    """2-15 tokens through a coded expert (b12_rows_few: each block decoded in registers for all the tokens, two
+    rows a pass) give bf16_tile's bits: every token count over the 8-token tiles' remainders, rows stored whole
+    next to each other, alone and last, and the GEMM's 16 and 17 tokens beside them."""
+    inter, k, d = 128, 128, 64
+    ws = [_matrix(inter, k, 1), _matrix(inter, k, 2), _matrix(d, inter, 3)]
+    for m in ws:  # rows stored whole: a pair, a lone one, the last
+        for r in (1, 2, 7, m.shape[0] - 1):
+            m[r, 0] = 0.0
+    codes = [b12.encode(m) for m in ws]
+    assert all(b12.raw_rows(m) >= 4 for m in ws)
+    g = torch.Generator().manual_seed(5)
+    for tokens in range(2, 18):
+        x = torch.randn(tokens, k, generator=g)
+        ref, got = torch.zeros(tokens, d), torch.zeros(tokens, d)
+        fused.moe_glu_bf16(x, [0], [tuple(m.data_ptr() for m in ws)], inter, ref)
+        fused.moe_glu_bf16(x, [0], [tuple(c.data_ptr() | 1 for c in codes)], inter, got)
+        assert torch.equal(ref, got), tokens

@@ -13,8 +13,9 @@
  *   N base bytes (0xFF: raw), padded to a multiple of 64;
  *   the raw rows, K bf16 values each.
  * The products below read the coded bytes: 25% fewer bytes than bf16 stream from memory, and every product sums
- * exactly as it would over the bf16 matrix (one-row products in bf16_gemv's order; others decode rows into a
- * thread's scratch and run the bf16 kernels), so results are bit for bit those of the bf16 weights.
+ * exactly as it would over the bf16 matrix (one-row products in bf16_gemv's order, 2-15 rows in bf16_tile's, both
+ * decoding in registers; more rows decode into a thread's scratch and run the bf16 kernels), so results are bit for
+ * bit those of the bf16 weights.
  * A matrix is passed to the GLU kernels as its address with bit 0 set (B12_TAG); bf16 addresses are even. */
 
 #define B12_TAG ((uintptr_t)1)
@@ -22,6 +23,9 @@
 
 #ifndef B12_PF
 #define B12_PF 6144
+#endif
+#ifndef B12_FEW_OFF
+#define B12_FEW_OFF 0 /* 1: few-token products decode rows into scratch first (the earlier path, for A/B runs) */
 #endif
 
 INLINE int b12_tagged(const void *w) { return ((uintptr_t)w & B12_TAG) != 0; }
@@ -115,6 +119,81 @@ static void b12_gemv(const float *x, int64_t K, const uint8_t *m, int64_t N, int
 }
 #endif
 
+#if MS_SIMD == 2
+/* R coded rows from row n (none stored whole) times TT tokens (prepared x, stride ldx) -> out[t * ldo + r]:
+ * bf16_tile's sums (one accumulator per row and token, each 32-value half's even values then its odd ones), with
+ * each 64-value block decoded in registers once for all TT tokens instead of into a scratch row first. Two rows a
+ * pass keep enough independent sums in flight for two or three tokens. */
+INLINE void b12_tile(const float *x, int64_t ldx, const uint8_t *m, int64_t N, int64_t K, int64_t n, float *out,
+                     int64_t ldo, const int R, const int TT) {
+    const uint8_t *bases = m + N * b12_slot(K), *s[2];
+    __m512i table[2];
+    vf acc[2][TILE_T];
+#pragma GCC unroll 2
+    for (int r = 0; r < R; r++) {
+        table[r] = b12_table(bases[n + r]);
+        s[r] = m + (n + r) * b12_slot(K);
+#pragma GCC unroll 8
+        for (int t = 0; t < TT; t++) acc[r][t] = vzero();
+    }
+    for (int64_t k = 0, o = 0; k < K; k += 64, o += 96) {
+#pragma GCC unroll 2
+        for (int r = 0; r < R; r++) {
+            vw_t v0, v1;
+            b12_block(s[r] + o, table[r], &v0, &v1);
+            const vf e0 = veven(v0), o0 = vodd(v0), e1 = veven(v1), o1 = vodd(v1);
+#pragma GCC unroll 8
+            for (int t = 0; t < TT; t++) {
+                const float *xt = x + t * ldx + k;
+                acc[r][t] = vfma(e0, vloadf(xt), acc[r][t]);
+                acc[r][t] = vfma(o0, vloadf(xt + VW), acc[r][t]);
+                acc[r][t] = vfma(e1, vloadf(xt + GW), acc[r][t]);
+                acc[r][t] = vfma(o1, vloadf(xt + GW + VW), acc[r][t]);
+            }
+        }
+    }
+#pragma GCC unroll 2
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < TT; t++) out[t * ldo + r] = vsum(acc[r][t]);
+}
+
+#define B12_CASE(R, TT) \
+    case TT: b12_tile(x, ldx, m, N, K, n, out, ldo, R, TT); break;
+#define B12_SWITCH(R)                                                                               \
+    switch (tt) { B12_CASE(R, 1) B12_CASE(R, 2) B12_CASE(R, 3) B12_CASE(R, 4) B12_CASE(R, 5)       \
+                  B12_CASE(R, 6) B12_CASE(R, 7) B12_CASE(R, 8) }
+
+static void b12_block_rows(const float *x, int64_t ldx, int tt, const uint8_t *m, int64_t N, int64_t K, int64_t n,
+                           float *out, int64_t ldo, int rows) {
+    if (rows == 2) { B12_SWITCH(2) } else { B12_SWITCH(1) }
+}
+#undef B12_SWITCH
+#undef B12_CASE
+
+/* bf16_rows' tiles (2 <= T < GEMM_MIN_T tokens) over rows [n0, n1) of a coded matrix, the same sums: rows stored
+ * whole go through bf16_block itself, the others through b12_tile. */
+static void b12_rows_few(const float *x, int64_t ldx, int64_t T, int64_t K, const uint8_t *m, int64_t N, int64_t n0,
+                         int64_t n1, float *out, int64_t ldo) {
+    const uint8_t *bases = m + N * b12_slot(K);
+    for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
+        const int tt = (int)(T - t0 < TILE_T ? T - t0 : TILE_T);
+        const float *xt = x + t0 * ldx;
+        for (int64_t n = n0; n < n1;) {
+            float *o = out + t0 * ldo + (n - n0);
+            if (bases[n] == B12_RAW) {
+                bf16_block(xt, ldx, tt, b12_raw_row(m, K, n), K, o, ldo, 1);
+                n++;
+                continue;
+            }
+            const int rows = n + 1 < n1 && bases[n + 1] != B12_RAW ? 2 : 1;
+            b12_block_rows(xt, ldx, tt, m, N, K, n, o, ldo, rows);
+            n += rows;
+        }
+    }
+}
+#endif
+
 /* rows [n, n + rr) of w [N, K] as bf16 rows: w itself (from row n), or decoded into dec [rr * K] */
 static const uint16_t *w_bf16_rows(const uint16_t *w, int64_t N, int64_t K, int64_t n, int64_t rr, uint16_t *dec) {
     if (!b12_tagged(w)) return w + n * K;
@@ -123,7 +202,8 @@ static const uint16_t *w_bf16_rows(const uint16_t *w, int64_t N, int64_t K, int6
 }
 
 /* bf16_rows over rows [n0, n1) of w [N, K]: a bf16 matrix, or a coded one (tagged address), whose rows are
- * decoded into dec [(n1 - n0) * K] first (w_bf16_rows) unless one token reads them in registers. */
+ * decoded into dec [(n1 - n0) * K] first (w_bf16_rows) unless fewer than GEMM_MIN_T tokens read them in
+ * registers. */
 static void w_rows(const float *x, int64_t ldx, int64_t T, int64_t K, const uint16_t *w, int64_t N, int64_t n0,
                    int64_t n1, float *out, int64_t ldo, uint16_t *dec) {
     if (!b12_tagged(w)) {
@@ -133,6 +213,10 @@ static void w_rows(const float *x, int64_t ldx, int64_t T, int64_t K, const uint
 #if MS_SIMD == 2
     if (T == 1) {
         b12_gemv(x, K, b12_addr(w), N, n0, n1, out);
+        return;
+    }
+    if (T < GEMM_MIN_T && !B12_FEW_OFF) {
+        b12_rows_few(x, ldx, T, K, b12_addr(w), N, n0, n1, out, ldo);
         return;
     }
 #endif
