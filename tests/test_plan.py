@@ -928,3 +928,58 @@ def test_dense_and_kv_probes_measure_the_engine_paths(tiny):
     kv = calibrate.kv_costs(tiny, "int8", seconds=0.2)
     assert set(kv) == {"decode_s", "decode_row_s", "batch_s", "batch_row_s", "prefill_token_s"}
     assert all(v >= 0 for v in kv.values())
+
+
+def test_a_b12_pack_is_planned_with_coded_expert_probes(tiny, tmp_path, seeded_cache, monkeypatch, capsys):
+    """A `pack --codec b12` checkpoint: the planner reads its experts' coded bytes and prices their compute by the
+    fused GLU kernel probed over coded experts (its own cache key, rates in coded bytes), not by bf16's."""
+    from moestream.kernels import b12, cpu, fused
+    from moestream.planner.facts import model_facts, open_plan
+
+    if not cpu.available():
+        pytest.skip("no native kernels")
+    packed = tmp_path / "b12"
+    assert main(["pack", str(tiny), str(packed), "--codec", "b12"]) == 0
+    capsys.readouterr()
+    facts = {}
+    for name, path in (("bf16", tiny), ("b12", packed)):
+        p = open_plan(path)
+        try:
+            facts[name] = model_facts(path, p)
+        finally:
+            p.store.close()
+    assert facts["bf16"].expert_codec == "" and facts["b12"].expert_codec == "b12"
+    assert facts["b12"].expert_kind == "bf16" and facts["b12"].expert_bytes < facts["bf16"].expert_bytes
+    shape = facts["b12"].glu_shape()
+    assert shape is not None
+    # the probe multiplies coded experts (tagged addresses) and counts their coded bytes
+    seen: list[int] = []
+    real = fused.moe_glu_bf16
+
+    def glu(x, experts, parts, inter, out, *a, **kw):
+        seen.extend(p[0] for p in parts)
+        return real(x, experts, parts, inter, out, *a, **kw)
+
+    monkeypatch.setattr(fused, "moe_glu_bf16", glu)
+    assert calibrate.glu_rate(shape, 2, 0.02, codec="b12") > 0
+    assert seen and all(a & 1 for a in seen)
+    experts, _ = calibrate._glu_experts(shape, 1, "b12")
+    inter, hidden = shape
+    assert calibrate._glu_expert_bytes(experts) == 2 * b12.coded_nbytes(inter, hidden, 0) + b12.coded_nbytes(
+        hidden, inter, 0) < 3 * inter * hidden * 2
+    with pytest.raises(ValueError, match="codec"):
+        calibrate._glu_experts(shape, 1, "zstd")
+    monkeypatch.setattr(fused, "moe_glu_bf16", real)
+    # seeded rates for coded experts (as a probe would store them): the plan takes them, and says so
+    data = json.loads(seeded_cache.read_text())
+    entry = data["machines"][calibrate.machine_key()]
+    entry["glu_kernels"]["b12"] = 4e9
+    entry["glu_rows"]["b12"] = {k: {r: 3 * t for r, t in v.items()} for k, v in SEEDED_GLU_ROWS["bf16"].items()}
+    seeded_cache.write_text(json.dumps(data))
+    out = {name: plan_json(str(path), "--ram-budget", str(budget_of(tiny, 1.0)), "--disk-bandwidth", "1e9",
+                           capsys=capsys) for name, path in (("bf16", tiny), ("b12", packed))}
+    assert out["b12"]["rates"]["glu"] == 4e9 and out["bf16"]["rates"]["glu"] == 1.6e10
+    assert out["b12"]["model"]["expert_codec"] == "b12" and out["bf16"]["model"]["expert_codec"] is None
+    assert any("b12-coded bf16 GLU experts" in a and "coded bytes" in a for a in out["b12"]["assumptions"])
+    assert out["b12"]["decode_step"]["compute_parts"]["experts_s"] > out["bf16"]["decode_step"]["compute_parts"][
+        "experts_s"]

@@ -274,23 +274,41 @@ def weight_rates(kind: str, seconds: float = 0.6, shape: tuple[int, int] = DEFAU
     return _rate(one, nbytes, seconds / 2), _rate(expand_all, nbytes * few / len(ws), seconds / 2)
 
 
-def _glu_experts(shape: tuple[int, int], count: int) -> tuple[list, list[tuple[int, int, int]]]:
+def _glu_experts(shape: tuple[int, int], count: int, codec: str = "") -> tuple[list, list[tuple[int, int, int]]]:
     """`count` bf16 GLU experts of shape = (inter, hidden) (gate, up [inter, hidden], down [hidden, inter]) in
     distinct buffers: (their tensors, which the caller keeps alive; their addresses as fused.moe_glu_bf16 takes
-    them). One expert is made and copied."""
+    them). One expert is made and copied. codec "b12": each matrix b12-coded (kernels/b12.py, as `moestream pack
+    --codec b12` stores a pack's experts), passed by its tagged address as the engine passes a coded expert."""
     inter, hidden = shape
     gen = torch.Generator().manual_seed(0)
     first = [(torch.randn(*dims, generator=gen) * 0.02).to(torch.bfloat16)
              for dims in ((inter, hidden), (inter, hidden), (hidden, inter))]
+    if codec == "b12":
+        from moestream.kernels import b12
+
+        shapes = [tuple(m.shape) for m in first]
+        coded = [b12.encode(m) for m in first]
+        experts = [coded] + [[c.clone() for c in coded] for _ in range(count - 1)]
+        return experts, [tuple(b12.B12Weight.wrap(c, sh).tagged_address for c, sh in zip(e, shapes))
+                         for e in experts]
+    if codec:
+        raise ValueError(f"no GLU probe for expert codec {codec!r}")
     experts = [first] + [[m.clone() for m in first] for _ in range(count - 1)]
     return experts, [tuple(m.data_ptr() for m in e) for e in experts]
 
 
-def glu_rate(shape: tuple[int, int], top_k: int, seconds: float = 0.3, nbytes: int | None = None) -> float:
+def _glu_expert_bytes(experts: list) -> int:
+    """Stored bytes of one probe expert (its three matrices: bf16, or their coded bytes)."""
+    return sum(m.numel() * m.element_size() for m in experts[0])
+
+
+def glu_rate(shape: tuple[int, int], top_k: int, seconds: float = 0.3, nbytes: int | None = None,
+             codec: str = "") -> float:
     """Bytes/s of one activation row through groups of `top_k` bf16 GLU experts (gate and up [inter, hidden], down
     [hidden, inter] for shape = (inter, hidden)), one fused native call per group as the engine's decode layer makes
     it, cycling through distinct experts of `nbytes` in all (default stream_bytes(): past the last-level cache, as a
-    decode token's experts stream from DRAM; at least two groups)."""
+    decode token's experts stream from DRAM; at least two groups). codec "b12": b12-coded experts, the rate in
+    their stored (coded) bytes."""
     from moestream.kernels import cpu, fused
 
     if not cpu.available():
@@ -299,7 +317,8 @@ def glu_rate(shape: tuple[int, int], top_k: int, seconds: float = 0.3, nbytes: i
     k = max(1, top_k)
     per = 3 * inter * hidden * 2
     groups = max(2, -(-(stream_bytes() if nbytes is None else nbytes) // (per * k)))
-    experts, parts = _glu_experts(shape, groups * k)
+    experts, parts = _glu_experts(shape, groups * k, codec)
+    per = _glu_expert_bytes(experts)
     x, out = torch.randn(1, hidden), torch.zeros(1, hidden)
 
     def work() -> None:
@@ -314,14 +333,15 @@ GLU_ROWS = (2, 4, 16, 64, 256)  # rows per expert the many-row probe times (a ba
 
 
 def glu_rows_times(shape: tuple[int, int], seconds: float = 0.4, rows: tuple[int, ...] = GLU_ROWS,
-                   nbytes: int | None = None, compute: str = "fp32") -> dict:
+                   nbytes: int | None = None, compute: str = "fp32", codec: str = "") -> dict:
     """Seconds per expert of the fused bf16 GLU call (fused.moe_glu_bf16, the path a batch step takes for bf16 GLU
     experts: below its panel threshold row by row, above it the panel kernel) at each of `rows` rows per expert:
     {"group": {rows: s}} for distinct experts of `nbytes` in all (default stream_bytes(), past the last-level cache)
     in one call (a layer step's resident experts), and {"single": {rows: s}} for one expert a call (each read
     expert as it lands). Every row goes through every expert (no routing table: the same kernel work per (row,
     expert) pair). `compute` "bf16": the call as --compute-dtype bf16 makes it (bf16-rounded activations, the
-    vdpbf16ps kernels), which the engine takes for a step of BF16_GLU_MIN_ROWS rows or more."""
+    vdpbf16ps kernels), which the engine takes for a step of BF16_GLU_MIN_ROWS rows or more. codec "b12":
+    b12-coded experts (_glu_experts)."""
     from moestream.kernels import cpu, fused
 
     if not cpu.available():
@@ -329,7 +349,7 @@ def glu_rows_times(shape: tuple[int, int], seconds: float = 0.4, rows: tuple[int
     inter, hidden = shape
     per = 3 * inter * hidden * 2
     count = max(2, -(-(stream_bytes() if nbytes is None else nbytes) // per))
-    experts, parts = _glu_experts(shape, count)
+    experts, parts = _glu_experts(shape, count, codec)
     out: dict[str, dict[str, float]] = {"group": {}, "single": {}}
     each = seconds / (2 * len(rows))
     for r in rows:
@@ -481,8 +501,9 @@ def glu_available() -> bool:
     return cpu.available()
 
 
-def glu_key(shape: tuple[int, int], top_k: int) -> str:
-    return f"glu bf16 {shape[0]}x{shape[1]} top-{top_k}"
+def glu_key(shape: tuple[int, int], top_k: int, codec: str = "") -> str:
+    """The cache's key for the fused GLU kernel's one-row rate: bf16 experts, or coded ones (`codec`)."""
+    return f"glu {codec or 'bf16'} {shape[0]}x{shape[1]} top-{top_k}"
 
 
 def shape_key(kind: str, shape: tuple[int, int]) -> str:
@@ -835,13 +856,14 @@ class Calibrator:
     def rates(self, kinds: set[str], model_type: str, top_k: int = 0, experts: int = 0,
               shapes: dict[str, tuple[int, int]] | None = None, widths: dict[str, int] | None = None,
               glu_shape: tuple[int, int] | None = None, dense_shapes: list[tuple[int, int]] | None = None,
-              kv_dtype: str = "fp32") -> Rates:
+              kv_dtype: str = "fp32", glu_codec: str = "") -> Rates:
         """The rates for weights of `kinds` (each probed at `shapes[kind]`, the model's matrix shape for it, else
         DEFAULT_SHAPE), the fp32 GEMM, memory, and the family's overhead at `top_k`; with `glu_shape` (a bf16 GLU
         expert's (inter, hidden)) the fused expert kernel over top_k of them, over many rows in fp32 and bf16
         compute; `dense_shapes`: bf16 dense weights' (out, in) to time over DENSE_ROWS rows in both precisions
         (dense_rows_times); `kv_dtype` other than fp32: its cache storage's cost (kv_probe); measured where
-        missing."""
+        missing. `glu_codec` "b12": the routed experts are b12-coded (a `pack --codec b12` checkpoint), so the fused
+        expert kernel is probed over coded experts (rates in their coded bytes)."""
         e = self._entry()
         src = e.setdefault("source", {})
         gemv, expand = e.setdefault("gemv", {}), e.setdefault("expand", {})
@@ -855,22 +877,24 @@ class Calibrator:
                 self.log(f"calibrating: {key} weight kernels")
                 (gemv[key], expand[key]), spread = rounds(lambda: weight_rates(kind, self.seconds, shape), self.rounds)
                 src[f"gemv {key}"] = f"{spread}, {self._stamp()}"
-        gkey = glu_key(glu_shape, top_k) if glu_shape and top_k and glu_available() else None
-        if gkey and gkey not in e.setdefault("glu_kernels", {}) and "bf16" in e["glu_kernels"]:
-            gkey = "bf16"  # a rate stated for any shape (seeded files)
+        fmt = glu_codec or "bf16"  # the experts' stored format: bf16, or a coding of it
+        gkey = glu_key(glu_shape, top_k, glu_codec) if glu_shape and top_k and glu_available() else None
+        if gkey and gkey not in e.setdefault("glu_kernels", {}) and fmt in e["glu_kernels"]:
+            gkey = fmt  # a rate stated for any shape (seeded files)
         if gkey and gkey not in e["glu_kernels"]:
             self.log(f"calibrating: {gkey} fused expert kernel")
-            (e["glu_kernels"][gkey],), spread = rounds(lambda: glu_rate(glu_shape, top_k, self.seconds / 2), self.rounds)
+            (e["glu_kernels"][gkey],), spread = rounds(
+                lambda: glu_rate(glu_shape, top_k, self.seconds / 2, codec=glu_codec), self.rounds)
             src[gkey] = f"{spread}, {self._stamp()}"
-        rkey = f"glu rows bf16 {glu_shape[0]}x{glu_shape[1]}" if gkey and glu_shape else None
-        if rkey and rkey not in e.setdefault("glu_rows", {}) and "bf16" in e["glu_rows"]:
-            rkey = "bf16"  # stated for any shape (seeded files)
+        rkey = f"glu rows {fmt} {glu_shape[0]}x{glu_shape[1]}" if gkey and glu_shape else None
+        if rkey and rkey not in e.setdefault("glu_rows", {}) and fmt in e["glu_rows"]:
+            rkey = fmt  # stated for any shape (seeded files)
         if rkey and rkey not in e["glu_rows"]:
             self.log(f"calibrating: {rkey} fused expert kernel over many rows")
             got = []
             for _ in range(max(1, self.rounds)):  # fp32 and bf16 compute in each round (a burst of load: both)
-                g = glu_rows_times(glu_shape, self.seconds / 2)
-                b = glu_rows_times(glu_shape, self.seconds / 2, compute="bf16")
+                g = glu_rows_times(glu_shape, self.seconds / 2, codec=glu_codec)
+                b = glu_rows_times(glu_shape, self.seconds / 2, compute="bf16", codec=glu_codec)
                 got.append({**g, **{f"{k}_bf16": v for k, v in b.items()}})
             e["glu_rows"][rkey] = {k: {r: statistics.median(g[k][r] for g in got) for r in got[0][k]}
                                    for k in got[0]}

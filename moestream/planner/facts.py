@@ -49,6 +49,7 @@ class ModelFacts:
     # the 2-D dense weights a token is multiplied through (lm_head apart): (format, out, in) -> how many
     dense_shapes: dict[tuple[str, int, int], int] = field(default_factory=dict)
     head_shape: tuple[int, int] | None = None  # the lm_head's (out, in)
+    expert_codec: str = ""  # how routed experts are stored beyond their format: "b12" (a pack's coded bf16), or ""
 
     def probe_shapes(self) -> dict[str, tuple[int, int]]:
         """(out, in) per weight format at which calibration probes its kernel: the routed expert's projection for
@@ -71,7 +72,8 @@ class ModelFacts:
         return list(dict.fromkeys(shapes))
 
     def glu_shape(self) -> tuple[int, int] | None:
-        """(inter, hidden) of a bf16 routed expert (the fused GLU kernel's shape), else None."""
+        """(inter, hidden) of a bf16 routed expert (the fused GLU kernel's shape; stored bf16 or b12-coded, which
+        `expert_codec` says), else None."""
         if self.expert_kind != "bf16" or not self.expert_params or self.hidden <= 0:
             return None
         return max(1, round(self.expert_params / 3 / self.hidden)), self.hidden
@@ -125,6 +127,8 @@ def model_facts(path: str | Path, p: ModelPlan, kv_dtype: str = "fp32") -> Model
             shapes[key] = shapes.get(key, 0) + 1
     locs = p.store.locate(layout.moe_layers[0], 0) if layout.moe_layers else []
     expert_kind = kind_of(max(locs, key=lambda l: l.nbytes).dtype) if locs else "bf16"
+    codecs = {loc.codec or "" for loc in locs}
+    expert_codec = codecs.pop() if len(codecs) == 1 else ""  # a mixed expert (some parts stored whole): as bf16
     expert_params = sum(tensor_params(index[prefix + part.tensor.format(layer=layout.moe_layers[0], expert=0)])
                         for part in layout.parts if not part.fused) if locs else 0
     if locs and not expert_params:  # a fused layout: the layer's tensor holds every expert
@@ -134,7 +138,7 @@ def model_facts(path: str | Path, p: ModelPlan, kv_dtype: str = "fp32") -> Model
                       head_bytes, head_kind, head_params, attention_shapes(p.config, n_layers),
                       kda_shape(p.config, n_layers),
                       state_shape(p.config, kv_dtype), _hidden(p.config),
-                      model_widths(getattr(p.config, "raw", None) or {}), shapes, head_shape)
+                      model_widths(getattr(p.config, "raw", None) or {}), shapes, head_shape, expert_codec)
 
 
 def _hidden(cfg) -> int:

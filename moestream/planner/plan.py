@@ -168,7 +168,7 @@ def make_plan(path: str | Path, opts: PlanOptions) -> dict:
         cal = Calibrator(fresh=opts.calibrate, seconds=opts.probe_seconds, log=opts.log)
         kinds = set(facts.dense_bytes) | {facts.expert_kind, facts.head_kind}
         here = cal.rates(kinds, facts.model_type, facts.top_k, facts.num_experts, facts.probe_shapes(), facts.widths,
-                         facts.glu_shape(), facts.dense_probe_shapes(), opts.kv_dtype)
+                         facts.glu_shape(), facts.dense_probe_shapes(), opts.kv_dtype, facts.expert_codec)
         if opts.disk_bandwidth is not None:
             here.disk, here.source["disk"] = opts.disk_bandwidth, "--disk-bandwidth"
         elif opts.machine is None:
@@ -258,10 +258,15 @@ def _model_summary(f: ModelFacts) -> dict:
     i = f.info
     return {"path": f.path, "model_type": f.model_type, "layers": f.num_layers, "moe_layers": f.moe_layers,
             "experts": f.num_experts, "top_k": f.top_k, "expert_bytes": f.expert_bytes, "expert_format": f.expert_kind,
+            "expert_codec": f.expert_codec or None,
             "dense_bytes": i.dense_bytes, "expert_bytes_total": i.expert_bytes,
             "cold_expert_bytes_per_token": i.expert_bytes_per_token_cold, "active_params": i.active_params,
             "total_params": i.total_params, "min_ram_budget": i.min_ram_budget, "config_only": i.config_only,
             "state": f.state.describe()}
+
+
+def _glu_format(f: ModelFacts) -> str:
+    return f"{f.expert_codec}-coded bf16" if f.expert_codec else "bf16"
 
 
 def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
@@ -278,8 +283,9 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
         + "; multi-row weights expanded to fp32 at " + ", ".join(f"{k} {v / 1e9:.3g} GB/s"
                                                                  for k, v in r["expand"].items())
         + f" then fp32 GEMM at {r['gemm_flops'] / 1e9:.3g} GFLOP/s; state read at {r['memory'] / 1e9:.3g} GB/s"
-        + (f"; one-row bf16 GLU experts, a layer's top-{f.top_k} in one fused native call, at "
-           f"{r['glu'] / 1e9:.3g} GB/s ({src.get('glu', '')})" if r.get("glu") and f.expert_kind == "bf16" else "")
+        + (f"; one-row {_glu_format(f)} GLU experts, a layer's top-{f.top_k} in one fused native call, at "
+           f"{r['glu'] / 1e9:.3g} GB/s{' of coded bytes' if f.expert_codec else ''} ({src.get('glu', '')})"
+           if r.get("glu") and f.expert_kind == "bf16" else "")
         + (f" (kernels probed at {src['shapes']}; {src.get('gemv ' + f.expert_kind, '')})"
            if src.get("shapes") else ""),
         "overlap: one-row decode step = overhead + max(all reads, compute + the layer steps' read waits); "
@@ -292,7 +298,7 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
         "next layer's ahead into the free room; a step that evicts queues all its reads at once and reads nothing "
         "ahead; streamed dense layers are read one layer ahead; nothing is read across steps; misses spread evenly "
         "over the layers (whole reads); the lm_head after the last layer"
-        + (f"; bf16 GLU experts at the fused call's measured many-row times ({src.get('glu_rows', 'source not recorded')}), a layer step's "
+        + (f"; {_glu_format(f)} GLU experts at the fused call's measured many-row times ({src.get('glu_rows', 'source not recorded')}), a layer step's "
            "hits grouped, each read expert alone, linear between the probed row counts"
            if r.get("glu_rows") and f.expert_kind == "bf16" else
            "; routed experts over several rows expanded to fp32 and multiplied by the fp32 GEMM (no many-row "
