@@ -232,3 +232,27 @@ def test_bench_runs_the_job_as_moestream_batch_does(tiny):
     assert [r["tokens"] for r in via_job] == [5] * 6
     assert 0 < rep["widest_step"] <= 4 and rep["steps"] >= 5 and rep["failed"] == 0
     assert rep["batch_plan"]["state_bytes_per_sequence"] > 0
+
+
+def test_decoding_sequences_left_out_for_room_go_first_next_step(tiny):
+    """A step the budget cannot hold whole leaves out its last items (_make_room): decoding sequences come first,
+    those left out last time ahead of the others, and prompt chunks after them, so none waits twice in a row."""
+    from moestream.server.scheduler import _Seq
+
+    sched = Scheduler(Engine.open(tiny), Tokenizer.load(tiny), SchedulerConfig(max_batch=8, prefill_chunk=16))
+
+    def seq(name, todo, next_token=None, waited=0):
+        return _Seq(None, name, list(todo), [], 0, None, None, next_token=next_token, waited=waited)
+
+    a, b, c, p = seq("a", [], 5), seq("b", [], 6), seq("c", [], 7, waited=1), seq("p", range(10))
+    sched.active = [p, a, b, c]
+    items = sched._plan()
+    assert [s for s, _ in items] == [c, a, b, p] and items[-1][1] == list(range(10))
+    left = []
+    sched._make_room = lambda items: items[:-2]  # room for two of the four
+    sched._plan = lambda: [(c, [7]), (a, [5]), (b, [6]), (p, [0])]
+    sched.engine.step = lambda items, all_logits=False: left.extend(st for st, _ in items) or [None] * len(items)
+    sched._sample_choices = lambda seq, logits: 0
+    sched.profile.learn = lambda state: None
+    sched._step()
+    assert left == ["c", "a"] and (a.waited, b.waited, c.waited) == (0, 1, 0)

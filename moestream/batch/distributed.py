@@ -32,7 +32,7 @@ class BatchWorker:
                  options: BatchOptions, kv_dtype: str = "fp32", compute_dtype: str = "fp32",
                  batch_invariant: bool = False):
         from moestream.engine.engine import Engine
-        from moestream.server.scheduler import Scheduler, SchedulerConfig
+        from moestream.server.scheduler import Scheduler
         from moestream.tokenizer import Tokenizer
 
         self.engine = Engine.open(model, ram_budget=ram_budget, state_room=state_room, kv_dtype=kv_dtype,
@@ -45,9 +45,7 @@ class BatchWorker:
         self.ctx = request_context(self.engine, tokenizer, options)
         self.in_flight = options.in_flight
         queue = CHUNKS_PER_WORKER * self.in_flight  # every chunk's requests may wait at once
-        self.sched = Scheduler(self.engine, tokenizer, SchedulerConfig(options.max_batch, queue,
-                                                                       options.prefill_chunk,
-                                                                       options.prefix_cache_bytes)).start()
+        self.sched = Scheduler(self.engine, tokenizer, options.scheduler_config(queue)).start()
 
     async def run(self, chunk: list[BatchRequest]) -> tuple[list[dict], dict]:
         lines: list[dict] = []

@@ -35,8 +35,9 @@ class BatchOptions:
     max_tokens: int | None = None  # for bodies without max_tokens (None: the server's default, the context's rest)
     model_name: str | None = None  # the model id bodies must name (default: the checkpoint directory's name)
 
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(self.max_batch, self.in_flight, self.prefill_chunk, self.prefix_cache_bytes)
+    def scheduler_config(self, max_queue: int | None = None) -> SchedulerConfig:
+        return SchedulerConfig(self.max_batch, max_queue or self.in_flight, self.prefill_chunk,
+                               self.prefix_cache_bytes)
 
     @property
     def in_flight(self) -> int:

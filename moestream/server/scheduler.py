@@ -68,6 +68,7 @@ class _Seq:
     scorer: PromptScorer | None = None  # echo with logprobs: scores the prompt while it is prefilled
     prompt_entries: list[TokenLogprob] = field(default_factory=list)
     prefilled: bool = False
+    waited: int = 0  # steps in a row it was ready to decode but left out for room (goes first next time)
 
 
 class Scheduler:
@@ -193,7 +194,11 @@ class Scheduler:
 
     def _step(self) -> None:
         items = self._plan()
+        planned = [seq for seq, toks in items if seq.next_token is not None]
         items = self._make_room(items)
+        stepped = {seq for seq, _ in items}
+        for seq in planned:  # a decoding sequence left out waits its turn: it goes first next time
+            seq.waited = 0 if seq in stepped else seq.waited + 1
         live = set(self.active)
         items = [(seq, toks) for seq, toks in items if seq in live]  # a failed choice ends its siblings
         if not items:
@@ -396,6 +401,7 @@ class Scheduler:
             return self._plan_fixed(items, budget)
         if self.engine.memory.limited and not self.profile.known:
             budget = 1  # one token shows the state's shape (admission waits for it); a whole prompt would read more
+        prompts = []
         for seq in self.active:
             if not seq.todo:
                 items.append((seq, [seq.next_token]))
@@ -403,8 +409,11 @@ class Scheduler:
                 take = seq.todo[:budget]
                 seq.todo = seq.todo[len(take):]
                 budget -= len(take)
-                items.append((seq, take))
-        return items
+                prompts.append((seq, take))
+        # decoding sequences first, those left out for room last time ahead of the rest, then the prompt chunks in
+        # order: _make_room leaves out from the end, so no decoding sequence waits twice while others go on
+        items.sort(key=lambda item: -item[0].waited)
+        return items + prompts
 
     def _plan_fixed(self, items: list[tuple[_Seq, list[int]]], budget: int) -> list[tuple[_Seq, list[int]]]:
         """`_plan` for a batch-invariant engine: a prompt is cut where its own length says (every `prefill_chunk`
@@ -427,8 +436,9 @@ class Scheduler:
         return items
 
     def _make_room(self, items: list[tuple[_Seq, list[int]]]) -> list[tuple[_Seq, list[int]]]:
-        """Evict saved prefixes, then hold back the newest sequences for a later step (failing one only when it
-        would not fit even alone), until the step's state growth, activations and what the step charges itself
+        """Evict saved prefixes, then hold back the last items for a later step (prompt chunks, newest first, then
+        the decoding sequences that went last time: `_plan`'s order; failing one only when it would not fit even
+        alone), until the step's state growth, activations and what the step charges itself
         (`engine.step_charge`: batch invariance's buffers) fit the budget with the dense stream buffers and
         `expert_reserve` left free: a BudgetError inside `engine.step` would fail every sequence in it."""
         mem = self.engine.memory
