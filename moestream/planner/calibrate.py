@@ -318,7 +318,7 @@ def glu_rate(shape: tuple[int, int], top_k: int, seconds: float = 0.3, nbytes: i
     per = 3 * inter * hidden * 2
     groups = max(2, -(-(stream_bytes() if nbytes is None else nbytes) // (per * k)))
     experts, parts = _glu_experts(shape, groups * k, codec)
-    per = _glu_expert_bytes(experts)
+    per = _glu_expert_bytes(experts)  # the rate in stored bytes (groups were sized by bf16's: past the LLC either way)
     x, out = torch.randn(1, hidden), torch.zeros(1, hidden)
 
     def work() -> None:
