@@ -73,6 +73,7 @@ class ModelInfo:
     all_resident_budget: int = 0  # the smallest budget keeping every dense weight resident (top_k experts cached)
     total_bytes: int = 0  # dense + routed experts, on disk (text model only)
     config_only: bool = False  # sized from config.json through the family's tensor inventory (no shards present)
+    expert_codec: str | None = None  # how a pack stores its routed experts beyond their dtype ("b12"), else None
     budget: BudgetFit | None = None
 
     def to_json(self) -> dict:
@@ -95,6 +96,15 @@ def model_info(path: str | Path, ram_budget: int | None = None) -> ModelInfo:
 def info_from_plan(path: str | Path, p: ModelPlan, ram_budget: int | None = None) -> ModelInfo:
     """model_info of a checkpoint already planned (the caller keeps `p` open, e.g. to fit several budgets)."""
     return _build(path, p, ram_budget)
+
+
+def _expert_codec(p: ModelPlan) -> str | None:
+    """The coding every part of a routed expert is stored in (`pack --codec b12`), or None (stored as its dtype,
+    or parts differing)."""
+    if not p.layout.moe_layers:
+        return None
+    codecs = {loc.codec for loc in p.store.locate(p.layout.moe_layers[0], 0)}
+    return codecs.pop() if len(codecs) == 1 else None
 
 
 def budget_fit(info: ModelInfo, p: ModelPlan, ram_budget: int, state_room: int = 0) -> BudgetFit:
@@ -128,6 +138,7 @@ def _build(path: str | Path, p: ModelPlan, ram_budget: int | None) -> ModelInfo:
     info.all_resident_budget = unlimited.all_resident_budget
     info.total_bytes = info.dense_bytes + info.expert_bytes
     info.config_only = index.virtual
+    info.expert_codec = _expert_codec(p)
     if ram_budget is not None:
         info.budget = budget_fit(info, p, ram_budget)
     return info

@@ -174,6 +174,19 @@ def test_coded_pack_logits_and_tokens_are_the_originals(coded):
     assert got[src] == got[dst]
 
 
+def test_info_names_a_packs_coding(coded, capsys):
+    """`moestream info` of a coded pack says so next to the (coded) size of an expert; the original says nothing."""
+    from moestream.info import model_info
+
+    src, dst = coded
+    assert model_info(src).expert_codec is None and model_info(dst).expert_codec == "b12"
+    assert model_info(dst).bytes_per_expert < model_info(src).bytes_per_expert
+    for path, coded_ in ((src, False), (dst, True)):
+        assert main(["info", str(path)]) == 0
+        line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("experts:"))
+        assert ("b12-coded" in line) == coded_, line
+
+
 def test_damaged_coded_manifest_is_refused(coded, tmp_path):
     _, dst = coded
     bad = tmp_path / "bad"

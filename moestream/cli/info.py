@@ -60,7 +60,8 @@ def render(i: ModelInfo) -> str:
         f"model:        {i.path}",
         f"architecture: {i.model_type}, {i.num_layers} layers ({moe} MoE), hidden {i.hidden_size}",
         f"experts:      {i.num_experts} routed per MoE layer, top-{i.top_k} per token "
-        f"({i.num_experts * moe} in all, {format_bytes(i.bytes_per_expert)} each)",
+        f"({i.num_experts * moe} in all, {format_bytes(i.bytes_per_expert)} each"
+        + (f", {i.expert_codec}-coded" if i.expert_codec else "") + ")",
         f"parameters:   {human_count(i.total_params)} total, {human_count(i.active_params)} active per token "
         f"({i.total_params} / {i.active_params})",
         f"weights:      {format_bytes(i.total_bytes)} ({i.total_bytes})"

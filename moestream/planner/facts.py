@@ -127,8 +127,6 @@ def model_facts(path: str | Path, p: ModelPlan, kv_dtype: str = "fp32") -> Model
             shapes[key] = shapes.get(key, 0) + 1
     locs = p.store.locate(layout.moe_layers[0], 0) if layout.moe_layers else []
     expert_kind = kind_of(max(locs, key=lambda l: l.nbytes).dtype) if locs else "bf16"
-    codecs = {loc.codec or "" for loc in locs}
-    expert_codec = codecs.pop() if len(codecs) == 1 else ""  # a mixed expert (some parts stored whole): as bf16
     expert_params = sum(tensor_params(index[prefix + part.tensor.format(layer=layout.moe_layers[0], expert=0)])
                         for part in layout.parts if not part.fused) if locs else 0
     if locs and not expert_params:  # a fused layout: the layer's tensor holds every expert
@@ -138,7 +136,8 @@ def model_facts(path: str | Path, p: ModelPlan, kv_dtype: str = "fp32") -> Model
                       head_bytes, head_kind, head_params, attention_shapes(p.config, n_layers),
                       kda_shape(p.config, n_layers),
                       state_shape(p.config, kv_dtype), _hidden(p.config),
-                      model_widths(getattr(p.config, "raw", None) or {}), shapes, head_shape, expert_codec)
+                      model_widths(getattr(p.config, "raw", None) or {}), shapes, head_shape,
+                      info.expert_codec or "")
 
 
 def _hidden(cfg) -> int:
