@@ -315,10 +315,10 @@ def glu_rate(shape: tuple[int, int], top_k: int, seconds: float = 0.3, nbytes: i
         raise RuntimeError("no native kernels")
     inter, hidden = shape
     k = max(1, top_k)
-    per = 3 * inter * hidden * 2
-    groups = max(2, -(-(stream_bytes() if nbytes is None else nbytes) // (per * k)))
+    bf16_bytes = 3 * inter * hidden * 2  # sizes the working set (coded experts are smaller: still past the LLC)
+    groups = max(2, -(-(stream_bytes() if nbytes is None else nbytes) // (bf16_bytes * k)))
     experts, parts = _glu_experts(shape, groups * k, codec)
-    per = _glu_expert_bytes(experts)  # the rate in stored bytes (groups were sized by bf16's: past the LLC either way)
+    per = _glu_expert_bytes(experts)  # the rate is in stored bytes
     x, out = torch.randn(1, hidden), torch.zeros(1, hidden)
 
     def work() -> None:
