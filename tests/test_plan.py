@@ -884,7 +884,8 @@ def test_kv_dtype_storage_work_is_priced(tiny):
 
 def test_batch_overhead_from_the_multi_row_probe(tiny):
     """A multi-row step's engine overhead is batch_s + batch_row_s x rows where the overhead probe measured it on
-    the multi-row path, else the one-row step's plus decode_row_s per extra row."""
+    the multi-row path, else the one-row step's plus decode_row_s per extra row; a bf16-compute plan takes the
+    line measured in bf16 compute (batch_bf16_s, batch_bf16_row_s), the fp32 one where that was not measured."""
     sc = _facts_scenario(tiny, 1.0, {**RATES, "disk": 1e8})
     o = RATES["overhead"]["qwen3_moe"]
     L = sc.facts.num_layers
@@ -893,6 +894,34 @@ def test_batch_overhead_from_the_multi_row_probe(tiny):
     sc = _facts_scenario(tiny, 1.0, measured)
     assert sc._overhead("decode", 9) == pytest.approx(L * (1e-3 + 9 * 2e-5))
     assert sc._overhead("decode", 1) == pytest.approx(L * o["decode_s"])
+    assert _facts_scenario(tiny, 1.0, measured, compute_dtype="bf16")._overhead("decode", 9) == pytest.approx(
+        L * (1e-3 + 9 * 2e-5))
+    both = {**measured, "overhead": {"qwen3_moe": {**measured["overhead"]["qwen3_moe"], "batch_bf16_s": 4e-4,
+                                                   "batch_bf16_row_s": 5e-6}}}
+    assert _facts_scenario(tiny, 1.0, both)._overhead("decode", 9) == pytest.approx(L * (1e-3 + 9 * 2e-5))
+    assert _facts_scenario(tiny, 1.0, both, compute_dtype="bf16")._overhead("decode", 9) == pytest.approx(
+        L * (4e-4 + 9 * 5e-6))
+
+
+def test_overhead_probe_measures_a_line_per_compute_dtype(monkeypatch):
+    """The overhead probe's multi-row steps run at 8 and BATCH_ROWS rows in fp32 and in bf16 compute, and each
+    line is the step's growth less the probe's dense weights priced in that dtype (values not asserted: nothing
+    is timed reliably; the slope's rows and the dtypes are)."""
+    seen = []
+    real = calibrate._step_time
+
+    def spy(eng, rows, tokens, seconds):
+        seen.append((eng.options.compute_dtype, rows, tokens))
+        return real(eng, rows, tokens, 0.0)
+
+    monkeypatch.setattr(calibrate, "_step_time", spy)
+    monkeypatch.setattr(calibrate, "_miss_time", lambda *a, **k: 0.0)
+    o = calibrate.overhead("qwen3_moe", seconds=0.0, top_k=2, experts=8)
+    assert ("fp32", calibrate.BATCH_ROWS, 1) in seen and ("bf16", calibrate.BATCH_ROWS, 1) in seen
+    assert ("bf16", 8, 1) in seen and ("fp32", 8, 1) in seen
+    assert calibrate.BATCH_ROWS >= 128  # a batch's width, not the 32 rows whose slope over-counted wide steps
+    assert min(o.batch_s, o.batch_row_s, o.batch_bf16_s, o.batch_bf16_row_s) >= 0
+    assert "bf16 compute" in o.source and "fp32 compute" in o.source
 
 
 def test_plan_compute_and_kv_dtype_options(tiny, seeded_cache, capsys):

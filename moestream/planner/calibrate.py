@@ -30,7 +30,7 @@ from moestream import __version__
 from moestream.config import default_cache_dir
 
 KINDS = ("bf16", "mxfp4", "fp8", "int4", "f32")
-PROBES_VERSION = 6  # part of the cache key: a change to what a probe measures measures again
+PROBES_VERSION = 7  # part of the cache key: a change to what a probe measures measures again
 ROUNDS = 3  # separate probes per rate; the median is kept (a burst of load costs one round, not the rate)
 PROBE_FILE_BYTES = 256 << 20  # written once where the weights would live when the model has no local shards
 BURST_S = 0.15
@@ -52,9 +52,19 @@ class Overhead:
     general_s: float = 0.0
     lookahead_s: float = 0.0  # the lookahead router and its queueing, per layer step (runner.times.lookahead_s)
     # a multi-row decode step (a batch) per layer step: batch_s + batch_row_s x rows, from steps of 8 and
-    # BATCH_ROWS rows less their dense weights; both 0: not measured (decode_s + decode_row_s x (rows - 1))
+    # BATCH_ROWS rows less their dense weights, in fp32 compute; both 0: not measured (decode_s + decode_row_s x
+    # (rows - 1))
     batch_s: float = 0.0
     batch_row_s: float = 0.0
+    # the same in bf16 compute (--compute-dtype bf16); both 0: not measured (the fp32 line)
+    batch_bf16_s: float = 0.0
+    batch_bf16_row_s: float = 0.0
+
+    def batch_line(self, compute: str = "fp32") -> tuple[float, float]:
+        """(fixed s, s per row) of a multi-row step's layer step in `compute`: (0, 0) where not measured."""
+        if compute == "bf16" and (self.batch_bf16_s or self.batch_bf16_row_s):
+            return self.batch_bf16_s, self.batch_bf16_row_s
+        return self.batch_s, self.batch_row_s
 
 
 @dataclass
@@ -655,7 +665,10 @@ def _step_bytes(f) -> int:
     return int(sum(f.dense_bytes.values()) + f.head_bytes + f.moe_layers * f.top_k * f.expert_bytes)
 
 
-BATCH_ROWS = 32  # the overhead probe's wider multi-row step (with its 8-row one: the fixed cost and cost per row)
+# the overhead probe's wider multi-row step (with its 8-row one: the fixed cost and cost per row). A batch runs
+# hundreds of rows; between 8 and 32 rows the probe's step grew 1.6-2.8x faster per row than between 8 and 128
+# (docs/plan.md, "The multi-row overhead at a batch's width"), so a line through 32 over-counted wide steps.
+BATCH_ROWS = 128
 
 
 def nearest_dense(tables: dict, shape: tuple[int, int]) -> tuple[str, float] | None:
@@ -720,6 +733,7 @@ def overhead(model_type: str, seconds: float = 1.0, top_k: int = 0, experts: int
         what = _tiny(family, Path(tmp) / "m", top_k, experts, widths or {})
         facts = _probe_facts(Path(tmp) / "m")
         eng = Engine.open(Path(tmp) / "m")
+        beng = Engine.open(Path(tmp) / "m", compute_dtype="bf16")  # the multi-row steps in bf16 compute too
         try:
             layers = len(eng.model.layers)
             runs, general = [], []
@@ -727,12 +741,14 @@ def overhead(model_type: str, seconds: float = 1.0, top_k: int = 0, experts: int
                 rates = rate_probe(_step_bytes(facts)) if rate_probe is not None else gemv
                 w = _weights_time(facts, rates) if rates else 0.0
                 runs.append((_step_time(eng, 1, 1, seconds / 3), _step_time(eng, 8, 1, seconds / 3),
-                             _step_time(eng, 1, 64, seconds / 3), w, _step_time(eng, BATCH_ROWS, 1, seconds / 3)))
+                             _step_time(eng, 1, 64, seconds / 3), w, _step_time(eng, BATCH_ROWS, 1, seconds / 3),
+                             _step_time(beng, 8, 1, seconds / 3), _step_time(beng, BATCH_ROWS, 1, seconds / 3)))
                 general.append(_general_step(eng, seconds / 3))
             tight = _tight_budget(eng)
         finally:
             eng.close()
-        one, eight, chunk, weights_s, wide = (statistics.median(col) for col in zip(*runs))
+            beng.close()
+        one, eight, chunk, weights_s, wide, eight_b, wide_b = (statistics.median(col) for col in zip(*runs))
         off_warm = statistics.median(g for g, _ in general)
         misses = [_miss_time(Path(tmp) / "m", tight, off_warm, seconds / 3) for _ in range(max(1, rounds_n))]
     note = "" if family == model_type else f" (no synthetic {model_type}: measured on {family})"
@@ -743,20 +759,24 @@ def overhead(model_type: str, seconds: float = 1.0, top_k: int = 0, experts: int
              f"{min(diff) * 1e3:.3g}-{max(diff) * 1e3:.3g} ms; " \
              f"off the warm path {min(g for g, _ in general) * 1e3:.3g}-{max(g for g, _ in general) * 1e3:.3g} ms " \
              f"a step; a miss {min(misses) * 1e3:.3g}-{max(misses) * 1e3:.3g} ms beyond that)"
-    # a multi-row step's fixed cost and cost per row, from steps of 8 and BATCH_ROWS rows (both the multi-row
-    # path; fresh sequences' first step after an 8-token prompt, which measured the same as steadily decoding
-    # ones: docs/performance.md), less the probe's dense weights at those rows by the model's dense probe
-    # (`dense_tables`: the probe model has the planned model's attention widths, so its projections are the
-    # model's shapes)
-    d8, dw = (dense_rows_s(facts.dense_shapes, dense_tables or {}, r) for r in (8, BATCH_ROWS))
-    row_s = max(0.0, ((wide - dw) - (eight - d8)) / (BATCH_ROWS - 8) / layers)
-    spread += (f"; multi-row steps of 8 / {BATCH_ROWS} rows {eight * 1e3:.3g} / {wide * 1e3:.3g} ms, less their "
-               f"dense weights {d8 * 1e3:.3g} / {dw * 1e3:.3g} ms")
+    # a multi-row step's fixed cost and cost per row in each compute dtype, from steps of 8 and BATCH_ROWS rows
+    # (both the multi-row path; fresh sequences' first step after an 8-token prompt, which measured the same as
+    # steadily decoding ones: docs/performance.md), less the probe's dense weights at those rows by the model's
+    # dense probe in that dtype (`dense_tables`: the probe model has the planned model's attention widths, so its
+    # projections are the model's shapes). What the step does beyond the dense probe's calls stays in the line:
+    # in fp32, a step's upcast copies of its weights and its GLU scratch in fresh memory (docs/plan.md)
+    lines = {}
+    for mode, small, big in (("fp32", eight, wide), ("bf16", eight_b, wide_b)):
+        d8, dw = (dense_rows_s(facts.dense_shapes, dense_tables or {}, r, mode) for r in (8, BATCH_ROWS))
+        row_s = max(0.0, ((big - dw) - (small - d8)) / (BATCH_ROWS - 8) / layers)
+        lines[mode] = (max(0.0, (small - d8) / layers - 8 * row_s), row_s)
+        spread += (f"; multi-row steps of 8 / {BATCH_ROWS} rows in {mode} compute {small * 1e3:.3g} / "
+                   f"{big * 1e3:.3g} ms, less their dense weights {d8 * 1e3:.3g} / {dw * 1e3:.3g} ms")
     return Overhead(max(0.0, statistics.median(diff)) / layers, max(0.0, (eight - one) / 7 / layers),
                     max(0.0, statistics.median(r[2] - r[3] for r in runs)) / layers,
                     f"{what}, {layers} layers{note}, {spread}", statistics.median(misses),
                     max(0.0, off_warm - one) / layers, statistics.median(la for _, la in general),
-                    max(0.0, (eight - d8) / layers - 8 * row_s), row_s)
+                    *lines["fp32"], *lines["bf16"])
 
 
 def _tight_budget(eng) -> tuple[int, int]:

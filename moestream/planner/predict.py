@@ -179,8 +179,8 @@ class Scenario:
             return 0.0
         if kind == "prefill":
             per = o.prefill_s
-        elif rows > 1 and (o.batch_s or o.batch_row_s):  # a multi-row step, measured on that path
-            per = o.batch_s + o.batch_row_s * rows
+        elif rows > 1 and any(line := o.batch_line(self.compute_dtype)):  # a multi-row step, measured on that path
+            per = line[0] + line[1] * rows
         else:
             per = o.decode_s + o.decode_row_s * max(0, rows - 1)
         return per * self.facts.num_layers
