@@ -8,8 +8,8 @@ Default budget: dense weights + compute scratch + a quarter of the expert bytes 
 probes the disk (direct-I/O, before and after) and the matmul rate in the precision the expert path computes in
 (fp32: the fused native kernel widens bf16 expert weights to fp32 and multiplies in fp32 at any row count; bf16
 with `--compute-dtype bf16`, which multiplies many-row steps' bf16 weights by bf16-rounded activations), then
-drives the job, recording per engine step the bytes read and the FLOPs (and in `step_detail` its rows, misses and
-the runner's I/O-wait, expert and lookahead seconds). Roofline per step = max(bytes / disk bandwidth,
+drives the job, recording per engine step the bytes read and the FLOPs (and in `step_detail` its rows, misses,
+the runner's I/O-wait, expert and lookahead seconds, and the process's page faults and kernel CPU seconds). Roofline per step = max(bytes / disk bandwidth,
 FLOPs / matmul rate); `roofline_fraction` = their sum over the run / wall time. The one-stream figure comes from
 `moestream bench` in a child process on the same budget (so this process's peak RSS is the batch's own).
 By default the requests run as a `moestream batch` job (`run_as_job`: an input JSONL file, the fsynced output file,
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -138,12 +139,18 @@ class Step:
     io_wait_s: float = 0.0  # the runner's own clocks over the step: waiting on reads, computing experts, lookahead
     expert_s: float = 0.0
     lookahead_s: float = 0.0
+    # the whole process over the step (its I/O threads included): page faults that found no page (fresh memory
+    # faulted in; under a scheduler every temporary above the engine's fixed mmap threshold is a fresh mapping,
+    # engine/allocator.py) and kernel CPU seconds
+    minor_faults: int = 0
+    system_s: float = 0.0
 
     def detail(self) -> dict:
         """The step's entry in the report's `step_detail` (decode_rows 0 for a step with any prompt chunk)."""
         return {"seconds": self.seconds, "bytes_read": self.bytes_read, "rows": self.tokens,
                 "decode_rows": self.decode_rows if len_or(self) == self.decode_rows else 0, "misses": self.misses,
-                "io_wait_s": self.io_wait_s, "expert_s": self.expert_s, "lookahead_s": self.lookahead_s}
+                "io_wait_s": self.io_wait_s, "expert_s": self.expert_s, "lookahead_s": self.lookahead_s,
+                "minor_faults": self.minor_faults, "system_s": self.system_s}
 
 
 @dataclass
@@ -162,13 +169,16 @@ class StepMeter:
         times, stats = runner.times, runner.cache.stats
         b0, t0, m0 = store.bytes_read, time.perf_counter(), stats.misses
         r0 = (times.io_wait_s, times.expert_s, times.lookahead_s)
+        u0 = resource.getrusage(resource.RUSAGE_SELF)
         lens = [(s.pos, len(t)) for s, t in items if len(t) > 0]
         out = self._inner(items, all_logits)
+        u1 = resource.getrusage(resource.RUSAGE_SELF)
         tokens = sum(n for _, n in lens)
         self.steps.append(Step(time.perf_counter() - t0, store.bytes_read - b0, tokens,
                                tokens if all_logits else len(lens), sum(n * (p + n) for p, n in lens),
                                sum(1 for p, n in lens if n == 1 and p > 0), stats.misses - m0,
-                               times.io_wait_s - r0[0], times.expert_s - r0[1], times.lookahead_s - r0[2]))
+                               times.io_wait_s - r0[0], times.expert_s - r0[1], times.lookahead_s - r0[2],
+                               u1.ru_minflt - u0.ru_minflt, u1.ru_stime - u0.ru_stime))
         return out
 
     def close(self) -> None:

@@ -224,10 +224,15 @@ def test_bench_runs_the_job_as_moestream_batch_does(tiny):
     try:
         tok = Tokenizer.load(tiny)
         reqs = bt.job_requests(eng.vocab_size, 6, 9, 5, 1.0, 7)
+        meter = bt.StepMeter(eng)
         direct, _ = bt.run_scheduler(eng, tok, reqs, 4, 64)
+        meter.close()
         via_job, rep = bt.run_as_job(eng, tok, reqs, 4, 64)
     finally:
         eng.close()
+    detail = [s.detail() for s in meter.steps]  # each step's page faults and kernel CPU, the process's
+    assert len(detail) >= 5 and all(d["minor_faults"] >= 0 and d["system_s"] >= 0 for d in detail)
+    assert sum(d["minor_faults"] for d in detail) > 0
     assert [r["text"] for r in via_job] == [r["text"] for r in direct]
     assert [r["tokens"] for r in via_job] == [5] * 6
     assert 0 < rep["widest_step"] <= 4 and rep["steps"] >= 5 and rep["failed"] == 0
