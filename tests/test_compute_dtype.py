@@ -176,6 +176,34 @@ def test_glu_split_by_the_scratch_cap_shares_one_workspace_and_gives_the_same_su
 
 
 @native
+@pytest.mark.parametrize("cap", [4 << 20, 20_000])
+def test_glu_given_workspace_serves_every_call(cap, threads, monkeypatch):
+    """A workspace passed to moe_glu_bf16 (an engine's, fused.glu_workspace) is what every call of the layer takes,
+    one call or several (the scratch cap split), and the sums are those of calls making their own."""
+    experts, x, ids, scores = _glu_case(12, 64, 128, 96, 90, 4, seed=7)
+    threads(2)
+    monkeypatch.setattr(fused, "glu_scratch_cap", lambda *a: cap)
+    own = torch.zeros(90, 96)
+    fused.moe_glu_bf16(x, list(range(12)), _parts(experts), 64, own, ids, scores, compute="bf16")
+    holder = {}
+    ws = fused.glu_workspace(holder, 64, 128, 96)
+    assert ws.numel() >= fused.glu_scratch_cap(64, 128, 96) and fused.glu_workspace(holder, 64, 128, 96) is ws
+    ws.fill_(0xFF)  # junk left by earlier calls changes nothing
+    calls = []
+    real = fused._GluCall.__call__
+
+    def spy(self, which, *a):
+        calls.append(self.workspace)
+        return real(self, which, *a)
+
+    monkeypatch.setattr(fused._GluCall, "__call__", spy)
+    given = torch.zeros(90, 96)
+    fused.moe_glu_bf16(x, list(range(12)), _parts(experts), 64, given, ids, scores, compute="bf16", workspace=ws)
+    assert calls and all(w is ws for w in calls) and (len(calls) > 1) == (cap < 1 << 20)
+    assert torch.equal(given, own)
+
+
+@native
 def test_glu_workspace_contents_and_size_do_not_change_the_sums():
     """ms_bf16dot_glu_ws over a workspace full of junk, one too small (the call mallocs its own) and none: same bits."""
     experts, x, ids, scores = _glu_case(5, 32, 64, 48, 40, 2, seed=3)
@@ -369,6 +397,10 @@ def test_engine_bf16_within_bound_and_same_greedy_tokens(tiny, monkeypatch):
     assert float(rows.median()) < 0.01 and float(rows.quantile(0.9)) < 0.03
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.95
     assert b16.generate(ids, 8) == f32.generate(ids, 8)
+    # the bf16 engine's GLU calls took their scratch from one workspace it keeps (blocks._SCRATCH), not fresh memory
+    kept = blocks._SCRATCH[b16.memory]["glu"]
+    b16.logits(ids)
+    assert blocks._SCRATCH[b16.memory]["glu"] is kept and f32.memory not in blocks._SCRATCH
     computes.clear()
     # decode steps (one row) stay on the fp32 kernels: the same logits whatever the option
     sa, sb = f32.new_sequence(), b16.new_sequence()

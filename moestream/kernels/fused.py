@@ -21,7 +21,8 @@ ACTIVATIONS = {"silu": 0, "situ": 1}  # the GLU activations ms_moe_glu_bf16 comp
 
 def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, int, int]], inter: int, out: Tensor,
                  ids: Tensor | None = None, scores: Tensor | None = None, act: str = "silu", beta: float = 0.0,
-                 linear_beta: float = 0.0, counts: Sequence[int] | None = None, compute: str = "fp32") -> None:
+                 linear_beta: float = 0.0, counts: Sequence[int] | None = None, compute: str = "fp32",
+                 workspace: Tensor | None = None) -> None:
     """Several bf16 GLU experts, added into out [T, D] (fp32, contiguous):
     out[t] += scores[t, j] * down_e act(gate_e x[t], up_e x[t]) for every (t, j) with ids[t, j] == experts[e].
     parts[e] = addresses of expert e's contiguous bf16 gate [inter, K], up [inter, K] and down [D, inter]; the
@@ -42,6 +43,10 @@ def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, i
     cpu.lib().ms_bf16dot_row_limit() (16) rows of the call runs on the row kernel, the others on panels; a token's
     sums do not depend on the other tokens beyond that choice, and the split into calls keeps it (token ranges
     never leave an expert fewer rows than the limit); "fp32" (default): fp32 activations.
+
+    `workspace` (bf16 compute): a uint8 buffer of at least glu_scratch_cap bytes that every call takes its
+    scratch from instead of allocating its own (`glu_workspace`: one an engine keeps, so that its pages are
+    faulted in once, not once a call); the same sums either way.
 
     The batch-invariant form (kernels/invariant.py): `out` fp32 [T, k, D] (ids required, compute "fp32") receives
     each (t, j) pair's unweighted expert output at out[t, j] (ms_moe_glu_bf16_pairs: every expert on the panel
@@ -69,6 +74,8 @@ def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, i
         raise ValueError(f"moe_glu_bf16: bf16 compute wants even widths, got inter {inter}, K {k_in}")
     call = _GluCall(experts, parts, inter, k_in, out.shape[-1], act, beta, linear_beta, bf16, pairs)
     cap = glu_scratch_cap(inter, k_in, out.shape[-1])  # (coded experts' decode rows: b12_scratch, counted apart)
+    if bf16 and workspace is not None and workspace.numel() >= cap:
+        call.workspace = workspace
     # what any routing of these rows could need (t x k pairs, at most t per expert): a decode step fits without
     # counting its pairs
     n_pairs = t * (len(experts) if ids is None else ids.shape[1])
@@ -80,7 +87,7 @@ def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, i
         call(range(len(experts)), x, ids, scores, out)
         return
     groups = _expert_groups(counts, inter, k_in, cap, bf16, pairs)
-    if bf16:
+    if bf16 and call.workspace is None:
         # one scratch for all the calls (the largest call's, within the cap), so its pages are faulted in once
         call.workspace = torch.empty(max(min(cap, glu_call_scratch([counts[i] for i in g], inter, k_in, True))
                                          for g in groups), dtype=torch.uint8)
@@ -91,6 +98,17 @@ def moe_glu_bf16(x: Tensor, experts: Sequence[int], parts: Sequence[tuple[int, i
         for lo, hi in _token_ranges(experts[group[0]], ids, t, counts[group[0]], inter, k_in, cap, bf16, pairs):
             call(group, x[lo:hi], None if ids is None else ids[lo:hi], None if scores is None else scores[lo:hi],
                  out[lo:hi])
+
+
+def glu_workspace(holder: dict, inter: int, k_in: int, d_out: int) -> Tensor:
+    """`holder`'s GLU workspace (key "glu"), at least glu_scratch_cap bytes for these widths: made on first use
+    and kept, so that the bf16 GLU calls of every later step reuse its pages. It lies within the fixed compute
+    scratch the budget holds for an expert (engine._scratch_bytes: one expert's fp32 size, glu_scratch_cap)."""
+    need = glu_scratch_cap(inter, k_in, d_out)
+    ws = holder.get("glu")
+    if ws is None or ws.numel() < need:
+        holder["glu"] = ws = torch.empty(need, dtype=torch.uint8)
+    return ws
 
 
 def b12_scratch(widest: int) -> int:

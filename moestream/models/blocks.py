@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
@@ -251,6 +252,11 @@ def glu_parts(t: Mapping[str, torch.Tensor]) -> Glu | None:
     return got
 
 
+# compute scratch kept per engine (its accountant): the bf16 GLU calls' workspace (fused.glu_workspace), which lies
+# within the fixed scratch the budget holds for an expert; it goes with the engine
+_SCRATCH: "weakref.WeakKeyDictionary[MemoryAccountant, dict]" = weakref.WeakKeyDictionary()
+
+
 def _native_glu(x: torch.Tensor, parts: list[Glu], spec: tuple[str, float, float], out: torch.Tensor,
                 experts: list[int] | None = None, ids: torch.Tensor | None = None,
                 weights: torch.Tensor | None = None, counts: list[int] | None = None) -> bool:
@@ -261,8 +267,11 @@ def _native_glu(x: torch.Tensor, parts: list[Glu], spec: tuple[str, float, float
         return False
     bf16 = (out.dim() == 2 and _bf16_rows(x.shape[0], BF16_GLU_MIN_ROWS) and first[3] % 2 == 0
             and first[4] % 2 == 0)
+    memory = _COMPUTE.get()[1]
+    ws = fused.glu_workspace(_SCRATCH.setdefault(memory, {}), first[3], first[4], first[5]) \
+        if bf16 and memory is not None else None
     fused.moe_glu_bf16(x, experts or [0] * len(parts), [p[:3] for p in parts], first[3], out, ids, weights, *spec,
-                       counts=counts, compute="bf16" if bf16 else "fp32")
+                       counts=counts, compute="bf16" if bf16 else "fp32", workspace=ws)
     return True
 
 
