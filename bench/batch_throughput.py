@@ -9,8 +9,9 @@ probes the disk (direct-I/O, before and after) and the matmul rate in the precis
 (fp32: the fused native kernel widens bf16 expert weights to fp32 and multiplies in fp32 at any row count; bf16
 with `--compute-dtype bf16`, which multiplies many-row steps' bf16 weights by bf16-rounded activations), then
 drives the job, recording per engine step the bytes read and the FLOPs (and in `step_detail` its rows, misses,
-the runner's I/O-wait, expert and lookahead seconds, and the process's page faults and kernel CPU seconds). Roofline per step = max(bytes / disk bandwidth,
-FLOPs / matmul rate); `roofline_fraction` = their sum over the run / wall time. The one-stream figure comes from
+the runner's I/O-wait, expert and lookahead seconds, and the process's page faults and kernel CPU seconds).
+Roofline per step = max(bytes / disk bandwidth, FLOPs / matmul rate); `roofline_fraction` = their sum over the
+run / wall time. The one-stream figure comes from
 `moestream bench` in a child process on the same budget (so this process's peak RSS is the batch's own).
 By default the requests run as a `moestream batch` job (`run_as_job`: an input JSONL file, the fsynced output file,
 the job's own runner and report); `--runner scheduler` submits them straight to the server's Scheduler instead.
