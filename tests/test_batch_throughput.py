@@ -242,9 +242,15 @@ def test_bench_runs_the_job_as_moestream_batch_does(tiny):
 def test_decoding_sequences_left_out_for_room_go_first_next_step(tiny):
     """A step the budget cannot hold whole leaves out its last items (_make_room): decoding sequences come first,
     those left out last time ahead of the others, and prompt chunks after them, so none waits twice in a row."""
-    from moestream.server.scheduler import _Seq
+    eng = Engine.open(tiny)
+    try:
+        _left_out_go_first(Scheduler(eng, Tokenizer.load(tiny), SchedulerConfig(max_batch=8, prefill_chunk=16)))
+    finally:
+        eng.close()
 
-    sched = Scheduler(Engine.open(tiny), Tokenizer.load(tiny), SchedulerConfig(max_batch=8, prefill_chunk=16))
+
+def _left_out_go_first(sched) -> None:
+    from moestream.server.scheduler import _Seq
 
     def seq(name, todo, next_token=None, waited=0):
         return _Seq(None, name, list(todo), [], 0, None, None, next_token=next_token, waited=waited)
