@@ -40,7 +40,8 @@ groups = [m.group for m in moes]
 
 def ms(k, n):
     def run():
-        e.step([(s, [int(torch.randint(0, 4000, (1,), generator=g))]) for s in seqs[:k]])
+        for _ in e.step([(s, [int(torch.randint(0, 4000, (1,), generator=g))]) for s in seqs[:k]]):
+            pass
 
     run()
     t = clock()

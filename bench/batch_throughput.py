@@ -145,13 +145,17 @@ class Step:
     # engine/allocator.py) and kernel CPU seconds
     minor_faults: int = 0
     system_s: float = 0.0
+    # seconds from the previous step's return to this step's call: the scheduler's own work between steps (sampling,
+    # emitting, admission; for a step of more than engine.LOGIT_CHUNK_ROWS sequences also its lm_head, made a chunk at
+    # a time as the rows are sampled)
+    gap_s: float = 0.0
 
     def detail(self) -> dict:
         """The step's entry in the report's `step_detail` (decode_rows 0 for a step with any prompt chunk)."""
         return {"seconds": self.seconds, "bytes_read": self.bytes_read, "rows": self.tokens,
                 "decode_rows": self.decode_rows if len_or(self) == self.decode_rows else 0, "misses": self.misses,
                 "io_wait_s": self.io_wait_s, "expert_s": self.expert_s, "lookahead_s": self.lookahead_s,
-                "minor_faults": self.minor_faults, "system_s": self.system_s}
+                "minor_faults": self.minor_faults, "system_s": self.system_s, "gap_s": self.gap_s}
 
 
 @dataclass
@@ -164,11 +168,13 @@ class StepMeter:
     def __post_init__(self) -> None:
         self._inner = self.engine.step
         self.engine.step = self._step
+        self._last: float | None = None  # when the previous step returned
 
     def _step(self, items, all_logits: bool = False):
         store, runner = self.engine.plan.store, self.engine.runner
         times, stats = runner.times, runner.cache.stats
         b0, t0, m0 = store.bytes_read, time.perf_counter(), stats.misses
+        gap = t0 - self._last if self._last is not None else 0.0
         r0 = (times.io_wait_s, times.expert_s, times.lookahead_s)
         u0 = resource.getrusage(resource.RUSAGE_SELF)
         lens = [(s.pos, len(t)) for s, t in items if len(t) > 0]
@@ -179,7 +185,8 @@ class StepMeter:
                                tokens if all_logits else len(lens), sum(n * (p + n) for p, n in lens),
                                sum(1 for p, n in lens if n == 1 and p > 0), stats.misses - m0,
                                times.io_wait_s - r0[0], times.expert_s - r0[1], times.lookahead_s - r0[2],
-                               u1.ru_minflt - u0.ru_minflt, u1.ru_stime - u0.ru_stime))
+                               u1.ru_minflt - u0.ru_minflt, u1.ru_stime - u0.ru_stime, gap))
+        self._last = time.perf_counter()
         return out
 
     def close(self) -> None:
@@ -242,7 +249,8 @@ def roofline(steps: list[Step], flops: FlopModel, disk_bw: float, rate: float) -
     bound = sum(max(s.bytes_read / disk_bw if disk_bw > 0 else 0.0, flops.step(s) / rate) for s in steps)
     io_bound = sum(1 for s in steps if disk_bw > 0 and s.bytes_read / disk_bw > flops.step(s) / rate)
     return {"roofline_s": bound, "io_floor_s": io, "compute_floor_s": comp, "io_bound_steps": io_bound,
-            "steps_s": sum(s.seconds for s in steps), "total_flops": sum(flops.step(s) for s in steps)}
+            "steps_s": sum(s.seconds for s in steps), "between_steps_s": sum(s.gap_s for s in steps),
+            "total_flops": sum(flops.step(s) for s in steps)}
 
 
 # ---- one stream, for the ratio -----------------------------------------------------------------------------------

@@ -180,9 +180,9 @@ def test_a_large_step_charges_its_activations(tiny):
     seen = []
     real = eng.model.forward
 
-    def spy(tokens, batch, rows):
+    def spy(tokens, batch, rows, head=True):
         seen.append((tokens.shape[0], len(batch.segments), eng.memory.state_bytes, eng.memory.peak))
-        return real(tokens, batch, rows)
+        return real(tokens, batch, rows, head)
 
     eng.model.forward = spy
     reqs = [GenRequest(prompt_ids(512, 30, seed=i), 2, 0.0) for i in range(6)]
@@ -233,6 +233,7 @@ def test_bench_runs_the_job_as_moestream_batch_does(tiny):
     detail = [s.detail() for s in meter.steps]  # each step's page faults and kernel CPU, the process's
     assert len(detail) >= 5 and all(d["minor_faults"] >= 0 and d["system_s"] >= 0 for d in detail)
     assert sum(d["minor_faults"] for d in detail) > 0
+    assert detail[0]["gap_s"] == 0 and all(d["gap_s"] > 0 for d in detail[1:])  # the scheduler's time between steps
     assert [r["text"] for r in via_job] == [r["text"] for r in direct]
     assert [r["tokens"] for r in via_job] == [5] * 6
     assert 0 < rep["widest_step"] <= 4 and rep["steps"] >= 5 and rep["failed"] == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Iterator
 
 import torch
@@ -61,6 +62,44 @@ def model_config(path: str | Path):
     raw = read_model_config(path)
     family = family_for(raw)
     return family, parse_config(family.parse, raw, path)
+
+
+# A step of many sequences (a batch job's decode step) makes its last-row logits this many rows at a time, as its
+# caller samples them in order: 64 rows of a 160k vocabulary (Kimi K3) are 42 MB of fp32, where a 1,000-sequence
+# step's whole [B, V] would be 655 MB beside the experts.
+LOGIT_CHUNK_ROWS = 64
+
+
+class StepLogits(Sequence):
+    """A wide step's last-row logits [V] per sequence, from its final-normed rows `x` [B, H]: `head` (the lm_head
+    product) runs over LOGIT_CHUNK_ROWS rows at a time, under `math()` (the step's arithmetic settings), when a row
+    of a chunk not yet made is read; the previous chunk is dropped first, so reading in order holds one chunk (a
+    row the caller keeps keeps its chunk alive). Each row's values are those of the whole [B, V] product where the
+    product's rows do not depend on one another (batch invariance); otherwise within its rounding."""
+
+    def __init__(self, x: torch.Tensor, head, math):
+        self.x, self.head, self.math = x, head, math
+        self._at, self._rows = -1, None
+        self.chunks = 0  # chunks made (a chunk read again after another is made again)
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not isinstance(i, int):
+            raise TypeError(f"StepLogits index must be an int, not {type(i).__name__}")
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        c, at = divmod(i, LOGIT_CHUNK_ROWS)
+        if c != self._at:
+            self._rows = None
+            with self.math():
+                self._rows = self.head(self.x[c * LOGIT_CHUNK_ROWS:(c + 1) * LOGIT_CHUNK_ROWS])
+            self._at = c
+            self.chunks += 1
+        return self._rows[at]
 
 
 # Steps of up to this many tokens run torch's ops on the calling thread alone (torch.set_num_threads(1) for the
@@ -223,9 +262,11 @@ class Engine:
         state.release()
 
     @torch.inference_mode()
-    def step(self, items: list[tuple[SeqState, list[int]]], all_logits: bool = False) -> list[torch.Tensor]:
+    def step(self, items: list[tuple[SeqState, list[int]]], all_logits: bool = False) -> Sequence[torch.Tensor]:
         """Advance each sequence by its tokens in one forward pass. Returns per sequence the logits of its last
-        token [V] (or of all its tokens [n, V] with all_logits)."""
+        token [V] (or of all its tokens [n, V] with all_logits). Past LOGIT_CHUNK_ROWS sequences (and with the
+        lm_head in RAM) the last-token logits come as a `StepLogits`, made a chunk at a time as they are read in
+        order: a caller charges LOGIT_CHUNK_ROWS rows of logits (`activation_bytes`), not one a sequence."""
         items = [(s, list(t)) for s, t in items if len(t) > 0]
         if not items:
             return []
@@ -241,12 +282,12 @@ class Engine:
         # every position's logits exist while the step runs (their consumer's copy is charged by prefill); a batch
         # scheduler charges the rest of a large step's activations around it (activation_bytes)
         held = rows.shape[0] * self.vocab_size * 4 if all_logits else 0
+        # a wide step's last-row logits are made LOGIT_CHUNK_ROWS rows at a time as its caller reads them
+        chunked = not all_logits and rows.shape[0] > LOGIT_CHUNK_ROWS and self.model.head_resident
         with tensors_fit_config(self.path), transient(self.memory, held, "all-position logits"), \
-                serial_torch(tokens.shape[0] <= SERIAL_TORCH_TOKENS and not self.options.batch_invariant), \
-                compute_dtype(self.options.compute_dtype, self.memory), invariant.mode(self.options.batch_invariant), \
-                StepHeap.enter(0 if self._resident is not None else tokens.shape[0]):
+                self._math(tokens.shape[0]), StepHeap.enter(0 if self._resident is not None else tokens.shape[0]):
             try:
-                logits = self.model.forward(tokens, batch, rows)
+                logits = self.model.forward(tokens, batch, rows, head=not chunked)
             finally:
                 self.runner.end_step()
         self._heap.after_step()
@@ -254,9 +295,19 @@ class Engine:
             self._resident.after_step()
         for s, t in items:
             s.pos += len(t)
+        if chunked:
+            return StepLogits(logits, self.model.head_rows, lambda: self._math(LOGIT_CHUNK_ROWS))
         if not all_logits:
             return list(logits.unbind(0))
         return [logits[seg.rows] for seg in batch.segments]
+
+    @contextlib.contextmanager
+    def _math(self, rows: int) -> Iterator[None]:
+        """The settings a step's arithmetic runs under: the compute dtype, batch invariance, torch's threads."""
+        with torch.inference_mode(), \
+                serial_torch(rows <= SERIAL_TORCH_TOKENS and not self.options.batch_invariant), \
+                compute_dtype(self.options.compute_dtype, self.memory), invariant.mode(self.options.batch_invariant):
+            yield
 
     def watch_resident(self, keep: int = 0) -> None:
         """From now on, book after each step the process's anonymous RSS grown beyond the books (engine/allocator.py
@@ -272,6 +323,11 @@ class Engine:
         a single sequence's steps are bounded by --prefill-chunk and fit the allowance's order of size."""
         acts = max(0, rows - ACT_FREE_ROWS) * self.plan.activation_row_bytes
         return acts + max(0, logit_rows - ACT_FREE_ROWS) * self.vocab_size * 4
+
+    def logit_rows(self, seqs: int, all_logits: bool = False) -> int:
+        """Rows of logits a step of `seqs` sequences holds at once: one a sequence, or LOGIT_CHUNK_ROWS where
+        `step` returns them as a StepLogits (for `activation_bytes`)."""
+        return seqs if all_logits or not self.model.head_resident else min(seqs, LOGIT_CHUNK_ROWS)
 
     def step_charge(self, rows: int) -> int:
         """What a step of `rows` tokens charges to the budget itself while it runs, beyond `activation_bytes` (which

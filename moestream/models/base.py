@@ -202,10 +202,20 @@ class DecoderModel:
             fused.prefetch(self._head_after[1])  # layer 0's weights, while the engine samples and embeds
         return logits
 
-    def forward(self, tokens: torch.Tensor, batch: Batch, rows: torch.Tensor) -> torch.Tensor:
-        """Logits [len(rows), V] for the requested rows of the flat batch."""
-        h = self.hidden(tokens, batch)
-        return self.head(h.index_select(0, rows))
+    @property
+    def head_resident(self) -> bool:
+        """Whether the lm_head is in RAM (not read slab by slab each step), so `head_rows` may run chunk by chunk."""
+        return self.residency is None or not self.residency.plan.head_streamed
+
+    def head_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [T, V] of final-normed rows (`forward(..., head=False)`); a resident head only."""
+        return linear(x, self.lm_head)
+
+    def forward(self, tokens: torch.Tensor, batch: Batch, rows: torch.Tensor, head: bool = True) -> torch.Tensor:
+        """Logits [len(rows), V] for the requested rows of the flat batch; with `head` False their final-normed
+        hidden rows [len(rows), H] instead, for `head_rows`."""
+        h = self.hidden(tokens, batch).index_select(0, rows)
+        return self.head(h) if head else rms_norm(h, self.norm, self.eps)
 
 
 def standard_model(ctx: ModelContext, layers: list[Any], eps: float, vocab_size: int,

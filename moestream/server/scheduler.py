@@ -204,27 +204,30 @@ class Scheduler:
         if not items:
             return
         scoring = [seq.scorer is not None and not seq.prefilled for seq, _ in items]
-        try:
-            acts = self.engine.activation_bytes(sum(len(toks) for _, toks in items), len(items))
-            with transient(self.engine.memory, acts, "the step's activations"):
-                logits = self.engine.step([(seq.state, toks) for seq, toks in items], all_logits=any(scoring))
-        except Exception as e:
-            status = 507 if isinstance(e, BudgetError) else 500
-            for seq, _ in items:
-                self._fail(seq, status, f"{type(e).__name__}: {e}")
-            return
-        self.counters["steps"] += 1
-        self.counters["widest_step"] = max(self.counters["widest_step"], len(items))
-        produced = 0
-        for (seq, toks), lg, scored in zip(items, logits, scoring):
-            seq.fed.extend(toks)
-            self.profile.learn(seq.state)
-            if any(scoring):  # every item got all its rows: score prompt chunks, keep the last row
-                if scored:
-                    seq.prompt_entries += seq.scorer.feed(toks, lg)
-                lg = lg[-1]
-            if not seq.todo:
-                produced += self._sample_choices(seq, lg)
+        acts = self.engine.activation_bytes(sum(len(toks) for _, toks in items), 0)
+        held = self.engine.activation_bytes(0, self.engine.logit_rows(len(items), any(scoring)))
+        with transient(self.engine.memory, held, "the step's logits"):  # while they are sampled (a chunk at a time)
+            try:
+                with transient(self.engine.memory, acts, "the step's activations"):
+                    logits = self.engine.step([(seq.state, toks) for seq, toks in items], all_logits=any(scoring))
+            except Exception as e:
+                status = 507 if isinstance(e, BudgetError) else 500
+                for seq, _ in items:
+                    self._fail(seq, status, f"{type(e).__name__}: {e}")
+                return
+            self.counters["steps"] += 1
+            self.counters["widest_step"] = max(self.counters["widest_step"], len(items))
+            produced = 0
+            for (seq, toks), lg, scored in zip(items, logits, scoring):
+                seq.fed.extend(toks)
+                self.profile.learn(seq.state)
+                if any(scoring):  # every item got all its rows: score prompt chunks, keep the last row
+                    if scored:
+                        seq.prompt_entries += seq.scorer.feed(toks, lg)
+                    lg = lg[-1]
+                if not seq.todo:
+                    produced += self._sample_choices(seq, lg)
+            del logits, lg
         self._rate.append((time.monotonic(), produced))
         while self._rate and time.monotonic() - self._rate[0][0] > self.cfg.rate_window_s:
             self._rate.popleft()
@@ -448,16 +451,19 @@ class Scheduler:
             fresh = [i for i, (seq, _) in enumerate(items) if seq.state.pos == 0]
             for i in reversed(fresh[1:]):
                 self._defer(*items.pop(i))
+        growth = [self.profile.growth(seq.state, len(toks)) for seq, toks in items]  # each once: a step of
+        grown, rows = sum(growth), sum(len(toks) for _, toks in items)  # 1,000 sequences may leave out hundreds
         while items:
-            need = sum(self.profile.growth(seq.state, len(toks)) for seq, toks in items)
-            rows = sum(len(toks) for _, toks in items)
-            need += self.engine.activation_bytes(rows, len(items)) + self.engine.step_charge(rows)
+            need = grown + self.engine.activation_bytes(rows, self.engine.logit_rows(len(items))) \
+                + self.engine.step_charge(rows)
             room = mem.budget - mem.fixed() - mem.state_bytes - self.expert_reserve
             if need == 0 or need <= room:
                 return items
             if self.prefix is not None and self.prefix.evict_one():
                 continue
             seq, toks = items.pop()
+            grown -= growth.pop()
+            rows -= len(toks)
             if items:
                 self._defer(seq, toks)  # it runs once the older ones finish and free their state
                 continue
