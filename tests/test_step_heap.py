@@ -72,7 +72,7 @@ def test_step_reuses_heap_pages_and_gives_them_back():
     assert got["after_rss"] < 10 << 20, got
 
 
-def test_engine_steps_use_the_step_heap_unless_a_scheduler_holds_rss(tmp_path_factory):
+def test_engine_steps_use_the_step_heap_unless_a_scheduler_holds_rss_beside_a_prompt(tmp_path_factory):
     from conftest import expert_budget, synth_tiny
     from moestream import Engine
 
@@ -87,7 +87,14 @@ def test_engine_steps_use_the_step_heap_unless_a_scheduler_holds_rss(tmp_path_fa
         assert heap.StepHeap.trims == t0 + (1 if heap.return_freed_memory() else 0)
         assert heap.StepHeap.depth == 0
         eng.watch_resident()
-        eng.step([(st, list(range(1, 33)))])  # a scheduler's step: the fixed setting stays
+        eng.step([(st, list(range(1, 33)))])  # a scheduler's step with a prompt chunk: the fixed setting stays
         assert heap.StepHeap.trims == t0 + (1 if heap.return_freed_memory() else 0)
+        more = [eng.new_sequence() for _ in range(heap.STEP_HEAP_ROWS)]
+        for s in more:
+            eng.step([(s, [5, 6])])
+        eng.step([(s, [7]) for s in more] + [(st, [8, 9])])  # decoding beside a prompt chunk: fixed setting
+        assert heap.StepHeap.trims == t0 + (1 if heap.return_freed_memory() else 0)
+        eng.step([(s, [7]) for s in more])  # a scheduler's decode step of STEP_HEAP_ROWS sequences: the step heap
+        assert heap.StepHeap.trims == t0 + (2 if heap.return_freed_memory() else 0)
     finally:
         eng.close()

@@ -18,7 +18,7 @@ many) (docs/performance.md).
 A step of many rows (a prompt chunk, a batch step) makes its temporaries on the heap instead (`StepHeap`): each
 fresh mapping above the fixed threshold faults in every page it touches, which made a 512-token prefill take 1.4x
 as long; the step's freed temporaries are reused by its later ones and given back with malloc_trim(0) when it ends.
-Not in an engine whose RSS a server or batch scheduler holds to the budget (below).
+In an engine whose RSS a server or batch scheduler holds to the budget, only in steps of decoding sequences (below).
 
 Even trimmed, a heap keeps what its live neighbours pin: when a batch job's sequences end, the small objects they
 held (tensor objects of their cache blocks, per-sequence Python state, mostly in the engine thread's own glibc
@@ -85,8 +85,10 @@ _TRIM = _libc_fn("malloc_trim", [ctypes.c_size_t])
 # runs the heap holds more than its live blocks (freed holes between them): a 512-token prefill of a published-width
 # Kimi K3 peaked 120-170 MB higher with 8 MiB, 210-350 MB with 32 MiB (glibc's largest); larger blocks (K3's
 # 15 MB activation rows) keep their own mappings. An engine whose RSS a server or batch scheduler holds to the budget
-# (`Engine.watch_resident`) keeps the fixed setting: that bound has no room for the holes (the 1,024-request job of
-# docs/performance.md peaked 1.49 GB against its 1.23 GB bound with them, 1.22 GB without).
+# (`Engine.watch_resident`) keeps the fixed setting in steps with a prompt chunk: that bound has no room for their
+# holes (the 1,024-request job of docs/performance.md peaked 1.49 GB against its 1.23 GB bound with them, 1.22 GB
+# without); a step of decoding sequences alone stays within the activations its caller charges and uses the step heap
+# (`Engine._heap_rows`).
 STEP_MMAP_THRESHOLD_BYTES = 8 << 20
 STEP_TRIM_THRESHOLD_BYTES = (1 << 31) - 1  # mallopt takes an int: no trim while the step runs, the one at its end
 STEP_HEAP_ROWS = 16  # rows a step has from which it runs on the step heap (a row's activation is 4 KiB a 1024 wide)

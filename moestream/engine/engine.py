@@ -285,7 +285,7 @@ class Engine:
         # a wide step's last-row logits are made LOGIT_CHUNK_ROWS rows at a time as its caller reads them
         chunked = not all_logits and rows.shape[0] > LOGIT_CHUNK_ROWS and self.model.head_resident
         with tensors_fit_config(self.path), transient(self.memory, held, "all-position logits"), \
-                self._math(tokens.shape[0]), StepHeap.enter(0 if self._resident is not None else tokens.shape[0]):
+                self._math(tokens.shape[0]), StepHeap.enter(self._heap_rows(items, tokens.shape[0])):
             try:
                 logits = self.model.forward(tokens, batch, rows, head=not chunked)
             finally:
@@ -300,6 +300,16 @@ class Engine:
         if not all_logits:
             return list(logits.unbind(0))
         return [logits[seg.rows] for seg in batch.segments]
+
+    def _heap_rows(self, items: list[tuple[SeqState, list[int]]], rows: int) -> int:
+        """Rows for StepHeap.enter: the step's, except where a scheduler holds RSS to the budget (`watch_resident`)
+        and the step carries a prompt chunk. A decode step's heap stays within what its caller charges for its
+        activations (a 512-sequence q3m_med decode step peaked 17-22 MB over its start with it, 14-15 without,
+        against 22 MB charged), where a 2,048-row prompt step's peaked 214-241 MB against 134-139 without and 87
+        charged (docs/performance.md, "The step heap in decode steps")."""
+        if self._resident is None or all(len(t) == 1 for _, t in items):
+            return rows
+        return 0
 
     @contextlib.contextmanager
     def _math(self, rows: int) -> Iterator[None]:
