@@ -23,6 +23,7 @@ import torch
 from moestream.cgroup import proc_kib, rss_now  # noqa: F401  (bench/batch_throughput.py imports rss_now here)
 from moestream.cli.common import add_compute_dtype_arg, add_remote_args, add_state_room_arg
 from moestream.config import format_bytes, parse_bytes
+from moestream.engine.sampling import draw
 from moestream.errors import BudgetError, MoestreamError
 from moestream.plot import pyplot
 from moestream.experts.reader import IO_THREADS, align_down
@@ -284,8 +285,7 @@ def _run(eng, opts: BenchOptions) -> dict:
 def _pick(logits: torch.Tensor, temperature: float, gen: torch.Generator) -> int:
     if temperature <= 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return draw(torch.softmax(logits.float() / temperature, dim=-1), gen)
 
 
 def _counters(eng) -> tuple[int, int, int]:

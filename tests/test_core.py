@@ -275,6 +275,24 @@ def test_seeded_sampling(mixtral):
     assert run(1) != run(2)
 
 
+def test_draw_follows_the_distribution_and_never_draws_a_zero():
+    """engine.sampling.draw: one uniform draw a token, inverted through the running sum of the probabilities."""
+    from moestream.engine.sampling import SamplingParams, draw, sample
+
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.3, 0.0])
+    gen = torch.Generator().manual_seed(3)
+    n = 20000
+    counts = torch.bincount(torch.tensor([draw(probs, gen) for _ in range(n)]), minlength=5)
+    assert counts[1] == 0 and counts[4] == 0
+    assert float((counts.double() / n - probs.double()).abs().max()) < 0.015  # 4 sd at p = 0.5
+    assert draw(torch.tensor([0.0, 0.0, 7.0, 0.0]), gen) == 2  # unnormalised, one token possible
+    same = [draw(probs, torch.Generator().manual_seed(9)) for _ in range(4)]
+    assert len(set(same)) == 1
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0])  # top_p 0.7 keeps the two likeliest only
+    picks = {sample(logits, SamplingParams(1.0, 0.7), gen) for _ in range(300)}
+    assert picks == {0, 1}
+
+
 def test_stop_tokens_stop(mixtral):
     eng = Engine.open(mixtral[0])
     ids = prompt_ids(VOCAB, 10)

@@ -51,5 +51,17 @@ def filtered_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     if p.temperature == 0:
         return int(torch.argmax(logits).item())
-    probs = filtered_logprobs(logits, p).exp()
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    return draw(filtered_logprobs(logits, p).exp(), gen)
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    """A token drawn from `probs` [V] (nonnegative, not necessarily normalised) by inverting their float64 running
+    sum at one uniform draw of `gen`. torch.multinomial (one sample) draws V exponentials from the generator instead:
+    0.18 of its 0.25 ms for an 8k vocabulary, about half a second of every 1,000-sequence batch step
+    (docs/performance.md). A token of zero probability is never drawn."""
+    cdf = probs.double().cumsum(0)
+    u = torch.rand((), dtype=torch.float64, generator=gen) * cdf[-1]
+    i = int(torch.searchsorted(cdf, u, right=True))
+    if i >= probs.shape[0] or probs[i] <= 0:  # u rounded up to the total: the last token with any probability
+        i = int(torch.nonzero(probs > 0)[-1])
+    return i

@@ -54,13 +54,36 @@ static inline const float *paged_row(const int64_t *tab, int64_t j, int64_t bloc
     if (storage == KV_INT8) {
         for (int64_t g0 = 0; g0 < width; g0 += group) {
             const float scale = sc[g0 / group];
-            for (int64_t c = g0; c < g0 + group; c++) dst[c] = (float)(int8_t)s[c] * scale;
+            int64_t c = g0;
+#if MS_AVX512
+            /* 16 codes a vector: widened to int32, converted and scaled, each value one rounding as below */
+            for (const __m512 vs = _mm512_set1_ps(scale); c + 16 <= g0 + group; c += 16) {
+                const __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(s + c)));
+                _mm512_storeu_ps(dst + c, _mm512_mul_ps(_mm512_cvtepi32_ps(x), vs));
+            }
+#endif
+            for (; c < g0 + group; c++) dst[c] = (float)(int8_t)s[c] * scale;
         }
         return dst;
     }
     for (int64_t g0 = 0; g0 < width; g0 += group) { /* int4: a group's bytes unpacked, then scaled */
         const float scale = sc[g0 / group];
-        for (int64_t c = g0; c < g0 + group; c += 2) {
+        int64_t c = g0;
+#if MS_AVX512
+        /* 32 codes (16 bytes) a pass: each byte widened to a 16-bit lane holding its two codes in element order
+         * (low nibble, then high), those 32 bytes widened to int32, less 8, converted and scaled: the same values */
+        const __m512 vs = _mm512_set1_ps(scale);
+        const __m512i eight = _mm512_set1_epi32(8);
+        for (const __m256i nib = _mm256_set1_epi16(0x0F); c + 32 <= g0 + group; c += 32) {
+            const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(s + c / 2)));
+            const __m256i x = _mm256_or_si256(_mm256_and_si256(w, nib), _mm256_slli_epi16(_mm256_srli_epi16(w, 4), 8));
+            const __m512i a0 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(x)), eight);
+            const __m512i a1 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(x, 1)), eight);
+            _mm512_storeu_ps(dst + c, _mm512_mul_ps(_mm512_cvtepi32_ps(a0), vs));
+            _mm512_storeu_ps(dst + c + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(a1), vs));
+        }
+#endif
+        for (; c < g0 + group; c += 2) {
             const uint8_t byte = s[c / 2];
             dst[c] = (float)((int)(byte & 0x0F) - 8) * scale;
             dst[c + 1] = (float)((int)(byte >> 4) - 8) * scale;
