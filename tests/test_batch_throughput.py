@@ -190,7 +190,8 @@ def test_a_large_step_charges_its_activations(tiny):
     events, _, _ = _run_job(eng, Tokenizer.load(tiny), reqs, cfg)
     assert all(isinstance(e, Done) for e in events)
     rows, segs, charged, _ = max(seen)  # the widest step: rows beyond ACT_FREE_ROWS are charged while it runs
-    assert rows > ACT_FREE_ROWS and charged >= eng.activation_bytes(rows, segs) > 0
+    assert rows > ACT_FREE_ROWS and charged >= eng.activation_bytes(rows, segs, rows) > 0  # prompt rows, all
+    assert eng.activation_bytes(rows, segs, rows) > eng.activation_bytes(rows, segs)  # a prompt row holds more
     assert eng.memory.state_bytes == 0 and eng.stats["peak_resident_bytes"] <= eng.memory.budget
 
 

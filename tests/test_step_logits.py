@@ -96,9 +96,9 @@ def test_scheduler_charges_one_chunk_of_logits_while_it_samples(model, monkeypat
     charged = []
     real_act = Engine.activation_bytes
 
-    def act(self, rows, logit_rows):
+    def act(self, rows, logit_rows, prompt_rows=0):
         charged.append(logit_rows)
-        return real_act(self, rows, logit_rows)
+        return real_act(self, rows, logit_rows, prompt_rows)
     monkeypatch.setattr(Engine, "activation_bytes", act)
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
               "body": {"model": model.name, "prompt": [3 + i % 50, 7], "max_tokens": 24, "temperature": 0}}

@@ -54,6 +54,7 @@ class ModelPlan:
     activation_row_bytes: int = 0  # fp32 activations one token of a step holds at its widest (activation_bytes)
     pair_row_bytes: int = 0  # fp32 per-slot expert outputs of one token under batch invariance (top_k x hidden)
     widest_input: int = 0  # the widest input of a 2-D dense weight (step_charge: the fixed-order kernel's panels)
+    prompt_row_bytes: int = 0  # what a prompt row holds beyond activation_row_bytes (ACT_PROMPT_COPIES)
 
 
 def model_config(path: str | Path):
@@ -142,11 +143,17 @@ def plan(path: str | Path, io_threads: int = IO_THREADS) -> ModelPlan:
     scratch = max(_scratch_bytes(index, dense, store, layout), _kda_scratch(cfg)) + ACT_FREE_ROWS * (act + logit)
     widest_input = max((index[n].shape[1] for n in dense if len(index[n].shape) == 2), default=0)
     return ModelPlan(family, cfg, layout, store, dense, dense_bytes, sum(sizes), max(sizes, default=0), scratch, act,
-                     4 * layout.top_k * hidden, widest_input)
+                     4 * layout.top_k * hidden, widest_input, 4 * ACT_PROMPT_COPIES * hidden)
 
 
 ACT_HIDDEN_COPIES = 8  # [T, hidden] fp32 tensors a layer holds at once: residual, norm, attention in/out, MoE sum...
 ACT_WIDE_COPIES = 3  # [T, widest] ones: a dense MLP's gate, up and activation (or q and its roped copy)
+# A prompt row holds more at its widest than a decoding one (the prompt's attention: roped q and k copies, the fresh
+# attention's inputs and output, its K / V rows quantised for the cache): a 2,048-row prompt step of q3m_med
+# (hidden 1,024) peaked 111-140 MB over its start beyond its new sequences' state, 54-68 kB a row, against the
+# 44 kB a row ACT_HIDDEN_COPIES and ACT_WIDE_COPIES charge; a 1,024-sequence decode step 29-39 MB against 44 MB
+# charged (docs/performance.md, "The step heap in decode steps").
+ACT_PROMPT_COPIES = 6  # [T, hidden] fp32 rows a prompt row holds beyond a decoding row's
 # The fixed scratch allowance holds the activations of a step of this many tokens (decode batches, short prompts);
 # a larger step charges the rest while it runs (Engine.activation_bytes), so a warm cache is not squeezed each step.
 ACT_FREE_ROWS = 16
@@ -326,12 +333,13 @@ class Engine:
         if self._resident is None and self.memory.limited:
             self._resident = ResidentCheck(self.memory, lambda: self.plan.store.reader.pool.idle_bytes, keep)
 
-    def activation_bytes(self, rows: int, logit_rows: int) -> int:
-        """What a step of `rows` tokens returning `logit_rows` rows of logits holds while it runs beyond the fixed
-        scratch allowance (which holds ACT_FREE_ROWS rows of activations and as many rows of logits). The batch
-        scheduler charges it around each step (a batch job's prefill chunk of thousands of tokens holds tens of MB);
-        a single sequence's steps are bounded by --prefill-chunk and fit the allowance's order of size."""
-        acts = max(0, rows - ACT_FREE_ROWS) * self.plan.activation_row_bytes
+    def activation_bytes(self, rows: int, logit_rows: int, prompt_rows: int = 0) -> int:
+        """What a step of `rows` tokens (`prompt_rows` of them in prompt chunks: items of more than one token)
+        returning `logit_rows` rows of logits holds while it runs beyond the fixed scratch allowance (which holds
+        ACT_FREE_ROWS rows of activations and as many rows of logits). The batch scheduler charges it around each
+        step (a batch job's prefill chunk of thousands of tokens holds tens of MB); a single sequence's steps are
+        bounded by --prefill-chunk and fit the allowance's order of size."""
+        acts = max(0, rows - ACT_FREE_ROWS) * self.plan.activation_row_bytes + prompt_rows * self.plan.prompt_row_bytes
         return acts + max(0, logit_rows - ACT_FREE_ROWS) * self.vocab_size * 4
 
     def logit_rows(self, seqs: int, all_logits: bool = False) -> int:

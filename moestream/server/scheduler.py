@@ -204,7 +204,7 @@ class Scheduler:
         if not items:
             return
         scoring = [seq.scorer is not None and not seq.prefilled for seq, _ in items]
-        acts = self.engine.activation_bytes(sum(len(toks) for _, toks in items), 0)
+        acts = self.engine.activation_bytes(sum(len(toks) for _, toks in items), 0, _prompt_rows(items))
         held = self.engine.activation_bytes(0, self.engine.logit_rows(len(items), any(scoring)))
         with transient(self.engine.memory, held, "the step's logits"):  # while they are sampled (a chunk at a time)
             try:
@@ -453,8 +453,9 @@ class Scheduler:
                 self._defer(*items.pop(i))
         growth = [self.profile.growth(seq.state, len(toks)) for seq, toks in items]  # each once: a step of
         grown, rows = sum(growth), sum(len(toks) for _, toks in items)  # 1,000 sequences may leave out hundreds
+        prompt = _prompt_rows(items)
         while items:
-            need = grown + self.engine.activation_bytes(rows, self.engine.logit_rows(len(items))) \
+            need = grown + self.engine.activation_bytes(rows, self.engine.logit_rows(len(items)), prompt) \
                 + self.engine.step_charge(rows)
             room = mem.budget - mem.fixed() - mem.state_bytes - self.expert_reserve
             if need == 0 or need <= room:
@@ -464,6 +465,7 @@ class Scheduler:
             seq, toks = items.pop()
             grown -= growth.pop()
             rows -= len(toks)
+            prompt -= _prompt_rows([(seq, toks)])
             if items:
                 self._defer(seq, toks)  # it runs once the older ones finish and free their state
                 continue
@@ -561,3 +563,9 @@ class Scheduler:
             for other in [s for s in self.active if s.ticket is seq.ticket]:  # its other choices end with it
                 self.active.remove(other)
                 self.engine.free(other.state)
+
+
+def _prompt_rows(items: list[tuple[_Seq, list[int]]]) -> int:
+    """Rows of a step's prompt chunks (items of more than one token), which hold more than a decoding row
+    (Engine.activation_bytes)."""
+    return sum(len(toks) for _, toks in items if len(toks) > 1)
