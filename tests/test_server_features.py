@@ -265,9 +265,20 @@ def test_json_schema_output_validates(server, stream):
 
 
 def test_json_object_on_completions(server):
-    r = server.client().completions.create(model=server.model, prompt="data:", max_tokens=300, temperature=0.7,
-                                           seed=1, extra_body={"response_format": {"type": "json_object"}})
-    assert isinstance(json.loads(r.choices[0].text), dict) and r.choices[0].finish_reason == "stop"
+    """Every output the grammar completes is a JSON object. The random model wanders through long strings, so at
+    temperature 0.7 only some seeds close the object within 300 tokens (3 of these 8 with engine.sampling.draw);
+    a cut one must still be a prefix the grammar allowed, i.e. start the object."""
+    stopped = 0
+    for seed in range(1, 9):
+        r = server.client().completions.create(model=server.model, prompt="data:", max_tokens=300, temperature=0.7,
+                                               seed=seed, extra_body={"response_format": {"type": "json_object"}})
+        text, finish = r.choices[0].text, r.choices[0].finish_reason
+        if finish == "stop":
+            assert isinstance(json.loads(text), dict)
+            stopped += 1
+        else:
+            assert finish == "length" and text.lstrip().startswith("{")
+    assert stopped >= 1
 
 
 @pytest.mark.parametrize("fmt,param", [
