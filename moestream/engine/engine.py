@@ -152,7 +152,7 @@ ACT_WIDE_COPIES = 3  # [T, widest] ones: a dense MLP's gate, up and activation (
 # attention's inputs and output, its K / V rows quantised for the cache): a 2,048-row prompt step of q3m_med
 # (hidden 1,024) peaked 111-140 MB over its start beyond its new sequences' state, 54-68 kB a row, against the
 # 44 kB a row ACT_HIDDEN_COPIES and ACT_WIDE_COPIES charge; a 1,024-sequence decode step 29-39 MB against 44 MB
-# charged (docs/performance.md, "The step heap in decode steps").
+# charged (docs/performance.md, "The 1,024-request job in one int4 wave").
 ACT_PROMPT_COPIES = 6  # [T, hidden] fp32 rows a prompt row holds beyond a decoding row's
 # The fixed scratch allowance holds the activations of a step of this many tokens (decode batches, short prompts);
 # a larger step charges the rest while it runs (Engine.activation_bytes), so a warm cache is not squeezed each step.
@@ -313,7 +313,7 @@ class Engine:
         and the step carries a prompt chunk. A decode step's heap stays within what its caller charges for its
         activations (a 512-sequence q3m_med decode step peaked 17-22 MB over its start with it, 14-15 without,
         against 22 MB charged), where a 2,048-row prompt step's peaked 214-241 MB against 134-139 without and 87
-        charged (docs/performance.md, "The step heap in decode steps")."""
+        charged (docs/performance.md, "The 1,024-request job in one int4 wave")."""
         if self._resident is None or all(len(t) == 1 for _, t in items):
             return rows
         return 0
