@@ -8,9 +8,9 @@ expert residency in experts/, dense residency in engine/residency.py.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Iterator
 
 import torch
@@ -289,8 +289,7 @@ class Engine:
         # every position's logits exist while the step runs (their consumer's copy is charged by prefill); a batch
         # scheduler charges the rest of a large step's activations around it (activation_bytes)
         held = rows.shape[0] * self.vocab_size * 4 if all_logits else 0
-        # a wide step's last-row logits are made LOGIT_CHUNK_ROWS rows at a time as its caller reads them
-        chunked = not all_logits and rows.shape[0] > LOGIT_CHUNK_ROWS and self.model.head_resident
+        chunked = self.logit_rows(rows.shape[0], all_logits) < rows.shape[0]  # made a chunk at a time as read
         with tensors_fit_config(self.path), transient(self.memory, held, "all-position logits"), \
                 self._math(tokens.shape[0]), StepHeap.enter(self._heap_rows(items, tokens.shape[0])):
             try:

@@ -203,9 +203,9 @@ class Scheduler:
         items = [(seq, toks) for seq, toks in items if seq in live]  # a failed choice ends its siblings
         if not items:
             return
-        scoring = [seq.scorer is not None and not seq.prefilled for seq, _ in items]
+        scoring = [_scores(seq) for seq, _ in items]
         acts = self.engine.activation_bytes(sum(len(toks) for _, toks in items), 0, _prompt_rows(items))
-        held = self.engine.activation_bytes(0, self.engine.logit_rows(len(items), any(scoring)))
+        held = self.engine.activation_bytes(0, self._logit_rows(items))
         with transient(self.engine.memory, held, "the step's logits"):  # while they are sampled (a chunk at a time)
             try:
                 with transient(self.engine.memory, acts, "the step's activations"):
@@ -455,7 +455,7 @@ class Scheduler:
         grown, rows = sum(growth), sum(len(toks) for _, toks in items)  # 1,000 sequences may leave out hundreds
         prompt = _prompt_rows(items)
         while items:
-            need = grown + self.engine.activation_bytes(rows, self.engine.logit_rows(len(items)), prompt) \
+            need = grown + self.engine.activation_bytes(rows, self._logit_rows(items), prompt) \
                 + self.engine.step_charge(rows)
             room = mem.budget - mem.fixed() - mem.state_bytes - self.expert_reserve
             if need == 0 or need <= room:
@@ -465,13 +465,17 @@ class Scheduler:
             seq, toks = items.pop()
             grown -= growth.pop()
             rows -= len(toks)
-            prompt -= _prompt_rows([(seq, toks)])
+            prompt -= len(toks) if len(toks) > 1 else 0
             if items:
                 self._defer(seq, toks)  # it runs once the older ones finish and free their state
                 continue
             self._fail(seq, 507, f"the RAM budget has no room for this sequence's state ({need} bytes needed, "
                                  f"{room} free): raise --ram-budget, lower --max-batch or shorten the prompt")
         return items
+
+    def _logit_rows(self, items: list[tuple[_Seq, list[int]]]) -> int:
+        """Rows of logits the step of `items` holds at once (Engine.logit_rows; every row when it scores a prompt)."""
+        return self.engine.logit_rows(len(items), any(_scores(seq) for seq, _ in items))
 
     @staticmethod
     def _defer(seq: _Seq, toks: list[int]) -> None:
@@ -569,3 +573,8 @@ def _prompt_rows(items: list[tuple[_Seq, list[int]]]) -> int:
     """Rows of a step's prompt chunks (items of more than one token), which hold more than a decoding row
     (Engine.activation_bytes)."""
     return sum(len(toks) for _, toks in items if len(toks) > 1)
+
+
+def _scores(seq: _Seq) -> bool:
+    """Whether the sequence's next step scores its prompt (all its rows' logits: echo with logprobs)."""
+    return seq.scorer is not None and not seq.prefilled
