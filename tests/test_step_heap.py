@@ -86,15 +86,24 @@ def test_engine_steps_use_the_step_heap_unless_a_scheduler_holds_rss_beside_a_pr
         eng.step([(st, list(range(1, heap.STEP_HEAP_ROWS + 1)))])
         assert heap.StepHeap.trims == t0 + (1 if heap.return_freed_memory() else 0)
         assert heap.StepHeap.depth == 0
+        l0 = heap.StepHeap.layer_trims
+        assert eng.model.after_layer is None
         eng.watch_resident()
         eng.step([(st, list(range(1, 33)))])  # a scheduler's step with a prompt chunk: the fixed setting stays
         assert heap.StepHeap.trims == t0 + (1 if heap.return_freed_memory() else 0)
+        # ... and the heap's free pages go back after each of its layers
+        layers = len(eng.model.layers) if heap.return_freed_memory() else 0
+        assert heap.StepHeap.layer_trims == l0 + layers and eng.model.after_layer is None
+        eng.step([(st, list(range(1, heap.STEP_HEAP_ROWS)))])  # too few rows to trim
+        assert heap.StepHeap.layer_trims == l0 + layers
         more = [eng.new_sequence() for _ in range(heap.STEP_HEAP_ROWS)]
         for s in more:
             eng.step([(s, [5, 6])])
         eng.step([(s, [7]) for s in more] + [(st, [8, 9])])  # decoding beside a prompt chunk: fixed setting
         assert heap.StepHeap.trims == t0 + (1 if heap.return_freed_memory() else 0)
+        assert heap.StepHeap.layer_trims == l0 + 2 * layers
         eng.step([(s, [7]) for s in more])  # a scheduler's decode step of STEP_HEAP_ROWS sequences: the step heap
         assert heap.StepHeap.trims == t0 + (2 if heap.return_freed_memory() else 0)
+        assert heap.StepHeap.layer_trims == l0 + 2 * layers
     finally:
         eng.close()

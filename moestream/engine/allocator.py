@@ -18,7 +18,10 @@ many) (docs/performance.md).
 A step of many rows (a prompt chunk, a batch step) makes its temporaries on the heap instead (`StepHeap`): each
 fresh mapping above the fixed threshold faults in every page it touches, which made a 512-token prefill take 1.4x
 as long; the step's freed temporaries are reused by its later ones and given back with malloc_trim(0) when it ends.
-In an engine whose RSS a server or batch scheduler holds to the budget, only in steps of decoding sequences (below).
+In an engine whose RSS a server or batch scheduler holds to the budget, only in steps of decoding sequences (below);
+its other large steps give the heap's free pages back after each layer (`StepHeap.trim_layer`): the step heap
+leaves a wide span of trimmed free pages that a later step's small blocks, carved from it as the step goes, fault in
+again.
 
 Even trimmed, a heap keeps what its live neighbours pin: when a batch job's sequences end, the small objects they
 held (tensor objects of their cache blocks, per-sequence Python state, mostly in the engine thread's own glibc
@@ -102,6 +105,7 @@ class StepHeap:
 
     depth = 0
     trims = 0
+    layer_trims = 0
     _lock = threading.Lock()
 
     def __init__(self, active: bool):
@@ -129,6 +133,14 @@ class StepHeap:
                     _MALLOPT(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
                     _TRIM(0)
                     StepHeap.trims += 1
+
+    @classmethod
+    def trim_layer(cls) -> None:
+        """After a layer of a large step kept off the step heap (Engine.step): every arena's free pages back to the
+        kernel now (malloc_trim(0), no-op without glibc's); `layer_trims` counts them."""
+        if _TRIM is not None and _done:
+            _TRIM(0)
+            cls.layer_trims += 1
 
 
 def trim_available() -> bool:

@@ -132,6 +132,7 @@ class DecoderModel:
     vocab_size: int
     memory: MemoryAccountant
     extra: dict = field(default_factory=dict)
+    after_layer: Callable[[], None] | None = None  # run by leave_layer after each layer of a step (the engine sets it)
 
     def __post_init__(self) -> None:
         """The ends of the model must agree with config.json: token ids below vocab_size index the embedding, and
@@ -189,9 +190,12 @@ class DecoderModel:
             self.residency.enter(i)
 
     def leave_layer(self, i: int) -> None:
-        """Called after layer i: a streamed layer's weights are given back."""
+        """Called after layer i: a streamed layer's weights are given back, and `after_layer` runs when the engine
+        set one for the step (engine.py: the heap trimmed between the layers of a large prompt step)."""
         if self.residency is not None:
             self.residency.leave(i)
+        if self.after_layer is not None:
+            self.after_layer()
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         x = rms_norm(h, self.norm, self.eps)
