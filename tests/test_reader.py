@@ -366,3 +366,27 @@ def test_read_ahead_is_withdrawn_or_promoted_when_the_layer_routes(hub_ckpt):
         assert torch.allclose(out, want, rtol=1e-5, atol=1e-5)
     finally:
         eng.close()
+
+
+def test_state_growth_gives_back_the_buffers_of_the_experts_it_evicts(tmp_path_factory):
+    """Experts evicted to make room for state (or scratch, or measured unbooked memory) leave their buffers idle in
+    the pool; beyond the cache's free room those lie outside the budget, so they go back at once, not at the end of
+    the next MoE layer."""
+    from conftest import expert_budget, synth_tiny
+    from moestream import Engine
+
+    tiny = synth_tiny(tmp_path_factory, "qwen3_moe")
+    eng = Engine.open(tiny, ram_budget=expert_budget(tiny, 1.0))
+    try:
+        st = eng.new_sequence()
+        eng.step([(st, list(range(1, 40)))])
+        cache, pool = eng.memory.cache, eng.plan.store.reader.pool
+        held = cache.resident_bytes
+        assert held > 0
+        grow = cache.free() + held // 2  # evicts about half the cached experts
+        eng.memory.grow_state(grow, "test state")
+        assert cache.resident_bytes <= held - held // 2
+        assert pool.idle_bytes <= max(0, cache.free())
+        eng.memory.release_state(grow)
+    finally:
+        eng.close()

@@ -60,6 +60,9 @@ class ExpertCache:
         # called when the budget shrank (state grew) below what booked reads hold: lands or cancels reads that no
         # computation is waiting on, so that their room can be given up (ExpertRunner._squeeze)
         self.on_squeeze: Callable[[], None] | None = None
+        # called after the budget shrank (state, scratch or unbooked memory grew): the owner gives back the buffers
+        # of the experts evicted for it beyond the cache's free room (ExpertRunner._trim_idle)
+        self.on_shrunk: Callable[[], None] | None = None
         self._items: dict[Key, tuple[Any, int]] = {}
         self._pinned: set[Key] = set()
         self.resident_bytes = 0  # entries plus reservations
@@ -147,6 +150,8 @@ class ExpertCache:
         if self.resident_bytes > self.capacity() and self.reserved_bytes and self.on_squeeze is not None:
             self.on_squeeze()
             self.make_room(0)
+        if self.on_shrunk is not None:
+            self.on_shrunk()
 
     def keys(self) -> list[Key]:
         return list(self._items)

@@ -72,6 +72,7 @@ class ExpertRunner:
         pol = HeatPolicy(heat_path(store.index.root)) if policy == "heat" else POLICIES[policy]()
         self.cache = ExpertCache(memory.cache_capacity, pol, on_evict=self._on_evict)
         self.cache.on_squeeze = self._squeeze
+        self.cache.on_shrunk = self._trim_idle
         memory.cache = self.cache
         self.lookahead = Lookahead(enabled=lookahead)
         # an index over a link with latency (weights/remote.py) asks for more of the predictions read ahead
@@ -192,10 +193,7 @@ class ExpertRunner:
             self._fill(layer, e, blob)
         self.times.expert_s += time.perf_counter() - t
         self._drain(layer, x, (out, route or ids, weights, fn), started, waiting, need, route_x)
-        # buffers evicted beyond what this step re-used go back to the OS, except during a scan: there up to the
-        # window of free room stays mapped for the next layer's reads (a fresh buffer faults in and zeroes every
-        # page before the read lands: a quarter of a 256-request job's CPU was system time)
-        self.store.reader.pool.trim(min(self.scan, max(0, self.cache.free())))
+        self._trim_idle()
         self._need = set()
         self.memory.observe()
         return out
@@ -377,6 +375,14 @@ class ExpertRunner:
         self._fresh.discard(key)
         self.times.prefetch_withdrawn += 1
         return True
+
+    def _trim_idle(self) -> None:
+        """After a layer step, and when state growth evicted experts: buffers evicted beyond what was re-used go back
+        to the OS, except during a scan: there up to the window of free room stays mapped for the next layer's reads
+        (a fresh buffer faults in and zeroes every page before the read lands: a quarter of a 256-request job's CPU
+        was system time). Idle buffers beyond the cache's free room would lie outside the budget: a 1,025-row
+        batch-invariant prompt step held 156 MiB of them beside books 75 MiB short of the budget."""
+        self.store.reader.pool.trim(min(self.scan, max(0, self.cache.free())))
 
     def _squeeze(self) -> None:
         """State grew while reads ahead held booked room the budget no longer has: cancel those not started, land
