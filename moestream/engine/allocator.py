@@ -91,7 +91,7 @@ _TRIM = _libc_fn("malloc_trim", [ctypes.c_size_t])
 # (`Engine.watch_resident`) keeps the fixed setting in steps with a prompt chunk: that bound has no room for their
 # holes (the 1,024-request job of docs/performance.md peaked 1.49 GB against its 1.23 GB bound with them, 1.22 GB
 # without); a step of decoding sequences alone stays within the activations its caller charges and uses the step heap
-# (`Engine._heap_rows`).
+# (`Engine._step_heap`).
 STEP_MMAP_THRESHOLD_BYTES = 8 << 20
 STEP_TRIM_THRESHOLD_BYTES = (1 << 31) - 1  # mallopt takes an int: no trim while the step runs, the one at its end
 STEP_HEAP_ROWS = 16  # rows a step has from which it runs on the step heap (a row's activation is 4 KiB a 1024 wide)
@@ -101,19 +101,22 @@ class StepHeap:
     """`with StepHeap.enter(rows):` a step of `rows` rows; from STEP_HEAP_ROWS rows (and where the fixed setting
     is in force) the heap keeps the step's freed temporaries for its later ones, and when the last such step in the
     process ends (steps of several engines on several threads nest), the fixed thresholds are restored and the
-    freed pages given back (malloc_trim(0)). `trims` counts those."""
+    freed pages given back (malloc_trim(0)). `trims` counts those. `enter(rows, heap=False)`: such a step keeps the
+    fixed setting and its `after_layer` gives the heap's free pages back after each layer instead (`trim_layer`)."""
 
     depth = 0
     trims = 0
     layer_trims = 0
     _lock = threading.Lock()
 
-    def __init__(self, active: bool):
+    def __init__(self, active: bool, trim_layers: bool = False):
         self.active = active
+        self.after_layer: Callable[[], None] | None = StepHeap.trim_layer if trim_layers else None
 
     @classmethod
-    def enter(cls, rows: int) -> "StepHeap":
-        return cls(rows >= STEP_HEAP_ROWS and bool(_done) and _MALLOPT is not None and _TRIM is not None)
+    def enter(cls, rows: int, heap: bool = True) -> "StepHeap":
+        large = rows >= STEP_HEAP_ROWS and bool(_done) and _MALLOPT is not None and _TRIM is not None
+        return cls(large and heap, trim_layers=large and not heap)
 
     def __enter__(self) -> "StepHeap":
         if self.active:
@@ -136,11 +139,10 @@ class StepHeap:
 
     @classmethod
     def trim_layer(cls) -> None:
-        """After a layer of a large step kept off the step heap (Engine.step): every arena's free pages back to the
-        kernel now (malloc_trim(0), no-op without glibc's); `layer_trims` counts them."""
-        if _TRIM is not None and _done:
-            _TRIM(0)
-            cls.layer_trims += 1
+        """After a layer of a large step kept off the step heap: every arena's free pages back to the kernel now
+        (malloc_trim(0)); `layer_trims` counts them."""
+        _TRIM(0)
+        cls.layer_trims += 1
 
 
 def trim_available() -> bool:

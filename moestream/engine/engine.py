@@ -16,7 +16,7 @@ from typing import Iterator
 import torch
 
 from moestream.config import EngineOptions, format_bytes, parse_bytes, read_model_config
-from moestream.engine.allocator import STEP_HEAP_ROWS, HeapTrim, ResidentCheck, StepHeap, return_freed_memory
+from moestream.engine.allocator import HeapTrim, ResidentCheck, StepHeap, return_freed_memory
 from moestream.memory.accountant import MemoryAccountant
 from moestream.engine.residency import DenseStreamer, ResidencyPlan, plan_residency
 from moestream.engine.sampling import SamplingParams, sample
@@ -290,13 +290,10 @@ class Engine:
         # scheduler charges the rest of a large step's activations around it (activation_bytes)
         held = rows.shape[0] * self.vocab_size * 4 if all_logits else 0
         chunked = self.logit_rows(rows.shape[0], all_logits) < rows.shape[0]  # made a chunk at a time as read
-        heap_rows = self._heap_rows(items, tokens.shape[0])
         with tensors_fit_config(self.path), transient(self.memory, held, "all-position logits"), \
-                self._math(tokens.shape[0]), StepHeap.enter(heap_rows):
+                self._math(tokens.shape[0]), StepHeap.enter(tokens.shape[0], self._step_heap(items)) as heap:
             try:
-                # a large step kept off the step heap gives the heap's free pages back after each layer (_heap_rows)
-                trim = heap_rows == 0 and tokens.shape[0] >= STEP_HEAP_ROWS
-                self.model.after_layer = StepHeap.trim_layer if trim else None
+                self.model.after_layer = heap.after_layer  # off the step heap: the heap trimmed after each layer
                 logits = self.model.forward(tokens, batch, rows, head=not chunked)
             finally:
                 self.model.after_layer = None
@@ -312,10 +309,10 @@ class Engine:
             return list(logits.unbind(0))
         return [logits[seg.rows] for seg in batch.segments]
 
-    def _heap_rows(self, items: list[tuple[SeqState, list[int]]], rows: int) -> int:
-        """Rows for StepHeap.enter: the step's, except where a scheduler holds RSS to the budget (`watch_resident`)
-        and the step carries a prompt chunk: then none (the fixed mmap threshold), and `step` trims the heap after
-        each of its layers. A decode step's heap stays within what its caller charges for its activations (a
+    def _step_heap(self, items: list[tuple[SeqState, list[int]]]) -> bool:
+        """Whether a large step runs on the step heap (StepHeap.enter): yes, except where a scheduler holds RSS to
+        the budget (`watch_resident`) and the step carries a prompt chunk: then it keeps the fixed mmap threshold
+        and trims the heap after each of its layers. A decode step's heap stays within what its caller charges for its activations (a
         512-sequence q3m_med decode step peaked 17-22 MB over its start with it, 14-15 without, against 22 MB
         charged), where a 2,048-row prompt step's peaked 214-241 MB against 134-139 without and 87 charged.
         The decode steps' heap leaves a wide span of free, trimmed pages behind it (a 1,024-request job's arenas
@@ -323,9 +320,7 @@ class Engine:
         goes, fault its pages in again: a step of 512 decoding rows and 8-16 prompts of 64 tokens peaked 85-244 MiB
         over its start beyond its new state against 57-91 MiB charged, and 27-66 MiB with a trim after each layer,
         which re-faults pages: 3-13% longer in isolation (docs/performance.md, "Free heap pages in a prompt step")."""
-        if self._resident is None or all(len(t) == 1 for _, t in items):
-            return rows
-        return 0
+        return self._resident is None or all(len(t) == 1 for _, t in items)
 
     @contextlib.contextmanager
     def _math(self, rows: int) -> Iterator[None]:

@@ -162,7 +162,8 @@ class BufferPool:
     def trim(self, keep_bytes: int = 0) -> None:
         """Drop idle buffers beyond `keep_bytes` (their memory returns to the OS when the last view dies)."""
         with self._lock:
-            self._drop(max(0, self.idle_bytes - keep_bytes))
+            if self.idle_bytes > keep_bytes:  # called after every layer and state growth: mostly nothing to drop
+                self._drop(self.idle_bytes - keep_bytes)
 
     def _drop(self, nbytes: int) -> None:
         """Release at least `nbytes` of idle buffers (or all of them), largest first. Caller holds the lock."""

@@ -465,7 +465,7 @@ class Scheduler:
             seq, toks = items.pop()
             grown -= growth.pop()
             rows -= len(toks)
-            prompt -= len(toks) if len(toks) > 1 else 0
+            prompt -= _prompt_rows([(seq, toks)])
             if items:
                 self._defer(seq, toks)  # it runs once the older ones finish and free their state
                 continue
