@@ -141,6 +141,7 @@ class BufferPool:
         self._free: dict[int, list[mmap.mmap]] = {}
         self._lock = threading.Lock()
         self.idle_bytes = 0
+        self.mapped_bytes = 0  # bytes of buffers mapped afresh (each page faults in on its read), not recycled
 
     def take(self, nbytes: int) -> mmap.mmap:
         with self._lock:
@@ -149,6 +150,7 @@ class BufferPool:
                 self.idle_bytes -= nbytes
                 return free.pop()
             self._drop(nbytes)
+            self.mapped_bytes += nbytes
         # private: MAP_SHARED anonymous memory would be shmem, charged and reclaimed differently
         return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
