@@ -149,13 +149,15 @@ class Step:
     # emitting, admission; for a step of more than engine.LOGIT_CHUNK_ROWS sequences also its lm_head, made a chunk at
     # a time as the rows are sampled)
     gap_s: float = 0.0
+    fresh_buffer_bytes: int = 0  # expert read buffers mapped afresh rather than recycled (their pages fault in)
 
     def detail(self) -> dict:
         """The step's entry in the report's `step_detail` (decode_rows 0 for a step with any prompt chunk)."""
         return {"seconds": self.seconds, "bytes_read": self.bytes_read, "rows": self.tokens,
                 "decode_rows": self.decode_rows if len_or(self) == self.decode_rows else 0, "misses": self.misses,
                 "io_wait_s": self.io_wait_s, "expert_s": self.expert_s, "lookahead_s": self.lookahead_s,
-                "minor_faults": self.minor_faults, "system_s": self.system_s, "gap_s": self.gap_s}
+                "minor_faults": self.minor_faults, "system_s": self.system_s, "gap_s": self.gap_s,
+                "fresh_buffer_bytes": self.fresh_buffer_bytes}
 
 
 @dataclass
@@ -176,7 +178,8 @@ class StepMeter:
         b0, t0, m0 = store.bytes_read, time.perf_counter(), stats.misses
         gap = t0 - self._last if self._last is not None else 0.0
         r0 = (times.io_wait_s, times.expert_s, times.lookahead_s)
-        u0 = resource.getrusage(resource.RUSAGE_SELF)
+        pool = store.reader.pool
+        u0, f0 = resource.getrusage(resource.RUSAGE_SELF), pool.mapped_bytes
         lens = [(s.pos, len(t)) for s, t in items if len(t) > 0]
         out = self._inner(items, all_logits)
         u1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -185,7 +188,8 @@ class StepMeter:
                                tokens if all_logits else len(lens), sum(n * (p + n) for p, n in lens),
                                sum(1 for p, n in lens if n == 1 and p > 0), stats.misses - m0,
                                times.io_wait_s - r0[0], times.expert_s - r0[1], times.lookahead_s - r0[2],
-                               u1.ru_minflt - u0.ru_minflt, u1.ru_stime - u0.ru_stime, gap))
+                               u1.ru_minflt - u0.ru_minflt, u1.ru_stime - u0.ru_stime, gap,
+                               pool.mapped_bytes - f0))
         self._last = time.perf_counter()
         return out
 

@@ -349,10 +349,10 @@ def test_waiting_line_stays_short_while_state_bounds_the_batch(models, monkeypat
     monkeypatch.setattr(Scheduler, "submit", recording)
     engine = Engine.open(path, ram_budget=budget(path))
     try:
-        report = run_batch(engine, Tokenizer.load(path), requests_from(requests(path.name, 60, 3, False)),
+        report = run_batch(engine, Tokenizer.load(path), requests_from(requests(path.name, 120, 3, False)),
                            BatchOptions(max_batch=512))
     finally:
         engine.close()
-    assert report.requests == 60 and report.failed == 0 and len(seen) == 60
+    assert report.requests == 120 and report.failed == 0 and len(seen) == 120
     assert 1 < report.widest_step < 60  # the state room, not --max-batch, bounded the batch
     assert max(q - max(runner.MIN_WAITING, r // 4) for q, r in seen) <= 0

@@ -23,7 +23,10 @@ from moestream.server.scheduler import Scheduler, SchedulerConfig
 from moestream.tokenizer import Tokenizer
 
 Emit = Callable[[dict], None]
-MIN_WAITING = 16  # requests waiting for admission at least, beyond those running
+# requests waiting for admission at least, beyond those running: enough that a job's first steps prefill whole chunks
+# (64 prompts of 32 tokens fill the default 2,048; with 16, the 1,024-request job of docs/performance.md spent its
+# first eight steps on 1,000-1,700 prompt rows, each reading nearly every expert)
+MIN_WAITING = 64
 REFILL_S = 0.05  # how often the submitting loop looks for room when nothing finished
 
 
