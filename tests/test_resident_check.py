@@ -1,6 +1,6 @@
-"""Resident memory outside the accountant's books is booked after a step (engine/allocator.ResidentCheck), so the
-expert cache gives its room up: what the freed objects of a batch job's finished sequences left resident (a
-1,024-request job ended 25 MiB over its RSS bound, docs/memory.md)."""
+"""Resident memory outside the accountant's books is booked after a step and before the next
+(engine/allocator.ResidentCheck), so the expert cache gives its room up: what the freed objects of a batch job's
+finished sequences left resident (a 1,024-request job ended 25 MiB over its RSS bound, docs/memory.md)."""
 import mmap
 
 import pytest
@@ -36,18 +36,24 @@ def test_unbooked_memory_gives_way_to_state_and_keeps_expert_room():
     assert unlimited.unbooked_bytes == 0
 
 
-@pytest.mark.skipif(anon_rss() == 0, reason="no /proc/self/statm")
-def test_resident_memory_outside_the_books_displaces_experts(tiny):
+def _watched(tiny):
+    """An engine with 96 MiB of expert room that measures its RSS (watch_resident), and a sequence two steps in."""
     p = plan(tiny)
     eng = Engine.open(tiny, ram_budget=p.dense_bytes + p.scratch_bytes + 96 * MiB)
+    st = eng.new_sequence()
+    eng.step([(st, [1, 2, 3, 4])])
+    # settle the heap first: in a long test session, free heap that the steps' own trims return would offset the
+    # held bytes below (RSS really did shrink by it), and the figure would depend on the tests run before
+    HeapTrim(every_s=0).after_step()
+    eng.watch_resident(keep=p.max_expert_bytes)
+    eng.step([(st, [5])])
+    return eng, st
+
+
+@pytest.mark.skipif(anon_rss() == 0, reason="no /proc/self/statm")
+def test_resident_memory_outside_the_books_displaces_experts(tiny):
+    eng, st = _watched(tiny)
     try:
-        st = eng.new_sequence()
-        eng.step([(st, [1, 2, 3, 4])])
-        # settle the heap first: in a long test session, free heap that the steps' own trims return would offset the
-        # held bytes below (RSS really did shrink by it), and the figure would depend on the tests run before
-        HeapTrim(every_s=0).after_step()
-        eng.watch_resident(keep=p.max_expert_bytes)
-        eng.step([(st, [5])])
         room = eng.memory.cache_capacity()
         # a mapping of its own: a bytes object this size can be carved from a free hole that earlier tests left in
         # the heap, and after `del` its pages stay resident until the next trim (measured in the full suite)
@@ -62,5 +68,33 @@ def test_resident_memory_outside_the_books_displaces_experts(tiny):
         held.close()  # unmapped: the room goes back to the experts
         eng.step([(st, [7])])
         assert eng.memory.unbooked_bytes < 16 * MiB
+    finally:
+        eng.close()
+
+
+@pytest.mark.skipif(anon_rss() == 0, reason="no /proc/self/statm")
+def test_memory_held_between_steps_is_booked_before_the_next_step_reads(tiny):
+    """Sequences freed between steps give their state's books back at once, and those books could cover more than
+    RSS held; the engine measures again before a step, so its expert reads never fill room that RSS beyond the books
+    already takes (the 1,024-request job's wave ending at once went 62 MB over its bound when only the end of a
+    step was measured)."""
+    eng, st = _watched(tiny)
+    try:
+        seen = []
+        forward = eng.model.forward
+
+        def spy(*args, **kwargs):  # the books as the step's layers start reading experts
+            seen.append((eng.memory.unbooked_bytes, eng.memory.cache_capacity()))
+            return forward(*args, **kwargs)
+
+        eng.model.forward = spy
+        room = eng.memory.cache_capacity()
+        held = mmap.mmap(-1, 48 * MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        for page in range(0, 48 * MiB, mmap.PAGESIZE):
+            held[page] = 1  # between steps, as a finished sequence's freed books would leave it
+        eng.step([(st, [6])])
+        unbooked, capacity = seen[-1]
+        assert unbooked >= 40 * MiB and capacity <= room - 40 * MiB
+        held.close()
     finally:
         eng.close()

@@ -27,8 +27,8 @@ Even trimmed, a heap keeps what its live neighbours pin: when a batch job's sequ
 held (tensor objects of their cache blocks, per-sequence Python state, mostly in the engine thread's own glibc
 arena) are freed among those still live, the books release their charge, the expert cache takes the room back,
 and RSS ends above the budget (docs/memory.md: 25 MiB at the end of a 1,024-request job). `ResidentCheck`
-measures the process's anonymous RSS after a step and books what lies beyond the books (`set_unbooked`), so the
-expert cache gives that room up.
+measures the process's anonymous RSS after a step and again before the next, and books what lies beyond the books
+(`set_unbooked`), so the expert cache gives that room up.
 """
 from __future__ import annotations
 
@@ -173,10 +173,10 @@ def anon_rss() -> int:
 
 
 class ResidentCheck:
-    """After each engine step: the anonymous RSS grown since `start` beyond what the accountant books (plus the
-    reader's idle expert buffers, which the cache's free room covers) is booked as unbooked memory, so experts
-    make room for it, leaving them `keep` bytes (what a step needs to read its experts). Moves in steps of at least `grow_step` up and `shrink_step` down (no expert churn from
-    small swings). Started by a server or batch scheduler, which owns the process's memory; an engine embedded
+    """Before and after each engine step: the anonymous RSS grown since `start` beyond what the accountant books
+    (plus the reader's idle expert buffers, which the cache's free room covers) is booked as unbooked memory, so
+    experts make room for it, leaving them `keep` bytes (what a step needs to read its experts). Moves in steps of
+    at least `grow_step` up and `shrink_step` down (no expert churn from small swings). Started by a server or batch scheduler, which owns the process's memory; an engine embedded
     beside other work does not measure (its neighbours' memory is not its own)."""
 
     def __init__(self, memory, idle: Callable[[], int], keep: int = 0, grow_step: int = 4 << 20,
@@ -191,7 +191,12 @@ class ResidentCheck:
         m = self.memory
         return m.resident() - m.unbooked_bytes + (m.stream_reserve - m.stream_bytes) + self.idle()
 
-    def after_step(self) -> None:
+    def measure(self) -> None:
+        """Book what RSS holds beyond the books now. The engine measures after a step and again before the next:
+        sequences freed in between give their state's books back at once, but those books held more than RSS did
+        (KV blocks booked whole, their pages touched as tokens come), so the next step's expert reads would fill
+        the room that RSS beyond the books already holds; measured first, the cache makes room for it before
+        reading (the 1,024-request job's wave ending at once: 62 MB over the bound without this)."""
         rss = anon_rss()
         if rss:
             self.memory.set_unbooked(rss - self.base - self.books(), self.grow_step, self.shrink_step, self.keep)

@@ -289,6 +289,8 @@ class Engine:
         # every position's logits exist while the step runs (their consumer's copy is charged by prefill); a batch
         # scheduler charges the rest of a large step's activations around it (activation_bytes)
         held = rows.shape[0] * self.vocab_size * 4 if all_logits else 0
+        if self._resident is not None:
+            self._resident.measure()  # what changed since the last step (sequences freed) before any expert is read
         chunked = self.logit_rows(rows.shape[0], all_logits) < rows.shape[0]  # made a chunk at a time as read
         with tensors_fit_config(self.path), transient(self.memory, held, "all-position logits"), \
                 self._math(tokens.shape[0]), StepHeap.enter(tokens.shape[0], self._step_heap(items)) as heap:
@@ -300,7 +302,7 @@ class Engine:
                 self.runner.end_step()
         self._heap.after_step()
         if self._resident is not None:
-            self._resident.after_step()
+            self._resident.measure()
         for s, t in items:
             s.pos += len(t)
         if chunked:
