@@ -176,8 +176,9 @@ class ResidentCheck:
     """Before and after each engine step: the anonymous RSS grown since `start` beyond what the accountant books
     (plus the reader's idle expert buffers, which the cache's free room covers) is booked as unbooked memory, so
     experts make room for it, leaving them `keep` bytes (what a step needs to read its experts). Moves in steps of
-    at least `grow_step` up and `shrink_step` down (no expert churn from small swings). Started by a server or batch scheduler, which owns the process's memory; an engine embedded
-    beside other work does not measure (its neighbours' memory is not its own)."""
+    at least `grow_step` up and `shrink_step` down (no expert churn from small swings). Started by a server or batch
+    scheduler, which owns the process's memory; an engine embedded beside other work does not measure (its
+    neighbours' memory is not its own)."""
 
     def __init__(self, memory, idle: Callable[[], int], keep: int = 0, grow_step: int = 4 << 20,
                  shrink_step: int = 8 << 20):
