@@ -269,3 +269,57 @@ def _left_out_go_first(sched) -> None:
     sched.profile.learn = lambda state: None
     sched._step()
     assert left == ["c", "a"] and (a.waited, b.waited, c.waited) == (0, 1, 0)
+
+
+def test_same_length_prompts_attend_in_one_call_bit_for_bit(tiny, monkeypatch):
+    """A step's whole prompts of one length attend in one flash call (attention.fresh_attention_many), beside
+    decoding sequences that take the paged call (their rows lead the step: the prompts' q/k norm and rope run on
+    the rows after them alone). Every row's logits equal those of the same step with one call per prompt, bit for
+    bit, and the flash call takes the prompts of each length together."""
+    from moestream.models import attention
+
+    def step(group_bytes: int) -> tuple[list[torch.Tensor], list[int]]:
+        monkeypatch.setattr(attention, "FRESH_GROUP_BYTES", group_bytes)
+        eng = Engine.open(tiny, kv_dtype="int4")
+        old = [eng.new_sequence() for _ in range(3)]
+        eng.step([(s, prompt_ids(512, 20, seed=i)) for i, s in enumerate(old)])
+        calls = []
+        real = attention.fresh_attention_many
+        monkeypatch.setattr(attention, "fresh_attention_many", lambda slot, q, *a: calls.append(q.shape[0]) or
+                            real(slot, q, *a))
+        lengths = [20, 20, 24, 20, 20, 24]
+        items = [(s, [5 + i]) for i, s in enumerate(old)] + \
+                [(eng.new_sequence(), prompt_ids(512, n, seed=10 + i)) for i, n in enumerate(lengths)]
+        got = [lg.clone() for lg in eng.step(items, all_logits=True)]
+        monkeypatch.setattr(attention, "fresh_attention_many", real)
+        return got, calls
+
+    grouped, calls = step(attention.FRESH_GROUP_BYTES)
+    alone, calls_alone = step(1)
+    layers = len(calls_alone) // 6
+    assert calls == [4, 2] * layers and calls_alone == [1] * 6 * layers
+    assert all(torch.equal(a, b) for a, b in zip(grouped, alone))
+
+
+def test_short_prompts_beside_others_take_the_batched_path(tiny, monkeypatch):
+    """Prompts of a few tokens sharing a step (with each other or with decoding sequences) attend on the general
+    path: the decoding rows in one paged call a layer, never the per-sequence native call that gathers each whole
+    cache; one sequence alone still takes the native call. Greedy tokens equal each request alone."""
+    from moestream.models import attention
+
+    native, paged = [], []
+    real_native, real_paged = attention.GQAMixer._native_call, attention.GQAMixer._attend_paged
+    monkeypatch.setattr(attention.GQAMixer, "_native_call", lambda self, *a: native.append(1) or real_native(self, *a))
+    monkeypatch.setattr(attention.GQAMixer, "_attend_paged", lambda self, *a: paged.append(1) or real_paged(self, *a))
+    eng = Engine.open(tiny, kv_dtype="int8")
+    layers = len(eng.model.layers)
+    old = [eng.new_sequence() for _ in range(3)]
+    eng.step([(s, prompt_ids(512, 6, seed=i)) for i, s in enumerate(old)])
+    assert native == [] and paged == []
+    eng.step([(s, [5 + i]) for i, s in enumerate(old)] + [(eng.new_sequence(), prompt_ids(512, 5, seed=9))])
+    assert native == [] and len(paged) == layers
+    eng.step([(eng.new_sequence(), prompt_ids(512, 5, seed=10))])
+    assert len(native) == layers
+    prompts = [prompt_ids(512, 3 + i % 9, seed=20 + i) for i in range(12)]
+    want = [_greedy_batched(Engine.open(tiny, kv_dtype="int8"), [p], 6)[0][0] for p in prompts]
+    assert _greedy_batched(Engine.open(tiny, kv_dtype="int8"), prompts, 6)[0] == want

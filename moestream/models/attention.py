@@ -103,22 +103,36 @@ def cached_attention(seg: Segment, slot: KVSlot, q: torch.Tensor, k: torch.Tenso
     key tiles (online softmax) sized to the scratch allowance (anything over it is charged while it exists)
     -> [T, Hq, Dv]. For a quantised cache, `pre` may carry k and v already quantised at its bits (a step's rows for
     all its sequences quantised in one call)."""
-    pre_k, pre_v = pre if pre is not None and slot.k.quantized else (None, None)
-    slot.k.push(k, pre_k)
-    slot.v.push(v, pre_v)
     t, hq, d = q.shape
+    fresh = fresh_prompt(seg, slot, window, sinks)
+    k_in, v_in = push_rows(slot, k, v, pre)
+    if fresh:
+        return _fresh_attention(slot, q, k_in, v_in, scale)
     memory = slot.k.memory
-    if window is None and sinks is None and seg.pos == 0 and slot.k.kept == t:
-        if pre_k is not None:
-            k, v = pre_k.decoded, pre_v.decoded
-        elif slot.k.dtype != torch.float32:
-            k, v = slot.k.stored(k), slot.v.stored(v)
-        return _fresh_attention(slot, q, k, v, scale)
     rows, keys, nbytes = tile_plan(hq, k.shape[1], t, slot.k.kept, d, v.shape[-1], scratch_budget(memory, TILE_BYTES))
     with scratch(memory, nbytes, "attention scratch"):
         out = attend_tiles(q.permute(1, 0, 2).unsqueeze(0), cache_tiles(slot, keys), seg.pos, scale, window, sinks,
                            rows, v.shape[-1])
     return out[0].permute(1, 0, 2)
+
+
+def fresh_prompt(seg: Segment, slot: KVSlot, window: int | None, sinks: torch.Tensor | None) -> bool:
+    """A whole prompt attending to itself: its cache holds nothing yet, no window, no sinks (_fresh_attention)."""
+    return window is None and sinks is None and seg.pos == 0 and slot.k.kept == 0
+
+
+def push_rows(slot: KVSlot, k: torch.Tensor, v: torch.Tensor,
+              pre: tuple[kvquant.Quantized, kvquant.Quantized] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append k, v to the cache (quantised with `pre` where given); returns them as the cache stores them (bf16
+    rounded, int8 / int4 decoded), what a fresh prompt's attention reads."""
+    pre_k, pre_v = pre if pre is not None and slot.k.quantized else (None, None)
+    slot.k.push(k, pre_k)
+    slot.v.push(v, pre_v)
+    if pre_k is not None:
+        return pre_k.decoded, pre_v.decoded
+    if slot.k.dtype != torch.float32:
+        return slot.k.stored(k), slot.v.stored(v)
+    return k, v
 
 
 FLASH_Q_SPLIT, FLASH_KV_SPLIT = 256, 512  # the largest query / key blocks of ATen's CPU flash attention kernel
@@ -132,16 +146,29 @@ def _fresh_attention(slot: KVSlot, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     (docs/performance.md). The caller passes keys and values as the cache stores them (bf16 caches round them, int8 /
     int4 caches quantise them), as the tiled path reads them. Its per-thread blocks and the output are charged as scratch
     while it runs."""
-    t, hq, d = q.shape
+    return fresh_attention_many(slot, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale)[0]
+
+
+FRESH_GROUP_BYTES = 16 << 20  # stacked q / k / v / output of same-length prompts in one flash attention call
+
+
+def fresh_attention_many(slot: KVSlot, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """`_fresh_attention` for n prompts of one length at once: q [n, T, Hq, D], k [n, T, Hkv, D], v [n, T, Hkv, Dv]
+    -> [n, T, Hq, Dv], one flash call over a batch of n (a batch job's prefill chunk of 32 prompts made 32 calls a
+    layer, each mostly the kernel's fixed cost). The kernel splits work by (batch, head, query block) and a row's
+    blocks depend on the lengths alone, so each prompt's rows are bit for bit those of its own call (a test checks
+    it). Charged like one call, with the n outputs."""
+    n, t, hq, d = q.shape
     dv = v.shape[-1]
     block = min(t, FLASH_Q_SPLIT)
-    nbytes = 4 * (torch.get_num_threads() * block * (min(t, FLASH_KV_SPLIT) + 2 * dv + 2) + t * hq * dv)
+    nbytes = 4 * (torch.get_num_threads() * block * (min(t, FLASH_KV_SPLIT) + 2 * dv + 2) + n * t * hq * dv)
     with scratch(slot.k.memory, nbytes, "attention scratch"):
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            out = F.scaled_dot_product_attention(q.permute(1, 0, 2).unsqueeze(0), k.permute(1, 0, 2).unsqueeze(0),
-                                                 v.permute(1, 0, 2).unsqueeze(0), is_causal=True, scale=scale,
-                                                 enable_gqa=hq != k.shape[1])
-    return out[0].permute(1, 0, 2)
+            out = F.scaled_dot_product_attention(q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3),
+                                                 v.permute(0, 2, 1, 3), is_causal=True, scale=scale,
+                                                 enable_gqa=hq != k.shape[2])
+    return out.permute(0, 2, 1, 3)
 
 
 DECODE_PAD_BYTES = 16 << 20  # padded K+V copy one batched decode attention call may make (bounds the temporary)
@@ -244,25 +271,43 @@ class GQAMixer:
         if fixed and not paged_rows:  # the padded batch call's shape depends on the others: one sequence at a time
             single = []
         rows = torch.tensor([seg.start for seg in single], dtype=torch.long)
+        # the paged call norms and ropes its own rows: when they lead the step (the scheduler puts decoding
+        # sequences first), the rest is done on the rows after them alone
+        base = len(single) if paged_rows and all(seg.start == i for i, seg in enumerate(single)) else 0
         if paged_rows:  # a step that also prefills: its decoding sequences still take the one paged call
-            out[rows] = self._attend_paged(q[rows], k[rows], v[rows], single, index)
+            lead = slice(0, base) if base else rows
+            out[lead] = self._attend_paged(q[lead], k[lead], v[lead], single, index)
+        qt, kt, vt = q[base:], k[base:], v[base:]
         if self.q_norm is not None:
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+            qt, kt = rms_norm(qt, self.q_norm, self.eps), rms_norm(kt, self.k_norm, self.eps)
         cos, sin = self.rope.cos_sin(batch.positions)
-        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
+        qt, kt = self.rope.apply(qt, cos[base:], sin[base:]), self.rope.apply(kt, cos[base:], sin[base:])
         if single and not paged_rows:  # decoding sequences: one batched attention instead of one small call each
             slots = [self.slot(seg, index) for seg in single]
-            out[rows] = decode_attention(slots, q[rows], k[rows], v[rows], self.scale, self.window, self.sinks)
+            out[rows] = decode_attention(slots, qt[rows], kt[rows], vt[rows], self.scale, self.window, self.sinks)
         done = {id(seg) for seg in single}
         rest = [seg for seg in batch.segments if id(seg) not in done]
         pre = {}  # quantised storage's bits -> k and v quantised once for all the sequences of that storage
         for bits in {kvquant.bits_of(seg.state.kv_dtype) for seg in rest} - {0}:
-            pre[bits] = (kvquant.quantized(k, bits), kvquant.quantized(v, bits))
+            pre[bits] = (kvquant.quantized(kt, bits), kvquant.quantized(vt, bits))
+        fresh: dict[int, list] = {}  # prompt length -> whole prompts over empty caches, attended in one call
         for seg in rest:
-            r = seg.rows
+            r, slot = slice(seg.start - base, seg.start - base + seg.length), self.slot(seg, index)
             got = pre.get(kvquant.bits_of(seg.state.kv_dtype))
-            out[r] = cached_attention(seg, self.slot(seg, index), q[r], k[r], v[r], self.scale, self.window,
-                                      self.sinks, None if got is None else (got[0].rows(r), got[1].rows(r)))
+            got = None if got is None else (got[0].rows(r), got[1].rows(r))
+            if not fixed and fresh_prompt(seg, slot, self.window, self.sinks):
+                fresh.setdefault(seg.length, []).append((seg.rows, slot, qt[r], *push_rows(slot, kt[r], vt[r], got)))
+                continue
+            out[seg.rows] = cached_attention(seg, slot, qt[r], kt[r], vt[r], self.scale, self.window, self.sinks, got)
+        for length, group in fresh.items():
+            per = 4 * length * (qt.shape[1] * qt.shape[2] * 2 + kt.shape[1] * (kt.shape[2] + vt.shape[2]))
+            step = max(1, FRESH_GROUP_BYTES // per)
+            for i in range(0, len(group), step):
+                part = group[i:i + step]
+                got = fresh_attention_many(part[0][1], *(torch.stack([g[j] for g in part]) for j in (2, 3, 4)),
+                                           self.scale)
+                for (r, *_), o in zip(part, got):
+                    out[r] = o
         return linear(out.reshape(t, -1), self.o, self.ob)
 
     def decode_block(self, h: torch.Tensor, batch, index: int, in_norm: torch.Tensor, post_norm: torch.Tensor,
@@ -323,10 +368,18 @@ class GQAMixer:
     def _native(self, x: torch.Tensor, batch) -> bool:
         """Small segments, no sinks, rotate-half rope, a cache that still starts at position 0 (the kernel ropes
         new keys at their index in the cache; a window that has dropped blocks goes the torch way): q/k norms,
-        rope, KV append and attention in one native call per sequence (instead of some thirty small torch ops)."""
+        rope, KV append and attention in one native call per sequence (instead of some thirty small torch ops).
+        Only for one sequence, or sequences all decoding one token: a step with several prompts of a few tokens
+        (or one beside decoding sequences) takes the general path, whose torch ops run once over all its rows, the
+        decoding rows in one paged call and same-length prompts in one flash call. Per sequence here, each call
+        gathered (and for int8 / int4 caches decoded) its whole cache: a job of 1,024 8-token prompts spent 45 s
+        of its 79 s of steps in this path (docs/performance.md)."""
+        segs = batch.segments
+        if len(segs) > 1 and any(seg.length > 1 for seg in segs):
+            return False
         return self._kernel_fits(x) and all(
             seg.length <= NATIVE_MAX_TOKENS and (self.window is None or seg.pos - self.window + 1 < BLOCK_TOKENS)
-            for seg in batch.segments)
+            for seg in segs)
 
     def _kernel_fits(self, x: torch.Tensor) -> bool:
         """The native attention kernels take this layer: no sinks, rotate-half rope over the whole head, no grad."""
