@@ -300,12 +300,13 @@ class GQAMixer:
                 continue
             out[seg.rows] = cached_attention(seg, slot, qt[r], kt[r], vt[r], self.scale, self.window, self.sinks, got)
         for length, group in fresh.items():
-            per = 4 * length * (qt.shape[1] * qt.shape[2] * 2 + kt.shape[1] * (kt.shape[2] + vt.shape[2]))
-            step = max(1, FRESH_GROUP_BYTES // per)
+            stacked = 4 * length * (qt.shape[1] * qt.shape[2] + kt.shape[1] * (kt.shape[2] + vt.shape[2]))
+            step = max(1, FRESH_GROUP_BYTES // (stacked + 4 * length * qt.shape[1] * qt.shape[2]))  # and the output
             for i in range(0, len(group), step):
                 part = group[i:i + step]
-                got = fresh_attention_many(part[0][1], *(torch.stack([g[j] for g in part]) for j in (2, 3, 4)),
-                                           self.scale)
+                with scratch(part[0][1].k.memory, len(part) * stacked, "stacked prompts' q, k, v"):
+                    got = fresh_attention_many(part[0][1], *(torch.stack([g[j] for g in part]) for j in (2, 3, 4)),
+                                               self.scale)
                 for (r, *_), o in zip(part, got):
                     out[r] = o
         return linear(out.reshape(t, -1), self.o, self.ob)
