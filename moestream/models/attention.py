@@ -303,11 +303,10 @@ class GQAMixer:
             stacked = 4 * length * (qt.shape[1] * qt.shape[2] + kt.shape[1] * (kt.shape[2] + vt.shape[2]))
             step = max(1, FRESH_GROUP_BYTES // (stacked + 4 * length * qt.shape[1] * qt.shape[2]))  # and the output
             for i in range(0, len(group), step):
-                part = group[i:i + step]
-                with scratch(part[0][1].k.memory, len(part) * stacked, "stacked prompts' q, k, v"):
-                    got = fresh_attention_many(part[0][1], *(torch.stack([g[j] for g in part]) for j in (2, 3, 4)),
-                                               self.scale)
-                for (r, *_), o in zip(part, got):
+                where, slots, qs, ks, vs = zip(*group[i:i + step])
+                with scratch(slots[0].k.memory, len(qs) * stacked, "stacked prompts' q, k, v"):
+                    got = fresh_attention_many(slots[0], torch.stack(qs), torch.stack(ks), torch.stack(vs), self.scale)
+                for r, o in zip(where, got):
                     out[r] = o
         return linear(out.reshape(t, -1), self.o, self.ob)
 
