@@ -77,6 +77,7 @@ def run_scheduler(engine, tokenizer, requests: list[GenRequest], max_batch: int,
     wall = time.perf_counter() - t0
     first = requests[0]
     return results, {"wall_s": wall, "steps": sched.counters["steps"], "failed": sched.counters["failed"],
+                     "sampled_together": sched.counters["sampled_together"],
                      "max_batch": max_batch, "batch_plan": sched.plan_batch(len(first.prompt_ids), first.max_tokens)
                      if hasattr(sched, "plan_batch") else None}
 

@@ -241,6 +241,35 @@ def test_bench_runs_the_job_as_moestream_batch_does(tiny):
     assert rep["batch_plan"]["state_bytes_per_sequence"] > 0
 
 
+def test_rows_sampled_together_draw_each_requests_own_tokens(tiny):
+    """A step's decoding rows with the same temperature and top_p are sampled in one set of torch calls
+    (Scheduler._draw_ahead): each request's text is the one it gets alone (one row a step, sampled by itself), at
+    several temperatures and top_p, greedy included, with and without a seed's neighbours."""
+    import importlib
+    import sys
+
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        bt = importlib.import_module("batch_throughput")
+    finally:
+        sys.path.remove(str(bench))
+    eng = Engine.open(tiny)
+    try:
+        tok = Tokenizer.load(tiny)
+        reqs = bt.job_requests(eng.vocab_size, 12, 5, 7, 1.0, 3)
+        for i, (t, p) in enumerate([(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)] * 4):
+            reqs[i].temperature, reqs[i].top_p = t, p
+        together, rep = bt.run_scheduler(eng, tok, reqs, 12, 64)
+        alone, rep_alone = bt.run_scheduler(eng, tok, reqs, 1, 64)
+    finally:
+        eng.close()
+    assert [r["text"] for r in together] == [r["text"] for r in alone]
+    assert [r["tokens"] for r in together] == [7] * 12
+    assert len({r["text"] for r in together[:12:3]}) > 1  # the sampled texts differ from one another
+    assert rep["sampled_together"] >= 12 * 5 and rep_alone["sampled_together"] == 0
+
+
 def test_decoding_sequences_left_out_for_room_go_first_next_step(tiny):
     """A step the budget cannot hold whole leaves out its last items (_make_room): decoding sequences come first,
     those left out last time ahead of the others, and prompt chunks after them, so none waits twice in a row."""

@@ -35,16 +35,16 @@ class SamplingParams:
 
 
 def filtered_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Log-probabilities [V] after temperature, top-k and top-p (masked entries are -inf)."""
+    """Log-probabilities [V] (or [n, V], row by row) after temperature, top-k and top-p (masked entries are -inf)."""
     x = logits.float() / p.temperature
     if p.top_k > 0 and p.top_k < x.shape[-1]:
-        kth = torch.topk(x, p.top_k).values[-1]
+        kth = torch.topk(x, p.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if p.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
         drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix reaching top_p
-        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        x = x.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     return torch.log_softmax(x, dim=-1)
 
 
@@ -52,6 +52,23 @@ def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None)
     if p.temperature == 0:
         return int(torch.argmax(logits).item())
     return draw(filtered_logprobs(logits, p).exp(), gen)
+
+
+def sample_rows(logits: torch.Tensor, p: SamplingParams, gens: list[torch.Generator | None]) -> list[int]:
+    """`sample` of each row of logits [n, V] with the same parameters, row i drawing from gens[i]: the same tokens
+    (each op works row by row, and each row takes one uniform from its own generator, as `sample` does), with the
+    ops run once over all rows: a batch step samples a thousand rows, at ~50 us of torch calls a row one by one."""
+    if p.temperature == 0:
+        return torch.argmax(logits, dim=-1).tolist()
+    probs = filtered_logprobs(logits, p).exp()
+    cdf = probs.double().cumsum(-1)
+    u = torch.stack([torch.rand((), dtype=torch.float64, generator=g) for g in gens]) * cdf[:, -1]
+    got = torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1).tolist()
+    vocab = probs.shape[-1]
+    for r, i in enumerate(got):
+        if i >= vocab or probs[r, i] <= 0:  # as in `draw`: the last token with any probability
+            got[r] = int(torch.nonzero(probs[r] > 0)[-1])
+    return got
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
