@@ -277,12 +277,16 @@ def norm_weight(w: Tensor | None) -> tuple[int | None, int]:
     return w.data_ptr(), int(w.dtype == torch.bfloat16)
 
 
-def rms_norm(x: Tensor, w: Tensor | None, eps: float) -> Tensor:
-    """rms_norm over the last dim of a contiguous fp32 x [..., H], times w (fp32 or bf16 [H]) when given."""
+def rms_norm(x: Tensor, w: Tensor | None, eps: float, out: Tensor | None = None) -> Tensor:
+    """rms_norm over the last dim of a contiguous fp32 x [..., H], times w (fp32 or bf16 [H]) when given; into
+    `out` (contiguous fp32, x's shape; x itself for in place) when given."""
     handle = required()
     if x.dtype != torch.float32 or not x.is_contiguous():
         raise ValueError("native rms_norm wants a contiguous fp32 x")
-    out = torch.empty_like(x)
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.dtype != torch.float32 or not out.is_contiguous() or out.shape != x.shape:
+        raise ValueError("native rms_norm's out must be a contiguous fp32 tensor of x's shape")
     h = x.shape[-1]
     ptr, bf16 = norm_weight(w)
     handle.ms_rms_norm(x.data_ptr(), x.numel() // max(1, h), h, ptr, bf16, eps, out.data_ptr())

@@ -277,11 +277,13 @@ class GQAMixer:
         if paged_rows:  # a step that also prefills: its decoding sequences still take the one paged call
             lead = slice(0, base) if base else rows
             out[lead] = self._attend_paged(q[lead], k[lead], v[lead], single, index)
+        # q and k (this call's own projections) are not read raw from here on: normed and roped in place
         qt, kt, vt = q[base:], k[base:], v[base:]
         if self.q_norm is not None:
-            qt, kt = rms_norm(qt, self.q_norm, self.eps), rms_norm(kt, self.k_norm, self.eps)
+            qt, kt = rms_norm(qt, self.q_norm, self.eps, out=qt), rms_norm(kt, self.k_norm, self.eps, out=kt)
         cos, sin = self.rope.cos_sin(batch.positions)
-        qt, kt = self.rope.apply(qt, cos[base:], sin[base:]), self.rope.apply(kt, cos[base:], sin[base:])
+        qt = self.rope.apply(qt, cos[base:], sin[base:], inplace=True)
+        kt = self.rope.apply(kt, cos[base:], sin[base:], inplace=True)
         if single and not paged_rows:  # decoding sequences: one batched attention instead of one small call each
             slots = [self.slot(seg, index) for seg in single]
             out[rows] = decode_attention(slots, qt[rows], kt[rows], vt[rows], self.scale, self.window, self.sinks)

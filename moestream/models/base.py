@@ -85,6 +85,18 @@ class ModelContext:
     memory: MemoryAccountant
 
 
+def residual(h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """h + a, written into `a` where it is a block's own fresh output (fp32, h's shape, contiguous over all of its
+    storage, no grad): the same values (an fp32 sum does not depend on the operands' order) without a new [T, H]
+    temporary, whose pages a large step faults in afresh under a scheduler's fixed mmap threshold
+    (engine/allocator.py)."""
+    if (a.dtype == h.dtype == torch.float32 and a.shape == h.shape and a.is_contiguous() and a.storage_offset() == 0
+            and a.untyped_storage().nbytes() == 4 * a.numel() and not (a.requires_grad or h.requires_grad)
+            and a.data_ptr() != h.data_ptr()):
+        return a.add_(h)
+    return h + a
+
+
 @dataclass
 class Layer:
     """One pre-norm decoder layer: h += mixer(norm(h)); h += ffn(norm(h))."""
@@ -98,8 +110,11 @@ class Layer:
     def __call__(self, h: torch.Tensor, batch: Batch, index: int) -> torch.Tensor:
         if h.shape[0] == 1 and not invariant.active() and (fast := self._decode(h, batch, index)) is not None:
             return fast
-        h = h + self.mixer(rms_norm(h, self.in_norm, self.eps), batch, index)
-        return h + self.ffn(rms_norm(h, self.post_norm, self.eps))
+        x = rms_norm(h, self.in_norm, self.eps)
+        h = residual(h, self.mixer(x, batch, index))
+        # the mixer is done with its input: the post-norm goes into that buffer (no second fresh [T, H] a layer)
+        return residual(h, self.ffn(rms_norm(h, self.post_norm, self.eps,
+                                             out=x if x.data_ptr() != h.data_ptr() else None)))
 
     def _decode(self, h: torch.Tensor, batch: Batch, index: int) -> torch.Tensor | None:
         """One decode token: the mixer's attention half and the router in one native call when the mixer has one

@@ -36,10 +36,18 @@ class Rope:
         self._last = (positions, out)
         return out
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inplace: bool = False) -> torch.Tensor:
         """x [T, H, D]; cos/sin [T, D]. Each half is written once, with the same products and sums as
         x * cos + rotate_half(x) * sin (x1 c - x2 s rounds as x1 c + (-x2) s), so the values are bit for bit
-        those of rotate_half; without its negated half, concatenated copy and full-width temporaries."""
+        those of rotate_half; without its negated half, concatenated copy and full-width temporaries. `inplace`
+        (halves layout, no grad): written over x, the same values with two half-width temporaries only."""
+        if inplace and not self.interleaved and not x.requires_grad:
+            half = x.shape[-1] // 2
+            x1, x2 = x[..., :half], x[..., half:]
+            lo, hi = x2 * sin[:, None, :half], x1 * sin[:, None, half:]
+            x1.mul_(cos[:, None, :half]).sub_(lo)
+            x2.mul_(cos[:, None, half:]).add_(hi)
+            return x
         if self.interleaved:
             t, h, d = x.shape
             x = x.view(t, h, d // 2, 2).transpose(-1, -2).reshape(t, h, d)
