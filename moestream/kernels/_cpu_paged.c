@@ -115,6 +115,24 @@ static void quantize_row(const float *x, int64_t width, int storage, int64_t gro
     }
 }
 
+/* rows x [rows, width] quantised as quantize_row (storage KV_INT8 or KV_INT4) into q (width or width / 2 bytes a
+ * row) and scales [rows, width / group], and the values they decode to (code * scale, fp32, as kvquant.dequantize)
+ * into dec [rows, width]: kvquant.quantized in one pass (a prefill chunk's keys and values) */
+void ms_kv_quantize(const float *x, int64_t rows, int64_t width, int storage, int64_t group, uint8_t *q,
+                    float *scales, float *dec) {
+    const int64_t qw = storage == KV_INT4 ? width / 2 : width, ng = width / group;
+    for (int64_t r = 0; r < rows; r++) {
+        uint8_t *qr = q + r * qw;
+        float *sr = scales + r * ng, *dr = dec + r * width;
+        quantize_row(x + r * width, width, storage, group, qr, sr);
+        for (int64_t c = 0; c < width; c++) {
+            const int code = storage == KV_INT8 ? (int8_t)qr[c]
+                                                : (int)((c % 2 ? qr[c / 2] >> 4 : qr[c / 2] & 0x0F)) - 8;
+            dr[c] = (float)code * sr[c / group];
+        }
+    }
+}
+
 /* code c of a row quantize_row wrote, as an int */
 static inline int quant_code(const uint8_t *q, int storage, int64_t c) {
     if (storage == KV_INT8) return (int8_t)q[c];

@@ -136,6 +136,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_router_softmax_topk.restype = ctypes.c_int
     lib.ms_rms_norm.argtypes = [p, i64, i64, p, ctypes.c_int, ctypes.c_float, p]
     lib.ms_rms_norm.restype = None
+    lib.ms_kv_quantize.argtypes = [p, i64, i64, ctypes.c_int, i64, p, p, p]
+    lib.ms_kv_quantize.restype = None
     lib.ms_gqa_attend.argtypes = [i64, i64, i64, i64, i64, p, p, p, i64, p, p, ctypes.c_int, ctypes.c_float, p,
                                   ctypes.c_float, ctypes.c_float, i64, p]
     lib.ms_gqa_attend.restype = ctypes.c_int
