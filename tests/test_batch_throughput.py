@@ -300,34 +300,43 @@ def _left_out_go_first(sched) -> None:
     assert left == ["c", "a"] and (a.waited, b.waited, c.waited) == (0, 1, 0)
 
 
-def test_same_length_prompts_attend_in_one_call_bit_for_bit(tiny, monkeypatch):
+@pytest.mark.parametrize("kv", ["int4", "fp32", "bf16"])
+@pytest.mark.parametrize("lengths, groups, adjacent", [([20, 20, 24, 20, 20, 24], [4, 2], 0),
+                                                        ([20, 20, 20, 24, 24], [3, 2], 2)])
+def test_same_length_prompts_attend_in_one_call_bit_for_bit(tiny, monkeypatch, kv, lengths, groups, adjacent):
     """A step's whole prompts of one length attend in one flash call (attention.fresh_attention_many), beside
     decoding sequences that take the paged call (their rows lead the step: the prompts' q/k norm and rope run on
     the rows after them alone). Every row's logits equal those of the same step with one call per prompt, bit for
-    bit, and the flash call takes the prompts of each length together."""
+    bit, and the flash call takes the prompts of each length together. Prompts of a group in consecutive rows are
+    passed as views of the step's q (and k, v where the cache stores them as computed: fp32, or int4 decoded
+    once for the step), not stacked copies."""
     from moestream.models import attention
 
-    def step(group_bytes: int) -> tuple[list[torch.Tensor], list[int]]:
+    def step(group_bytes: int) -> tuple[list[torch.Tensor], list[int], list[bool]]:
         monkeypatch.setattr(attention, "FRESH_GROUP_BYTES", group_bytes)
-        eng = Engine.open(tiny, kv_dtype="int4")
+        eng = Engine.open(tiny, kv_dtype=kv)
         old = [eng.new_sequence() for _ in range(3)]
         eng.step([(s, prompt_ids(512, 20, seed=i)) for i, s in enumerate(old)])
-        calls = []
-        real = attention.fresh_attention_many
+        calls, viewed = [], []
+        real, real_adjacent = attention.fresh_attention_many, attention.adjacent
         monkeypatch.setattr(attention, "fresh_attention_many", lambda slot, q, *a: calls.append(q.shape[0]) or
                             real(slot, q, *a))
-        lengths = [20, 20, 24, 20, 20, 24]
+        monkeypatch.setattr(attention, "adjacent", lambda parts: viewed.append(real_adjacent(parts) is not None)
+                            or real_adjacent(parts))
         items = [(s, [5 + i]) for i, s in enumerate(old)] + \
                 [(eng.new_sequence(), prompt_ids(512, n, seed=10 + i)) for i, n in enumerate(lengths)]
         got = [lg.clone() for lg in eng.step(items, all_logits=True)]
         monkeypatch.setattr(attention, "fresh_attention_many", real)
-        return got, calls
+        monkeypatch.setattr(attention, "adjacent", real_adjacent)
+        return got, calls, viewed
 
-    grouped, calls = step(attention.FRESH_GROUP_BYTES)
-    alone, calls_alone = step(1)
-    layers = len(calls_alone) // 6
-    assert calls == [4, 2] * layers and calls_alone == [1] * 6 * layers
+    grouped, calls, viewed = step(attention.FRESH_GROUP_BYTES)
+    alone, calls_alone, _ = step(1)
+    layers = len(calls_alone) // len(lengths)
+    assert calls == groups * layers and calls_alone == [1] * len(lengths) * layers
     assert all(torch.equal(a, b) for a, b in zip(grouped, alone))
+    per_layer = [sum(viewed[i:i + 6]) for i in range(0, len(viewed), 6)]  # q, k, v of each of the two groups
+    assert per_layer == [adjacent * (1 if kv == "bf16" else 3)] * layers  # a bf16 cache's k, v: rounded copies
 
 
 def test_short_prompts_beside_others_take_the_batched_path(tiny, monkeypatch):

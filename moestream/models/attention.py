@@ -152,6 +152,18 @@ def _fresh_attention(slot: KVSlot, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 FRESH_GROUP_BYTES = 16 << 20  # stacked q / k / v / output of same-length prompts in one flash attention call
 
 
+def adjacent(parts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """torch.stack(parts) as a view, where the parts are contiguous, of one shape and dtype, and lie one after
+    another in one storage (same-length prompts in consecutive rows of a step's q, k or v); else None."""
+    first = parts[0]
+    n, size = first.numel(), first.element_size()
+    if any(not p.is_contiguous() or p.shape != first.shape or p.dtype != first.dtype
+           or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+           or p.data_ptr() != first.data_ptr() + j * n * size for j, p in enumerate(parts)):
+        return None
+    return first.as_strided((len(parts), *first.shape), (n, *first.stride()), first.storage_offset())
+
+
 def fresh_attention_many(slot: KVSlot, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          scale: float) -> torch.Tensor:
     """`_fresh_attention` for n prompts of one length at once: q [n, T, Hq, D], k [n, T, Hkv, D], v [n, T, Hkv, Dv]
@@ -306,8 +318,11 @@ class GQAMixer:
             step = max(1, FRESH_GROUP_BYTES // (stacked + 4 * length * qt.shape[1] * qt.shape[2]))  # and the output
             for i in range(0, len(group), step):
                 where, slots, qs, ks, vs = zip(*group[i:i + step])
-                with scratch(slots[0].k.memory, len(qs) * stacked, "stacked prompts' q, k, v"):
-                    got = fresh_attention_many(slots[0], torch.stack(qs), torch.stack(ks), torch.stack(vs), self.scale)
+                views = [adjacent(parts) for parts in (qs, ks, vs)]  # prompts in consecutive rows: no copy
+                copied = sum(parts[0].numel() * len(parts) * 4 for parts, v in zip((qs, ks, vs), views) if v is None)
+                with scratch(slots[0].k.memory, copied, "stacked prompts' q, k, v"):
+                    got = fresh_attention_many(slots[0], *[torch.stack(parts) if v is None else v
+                                                           for parts, v in zip((qs, ks, vs), views)], self.scale)
                 for r, o in zip(where, got):
                     out[r] = o
         return linear(out.reshape(t, -1), self.o, self.ob)
