@@ -208,19 +208,24 @@ def test_scan_window_covers_a_layers_misses_within_a_quarter_of_the_cache():
     assert scan_window(capacity=7000 * mib, **peer) == 2 * 8 * 3 * mib  # all resident: nothing to read ahead
 
 
-def test_bench_runs_the_job_as_moestream_batch_does(tiny):
-    """bench/batch_throughput.py's default runner sends the requests through `moestream batch`'s job (input file,
-    fsynced output file): sampled at temperature 1 with each request's seed, every text equals the one the
-    server's Scheduler gives the same request, and the report says how wide the steps were."""
+def _bench_module():
+    """bench/batch_throughput.py, imported as a module."""
     import importlib
     import sys
 
     bench = Path(__file__).resolve().parent.parent / "bench"
     sys.path.insert(0, str(bench))
     try:
-        bt = importlib.import_module("batch_throughput")
+        return importlib.import_module("batch_throughput")
     finally:
         sys.path.remove(str(bench))
+
+
+def test_bench_runs_the_job_as_moestream_batch_does(tiny):
+    """bench/batch_throughput.py's default runner sends the requests through `moestream batch`'s job (input file,
+    fsynced output file): sampled at temperature 1 with each request's seed, every text equals the one the
+    server's Scheduler gives the same request, and the report says how wide the steps were."""
+    bt = _bench_module()
     eng = Engine.open(tiny, ram_budget=expert_budget(tiny, 0.3) + 64 * (1 << 20))
     try:
         tok = Tokenizer.load(tiny)
@@ -244,16 +249,8 @@ def test_bench_runs_the_job_as_moestream_batch_does(tiny):
 def test_rows_sampled_together_draw_each_requests_own_tokens(tiny):
     """A step's decoding rows with the same temperature and top_p are sampled in one set of torch calls
     (Scheduler._draw_ahead): each request's text is the one it gets alone (one row a step, sampled by itself), at
-    several temperatures and top_p, greedy included, with and without a seed's neighbours."""
-    import importlib
-    import sys
-
-    bench = Path(__file__).resolve().parent.parent / "bench"
-    sys.path.insert(0, str(bench))
-    try:
-        bt = importlib.import_module("batch_throughput")
-    finally:
-        sys.path.remove(str(bench))
+    several temperatures and top_p, greedy included."""
+    bt = _bench_module()
     eng = Engine.open(tiny)
     try:
         tok = Tokenizer.load(tiny)
