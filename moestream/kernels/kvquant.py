@@ -29,6 +29,7 @@ INT4 = torch.quint4x2  # the tag of --kv-dtype int4 storage
 BITS = {torch.int8: 8, INT4: 4}  # quantised storage tag -> bits a value
 QMAX = 127.0  # int8's largest code (kept under its old name)
 QMAXES = {8: QMAX, 4: 7.0}
+NATIVE_QMAXES = {8: 127.0, 4: 7.0}  # the C kernels' own constants (`quantize_row`): they serve where QMAXES agrees
 
 
 def bits_of(dtype: torch.dtype) -> int:
@@ -118,7 +119,8 @@ def quantized(x: torch.Tensor, bits: int = 8) -> Quantized:
     from moestream.kernels import cpu
 
     d = x.shape[-1]
-    if x.dtype != torch.float32 or x.requires_grad or x.numel() == 0 or not cpu.available():
+    if (x.dtype != torch.float32 or x.requires_grad or x.numel() == 0 or QMAXES.get(bits) != NATIVE_QMAXES.get(bits)
+            or not cpu.available()):
         q, s = quantize(x, bits)
         return Quantized(q, s, dequantize(q, s, bits))
     g = group_of(d)
