@@ -64,11 +64,7 @@ def sample_rows(logits: torch.Tensor, p: SamplingParams, gens: list[torch.Genera
     cdf = probs.double().cumsum(-1)
     u = torch.stack([torch.rand((), dtype=torch.float64, generator=g) for g in gens]) * cdf[:, -1]
     got = torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1).tolist()
-    vocab = probs.shape[-1]
-    for r, i in enumerate(got):
-        if i >= vocab or probs[r, i] <= 0:  # as in `draw`: the last token with any probability
-            got[r] = int(torch.nonzero(probs[r] > 0)[-1])
-    return got
+    return [_landed(probs[r], i) for r, i in enumerate(got)]
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
@@ -78,7 +74,11 @@ def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     (docs/performance.md). A token of zero probability is never drawn."""
     cdf = probs.double().cumsum(0)
     u = torch.rand((), dtype=torch.float64, generator=gen) * cdf[-1]
-    i = int(torch.searchsorted(cdf, u, right=True))
-    if i >= probs.shape[0] or probs[i] <= 0:  # u rounded up to the total: the last token with any probability
+    return _landed(probs, int(torch.searchsorted(cdf, u, right=True)))
+
+
+def _landed(probs: torch.Tensor, i: int) -> int:
+    """Token i where the draw landed, or, where u rounded up to the total, the last token with any probability."""
+    if i >= probs.shape[0] or probs[i] <= 0:
         i = int(torch.nonzero(probs > 0)[-1])
     return i

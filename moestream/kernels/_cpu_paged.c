@@ -115,6 +115,12 @@ static void quantize_row(const float *x, int64_t width, int storage, int64_t gro
     }
 }
 
+/* code c of a row quantize_row wrote, as an int */
+static inline int quant_code(const uint8_t *q, int storage, int64_t c) {
+    if (storage == KV_INT8) return (int8_t)q[c];
+    return (int)((c % 2 ? q[c / 2] >> 4 : q[c / 2] & 0x0F)) - 8;
+}
+
 /* rows x [rows, width] quantised as quantize_row (storage KV_INT8 or KV_INT4) into q (width or width / 2 bytes a
  * row) and scales [rows, width / group], and the values they decode to (code * scale, fp32, as kvquant.dequantize)
  * into dec [rows, width]: kvquant.quantized in one pass (a prefill chunk's keys and values) */
@@ -125,18 +131,8 @@ void ms_kv_quantize(const float *x, int64_t rows, int64_t width, int storage, in
         uint8_t *qr = q + r * qw;
         float *sr = scales + r * ng, *dr = dec + r * width;
         quantize_row(x + r * width, width, storage, group, qr, sr);
-        for (int64_t c = 0; c < width; c++) {
-            const int code = storage == KV_INT8 ? (int8_t)qr[c]
-                                                : (int)((c % 2 ? qr[c / 2] >> 4 : qr[c / 2] & 0x0F)) - 8;
-            dr[c] = (float)code * sr[c / group];
-        }
+        for (int64_t c = 0; c < width; c++) dr[c] = (float)quant_code(qr, storage, c) * sr[c / group];
     }
-}
-
-/* code c of a row quantize_row wrote, as an int */
-static inline int quant_code(const uint8_t *q, int storage, int64_t c) {
-    if (storage == KV_INT8) return (int8_t)q[c];
-    return (int)((c % 2 ? q[c / 2] >> 4 : q[c / 2] & 0x0F)) - 8;
 }
 
 static void paged_store(const int64_t *tab, int64_t j, int64_t block, int64_t width, int storage, int64_t group,

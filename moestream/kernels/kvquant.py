@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from moestream.errors import MoestreamError
+from moestream.kernels import cpu
 
 GROUP = 64  # values per scale along the last dimension, where it divides it
 INT4 = torch.quint4x2  # the tag of --kv-dtype int4 storage
@@ -116,8 +117,6 @@ def quantized(x: torch.Tensor, bits: int = 8) -> Quantized:
     """x [..., D] -> its Quantized form (quantize, then dequantize once). An fp32 x goes through one native pass
     where the kernels are built (`ms_kv_quantize`, the same bits as the torch ops: a 2,048-token prefill chunk's keys
     or values took ~11 ms of some ten torch ops a layer)."""
-    from moestream.kernels import cpu
-
     d = x.shape[-1]
     if (x.dtype != torch.float32 or x.requires_grad or x.numel() == 0 or QMAXES.get(bits) != NATIVE_QMAXES.get(bits)
             or not cpu.available()):
