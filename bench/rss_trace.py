@@ -100,7 +100,7 @@ def known_mappings(engine) -> dict[int, str]:
             out[a] = "expert_cached"
     pool = engine.plan.store.reader.pool
     with pool._lock:
-        idle = [b for lst in pool._free.values() for b in lst]
+        idle = [b for lst in pool._free.values() for b, _ in lst]
     for b in idle:
         a = _address(b)
         if a is not None:

@@ -299,6 +299,47 @@ def test_store_reads_each_expert_with_one_request(hub_ckpt):
         store.close()
 
 
+def test_a_recycled_buffer_keeps_its_views_for_the_next_expert_of_its_layout(hub_ckpt):
+    """An evicted expert's part views go back to the pool with its buffer; the next expert of the same layout read
+    into that buffer uses them again (no new views), and they hold that expert's values."""
+    path, tensors = hub_ckpt
+    store = plan(path).store
+    try:
+        keys = [(layer, e) for layer in range(3) for e in range(16)]
+        for k in keys:
+            store.read_plan(*k)
+        # parts sit at the file's offsets modulo the 4 KiB read alignment: experts whose parts share them share a layout
+        same = [k for k in keys[1:] if store._layouts[k] is store._layouts[keys[0]]
+                and store.resident_nbytes(*k) == store.resident_nbytes(*keys[0])]
+        other = [k for k in keys[1:] if store._layouts[k] is not store._layouts[keys[0]]
+                 and store.resident_nbytes(*k) == store.resident_nbytes(*keys[0])]
+        assert same and other
+        first = store.read(*keys[0])
+        views = first.tensors()
+        store.recycle(first)
+        assert store.reader.pool.idle_bytes == first.nbytes
+        layer, e = same[-1]
+        second = store.read(layer, e)
+        assert second.buf is first.buf  # the recycled buffer
+        got = second.tensors()
+        assert got is views
+        for part in ("gate", "up", "down"):
+            assert torch.equal(got[part], tensors[f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.weight"])
+        store.recycle(second)
+        layer, e = other[0]
+        third = store.read(layer, e)  # the same buffer, another layout: views of its own
+        assert third.buf is first.buf and third.tensors() is not views
+        for part in ("gate", "up", "down"):
+            assert torch.equal(third.tensors()[part], tensors[f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.weight"])
+        second = third
+        assert store.reader.pool.claim(second.buf) is None  # handed on once
+        store.recycle(second)
+        store.reader.pool.trim(0)  # dropped with their buffer
+        assert store.reader.pool.idle_bytes == 0 and not store.reader.pool._kept
+    finally:
+        store.close()
+
+
 def _greedy(path, budget, n=12, lookahead=False, **opts):
     eng = Engine.open(path, ram_budget=budget, **opts)
     eng.runner.lookahead.enabled = lookahead

@@ -135,10 +135,16 @@ class IOStats:
 class BufferPool:
     """Page-aligned anonymous buffers, recycled by size. Idle buffers are trimmed so they never outlive a step, and
     a new buffer is only mapped after idle ones of other sizes (experts' spans differ by alignment pages) are
-    dropped to make room for it: idle memory, which the budget does not count, never piles up within a step."""
+    dropped to make room for it: idle memory, which the budget does not count, never piles up within a step.
+
+    A buffer given back may carry `kept`: what its last user built over it (the store's zero-copy part views) and
+    may use again over the same memory; `take` hands it on to `claim` with the buffer, and it lives and dies with
+    the buffer (dropped with it, never stored on it: views hold their buffer, so a reference back would make a
+    cycle only the cycle collector frees)."""
 
     def __init__(self) -> None:
-        self._free: dict[int, list[mmap.mmap]] = {}
+        self._free: dict[int, list[tuple[mmap.mmap, object]]] = {}
+        self._kept: dict[int, tuple[mmap.mmap, object]] = {}  # id(buf) -> (buf, kept): taken, not yet claimed
         self._lock = threading.Lock()
         self.idle_bytes = 0
         self.mapped_bytes = 0  # bytes of buffers mapped afresh (each page faults in on its read), not recycled
@@ -148,17 +154,29 @@ class BufferPool:
             free = self._free.get(nbytes)
             if free:
                 self.idle_bytes -= nbytes
-                return free.pop()
+                buf, kept = free.pop()
+                if kept is not None:
+                    self._kept[id(buf)] = (buf, kept)
+                return buf
             self._drop(nbytes)
             self.mapped_bytes += nbytes
         # private: MAP_SHARED anonymous memory would be shmem, charged and reclaimed differently
         return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
-    def give(self, buf: object) -> None:
+    def claim(self, buf: object) -> object:
+        """What the buffer's last user kept over it (`give(buf, kept)`), or None; once per `take`."""
+        with self._lock:
+            got = self._kept.pop(id(buf), None)
+        return got[1] if got is not None and got[0] is buf else None
+
+    def give(self, buf: object, kept: object = None) -> None:
         if not isinstance(buf, mmap.mmap):
             return
         with self._lock:
-            self._free.setdefault(len(buf), []).append(buf)
+            stale = self._kept.pop(id(buf), None)  # taken and given back unclaimed (a cancelled or failed read)
+            if kept is None and stale is not None and stale[0] is buf:
+                kept = stale[1]
+            self._free.setdefault(len(buf), []).append((buf, kept))
             self.idle_bytes += len(buf)
 
     def trim(self, keep_bytes: int = 0) -> None:

@@ -79,19 +79,27 @@ class PartViews(dict):
 class ExpertBlob:
     """One expert's bytes in a single buffer; `tensors()` gives zero-copy torch views per part."""
 
-    __slots__ = ("buf", "parts", "nbytes", "_views")
+    __slots__ = ("buf", "parts", "nbytes", "_views", "layout")
 
-    def __init__(self, buf, parts: list[tuple[str, int, PartLocation]]):
+    def __init__(self, buf, parts: list[tuple[str, int, PartLocation]], layout: tuple | None = None,
+                 views: PartViews | None = None):
         self.buf = buf  # mmap (page-aligned, recycled on eviction) or bytearray
         self.parts = parts  # (part name, offset in buf, location in the checkpoint)
         self.nbytes = len(buf)
-        self._views: PartViews | None = None
+        self.layout = layout  # what the views depend on (`part_layout`), one object per distinct layout
+        self._views: PartViews | None = views  # views an earlier expert of the same layout made over this buffer
 
     def tensors(self) -> dict[str, torch.Tensor]:
         if self._views is None:
             mv = memoryview(self.buf)
             self._views = PartViews((name, _view(mv[off:off + loc.nbytes], loc)) for name, off, loc in self.parts)
         return self._views
+
+
+def part_layout(parts: list[tuple[str, int, PartLocation]]) -> tuple:
+    """What an expert's part views depend on besides its buffer: each part's name, offset, byte count, dtype, shape
+    and codec (not its file or file offset). Experts of one layout reuse the views a recycled buffer carries."""
+    return tuple((name, off, loc.nbytes, loc.dtype, tuple(loc.shape), loc.codec) for name, off, loc in parts)
 
 
 class ExpertStore:
@@ -109,6 +117,8 @@ class ExpertStore:
         if hasattr(index, "dense_filter"):  # a remote index fetches these ahead on its first dense load
             index.dense_filter = lambda n: n.startswith(prefix) and not self.is_expert_tensor(n)
         self._plans: dict[tuple[int, int], tuple[ReadPlan, list[tuple[str, int, PartLocation]]]] = {}
+        self._layouts: dict[tuple[int, int], tuple] = {}  # expert -> its part_layout (the one object per layout)
+        self._layout_ids: dict[tuple, tuple] = {}
         self._checks: dict[tuple[int, int], Check] = {}
         self.checksum_bytes = 0  # bytes of packed experts verified (and the time spent doing it)
         self.checksum_s = 0.0
@@ -192,6 +202,7 @@ class ExpertStore:
                 rp = plan_reads([Span(loc.file, loc.offset, loc.nbytes) for loc in locs])
                 got = (rp, [(loc.name, start, loc) for loc, start in zip(locs, rp.starts)])
             self._plans[key] = got
+            self._layouts[key] = self._layout_ids.setdefault(part_layout(got[1]), part_layout(got[1]))
         return got
 
     def _checked(self, key: tuple[int, int], buf, parts) -> ExpertBlob:
@@ -210,7 +221,9 @@ class ExpertStore:
                     f"{pe.file}: layer {key[0]} expert {key[1]} fails its checksum (crc32 {got:08x}, manifest "
                     f"{pe.crc32:08x}, {pe.nbytes} bytes at offset {pe.offset}): the packed checkpoint is damaged; "
                     f"`moestream pack --verify DIR` lists every bad expert, pack the original again")
-        return ExpertBlob(buf, parts)
+        layout = self._layouts[key]
+        kept = self.reader.pool.claim(buf)  # (layout, views) the buffer's last expert left on it
+        return ExpertBlob(buf, parts, layout, kept[1] if kept is not None and kept[0] is layout else None)
 
     def expert_nbytes(self, layer: int, expert: int) -> int:
         """Bytes of one expert's tensors in the checkpoint."""
@@ -246,8 +259,10 @@ class ExpertStore:
 
     def recycle(self, blob: ExpertBlob) -> None:
         """An evicted expert's buffer goes back to the pool; nothing may use its tensors afterwards."""
-        blob._views = None
-        self.reader.pool.give(blob.buf)
+        views, blob._views = blob._views, None
+        # its views go back with the buffer: the next expert of the same layout read into it uses them again (a
+        # view costs ~5 us to make; a scanning batch step makes ~3,000)
+        self.reader.pool.give(blob.buf, None if views is None or blob.layout is None else (blob.layout, views))
 
     def close(self) -> None:
         self.reader.close()
