@@ -175,6 +175,8 @@ class BlockBuffer:
 
     def growth(self, n: int) -> int:
         """Bytes appending `n` rows will charge (blocks beyond those it holds now)."""
+        if self.window is None and self.length + n <= len(self.blocks) * self.block:
+            return 0  # the rows fit the blocks held (a decoding row, mostly): blocks_held would say as much
         return max(0, blocks_held(self.length, n, self.window, self.block) - len(self.blocks)) * self.block_charge
 
     def _new_block(self) -> torch.Tensor:

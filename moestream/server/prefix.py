@@ -58,6 +58,17 @@ def buffers(state: SeqState) -> list[BlockBuffer]:
     return [x for x in _leaves(state.layers) if isinstance(x, BlockBuffer)]
 
 
+def held_buffers(state: SeqState) -> list[BlockBuffer]:
+    """`buffers(state)`, remembered on the state for as long as its layer slots are the same objects (a slot keeps
+    its buffers; a step's growth check asks for each of a thousand sequences' buffers every step)."""
+    key = tuple(map(id, state.layers))
+    got = getattr(state, "_held", None)
+    if got is None or got[0] != key:
+        got = (key, buffers(state))
+        state._held = got  # type: ignore[attr-defined]
+    return got[1]
+
+
 def truncatable(state: SeqState) -> bool:
     """Only KV rows (no recurrent matrices, no fixed state) can be cut back to a shorter prefix."""
     leaves = _leaves(state.layers)
@@ -147,7 +158,7 @@ class StateProfile:
 
     def growth(self, state: SeqState, n: int) -> int:
         if state.pos > 0:
-            return sum(b.growth(n) for b in buffers(state))
+            return sum(b.growth(n) for b in held_buffers(state))
         if self.shapes is None:
             return 0  # nothing learned yet: no state exists, so nothing saved can be evicted either
         return sum(nb * blocks_held(0, n, w, blk) for nb, w, blk in self.shapes) + self.fixed
