@@ -36,7 +36,9 @@ class SamplingParams:
 
 def filtered_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Log-probabilities [V] (or [n, V], row by row) after temperature, top-k and top-p (masked entries are -inf)."""
-    x = logits.float() / p.temperature
+    x = logits.float()
+    if p.temperature != 1.0:  # dividing by 1 changes no bit: skip the [n, V] temporary (x is never written in place)
+        x = x / p.temperature
     if p.top_k > 0 and p.top_k < x.shape[-1]:
         kth = torch.topk(x, p.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -51,7 +53,7 @@ def filtered_logprobs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     if p.temperature == 0:
         return int(torch.argmax(logits).item())
-    return draw(filtered_logprobs(logits, p).exp(), gen)
+    return draw(filtered_logprobs(logits, p).exp_(), gen)
 
 
 def sample_rows(logits: torch.Tensor, p: SamplingParams, gens: list[torch.Generator | None]) -> list[int]:
@@ -60,8 +62,8 @@ def sample_rows(logits: torch.Tensor, p: SamplingParams, gens: list[torch.Genera
     ops run once over all rows: a batch step samples a thousand rows, at ~50 us of torch calls a row one by one."""
     if p.temperature == 0:
         return torch.argmax(logits, dim=-1).tolist()
-    probs = filtered_logprobs(logits, p).exp()
-    cdf = probs.double().cumsum(-1)
+    probs = filtered_logprobs(logits, p).exp_()  # in place on its own fresh output: the same bits as .exp()
+    cdf = torch.cumsum(probs, -1, dtype=torch.float64)  # widened, then summed in float64: probs.double().cumsum(-1)
     u = torch.stack([torch.rand((), dtype=torch.float64, generator=g) for g in gens]) * cdf[:, -1]
     got = torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1).tolist()
     return [_landed(probs[r], i) for r, i in enumerate(got)]
@@ -72,7 +74,7 @@ def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     sum at one uniform draw of `gen`. torch.multinomial (one sample) draws V exponentials from the generator instead:
     0.18 of its 0.25 ms for an 8k vocabulary, about half a second of every 1,000-sequence batch step
     (docs/performance.md). A token of zero probability is never drawn."""
-    cdf = probs.double().cumsum(0)
+    cdf = torch.cumsum(probs, 0, dtype=torch.float64)
     u = torch.rand((), dtype=torch.float64, generator=gen) * cdf[-1]
     return _landed(probs, int(torch.searchsorted(cdf, u, right=True)))
 
