@@ -1114,6 +1114,7 @@ int ms_linear_bf16_heads(const float *x, int64_t H, int64_t T, int64_t K, const 
     return 0;
 }
 
+#include "_cpu_exp.c"
 #include "_cpu_panel.c"
 #include "_cpu_b12.c"
 #include "_cpu_step.c"

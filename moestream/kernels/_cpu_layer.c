@@ -62,11 +62,7 @@ static void dl_attn_part(void *arg, int part, int parts) {
             p[i] = dot_lanes(qh, kj, j->D) * j->scale;
             if (p[i] > m) m = p[i];
         }
-        float sum = 0.0f;
-        for (int64_t i = j->j0; i < j->length; i++) {
-            p[i] = expf(p[i] - m);
-            sum += p[i];
-        }
+        const float sum = softmax_exps(p + j->j0, j->length - j->j0, m);
         float *oh = j->out + h * j->Dv;
         for (int64_t d = 0; d < j->Dv; d++) oh[d] = 0.0f;
         for (int64_t i = j->j0; i < j->length; i++) {

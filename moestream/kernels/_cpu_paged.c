@@ -191,13 +191,10 @@ static void paged_one(const paged_job *j, int64_t s, float *p, float *krow, floa
         }
     }
     for (int64_t h = 0; h < Hq; h++) {
-        float *ph = p + h * L, m = -INFINITY, sum = 0.0f;
+        float *ph = p + h * L, m = -INFINITY;
         for (int64_t t = 0; t < L; t++)
             if (ph[t] > m) m = ph[t];
-        for (int64_t t = 0; t < L; t++) {
-            ph[t] = expf(ph[t] - m);
-            sum += ph[t];
-        }
+        const float sum = softmax_exps(ph, L, m);
         for (int64_t t = 0; t < L; t++) ph[t] = ph[t] / sum;
         float *oh = j->out + (s * Hq + h) * Dv;
         for (int64_t d = 0; d < Dv; d++) oh[d] = 0.0f;

@@ -564,11 +564,7 @@ int ms_gqa_attend(int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t Dv, flo
                 p[j] = dot_lanes(qh, kj, D) * scale;
                 if (p[j] > m) m = p[j];
             }
-            float sum = 0.0f;
-            for (int64_t j = j0; j < n; j++) {
-                p[j] = expf(p[j] - m);
-                sum += p[j];
-            }
+            const float sum = softmax_exps(p + j0, n - j0, m);
             float *oh = out + (t * Hq + h) * Dv;
             for (int64_t d = 0; d < Dv; d++) oh[d] = 0.0f;
             for (int64_t j = j0; j < n; j++) {

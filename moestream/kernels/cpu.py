@@ -54,7 +54,7 @@ _ABI = 16
 _SOURCE = Path(__file__).with_name("_cpu.c")
 # _cpu.c #includes the others
 _SOURCES = (_SOURCE, *(Path(__file__).with_name(n)
-                       for n in ("_cpu_panel.c", "_cpu_b12.c", "_cpu_step.c", "_cpu_paged.c", "_cpu_layer.c", "_cpu_bf16.c",
+                       for n in ("_cpu_exp.c", "_cpu_panel.c", "_cpu_b12.c", "_cpu_step.c", "_cpu_paged.c", "_cpu_layer.c", "_cpu_bf16.c",
                                  "_cpu_fixed.c")))
 _LAYOUTS = {"low_first": 0, "gguf": 1}
 
