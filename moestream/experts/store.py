@@ -202,7 +202,8 @@ class ExpertStore:
                 rp = plan_reads([Span(loc.file, loc.offset, loc.nbytes) for loc in locs])
                 got = (rp, [(loc.name, start, loc) for loc, start in zip(locs, rp.starts)])
             self._plans[key] = got
-            self._layouts[key] = self._layout_ids.setdefault(part_layout(got[1]), part_layout(got[1]))
+            layout = part_layout(got[1])
+            self._layouts[key] = self._layout_ids.setdefault(layout, layout)
         return got
 
     def _checked(self, key: tuple[int, int], buf, parts) -> ExpertBlob:

@@ -333,6 +333,8 @@ class SeqState:
     fixed_bytes: int = 0  # accounted fixed-size state (recurrent matrices, conv windows)
     host_bytes: int = 0  # accounted Python-side bookkeeping (a scheduler's sequences book it: account_host)
     kv_dtype: torch.dtype = torch.float32  # storage of KV / latent caches (EngineOptions.kv_dtype)
+    slots_made: int = field(default=0, compare=False)  # layer slots made, and release()s: what caches of them key on
+    derived: Any = field(default=None, repr=False, compare=False)  # such a cache (server/prefix.py held_buffers)
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -341,6 +343,7 @@ class SeqState:
     def slot(self, layer: int, factory: Callable[[], Any]) -> Any:
         if self.layers[layer] is None:
             self.layers[layer] = factory()
+            self.slots_made += 1
         return self.layers[layer]
 
     def buffer(self, row_shape: tuple[int, ...], what: str = "KV cache", window: int | None = None) -> BlockBuffer:
@@ -365,6 +368,7 @@ class SeqState:
         self.memory.release_state(self.fixed_bytes + self.host_bytes)
         self.fixed_bytes = self.host_bytes = 0
         self.layers = [None] * self.num_layers
+        self.slots_made += 1
         self.pos = 0
 
 

@@ -59,13 +59,11 @@ def buffers(state: SeqState) -> list[BlockBuffer]:
 
 
 def held_buffers(state: SeqState) -> list[BlockBuffer]:
-    """`buffers(state)`, remembered on the state for as long as its layer slots are the same objects (a slot keeps
-    its buffers; a step's growth check asks for each of a thousand sequences' buffers every step)."""
-    key = tuple(map(id, state.layers))
-    got = getattr(state, "_held", None)
-    if got is None or got[0] != key:
-        got = (key, buffers(state))
-        state._held = got  # type: ignore[attr-defined]
+    """`buffers(state)`, remembered on the state (`derived`) until a layer slot is made or the slots are dropped
+    (`slots_made`; a slot keeps its buffers): a step's growth check asks for a thousand sequences' buffers a step."""
+    got = state.derived
+    if got is None or got[0] != state.slots_made:
+        got = state.derived = (state.slots_made, buffers(state))
     return got[1]
 
 
