@@ -375,6 +375,69 @@ def tiny(tmp_path_factory):
 
 
 @native
+@pytest.mark.skipif(cpu._USE_COUNT is None, reason="this torch has no storage use count: nothing is kept")
+def test_step_buffers_serve_a_later_call_once_the_earlier_output_is_dropped():
+    """Within `step_buffers` a product's output (and its input panels) is handed out again to a later call of the
+    same shapes once nothing references the earlier one, never while a reference or a view of it lives; the values
+    are those of a fresh call; everything kept goes when the block ends."""
+    g = seeded(11)
+    x, w = torch.randn(300, 128, generator=g), torch.randn(64, 128, generator=g).bfloat16()
+    w2 = torch.randn(48, 128, generator=g).bfloat16()
+    fresh = cpu.linear_bf16dot_many(x, [w, w2])
+    with cpu.step_buffers() as kept:
+        a, a2 = cpu.linear_bf16dot_many(x, [w, w2])
+        where = a.data_ptr()
+        assert kept.nbytes() >= 300 * (64 + 48) * 4 + cpu.lib().ms_bf16dot_linear_scratch(300, 128)
+        held = a[5:]  # a view keeps the buffer busy
+        del a, a2
+        b, _ = cpu.linear_bf16dot_many(x, [w, w2])
+        assert b.data_ptr() != where and torch.equal(held, fresh[0][5:])
+        del held
+        c, c2 = cpu.linear_bf16dot_many(x * 0.5, [w, w2])  # other values into the same memory
+        assert c.data_ptr() == where
+        assert torch.equal(c, cpu.linear_bf16dot_many(x * 0.5, [w])[0]) and torch.equal(b, fresh[0])
+        before = kept.nbytes()
+        del c, c2
+        d, d2 = cpu.linear_bf16dot_many(x, [w, w2])
+        assert d.data_ptr() == where and kept.nbytes() == before  # nothing new once the set is there
+        assert torch.equal(d, fresh[0]) and torch.equal(d2, fresh[1])
+        with cpu.step_buffers() as inner:  # a nested block serves from the enclosing one
+            assert inner is kept
+    assert torch.equal(d, fresh[0])  # a tensor handed out stays valid after its block
+    with cpu.step_buffers(on=False) as none:
+        assert none is None and cpu.step_buffer((4, 4)).shape == (4, 4)  # outside a block: fresh tensors
+
+
+@native
+def test_engine_steps_keep_their_products_buffers_with_the_same_logits(tiny, monkeypatch):
+    """A bf16 prompt step of STEP_BUFFER_ROWS+ rows under a scheduler's watch (the fixed mmap threshold) keeps its
+    dense products' buffers for its later layers (each layer after the first asks for shapes the step already
+    holds): its logits are bit for bit those of the same step with nothing kept."""
+    from moestream.engine import engine as engine_mod
+    ids = prompt_ids(512, 300, seed=9)
+    eng = Engine.open(tiny, 1 << 30, compute_dtype="bf16", prefill_chunk=512)
+    eng.watch_resident()
+    takes, made = [], []
+    real = cpu.StepBuffers.take
+
+    def take(self, shape, dtype):
+        before = self.nbytes()
+        got = real(self, shape, dtype)
+        takes.append(shape)
+        made.append(self.nbytes() > before)
+        return got
+
+    monkeypatch.setattr(cpu.StepBuffers, "take", take)
+    kept = eng.logits(ids)
+    layers = len(eng.model.layers)
+    assert layers >= 2 and len(takes) >= 4 * layers  # q/k/v, o and two panels a layer at least
+    assert sum(made) <= 8 and not any(made[len(made) // layers * 2:-2])  # later layers reuse the first ones'
+    monkeypatch.setattr(engine_mod, "STEP_BUFFER_ROWS", 10 ** 9)
+    takes.clear()
+    assert torch.equal(eng.logits(ids), kept) and not takes
+
+
+@native
 def test_engine_bf16_within_bound_and_same_greedy_tokens(tiny, monkeypatch):
     """A 96-token prompt (dense products and routed experts all in bf16) against the fp32 engine. The bound: bf16
     keeps 8 significant bits (each rounding up to 2^-9 relative), a few such roundings per layer accumulate, so

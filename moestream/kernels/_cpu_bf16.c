@@ -385,10 +385,17 @@ static void bpl_part(void *arg, int64_t chunk, int64_t chunks, int slot) {
 }
 
 /* For i < nw: out_i[T, N[i]] = bf16(x)[T, K] @ w_i[N[i], K]^T, fp32 sums, x contiguous fp32, w_i contiguous bf16,
- * K even; w_i and out_i at the addresses ws[i], outs[i]. x is rounded into panels once. Returns 0, or -1 when out
- * of memory (the panels: T rounded up to BP, times K, bf16). */
-int ms_bf16dot_linear(const float *x, int64_t T, int64_t K, int64_t nw, const int64_t *ws, const int64_t *Ns,
-                      const int64_t *outs) {
+ * K even; w_i and out_i at the addresses ws[i], outs[i]. x is rounded into panels once, in `scratch` when its
+ * `scratch_bytes` hold them (the caller's buffer, kept across calls so that its pages are faulted in once: with the
+ * engine's 64 KiB mmap threshold every malloc of the panels is a fresh mapping), else in memory of the call's own.
+ * The same values either way. Returns 0, or -1 when out of memory (the panels: T rounded up to BP, times K, bf16;
+ * ms_bf16dot_linear_scratch). */
+int64_t ms_bf16dot_linear_scratch(int64_t T, int64_t K) {
+    return (int64_t)((sizeof(uint32_t) * (size_t)(bp_count(T) * BP * (K / 2)) + 63) / 64 * 64);
+}
+
+int ms_bf16dot_linear_ws(const float *x, int64_t T, int64_t K, int64_t nw, const int64_t *ws, const int64_t *Ns,
+                         const int64_t *outs, void *scratch, int64_t scratch_bytes) {
     if (T <= 0 || nw <= 0) return 0;
     if (K <= 0 || K % 2) {
         if (K > 0) return -2;
@@ -396,11 +403,13 @@ int ms_bf16dot_linear(const float *x, int64_t T, int64_t K, int64_t nw, const in
         return 0;
     }
     const int64_t P = bp_count(T);
+    const int64_t need = ms_bf16dot_linear_scratch(T, K);
+    const int own_xp = !scratch || ((uintptr_t)scratch & 63) || scratch_bytes < need;
     int64_t *ustart = malloc(sizeof(int64_t) * (size_t)(nw + 1));
-    uint32_t *xp = aligned_alloc(64, (sizeof(uint32_t) * (size_t)(P * BP * (K / 2)) + 63) / 64 * 64);
+    uint32_t *xp = own_xp ? aligned_alloc(64, (size_t)need) : (uint32_t *)scratch;
     if (!ustart || !xp) {
         free(ustart);
-        free(xp);
+        if (own_xp) free(xp);
         return -1;
     }
     ustart[0] = 0;
@@ -414,9 +423,15 @@ int ms_bf16dot_linear(const float *x, int64_t T, int64_t K, int64_t nw, const in
         pool_run_chunks(bpl_pack_part, &j, P * bp_slices(K), pool_parts);
         pool_run_chunks(bpl_part, &j, chunks, pool_parts);
     }
-    free(xp);
+    if (own_xp) free(xp);
     free(ustart);
     return 0;
+}
+
+/* ms_bf16dot_linear_ws with panels of the call's own */
+int ms_bf16dot_linear(const float *x, int64_t T, int64_t K, int64_t nw, const int64_t *ws, const int64_t *Ns,
+                      const int64_t *outs) {
+    return ms_bf16dot_linear_ws(x, T, K, nw, ws, Ns, outs, NULL, 0);
 }
 
 /* ------------------------------------------------------------------------- grouped GLU experts in bf16 */

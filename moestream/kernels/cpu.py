@@ -50,7 +50,7 @@ MIN_ROWS_PER_THREAD = 256
 SPIN_US = 3000
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
-_ABI = 16
+_ABI = 17
 _SOURCE = Path(__file__).with_name("_cpu.c")
 # _cpu.c #includes the others
 _SOURCES = (_SOURCE, *(Path(__file__).with_name(n)
@@ -161,6 +161,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_bf16dot_set_row_limit.restype = ctypes.c_int
     lib.ms_bf16dot_linear.argtypes = [p, i64, i64, i64, p, p, p]
     lib.ms_bf16dot_linear.restype = ctypes.c_int
+    lib.ms_bf16dot_linear_ws.argtypes = [p, i64, i64, i64, p, p, p, p, i64]
+    lib.ms_bf16dot_linear_ws.restype = ctypes.c_int
+    lib.ms_bf16dot_linear_scratch.argtypes = [i64, i64]
+    lib.ms_bf16dot_linear_scratch.restype = i64
     lib.ms_bf16dot_glu.argtypes = lib.ms_moe_glu_bf16.argtypes
     lib.ms_bf16dot_glu.restype = ctypes.c_int
     lib.ms_bf16dot_glu_ws.argtypes = [*lib.ms_moe_glu_bf16.argtypes, p, i64]
@@ -424,11 +428,71 @@ def bf16dot_scratch(rows: int, k_in: int) -> int:
     return -(-rows // panel) * panel * k_in * 2 + 64 + 8 * 64
 
 
+# ---- a step's reused buffers ------------------------------------------------------------------------------
+_STEP = threading.local()
+# torch's count of references to a tensor's storage (views included): a kept buffer is free again when only the
+# pool holds it. A private torch function: without it nothing is kept (every buffer is fresh, as before).
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _use_count(t: Tensor) -> int:
+    return _USE_COUNT(t.untyped_storage()._cdata)
+
+
+class StepBuffers:
+    """Buffers that a step's many-row products write into (the bf16 dense products' outputs and input panels, one
+    set a layer), kept while the step runs and handed out again to a later layer asking for the same shape once
+    nothing references the earlier one: every layer of a step asks for the same shapes, so their pages fault in once
+    a step instead of once a layer (with the engine's fixed 64 KiB mmap threshold each fresh tensor of a large step
+    is a mapping of its own; a 2,560-row prompt step of q3m_med faulted ~200 k pages a step in those products alone,
+    docs/performance.md). Given out as views, so a caller's reference (or a view of it) keeps a buffer busy; dropped
+    when the step ends (`step_buffers`)."""
+
+    def __init__(self):
+        self.kept: dict[tuple, list[tuple[Tensor, int]]] = {}  # (shape, dtype) -> [(buffer, its idle use count)]
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        key = (tuple(shape), dtype)
+        bufs = self.kept.setdefault(key, [])
+        for buf, idle in bufs:
+            if _use_count(buf) == idle:
+                return buf.view(buf.shape)
+        buf = torch.empty(shape, dtype=dtype)
+        bufs.append((buf, _use_count(buf)))
+        return buf.view(buf.shape)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for bufs in self.kept.values() for b, _ in bufs)
+
+
+@contextlib.contextmanager
+def step_buffers(on: bool = True) -> Iterator[StepBuffers | None]:
+    """Within the block (this thread), `step_buffer` keeps and reuses buffers (StepBuffers); an enclosing block's
+    buffers serve a nested one. Everything kept is dropped at the end (tensors handed out stay valid: they hold
+    their own storage)."""
+    outer = getattr(_STEP, "buffers", None)
+    if not on or outer is not None or _USE_COUNT is None:
+        yield outer
+        return
+    _STEP.buffers = StepBuffers()
+    try:
+        yield _STEP.buffers
+    finally:
+        _STEP.buffers = None
+
+
+def step_buffer(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Tensor:
+    """An uninitialised tensor: a kept one of the running step's (`step_buffers`) when one is free, else fresh."""
+    kept = getattr(_STEP, "buffers", None)
+    return torch.empty(shape, dtype=dtype) if kept is None else kept.take(shape, dtype)
+
+
 def linear_bf16dot_many(x: Tensor, ws: Sequence[Tensor]) -> list[Tensor]:
     """[bf16(x) @ w^T for w in ws] in one native call: x [T, K] fp32 rounded to bf16 once (round to nearest even),
     each w a contiguous 2-D bf16 [N_i, K], K even; products summed in fp32 (the opt-in bf16 compute path,
     EngineOptions.compute_dtype). Each output row depends on its own input row only (not on T or on the other
-    rows). Returns float32 [T, N_i] each. Needs available()."""
+    rows). Returns float32 [T, N_i] each, and the input panels come from the running step's kept buffers where
+    there are some (`step_buffers`). Needs available()."""
     handle = required()
     k = ws[0].shape[1]
     for w in ws:
@@ -437,9 +501,13 @@ def linear_bf16dot_many(x: Tensor, ws: Sequence[Tensor]) -> list[Tensor]:
     if k % 2:
         raise ValueError(f"linear_bf16dot_many wants an even K, got {k}")
     x2 = rows(x, k)
-    outs = [torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32) for w in ws]
-    if handle.ms_bf16dot_linear(x2.data_ptr(), x2.shape[0], k, len(ws), _addresses([w.data_ptr() for w in ws]),
-                                _addresses([w.shape[0] for w in ws]), _addresses([o.data_ptr() for o in outs])):
+    outs = [step_buffer((x2.shape[0], w.shape[0])) for w in ws]
+    panels = step_buffer((handle.ms_bf16dot_linear_scratch(x2.shape[0], k),), torch.uint8) \
+        if getattr(_STEP, "buffers", None) is not None else None
+    if handle.ms_bf16dot_linear_ws(x2.data_ptr(), x2.shape[0], k, len(ws), _addresses([w.data_ptr() for w in ws]),
+                                   _addresses([w.shape[0] for w in ws]), _addresses([o.data_ptr() for o in outs]),
+                                   None if panels is None else panels.data_ptr(),
+                                   0 if panels is None else panels.numel()):
         raise MemoryError("native bf16 kernel could not allocate its input scratch")
     return outs
 
