@@ -444,7 +444,7 @@ class StepBuffers:
     set a layer), kept while the step runs and handed out again to a later layer asking for the same shape once
     nothing references the earlier one: every layer of a step asks for the same shapes, so their pages fault in once
     a step instead of once a layer (with the engine's fixed 64 KiB mmap threshold each fresh tensor of a large step
-    is a mapping of its own; a 2,560-row prompt step of q3m_med faulted ~200 k pages a step in those products alone,
+    is a mapping of its own; a 2,560-row prompt step of q3m_med faulted ~230 k pages a step in those products alone,
     docs/performance.md). Given out as views, so a caller's reference (or a view of it) keeps a buffer busy; dropped
     when the step ends (`step_buffers`)."""
 
@@ -491,8 +491,8 @@ def linear_bf16dot_many(x: Tensor, ws: Sequence[Tensor]) -> list[Tensor]:
     """[bf16(x) @ w^T for w in ws] in one native call: x [T, K] fp32 rounded to bf16 once (round to nearest even),
     each w a contiguous 2-D bf16 [N_i, K], K even; products summed in fp32 (the opt-in bf16 compute path,
     EngineOptions.compute_dtype). Each output row depends on its own input row only (not on T or on the other
-    rows). Returns float32 [T, N_i] each, and the input panels come from the running step's kept buffers where
-    there are some (`step_buffers`). Needs available()."""
+    rows). Returns float32 [T, N_i] each; within `step_buffers` the outputs and the input panels are the running
+    step's kept buffers. Needs available()."""
     handle = required()
     k = ws[0].shape[1]
     for w in ws:
