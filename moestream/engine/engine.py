@@ -70,9 +70,10 @@ def model_config(path: str | Path):
 # step's whole [B, V] would be 655 MB beside the experts.
 LOGIT_CHUNK_ROWS = 64
 # A step of this many rows off the step heap (one with a prompt chunk under a scheduler, `_step_heap`; any where the
-# heap settings are not in force) keeps its many-row products' buffers for its later layers (cpu.step_buffers): each
-# layer asks for the same shapes, so their pages fault in once a step instead of once a layer. A 2,560-row prompt step of q3m_med
-# in bf16 compute: 277 k page faults instead of 500 k, 0.2 s less, 4 MB higher peak (docs/performance.md).
+# heap settings are not in force) keeps its many-row products' buffers for its later layers (cpu.step_buffers):
+# each layer asks for the same shapes, so their pages fault in once a step instead of once a layer. A 2,560-row
+# prompt step of q3m_med in bf16 compute: 277 k page faults instead of 500 k, 0.2 s less, 4 MB higher peak
+# (docs/performance.md).
 STEP_BUFFER_ROWS = 256
 
 

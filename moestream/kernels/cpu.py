@@ -423,7 +423,8 @@ def bf16_panel() -> int:
 
 
 def bf16dot_scratch(rows: int, k_in: int) -> int:
-    """Bytes ms_bf16dot_linear mallocs for `rows` rows of K inputs: the rows rounded to bf16, padded to a panel."""
+    """Bytes of a bf16 product's scratch for `rows` rows of K inputs: the rows rounded to bf16, padded to a panel
+    (the panels `linear_bf16dot_many` takes, fresh or a step's kept buffer), and the call's small index."""
     panel = bf16_panel()
     return -(-rows // panel) * panel * k_in * 2 + 64 + 8 * 64
 
@@ -502,12 +503,10 @@ def linear_bf16dot_many(x: Tensor, ws: Sequence[Tensor]) -> list[Tensor]:
         raise ValueError(f"linear_bf16dot_many wants an even K, got {k}")
     x2 = rows(x, k)
     outs = [step_buffer((x2.shape[0], w.shape[0])) for w in ws]
-    panels = step_buffer((handle.ms_bf16dot_linear_scratch(x2.shape[0], k),), torch.uint8) \
-        if getattr(_STEP, "buffers", None) is not None else None
+    panels = step_buffer((handle.ms_bf16dot_linear_scratch(x2.shape[0], k),), torch.uint8)
     if handle.ms_bf16dot_linear_ws(x2.data_ptr(), x2.shape[0], k, len(ws), _addresses([w.data_ptr() for w in ws]),
                                    _addresses([w.shape[0] for w in ws]), _addresses([o.data_ptr() for o in outs]),
-                                   None if panels is None else panels.data_ptr(),
-                                   0 if panels is None else panels.numel()):
+                                   panels.data_ptr(), panels.numel()):
         raise MemoryError("native bf16 kernel could not allocate its input scratch")
     return outs
 
