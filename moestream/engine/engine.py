@@ -155,11 +155,13 @@ def plan(path: str | Path, io_threads: int = IO_THREADS) -> ModelPlan:
 ACT_HIDDEN_COPIES = 8  # [T, hidden] fp32 tensors a layer holds at once: residual, norm, attention in/out, MoE sum...
 ACT_WIDE_COPIES = 3  # [T, widest] ones: a dense MLP's gate, up and activation (or q and its roped copy)
 # A prompt row holds more at its widest than a decoding one (the prompt's attention: roped q and k copies, the fresh
-# attention's inputs and output, its K / V rows quantised for the cache): a 2,048-row prompt step of q3m_med
-# (hidden 1,024) peaked 111-140 MB over its start beyond its new sequences' state, 54-68 kB a row, against the
-# 44 kB a row ACT_HIDDEN_COPIES and ACT_WIDE_COPIES charge; a 1,024-sequence decode step 29-39 MB against 44 MB
-# charged (docs/performance.md, "The 1,024-request job in one int4 wave").
-ACT_PROMPT_COPIES = 6  # [T, hidden] fp32 rows a prompt row holds beyond a decoding row's
+# attention's inputs and output, its K / V rows quantised for the cache). Measured on q3m_med (hidden 1,024) with a
+# scheduler's heap settings (the fixed mmap threshold and a trim after each layer, kept buffers for the dense
+# products), beyond the new sequences' state: a 2,048-row prompt step 32 KiB a row over its start, 512 decoding +
+# 32 prompts 32 KiB, 900 + 32 31 KiB, 1,000 decoding + 8 prompts 27 KiB, against the 44 KiB a row ACT_HIDDEN_COPIES
+# and ACT_WIDE_COPIES charge (docs/performance.md, "Prompt rows charged what they hold"). Before the trims a
+# 2,048-row prompt step peaked at 54-68 kB a row, and this was 6.
+ACT_PROMPT_COPIES = 1  # [T, hidden] fp32 rows a prompt row holds beyond a decoding row's
 # The fixed scratch allowance holds the activations of a step of this many tokens (decode batches, short prompts);
 # a larger step charges the rest while it runs (Engine.activation_bytes), so a warm cache is not squeezed each step.
 ACT_FREE_ROWS = 16
