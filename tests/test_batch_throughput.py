@@ -13,7 +13,7 @@ from moestream.engine.engine import plan
 from moestream.memory.accountant import MemoryAccountant
 from moestream.models.attention import KVSlot, cached_attention, decode_attention
 from moestream.memory.state import Segment, SeqState, host_bytes_of
-from moestream.server.prefix import rows_at
+from moestream.server.prefix import buffers, rows_at
 from moestream.server.protocol import GenRequest
 from moestream.server.scheduler import Scheduler, SchedulerConfig
 from moestream.server.tickets import Done, Failed
@@ -140,8 +140,9 @@ def test_admission_bounded_by_state_room(tiny):
     eng_probe = Engine.open(tiny)
     st = eng_probe.new_sequence()
     eng_probe.step([(st, [3] * 20)])
-    # 20 + 50 tokens: two 64-row growth steps, and the bookkeeping a scheduler books for each sequence
-    per_seq = eng_probe.memory.state_bytes * 2 + host_bytes_of(st.num_layers)
+    # 20 + 50 tokens: two 64-row blocks a buffer reserved whole, and the bookkeeping a scheduler books for each
+    # sequence
+    per_seq = 2 * sum(b.block_charge for b in buffers(st)) + host_bytes_of(st.num_layers)
     eng_probe.free(st)
     cfg = SchedulerConfig(max_batch=64, max_queue=100, prefill_chunk=64, expert_room=4 * p.max_expert_bytes)
     budget = p.dense_bytes + p.scratch_bytes + cfg.expert_room + 5 * per_seq + per_seq // 2

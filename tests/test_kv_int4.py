@@ -93,7 +93,8 @@ def test_block_buffer_int4_stores_charges_and_reads_back():
     buf.push(rows[100:])
     assert buf.row_bytes == 2 * 64 + 2 * 2 * 4 and buf.bits == 4 and buf.quantized
     assert (buf.block, buf.block_bytes) == block_shape(144, 4) == (142, 5 * 4096)
-    assert mem.state_bytes == buf.nbytes == 3 * buf.block_charge
+    # two whole blocks and the third's 16 rows: their scales and values in its first two pages
+    assert mem.state_bytes == buf.nbytes == 2 * buf.block_charge + 2 * 4096 + BLOCK_HOST_BYTES
     assert torch.equal(buf.gather(), kvquant.roundtrip(rows, 4))
     assert buf.tile_dtype == torch.float32 and buf.view().dtype == torch.float32
     # the slot's layout: the block's scales first, then its packed rows

@@ -284,7 +284,7 @@ def test_a_fresh_prompt_takes_flash_attention_and_matches(monkeypatch, dtype, hq
     assert calls == [t]
     assert mem.state_bytes == 2 * slot.k.nbytes  # the scratch was given back
     # its blocks and output are charged: a budget holding the cache but not them is a clear error
-    cache = 2 * -(-t // BLOCK_TOKENS) * (BLOCK_TOKENS * hkv * 16 * dtype.itemsize + BLOCK_HOST_BYTES)
+    cache = 2 * slot.k.layout.charge_at(t)  # the pages its t rows take and each block's tensor object
     tight = MemoryAccountant(cache + 64)
     with pytest.raises(BudgetError, match="attention scratch"):
         cached_attention(Segment(SeqState(tight, 1), 0, t, 0), KVSlot(tight, hkv, 16, 16, dtype), q[:t], k[:t],

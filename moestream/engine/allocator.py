@@ -194,10 +194,11 @@ class ResidentCheck:
 
     def measure(self) -> None:
         """Book what RSS holds beyond the books now. The engine measures after a step and again before the next:
-        sequences freed in between give their state's books back at once, but those books held more than RSS did
-        (KV blocks booked whole, their pages touched as tokens come), so the next step's expert reads would fill
-        the room that RSS beyond the books already holds; measured first, the cache makes room for it before
-        reading (the 1,024-request job's wave ending at once: 62 MB over the bound without this)."""
+        sequences freed in between give their state's books back at once, and with them the share of RSS beyond the
+        books that their books had covered while they were held (KV blocks were booked whole then; a sliding
+        window's still are), so the next step's expert reads would fill the room that RSS beyond the books already
+        holds; measured first, the cache makes room for it before reading (the 1,024-request job's wave ending at
+        once: 62 MB over the bound without this)."""
         rss = anon_rss()
         if rss:
             self.memory.set_unbooked(rss - self.base - self.books(), self.grow_step, self.shrink_step, self.keep)

@@ -2,7 +2,8 @@
 
 Owns `SeqState` (one slot per layer for KV caches or recurrent state, the token count, the KV storage dtype), the
 block-allocated, budget-accounted `BlockBuffer` that holds KV / latent caches (fixed-size blocks on slab slots,
-memory/slabs.py, each charged when allocated, never copied to grow; sliding windows drop whole blocks), and `transient`, which charges a temporary.
+memory/slabs.py, never copied to grow, charged the pages their rows take as rows are appended (`BlockLayout`); with a
+sliding window each block is charged whole and whole blocks are dropped), and `transient`, which charges a temporary.
 Models create their per-layer state lazily through `slot()`.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from moestream.config import KV_DTYPE_NAMES
 from moestream.errors import MoestreamError
 from moestream.kernels import kvquant
 from moestream.memory.accountant import MemoryAccountant
-from moestream.memory.slabs import free_block, new_block, slot_bytes
+from moestream.memory.slabs import PAGE, free_block, new_block, slot_bytes
 
 BLOCK_TOKENS = 64  # rows per KV block: a batch of short sequences holds ~its context, not 256 rows each
 GROW_TOKENS = BLOCK_TOKENS  # the old name (tests and docs speak of growth in 64-token steps)
@@ -58,6 +59,50 @@ def block_charge(storage_bytes: int) -> int:
     """Bytes the budget is charged for one block of `storage_bytes`: its storage and its tensor object's host
     memory (BLOCK_HOST_BYTES)."""
     return storage_bytes + BLOCK_HOST_BYTES
+
+
+class BlockLayout:
+    """Where a block's rows lie in its slot, for a charge by the pages its written rows take. A block's slot is
+    mapped fresh (memory/slabs.py): a page of it is resident only once a row written into it reaches it, so a
+    block holding r rows is charged the whole pages its first r rows lie in (each region rows fill from its
+    start: the rows themselves, or for int8 / int4 their scales and their values), at most the block's bytes, and
+    its tensor object's BLOCK_HOST_BYTES. `charges[r]` is that for r rows (charges[block] = block_charge), and
+    `headroom[r]` how many more rows a block holding r takes before its charge rises."""
+
+    def __init__(self, block: int, nbytes: int, spans: tuple[tuple[int, int], ...]):
+        self.block, self.nbytes, self.spans = block, nbytes, spans  # spans: (offset in the slot, bytes a row)
+        self.charges = [0] + [block_charge(min(nbytes, self._pages(r) * PAGE)) for r in range(1, block)] \
+            + [block_charge(nbytes)]
+        self.headroom = [0] * (block + 1)
+        for r in range(block - 1, 0, -1):
+            self.headroom[r] = self.headroom[r + 1] + 1 if self.charges[r + 1] == self.charges[r] else 0
+
+    def _pages(self, rows: int) -> int:
+        pages: set[int] = set()
+        for off, per in self.spans:
+            pages.update(range(off // PAGE, -(-(off + rows * per) // PAGE)))
+        return len(pages)
+
+    def charge_at(self, rows: int) -> int:
+        """Bytes charged for a buffer's first `rows` rows (whole blocks, then the last block's pages)."""
+        full, rem = divmod(rows, self.block)
+        return full * self.charges[self.block] + self.charges[rem]
+
+    def rows_free(self, rows: int) -> int:
+        """Rows a buffer holding `rows` may append before its charge rises (0 when its last block is full)."""
+        return self.headroom[rows % self.block] if rows % self.block else 0
+
+
+_LAYOUTS: dict[tuple, BlockLayout] = {}
+
+
+def block_layout(block: int, nbytes: int, spans: tuple[tuple[int, int], ...]) -> BlockLayout:
+    """The BlockLayout of these blocks (one object for all the buffers that share it)."""
+    key = (block, nbytes, spans)
+    got = _LAYOUTS.get(key)
+    if got is None:
+        got = _LAYOUTS[key] = BlockLayout(block, nbytes, spans)
+    return got
 
 
 def block_shape(row_bytes: int, bits: int = 0) -> tuple[int, int]:
@@ -114,10 +159,12 @@ def scratch(memory: MemoryAccountant, nbytes: int, what: str) -> Iterator[None]:
 
 
 class BlockBuffer:
-    """Rows [length, *row_shape] of one dtype in fixed blocks of `block` rows. Each block is charged to the budget
-    when it is allocated (never an old + new copy), appends write in place, and with a `window` the blocks wholly
-    before the next query's window are dropped (reused for the next rows), so a sliding-window cache holds at most
-    window + chunk + one block of rows. Readers iterate `tiles()` or take a contiguous `gather()`.
+    """Rows [length, *row_shape] of one dtype in fixed blocks of `block` rows. Without a window the budget is
+    charged the pages the rows take as they are appended (BlockLayout: a block's slot is resident only where rows
+    were written; a block is never an old + new copy); appends write in place. With a `window` each block is charged
+    whole when allocated, and the blocks wholly before the next query's window are dropped (reused for the next
+    rows, whose pages their earlier rows made resident), so a sliding-window cache holds at most window + chunk +
+    one block of rows. Readers iterate `tiles()` or take a contiguous `gather()`.
 
     With dtype torch.int8 or kvquant.INT4 (`--kv-dtype int8 / int4`) a block is one uint8 slot of whole pages
     holding the block's fp32 group scales and then its int8 (or packed int4) rows (kernels/kvquant.py), as many rows
@@ -131,6 +178,8 @@ class BlockBuffer:
         self.blocks: list[torch.Tensor] = []
         self.start = 0  # absolute index of blocks[0]'s first row (a multiple of block)
         self.length = 0  # rows appended so far (absolute)
+        self.charged = 0  # bytes charged to the budget now
+        self._free_rows = 0  # rows that may be appended before the charge rises (no window)
 
     @property
     def bits(self) -> int:
@@ -161,12 +210,24 @@ class BlockBuffer:
 
     @property
     def block_charge(self) -> int:
-        """Bytes the budget is charged per block (block_charge)."""
+        """Bytes the budget is charged per whole block (block_charge)."""
         return block_charge(self.block_bytes)
 
     @property
+    def layout(self) -> BlockLayout:
+        """Where the rows lie in a block (the pages a block's first rows take): the rows, or for int8 / int4 their
+        fp32 scales (all the block's first) and then their values (_parts)."""
+        if not self.quantized:
+            spans = ((0, self.row_bytes),)
+        else:
+            scale_row = 4 * (self.elements // kvquant.group_of(self.row_shape[-1]))
+            spans = ((0, scale_row), (self.block * scale_row, kvquant.value_bytes(self.row_shape, self.bits)))
+        return block_layout(self.block, self.block_bytes, spans)
+
+    @property
     def nbytes(self) -> int:
-        return len(self.blocks) * self.block_charge
+        """Bytes charged to the budget now."""
+        return self.charged
 
     @property
     def kept(self) -> int:
@@ -174,9 +235,9 @@ class BlockBuffer:
         return self.length - self.start
 
     def growth(self, n: int) -> int:
-        """Bytes appending `n` rows will charge (blocks beyond those it holds now)."""
-        if self.window is None and self.length + n <= len(self.blocks) * self.block:
-            return 0  # the rows fit the blocks held (a decoding row, mostly): blocks_held would say as much
+        """Bytes appending `n` rows will charge (the pages they reach; with a window, blocks beyond those held)."""
+        if self.window is None:
+            return 0 if n <= self._free_rows else self.layout.charge_at(self.length + n) - self.charged
         return max(0, blocks_held(self.length, n, self.window, self.block) - len(self.blocks)) * self.block_charge
 
     def _new_block(self) -> torch.Tensor:
@@ -239,9 +300,19 @@ class BlockBuffer:
         self.length += n
 
     def _room(self, n: int) -> None:
-        """Blocks for `n` more rows: dropped ones reused first, new ones charged before they are allocated."""
-        if self.window is None and self.length - self.start + n <= len(self.blocks) * self.block:
-            return  # the last block has room (most decode appends): nothing to trim, charge or allocate
+        """Blocks for `n` more rows: dropped ones reused first, new ones charged before they are allocated (without a
+        window: the pages the rows reach, charged before they are written)."""
+        if self.window is None:
+            if n <= self._free_rows:  # the rows' pages are charged already (most decode appends)
+                self._free_rows -= n
+                return
+            layout = self.layout
+            charge = layout.charge_at(self.length + n)
+            self.memory.grow_state(charge - self.charged, self.what)  # BudgetError before anything is allocated
+            for _ in range(blocks_held(self.length, n, None, self.block) - len(self.blocks)):
+                self.blocks.append(self._new_block())
+            self.charged, self._free_rows = charge, layout.rows_free(self.length + n)
+            return
         free = self._trim()
         need = blocks_held(self.length, n, self.window, self.block) - len(self.blocks)
         charge = max(0, need - len(free)) * self.block_charge
@@ -251,6 +322,7 @@ class BlockBuffer:
         for blk in free:  # dropped blocks this append did not reuse
             free_block(blk)
         self.memory.release_state(len(free) * self.block_charge)
+        self.charged = len(self.blocks) * self.block_charge
 
     def _trim(self) -> list[torch.Tensor]:
         """Drop the blocks no query from `length` on can see (window only); returns them for reuse."""
@@ -301,25 +373,39 @@ class BlockBuffer:
                 self._write(blk, lo - first, rows[lo - base:hi - base])
 
     def clone(self, rows: int | None = None) -> "BlockBuffer":
-        """A copy holding the first `rows` rows (default all), not charged (the caller charges `clone_bytes`)."""
+        """A copy holding the first `rows` rows (default all), not charged (the caller charges `clone_bytes`). Without
+        a window only the rows are copied (the pages they take, what clone_bytes charges)."""
         n = self.length if rows is None else rows
         new = BlockBuffer(self.memory, self.row_shape, self.what, self.dtype, self.window, self.block)
         new.start, new.length = self.start, n
-        for b in self.blocks[:-(-(n - self.start) // self.block)]:
+        spans = None if self.window is not None else self.layout.spans if self.quantized else ()
+        for i, b in enumerate(self.blocks[:-(-(n - self.start) // self.block)]):
             new.blocks.append(new_block(tuple(b.shape), b.dtype))
-            new.blocks[-1].copy_(b)
+            if spans is None:
+                new.blocks[-1].copy_(b)
+                continue
+            r = min(self.block, n - self.start - i * self.block)
+            if not spans:
+                new.blocks[-1][:r].copy_(b[:r])
+            for off, per in spans:
+                new.blocks[-1][off:off + r * per].copy_(b[off:off + r * per])
+        new.charged = self.clone_bytes(n)
+        if self.window is None:
+            new._free_rows = self.layout.rows_free(n)
         return new
 
     def clone_bytes(self, rows: int | None = None) -> int:
         n = self.length if rows is None else rows
+        if self.window is None:
+            return self.layout.charge_at(n)
         return -(-(n - self.start) // self.block) * self.block_charge
 
     def release(self) -> None:
         """Give every block back (its pages to the kernel) and its bytes to the budget."""
-        self.memory.release_state(self.nbytes)
+        self.memory.release_state(self.charged)
         for blk in self.blocks:
             free_block(blk)
-        self.blocks, self.start, self.length = [], 0, 0
+        self.blocks, self.start, self.length, self.charged, self._free_rows = [], 0, 0, 0, 0
 
 
 @dataclass

@@ -12,7 +12,8 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from moestream.memory.accountant import MemoryAccountant
-from moestream.memory.state import BLOCK_TOKENS, BlockBuffer, SeqState, block_charge, block_shape, blocks_held
+from moestream.memory.state import (BLOCK_TOKENS, BlockBuffer, BlockLayout, SeqState, block_charge, block_layout,
+                                    block_shape, blocks_held)
 
 
 def _is_tensor(x: Any) -> bool:
@@ -122,12 +123,13 @@ class StateProfile:
     """What a fresh sequence's state will look like, learned from the first sequence that has state."""
 
     def __init__(self) -> None:
-        self.shapes: list[tuple[int, int | None, int]] | None = None  # per buffer: bytes charged a block, window, block rows
+        # per buffer: bytes charged a whole block, window, block rows, and where its rows lie (the pages they take)
+        self.shapes: list[tuple[int, int | None, int, BlockLayout]] | None = None
         self.fixed = 0
 
     def learn(self, state: SeqState) -> None:
         if self.shapes is None and state.pos > 0:
-            self.shapes = [(b.block_charge, b.window, b.block) for b in buffers(state)]
+            self.shapes = [(b.block_charge, b.window, b.block, b.layout) for b in buffers(state)]
             self.fixed = state.fixed_bytes + state.host_bytes
 
     @classmethod
@@ -139,7 +141,7 @@ class StateProfile:
         prof.shapes = []
         for row in row_bytes:
             rows, nbytes = block_shape(row, bits)
-            prof.shapes.append((block_charge(nbytes), None, rows))
+            prof.shapes.append((block_charge(nbytes), None, rows, block_layout(rows, nbytes, ((0, row),))))
         prof.fixed = fixed
         return prof
 
@@ -152,14 +154,15 @@ class StateProfile:
         and the rest one by one, plus its fixed state. 0 before anything is learned."""
         if self.shapes is None:
             return 0
-        return sum(nb * peak_blocks(prompt, context, chunk, w, blk) for nb, w, blk in self.shapes) + self.fixed
+        return sum(nb * peak_blocks(prompt, context, chunk, w, blk) for nb, w, blk, _ in self.shapes) + self.fixed
 
     def growth(self, state: SeqState, n: int) -> int:
         if state.pos > 0:
             return sum(b.growth(n) for b in held_buffers(state))
         if self.shapes is None:
             return 0  # nothing learned yet: no state exists, so nothing saved can be evicted either
-        return sum(nb * blocks_held(0, n, w, blk) for nb, w, blk in self.shapes) + self.fixed
+        return sum(lay.charge_at(n) if w is None else nb * blocks_held(0, n, w, blk)
+                   for nb, w, blk, lay in self.shapes) + self.fixed
 
 
 def _common_prefix(a: list[int], b: tuple[int, ...]) -> int:
