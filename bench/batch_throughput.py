@@ -33,6 +33,7 @@ import torch
 
 from moestream.bench import (PROBE_THREADS, RSS_LIBRARY_ALLOWANCE, drop_page_cache, model_files, peak_rss,
                              probe_disk, rss_now)
+from moestream.cli.batch import BATCH_PREFILL_CHUNK
 from moestream.config import KV_DTYPE_NAMES, format_bytes
 from moestream.planner.facts import attention_shapes, kda_shape
 from moestream.server.protocol import GenRequest
@@ -376,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget", type=int, default=None, help="bytes (default: dense + scratch + experts / 4)")
     ap.add_argument("--max-batch", type=int, default=1024, help="sequences in flight at most (state bounds it too)")
-    ap.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per step, across prompts")
+    ap.add_argument("--prefill-chunk", type=int, default=BATCH_PREFILL_CHUNK,
+                    help=f"prompt tokens per step, across prompts (default {BATCH_PREFILL_CHUNK}, `moestream batch`'s)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch compute threads (default 1: on a shared CPU, 2 threads made small ops 10-100x slower)")
     ap.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, default="fp32",

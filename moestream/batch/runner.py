@@ -24,9 +24,9 @@ from moestream.tokenizer import Tokenizer
 
 Emit = Callable[[dict], None]
 # requests waiting for admission at least, beyond those running: enough that a job's first steps prefill whole chunks
-# (64 prompts of 32 tokens fill the default 2,048; with 16, the 1,024-request job of docs/performance.md spent its
-# first eight steps on 1,000-1,700 prompt rows, each reading nearly every expert)
-MIN_WAITING = 64
+# (128 prompts of 32 tokens fill `moestream batch`'s default 4,096; with 16, the 1,024-request job of
+# docs/performance.md spent its first eight steps on 1,000-1,700 prompt rows, each reading nearly every expert)
+MIN_WAITING = 128
 REFILL_S = 0.05  # how often the submitting loop looks for room when nothing finished
 
 
