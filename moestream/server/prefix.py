@@ -136,7 +136,8 @@ class StateProfile:
     def of_rows(cls, row_bytes: list[int], fixed: int, bits: int = 0) -> "StateProfile":
         """A profile known ahead of any sequence: one full-context buffer per entry of `row_bytes` (bytes per
         token), in the engine's blocks (memory/state.py block_shape; int8 / int4 rows with their scales when
-        `bits` is 8 / 4), plus `fixed` bytes (the planner's state from a config alone)."""
+        `bits` is 8 / 4), plus `fixed` bytes (the planner's state from a config alone). Its layouts take a row as
+        one region (a quantised row's scales and values together): the planner asks for `reserve`, whole blocks."""
         prof = cls()
         prof.shapes = []
         for row in row_bytes:
@@ -150,13 +151,16 @@ class StateProfile:
         return self.shapes is not None
 
     def reserve(self, prompt: int, context: int, chunk: int) -> int:
-        """Bytes one sequence's state reaches at `context` tokens when its `prompt` is fed `chunk` tokens at a time
-        and the rest one by one, plus its fixed state. 0 before anything is learned."""
+        """Bytes reserved for one sequence's state up to `context` tokens when its `prompt` is fed `chunk` tokens at a
+        time and the rest one by one, plus its fixed state: its buffers' blocks at their peak, charged whole (what
+        they charge once full, and no less than the pages they charge before). 0 before anything is learned."""
         if self.shapes is None:
             return 0
         return sum(nb * peak_blocks(prompt, context, chunk, w, blk) for nb, w, blk, _ in self.shapes) + self.fixed
 
     def growth(self, state: SeqState, n: int) -> int:
+        """Bytes appending `n` rows to `state` will charge: its buffers' new pages (blocks with a window), or for a
+        fresh sequence what the learned buffers charge for `n` rows, plus its fixed state."""
         if state.pos > 0:
             return sum(b.growth(n) for b in held_buffers(state))
         if self.shapes is None:
