@@ -70,7 +70,7 @@ class BlockLayout:
     `headroom[r]` how many more rows a block holding r takes before its charge rises."""
 
     def __init__(self, block: int, nbytes: int, spans: tuple[tuple[int, int], ...]):
-        self.block, self.nbytes, self.spans = block, nbytes, spans  # spans: (offset in the slot, bytes a row)
+        self.block, self.spans = block, spans  # spans: (offset in the slot, bytes a row)
         self.charges = [0] + [block_charge(min(nbytes, self._pages(r) * PAGE)) for r in range(1, block)] \
             + [block_charge(nbytes)]
         self.headroom = [0] * (block + 1)
@@ -180,6 +180,7 @@ class BlockBuffer:
         self.length = 0  # rows appended so far (absolute)
         self.charged = 0  # bytes charged to the budget now
         self._free_rows = 0  # rows that may be appended before the charge rises (no window)
+        self.layout = self._layout()  # where a block's rows lie (the pages its first rows take)
 
     @property
     def bits(self) -> int:
@@ -213,8 +214,7 @@ class BlockBuffer:
         """Bytes the budget is charged per whole block (block_charge)."""
         return block_charge(self.block_bytes)
 
-    @property
-    def layout(self) -> BlockLayout:
+    def _layout(self) -> BlockLayout:
         """Where the rows lie in a block (the pages a block's first rows take): the rows, or for int8 / int4 their
         fp32 scales (all the block's first) and then their values (_parts)."""
         if not self.quantized:
@@ -378,17 +378,17 @@ class BlockBuffer:
         n = self.length if rows is None else rows
         new = BlockBuffer(self.memory, self.row_shape, self.what, self.dtype, self.window, self.block)
         new.start, new.length = self.start, n
-        spans = None if self.window is not None else self.layout.spans if self.quantized else ()
         for i, b in enumerate(self.blocks[:-(-(n - self.start) // self.block)]):
-            new.blocks.append(new_block(tuple(b.shape), b.dtype))
-            if spans is None:
-                new.blocks[-1].copy_(b)
-                continue
+            dst = new_block(tuple(b.shape), b.dtype)
+            new.blocks.append(dst)
             r = min(self.block, n - self.start - i * self.block)
-            if not spans:
-                new.blocks[-1][:r].copy_(b[:r])
-            for off, per in spans:
-                new.blocks[-1][off:off + r * per].copy_(b[off:off + r * per])
+            if self.window is not None:
+                dst.copy_(b)
+            elif self.quantized:  # a flat slot: each region's first r rows
+                for off, per in self.layout.spans:
+                    dst[off:off + r * per].copy_(b[off:off + r * per])
+            else:
+                dst[:r].copy_(b[:r])
         new.charged = self.clone_bytes(n)
         if self.window is None:
             new._free_rows = self.layout.rows_free(n)

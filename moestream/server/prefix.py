@@ -12,8 +12,8 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from moestream.memory.accountant import MemoryAccountant
-from moestream.memory.state import (BLOCK_TOKENS, BlockBuffer, BlockLayout, SeqState, block_charge, block_layout,
-                                    block_shape, blocks_held)
+from moestream.memory.state import (BLOCK_TOKENS, BlockBuffer, BlockLayout, SeqState, block_layout, block_shape,
+                                    blocks_held)
 
 
 def _is_tensor(x: Any) -> bool:
@@ -123,13 +123,13 @@ class StateProfile:
     """What a fresh sequence's state will look like, learned from the first sequence that has state."""
 
     def __init__(self) -> None:
-        # per buffer: bytes charged a whole block, window, block rows, and where its rows lie (the pages they take)
-        self.shapes: list[tuple[int, int | None, int, BlockLayout]] | None = None
+        # per buffer: its window and where its rows lie (BlockLayout: block rows, the charge of its pages and blocks)
+        self.shapes: list[tuple[int | None, BlockLayout]] | None = None
         self.fixed = 0
 
     def learn(self, state: SeqState) -> None:
         if self.shapes is None and state.pos > 0:
-            self.shapes = [(b.block_charge, b.window, b.block, b.layout) for b in buffers(state)]
+            self.shapes = [(b.window, b.layout) for b in buffers(state)]
             self.fixed = state.fixed_bytes + state.host_bytes
 
     @classmethod
@@ -142,7 +142,7 @@ class StateProfile:
         prof.shapes = []
         for row in row_bytes:
             rows, nbytes = block_shape(row, bits)
-            prof.shapes.append((block_charge(nbytes), None, rows, block_layout(rows, nbytes, ((0, row),))))
+            prof.shapes.append((None, block_layout(rows, nbytes, ((0, row),))))
         prof.fixed = fixed
         return prof
 
@@ -156,7 +156,8 @@ class StateProfile:
         they charge once full, and no less than the pages they charge before). 0 before anything is learned."""
         if self.shapes is None:
             return 0
-        return sum(nb * peak_blocks(prompt, context, chunk, w, blk) for nb, w, blk, _ in self.shapes) + self.fixed
+        return sum(lay.charges[lay.block] * peak_blocks(prompt, context, chunk, w, lay.block)
+                   for w, lay in self.shapes) + self.fixed
 
     def growth(self, state: SeqState, n: int) -> int:
         """Bytes appending `n` rows to `state` will charge: its buffers' new pages (blocks with a window), or for a
@@ -165,8 +166,8 @@ class StateProfile:
             return sum(b.growth(n) for b in held_buffers(state))
         if self.shapes is None:
             return 0  # nothing learned yet: no state exists, so nothing saved can be evicted either
-        return sum(lay.charge_at(n) if w is None else nb * blocks_held(0, n, w, blk)
-                   for nb, w, blk, lay in self.shapes) + self.fixed
+        return sum(lay.charge_at(n) if w is None else lay.charges[lay.block] * blocks_held(0, n, w, lay.block)
+                   for w, lay in self.shapes) + self.fixed
 
 
 def _common_prefix(a: list[int], b: tuple[int, ...]) -> int:
