@@ -107,3 +107,29 @@ def test_engine_steps_use_the_step_heap_unless_a_scheduler_holds_rss_beside_a_pr
         assert heap.StepHeap.layer_trims == l0 + 2 * layers
     finally:
         eng.close()
+
+
+def test_batch_invariant_decode_steps_under_a_scheduler_keep_the_fixed_setting(tmp_path_factory):
+    """Under batch invariance a scheduler's decode step trims the heap after each layer instead of keeping its
+    freed temporaries (the step heap's arena grew step after step in the fp32 batch job, past its RSS bound);
+    outside a scheduler it still runs on the step heap."""
+    from conftest import expert_budget, synth_tiny
+    from moestream import Engine
+
+    tiny = synth_tiny(tmp_path_factory, "qwen3_moe")
+    eng = Engine.open(tiny, ram_budget=expert_budget(tiny, 1.0), batch_invariant=True)
+    try:
+        seqs = [eng.new_sequence() for _ in range(heap.STEP_HEAP_ROWS)]
+        for s in seqs:
+            eng.step([(s, [5, 6])])
+        t0, l0 = heap.StepHeap.trims, heap.StepHeap.layer_trims
+        eng.step([(s, [7]) for s in seqs])  # no scheduler: the step heap
+        assert heap.StepHeap.trims == t0 + (1 if heap.return_freed_memory() else 0)
+        assert heap.StepHeap.layer_trims == l0
+        eng.watch_resident()
+        eng.step([(s, [8]) for s in seqs])  # a scheduler's decode step: the fixed setting, a trim after each layer
+        layers = len(eng.model.layers) if heap.return_freed_memory() else 0
+        assert heap.StepHeap.trims == t0 + (1 if heap.return_freed_memory() else 0)
+        assert heap.StepHeap.layer_trims == l0 + layers and heap.StepHeap.depth == 0
+    finally:
+        eng.close()

@@ -27,8 +27,8 @@ Even trimmed, a heap keeps what its live neighbours pin: when a batch job's sequ
 held (tensor objects of their cache blocks, per-sequence Python state, mostly in the engine thread's own glibc
 arena) are freed among those still live, the books release their charge, the expert cache takes the room back,
 and RSS ends above the budget (docs/memory.md: 25 MiB at the end of a 1,024-request job). `ResidentCheck`
-measures the process's anonymous RSS after a step and again before the next, and books what lies beyond the books
-(`set_unbooked`), so the expert cache gives that room up.
+measures the process's anonymous RSS after each layer of a step, after the step and again before the next, and
+books what lies beyond the books (`set_unbooked`), so the expert cache gives that room up.
 """
 from __future__ import annotations
 
@@ -176,8 +176,10 @@ class ResidentCheck:
     """Before and after each engine step: the anonymous RSS grown since `start` beyond what the accountant books
     (plus the reader's idle expert buffers, which the cache's free room covers) is booked as unbooked memory, so
     experts make room for it, leaving them `keep` bytes (what a step needs to read its experts). Moves in steps of
-    at least `grow_step` up and `shrink_step` down (no expert churn from small swings). Started by a server or batch
-    scheduler, which owns the process's memory; an engine embedded beside other work does not measure (its
+    at least `grow_step` up and `shrink_step` down (no expert churn from small swings). The engine also measures
+    after each layer of a step (`layer_done`): what the layers held beyond the books stays booked for the next steps
+    (`held`), fading once they hold less, where a step's end alone would show the room free. Started by a server or
+    batch scheduler, which owns the process's memory; an engine embedded beside other work does not measure (its
     neighbours' memory is not its own)."""
 
     def __init__(self, memory, idle: Callable[[], int], keep: int = 0, grow_step: int = 4 << 20,
@@ -185,6 +187,8 @@ class ResidentCheck:
         self.memory, self.idle, self.keep = memory, idle, keep
         self.grow_step, self.shrink_step = grow_step, shrink_step
         self.base = anon_rss() - self.books()  # the process beside the engine when the measuring starts
+        self.held = 0  # RSS beyond the books at the last steps' layer ends (`layer_done`), fading `shrink_step` a step
+        self._step_over = 0  # this step's so far
 
     def books(self) -> int:
         """What the books say is resident (the measured part aside): the accountant's bytes, the stream reserve's
@@ -201,4 +205,19 @@ class ResidentCheck:
         once: 62 MB over the bound without this)."""
         rss = anon_rss()
         if rss:
-            self.memory.set_unbooked(rss - self.base - self.books(), self.grow_step, self.shrink_step, self.keep)
+            self.memory.set_unbooked(max(rss - self.base - self.books(), self.held), self.grow_step,
+                                     self.shrink_step, self.keep)
+
+    def layer_done(self) -> None:
+        """After each layer of a step: note the anonymous RSS beyond the books. A step on the step heap keeps its
+        freed temporaries until it ends, and where its heap fragments (the 1,024-request fp32 batch-invariant job:
+        its arena grew step after step, a step's layer ends 85 MiB beyond the books that the step's end no longer
+        shows), the measurement at the step's end alone would let the cache fill that room again before the next."""
+        rss = anon_rss()
+        if rss:
+            self._step_over = max(self._step_over, rss - self.base - self.books())
+
+    def step_done(self) -> None:
+        """The step is over: what its layer ends held beyond the books is booked from the next `measure` on (and by
+        the measurements after it, fading `shrink_step` a step once later steps hold less)."""
+        self.held, self._step_over = max(self._step_over, self.held - self.shrink_step, 0), 0

@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -304,13 +304,14 @@ class Engine:
                 self._math(tokens.shape[0]), StepHeap.enter(tokens.shape[0], self._step_heap(items)) as heap, \
                 cpu.step_buffers(tokens.shape[0] >= STEP_BUFFER_ROWS and not heap.active):
             try:
-                self.model.after_layer = heap.after_layer  # off the step heap: the heap trimmed after each layer
+                self.model.after_layer = self._after_layer(heap.after_layer)
                 logits = self.model.forward(tokens, batch, rows, head=not chunked)
             finally:
                 self.model.after_layer = None
                 self.runner.end_step()
         self._heap.after_step()
         if self._resident is not None:
+            self._resident.step_done()
             self._resident.measure()
         for s, t in items:
             s.pos += len(t)
@@ -320,18 +321,33 @@ class Engine:
             return list(logits.unbind(0))
         return [logits[seg.rows] for seg in batch.segments]
 
+    def _after_layer(self, trim: Callable[[], None] | None) -> Callable[[], None] | None:
+        """What runs after each layer of a step: off the step heap, the heap's trim; under a scheduler
+        (`watch_resident`), the RSS measured beyond the books (`ResidentCheck.layer_done`), after the trim."""
+        check = self._resident
+        if check is None:
+            return trim
+        if trim is None:
+            return check.layer_done
+        return lambda: (trim(), check.layer_done())
+
     def _step_heap(self, items: list[tuple[SeqState, list[int]]]) -> bool:
-        """Whether a large step runs on the step heap (StepHeap.enter): yes, except where a scheduler holds RSS to
-        the budget (`watch_resident`) and the step carries a prompt chunk: then it keeps the fixed mmap threshold
-        and trims the heap after each of its layers. A decode step's heap stays within what its caller charges for its activations (a
-        512-sequence q3m_med decode step peaked 17-22 MB over its start with it, 14-15 without, against 22 MB
-        charged), where a 2,048-row prompt step's peaked 214-241 MB against 134-139 without and 87 charged.
-        The decode steps' heap leaves a wide span of free, trimmed pages behind it (a 1,024-request job's arenas
-        spanned 1 GB, 0.9 GB of it free); a later prompt step's small blocks, carved from that span as the step
-        goes, fault its pages in again: a step of 512 decoding rows and 8-16 prompts of 64 tokens peaked 85-244 MiB
-        over its start beyond its new state against 57-91 MiB charged, and 27-66 MiB with a trim after each layer,
-        which re-faults pages: 3-13% longer in isolation (docs/performance.md, "Free heap pages in a prompt step")."""
-        return self._resident is None or all(len(t) == 1 for _, t in items)
+        """Whether a large step runs on the step heap (StepHeap.enter): yes, except where a scheduler holds RSS to the
+        budget (`watch_resident`) and the step carries a prompt chunk: then it keeps the fixed mmap threshold and trims
+        the heap after each of its layers. A decode step's heap stays within what its caller charges for its activations
+        (a 512-sequence q3m_med decode step peaked 17-22 MB over its start with it, 14-15 without, against 22 MB
+        charged), where a 2,048-row prompt step's peaked 214-241 MB against 134-139 without and 87 charged. The decode
+        steps' heap leaves a wide span of free, trimmed pages behind it (a 1,024-request job's arenas spanned 1 GB, 0.9
+        GB of it free); a later prompt step's small blocks, carved from that span as the step goes, fault its pages in
+        again: a step of 512 decoding rows and 8-16 prompts of 64 tokens peaked 85-244 MiB over its start beyond its new
+        state against 57-91 MiB charged, and 27-66 MiB with a trim after each layer, which re-faults pages: 3-13% longer
+        in isolation (docs/performance.md, "Free heap pages in a prompt step"). Under batch invariance a scheduler's
+        decode steps keep the fixed setting too: on the step heap the arena grew step after step in the 1,024-request
+        fp32 job (its free span 73 -> 430 MB over five 542-row steps, a step's peak 105 MiB over its end against 56
+        MiB charged) and the job peaked 1.371 GB against its 1.233 GB bound; without, the arena stayed ~31 MB free and
+        the job peaked 1.216-1.217 GB, 14-15% slower (94.2-95.9 against 111.4 tok/s; docs/performance.md, "The
+        batch-invariant job's decode steps off the step heap")."""
+        return self._resident is None or (not self.options.batch_invariant and all(len(t) == 1 for _, t in items))
 
     @contextlib.contextmanager
     def _math(self, rows: int) -> Iterator[None]:
