@@ -57,10 +57,14 @@ def value_bytes(row_shape: tuple[int, ...], bits: int = 8) -> int:
     return n // 2
 
 
+def scale_bytes(row_shape: tuple[int, ...]) -> int:
+    """Bytes of one row's scales: one fp32 per group."""
+    return 4 * (math.prod(row_shape) // group_of(row_shape[-1]))
+
+
 def row_bytes(row_shape: tuple[int, ...], bits: int = 8) -> int:
     """Stored bytes of one row: its values and one fp32 scale per group."""
-    n = math.prod(row_shape)
-    return value_bytes(row_shape, bits) + 4 * (n // group_of(row_shape[-1]))
+    return value_bytes(row_shape, bits) + scale_bytes(row_shape)
 
 
 def pack4(q: torch.Tensor) -> torch.Tensor:

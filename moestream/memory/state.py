@@ -73,6 +73,7 @@ class BlockLayout:
         self.block, self.spans = block, spans  # spans: (offset in the slot, bytes a row)
         self.charges = [0] + [block_charge(min(nbytes, self._pages(r) * PAGE)) for r in range(1, block)] \
             + [block_charge(nbytes)]
+        self.whole = self.charges[block]  # a full block's charge
         self.headroom = [0] * (block + 1)
         for r in range(block - 1, 0, -1):
             self.headroom[r] = self.headroom[r + 1] + 1 if self.charges[r + 1] == self.charges[r] else 0
@@ -86,7 +87,7 @@ class BlockLayout:
     def charge_at(self, rows: int) -> int:
         """Bytes charged for a buffer's first `rows` rows (whole blocks, then the last block's pages)."""
         full, rem = divmod(rows, self.block)
-        return full * self.charges[self.block] + self.charges[rem]
+        return full * self.whole + self.charges[rem]
 
     def rows_free(self, rows: int) -> int:
         """Rows a buffer holding `rows` may append before its charge rises (0 when its last block is full)."""
@@ -220,7 +221,7 @@ class BlockBuffer:
         if not self.quantized:
             spans = ((0, self.row_bytes),)
         else:
-            scale_row = 4 * (self.elements // kvquant.group_of(self.row_shape[-1]))
+            scale_row = kvquant.scale_bytes(self.row_shape)
             spans = ((0, scale_row), (self.block * scale_row, kvquant.value_bytes(self.row_shape, self.bits)))
         return block_layout(self.block, self.block_bytes, spans)
 
@@ -249,7 +250,7 @@ class BlockBuffer:
         """A quantised block's (values, scales [block, *lead, groups] fp32) views: values int8 [block, *row_shape],
         or for int4 packed uint8 [block, *lead, last / 2]."""
         groups = self.row_shape[-1] // kvquant.group_of(self.row_shape[-1])
-        n = 4 * self.block * (self.elements // self.row_shape[-1]) * groups
+        n = self.block * kvquant.scale_bytes(self.row_shape)
         scales = blk[:n].view(torch.float32).view(self.block, *self.row_shape[:-1], groups)
         values = blk[n:n + self.block * kvquant.value_bytes(self.row_shape, self.bits)]
         if self.bits == 8:

@@ -206,7 +206,8 @@ class DecoderModel:
 
     def leave_layer(self, i: int) -> None:
         """Called after layer i: a streamed layer's weights are given back, and `after_layer` runs when the engine
-        set one for the step (engine.py: the heap trimmed between the layers of a large prompt step)."""
+        set one for the step (engine.py `_after_layer`: the heap trimmed between the layers of a large step off the
+        step heap; under a scheduler, the RSS beyond the books measured)."""
         if self.residency is not None:
             self.residency.leave(i)
         if self.after_layer is not None:

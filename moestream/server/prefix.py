@@ -156,7 +156,7 @@ class StateProfile:
         they charge once full, and no less than the pages they charge before). 0 before anything is learned."""
         if self.shapes is None:
             return 0
-        return sum(lay.charges[lay.block] * peak_blocks(prompt, context, chunk, w, lay.block)
+        return sum(lay.whole * peak_blocks(prompt, context, chunk, w, lay.block)
                    for w, lay in self.shapes) + self.fixed
 
     def growth(self, state: SeqState, n: int) -> int:
@@ -166,7 +166,7 @@ class StateProfile:
             return sum(b.growth(n) for b in held_buffers(state))
         if self.shapes is None:
             return 0  # nothing learned yet: no state exists, so nothing saved can be evicted either
-        return sum(lay.charge_at(n) if w is None else lay.charges[lay.block] * blocks_held(0, n, w, lay.block)
+        return sum(lay.charge_at(n) if w is None else lay.whole * blocks_held(0, n, w, lay.block)
                    for w, lay in self.shapes) + self.fixed
 
 
