@@ -61,9 +61,11 @@ def budget_bytes(model: Path, spec: str) -> int:
 
 
 def probe(model: Path) -> float:
-    from moestream.bench import PROBE_THREADS, model_files, probe_disk
+    """The planner's own disk probe (calibrate.disk_rate: the buffers an expert cache's reads would land in)."""
+    from moestream.bench import PROBE_SECONDS, model_files
+    from moestream.planner.calibrate import disk_rate
 
-    return probe_disk(model_files(model), PROBE_THREADS)
+    return disk_rate(model_files(model), PROBE_SECONDS)
 
 
 def skew_args(a: dict, model: str) -> list[str]:

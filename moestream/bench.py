@@ -14,6 +14,7 @@ import os
 import random
 import resource
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,9 +124,11 @@ def drop_page_cache(files: list[Path]) -> str:
 
 
 def probe_disk(files: list[Path], threads: int, seconds: float = PROBE_SECONDS, chunk: int = PROBE_CHUNK,
-               seed: int = 0) -> float:
+               seed: int = 0, buffers: int = 1) -> float:
     """Bytes/s of random, aligned O_DIRECT reads of `chunk` bytes from the model's own files on `threads` threads
-    (buffered + page drop where O_DIRECT is refused). Reads never enter the page cache."""
+    (buffered + page drop where O_DIRECT is refused), each thread reading into its `buffers` buffers in turn,
+    written once before the clock starts. Reads never enter the page cache. On a VM a read's rate can depend on
+    the memory it lands in (docs/plan.md, "Deep memory"): more buffers sample more of it."""
     from concurrent.futures import ThreadPoolExecutor
 
     sizes = [(f, f.stat().st_size) for f in files]
@@ -135,28 +138,42 @@ def probe_disk(files: list[Path], threads: int, seconds: float = PROBE_SECONDS, 
         return 0.0
     rng = random.Random(seed)
     fds = {f: _open_probe(f) for f, _ in sizes}
-    deadline = time.perf_counter() + seconds
+    started = [0.0]
+    ready = threading.Barrier(threads + 1, action=lambda: started.__setitem__(0, time.perf_counter()))
 
     def worker(_: int) -> int:
         # private anonymous memory, unmapped at the end: shared (shmem) pages would linger in the peak RSS
-        buf, got = mmap.mmap(-1, chunk, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), 0
-        while time.perf_counter() < deadline:
+        try:
+            bufs = [mmap.mmap(-1, chunk, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) for _ in range(max(1, buffers))]
+            for b in bufs:
+                b[::mmap.PAGESIZE] = b"\1" * (chunk // mmap.PAGESIZE)  # faulted in before the clock starts
+        except BaseException:
+            ready.abort()  # the others (and the caller) stop waiting; the error comes out of result()
+            raise
+        ready.wait()
+        got = n = 0
+        while time.perf_counter() < started[0] + seconds:
             f, size = rng.choice(sizes)
             fd, direct = fds[f]
             off = align_down(rng.randrange(0, size - chunk + 1))
-            got += os.preadv(fd, [buf], off)
+            got += os.preadv(fd, [bufs[n % len(bufs)]], off)
+            n += 1
             if not direct:
                 os.posix_fadvise(fd, off, chunk, os.POSIX_FADV_DONTNEED)
         return got
 
-    t = time.perf_counter()
     try:
         with ThreadPoolExecutor(threads) as ex:
-            total = sum(ex.map(worker, range(threads)))
+            futs = [ex.submit(worker, i) for i in range(threads)]
+            try:
+                ready.wait()
+            except threading.BrokenBarrierError:
+                pass
+            total = sum(f.result() for f in futs)
     finally:
         for fd, _ in fds.values():
             os.close(fd)
-    return total / (time.perf_counter() - t)
+    return total / (time.perf_counter() - started[0])
 
 
 def _open_probe(f: Path) -> tuple[int, bool]:

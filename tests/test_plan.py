@@ -18,7 +18,8 @@ from moestream.planner.skew import Skew, distinct, fit_exponent, hit_rate, selec
 
 K3_CONFIG = Path(__file__).parent / "data" / "kimi_k3_config.json"
 RATES = {"gemv": {k: 8e9 for k in calibrate.KINDS}, "expand": {k: 4e9 for k in calibrate.KINDS},
-         "gemm_flops": 5e10, "memory": 1e10, "page_faults": 2e9, "glu_kernels": {"bf16": 1.6e10},
+         "gemm_flops": 5e10, "memory": 1e10, "page_faults": 2e9, "hot_bytes": 0.0, "deep_faults": 0.0,
+         "glu_kernels": {"bf16": 1.6e10},
          # the dense probe's seconds a call for any shape (a 1024 x 1024-sized weight), fp32 and bf16 compute
          "dense_rows": {"bf16": {"fp32": {"1": 2e-4, "16": 1e-3, "64": 3e-3, "256": 1e-2},
                                  "bf16": {"16": 5e-4, "64": 1e-3, "256": 3e-3}}},
@@ -215,6 +216,7 @@ def test_calibration_is_cached(seeded_cache, tiny):
     rates = first.rates({"bf16"}, "qwen3_moe")
     assert first.measured and rates.gemv["bf16"] > 0 and rates.overhead["qwen3_moe"].decode_s > 0
     assert rates.page_faults > 0 and rates.overhead["qwen3_moe"].miss_s >= 0  # the miss probe ran
+    assert "deep_faults" in rates.source  # the fresh-memory probe ran (briefly: no slowdown need show)
     assert rates.overhead["qwen3_moe"].general_s >= 0 and rates.overhead["qwen3_moe"].lookahead_s > 0
     assert "off the warm path" in rates.overhead["qwen3_moe"].source
     again = calibrate.Calibrator(seconds=0.05)
@@ -410,6 +412,37 @@ def test_page_faults_only_for_reads_into_free_room(tiny):
     fills.clear()
     replay_decode([tokens], 2, 4, 4, fills=fills)  # two experts' room: full after the prompt, each miss evicts
     assert fills == [0.0]
+
+
+def test_deep_memory_from_the_probes_chunks():
+    """The fresh-memory probe's answer from its chunks' rates: where they fall under half the first chunks' rate,
+    all it took (the next process's hot memory) and the median rate from there; a one-chunk dip leaves that median
+    near the hot rate; no slowdown: nothing."""
+    chunk = 64 << 20
+    hot, deep, seen = calibrate.deep_summary([2.7e9] * 40 + [0.4e9] * 8, chunk)
+    assert hot == 48 * chunk and deep == pytest.approx(0.4e9) and "2.5 GiB at 2.7 GB/s" in seen
+    assert calibrate.deep_summary([2.7e9] * 10, chunk)[:2] == (0.0, 0.0)
+    assert calibrate.deep_summary([2.7e9] * 10 + [0.4e9] + [2.6e9] * 7, chunk)[1] == pytest.approx(2.6e9)
+    assert calibrate.deep_split([1, 1, 1, 1, 0.6, 0.4]) == 5 and calibrate.deep_split([1, 1, 1]) is None
+    hot, deep, _ = calibrate.deep_fault_rates(limit=4 * chunk, seconds=5)  # a real probe, too small to slow
+    assert (hot, deep) == (0.0, 0.0)
+
+
+def test_reads_into_free_room_beyond_hot_memory_fault_at_the_deep_rate(tiny):
+    """A read into free room faults its buffer at the fresh-page rate while the process holds less than the
+    machine's hot memory, at the deep-memory rate beyond; a cold decode that fills the cache pays it once the
+    budget's memory is past the hot bytes."""
+    rates = {**RATES, "disk": 1e6, "deep_faults": 1e8}
+    shallow, deep = (_scenario(tiny, 1.0, {**rates, "hot_bytes": h}) for h in (1e15, 1.0))
+    f = shallow.facts
+    near = shallow.layer_waits({1: 1.0}, True, fill=1.0, taken=1e14)[1]
+    far = shallow.layer_waits({1: 1.0}, True, fill=1.0, taken=2e15)[1]
+    assert far - near == pytest.approx(f.moe_layers * f.expert_bytes * (1 / 1e8 - 1 / 2e9))
+    assert shallow.layer_waits({1: 1.0}, True, fill=0.0, taken=2e15)[1] < near  # a read that evicts: no faults
+    cold = [s.decode(1, 32, since_open=(16, 8)) for s in (shallow, deep)]
+    assert cold[1].wait_s > cold[0].wait_s and cold[1].seconds > cold[0].seconds
+    assert _scenario(tiny, 1.0, {**rates, "deep_faults": 0.0, "hot_bytes": 0.0}).decode(
+        1, 32, since_open=(16, 8)).seconds == pytest.approx(cold[0].seconds)  # not measured: the fresh-page rate
 
 
 def test_one_row_step_is_its_reads_or_its_layers(tiny):

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import platform
+import random
 import shutil
 import statistics
 import tempfile
@@ -34,6 +35,10 @@ PROBES_VERSION = 7  # part of the cache key: a change to what a probe measures m
 ROUNDS = 3  # separate probes per rate; the median is kept (a burst of load costs one round, not the rate)
 PROBE_FILE_BYTES = 256 << 20  # written once where the weights would live when the model has no local shards
 BURST_S = 0.15
+DEEP_PROBE_BYTES = 8 << 30  # fresh memory the deep-memory probe may hold (at most half of what is available)
+DEEP_PROBE_S = 4.0
+DISK_PROBE_BUFFERS = 4  # per probe thread: 32 buffers of 4 MiB over the probe's 8 threads
+DEEP_AFTER = 8  # slow chunks timed past the first
 
 
 @dataclass
@@ -78,6 +83,10 @@ class Rates:
     disk: float = 0.0  # expert and streamed-dense reads, bytes/s
     overhead: dict[str, Overhead] = field(default_factory=dict)  # per overhead_key (family, top-k)
     page_faults: float = 0.0  # bytes/s of fresh anonymous pages faulted in (zeroed by the kernel): a read buffer
+    # fresh memory a process takes at that rate before it slows (a VM's host takes pages back once the guest frees
+    # them: docs/plan.md, "Deep memory"), and the rate beyond it; 0 / 0: no slowdown seen within the probe
+    hot_bytes: float = 0.0
+    deep_faults: float = 0.0
     # bytes/s of one row through a layer's top_k bf16 GLU experts in one fused native call (fused.moe_glu_bf16, the
     # engine's decode path for them: no Python per matrix); 0: not measured, the one-row kernel's rate is used
     glu: float = 0.0
@@ -108,8 +117,8 @@ class Rates:
     @classmethod
     def from_json(cls, d: dict) -> "Rates":
         out = cls(dict(d["gemv"]), dict(d["expand"]), float(d["gemm_flops"]), float(d["memory"]),
-                  float(d.get("disk", 0.0)), {}, float(d.get("page_faults", 0.0)), float(d.get("glu", 0.0)),
-                  source=dict(d.get("source", {})))
+                  float(d.get("disk", 0.0)), {}, float(d.get("page_faults", 0.0)), float(d.get("hot_bytes", 0.0)),
+                  float(d.get("deep_faults", 0.0)), float(d.get("glu", 0.0)), source=dict(d.get("source", {})))
         out.glu_rows = {k: {str(r): float(t) for r, t in v.items()} for k, v in (d.get("glu_rows") or {}).items()}
         out.dense_rows = {shape: {c: {str(r): float(t) for r, t in v.items()} for c, v in by.items()}
                           for shape, by in (d.get("dense_rows") or {}).items()}
@@ -552,11 +561,79 @@ def page_fault_rate(seconds: float = 0.2, nbytes: int = 32 << 20) -> float:
     return _rate(once, nbytes, seconds)
 
 
+def deep_fault_rates(limit: int | None = None, seconds: float = DEEP_PROBE_S, chunk: int = 64 << 20,
+                     after: int = DEEP_AFTER) -> tuple[float, float, str]:
+    """(hot_bytes, deep rate, what was seen) of fresh memory held as it is taken, `chunk` at a time, each page
+    written once until a chunk runs under half the first chunks' rate, then `after` chunks more (deep_split);
+    none slowed within `limit` bytes (default: half of the memory available, at most DEEP_PROBE_BYTES) or
+    `seconds`: (0, 0). A cold cache fills with memory the process takes for the first time: on a VM whose host
+    took the guest's free pages back (virtio-balloon free page reporting) the first write to such a page stalls
+    for the host's fault, ~7x the price of a recently freed one here (docs/plan.md, "Deep memory")."""
+    import mmap
+
+    if limit is None:
+        limit = min(DEEP_PROBE_BYTES, available_memory() // 2)
+    held, rates, deadline = [], [], time.perf_counter() + seconds
+    try:
+        while len(held) * chunk + chunk <= limit and time.perf_counter() < deadline:
+            m = mmap.mmap(-1, chunk, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            held.append(m)
+            pages = torch.frombuffer(m, dtype=torch.uint8)
+            t = time.perf_counter()
+            pages[::mmap.PAGESIZE].fill_(1)  # one byte a page, in C
+            rates.append(chunk / (time.perf_counter() - t))
+            del pages
+            drop = deep_split(rates)
+            if drop is not None and len(rates) - drop >= after:
+                break
+    finally:
+        for m in held:
+            m.close()
+    return deep_summary(rates, chunk)
+
+
+def deep_split(rates: list[float], first: int = 4) -> int | None:
+    """Index of the first chunk after the first `first` that ran under half their median rate (None: none)."""
+    if len(rates) <= first:
+        return None
+    head = statistics.median(rates[:first])
+    return next((i for i in range(first, len(rates)) if rates[i] < head / 2), None)
+
+
+def deep_summary(rates: list[float], chunk: int) -> tuple[float, float, str]:
+    """deep_fault_rates' answer from its chunks' rates: (all the bytes it took, the median rate from the first slow
+    chunk on, a line). All it took, the slow part included, is the next process's hot memory once freed (three
+    probes in a row here found 2.88, 3.38 and 3.75 GiB hot, each 0.5 GiB beyond the last)."""
+    drop = deep_split(rates)
+    taken = len(rates) * chunk
+    if drop is None:
+        rate = statistics.median(rates) if rates else 0.0
+        return 0.0, 0.0, f"no slowdown over {taken / 2**30:.3g} GiB held ({rate / 1e9:.3g} GB/s)"
+    deep = statistics.median(rates[drop:])
+    return float(taken), deep, (f"{drop * chunk / 2**30:.3g} GiB at {statistics.median(rates[:drop]) / 1e9:.3g} GB/s,"
+                                f" then {deep / 1e9:.3g} GB/s over {(len(rates) - drop) * chunk >> 20} MiB")
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo (bytes); 0 where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def disk_rate(files: list[Path], seconds: float) -> float:
-    """bench's direct-I/O probe (random 4 MiB reads, a deep queue) over the model's shards."""
+    """bench's direct-I/O probe (random 4 MiB reads, a deep queue) over the model's shards, each of its threads
+    reading into DISK_PROBE_BUFFERS buffers in turn: an expert cache's reads land all over memory, and on a VM a
+    read's rate follows the memory it lands in (docs/plan.md, "Deep memory")."""
     from moestream.bench import PROBE_THREADS, probe_disk
 
-    return probe_disk(files, PROBE_THREADS, max(0.5, seconds))  # shorter, a loaded machine may finish no read
+    # shorter, a loaded machine may finish no read; a fresh seed a probe, as the engine's reads do not repeat
+    return probe_disk(files, PROBE_THREADS, max(0.5, seconds), seed=random.randrange(1 << 30),
+                      buffers=DISK_PROBE_BUFFERS)
 
 
 def disk_rate_at(directory: Path, seconds: float, nbytes: int = PROBE_FILE_BYTES) -> float:
@@ -959,6 +1036,10 @@ class Calibrator:
             self.log("calibrating: page faults of fresh read buffers")
             (e["page_faults"],), s3 = rounds(lambda: page_fault_rate(self.seconds / 5), self.rounds)
             src["page_faults"] = f"{s3}, {self._stamp()}"
+        if "hot_bytes" not in e:
+            self.log("calibrating: fresh memory held (a VM's deep memory)")
+            e["hot_bytes"], e["deep_faults"], seen = deep_fault_rates(seconds=DEEP_PROBE_S * self.seconds)
+            src["deep_faults"] = f"{seen}, {self._stamp()}"
         key = overhead_key(model_type, top_k, widths)
         # a family's overhead stated without top-k or widths (seeded files) stands for all of them
         # (an overhead measured before the general-path probe existed lacks general_s: measured again)

@@ -63,7 +63,8 @@ class Machine:
         # a missed expert's fresh buffer pages: this machine's rate scaled by the memory bandwidths' ratio
         pages = here.page_faults * self.memory / here.memory if here.memory > 0 else 0.0
         glu = self.gemv_bf16 * here.glu / here.gemv["bf16"] if here.glu else 0.0  # this machine's ratio to bf16
-        return Rates(gemv, expand, self.gemm_flops, self.memory, self.disk, overhead, pages, glu,
+        # a reference machine is not a VM whose host takes freed pages back: no deep memory
+        return Rates(gemv, expand, self.gemm_flops, self.memory, self.disk, overhead, pages, glu=glu,
                      source={"all": f"reference machine {self.name}: {self.note}"})
 
     def describe(self) -> str:
@@ -360,6 +361,10 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
                      "its misses at the disk's rate after the first buffer's page faults"
                      + (f" ({f.expert_bytes / pages * 1e3:.3g} ms at {pages / 1e9:.3g} GB/s; "
                         f"{src.get('page_faults', '')})" if pages > 0 else " (page faults not measured)")
+                     + (f", and once the process holds {format_bytes(r['hot_bytes'])} of fresh memory at "
+                        f"{r['deep_faults'] / 1e9:.3g} GB/s ({f.expert_bytes / r['deep_faults'] * 1e3:.3g} ms an expert; "
+                        f"{src.get('deep_faults', '')})" if r.get("deep_faults") else
+                        f" (fresh memory held: {src['deep_faults']})" if src.get("deep_faults") else "")
                      + "; misses per layer step spread as the replayed routing's (else binomial around the mean)")
     if not opts.ram_budget:
         lines.append(f"no --ram-budget: planned at {DEFAULT_BUDGET_SHARE:.0%} of the machine's RAM "

@@ -244,7 +244,8 @@ class Scenario:
         one = f.expert_bytes / self.rates.gemv.get(f.expert_kind, self.rates.gemv["bf16"])
         return (o.miss_s if o is not None else 0.0) + max(0.0, one - f.expert_bytes / self.expert_rate())
 
-    def layer_waits(self, spread: dict[int, float], partial: bool, fill: float = 1.0) -> tuple[float, float]:
+    def layer_waits(self, spread: dict[int, float], partial: bool, fill: float = 1.0,
+                    taken: float = 0.0) -> tuple[float, float]:
         """(main-thread seconds beyond the warm step, seconds waiting for reads) of the MoE layer steps of one
         one-row step, from `spread`: the share of layer steps with m misses. A layer step with m >= 1 misses leaves
         the warm path (`general_s`, which holds the lookahead router: with a `partial` cache every layer step runs
@@ -254,7 +255,9 @@ class Scenario:
         page faults then m x expert bytes at the disk's rate. A read into free room takes a fresh buffer, which the
         reader faults in before the disk fills it (the later ones fault while earlier reads are on the disk); a
         read that evicts reuses the evicted expert's buffer (experts/reader.py BufferPool: by size, and a model's
-        experts share one size): `fill` is the share of misses that fill free room."""
+        experts share one size): `fill` is the share of misses that fill free room. Their pages fault at the
+        calibrated fresh-page rate while the process has taken (`taken` bytes) less than the machine's hot memory,
+        at its deep-memory rate beyond (calibrate.deep_fault_rates: a VM's host faulting pages back in)."""
         f, r = self.facts, self.rates
         o = r.overhead_for(f.model_type, f.top_k, f.widths)
         general = o.general_s if o is not None else 0.0
@@ -262,7 +265,8 @@ class Scenario:
         hit = f.expert_bytes / self.expert_rate()
         miss = self.miss_cost()
         last = miss + hit  # the last read expert's work, after its read lands
-        pages = fill * f.expert_bytes / r.page_faults if r.page_faults > 0 else 0.0
+        rate = r.deep_faults if r.deep_faults > 0 and taken >= r.hot_bytes else r.page_faults
+        pages = fill * f.expert_bytes / rate if rate > 0 else 0.0
         read = f.expert_bytes / r.disk if r.disk > 0 else 0.0
         cpu = wait = 0.0
         for m, share in spread.items():
@@ -462,14 +466,18 @@ class Scenario:
                         spread[n] = spread.get(n, 0.0) + share / len(per_law)
             o = self.rates.overhead_for(f.model_type, f.top_k, f.widths)
             parts["lookahead_s"] = f.moe_layers * o.lookahead_s if partial and o is not None else 0.0
+            room = self.cached_per_layer(state_bytes)
+            prompt = ([distinct(f.num_experts, f.top_k, law, since_open[0])[0] for law in laws]
+                      if since_open is not None and since_open[1] > 0 else [])
             if fills:
                 fill = fills[0]
             else:  # misses fill free room while the cache is not full: it holds every expert, or a cold start's
                 # prompt has not routed to as many distinct experts as a layer's share
-                room = self.cached_per_layer(state_bytes)
-                fill = 1.0 if room >= f.num_experts or (since_open is not None and since_open[1] > 0 and min(
-                    distinct(f.num_experts, f.top_k, law, since_open[0])[0] for law in laws) < room) else 0.0
-            parts["misses_s"], wait = self.layer_waits(spread, partial, fill)
+                fill = 1.0 if room >= f.num_experts or (prompt and min(prompt) < room) else 0.0
+            # fresh memory taken by then: all the budget holds but the cache, and the experts the prompt cached
+            held = min(room, sum(prompt) / len(prompt)) if prompt else room
+            taken = self.fit.ram_budget - self.fit.cache_bytes + held * f.moe_layers * self.fit.resident_bytes_per_expert
+            parts["misses_s"], wait = self.layer_waits(spread, partial, fill, taken)
         io = reads * f.expert_bytes / self.rates.disk + self._streamed() if self.rates.disk > 0 else 0.0
         hit = max(0.0, 1.0 - missing / max(1e-9, used))
         return Step(io, sum(parts.values()), self._overhead("decode", sequences), reads, hit, parts, wait)
