@@ -81,6 +81,22 @@ def test_probe_reads_model_files(tiny):
     assert probe_disk(model_files(tiny), threads=2, seconds=0.2, chunk=64 * 1024) > 0
 
 
+def test_probe_reads_into_several_buffers_and_fails_cleanly(tiny, monkeypatch):
+    """The planner's probe reads into several buffers a thread (faulted in before the clock starts); a buffer
+    that cannot be mapped is an error out of the probe, not a thread left waiting for the others."""
+    import mmap
+
+    files = model_files(tiny)
+    assert probe_disk(files, threads=2, seconds=0.2, chunk=64 * 1024, buffers=3) > 0
+
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    with pytest.raises(OSError, match="allocate"):
+        probe_disk(files, threads=2, seconds=0.2, chunk=64 * 1024, buffers=2)
+
+
 def test_peak_rss_within_budget_plus_fixed_overhead(tiny):
     """A fresh process (its peak RSS is this run's own): RSS stays within budget + interpreter + the stated
     allowance, under a budget that forces evictions."""

@@ -430,11 +430,14 @@ def test_deep_memory_from_the_probes_chunks():
 
 def test_reads_into_free_room_beyond_hot_memory_fault_at_the_deep_rate(tiny):
     """A read into free room faults its buffer at the fresh-page rate while the process holds less than the
-    machine's hot memory, at the deep-memory rate beyond; a cold decode that fills the cache pays it once the
-    budget's memory is past the hot bytes."""
+    machine's hot memory, at the deep-memory rate from twice that, linear between; a cold decode that fills the
+    cache pays it once the budget's memory is past the hot bytes."""
     rates = {**RATES, "disk": 1e6, "deep_faults": 1e8}
     shallow, deep = (_scenario(tiny, 1.0, {**rates, "hot_bytes": h}) for h in (1e15, 1.0))
     f = shallow.facts
+    per = [shallow.fault_seconds_per_byte(t) for t in (5e14, 1e15, 1.5e15, 2e15, 4e15)]
+    assert per[0] == per[1] == pytest.approx(1 / 2e9) and per[3] == per[4] == pytest.approx(1 / 1e8)
+    assert per[2] == pytest.approx((1 / 2e9 + 1 / 1e8) / 2)
     near = shallow.layer_waits({1: 1.0}, True, fill=1.0, taken=1e14)[1]
     far = shallow.layer_waits({1: 1.0}, True, fill=1.0, taken=2e15)[1]
     assert far - near == pytest.approx(f.moe_layers * f.expert_bytes * (1 / 1e8 - 1 / 2e9))

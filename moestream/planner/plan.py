@@ -361,8 +361,9 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
                      "its misses at the disk's rate after the first buffer's page faults"
                      + (f" ({f.expert_bytes / pages * 1e3:.3g} ms at {pages / 1e9:.3g} GB/s; "
                         f"{src.get('page_faults', '')})" if pages > 0 else " (page faults not measured)")
-                     + (f", and once the process holds {format_bytes(r['hot_bytes'])} of fresh memory at "
-                        f"{r['deep_faults'] / 1e9:.3g} GB/s ({f.expert_bytes / r['deep_faults'] * 1e3:.3g} ms an expert; "
+                     + (f", and once the process holds twice {format_bytes(r['hot_bytes'])} of fresh memory (its hot "
+                        f"memory; linear from there) at {r['deep_faults'] / 1e9:.3g} GB/s "
+                        f"({f.expert_bytes / r['deep_faults'] * 1e3:.3g} ms an expert; "
                         f"{src.get('deep_faults', '')})" if r.get("deep_faults") else
                         f" (fresh memory held: {src['deep_faults']})" if src.get("deep_faults") else "")
                      + "; misses per layer step spread as the replayed routing's (else binomial around the mean)")

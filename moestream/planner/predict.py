@@ -244,6 +244,19 @@ class Scenario:
         one = f.expert_bytes / self.rates.gemv.get(f.expert_kind, self.rates.gemv["bf16"])
         return (o.miss_s if o is not None else 0.0) + max(0.0, one - f.expert_bytes / self.expert_rate())
 
+    def fault_seconds_per_byte(self, taken: float) -> float:
+        """Seconds a byte of a fresh read buffer costs to fault in once the process holds `taken` bytes of fresh
+        memory: the calibrated fresh-page rate up to the machine's hot memory (calibrate.deep_fault_rates), its
+        deep-memory rate from twice that, linear between (the hot pool's size moves by 0.5-1 GiB between probes
+        here, and peer's fills at 1.4x it paid 4.4 ms a 3 MiB read, 0.45 of the way from 1.1 to 8: docs/plan.md,
+        "Deep memory"). 0 where neither rate is measured."""
+        r = self.rates
+        hot = 1.0 / r.page_faults if r.page_faults > 0 else 0.0
+        if r.deep_faults <= 0 or r.hot_bytes <= 0:
+            return hot
+        share = min(1.0, max(0.0, taken / r.hot_bytes - 1.0))
+        return hot + share * max(0.0, 1.0 / r.deep_faults - hot)
+
     def layer_waits(self, spread: dict[int, float], partial: bool, fill: float = 1.0,
                     taken: float = 0.0) -> tuple[float, float]:
         """(main-thread seconds beyond the warm step, seconds waiting for reads) of the MoE layer steps of one
@@ -255,9 +268,8 @@ class Scenario:
         page faults then m x expert bytes at the disk's rate. A read into free room takes a fresh buffer, which the
         reader faults in before the disk fills it (the later ones fault while earlier reads are on the disk); a
         read that evicts reuses the evicted expert's buffer (experts/reader.py BufferPool: by size, and a model's
-        experts share one size): `fill` is the share of misses that fill free room. Their pages fault at the
-        calibrated fresh-page rate while the process has taken (`taken` bytes) less than the machine's hot memory,
-        at its deep-memory rate beyond (calibrate.deep_fault_rates: a VM's host faulting pages back in)."""
+        experts share one size): `fill` is the share of misses that fill free room, their pages priced by
+        fault_seconds_per_byte at `taken` bytes of fresh memory held."""
         f, r = self.facts, self.rates
         o = r.overhead_for(f.model_type, f.top_k, f.widths)
         general = o.general_s if o is not None else 0.0
@@ -265,8 +277,7 @@ class Scenario:
         hit = f.expert_bytes / self.expert_rate()
         miss = self.miss_cost()
         last = miss + hit  # the last read expert's work, after its read lands
-        rate = r.deep_faults if r.deep_faults > 0 and taken >= r.hot_bytes else r.page_faults
-        pages = fill * f.expert_bytes / rate if rate > 0 else 0.0
+        pages = fill * f.expert_bytes * self.fault_seconds_per_byte(taken)
         read = f.expert_bytes / r.disk if r.disk > 0 else 0.0
         cpu = wait = 0.0
         for m, share in spread.items():
