@@ -83,8 +83,9 @@ class Rates:
     disk: float = 0.0  # expert and streamed-dense reads, bytes/s
     overhead: dict[str, Overhead] = field(default_factory=dict)  # per overhead_key (family, top-k)
     page_faults: float = 0.0  # bytes/s of fresh anonymous pages faulted in (zeroed by the kernel): a read buffer
-    # fresh memory a process takes at that rate before it slows (a VM's host takes pages back once the guest frees
-    # them: docs/plan.md, "Deep memory"), and the rate beyond it; 0 / 0: no slowdown seen within the probe
+    # fresh memory a process takes at that rate (the deep-memory probe's total: freed, the next process's hot
+    # memory; a VM's host takes pages back once the guest frees them: docs/plan.md, "Deep memory"), and the rate
+    # of fresh pages beyond it; 0 / 0: no slowdown seen within the probe
     hot_bytes: float = 0.0
     deep_faults: float = 0.0
     # bytes/s of one row through a layer's top_k bf16 GLU experts in one fused native call (fused.moe_glu_bf16, the
@@ -563,8 +564,8 @@ def page_fault_rate(seconds: float = 0.2, nbytes: int = 32 << 20) -> float:
 
 def deep_fault_rates(limit: int | None = None, seconds: float = DEEP_PROBE_S, chunk: int = 64 << 20,
                      after: int = DEEP_AFTER) -> tuple[float, float, str]:
-    """(hot_bytes, deep rate, what was seen) of fresh memory held as it is taken, `chunk` at a time, each page
-    written once until a chunk runs under half the first chunks' rate, then `after` chunks more (deep_split);
+    """(hot_bytes, deep rate, what was seen: deep_summary) of fresh memory held as it is taken, `chunk` at a time,
+    each page written once until a chunk runs under half the first chunks' rate, then `after` chunks more;
     none slowed within `limit` bytes (default: half of the memory available, at most DEEP_PROBE_BYTES) or
     `seconds`: (0, 0). A cold cache fills with memory the process takes for the first time: on a VM whose host
     took the guest's free pages back (virtio-balloon free page reporting) the first write to such a page stalls
