@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import platform
 import random
@@ -28,6 +29,7 @@ from typing import Callable
 import torch
 
 from moestream import __version__
+from moestream.cgroup import proc_kib
 from moestream.config import default_cache_dir
 
 KINDS = ("bf16", "mxfp4", "fp8", "int4", "f32")
@@ -544,22 +546,23 @@ def memory_rate(seconds: float = 0.3) -> float:
     return _rate(lambda: torch.sum(data), data.numel() * 4, seconds)
 
 
+def _fresh_mapping(nbytes: int) -> tuple[mmap.mmap, float]:
+    """A fresh private anonymous mapping of `nbytes` with every page written once (the kernel zeroes each), and
+    the seconds that took: one byte a page, in C, so that the faults, not Python, are timed."""
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    pages = torch.frombuffer(m, dtype=torch.uint8)
+    t = time.perf_counter()
+    pages[::mmap.PAGESIZE].fill_(1)
+    took = time.perf_counter() - t
+    del pages  # the view pins the mapping: closing it needs the view gone
+    return m, took
+
+
 def page_fault_rate(seconds: float = 0.2, nbytes: int = 32 << 20) -> float:
     """Bytes/s of fresh private anonymous pages mapped and faulted in, one write per page (the kernel zeroes each):
     what a missed expert's read buffer costs the CPU before the disk fills it (the reader hands its buffers back
     to the kernel after each one-token step)."""
-    import mmap
-
-    def once() -> None:
-        m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        try:
-            pages = torch.frombuffer(m, dtype=torch.uint8)
-            pages[::mmap.PAGESIZE].fill_(1)  # one byte a page, in C: the faults, not Python, are timed
-            del pages
-        finally:
-            m.close()
-
-    return _rate(once, nbytes, seconds)
+    return _rate(lambda: _fresh_mapping(nbytes)[0].close(), nbytes, seconds)
 
 
 def deep_fault_rates(limit: int | None = None, seconds: float = DEEP_PROBE_S, chunk: int = 64 << 20,
@@ -570,20 +573,14 @@ def deep_fault_rates(limit: int | None = None, seconds: float = DEEP_PROBE_S, ch
     `seconds`: (0, 0). A cold cache fills with memory the process takes for the first time: on a VM whose host
     took the guest's free pages back (virtio-balloon free page reporting) the first write to such a page stalls
     for the host's fault, ~7x the price of a recently freed one here (docs/plan.md, "Deep memory")."""
-    import mmap
-
     if limit is None:
-        limit = min(DEEP_PROBE_BYTES, available_memory() // 2)
+        limit = min(DEEP_PROBE_BYTES, (proc_kib("MemAvailable", "/proc/meminfo") or 0) * 1024 // 2)
     held, rates, deadline = [], [], time.perf_counter() + seconds
     try:
         while len(held) * chunk + chunk <= limit and time.perf_counter() < deadline:
-            m = mmap.mmap(-1, chunk, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            m, took = _fresh_mapping(chunk)
             held.append(m)
-            pages = torch.frombuffer(m, dtype=torch.uint8)
-            t = time.perf_counter()
-            pages[::mmap.PAGESIZE].fill_(1)  # one byte a page, in C
-            rates.append(chunk / (time.perf_counter() - t))
-            del pages
+            rates.append(chunk / took)
             drop = deep_split(rates)
             if drop is not None and len(rates) - drop >= after:
                 break
@@ -613,17 +610,6 @@ def deep_summary(rates: list[float], chunk: int) -> tuple[float, float, str]:
     deep = statistics.median(rates[drop:])
     return float(taken), deep, (f"{drop * chunk / 2**30:.3g} GiB at {statistics.median(rates[:drop]) / 1e9:.3g} GB/s,"
                                 f" then {deep / 1e9:.3g} GB/s over {(len(rates) - drop) * chunk >> 20} MiB")
-
-
-def available_memory() -> int:
-    """MemAvailable from /proc/meminfo (bytes); 0 where it cannot be read."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def disk_rate(files: list[Path], seconds: float) -> float:
