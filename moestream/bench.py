@@ -16,13 +16,14 @@ import resource
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from moestream.cgroup import proc_kib, rss_now  # noqa: F401  (bench/batch_throughput.py imports rss_now here)
-from moestream.cli.common import add_compute_dtype_arg, add_remote_args, add_state_room_arg
+from moestream.cli.common import (DEFAULT_BUDGET_HELP, add_budget_arg, add_compute_dtype_arg, add_remote_args,
+                                  add_state_room_arg)
 from moestream.config import format_bytes, parse_bytes
 from moestream.engine.sampling import draw
 from moestream.errors import BudgetError, MoestreamError
@@ -481,7 +482,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="measure prefill/decode speed under a RAM budget against the disk's bandwidth",
                        description=__doc__)
     p.add_argument("model", help="checkpoint directory, hf://ORG/NAME[@REV] or https://.../DIR/")
-    p.add_argument("--ram-budget", metavar="BYTES", default=None, help="RAM for everything resident (e.g. 4GiB)")
+    add_budget_arg(p, DEFAULT_BUDGET_HELP)
     add_remote_args(p)
     add_state_room_arg(p)
     add_compute_dtype_arg(p)
@@ -533,10 +534,12 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from moestream.cli.common import model_dir
+    from moestream.cli.common import model_dir, resolve_budget
 
     path = model_dir(args.model)  # a remote spec becomes its stub; its shards then read over HTTP + SSD tier
     opts = options_from_args(args)
+    if opts.ram_budget is None and args.cap is None:  # no budget: none where the model fits, else a share of RAM
+        opts = replace(opts, ram_budget=resolve_budget(None, path))
     if args.cap is not None:
         return _run_capped(path, opts, args.cap, args.json)
     report = bench(path, opts)

@@ -6,7 +6,8 @@ pid before exec'ing the command, removal), the figures read back (peak charge, t
 and where the memory was at the peak (the parent samples the group's anonymous vs page-cache split; a child that
 calls `watch_peak` records its Python stack at each new RSS high-water mark, so an OOM kill still leaves one).
 The cap is `budget + interpreter RSS + allowance`, page cache included (v1 charges it to the group). Also the
-process's own memory figures from /proc (`rss_now`, `proc_kib`).
+process's own memory figures from /proc (`rss_now`, `proc_kib`) and the memory it can still take
+(`memory_available`).
 """
 from __future__ import annotations
 
@@ -130,6 +131,40 @@ def proc_kib(field: str, path: str | Path = "/proc/self/status") -> int | None:
     except OSError:
         pass
     return None
+
+
+def memory_available(meminfo: str | Path = "/proc/meminfo", cgroups: str | Path = "/proc/self/cgroup",
+                     v2_root: Path = Path("/sys/fs/cgroup"), v1_root: Path = V1_ROOT) -> int | None:
+    """Bytes this process can still take: the machine's MemAvailable, or less where the process's own memory
+    cgroup is nearer its limit (v2 memory.max - memory.current, v1 memory.limit_in_bytes - memory.usage_in_bytes;
+    a container's limit is one of these). None where /proc/meminfo has no MemAvailable."""
+    kib = proc_kib("MemAvailable", meminfo)
+    if kib is None:
+        return None
+    room = kib * 1024
+    try:
+        lines = Path(cgroups).read_text().splitlines()
+    except OSError:
+        return room
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        if controllers == "":  # v2's unified hierarchy
+            limit, usage = v2_root / rel.lstrip("/") / "memory.max", v2_root / rel.lstrip("/") / "memory.current"
+        elif "memory" in controllers.split(","):
+            limit = v1_root / rel.lstrip("/") / "memory.limit_in_bytes"
+            usage = v1_root / rel.lstrip("/") / "memory.usage_in_bytes"
+        else:
+            continue
+        try:
+            cap, used = limit.read_text().strip(), int(usage.read_text())
+        except (OSError, ValueError):
+            continue
+        if cap.isdigit():  # "max" (v2) or v1's huge page-rounded number when there is no limit
+            room = min(room, max(0, int(cap) - used))
+    return room
 
 
 def rss_now() -> int:

@@ -260,7 +260,7 @@ def read_prompts(path: Path) -> list[str]:
 
 # ---- CLI ------------------------------------------------------------------------------------------------------
 def add_trace_parser(subparsers) -> argparse.ArgumentParser:
-    from moestream.cli.common import add_remote_args
+    from moestream.cli.common import DEFAULT_BUDGET_HELP, add_budget_arg, add_remote_args
 
     p = subparsers.add_parser("trace", help="record expert routing on prompts and report skew, reuse and cache "
                               "hit rates", description="Run prompts through MODEL, record which experts every "
@@ -275,6 +275,7 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
                    "activates across all layers (default 0.5,1,2,4,8)")
     p.add_argument("--save", type=Path, default=None, help="also write the trace as JSON lines")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_budget_arg(p, DEFAULT_BUDGET_HELP)
     add_remote_args(p)
     p.set_defaults(func=run_trace)
     return p
@@ -282,6 +283,7 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_trace(args: argparse.Namespace) -> int:
     from moestream import Engine
+    from moestream.cli.common import resolve_budget
     from moestream.tokenizer import Tokenizer
 
     path = resolve_model(args.model)
@@ -290,7 +292,7 @@ def run_trace(args: argparse.Namespace) -> int:
     except ValueError:
         raise MoestreamError(f"--sizes must be comma-separated numbers, got {args.sizes!r}") from None
     tok = Tokenizer.load(path)
-    engine = Engine.open(path)
+    engine = Engine.open(path, ram_budget=resolve_budget(args.ram_budget, path))
     try:
         trace = record(engine, [tok.encode(p) for p in read_prompts(args.prompts)], args.max_new_tokens)
         layout = engine.plan.layout

@@ -90,3 +90,33 @@ def test_no_controller_is_a_clear_error(monkeypatch, tmp_path):
     assert ctl is None and why
     with pytest.raises(CgroupError, match="cannot enforce a memory cap"):
         cg.run_capped(_python("pass"), 1 << 30)
+
+
+def test_memory_available_is_the_nearer_of_the_machine_and_the_own_cgroup(tmp_path):
+    """MemAvailable, or less where the process's own memory cgroup (v2 or v1) is nearer its limit; no limit
+    ("max", or no memory controller) leaves MemAvailable."""
+    from moestream.cgroup import memory_available
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:    2000000 kB\n")
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    (v2 / "box").mkdir(parents=True)
+    (v2 / "box" / "memory.max").write_text("1073741824\n")
+    (v2 / "box" / "memory.current").write_text("268435456\n")
+    (v1 / "job").mkdir(parents=True)
+    (v1 / "job" / "memory.limit_in_bytes").write_text("536870912\n")
+    (v1 / "job" / "memory.usage_in_bytes").write_text("134217728\n")
+    groups = tmp_path / "cgroup"
+
+    def avail(text: str) -> int | None:
+        groups.write_text(text)
+        return memory_available(meminfo, groups, v2, v1)
+
+    assert avail("0::/box\n") == (1 << 30) - (1 << 28)
+    assert avail("4:memory:/job\n0::/\n") == (1 << 29) - (1 << 27)
+    (v2 / "box" / "memory.max").write_text("max\n")
+    assert avail("0::/box\n") == 2_000_000 * 1024
+    assert avail("4:cpu,cpuacct:/job\n") == 2_000_000 * 1024  # no memory controller there
+    assert memory_available(meminfo, tmp_path / "none", v2, v1) == 2_000_000 * 1024
+    assert memory_available(tmp_path / "none", groups, v2, v1) is None
+

@@ -106,6 +106,29 @@ def test_run_streams_text_and_stats(tiny, env):
     assert budget == 800_000 and 0 < peak <= budget
 
 
+def test_no_budget_is_no_limit_only_where_the_model_fits(tiny, capsys, monkeypatch):
+    """Without --ram-budget, run takes no limit while every weight fits in 75% of the memory available, and a
+    budget of that share (said on stderr) where it does not: an unlimited cache would grow until the kernel
+    killed the process."""
+    import moestream.cgroup
+
+    args = ("run", tiny, "--prompt", "def main():", "--max-new", "4", "--stats")
+    monkeypatch.setattr(moestream.cgroup, "memory_available", lambda: 1 << 40)
+    rc, out, err = inproc(capsys, *args)
+    assert rc == 0, err
+    assert "no --ram-budget set" in out and "note:" not in err
+    room = 1_400_000  # 75% of it, 1,050,000 bytes: above the tiny model's minimum, below all of its weights
+    monkeypatch.setattr(moestream.cgroup, "memory_available", lambda: room)
+    rc, out, err = inproc(capsys, *args)
+    assert rc == 0, err
+    assert "no --ram-budget" in err and "using 1.00 MiB (75% of it)" in err, err
+    peak, budget = map(int, re.search(r"\((\d+) of (\d+) bytes", out).groups())
+    assert budget == int(0.75 * room) and 0 < peak <= budget
+    monkeypatch.setattr(moestream.cgroup, "memory_available", lambda: 400_000)  # a share too small to run in
+    rc, _, err = inproc(capsys, *args)
+    assert rc == 2 and "needs at least" in err and "available" in err and "Traceback" not in err
+
+
 def test_run_chat_sampling_is_seeded(tiny, capsys):
     args = ("run", tiny, "--prompt", "hello", "--chat", "--max-new", "8", "--temperature", "0.8",
             "--top-p", "0.9", "--top-k", "50", "--seed", "3")

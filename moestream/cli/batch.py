@@ -10,8 +10,8 @@ import json
 import signal
 import sys
 
-from moestream.cli.common import (add_budget_arg, add_compute_dtype_arg, add_remote_args, add_state_room_arg,
-                                   model_dir, parse_budget)
+from moestream.cli.common import (DEFAULT_BUDGET_HELP, add_budget_arg, add_compute_dtype_arg, add_remote_args,
+                                   add_state_room_arg, model_dir, resolve_budget)
 from moestream.config import parse_bytes
 from moestream.errors import MoestreamError
 from moestream.weights.remote import is_remote
@@ -40,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("input", metavar="INPUT.jsonl", help="the requests, one JSON object a line")
     p.add_argument("-o", "--output", required=True, metavar="OUTPUT.jsonl",
                    help="results, appended in fsynced groups; OUTPUT.state beside it records the input's sha256")
-    add_budget_arg(p, "; default: no limit")
+    add_budget_arg(p, DEFAULT_BUDGET_HELP)
     add_state_room_arg(p)
     add_compute_dtype_arg(p)
     p.add_argument("--max-batch", type=int, default=None, metavar="N",
@@ -105,7 +105,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     path = model_dir(args.model)  # a remote model: its local stub (bodies still name it as typed)
     signal.signal(signal.SIGTERM, _interrupt)
     name = args.model_name or (args.model if is_remote(args.model) else None)
-    budget = parse_budget(args.ram_budget)
+    budget = resolve_budget(args.ram_budget, path)
     max_batch = args.max_batch or (BUDGETED_MAX_BATCH if budget else UNBUDGETED_MAX_BATCH)
     options = BatchOptions(max_batch, args.prefill_chunk, parse_bytes(args.prefix_cache) or 0, args.max_tokens,
                            name)

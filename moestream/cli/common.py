@@ -1,4 +1,5 @@
-"""Helpers shared by the subcommands: the --ram-budget option, opening a model with a progress bar, paths.
+"""Helpers shared by the subcommands: the --ram-budget option and its default (no limit where the model fits in
+the memory available, a share of that memory where it does not), opening a model with a progress bar, paths.
 
 Owns how the CLI turns user strings into typed values (through moestream.config) and how it shows that a
 long open is still working. It does no model work of its own.
@@ -11,11 +12,11 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from tqdm import tqdm
 
-from moestream.config import COMPUTE_DTYPE_NAMES, KV_DTYPE_NAMES, parse_bytes
+from moestream.config import COMPUTE_DTYPE_NAMES, KV_DTYPE_NAMES, format_bytes, parse_bytes
 from moestream.errors import MoestreamError
 
 PROGRESS_DELAY_S = 1.0  # show a bar only for work that takes longer than this
@@ -55,6 +56,42 @@ def parse_budget(value: str | None) -> int | None:
     if budget is not None and budget <= 0:
         raise MoestreamError(f"--ram-budget must be positive, got {value!r}")
     return budget
+
+
+DEFAULT_BUDGET_SHARE = 0.75  # no --ram-budget, and the model does not fit: this share of the memory available
+DEFAULT_BUDGET_HELP = "; default: none where every weight fits in 75%% of the memory available, else that much"
+
+
+def resolve_budget(value: str | None, path: Path, log: Callable[[str], None] | None = None) -> int | None:
+    """--ram-budget, or with none given a budget that cannot exhaust the machine: no limit when every weight fits
+    in DEFAULT_BUDGET_SHARE of the memory this process can take (cgroup.memory_available), else that share, said
+    on stderr (without a limit the expert cache would grow until the kernel killed the process)."""
+    budget = parse_budget(value)
+    if budget is not None:
+        return budget
+    from moestream.cgroup import memory_available
+    from moestream.info import model_info
+
+    room = memory_available()
+    if room is None:
+        return None
+    info = model_info(path)
+    share = int(DEFAULT_BUDGET_SHARE * room)
+    if info.all_resident_budget + info.expert_bytes <= share:
+        return None
+    if share < info.min_ram_budget:
+        raise MoestreamError(f"no --ram-budget: {path.name} needs at least {format_bytes(info.min_ram_budget)} "
+                             f"({info.min_ram_budget} bytes, every dense layer streamed) and "
+                             f"{DEFAULT_BUDGET_SHARE:.0%} of the {format_bytes(room)} available is "
+                             f"{format_bytes(share)}; free memory or pass --ram-budget")
+    (log or _note)(f"no --ram-budget: {path.name} ({format_bytes(info.total_bytes)}) does not fit in "
+                   f"{format_bytes(room)} of available memory; using {format_bytes(share)} "
+                   f"({DEFAULT_BUDGET_SHARE:.0%} of it) as the budget (pass --ram-budget to choose)")
+    return share
+
+
+def _note(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr)
 
 
 def add_remote_args(p: argparse.ArgumentParser) -> None:

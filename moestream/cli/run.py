@@ -10,8 +10,8 @@ import sys
 from dataclasses import dataclass
 from typing import TextIO
 
-from moestream.cli.common import (add_budget_arg, add_compute_dtype_arg, add_remote_args, add_state_room_arg,
-                                  model_dir, now, open_engine, parse_budget)
+from moestream.cli.common import (DEFAULT_BUDGET_HELP, add_budget_arg, add_compute_dtype_arg, add_remote_args,
+                                  add_state_room_arg, model_dir, now, open_engine, resolve_budget)
 from moestream.config import format_bytes
 from moestream.tokenizer import StreamDecoder, Tokenizer
 
@@ -52,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (0 = off)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (reproducible output)")
     add_remote_args(p)
-    add_budget_arg(p, "; default: no limit")
+    add_budget_arg(p, DEFAULT_BUDGET_HELP)
     add_state_room_arg(p)
     add_compute_dtype_arg(p)
     p.add_argument("--stats", action="store_true", help="print speed and expert-cache figures after the text")
@@ -61,7 +61,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     path = model_dir(args.model)
-    engine = open_engine(path, parse_budget(args.ram_budget), args.state_room, args.kv_dtype, args.compute_dtype)
+    budget = resolve_budget(args.ram_budget, path)
+    engine = open_engine(path, budget, args.state_room, args.kv_dtype, args.compute_dtype)
     try:
         tok = Tokenizer.load(path)
         ids = encode_prompt(tok, args.prompt, args.chat)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from moestream.cli.common import add_compute_dtype_arg, add_remote_args, add_state_room_arg, model_dir
+from moestream.cli.common import (DEFAULT_BUDGET_HELP, add_budget_arg, add_compute_dtype_arg, add_remote_args,
+                                  add_state_room_arg, model_dir, resolve_budget)
 from moestream.weights.remote import is_remote
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -24,7 +26,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_remote_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--ram-budget", default=None, help="RAM budget for everything resident, e.g. 8GiB (default: none)")
+    add_budget_arg(p, DEFAULT_BUDGET_HELP)
     add_state_room_arg(p)
     add_compute_dtype_arg(p)
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together per step (default 16)")
@@ -81,7 +83,12 @@ def run_serve(args: argparse.Namespace) -> int:
         except MoestreamError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    cfg = ServerConfig(model, args.host, args.port, args.ram_budget, args.max_batch, args.max_queue,
+    try:
+        budget = resolve_budget(args.ram_budget, Path(model))
+    except MoestreamError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cfg = ServerConfig(model, args.host, args.port, budget, args.max_batch, args.max_queue,
                        args.api_key, args.prefix_cache, args.prefill_chunk, args.max_body, name,
                        threads=args.threads, state_room=args.state_room, kv_dtype=args.kv_dtype,
                        compute_dtype=args.compute_dtype, request_timeout=args.request_timeout,
