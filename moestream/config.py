@@ -40,6 +40,9 @@ def format_bytes(n: float) -> str:
 
 KV_DTYPE_NAMES = ("fp32", "bf16", "int8", "int4")  # --kv-dtype choices (memory/state.py maps them to torch dtypes)
 COMPUTE_DTYPE_NAMES = ("fp32", "bf16")  # --compute-dtype choices (models/blocks.py's many-row products)
+# no --ram-budget: the share of the memory available that run / serve / batch / bench / trace take as the budget
+# for a model that does not fit in it (cli/common.resolve_budget), and that plan plans for (planner/plan.py)
+DEFAULT_BUDGET_SHARE = 0.75
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 from tqdm import tqdm
 
-from moestream.config import COMPUTE_DTYPE_NAMES, KV_DTYPE_NAMES, format_bytes, parse_bytes
+from moestream.config import COMPUTE_DTYPE_NAMES, DEFAULT_BUDGET_SHARE, KV_DTYPE_NAMES, format_bytes, parse_bytes
 from moestream.errors import MoestreamError
 
 PROGRESS_DELAY_S = 1.0  # show a bar only for work that takes longer than this
@@ -58,7 +58,6 @@ def parse_budget(value: str | None) -> int | None:
     return budget
 
 
-DEFAULT_BUDGET_SHARE = 0.75  # no --ram-budget, and the model does not fit: this share of the memory available
 DEFAULT_BUDGET_HELP = "; default: none where every weight fits in 75%% of the memory available, else that much"
 
 

@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "probes (cached per CPU and disk). Every assumption is printed.")
     p.add_argument("model", help="checkpoint directory (for Kimi K3 a directory holding only config.json is enough), "
                                  "hf://ORG/NAME[@REV] or https://.../DIR/")
-    add_budget_arg(p, "; default: 75%% of this machine's RAM")
+    add_budget_arg(p, "; default: 75%% of the memory available here")
     p.add_argument("--batch", type=int, default=None, metavar="N", help="also predict N sequences decoding together")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (default 512)")
     p.add_argument("--gen-len", type=int, default=256, help="generated tokens per sequence (default 256)")

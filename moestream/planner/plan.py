@@ -2,9 +2,9 @@
 reference machine's) and a skew assumption turned into decode / prefill / batch speed, TTFT, how many sequences'
 state fits, and cost per million tokens, with every assumption listed.
 
-Owns the options, the default budget (a share of this machine's RAM), the reference machines, where the disk
-probe reads (the model's shards; for a config-only or remote checkpoint, a scratch file where they would live)
-and the JSON-ready result. The arithmetic is predict.py's; the rates are calibrate.py's.
+Owns the options, the default budget (a share of the memory available here), the reference machines, where the
+disk probe reads (the model's shards; for a config-only or remote checkpoint, a scratch file where they would
+live) and the JSON-ready result. The arithmetic is predict.py's; the rates are calibrate.py's.
 """
 from __future__ import annotations
 
@@ -14,15 +14,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from moestream.cgroup import proc_kib
-from moestream.config import COMPUTE_DTYPE_NAMES, format_bytes
+from moestream.cgroup import memory_available
+from moestream.config import COMPUTE_DTYPE_NAMES, DEFAULT_BUDGET_SHARE, format_bytes
 from moestream.errors import MoestreamError
 from moestream.planner.calibrate import Calibrator, Overhead, Rates
 from moestream.planner.facts import ModelFacts, model_facts, open_plan
 from moestream.planner.predict import Scenario
 from moestream.planner.skew import Skew
 
-DEFAULT_BUDGET_SHARE = 0.75  # no --ram-budget: plan for this share of the machine's RAM
 SCHEDULER_CHUNK = 256  # the server scheduler's default prompt tokens per step (SchedulerConfig.prefill_chunk)
 ENGINE_CHUNK = 512  # the engine's default prefill chunk (EngineOptions.prefill_chunk)
 OS_RESERVE = 8 << 30  # a reference machine's RAM the budget leaves to the OS and the interpreter
@@ -122,9 +121,12 @@ class PlanOptions:
             raise MoestreamError(f"--reuse must be a probability in [0, 1], got {self.skew.reuse}")
 
 
-def machine_ram() -> int:
-    total = proc_kib("MemTotal", "/proc/meminfo")
-    return total * 1024 if total is not None else 16 << 30
+def default_budget() -> int:
+    """The budget planned for this machine without --ram-budget: DEFAULT_BUDGET_SHARE of the memory available
+    (cgroup.memory_available; 16 GiB where /proc/meminfo cannot be read), which `run` takes for a model that does
+    not fit in it (cli/common.resolve_budget); one that fits runs with no limit, and the plan is the same."""
+    room = memory_available()
+    return int(DEFAULT_BUDGET_SHARE * (room if room is not None else 16 << 30))
 
 
 def measured_skew(path: str | Path, opts: PlanOptions, facts: ModelFacts) -> Skew:
@@ -178,7 +180,7 @@ def make_plan(path: str | Path, opts: PlanOptions) -> dict:
             m = MACHINES[opts.machine]
             out = _predict(facts, p, m.rates(here), opts.ram_budget or m.ram - OS_RESERVE, opts, m.describe())
         else:
-            budget = opts.ram_budget or int(DEFAULT_BUDGET_SHARE * machine_ram())
+            budget = opts.ram_budget or default_budget()
             out = _predict(facts, p, here, budget, opts, "this machine (calibrated)")
         if opts.reference:
             out["reference_machines"] = [_predict(facts, p, m.rates(here), m.ram - OS_RESERVE, opts, m.describe())
@@ -369,8 +371,9 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
                         f"{src.get('page_faults', '')})" if pages > 0 else " (page faults not measured)")
                      + deep_note + "; misses per layer step spread as the replayed routing's (else binomial around the mean)")
     if not opts.ram_budget:
-        lines.append(f"no --ram-budget: planned at {DEFAULT_BUDGET_SHARE:.0%} of the machine's RAM "
-                     "(a reference machine: its RAM less 8 GiB)")
+        lines.append(f"no --ram-budget: planned at {DEFAULT_BUDGET_SHARE:.0%} of the memory available here (as `run` "
+                     "takes it where the model does not fit; a model that fits runs with no limit, and the same "
+                     "plan), a reference machine at its RAM less 8 GiB")
     if out["max_sequences"] == 0:
         lines.append("not one sequence's state fits beside the scheduler's expert room: the server would refuse "
                      "requests of this length (raise --ram-budget or shorten --prompt-len / --gen-len)")
