@@ -23,7 +23,7 @@ import torch
 
 from moestream.cgroup import proc_kib, rss_now  # noqa: F401  (bench/batch_throughput.py imports rss_now here)
 from moestream.cli.common import (DEFAULT_BUDGET_HELP, add_budget_arg, add_compute_dtype_arg, add_remote_args,
-                                  add_state_room_arg)
+                                  add_state_room_arg, add_threads_arg)
 from moestream.config import format_bytes, parse_bytes
 from moestream.engine.sampling import draw
 from moestream.errors import BudgetError, MoestreamError
@@ -495,7 +495,7 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                    help="0 = greedy (default); random-weight models loop on one token under greedy, so use 1.0 "
                         "there for realistic routing")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch compute threads")
+    add_threads_arg(p)
     p.add_argument("--io-threads", type=int, default=IO_THREADS, help=f"reads in flight (default {IO_THREADS})")
     p.add_argument("--policy", default="lfru", help="expert cache policy: lfru (default), lru, heat")
     p.add_argument("--no-lookahead", dest="lookahead", action="store_false",

@@ -260,7 +260,7 @@ def read_prompts(path: Path) -> list[str]:
 
 # ---- CLI ------------------------------------------------------------------------------------------------------
 def add_trace_parser(subparsers) -> argparse.ArgumentParser:
-    from moestream.cli.common import DEFAULT_BUDGET_HELP, add_budget_arg, add_remote_args
+    from moestream.cli.common import DEFAULT_BUDGET_HELP, add_budget_arg, add_remote_args, add_threads_arg
 
     p = subparsers.add_parser("trace", help="record expert routing on prompts and report skew, reuse and cache "
                               "hit rates", description="Run prompts through MODEL, record which experts every "
@@ -270,12 +270,14 @@ def add_trace_parser(subparsers) -> argparse.ArgumentParser:
                    "built-in demo model)")
     p.add_argument("--prompts", type=Path, required=True, help="prompts file (.jsonl, '---'-separated, or one "
                    "per line)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens generated per prompt (32)")
+    p.add_argument("--max-new-tokens", "--max-new", dest="max_new_tokens", type=int, default=32, metavar="N",
+                   help="greedy tokens generated per prompt (32)")
     p.add_argument("--sizes", default="0.5,1,2,4,8", help="cache sizes as multiples of the experts one token "
                    "activates across all layers (default 0.5,1,2,4,8)")
     p.add_argument("--save", type=Path, default=None, help="also write the trace as JSON lines")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     add_budget_arg(p, DEFAULT_BUDGET_HELP)
+    add_threads_arg(p)
     add_remote_args(p)
     p.set_defaults(func=run_trace)
     return p
@@ -292,7 +294,7 @@ def run_trace(args: argparse.Namespace) -> int:
     except ValueError:
         raise MoestreamError(f"--sizes must be comma-separated numbers, got {args.sizes!r}") from None
     tok = Tokenizer.load(path)
-    engine = Engine.open(path, ram_budget=resolve_budget(args.ram_budget, path))
+    engine = Engine.open(path, ram_budget=resolve_budget(args.ram_budget, path), threads=args.threads)
     try:
         trace = record(engine, [tok.encode(p) for p in read_prompts(args.prompts)], args.max_new_tokens)
         layout = engine.plan.layout

@@ -129,6 +129,35 @@ def test_no_budget_is_no_limit_only_where_the_model_fits(tiny, capsys, monkeypat
     assert rc == 2 and "needs at least" in err and "available" in err and "Traceback" not in err
 
 
+def test_commands_share_option_names(tiny, capsys, tmp_path):
+    """The token count is --max-new or --max-new-tokens in run, demo and trace alike; run and trace take
+    --threads as serve, batch and bench do; a thread count below 1 is refused by every one of them."""
+    import torch
+
+    from moestream.kernels import cpu
+
+    before, native = torch.get_num_threads(), cpu.threads()
+    try:
+        a = inproc(capsys, "run", tiny, "--prompt", "hi", "--max-new", "5")
+        b = inproc(capsys, "run", tiny, "--prompt", "hi", "--max-new-tokens", "5", "--threads", "1")
+        assert a[0] == b[0] == 0 and a[1] == b[1] and a[1].strip()  # greedy: the same text
+        assert torch.get_num_threads() == 1
+        prompts = tmp_path / "p.txt"
+        prompts.write_text("one\ntwo\n")
+        rc, out, err = inproc(capsys, "trace", tiny, "--prompts", prompts, "--max-new", "2", "--threads", "1", "--json")
+        assert rc == 0, err
+        assert json.loads(out)
+    finally:
+        torch.set_num_threads(before)
+        if native:
+            cpu.set_threads(native)
+    for cmd in (["run", tiny, "--prompt", "hi"], ["serve", tiny], ["bench", tiny], ["trace", tiny, "--prompts", "x"],
+                ["batch", tiny, "in.jsonl", "-o", "out.jsonl"]):
+        with pytest.raises(SystemExit) as e:
+            inproc(capsys, *cmd, "--threads", "0")
+        assert e.value.code == 2 and "--threads: must be at least 1" in capsys.readouterr().err
+
+
 def test_run_chat_sampling_is_seeded(tiny, capsys):
     args = ("run", tiny, "--prompt", "hello", "--chat", "--max-new", "8", "--temperature", "0.8",
             "--top-p", "0.9", "--top-k", "50", "--seed", "3")

@@ -11,7 +11,7 @@ import signal
 import sys
 
 from moestream.cli.common import (DEFAULT_BUDGET_HELP, add_budget_arg, add_compute_dtype_arg, add_remote_args,
-                                   add_state_room_arg, model_dir, resolve_budget)
+                                   add_state_room_arg, add_threads_arg, model_dir, resolve_budget)
 from moestream.config import parse_bytes
 from moestream.errors import MoestreamError
 from moestream.weights.remote import is_remote
@@ -58,7 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-name", default=None,
                    help="the model id bodies must name in 'model' (default: the directory name, or a remote "
                         "model's spec as typed, as serve)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for the forward pass (default: all cores)")
+    add_threads_arg(p)
     p.add_argument("--sync-every", type=int, default=64, metavar="N",
                    help="results per fsynced group (also at least every 2 s); a kill redoes at most these")
     p.add_argument("--price-per-hour", type=float, default=None, metavar="PRICE",
@@ -83,7 +83,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("max_batch", "prefill_chunk", "max_tokens", "threads", "sync_every", "ray_workers", "ray_chunk"):
+    for name in ("max_batch", "prefill_chunk", "max_tokens", "sync_every", "ray_workers", "ray_chunk"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise MoestreamError(f"--{name.replace('_', '-')} must be at least 1, got {value}")

@@ -28,6 +28,22 @@ def add_budget_arg(p: argparse.ArgumentParser, help_extra: str = "") -> None:
                         "(e.g. 4GiB, 512MiB, 2GB)" + help_extra)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_threads_arg(p: argparse.ArgumentParser, help_extra: str = "") -> None:
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="CPU threads for the forward pass (default: all cores)" + help_extra)
+
+
 def add_state_room_arg(p: argparse.ArgumentParser) -> None:
     """The sequence-state options: --state-room and --kv-dtype."""
     p.add_argument("--state-room", metavar="BYTES", default=None,
@@ -171,12 +187,12 @@ def busy(desc: str) -> Iterator[None]:
 
 
 def open_engine(path: Path, budget: int | None, state_room: str | None = None, kv_dtype: str = "fp32",
-                compute_dtype: str = "fp32"):
+                compute_dtype: str = "fp32", threads: int | None = None):
     from moestream.engine.engine import Engine
 
     with busy(f"opening {path.name}"):  # a remote model: its dense weights are fetched here
         return Engine.open(path, ram_budget=budget, state_room=state_room, kv_dtype=kv_dtype,
-                           compute_dtype=compute_dtype)
+                           compute_dtype=compute_dtype, threads=threads)
 
 
 def now() -> float:

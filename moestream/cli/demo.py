@@ -33,7 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_budget_arg(p, "; default: dense weights + scratch + 1/4 of the expert bytes")
     add_state_room_arg(p)
     p.add_argument("--prompt", default=None, help=f"text to complete (default {demo_model.DEMO_PROMPT!r})")
-    p.add_argument("--max-new", type=int, default=96, metavar="N", help="tokens to generate (96)")
+    p.add_argument("--max-new", "--max-new-tokens", dest="max_new", type=int, default=96, metavar="N",
+                   help="tokens to generate (96)")
     p.add_argument("--synthetic", default=None, metavar="FAMILY",
                    help="run a random-weight synthetic checkpoint of FAMILY instead (qwen3_moe, mixtral, ...)")
     p.add_argument("--dir", default=None, help="with --synthetic: checkpoint directory to build/use")

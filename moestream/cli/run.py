@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from moestream.cli.common import (DEFAULT_BUDGET_HELP, add_budget_arg, add_compute_dtype_arg, add_remote_args,
-                                  add_state_room_arg, model_dir, now, open_engine, resolve_budget)
+                                  add_state_room_arg, add_threads_arg, model_dir, now, open_engine,
+                                  resolve_budget)
 from moestream.config import format_bytes
 from moestream.tokenizer import StreamDecoder, Tokenizer
 
@@ -46,7 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "https://.../DIR/")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
-    p.add_argument("--max-new", type=int, default=128, metavar="N", help="most tokens to generate (128)")
+    p.add_argument("--max-new", "--max-new-tokens", dest="max_new", type=int, default=128, metavar="N",
+                   help="most tokens to generate (128)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1 = off)")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (0 = off)")
@@ -55,6 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_budget_arg(p, DEFAULT_BUDGET_HELP)
     add_state_room_arg(p)
     add_compute_dtype_arg(p)
+    add_threads_arg(p)
     p.add_argument("--stats", action="store_true", help="print speed and expert-cache figures after the text")
     p.set_defaults(func=cmd_run)
 
@@ -62,7 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     path = model_dir(args.model)
     budget = resolve_budget(args.ram_budget, path)
-    engine = open_engine(path, budget, args.state_room, args.kv_dtype, args.compute_dtype)
+    engine = open_engine(path, budget, args.state_room, args.kv_dtype, args.compute_dtype, args.threads)
     try:
         tok = Tokenizer.load(path)
         ids = encode_prompt(tok, args.prompt, args.chat)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from moestream.cli.common import (DEFAULT_BUDGET_HELP, add_budget_arg, add_compute_dtype_arg, add_remote_args,
-                                  add_state_room_arg, model_dir, resolve_budget)
+                                  add_state_room_arg, add_threads_arg, model_dir, resolve_budget)
 from moestream.weights.remote import is_remote
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -39,8 +39,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="prompt tokens prefilled per step so running streams keep decoding (default 256)")
     p.add_argument("--max-body", default="8MiB", help="largest request body accepted; larger gets 413")
     p.add_argument("--model-name", default=None, help="model id clients send (default: the directory name)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for the forward pass (default: all cores); 1 is faster on a busy machine")
+    add_threads_arg(p, "; 1 is faster on a busy machine")
     p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="a request still running after this many seconds gets a 504 and is cancelled (default: none)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
@@ -50,7 +49,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
-    for name in ("max_batch", "max_queue", "prefill_chunk", "threads"):
+    for name in ("max_batch", "max_queue", "prefill_chunk"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1"
     if args.request_timeout is not None and not args.request_timeout > 0:
