@@ -190,6 +190,24 @@ def test_unknown_revision_and_repo(env):
         remote.resolve("hf://org/absent")
 
 
+def test_unreachable_hub_is_a_clear_error(env, monkeypatch, capsys):
+    """A hub that cannot be reached (nothing listens there) is an error naming it and --offline, from the API and
+    from the command line, not a traceback from the HTTP library underneath."""
+    import socket
+
+    from moestream.cli import main
+
+    with socket.socket() as s:  # a loopback port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    with pytest.raises(CheckpointError, match=f"cannot reach http://127.0.0.1:{port}.*--offline"):
+        remote.resolve("hf://org/tiny")
+    assert main(["info", "hf://org/tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: hf://org/tiny: cannot reach") and "Traceback" not in err
+
+
 def test_cli_info_fetch_then_offline_run(env, server, tmp_path, capsys):
     from moestream.cli import main
 

@@ -124,12 +124,22 @@ def _hf_listing(src: Source) -> tuple[str, list[str]]:
     except RepositoryNotFoundError:
         raise CheckpointError(f"{src.spec}: no such repository at {endpoint()} (or it is private: set "
                               f"HF_TOKEN)") from None
-    except (HfHubHTTPError, OSError) as e:
+    except (HfHubHTTPError, *_network_errors()) as e:
         raise CheckpointError(f"{src.spec}: cannot reach {endpoint()}: {e}; use --offline with a complete disk "
                               f"cache to run without the network") from None
     if not info.sha:
         raise CheckpointError(f"{src.spec}: the hub did not report a commit hash for revision {src.revision!r}")
     return info.sha, [s.rfilename for s in (info.siblings or [])]
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """What a hub call raises when the network fails: OSError (requests, urllib3), and httpx's errors, which are
+    not OSErrors (huggingface_hub 1.x speaks httpx)."""
+    try:
+        import httpx
+    except ImportError:
+        return (OSError,)
+    return (OSError, httpx.HTTPError)
 
 
 def _require_extra(src: Source) -> None:
