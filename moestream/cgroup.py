@@ -162,7 +162,7 @@ def memory_available(meminfo: str | Path = "/proc/meminfo", cgroups: str | Path 
             cap, used = limit.read_text().strip(), int(usage.read_text())
         except (OSError, ValueError):
             continue
-        if cap.isdigit():  # "max" (v2) or v1's huge page-rounded number when there is no limit
+        if cap.isdigit():  # v2 says "max" for no limit (v1 a number near 2**63, which the min leaves out)
             room = min(room, max(0, int(cap) - used))
     return room
 

@@ -12,7 +12,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 from tqdm import tqdm
 
@@ -74,10 +74,11 @@ def parse_budget(value: str | None) -> int | None:
     return budget
 
 
-DEFAULT_BUDGET_HELP = "; default: none where every weight fits in 75%% of the memory available, else that much"
+DEFAULT_BUDGET_HELP = (f"; default: none where every weight fits in {DEFAULT_BUDGET_SHARE * 100:.0f}%% of the memory "
+                       "available, else that much")
 
 
-def resolve_budget(value: str | None, path: Path, log: Callable[[str], None] | None = None) -> int | None:
+def resolve_budget(value: str | None, path: Path) -> int | None:
     """--ram-budget, or with none given a budget that cannot exhaust the machine: no limit when every weight fits
     in DEFAULT_BUDGET_SHARE of the memory this process can take (cgroup.memory_available), else that share, said
     on stderr (without a limit the expert cache would grow until the kernel killed the process)."""
@@ -99,14 +100,10 @@ def resolve_budget(value: str | None, path: Path, log: Callable[[str], None] | N
                              f"({info.min_ram_budget} bytes, every dense layer streamed) and "
                              f"{DEFAULT_BUDGET_SHARE:.0%} of the {format_bytes(room)} available is "
                              f"{format_bytes(share)}; free memory or pass --ram-budget")
-    (log or _note)(f"no --ram-budget: {path.name} ({format_bytes(info.total_bytes)}) does not fit in "
-                   f"{format_bytes(room)} of available memory; using {format_bytes(share)} "
-                   f"({DEFAULT_BUDGET_SHARE:.0%} of it) as the budget (pass --ram-budget to choose)")
+    print(f"note: no --ram-budget: {path.name} ({format_bytes(info.total_bytes)}) does not fit in "
+          f"{format_bytes(room)} of available memory; using {format_bytes(share)} ({DEFAULT_BUDGET_SHARE:.0%} of "
+          "it) as the budget (pass --ram-budget to choose)", file=sys.stderr)
     return share
-
-
-def _note(text: str) -> None:
-    print(f"note: {text}", file=sys.stderr)
 
 
 def add_remote_args(p: argparse.ArgumentParser) -> None:

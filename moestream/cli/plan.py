@@ -10,7 +10,7 @@ import json
 import sys
 
 from moestream.cli.common import add_budget_arg, add_remote_args, model_dir, parse_budget
-from moestream.config import COMPUTE_DTYPE_NAMES, KV_DTYPE_NAMES, format_bytes, parse_bytes
+from moestream.config import COMPUTE_DTYPE_NAMES, DEFAULT_BUDGET_SHARE, KV_DTYPE_NAMES, format_bytes, parse_bytes
 from moestream.errors import MoestreamError
 from moestream.planner.plan import DEFAULT_SKEW, MACHINES, PlanOptions, make_plan
 from moestream.planner.skew import Skew
@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "probes (cached per CPU and disk). Every assumption is printed.")
     p.add_argument("model", help="checkpoint directory (for Kimi K3 a directory holding only config.json is enough), "
                                  "hf://ORG/NAME[@REV] or https://.../DIR/")
-    add_budget_arg(p, "; default: 75%% of the memory available here")
+    add_budget_arg(p, f"; default: {DEFAULT_BUDGET_SHARE * 100:.0f}%% of the memory available here")
     p.add_argument("--batch", type=int, default=None, metavar="N", help="also predict N sequences decoding together")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (default 512)")
     p.add_argument("--gen-len", type=int, default=256, help="generated tokens per sequence (default 256)")
