@@ -135,9 +135,10 @@ def proc_kib(field: str, path: str | Path = "/proc/self/status") -> int | None:
 
 def memory_available(meminfo: str | Path = "/proc/meminfo", cgroups: str | Path = "/proc/self/cgroup",
                      v2_root: Path = Path("/sys/fs/cgroup"), v1_root: Path = V1_ROOT) -> int | None:
-    """Bytes this process can still take: the machine's MemAvailable, or less where the process's own memory
-    cgroup is nearer its limit (v2 memory.max - memory.current, v1 memory.limit_in_bytes - memory.usage_in_bytes;
-    a container's limit is one of these). None where /proc/meminfo has no MemAvailable."""
+    """Bytes this process can still take: the machine's MemAvailable, or less where the process's memory cgroup,
+    or a group above it, is nearer its limit (v2 memory.max - memory.current, v1 memory.limit_in_bytes -
+    memory.usage_in_bytes; a container's or a systemd slice's limit is one of these). None where /proc/meminfo has
+    no MemAvailable."""
     kib = proc_kib("MemAvailable", meminfo)
     if kib is None:
         return None
@@ -152,19 +153,28 @@ def memory_available(meminfo: str | Path = "/proc/meminfo", cgroups: str | Path 
             continue
         _, controllers, rel = parts
         if controllers == "":  # v2's unified hierarchy
-            limit, usage = v2_root / rel.lstrip("/") / "memory.max", v2_root / rel.lstrip("/") / "memory.current"
+            root, files = v2_root, ("memory.max", "memory.current")
         elif "memory" in controllers.split(","):
-            limit = v1_root / rel.lstrip("/") / "memory.limit_in_bytes"
-            usage = v1_root / rel.lstrip("/") / "memory.usage_in_bytes"
+            root, files = v1_root, ("memory.limit_in_bytes", "memory.usage_in_bytes")
         else:
             continue
-        try:
-            cap, used = limit.read_text().strip(), int(usage.read_text())
-        except (OSError, ValueError):
-            continue
-        if cap.isdigit():  # v2 says "max" for no limit (v1 a number near 2**63, which the min leaves out)
-            room = min(room, max(0, int(cap) - used))
+        group = root / rel.strip("/")
+        while True:  # the group, then each one above it up to the hierarchy's root
+            room = min(room, _group_room(group, *files))
+            if group == root or root not in group.parents:
+                break
+            group = group.parent
     return room
+
+
+def _group_room(group: Path, limit: str, usage: str) -> int:
+    """A memory cgroup's limit less its usage; a very large number where it has no limit or cannot be read."""
+    try:
+        cap, used = (group / limit).read_text().strip(), int((group / usage).read_text())
+    except (OSError, ValueError):
+        return 1 << 62
+    # v2 says "max" for no limit (v1 a number near 2**63, which the caller's min leaves out)
+    return max(0, int(cap) - used) if cap.isdigit() else 1 << 62
 
 
 def rss_now() -> int:

@@ -93,8 +93,8 @@ def test_no_controller_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_memory_available_is_the_nearer_of_the_machine_and_the_own_cgroup(tmp_path):
-    """MemAvailable, or less where the process's own memory cgroup (v2 or v1) is nearer its limit; no limit
-    ("max", or no memory controller) leaves MemAvailable."""
+    """MemAvailable, or less where the process's memory cgroup (v2 or v1), or a group above it, is nearer its limit;
+    no limit ("max", or no memory controller) leaves MemAvailable."""
     from moestream.cgroup import memory_available
 
     meminfo = tmp_path / "meminfo"
@@ -119,4 +119,9 @@ def test_memory_available_is_the_nearer_of_the_machine_and_the_own_cgroup(tmp_pa
     assert avail("4:cpu,cpuacct:/job\n") == 2_000_000 * 1024  # no memory controller there
     assert memory_available(meminfo, tmp_path / "none", v2, v1) == 2_000_000 * 1024
     assert memory_available(tmp_path / "none", groups, v2, v1) is None
+    (v2 / "box" / "job").mkdir()  # a group with no limit of its own under a limited one: the parent's room
+    (v2 / "box" / "job" / "memory.max").write_text("max\n")
+    (v2 / "box" / "job" / "memory.current").write_text("1\n")
+    (v2 / "box" / "memory.max").write_text("1073741824\n")
+    assert avail("0::/box/job\n") == (1 << 30) - (1 << 28)
 
