@@ -539,7 +539,7 @@ def run_bench(args: argparse.Namespace) -> int:
     path = model_dir(args.model)  # a remote spec becomes its stub; its shards then read over HTTP + SSD tier
     opts = options_from_args(args)
     if opts.ram_budget is None and args.cap is None:  # no budget: none where the model fits, else a share of RAM
-        opts = replace(opts, ram_budget=resolve_budget(None, path))
+        opts = replace(opts, ram_budget=resolve_budget(None, path, args.state_room))
     if args.cap is not None:
         return _run_capped(path, opts, args.cap, args.json)
     report = bench(path, opts)

@@ -117,6 +117,8 @@ def test_no_budget_is_no_limit_only_where_the_model_fits(tiny, capsys, monkeypat
     rc, out, err = inproc(capsys, *args)
     assert rc == 0, err
     assert "no --ram-budget set" in out and "note:" not in err
+    rc, out, err = inproc(capsys, *args, "--state-room", "1MB")  # no budget for it to be part of: said, not an error
+    assert rc == 0 and "--state-room 1MB does nothing without a budget" in err
     room = 1_400_000  # 75% of it, 1,050,000 bytes: above the tiny model's minimum, below all of its weights
     monkeypatch.setattr(moestream.cgroup, "memory_available", lambda: room)
     rc, out, err = inproc(capsys, *args)

@@ -105,7 +105,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     path = model_dir(args.model)  # a remote model: its local stub (bodies still name it as typed)
     signal.signal(signal.SIGTERM, _interrupt)
     name = args.model_name or (args.model if is_remote(args.model) else None)
-    budget = resolve_budget(args.ram_budget, path)
+    budget = resolve_budget(args.ram_budget, path, args.state_room)
     max_batch = args.max_batch or (BUDGETED_MAX_BATCH if budget else UNBUDGETED_MAX_BATCH)
     options = BatchOptions(max_batch, args.prefill_chunk, parse_bytes(args.prefix_cache) or 0, args.max_tokens,
                            name)

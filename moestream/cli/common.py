@@ -78,13 +78,23 @@ DEFAULT_BUDGET_HELP = (f"; default: none where every weight fits in {DEFAULT_BUD
                        "available, else that much")
 
 
-def resolve_budget(value: str | None, path: Path) -> int | None:
+def resolve_budget(value: str | None, path: Path, state_room: str | None = None) -> int | None:
     """--ram-budget, or with none given a budget that cannot exhaust the machine: no limit when every weight fits
     in DEFAULT_BUDGET_SHARE of the memory this process can take (cgroup.memory_available), else that share, said
-    on stderr (without a limit the expert cache would grow until the kernel killed the process)."""
+    on stderr (without a limit the expert cache would grow until the kernel killed the process). A --state-room
+    left with no budget to be part of is said too: it does nothing then."""
     budget = parse_budget(value)
-    if budget is not None:
-        return budget
+    if budget is None:
+        budget = _default_budget(path)
+    if budget is None and state_room is not None:
+        print(f"note: --state-room {state_room} does nothing without a budget (the model runs with no limit); "
+              "pass --ram-budget for it to apply", file=sys.stderr)
+    return budget
+
+
+def _default_budget(path: Path) -> int | None:
+    """resolve_budget's answer with no --ram-budget: None (no limit) or the share, or an error where the share is
+    below the model's minimum."""
     from moestream.cgroup import memory_available
     from moestream.info import model_info
 

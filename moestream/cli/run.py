@@ -64,7 +64,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     path = model_dir(args.model)
-    budget = resolve_budget(args.ram_budget, path)
+    budget = resolve_budget(args.ram_budget, path, args.state_room)
     engine = open_engine(path, budget, args.state_room, args.kv_dtype, args.compute_dtype, args.threads)
     try:
         tok = Tokenizer.load(path)

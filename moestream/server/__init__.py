@@ -83,7 +83,7 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     try:
-        budget = resolve_budget(args.ram_budget, Path(model))
+        budget = resolve_budget(args.ram_budget, Path(model), args.state_room)
     except MoestreamError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
