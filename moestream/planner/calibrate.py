@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from moestream import __version__
-from moestream.cgroup import proc_kib
+from moestream.cgroup import memory_available
 from moestream.config import default_cache_dir
 
 KINDS = ("bf16", "mxfp4", "fp8", "int4", "f32")
@@ -574,7 +574,7 @@ def deep_fault_rates(limit: int | None = None, seconds: float = DEEP_PROBE_S, ch
     took the guest's free pages back (virtio-balloon free page reporting) the first write to such a page stalls
     for the host's fault, ~7x the price of a recently freed one here (docs/plan.md, "Deep memory")."""
     if limit is None:
-        limit = min(DEEP_PROBE_BYTES, (proc_kib("MemAvailable", "/proc/meminfo") or 0) * 1024 // 2)
+        limit = min(DEEP_PROBE_BYTES, (memory_available() or 0) // 2)
     held, rates, deadline = [], [], time.perf_counter() + seconds
     try:
         while len(held) * chunk + chunk <= limit and time.perf_counter() < deadline:

@@ -354,9 +354,9 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
                      f"chunk ({o.source})")
         pages, deep = r.get("page_faults") or 0.0, r.get("deep_faults") or 0.0
         if deep:
-            deep_note = (f", and once the process holds twice {format_bytes(r['hot_bytes'])} of fresh memory (its hot "
-                         f"memory; linear from there) at {deep / 1e9:.3g} GB/s ({f.expert_bytes / deep * 1e3:.3g} ms an "
-                         f"expert; {src.get('deep_faults', '')})")
+            deep_note = (f", and once the process holds twice {format_bytes(r['hot_bytes'])} of fresh memory (its "
+                         f"hot memory; linear from there) at {deep / 1e9:.3g} GB/s "
+                         f"({f.expert_bytes / deep * 1e3:.3g} ms an expert; {src.get('deep_faults', '')})")
         else:  # measured, no slowdown seen; or not measured (reference machines)
             deep_note = f" (fresh memory held: {src['deep_faults']})" if src.get("deep_faults") else ""
         lines.append(f"a one-row decode step, layer by layer: a MoE layer step with misses leaves the warm path "
@@ -369,7 +369,8 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
                      "its misses at the disk's rate after the first buffer's page faults"
                      + (f" ({f.expert_bytes / pages * 1e3:.3g} ms at {pages / 1e9:.3g} GB/s; "
                         f"{src.get('page_faults', '')})" if pages > 0 else " (page faults not measured)")
-                     + deep_note + "; misses per layer step spread as the replayed routing's (else binomial around the mean)")
+                     + deep_note
+                     + "; misses per layer step spread as the replayed routing's (else binomial around the mean)")
     if not opts.ram_budget:
         lines.append(f"no --ram-budget: planned at {DEFAULT_BUDGET_SHARE:.0%} of the memory available here (as `run` "
                      "takes it where the model does not fit; a model that fits runs with no limit, and the same "

@@ -487,7 +487,8 @@ class Scenario:
                 fill = 1.0 if room >= f.num_experts or (prompt and min(prompt) < room) else 0.0
             # fresh memory taken by then: all the budget holds but the cache, and the experts the prompt cached
             held = min(room, sum(prompt) / len(prompt)) if prompt else room
-            taken = self.fit.ram_budget - self.fit.cache_bytes + held * f.moe_layers * self.fit.resident_bytes_per_expert
+            fit = self.fit
+            taken = fit.ram_budget - fit.cache_bytes + held * f.moe_layers * fit.resident_bytes_per_expert
             parts["misses_s"], wait = self.layer_waits(spread, partial, fill, taken)
         io = reads * f.expert_bytes / self.rates.disk + self._streamed() if self.rates.disk > 0 else 0.0
         hit = max(0.0, 1.0 - missing / max(1e-9, used))
