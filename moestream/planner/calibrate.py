@@ -132,8 +132,8 @@ class Rates:
 
 # ---- the cache ------------------------------------------------------------------------------------------------
 def machine_key() -> str:
-    """CPU model, core count, compute threads, native SIMD level and moestream version: a change in any of them
-    measures again."""
+    """CPU model, core count, compute threads, native SIMD level, the native library's build (its sources, flags
+    and CPU: a changed kernel has other rates) and moestream version: a change in any of them measures again."""
     from moestream.kernels import cpu
 
     model = platform.processor() or platform.machine()
@@ -142,7 +142,7 @@ def machine_key() -> str:
             model = next((l.split(":", 1)[1].strip() for l in fh if l.startswith("model name")), model)
     except OSError:
         pass
-    simd = cpu.simd() if cpu.available() else "torch"
+    simd = f"{cpu.simd()} {cpu.library_path().stem}" if cpu.available() else "torch"
     return (f"{model}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads|{simd}|moestream {__version__}"
             f"|probes {PROBES_VERSION}")
 
