@@ -6,7 +6,8 @@
  *   gcc -O3 -march=native -fopenmp bench/stream_prefetch.c -o /tmp/stream_prefetch
  *   OMP_NUM_THREADS=2 /tmp/stream_prefetch MIB ROUNDS DIST...      (e.g. 768 2 1024 4096 6144)
  *
- * ROW_VALUES (a multiple of 64) sets the row width. AVX-512 (BW) only. The values are arbitrary bytes: this measures the stream, not the products. */
+ * ROW_VALUES (a multiple of 64) sets the row width. AVX-512 (BW) only. The values are arbitrary bytes: this
+ * measures the stream, not the products. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -30,7 +31,9 @@ static inline void pf(const char *p, int hint) {
 }
 
 static inline __m512 even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
-static inline __m512 odd(__m512i v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u))); }
+static inline __m512 odd(__m512i v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
 
 /* kind 0: b12 rows (K * 3 / 2 bytes), 1: bf16 rows (2 K bytes), 2: plain read of b12-sized rows */
 static float run(int kind, int hint, int64_t dist, const uint8_t *m, int64_t rows, const float *x, float *out) {
@@ -106,7 +109,8 @@ int main(int argc, char **argv) {
         const int64_t rows = bytes / (K * 3 / 2);
         const double t0 = now();
         sink += run(2, 0, 0, m, rows, x, out);
-        printf("round %d  plain read:                  %6.2f GB/s\n", r, (double)(rows * K * 3 / 2) / (now() - t0) / 1e9);
+        printf("round %d  plain read:                  %6.2f GB/s\n", r,
+               (double)(rows * K * 3 / 2) / (now() - t0) / 1e9);
         fflush(stdout);
     }
     return sink == 12345.0f;

@@ -25,7 +25,9 @@
 #define B12_PF 6144
 #endif
 #ifndef B12_PF_LOCALITY
-#define B12_PF_LOCALITY 2 /* __builtin_prefetch's locality: 2 = prefetcht1, into L2 (0, non-temporal, ran 1.3-1.5x slower) */
+/* __builtin_prefetch's locality: 2 = prefetcht1, into L2 (with 0, non-temporal, the warm peer_b12 decode's experts
+ * took 1.17-1.28x as long) */
+#define B12_PF_LOCALITY 2
 #endif
 #ifndef B12_FEW_OFF
 #define B12_FEW_OFF 0 /* 1: few-token products decode rows into scratch first (the earlier path, for A/B runs) */
