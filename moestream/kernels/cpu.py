@@ -60,6 +60,7 @@ _LAYOUTS = {"low_first": 0, "gguf": 1}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_lib_path: Path | None = None  # the file _lib was loaded from
 _why = ""
 _loaded = False
 _forced_off = 0
@@ -182,7 +183,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def _load() -> None:
-    global _lib, _why, _loaded
+    global _lib, _lib_path, _why, _loaded
     with _lock:
         if _loaded:
             return
@@ -198,9 +199,9 @@ def _load() -> None:
                 raise RuntimeError(f"{path.name} has ABI {lib.ms_abi()}, want {_ABI}")
             lib.ms_set_threads(int(os.environ.get("MOESTREAM_NATIVE_THREADS") or default_threads()))
             lib.ms_set_spin_us(int(os.environ.get("MOESTREAM_NATIVE_SPIN_US") or SPIN_US))
-            _lib, _why = lib, ""
+            _lib, _lib_path, _why = lib, path, ""
         except Exception as exc:  # any failure means: use the torch paths
-            _lib, _why = None, f"native kernels off: {exc}".splitlines()[0]
+            _lib, _lib_path, _why = None, None, f"native kernels off: {exc}".splitlines()[0]
         _loaded = True
 
 
@@ -223,6 +224,11 @@ def available() -> bool:
     return lib() is not None
 
 
+def loaded_path() -> Path | None:
+    """The file of the library in use (its name carries library_path's hash of sources, flags and CPU), or None."""
+    return _lib_path if lib() is not None else None
+
+
 def reason() -> str:
     """One line: why the native kernels are not in use ('' when they are)."""
     if not _loaded:
@@ -234,9 +240,9 @@ def reason() -> str:
 
 def reset() -> None:
     """Forget the load result (re-reads MOESTREAM_NATIVE and MOESTREAM_NATIVE_THREADS at the next use)."""
-    global _loaded, _lib, _why
+    global _loaded, _lib, _lib_path, _why
     with _lock:
-        _loaded, _lib, _why = False, None, ""
+        _loaded, _lib, _lib_path, _why = False, None, None, ""
 
 
 @contextlib.contextmanager

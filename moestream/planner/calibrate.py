@@ -142,7 +142,8 @@ def machine_key() -> str:
             model = next((l.split(":", 1)[1].strip() for l in fh if l.startswith("model name")), model)
     except OSError:
         pass
-    simd = f"{cpu.simd()} {cpu.library_path().stem}" if cpu.available() else "torch"
+    built = cpu.loaded_path()
+    simd = f"{cpu.simd()} {built.stem}" if built is not None else "torch"
     return (f"{model}|{os.cpu_count()} cpus|{torch.get_num_threads()} threads|{simd}|moestream {__version__}"
             f"|probes {PROBES_VERSION}")
 

@@ -76,23 +76,15 @@ def run_serve(args: argparse.Namespace) -> int:
               "pip install 'moestream[server]'", file=sys.stderr)
         return 2
     model, name = args.model, args.model_name
-    if is_remote(model):  # served from its local stub; clients still name it by what the user typed
-        try:
+    try:
+        if is_remote(model):  # served from its local stub; clients still name it by what the user typed
             model, name = str(model_dir(model)), name or model
-        except MoestreamError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    try:
         budget = resolve_budget(args.ram_budget, Path(model), args.state_room)
-    except MoestreamError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    cfg = ServerConfig(model, args.host, args.port, budget, args.max_batch, args.max_queue,
-                       args.api_key, args.prefix_cache, args.prefill_chunk, args.max_body, name,
-                       threads=args.threads, state_room=args.state_room, kv_dtype=args.kv_dtype,
-                       compute_dtype=args.compute_dtype, request_timeout=args.request_timeout,
-                       shutdown_timeout=args.shutdown_timeout)
-    try:
+        cfg = ServerConfig(model, args.host, args.port, budget, args.max_batch, args.max_queue,
+                           args.api_key, args.prefix_cache, args.prefill_chunk, args.max_body, name,
+                           threads=args.threads, state_room=args.state_room, kv_dtype=args.kv_dtype,
+                           compute_dtype=args.compute_dtype, request_timeout=args.request_timeout,
+                           shutdown_timeout=args.shutdown_timeout)
         srv = ServerState.open(cfg)
     except MoestreamError as e:
         print(f"error: {e}", file=sys.stderr)
