@@ -283,7 +283,15 @@ static void bf16_gemv(const float *x, int64_t K, const uint16_t *w, int64_t n0, 
 #define GEMM_R 4
 #endif
 #ifndef GEMM_TT
-#define GEMM_TT 3
+/* 4 (16 accumulators, 4 x vectors and a weight vector in registers): a 16-token prefill's tiles come out whole
+ * (with 3, five tiles and a one-token tile, which costs nearly as much as a full one). Against 3, in one process
+ * alternating builds (bench/ab_builds.py dense), the peer's attention shapes at 16 / 17 / 32 / 128 rows ran 1.04 /
+ * 1.04 / 1.05 / 1.01x, and 1.01x at 16 rows in a later run; the same bits (an output's sum does not depend on
+ * the tile) */
+#define GEMM_TT 4
+#endif
+#if GEMM_TT < 1 || GEMM_TT > 6
+#error "GEMM_TT: 1 to 6 tokens a tile"
 #endif
 #ifndef GEMM_KC
 #define GEMM_KC 1024 /* prepared columns per block: GEMM_R * GEMM_KC * 4 bytes = 16 KiB */
@@ -353,8 +361,24 @@ static void bf16_gemm(const float *x, int64_t ldx, int64_t T, int64_t K, const u
             float *o = out + (n - n0);
             int64_t t = 0;
             for (; t + GEMM_TT <= T; t += GEMM_TT) gemm_tile(x + t * ldx + kc, ldx, pk, kk, o + t * ldo, ldo, rr, kc == 0, GEMM_TT);
-            if (T - t == 2) gemm_tile(x + t * ldx + kc, ldx, pk, kk, o + t * ldo, ldo, rr, kc == 0, 2);
-            else if (T - t == 1) gemm_tile(x + t * ldx + kc, ldx, pk, kk, o + t * ldo, ldo, rr, kc == 0, 1);
+            switch (T - t) { /* the last, narrower tile (a constant width each, so that each unrolls) */
+#define GEMM_LAST(W) case W: gemm_tile(x + t * ldx + kc, ldx, pk, kk, o + t * ldo, ldo, rr, kc == 0, W); break;
+                GEMM_LAST(1)
+#if GEMM_TT > 2
+                GEMM_LAST(2)
+#endif
+#if GEMM_TT > 3
+                GEMM_LAST(3)
+#endif
+#if GEMM_TT > 4
+                GEMM_LAST(4)
+#endif
+#if GEMM_TT > 5
+                GEMM_LAST(5)
+#endif
+#undef GEMM_LAST
+                default: break;
+            }
         }
     }
 }

@@ -1,0 +1,130 @@
+"""A/B of native library builds in one process: the same source compiled with different -D settings, loaded side by
+side, their calls alternated round by round so that the shared machine's drift hits every build alike.
+
+    python bench/ab_builds.py glu [--codec b12|bf16] [--threads 2] [--rounds 8] NAME:FLAGS NAME:FLAGS ...
+    python bench/ab_builds.py dense [--tokens 16] [--threads 2] [--rounds 8] NAME:FLAGS NAME:FLAGS ...
+
+e.g. `python bench/ab_builds.py glu old:"-DGLU_ROWS_ONE=16 -DDOWN_CHUNK_ONE=64" new:` (an empty FLAGS is the
+tree's own settings). The first build is the baseline of the ratios.
+
+glu: one decode token's grouped expert call (ms_moe_glu_bf16, one row, 8 experts of the peer checkpoint's shape,
+gate/up 512 x 1024, down 1024 x 512, random N(0, 0.02) bf16 values, b12-coded or not) over a pool of 256 experts
+(650-800 MB, past the last-level cache), as a warm decode step streams them; reports bytes of stored weights a
+second. dense: 16-token (--tokens) bf16 products at the peer's attention shapes (q/k/v 1536 x 1024 in one weight,
+o 1024 x 1024) over 32 layers of weights (168 MB), through ms_linear_bf16; reports GFLOP/s. Both report, per
+build, the median and range over the rounds, the median of the per-round ratios to the first build, and whether
+its outputs equal the first build's bit for bit. Each build's pool of native threads sleeps 10 ms before and after
+its turn, so that one build's spinning workers do not take the CPU from the next.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import moestream  # noqa: F401  # before torch: its OpenMP runtime's wait policy (moestream/omp.py)
+import torch
+
+from moestream.kernels import b12, cpu
+
+
+def build(name: str, flags: str, where: Path, threads: int) -> ctypes.CDLL:
+    out = where / f"ab_{name}.so"
+    done = subprocess.run(["gcc", *cpu.FLAGS, *flags.split(), "-o", str(out), str(cpu._SOURCE), "-lm"],
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"build {name!r} ({flags}) failed:\n{done.stderr}")
+    lib = ctypes.CDLL(str(out))
+    cpu._declare(lib)
+    lib.ms_set_threads(threads)
+    return lib
+
+
+def glu_case(codec: str, experts: int = 256, per_call: int = 8):
+    """(work(lib, out), out shape, bytes a pass): every group of `per_call` pool experts once, one token."""
+    inter, hidden = 512, 1024
+    g = torch.Generator().manual_seed(0)
+    distinct = []
+    for _ in range(per_call):
+        mats = [(torch.randn(r, c, generator=g) * 0.02).bfloat16()
+                for r, c in ((inter, hidden), (inter, hidden), (hidden, inter))]
+        distinct.append([b12.encode(m) if codec == "b12" else m.contiguous().view(torch.uint8).reshape(-1)
+                         for m in mats])
+    tag = 1 if codec == "b12" else 0
+    pool = [[t.clone() for t in distinct[e % per_call]] for e in range(experts)]
+    A = ctypes.c_int64 * per_call
+    groups = [tuple(A(*[pool[s + j][m].data_ptr() | tag for j in range(per_call)]) for m in range(3))
+              for s in range(0, experts, per_call)]
+    ids, ex = A(*range(per_call)), A(*range(per_call))
+    wts = (ctypes.c_float * per_call)(*([1.0 / per_call] * per_call))
+    x = torch.randn(1, hidden, generator=g)
+
+    def work(lib: ctypes.CDLL, out: torch.Tensor) -> None:
+        for gates, ups, downs in groups:
+            out.zero_()
+            lib.ms_moe_glu_bf16(per_call, ex, gates, ups, downs, inter, hidden, hidden, x.data_ptr(), 1, ids, wts,
+                                per_call, out.data_ptr(), 0, 0.0, 0.0)
+
+    nbytes = sum(t.numel() for e in pool for t in e)
+    return work, (1, hidden), nbytes, pool
+
+
+def dense_case(tokens: int, layers: int = 32):
+    """(work(lib, out), out shape, FLOPs a pass): the attention projections of `layers` layers at `tokens` rows."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1536, 1024), (1024, 1024)]
+    ws = [[(torch.randn(n, k, generator=g) * 0.02).bfloat16() for n, k in shapes] for _ in range(layers)]
+    x = torch.randn(tokens, 1024, generator=g)
+
+    def work(lib: ctypes.CDLL, out: torch.Tensor) -> None:
+        for layer in ws:
+            for w in layer:
+                lib.ms_linear_bf16(x.data_ptr(), tokens, 1024, w.data_ptr(), w.shape[0], out.data_ptr(), 16)
+
+    return work, (tokens, 1536), 2 * tokens * layers * sum(n * k for n, k in shapes), ws
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kind", choices=("glu", "dense"))
+    ap.add_argument("builds", nargs="+", help="NAME:FLAGS (FLAGS: -D settings, may be empty)")
+    ap.add_argument("--codec", choices=("b12", "bf16"), default="b12")
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=8)
+    a = ap.parse_args()
+    builds = [b.split(":", 1) if ":" in b else (b, "") for b in a.builds]
+    with tempfile.TemporaryDirectory(prefix="ab_builds-") as tmp:
+        libs = {name: build(name, flags, Path(tmp), a.threads) for name, flags in builds}
+        if a.kind == "glu":
+            work, shape, amount, _keep = glu_case(a.codec)
+            unit, what = 1e9, f"GB/s of {a.codec} weights"
+        else:
+            work, shape, amount, _keep = dense_case(a.tokens)
+            unit, what = 1e9, f"GFLOP/s at {a.tokens} rows"
+        outs = {name: torch.zeros(shape) for name in libs}
+        rates: dict[str, list[float]] = {name: [] for name in libs}
+        for _ in range(a.rounds):
+            for name, lib in libs.items():
+                work(lib, outs[name])  # warm (and the sleeping pool of the last build out of the way)
+                time.sleep(0.01)
+                t0 = time.perf_counter()
+                work(lib, outs[name])
+                work(lib, outs[name])
+                rates[name].append(2 * amount / (time.perf_counter() - t0) / unit)
+                time.sleep(0.01)
+    base = builds[0][0]
+    print(f"{a.kind}, {a.threads} threads, {a.rounds} rounds ({what}):")
+    for name, flags in builds:
+        r = rates[name]
+        ratio = statistics.median(x / y for x, y in zip(r, rates[base]))
+        print(f"  {name:<12} [{flags}] median {statistics.median(r):.1f} ({min(r):.1f}-{max(r):.1f}), "
+              f"{ratio:.3f}x {base}, same bits as {base}: {torch.equal(outs[name], outs[base])}")
+
+
+if __name__ == "__main__":
+    main()
