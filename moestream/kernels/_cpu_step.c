@@ -17,6 +17,18 @@
 #ifndef DOWN_CHUNK
 #define DOWN_CHUNK 64 /* output columns per chunk of pass 2 handed out to a thread */
 #endif
+/* A call whose experts take one row each (a decode token's layer step) streams its weights in longer runs: pass-1
+ * units of GLU_ROWS_ONE gate/up rows and pass-2 chunks of DOWN_CHUNK_ONE output columns. Each thread then reads
+ * long contiguous stretches of each matrix instead of switching matrices every 24-48 KiB (each switch starts a
+ * stream the software prefetch has not run ahead of). In one process alternating builds (bench/ab_builds.py glu:
+ * 8 b12 experts of the peer's shape a call, a pool past the LLC, 2 threads), 256 / 512 against 16 / 64 read 1.20x
+ * the bytes a second in one run and 1.03-1.05x in five later ones, the same bits (docs/performance.md). */
+#ifndef GLU_ROWS_ONE
+#define GLU_ROWS_ONE 256
+#endif
+#ifndef DOWN_CHUNK_ONE
+#define DOWN_CHUNK_ONE 512
+#endif
 
 enum { ACT_SILU = 0, ACT_SITU = 1 };
 
@@ -30,7 +42,7 @@ typedef struct {
     const float *wt;              /* ... and its weight */
     const float *xa;              /* prepared x per assignment [A, ldx] (experts on the row kernels) */
     float *h;                     /* prepared activations per assignment [A, ldh] (experts on the row kernels) */
-    float *scratch;               /* per part: 2 * GLU_ROWS * maxcount floats */
+    float *scratch;               /* per part: 2 * urows * maxcount floats */
     float *out;
     int act;
     float beta, lbeta;
@@ -52,6 +64,7 @@ typedef struct {
     /* b12-coded experts (_cpu_b12.c: tagged addresses): per part dec_len bf16 values to decode rows into */
     uint16_t *dec;
     int64_t dec_len;
+    int64_t urows; /* gate/up rows per pass-1 unit of an expert on the row kernels (GLU_ROWS, or GLU_ROWS_ONE) */
 } glu_job;
 
 INLINE float glu_act(int act, float g, float u, float beta, float lbeta) {
@@ -126,11 +139,12 @@ static void glu_pack_part(void *arg, int64_t part, int64_t parts, int slot) {
 static void glu_up_part(void *arg, int64_t part, int64_t parts, int slot) {
     const glu_job *j = arg;
     const int64_t units = j->ustart[j->E];
-    float *g = j->scratch + (int64_t)slot * 2 * GLU_ROWS * j->maxcount, *u = g + GLU_ROWS * j->maxcount;
+    const int64_t ur = j->urows;
+    float *g = j->scratch + (int64_t)slot * 2 * ur * j->maxcount, *u = g + ur * j->maxcount;
     int64_t e = 0;
     for (int64_t unit = units * part / parts; unit < units * (part + 1) / parts; unit++) {
         while (unit >= j->ustart[e + 1]) e++;
-        const int64_t rows = j->poff[e] >= 0 ? PANEL_ROWS : GLU_ROWS, T = j->count[e];
+        const int64_t rows = j->poff[e] >= 0 ? PANEL_ROWS : ur, T = j->count[e];
         const int64_t n0 = (unit - j->ustart[e]) * rows, n1 = n0 + rows < j->I ? n0 + rows : j->I;
         if (T <= 0) continue;
         if (j->poff[e] >= 0) {
@@ -139,12 +153,12 @@ static void glu_up_part(void *arg, int64_t part, int64_t parts, int slot) {
         }
         const float *x = j->xa + j->start[e] * j->ldx;
         uint16_t *dec = j->dec + (int64_t)slot * j->dec_len;
-        w_rows(x, j->ldx, T, j->K, j->gate[e], j->I, n0, n1, g, GLU_ROWS, dec);
-        w_rows(x, j->ldx, T, j->K, j->up[e], j->I, n0, n1, u, GLU_ROWS, dec);
+        w_rows(x, j->ldx, T, j->K, j->gate[e], j->I, n0, n1, g, ur, dec);
+        w_rows(x, j->ldx, T, j->K, j->up[e], j->I, n0, n1, u, ur, dec);
         for (int64_t t = 0; t < T; t++) {
             float *h = j->h + (j->start[e] + t) * j->ldh;
             for (int64_t n = n0; n < n1; n++)
-                h[bf16_pos(n)] = glu_act(j->act, g[t * GLU_ROWS + n - n0], u[t * GLU_ROWS + n - n0], j->beta, j->lbeta);
+                h[bf16_pos(n)] = glu_act(j->act, g[t * ur + n - n0], u[t * ur + n - n0], j->beta, j->lbeta);
         }
     }
 }
@@ -164,7 +178,7 @@ static void glu_down_part(void *arg, int64_t part, int64_t parts, int slot) {
     const glu_job *j = arg;
     int64_t c0, c1;
     split(j->D, (int)part, (int)parts, &c0, &c1);
-    float *y = j->scratch + (int64_t)slot * 2 * GLU_ROWS * j->maxcount;
+    float *y = j->scratch + (int64_t)slot * 2 * j->urows * j->maxcount; /* DOWN_ROWS <= 2 * urows */
     for (int64_t e = 0; e < j->E; e++) {
         const int64_t T = j->count[e], a0 = j->start[e];
         if (T <= 0) continue;
@@ -274,32 +288,36 @@ static int moe_glu(int64_t E, const int64_t *experts, const int64_t *gates, cons
         free(mem);
         return -1;
     }
+    int coded = 0; /* b12 experts: each part decodes up to urows / DOWN_ROWS / PR rows at a time */
+    for (int64_t e = 0; e < E; e++) coded |= b12_tagged((const void *)gates[e]) | b12_tagged((const void *)ups[e]) |
+                                             b12_tagged((const void *)downs[e]);
+    /* one row an expert: the long units, except where a coded row would be decoded into scratch first (no AVX-512:
+     * w_rows decodes every unit's rows, and the scratch stays at GLU_ROWS rows) */
+    const int one = maxcount == 1 && (MS_SIMD == 2 || !coded);
+    const int64_t urows = one ? GLU_ROWS_ONE : GLU_ROWS, down_chunk = one ? DOWN_CHUNK_ONE : DOWN_CHUNK;
     ustart[0] = 0;
     for (int64_t e = 0; e < E; e++) {
         const int use = count[e] >= panel_min;
         poff[e] = use ? pfl : -1;
         pfl += use ? panel_count(count[e]) * PANEL : 0;
-        const int64_t rows = use ? PANEL_ROWS : GLU_ROWS;
+        const int64_t rows = use ? PANEL_ROWS : urows;
         ustart[e + 1] = ustart[e] + (I + rows - 1) / rows;
     }
     const int64_t pack_floats = 2 * PR * (I > K ? I : K) + 2 * PR * PANEL;
-    int coded = 0; /* b12 experts: each part decodes up to GLU_ROWS / DOWN_ROWS / PR rows at a time */
-    for (int64_t e = 0; e < E; e++) coded |= b12_tagged((const void *)gates[e]) | b12_tagged((const void *)ups[e]) |
-                                             b12_tagged((const void *)downs[e]);
     int64_t dec_len = 0;
     if (coded) {
-        const int64_t most = GLU_ROWS > PR ? GLU_ROWS : PR, down_most = DOWN_ROWS > PR ? DOWN_ROWS : PR;
+        const int64_t most = urows > PR ? urows : PR, down_most = DOWN_ROWS > PR ? DOWN_ROWS : PR;
         dec_len = (most * K > down_most * I ? most * K : down_most * I) + 32;
     }
     const int64_t dec_floats = (parts * dec_len + 1) / 2;
-    float *scratch = malloc(sizeof(float) * (size_t)(parts * 2 * GLU_ROWS * maxcount + 16 + dec_floats + 16 +
+    float *scratch = malloc(sizeof(float) * (size_t)(parts * 2 * urows * maxcount + 16 + dec_floats + 16 +
                                                      (pfl ? parts * pack_floats + pfl * (K + I) : 0)));
     if (!scratch) {
         free(poff);
         free(mem);
         return -1;
     }
-    uint16_t *dec = (uint16_t *)(((uintptr_t)(scratch + parts * 2 * GLU_ROWS * maxcount) + 63) & ~(uintptr_t)63);
+    uint16_t *dec = (uint16_t *)(((uintptr_t)(scratch + parts * 2 * urows * maxcount) + 63) & ~(uintptr_t)63);
     float *pk = (float *)(((uintptr_t)((float *)dec + dec_floats) + 63) & ~(uintptr_t)63);
     float *xp = pk + parts * pack_floats, *hp = xp + pfl * K;
     /* only the rows some expert takes (a batch step hands every expert of a layer the whole step's x) */
@@ -311,7 +329,7 @@ static int moe_glu(int64_t E, const int64_t *experts, const int64_t *gates, cons
     if (pfl) memset(hp, 0, sizeof(float) * (size_t)(pfl * I)); /* ... and the padded tokens of each panel */
     glu_job j = {E, I, K, D, ldx, ldh, maxcount, D, (const uint16_t *const *)gates, (const uint16_t *const *)ups,
                  (const uint16_t *const *)downs, start, count, row, wt, xa, h, scratch, out, act, beta, lbeta,
-                 x, poff, ustart, xp, hp, pk, pack_floats, pair, pairs, 0, NULL, dec, dec_len};
+                 x, poff, ustart, xp, hp, pk, pack_floats, pair, pairs, 0, NULL, dec, dec_len, urows};
     if (parts <= 1) {
         for (int64_t p = 0; p < pfl / PANEL; p++) glu_pack_part(&j, p, pfl / PANEL, 0);
         glu_up_part(&j, 0, 1, 0);
@@ -322,7 +340,7 @@ static int moe_glu(int64_t E, const int64_t *experts, const int64_t *gates, cons
          * delays for a moment does not hold up the pass */
         const int64_t per = pfl ? 1 : 8;
         const int64_t up_chunks = ustart[E] / per > parts ? ustart[E] / per : parts;
-        const int64_t down_chunks = (D + DOWN_CHUNK - 1) / DOWN_CHUNK > parts ? (D + DOWN_CHUNK - 1) / DOWN_CHUNK : parts;
+        const int64_t down_chunks = (D + down_chunk - 1) / down_chunk > parts ? (D + down_chunk - 1) / down_chunk : parts;
         _Atomic int64_t *left = pfl ? NULL : malloc(sizeof(*left) * (size_t)E);
         if (left) { /* row kernels only (a decode step's experts): one pass, no barrier between the two */
             for (int64_t e = 0; e < E; e++) atomic_init(&left[e], ustart[e + 1] - ustart[e]);
