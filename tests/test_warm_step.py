@@ -99,3 +99,33 @@ def test_quiet_layers_get_no_lookahead_from_warm_steps_until_they_miss(ckpt):
     # the first token's step of `layer` read its experts again: the 5 tokens after it predicted the layer
     assert la.gates[layer].scored - gate0 == len(ids) - 1
     eng.close()
+
+
+def test_a_prompt_step_that_reads_nothing_skips_a_quiet_layers_router(ckpt):
+    """A multi-row step (a prefill of the prompt) whose routed experts are all cached takes the general path, and
+    follows the warm step's rule: once the next layer's latest `quiet` steps read nothing it runs no lookahead
+    router for it (no prediction scored); with quiet=0 it predicts every next layer. Same logits either way."""
+    eng = _open(ckpt)
+    runner, la = eng.runner, eng.runner.lookahead
+    ids = prompt_ids(eng.vocab_size, 3, seed=4)  # 3 x top-2: under half the layer's 16 experts, so no step scans
+
+    def prefill() -> torch.Tensor:
+        state = eng.new_sequence()
+        try:
+            return eng.prefill(state, ids)
+        finally:
+            eng.free(state)
+
+    want = prefill()  # reads what the prompt routes to
+    for _ in range(la.quiet):  # every layer's latest `quiet` steps read nothing
+        assert torch.equal(prefill(), want)
+    assert len(runner.cache) < len(la.routers) * runner.store.num_experts  # not every expert cached
+    resident0, scored0 = runner.times.resident_steps, _scored(eng)
+    assert torch.equal(prefill(), want)
+    assert runner.times.resident_steps == resident0  # (the general path, not the one-token warm one)
+    assert _scored(eng) == scored0
+    la.quiet = 0
+    assert torch.equal(prefill(), want)
+    assert _scored(eng) - scored0 == len(la.routers) - 1  # every MoE layer but the first, once
+    la.quiet = Lookahead().quiet
+    eng.close()
