@@ -844,9 +844,9 @@ DENSE = {"bf16 64x64": {"fp32": {"1": 1e-5, "16": 4e-5, "64": 1.6e-4, "256": 6.4
 
 def test_bf16_compute_prices_many_row_steps_at_the_bf16_probes(tiny):
     """--compute-dtype bf16 changes nothing below blocks.BF16_MIN_ROWS rows (one-token decode, small batches);
-    from 16 rows a step its bf16 dense weights take the bf16 dense probe's times, from 64 rows its routed experts
-    the fused call's bf16 many-row times; faster bf16 probes make those steps faster, slower ones slower (the
-    direction is the probes', not assumed)."""
+    from BF16_MIN_ROWS rows a step its bf16 dense weights take the bf16 dense probe's times, from
+    BF16_GLU_MIN_ROWS rows its routed experts the fused call's bf16 many-row times (both 16 now); faster bf16
+    probes make those steps faster, slower ones slower (the direction is the probes', not assumed)."""
     from moestream.models.blocks import BF16_GLU_MIN_ROWS, BF16_MIN_ROWS
 
     fast = {k + "_bf16": {r: t / 2 for r, t in v.items()} for k, v in GLU_ROWS_FP32.items()}
@@ -856,8 +856,12 @@ def test_bf16_compute_prices_many_row_steps_at_the_bf16_probes(tiny):
         assert bf16.decode(n, 32).seconds == pytest.approx(fp32.decode(n, 32).seconds)
     a, b = fp32.decode(BF16_MIN_ROWS, 32), bf16.decode(BF16_MIN_ROWS, 32)
     assert b.parts["dense_s"] < a.parts["dense_s"]
-    assert b.parts["experts_s"] == pytest.approx(a.parts["experts_s"])  # experts: fp32 below 64 rows a step
-    assert "bf16" not in b.detail["expert_rates"]
+    if BF16_GLU_MIN_ROWS > BF16_MIN_ROWS:  # experts: fp32 below their own threshold
+        assert b.parts["experts_s"] == pytest.approx(a.parts["experts_s"])
+        assert "bf16" not in b.detail["expert_rates"]
+    below = fp32.decode(BF16_GLU_MIN_ROWS - 1, 32), bf16.decode(BF16_GLU_MIN_ROWS - 1, 32)
+    assert below[1].parts["experts_s"] == pytest.approx(below[0].parts["experts_s"])
+    assert "bf16" not in below[1].detail["expert_rates"]
     n = BF16_GLU_MIN_ROWS
     a, b = fp32.decode(n, 32), bf16.decode(n, 32)
     assert b.parts["experts_s"] < a.parts["experts_s"] and b.parts["dense_s"] < a.parts["dense_s"]

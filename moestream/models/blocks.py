@@ -7,7 +7,7 @@ The opt-in bf16 compute path (EngineOptions.compute_dtype "bf16", set for a step
 a bf16 weight over many rows (a step of at least BF16_MIN_ROWS rows: prefill chunks, batch steps) multiply the
 stored weight by the activations rounded to bf16, summing in fp32 (kernels/_cpu_bf16.c): dense projections,
 shared experts and lm_head through `linear` / `linear_many`, and the routed experts' grouped GLU calls from
-BF16_GLU_MIN_ROWS rows. Routers stay fp32 (a bf16 router logit can flip an expert choice), and so do steps of fewer
+BF16_GLU_MIN_ROWS rows (the same 16). Routers stay fp32 (a bf16 router logit can flip an expert choice), and so do steps of fewer
 rows (one-token decode keeps its kernels), fp32 and quantised weights, and everything without the native kernels.
 Each output row then depends on its own input row, and in the routed experts on whether its expert took fewer
 than 16 rows of the call (which kernel runs it, fused.moe_glu_bf16), so splitting a step's rows into calls (or the
@@ -40,9 +40,12 @@ UPCAST_CHUNK_BYTES = 16 << 20  # fp32 scratch for one slab of upcast weight rows
 # bf16 compute from this many rows of a step: at 16 rows a 1024 x 1024 product ran 286 GFLOP/s in bf16 against
 # 145 through the fp32 native kernel, at 8 rows both 123 (docs/performance.md, "bf16 compute")
 BF16_MIN_ROWS = 16
-# ... and the routed experts' GLU from this many (top-8 of 64 experts: 8 rows an expert on average, where bf16 ran
-# 150 GFLOP/s against 121); at 2 rows an expert (a 16-row step) the panels' lanes are mostly idle: 39 against 68
-BF16_GLU_MIN_ROWS = 64
+# ... and the routed experts' GLU from this many. It was 64 (a 16-row step's experts take ~2 rows each, where the
+# panels' lanes were mostly idle: 39 GFLOP/s against 68); since the row kernel (_cpu_bf16.c brk_rows) takes an
+# expert of fewer than 16 rows, warm peer_b12 prefills under bf16 compute ran 16 / 32 / 48 tokens at 78.4 / 111.6 /
+# 135.9 tok/s with the threshold at 16 against 68.1 / 88.9 / 100.0 at 64, alternated in one process (8 tokens, below
+# both: 67.0 / 67.6; docs/performance.md)
+BF16_GLU_MIN_ROWS = 16
 
 _COMPUTE: contextvars.ContextVar[tuple[str, "MemoryAccountant | None"]] = contextvars.ContextVar(
     "moestream_compute_dtype", default=("fp32", None))

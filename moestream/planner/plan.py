@@ -325,7 +325,7 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
              "kernel's rate)"] if r.get("dense_rows") else ["dense weights: one-row kernel rate and fp32 expansion + "
                                                             "GEMM (no dense shape probed)"]
     lines.append(f"compute dtype {opts.compute_dtype}: " + (
-        "steps of 16+ rows multiply bf16 dense weights in bf16 (blocks.BF16_MIN_ROWS), steps of 64+ rows the routed "
+        "steps of 16+ rows multiply bf16 dense weights in bf16 (blocks.BF16_MIN_ROWS), and the routed "
         "bf16 GLU experts too (BF16_GLU_MIN_ROWS) at the fused call's bf16 many-row times; one-row decode and "
         "routers stay fp32" if opts.compute_dtype == "bf16" else "fp32 products at every row count")
         + "; " + kinds[0])
