@@ -305,8 +305,8 @@ static int moe_glu(int64_t E, const int64_t *experts, const int64_t *gates, cons
     }
     const int64_t pack_floats = 2 * PR * (I > K ? I : K) + 2 * PR * PANEL;
     int64_t dec_len = 0;
-    if (coded) {
-        const int64_t most = urows > PR ? urows : PR, down_most = DOWN_ROWS > PR ? DOWN_ROWS : PR;
+    if (coded) { /* (with the long units, one row decodes in registers: GLU_ROWS rows stay the bound) */
+        const int64_t most = GLU_ROWS > PR ? GLU_ROWS : PR, down_most = DOWN_ROWS > PR ? DOWN_ROWS : PR;
         dec_len = (most * K > down_most * I ? most * K : down_most * I) + 32;
     }
     const int64_t dec_floats = (parts * dec_len + 1) / 2;
