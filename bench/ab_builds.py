@@ -1,13 +1,13 @@
 """A/B of native library builds in one process: the same source compiled with different -D settings, loaded side by
 side, their calls alternated round by round so that the shared machine's drift hits every build alike.
 
-    python bench/ab_builds.py glu [--codec b12|bf16] [--threads 2] [--rounds 8] NAME:FLAGS NAME:FLAGS ...
+    python bench/ab_builds.py glu [--codec b12|bf16] [--tokens 1] [--threads 2] [--rounds 8] NAME:FLAGS ...
     python bench/ab_builds.py dense [--tokens 16] [--threads 2] [--rounds 8] NAME:FLAGS NAME:FLAGS ...
 
 e.g. `python bench/ab_builds.py glu old:"-DGLU_ROWS_ONE=16 -DDOWN_CHUNK_ONE=64" new:` (an empty FLAGS is the
 tree's own settings). The first build is the baseline of the ratios.
 
-glu: one decode token's grouped expert call (ms_moe_glu_bf16, one row, 8 experts of the peer checkpoint's shape,
+glu: one decode token's grouped expert call (ms_moe_glu_bf16, one row (--tokens: rows, each routed to all 8), 8 experts of the peer checkpoint's shape,
 gate/up 512 x 1024, down 1024 x 512, random N(0, 0.02) bf16 values, b12-coded or not) over a pool of 256 experts
 (650-800 MB, past the last-level cache), as a warm decode step streams them; reports bytes of stored weights a
 second. dense: 16-token (--tokens) bf16 products at the peer's attention shapes (q/k/v 1536 x 1024 in one weight,
@@ -44,8 +44,9 @@ def build(name: str, flags: str, where: Path, threads: int) -> ctypes.CDLL:
     return lib
 
 
-def glu_case(codec: str, experts: int = 256, per_call: int = 8):
-    """(work(lib, out), out shape, bytes a pass): every group of `per_call` pool experts once, one token."""
+def glu_case(codec: str, rows: int = 1, experts: int = 256, per_call: int = 8):
+    """(work(lib, out), out shape, bytes a pass): every group of `per_call` pool experts once, `rows` tokens each
+    routed to every expert of the group."""
     inter, hidden = 512, 1024
     g = torch.Generator().manual_seed(0)
     distinct = []
@@ -59,18 +60,19 @@ def glu_case(codec: str, experts: int = 256, per_call: int = 8):
     A = ctypes.c_int64 * per_call
     groups = [tuple(A(*[pool[s + j][m].data_ptr() | tag for j in range(per_call)]) for m in range(3))
               for s in range(0, experts, per_call)]
-    ids, ex = A(*range(per_call)), A(*range(per_call))
-    wts = (ctypes.c_float * per_call)(*([1.0 / per_call] * per_call))
-    x = torch.randn(1, hidden, generator=g)
+    ex = A(*range(per_call))
+    ids = (ctypes.c_int64 * (rows * per_call))(*(list(range(per_call)) * rows))
+    wts = (ctypes.c_float * (rows * per_call))(*([1.0 / per_call] * (rows * per_call)))
+    x = torch.randn(rows, hidden, generator=g)
 
     def work(lib: ctypes.CDLL, out: torch.Tensor) -> None:
         for gates, ups, downs in groups:
             out.zero_()
-            lib.ms_moe_glu_bf16(per_call, ex, gates, ups, downs, inter, hidden, hidden, x.data_ptr(), 1, ids, wts,
-                                per_call, out.data_ptr(), 0, 0.0, 0.0)
+            lib.ms_moe_glu_bf16(per_call, ex, gates, ups, downs, inter, hidden, hidden, x.data_ptr(), rows, ids,
+                                wts, per_call, out.data_ptr(), 0, 0.0, 0.0)
 
     nbytes = sum(t.numel() for e in pool for t in e)
-    return work, (1, hidden), nbytes, pool
+    return work, (rows, hidden), nbytes, pool
 
 
 def dense_case(tokens: int, layers: int = 32):
@@ -93,16 +95,18 @@ def main() -> None:
     ap.add_argument("kind", choices=("glu", "dense"))
     ap.add_argument("builds", nargs="+", help="NAME:FLAGS (FLAGS: -D settings, may be empty)")
     ap.add_argument("--codec", choices=("b12", "bf16"), default="b12")
-    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="rows: dense, the product's (default 16); glu, each expert's (default 1)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=8)
     a = ap.parse_args()
     builds = [b.split(":", 1) if ":" in b else (b, "") for b in a.builds]
+    a.tokens = a.tokens or (1 if a.kind == "glu" else 16)
     with tempfile.TemporaryDirectory(prefix="ab_builds-") as tmp:
         libs = {name: build(name, flags, Path(tmp), a.threads) for name, flags in builds}
         if a.kind == "glu":
-            work, shape, amount, _keep = glu_case(a.codec)
-            unit, what = 1e9, f"GB/s of {a.codec} weights"
+            work, shape, amount, _keep = glu_case(a.codec, a.tokens)
+            unit, what = 1e9, f"GB/s of {a.codec} weights, {a.tokens} rows an expert"
         else:
             work, shape, amount, _keep = dense_case(a.tokens)
             unit, what = 1e9, f"GFLOP/s at {a.tokens} rows"

@@ -17,17 +17,23 @@
 #ifndef DOWN_CHUNK
 #define DOWN_CHUNK 64 /* output columns per chunk of pass 2 handed out to a thread */
 #endif
-/* A call whose experts take one row each (a decode token's layer step) streams its weights in longer runs: pass-1
- * units of GLU_ROWS_ONE gate/up rows and pass-2 chunks of DOWN_CHUNK_ONE output columns. Each thread then reads
- * long contiguous stretches of each matrix instead of switching matrices every 24-48 KiB (each switch starts a
- * stream the software prefetch has not run ahead of). In one process alternating builds (bench/ab_builds.py glu:
- * 8 b12 experts of the peer's shape a call, a pool past the LLC, 2 threads), 256 / 512 against 16 / 64 read 1.20x
- * the bytes a second in one run and 1.03-1.05x in five later ones, the same bits (docs/performance.md). */
-#ifndef GLU_ROWS_ONE
-#define GLU_ROWS_ONE 256
+/* A call whose experts take few rows each (a decode token's layer step: one; a 16-token prompt's: about two) streams
+ * its weights in longer runs: pass-1 units of GLU_ROWS_FEW gate/up rows and pass-2 chunks of DOWN_CHUNK_FEW output
+ * columns. Each thread then reads long contiguous stretches of each matrix instead of switching matrices every
+ * 24-48 KiB (each switch starts a stream the software prefetch has not run ahead of). In one process alternating
+ * builds (bench/ab_builds.py glu: 8 b12 experts of the peer's shape a call, a pool past the LLC, 2 threads),
+ * 256 / 512 against 16 / 64 read 1.20x the bytes a second at one row in one run and 1.03-1.05x in five later
+ * ones; 1.24 / 1.07 / 1.05 / 1.09x at 2 / 4 / 8 / 15 rows an expert (bf16 experts at 2 rows: 1.29x); the same
+ * bits (docs/performance.md). From GEMM_MIN_T rows an expert (16) a coded expert's rows may be decoded into
+ * scratch, which stays at GLU_ROWS rows. */
+#ifndef GLU_ROWS_FEW
+#define GLU_ROWS_FEW 256
 #endif
-#ifndef DOWN_CHUNK_ONE
-#define DOWN_CHUNK_ONE 512
+#ifndef DOWN_CHUNK_FEW
+#define DOWN_CHUNK_FEW 512
+#endif
+#ifndef GLU_FEW_MAX_T
+#define GLU_FEW_MAX_T (GEMM_MIN_T - 1) /* the most rows an expert of such a call takes */
 #endif
 
 enum { ACT_SILU = 0, ACT_SITU = 1 };
@@ -64,7 +70,7 @@ typedef struct {
     /* b12-coded experts (_cpu_b12.c: tagged addresses): per part dec_len bf16 values to decode rows into */
     uint16_t *dec;
     int64_t dec_len;
-    int64_t urows; /* gate/up rows per pass-1 unit of an expert on the row kernels (GLU_ROWS, or GLU_ROWS_ONE) */
+    int64_t urows; /* gate/up rows per pass-1 unit of an expert on the row kernels (GLU_ROWS, or GLU_ROWS_FEW) */
 } glu_job;
 
 INLINE float glu_act(int act, float g, float u, float beta, float lbeta) {
@@ -291,10 +297,10 @@ static int moe_glu(int64_t E, const int64_t *experts, const int64_t *gates, cons
     int coded = 0; /* b12 experts: each part decodes up to urows / DOWN_ROWS / PR rows at a time */
     for (int64_t e = 0; e < E; e++) coded |= b12_tagged((const void *)gates[e]) | b12_tagged((const void *)ups[e]) |
                                              b12_tagged((const void *)downs[e]);
-    /* one row an expert: the long units, except where a coded row would be decoded into scratch first (no AVX-512:
-     * w_rows decodes every unit's rows, and the scratch stays at GLU_ROWS rows) */
-    const int one = maxcount == 1 && (MS_SIMD == 2 || !coded);
-    const int64_t urows = one ? GLU_ROWS_ONE : GLU_ROWS, down_chunk = one ? DOWN_CHUNK_ONE : DOWN_CHUNK;
+    /* few rows an expert: the long units, except where a coded row would be decoded into scratch first (no
+     * AVX-512: w_rows decodes every unit's rows, and the scratch stays at GLU_ROWS rows) */
+    const int few = maxcount <= GLU_FEW_MAX_T && (MS_SIMD == 2 || !coded);
+    const int64_t urows = few ? GLU_ROWS_FEW : GLU_ROWS, down_chunk = few ? DOWN_CHUNK_FEW : DOWN_CHUNK;
     ustart[0] = 0;
     for (int64_t e = 0; e < E; e++) {
         const int use = count[e] >= panel_min;
@@ -305,7 +311,7 @@ static int moe_glu(int64_t E, const int64_t *experts, const int64_t *gates, cons
     }
     const int64_t pack_floats = 2 * PR * (I > K ? I : K) + 2 * PR * PANEL;
     int64_t dec_len = 0;
-    if (coded) { /* (with the long units, one row decodes in registers: GLU_ROWS rows stay the bound) */
+    if (coded) { /* (with the long units, rows decode in registers: GLU_ROWS rows stay the bound) */
         const int64_t most = GLU_ROWS > PR ? GLU_ROWS : PR, down_most = DOWN_ROWS > PR ? DOWN_ROWS : PR;
         dec_len = (most * K > down_most * I ? most * K : down_most * I) + 32;
     }

@@ -130,7 +130,7 @@ _MAX_THREADS = 16  # _cpu.c MAX_THREADS: the most threads (parts) one native cal
 _BPR = 8  # _cpu_bf16.c's widest BPR (weight rows per register tile); its units are 4 * BPR rows
 _PAD = 32  # the widest row padding (GW) and panel (PANEL) of _cpu.c on any instruction set
 _GLU_ROWS, _PR = 16, 6  # _cpu_step.c's pass-1 rows per unit, _cpu_panel.c's weight rows per register tile
-_GLU_ROWS_ONE = 256  # _cpu_step.c's pass-1 rows per unit when every expert of a call takes one row
+_GLU_ROWS_FEW = 256  # _cpu_step.c's pass-1 rows per unit when every expert of a call takes under _PANEL_MIN_T rows
 _PANEL_MIN_T = 16  # _cpu_panel.c's PANEL_MIN_T: an expert with this many pairs takes the panel kernel
 
 
@@ -161,7 +161,7 @@ def _scratch(pairs: int, experts: int, largest: int, inter: int, k_in: int, ever
         panels = experts
     else:
         panels = min(experts, pairs // _PANEL_MIN_T) if largest >= _PANEL_MIN_T else 0
-    unit = _GLU_ROWS_ONE if largest == 1 else _GLU_ROWS
+    unit = _GLU_ROWS_FEW if largest < _PANEL_MIN_T else _GLU_ROWS
     per_thread = 4 * (2 * unit * largest + 2 * _PR * (wide + _PAD))
     return pairs * per_pair + experts * 40 + panels * 4 * _PAD * (k_in + inter) + threads * per_thread + 256
 
