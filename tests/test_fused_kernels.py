@@ -90,6 +90,33 @@ def test_moe_glu_one_pass_on_two_threads(threads):
 
 
 @native
+def test_moe_glu_few_rows_in_long_units(threads):
+    """Experts of 1-15 rows a call take pass-1 units of 256 gate/up rows and pass-2 chunks of 512 columns
+    (_cpu_step.c GLU_ROWS_FEW / DOWN_CHUNK_FEW): at widths where those split an expert (inter 640: units of 256,
+    256 and 128 rows; 1100 outputs: three chunks) the sums equal one thread's bit for bit, the b12-coded twin's bit
+    for bit, and the float64 reference's."""
+    from moestream.kernels import b12
+
+    names = list(range(8))
+    experts = _experts(len(names), 640, 256, 1100, seed=12)
+    coded = [[b12.encode(m) for m in e] for e in experts]
+    for t in (1, 2, 5, 15):
+        x = torch.randn(t, 256, generator=seeded(t + 70))
+        ids = torch.stack([torch.randperm(8, generator=seeded(300 + i))[:4] for i in range(t)])
+        scores = torch.rand(t, 4, generator=seeded(t + 11))
+        got = []
+        for n in (1, 2):
+            threads(n)
+            for parts in ([tuple(m.data_ptr() for m in e) for e in experts],
+                          [tuple(c.data_ptr() | 1 for c in e) for e in coded]):
+                out = torch.zeros(t, 1100)
+                fused.moe_glu_bf16(x, names, parts, 640, out, ids, scores)
+                got.append(out)
+        assert all(torch.equal(got[0], g) for g in got[1:]), t
+        assert max_rel_diff(got[0], _reference(x, experts, ids, scores, names, _silu)) < 1e-5
+
+
+@native
 def test_moe_glu_without_routing_is_each_expert_alone():
     experts = _experts(1, 25, 40, 56, seed=3)
     for t in (5, 40):  # 40: the panel kernel, two full panels and a half one
