@@ -298,8 +298,9 @@ static int moe_glu(int64_t E, const int64_t *experts, const int64_t *gates, cons
     for (int64_t e = 0; e < E; e++) coded |= b12_tagged((const void *)gates[e]) | b12_tagged((const void *)ups[e]) |
                                              b12_tagged((const void *)downs[e]);
     /* few rows an expert: the long units, except where a coded row would be decoded into scratch first (no
-     * AVX-512: w_rows decodes every unit's rows, and the scratch stays at GLU_ROWS rows) */
-    const int few = maxcount <= GLU_FEW_MAX_T && (MS_SIMD == 2 || !coded);
+     * AVX-512, or a build with B12_FEW_OFF for 2+ rows: w_rows decodes each unit's rows, and the scratch stays at
+     * GLU_ROWS rows) */
+    const int few = maxcount <= GLU_FEW_MAX_T && (!coded || (MS_SIMD == 2 && (maxcount == 1 || !B12_FEW_OFF)));
     const int64_t urows = few ? GLU_ROWS_FEW : GLU_ROWS, down_chunk = few ? DOWN_CHUNK_FEW : DOWN_CHUNK;
     ustart[0] = 0;
     for (int64_t e = 0; e < E; e++) {
