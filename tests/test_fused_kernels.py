@@ -66,6 +66,13 @@ def test_moe_glu_matches_float64(shape, act, threads):
         assert max_rel_diff(got[0], want) < 1e-5
 
 
+def _routing(t: int, k_in: int, experts: int, k: int, seeds: tuple[int, int, int]):
+    """t rows of x [t, k_in], each routed to k distinct of `experts` experts with random scores."""
+    x = torch.randn(t, k_in, generator=seeded(t + seeds[0]))
+    ids = torch.stack([torch.randperm(experts, generator=seeded(seeds[1] + i))[:k] for i in range(t)])
+    return x, ids, torch.rand(t, k, generator=seeded(t + seeds[2]))
+
+
 @native
 def test_moe_glu_one_pass_on_two_threads(threads):
     """Experts big enough to split over two threads (8 x 96 KiB): at 1-3 tokens an expert (the row kernels) both
@@ -74,9 +81,7 @@ def test_moe_glu_one_pass_on_two_threads(threads):
     names = list(range(8))
     experts = _experts(len(names), 64, 128, 128, seed=11)
     for t in (1, 3):
-        x = torch.randn(t, 128, generator=seeded(t + 50))
-        ids = torch.stack([torch.randperm(8, generator=seeded(200 + i))[:8] for i in range(t)])
-        scores = torch.rand(t, 8, generator=seeded(t + 9))
+        x, ids, scores = _routing(t, 128, 8, 8, (50, 200, 9))
         got = []
         for n in (1, 2):
             threads(n)
@@ -101,9 +106,7 @@ def test_moe_glu_few_rows_in_long_units(threads):
     experts = _experts(len(names), 640, 256, 1100, seed=12)
     coded = [[b12.encode(m) for m in e] for e in experts]
     for t in (1, 2, 5, 15):
-        x = torch.randn(t, 256, generator=seeded(t + 70))
-        ids = torch.stack([torch.randperm(8, generator=seeded(300 + i))[:4] for i in range(t)])
-        scores = torch.rand(t, 4, generator=seeded(t + 11))
+        x, ids, scores = _routing(t, 256, 8, 4, (70, 300, 11))
         got = []
         for n in (1, 2):
             threads(n)
