@@ -8,7 +8,8 @@ Owns the arithmetic `moestream plan` prints, term by term (docs/plan.md states i
   rows x FLOPs at the fp32 GEMM rate), sequence state read at memory bandwidth, attention
   FLOPs at the GEMM rate; bf16 dense weights over several rows (and the large ones, the lm_head among them, at
   one row) at the dense probe's measured times at the model's own shapes, in bf16 compute (--compute-dtype bf16)
-  from 16 rows a step, the routed bf16 GLU experts at the fused call's bf16 many-row times from 64; the
+  from 16 rows a step, the routed bf16 GLU experts at the fused call's bf16 many-row times from
+  blocks.BF16_GLU_MIN_ROWS (16); the
   --kv-dtype cache's measured work beyond fp32's (quantise on write, dequantise on read);
 - the engine's fixed cost per layer step (calibrated);
 - the CPU cost of each expert read on a miss of a one-row step (one sequence's decode), beyond its multiply:
