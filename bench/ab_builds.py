@@ -7,11 +7,12 @@ side, their calls alternated round by round so that the shared machine's drift h
 e.g. `python bench/ab_builds.py glu old:"-DGLU_ROWS_ONE=16 -DDOWN_CHUNK_ONE=64" new:` (an empty FLAGS is the
 tree's own settings). The first build is the baseline of the ratios.
 
-glu: one decode token's grouped expert call (ms_moe_glu_bf16, one row (--tokens: rows, each routed to all 8), 8 experts of the peer checkpoint's shape,
-gate/up 512 x 1024, down 1024 x 512, random N(0, 0.02) bf16 values, b12-coded or not) over a pool of 256 experts
-(650-800 MB, past the last-level cache), as a warm decode step streams them; reports bytes of stored weights a
-second. dense: 16-token (--tokens) bf16 products at the peer's attention shapes (q/k/v 1536 x 1024 in one weight,
-o 1024 x 1024) over 32 layers of weights (168 MB), through ms_linear_bf16; reports GFLOP/s. Both report, per
+glu: one decode token's grouped expert call (ms_moe_glu_bf16: one row, or --tokens rows each routed to all 8;
+8 experts of the peer checkpoint's shape, gate/up 512 x 1024, down 1024 x 512, random N(0, 0.02) bf16 values,
+b12-coded or not) over a pool of 256 experts (650-800 MB, past the last-level cache), as a warm decode step streams
+them; reports bytes of stored weights a second. dense: 16-token (--tokens) bf16 products at the peer's
+attention shapes (q/k/v 1536 x 1024 in one weight, o 1024 x 1024) over 32 layers of weights (168 MB), through
+ms_linear_bf16; reports GFLOP/s. Both report, per
 build, the median and range over the rounds, the median of the per-round ratios to the first build, and whether
 its outputs equal the first build's bit for bit. Each build's pool of native threads sleeps 10 ms before and after
 its turn, so that one build's spinning workers do not take the CPU from the next.

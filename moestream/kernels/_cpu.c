@@ -229,9 +229,9 @@ static int rows_for(int tt) {
  * the stream. A software prefetch GEMV_PF bytes ahead carries the stream over 4 KiB page boundaries, where the
  * hardware prefetcher stops (first measured non-temporal, 1 KiB ahead): a peer layer's 8 grouped experts on one core
  * went from 13.4-14.5 to 15.3-18.2 GB/s (thread CPU time, loaded machine; 512 B and 2 KiB ahead were no better than
- * none). An iteration
- * reads two 64-byte lines and prefetches both (one prefetch an iteration left every other line to the hardware):
- * 32 peer-shaped decode layers from DRAM, two threads, 21.5-22.8 -> 18.8-20.2 ms (docs/performance.md). The
+ * none). An iteration reads two 64-byte lines and prefetches both (one prefetch an iteration left every other line
+ * to the hardware): 32 peer-shaped decode layers from DRAM, two threads, 21.5-22.8 -> 18.8-20.2 ms
+ * (docs/performance.md). The
  * prefetch goes into L2 (prefetcht1) 4 KiB ahead: K3's resident dense weights (rows of 7,168 values) streamed at
  * 34.6-36.1 GB/s in a warm decode instead of 23.4-26.3 with a non-temporal prefetch 1 KiB ahead. */
 #ifndef GEMV_PF

@@ -347,7 +347,7 @@ static int moe_glu(int64_t E, const int64_t *experts, const int64_t *gates, cons
          * delays for a moment does not hold up the pass */
         const int64_t per = pfl ? 1 : 8;
         const int64_t up_chunks = ustart[E] / per > parts ? ustart[E] / per : parts;
-        const int64_t down_chunks = (D + down_chunk - 1) / down_chunk > parts ? (D + down_chunk - 1) / down_chunk : parts;
+        const int64_t columns = (D + down_chunk - 1) / down_chunk, down_chunks = columns > parts ? columns : parts;
         _Atomic int64_t *left = pfl ? NULL : malloc(sizeof(*left) * (size_t)E);
         if (left) { /* row kernels only (a decode step's experts): one pass, no barrier between the two */
             for (int64_t e = 0; e < E; e++) atomic_init(&left[e], ustart[e + 1] - ustart[e]);

@@ -7,8 +7,9 @@ The opt-in bf16 compute path (EngineOptions.compute_dtype "bf16", set for a step
 a bf16 weight over many rows (a step of at least BF16_MIN_ROWS rows: prefill chunks, batch steps) multiply the
 stored weight by the activations rounded to bf16, summing in fp32 (kernels/_cpu_bf16.c): dense projections,
 shared experts and lm_head through `linear` / `linear_many`, and the routed experts' grouped GLU calls from
-BF16_GLU_MIN_ROWS rows (the same 16). Routers stay fp32 (a bf16 router logit can flip an expert choice), and so do steps of fewer
-rows (one-token decode keeps its kernels), fp32 and quantised weights, and everything without the native kernels.
+BF16_GLU_MIN_ROWS rows (the same 16). Routers stay fp32 (a bf16 router logit can flip an expert choice), and so
+do steps of fewer rows (one-token decode keeps its kernels), fp32 and quantised weights, and everything without
+the native kernels.
 Each output row then depends on its own input row, and in the routed experts on whether its expert took fewer
 than 16 rows of the call (which kernel runs it, fused.moe_glu_bf16), so splitting a step's rows into calls (or the
 lm_head into slabs; an expert's rows are never split below 16) changes nothing; which precision a row gets depends
@@ -45,7 +46,7 @@ BF16_MIN_ROWS = 16
 # expert of fewer than 16 rows, warm peer_b12 prefills under bf16 compute ran 16 / 32 / 48 tokens at 78.4 / 111.6 /
 # 135.9 tok/s with the threshold at 16 against 68.1 / 88.9 / 100.0 at 64, alternated in one process (8 tokens, below
 # both: 67.0 / 67.6; docs/performance.md)
-BF16_GLU_MIN_ROWS = 16
+BF16_GLU_MIN_ROWS = BF16_MIN_ROWS
 
 _COMPUTE: contextvars.ContextVar[tuple[str, "MemoryAccountant | None"]] = contextvars.ContextVar(
     "moestream_compute_dtype", default=("fp32", None))
