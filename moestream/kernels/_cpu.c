@@ -1044,18 +1044,22 @@ static void split(int64_t N, int part, int parts, int64_t *n0, int64_t *n1) {
 
 typedef struct {
     const float *x; int64_t ldx, T, K, nw, total; const int64_t *w, *N, *out;
+    atomic_int failed; /* a coded weight's decode scratch could not be allocated (dense_rows) */
 } bf16_job;
 
-/* rows [r0, r1) of the weights' rows laid end to end */
+static int dense_rows(const float *x, int64_t ldx, int64_t T, int64_t K, const uint16_t *w, int64_t N, int64_t n0,
+                      int64_t n1, float *out, int64_t ldo); /* _cpu_b12.c */
+
+/* rows [r0, r1) of the weights' rows laid end to end (each weight bf16, or b12-coded at a tagged address) */
 static void bf16_part(void *arg, int part, int parts) {
-    const bf16_job *j = arg;
+    bf16_job *j = arg;
     int64_t r0, r1, off = 0;
     split(j->total, part, parts, &r0, &r1);
     for (int64_t i = 0; i < j->nw && off < r1; off += j->N[i], i++) {
         const int64_t lo = r0 > off ? r0 - off : 0, hi = r1 - off < j->N[i] ? r1 - off : j->N[i];
-        if (lo < hi)
-            bf16_rows(j->x, j->ldx, j->T, j->K, (const uint16_t *)(intptr_t)j->w[i], lo, hi,
-                      (float *)(intptr_t)j->out[i] + lo, j->N[i]);
+        if (lo < hi && dense_rows(j->x, j->ldx, j->T, j->K, (const uint16_t *)(intptr_t)j->w[i], j->N[i], lo, hi,
+                                  (float *)(intptr_t)j->out[i] + lo, j->N[i]))
+            atomic_store_explicit(&j->failed, 1, memory_order_relaxed);
     }
 }
 
@@ -1075,9 +1079,10 @@ static void bf16_run(bf16_job *j, int parts) {
     pool_run_chunks(bf16_chunk, j, chunks, parts);
 }
 
-/* For i < nw: out_i[T, N[i]] = x[T, K] (contiguous fp32) @ w_i[N[i], K]^T (contiguous bf16), w_i and out_i at the
- * addresses ws[i], outs[i]: x is prepared once and all the weights' rows split over the threads (when there are at
- * least `min_rows_per_thread` rows per thread). Returns 0, or -1 when out of memory. */
+/* For i < nw: out_i[T, N[i]] = x[T, K] (contiguous fp32) @ w_i[N[i], K]^T (contiguous bf16, or b12-coded at a
+ * tagged address: the same sums, _cpu_b12.c), w_i and out_i at the addresses ws[i], outs[i]: x is prepared once
+ * and all the weights' rows split over the threads (when there are at least `min_rows_per_thread` rows per
+ * thread). Returns 0, or -1 when out of memory. */
 int ms_linear_bf16_many(const float *x, int64_t T, int64_t K, int64_t nw, const int64_t *ws, const int64_t *Ns,
                         const int64_t *outs, int64_t min_rows_per_thread) {
     int64_t total = 0;
@@ -1091,12 +1096,12 @@ int ms_linear_bf16_many(const float *x, int64_t T, int64_t K, int64_t nw, const 
     float *xp = malloc(sizeof(float) * (size_t)(T * ldx));
     if (!xp) return -1;
     bf16_prepare(x, T, K, xp);
-    bf16_job j = {xp, ldx, T, K, nw, total, ws, Ns, outs};
+    bf16_job j = {xp, ldx, T, K, nw, total, ws, Ns, outs, 0};
     int parts = pool_parts;
     while (parts > 1 && total / parts < min_rows_per_thread) parts--;
     bf16_run(&j, parts);
     free(xp);
-    return 0;
+    return atomic_load(&j.failed) ? -1 : 0;
 }
 
 /* out[T, N] = x[T, K] @ w[N, K]^T: ms_linear_bf16_many with one weight */

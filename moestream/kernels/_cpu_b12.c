@@ -228,6 +228,37 @@ static void w_rows(const float *x, int64_t ldx, int64_t T, int64_t K, const uint
     bf16_rows(x, ldx, T, K, w_bf16_rows(w, N, K, n0, n1 - n0, dec), 0, n1 - n0, out, ldo);
 }
 
+#define B12_DENSE_ROWS 64 /* rows of a coded dense weight decoded at a time for products of GEMM_MIN_T+ tokens */
+
+/* bf16_part's rows [n0, n1) of a dense weight w [N, K]: bf16_rows, or for a coded matrix (tagged address) w_rows,
+ * which reads few-token products in registers and decodes B12_DENSE_ROWS rows at a time into scratch for the
+ * others: the same sums as over the bf16 matrix. Returns 0, or -1 when the scratch could not be allocated. */
+static int dense_rows(const float *x, int64_t ldx, int64_t T, int64_t K, const uint16_t *w, int64_t N, int64_t n0,
+                      int64_t n1, float *out, int64_t ldo) {
+    if (!b12_tagged(w)) {
+        bf16_rows(x, ldx, T, K, w, n0, n1, out, ldo);
+        return 0;
+    }
+#if MS_SIMD == 2
+    if (T == 1 || (T < GEMM_MIN_T && !B12_FEW_OFF)) {
+        w_rows(x, ldx, T, K, w, N, n0, n1, out, ldo, NULL);
+        return 0;
+    }
+#endif
+    const int64_t step = n1 - n0 < B12_DENSE_ROWS ? n1 - n0 : B12_DENSE_ROWS;
+    uint16_t *dec = malloc(sizeof(uint16_t) * (size_t)(step * K));
+    if (!dec) return -1;
+    for (int64_t n = n0; n < n1; n += step)
+        w_rows(x, ldx, T, K, w, N, n, n + step < n1 ? n + step : n1, out + (n - n0), ldo, dec);
+    free(dec);
+    return 0;
+}
+
+/* rows [n0, n1) of the coded N x K matrix m decoded into out [n1 - n0, K] bf16 */
+void ms_b12_decode_rows(const uint8_t *m, int64_t N, int64_t K, int64_t n0, int64_t n1, uint16_t *out) {
+    for (int64_t n = n0; n < n1; n++) b12_decode_row(m, N, K, n, out + (n - n0) * K);
+}
+
 /* Decodes the whole N x K matrix m into out [N, K] bf16 (tests and the general path's check). */
 void ms_b12_decode(const uint8_t *m, int64_t N, int64_t K, uint16_t *out) {
     for (int64_t n = 0; n < N; n++) b12_decode_row(m, N, K, n, out + n * K);

@@ -150,13 +150,15 @@ int ms_gqa_decode_block(const int64_t *cfg, const float *fcfg, float *h, const i
     float *vout = (float *)(intptr_t)vb[row / block] + (row % block) * nv;
     const int64_t ws[3] = {cfg[DL_WQ], cfg[DL_WK], cfg[DL_WV]}, Ns[3] = {nq, nk, nv};
     const int64_t outs[3] = {(int64_t)(intptr_t)q, (int64_t)(intptr_t)kout, (int64_t)(intptr_t)vout};
-    bf16_job qkv = {xp, ldx, 1, H, 3, nq + nk + nv, ws, Ns, outs};
+    bf16_job qkv = {xp, ldx, 1, H, 3, nq + nk + nv, ws, Ns, outs, 0};
     DL_MARK(1); /* phases: 1 prep, 2 q/k/v, 3 q/k norm + rope + attention, 4 o_proj, 5 post norm + router, 6 experts,
                  * 7 the prefetch posted */
     bf16_run(&qkv, dl_parts(nq + nk + nv, min_rows));
     DL_MARK(2);
     /* the workers read o_proj's weights ahead while this thread normalises, ropes and attends alone */
-    const int64_t wo_region[3] = {1, cfg[DL_WO], H * na * 2};
+    const void *wo_w = (const void *)(intptr_t)cfg[DL_WO];
+    const int64_t wo_bytes = b12_tagged(wo_w) ? H * b12_slot(na) : H * na * 2; /* the rows (a coded one's slots) */
+    const int64_t wo_region[3] = {1, (int64_t)(intptr_t)b12_addr(wo_w), wo_bytes};
     pool_prefetch(wo_region);
 
     const void *qn = (const void *)(intptr_t)cfg[DL_QN], *kn = (const void *)(intptr_t)cfg[DL_KN];
@@ -173,7 +175,7 @@ int ms_gqa_decode_block(const int64_t *cfg, const float *fcfg, float *h, const i
     DL_MARK(3);
     bf16_prepare_row(att, na, ap);
     const int64_t wo = cfg[DL_WO], yo = (int64_t)(intptr_t)y;
-    bf16_job oj = {ap, lda, 1, na, 1, H, &wo, &H, &yo};
+    bf16_job oj = {ap, lda, 1, na, 1, H, &wo, &H, &yo, 0};
     bf16_run(&oj, dl_parts(H, min_rows));
     for (int64_t c = 0; c < H; c++) h[c] += y[c];
     DL_MARK(4);

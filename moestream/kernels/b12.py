@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from moestream.kernels import cpu
 from moestream.kernels.qweight import QuantWeight, dense_rows_per_chunk
 
 RAW = 0xFF  # base byte of a row stored whole
@@ -126,14 +127,23 @@ class B12Weight(QuantWeight):
     def expand_into(self, dst: Tensor) -> Tensor:
         """The matrix decoded into dst (a float tensor [out, in], e.g. an fp32 expansion buffer), a bounded slab of
         bf16 rows at a time; returns dst."""
-        step = max(1, EXPAND_SLAB // (2 * self.in_features))
-        for r in range(0, self.out_features, step):
-            stop = min(self.out_features, r + step)
-            dst[r:stop].copy_(decode_rows(self.codes, self.out_features, self.in_features, r, stop))
+        return self.expand_rows_into(0, dst)
+
+    def expand_rows_into(self, start: int, dst: Tensor) -> Tensor:
+        """Rows [start, start + len(dst)) decoded into dst (a float tensor [rows, in]), a bounded slab of bf16 rows
+        at a time (natively where the kernels are built); returns dst."""
+        n, k = self.out_features, self.in_features
+        step = max(1, EXPAND_SLAB // (2 * k))
+        buf = torch.empty(min(step, dst.shape[0]), k, dtype=torch.bfloat16) if cpu.available() else None
+        for r in range(start, start + dst.shape[0], step):
+            stop = min(start + dst.shape[0], r + step)
+            rows = cpu.b12_decode_rows(self.codes, n, k, r, stop, buf[:stop - r]) if buf is not None \
+                else decode_rows(self.codes, n, k, r, stop)
+            dst[r - start:stop - start].copy_(rows)
         return dst
 
     def rows(self, start: int, stop: int) -> Tensor:
-        return decode_rows(self.codes, self.out_features, self.in_features, start, stop).float()
+        return self.expand_rows_into(start, torch.empty(stop - start, self.in_features))
 
     def linear(self, x: Tensor) -> Tensor:
         xs = x.reshape(-1, self.in_features).float()

@@ -174,6 +174,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_moe_glu_bf16_pairs.restype = ctypes.c_int
     lib.ms_b12_decode.argtypes = [p, i64, i64, p]
     lib.ms_b12_decode.restype = None
+    lib.ms_b12_decode_rows.argtypes = [p, i64, i64, i64, i64, p]
+    lib.ms_b12_decode_rows.restype = None
     lib.ms_linear_fixed.argtypes = [p, i64, i64, p, ctypes.c_int, i64, p]
     lib.ms_linear_fixed.restype = ctypes.c_int
     lib.ms_softmax_topk.argtypes = [p, i64, i64, i64, ctypes.c_int, p, p]
@@ -391,21 +393,47 @@ def softmax_topk(logits: Tensor, k: int, renormalize: bool) -> tuple[Tensor, Ten
     return ids, wts
 
 
+def _dense_operand(w: Tensor) -> tuple[int, int, int]:
+    """(address, N, K) of a contiguous 2-D bf16 weight, or of a b12-coded one (kernels/b12.py's B12Weight: its
+    tagged address), as ms_linear_bf16_many takes them; ValueError for anything else."""
+    tagged = getattr(w, "tagged_address", None)
+    if tagged is not None:
+        return tagged, w.out_features, w.in_features
+    if w.dtype != torch.bfloat16 or w.dim() != 2 or not w.is_contiguous() or type(w) is not torch.Tensor:
+        raise ValueError(f"native dense products want contiguous 2-D bfloat16 (or b12-coded) weights, got "
+                         f"{type(w).__name__} {tuple(w.shape)} {w.dtype}")
+    return w.data_ptr(), w.shape[0], w.shape[1]
+
+
 def linear_bf16_many(x: Tensor, ws: Sequence[Tensor], min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> list[Tensor]:
     """[x @ w^T for w in ws] in one native call (x prepared once, all the rows split over the threads): x [T, K]
-    fp32, each w a contiguous 2-D bf16 [N_i, K]. Returns float32 [T, N_i] each. Needs available()."""
+    fp32, each w a contiguous 2-D bf16 [N_i, K] or a b12-coded one (B12Weight: the coded bytes are read, the sums
+    are the bf16 matrix's bit for bit). Returns float32 [T, N_i] each. Needs available()."""
     handle = required()
-    k = ws[0].shape[1]
-    for w in ws:
-        if w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] != k or not w.is_contiguous():
-            raise ValueError(f"linear_bf16_many wants contiguous 2-D bfloat16 weights [N, {k}]")
+    ops = [_dense_operand(w) for w in ws]
+    k = ops[0][2]
+    if any(o[2] != k for o in ops):
+        raise ValueError(f"linear_bf16_many wants weights of one width [N, {k}]")
     x2 = rows(x, k)  # ValueError on a width mismatch
-    outs = [torch.empty(x2.shape[0], w.shape[0], dtype=torch.float32) for w in ws]
-    if handle.ms_linear_bf16_many(x2.data_ptr(), x2.shape[0], k, len(ws), _addresses([w.data_ptr() for w in ws]),
-                                  _addresses([w.shape[0] for w in ws]), _addresses([o.data_ptr() for o in outs]),
+    outs = [torch.empty(x2.shape[0], n, dtype=torch.float32) for _, n, _ in ops]
+    if handle.ms_linear_bf16_many(x2.data_ptr(), x2.shape[0], k, len(ws), _addresses([a for a, _, _ in ops]),
+                                  _addresses([n for _, n, _ in ops]), _addresses([o.data_ptr() for o in outs]),
                                   min_rows_per_thread):
-        raise MemoryError("native bf16 kernel could not allocate its input scratch")
+        raise MemoryError("native bf16 kernel could not allocate its scratch")
     return outs
+
+
+def b12_decode_rows(codes: Tensor, n: int, k: int, start: int, stop: int, out: Tensor | None = None) -> Tensor:
+    """bf16 rows [start, stop) of the b12-coded n x k matrix in `codes` (uint8, kernels/b12.py), exactly the
+    stored values, into `out` (bf16 [stop - start, k]) or a new tensor. Needs available()."""
+    handle = required()
+    if out is None:
+        out = torch.empty(stop - start, k, dtype=torch.bfloat16)
+    if not (0 <= start <= stop <= n) or out.shape != (stop - start, k) or out.dtype != torch.bfloat16 \
+            or not out.is_contiguous():
+        raise ValueError(f"b12_decode_rows: rows [{start}, {stop}) of {n} into {tuple(out.shape)} {out.dtype}")
+    handle.ms_b12_decode_rows(codes.data_ptr(), n, k, start, stop, out.data_ptr())
+    return out
 
 
 def bf16dot() -> bool:

@@ -105,6 +105,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, fp32
     """
     if b is not None and b.dtype != torch.float32:
         b = b.float()
+    if type(w) is B12Weight and cpu.available() and not x.requires_grad:
+        y = _b12_linear(x, w, fp32)
+        return y if b is None else y + b
     if isinstance(w, QuantWeight):
         y = w.linear(x)
         return y if b is None else y + b
@@ -121,21 +124,54 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, fp32
         return y if b is None else y + b
     if w.dtype == torch.float32:
         return F.linear(x, w, b)
-    rows = max(1, UPCAST_CHUNK_BYTES // (4 * w.shape[-1]))
-    if w.shape[0] <= rows or type(w) is not torch.Tensor or w.dim() != 2:
+    if w.shape[0] <= _upcast_rows(w.shape[-1]) or type(w) is not torch.Tensor or w.dim() != 2:
         return F.linear(x, w.float(), b)
+    out = _upcast_linear(x, w.shape[0], lambda slab, r: slab.copy_(w[r:r + slab.shape[0]]))
+    return out if b is None else out + b
+
+
+def _upcast_rows(k_in: int) -> int:
+    return max(1, UPCAST_CHUNK_BYTES // (4 * k_in))
+
+
+def _upcast_linear(x: torch.Tensor, n_out: int, fill: Callable[[torch.Tensor, int], object]) -> torch.Tensor:
+    """x @ W^T for a half-precision W of n_out rows, upcast a slab of _upcast_rows rows at a time into one fp32
+    scratch (`fill(slab, r)` writes rows [r, r + len(slab)) of W into slab)."""
     xt = x.reshape(-1, x.shape[-1]).T  # [in, T]
-    out_t = torch.empty(w.shape[0], xt.shape[1], dtype=torch.float32)  # [out, T]: slabs fill contiguous rows
-    upcast = torch.empty(rows, w.shape[1], dtype=torch.float32)
-    for r in range(0, w.shape[0], rows):
-        n = min(rows, w.shape[0] - r)
-        slab = upcast[:n]
-        slab.copy_(w[r:r + n])
-        torch.mm(slab, xt, out=out_t[r:r + n])
-    out = out_t.T
-    if b is not None:
-        out = out + b
-    return out.reshape(*x.shape[:-1], w.shape[0])
+    out_t = torch.empty(n_out, xt.shape[1], dtype=torch.float32)  # [out, T]: slabs fill contiguous rows
+    rows = _upcast_rows(x.shape[-1])
+    upcast = torch.empty(min(rows, n_out), x.shape[-1], dtype=torch.float32)
+    for r in range(0, n_out, rows):
+        slab = upcast[:min(rows, n_out - r)]
+        fill(slab, r)
+        torch.mm(slab, xt, out=out_t[r:r + slab.shape[0]])
+    return out_t.T.reshape(*x.shape[:-1], n_out)
+
+
+B12_SLAB_BYTES = 2 << 20  # bf16 bytes of a b12 weight's rows decoded at a time by _b12_linear's decoding paths
+
+
+def _b12_linear(x: torch.Tensor, w: B12Weight, fp32: bool) -> torch.Tensor:
+    """`linear` for a b12-coded bf16 weight, the very values the bf16 matrix gives on each path: up to
+    cpu.MAX_TOKENS_BF16 rows (fp32 compute) the native kernel reads the coded bytes; on the other paths (the
+    fixed-order kernel, bf16 compute, the upcast slabs) rows are decoded a bounded slab at a time and take the bf16
+    matrix's path, whose outputs do not depend on which other weight rows share the call."""
+    n, k = w.out_features, w.in_features
+    tokens = x.numel() // max(1, x.shape[-1])
+    fixed, bf16 = invariant.active(), not fp32 and _bf16_rows(tokens) and k % 2 == 0
+    if not fixed and not bf16 and tokens <= cpu.MAX_TOKENS_BF16:
+        return cpu.linear_bf16_many(x, [w])[0].view(*x.shape[:-1], n)
+    if not fixed and not bf16:
+        if n <= _upcast_rows(k):
+            return F.linear(x, w.float())
+        return _upcast_linear(x, n, lambda slab, r: w.expand_rows_into(r, slab))
+    out = torch.empty(tokens, n, dtype=torch.float32)
+    step = max(1, B12_SLAB_BYTES // (2 * k))
+    dec = torch.empty(min(step, n), k, dtype=torch.bfloat16)
+    for r in range(0, n, step):
+        rows = cpu.b12_decode_rows(w.codes, n, k, r, min(n, r + step), dec[:min(step, n - r)])
+        out[:, r:r + rows.shape[0]] = linear(x, rows, fp32=fp32).reshape(tokens, -1)
+    return out.view(*x.shape[:-1], n)
 
 
 def linear_many(x: torch.Tensor, ws: tuple[torch.Tensor, ...],
