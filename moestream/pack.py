@@ -73,6 +73,8 @@ class PackPlan:
     dense_shards: list[list[TensorInfo]]
     expert_file_sizes: list[int] = field(default_factory=list)
     codec: str | None = None
+    dense_codable: set[str] = field(default_factory=set)  # dense tensors a codec may code (_dense_codable)
+    dense_coded: dict[str, int] = field(default_factory=dict)  # with a codec: dense tensor -> its coded size
 
     @property
     def coded_tensors(self) -> set[str]:
@@ -106,6 +108,8 @@ class PackSummary:
     disk_bytes: int  # every file written, alignment padding included
     verified: bool = False
     coded_bytes: int = 0  # with a codec: the experts' bytes as written
+    dense_coded_bytes: int = 0  # with a codec: the coded dense tensors' bytes as written
+    dense_coded_source: int = 0  # ... and as the source held them
 
 
 def dense_name(i: int, n: int) -> str:
@@ -157,8 +161,28 @@ def plan_pack(src: str | Path, dense_shard_bytes: int = DENSE_SHARD_BYTES,
         shards[-1].append(t)
         size += t.nbytes
     pp = PackPlan(experts, packed, shards if dense else [])
+    pp.dense_codable = {t.name for t in dense if _dense_codable(t, p)}
     _lay_out(pp, expert_file_bytes)
     return pp, index
+
+
+# Dense matrices `--codec b12` codes besides the experts: those every consumer multiplies through `blocks.linear` /
+# `linear_many` or the one-call decode layer (which read the coded bytes): the untied lm_head of any family, and
+# the attention projections of the GQA families. Others (MLA's kv_b fold, KDA's checked shapes, the embedding's
+# row gathers) stay bf16.
+CODED_HEAD = "lm_head.weight"
+CODED_GQA = ("qwen3_moe", "mixtral", "gpt_oss")
+CODED_GQA_SUFFIXES = tuple(f".self_attn.{n}_proj.weight" for n in "qkvo")
+
+
+def _dense_codable(t: TensorInfo, p) -> bool:
+    family = p.family
+    name = t.name[len(family.prefix):] if t.name.startswith(family.prefix) else None
+    if name is None or not b12.supported(tuple(t.shape), DTYPES.get(t.dtype, (None,))[0]):
+        return False
+    if name == CODED_HEAD:
+        return not bool(getattr(p.config, "tie", False))
+    return family.model_type in CODED_GQA and name.startswith("model.layers.") and name.endswith(CODED_GQA_SUFFIXES)
 
 
 def _lay_out(pp: PackPlan, expert_file_bytes: int) -> None:
@@ -206,12 +230,13 @@ def _codable(part: PartPlan) -> bool:
 
 
 def _codable_bytes(pp: PackPlan) -> int:
-    return sum(p.src.nbytes for e in pp.experts for p in e.parts if _codable(p))
+    return sum(p.src.nbytes for e in pp.experts for p in e.parts if _codable(p)) + \
+        sum(t.nbytes for s in pp.dense_shards for t in s if t.name in pp.dense_codable)
 
 
 def _size_coded(pp: PackPlan, progress: Progress) -> None:
-    """The coded size of every expert part the coding takes (its rows stored whole are known only from its
-    values, so each is read once here and once when written)."""
+    """The coded size of every expert part and dense matrix the coding takes (its rows stored whole are known
+    only from its values, so each is read once here and once when written)."""
     src = _Source()
     try:
         for ex in pp.experts:
@@ -220,12 +245,19 @@ def _size_coded(pp: PackPlan, progress: Progress) -> None:
                     w = _matrix(src, part.src)
                     part.coded = b12.coded_nbytes(*w.shape, b12.raw_rows(w))
                     progress(part.src.nbytes)
+        for shard in pp.dense_shards:
+            for t in shard:
+                if t.name in pp.dense_codable:
+                    w = _matrix(src, t)
+                    pp.dense_coded[t.name] = b12.coded_nbytes(*w.shape, b12.raw_rows(w))
+                    progress(t.nbytes)
     finally:
         src.close()
 
 
 def _matrix(src: "_Source", t: TensorInfo):
-    """One part's bf16 matrix, read whole (one expert matrix: the packer's largest allocation with a codec)."""
+    """One part's (or coded dense tensor's) bf16 matrix, read whole: the packer's largest allocation with a codec
+    (a coded lm_head: K3's is 2.3 GB)."""
     buf, at = bytearray(t.nbytes), 0
     for chunk in src.chunks(t):
         buf[at:at + len(chunk)] = chunk
@@ -278,20 +310,33 @@ def _safetensors_header(entries: dict, metadata: dict, pad_to: int | None = None
     return len(body).to_bytes(8, "little") + body
 
 
-def _write_dense(path: Path, tensors: list[TensorInfo], src: _Source, progress: Progress) -> dict[str, int]:
+def _write_dense(path: Path, tensors: list[TensorInfo], src: _Source, progress: Progress,
+                 coded: dict[str, int]) -> dict[str, int]:
+    """One dense shard; a tensor in `coded` is stored as its b12 bytes, declared U8 [coded size] (the manifest's
+    dense_codec gives its dtype and shape)."""
     entries, at = {}, 0
     for t in tensors:
-        entries[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [at, at + t.nbytes]}
-        at += t.nbytes
+        n = coded.get(t.name, t.nbytes)
+        dtype, shape = ("U8", [n]) if t.name in coded else (t.dtype, list(t.shape))
+        entries[t.name] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + n]}
+        at += n
     crcs = {}
     with open(path, "wb") as f:
         f.write(_safetensors_header(entries, {"format": "pt", "packed_by": "moestream"}))
         for t in tensors:
             crc = 0
-            for chunk in src.chunks(t):
-                crc = crc32(chunk, crc)
-                f.write(chunk)
-                progress(len(chunk))
+            if t.name in coded:
+                data = memoryview(b12.encode(_matrix(src, t)).numpy())
+                if len(data) != coded[t.name]:
+                    raise CheckpointError(f"{t.file}: tensor {t.name!r} changed while packing")
+                crc = crc32(data)
+                f.write(data)
+                progress(t.nbytes)
+            else:
+                for chunk in src.chunks(t):
+                    crc = crc32(chunk, crc)
+                    f.write(chunk)
+                    progress(len(chunk))
             crcs[t.name] = crc
         f.flush()
         os.fsync(f.fileno())
@@ -364,7 +409,8 @@ def pack(src: str | Path, dst: str | Path, verify: bool = False, progress: Progr
     """Write the packed form of checkpoint `src` to the new directory `dst` (atomically). `total(n)` is told the
     payload bytes first, then `progress(k)` after every copied chunk (with codec "b12", the coded experts' bytes
     count twice: once when sized, once when written). codec "b12": bf16 expert matrices whose rows are a multiple
-    of 64 values are stored in kernels/b12.py's lossless coding (the same values, 25% fewer bytes)."""
+    of 64 values, and the dense matrices _dense_codable names, are stored in kernels/b12.py's lossless coding
+    (the same values, 25% fewer bytes)."""
     src, dst = Path(src), Path(dst)
     if dst.exists() or dst.is_symlink():
         raise MoestreamError(f"{dst}: already exists; `moestream pack` never overwrites, choose a new directory")
@@ -400,7 +446,7 @@ def pack(src: str | Path, dst: str | Path, verify: bool = False, progress: Progr
         n_dense, n_exp = len(pp.dense_shards), len(pp.expert_file_sizes)
         crcs: dict[str, int] = {}
         for i, shard in enumerate(pp.dense_shards):
-            crcs.update(_write_dense(tmp / dense_name(i, n_dense), shard, source, progress))
+            crcs.update(_write_dense(tmp / dense_name(i, n_dense), shard, source, progress, pp.dense_coded))
         for i, size in enumerate(pp.expert_file_sizes):
             _write_experts(tmp / expert_name(i, n_exp), [e for e in pp.experts if e.file == i], size, source, progress)
         manifest = _manifest(pp, crcs)
@@ -415,7 +461,10 @@ def pack(src: str | Path, dst: str | Path, verify: bool = False, progress: Progr
         source.close()
     summary = PackSummary(str(dst), len(pp.experts), len(pp.expert_file_sizes), len(pp.dense_shards),
                           pp.dense_bytes, pp.expert_bytes, sum(f.stat().st_size for f in dst.rglob("*") if f.is_file()),
-                          coded_bytes=sum(p.nbytes for e in pp.experts for p in e.parts) if pp.coded_tensors else 0)
+                          coded_bytes=sum(p.nbytes for e in pp.experts for p in e.parts) if pp.coded_tensors else 0,
+                          dense_coded_bytes=sum(pp.dense_coded.values()),
+                          dense_coded_source=sum(t.nbytes for s in pp.dense_shards for t in s
+                                                 if t.name in pp.dense_coded))
     if verify:
         verify_pack(dst)
         summary.verified = True
@@ -430,6 +479,9 @@ def _manifest(pp: PackPlan, crcs: dict[str, int]) -> dict:
         "dense_files": [dense_name(i, n_dense) for i in range(n_dense)],
         "expert_files": [expert_name(i, n_exp) for i in range(n_exp)],
         "dense_crc32": crcs,
+        **({"dense_codec": {t.name: {"codec": pp.codec, "dtype": t.dtype, "shape": list(t.shape)}
+                            for s in pp.dense_shards for t in s if t.name in pp.dense_coded}}
+           if pp.dense_coded else {}),
         "tensors": {name: {"dtype": d, "shape": list(s), "fused": f, **({"codec": pp.codec} if name in coded else {})}
                     for name, (d, s, f) in pp.tensors.items()},
         "experts": [{"layer": e.layer, "expert": e.expert, "file": expert_name(e.file, n_exp), "offset": e.offset,

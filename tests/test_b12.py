@@ -155,10 +155,18 @@ def test_coded_pack_logits_and_tokens_are_the_originals(coded):
     # experts of one shape padded to one length (pack._lay_out): their read buffers recycle
     assert len({e["length"] for e in manifest["experts"]}) == 1
     assert len({sum(p["nbytes"] for p in e["parts"]) for e in manifest["experts"]}) > 1
+    # the lm_head and the attention projections are coded too, and load as B12Weights of the same values
+    dense = manifest["dense_codec"]
+    assert "lm_head.weight" in dense and "model.layers.0.self_attn.o_proj.weight" in dense
+    assert not any("embed" in n or "norm" in n or "gate.weight" in n for n in dense)
     a, b = CheckpointIndex.open(src), CheckpointIndex.open(dst)
     for n in a.names():
         assert (a[n].dtype, a[n].shape) == (b[n].dtype, b[n].shape), n
-        assert torch.equal(a.load(n), b.load(n)), n  # a coded tensor loads decoded, bit for bit
+        got = b.load(n)
+        if n in dense:
+            assert type(got) is b12.B12Weight and b[n].nbytes < 0.8 * a[n].nbytes, n
+            got = cpu.b12_decode_rows(got.codes, *a[n].shape, 0, a[n].shape[0])
+        assert torch.equal(a.load(n), got), n  # a coded expert tensor loads decoded, bit for bit
     ids = prompt_ids(VOCAB, 32)
     warm = {}
     for path in (src, dst):
@@ -235,3 +243,48 @@ def test_few_token_products_decode_in_registers_with_the_tiles_sums():
         fused.moe_glu_bf16(x, [0], [tuple(m.data_ptr() for m in ws)], inter, ref)
         fused.moe_glu_bf16(x, [0], [tuple(c.data_ptr() | 1 for c in codes)], inter, got)
         assert torch.equal(ref, got), tokens
+
+
+@native
+def test_coded_dense_weights_streamed_and_in_one_call_decode_equal_the_original(tmp_path, monkeypatch):
+    """`pack --codec b12` codes the lm_head and the attention projections: resident (the one-call decode layer
+    reads the coded q/k/v/o), and at the budget's floor, where the coded head streams in slabs of a few rows (rows
+    stored whole among them, their offsets rewritten per slab), logits and tokens are the original's bit for bit
+    and the budget holds."""
+    from safetensors.torch import load_file, save_file
+
+    from moestream.engine import residency
+    from moestream.engine.engine import plan
+    from moestream.engine.residency import plan_residency
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _qwen(src)
+    _to_bf16(src)
+    for f in src.glob("*.safetensors"):  # rows the coding must store whole: in the head and in a q_proj
+        t = load_file(f)
+        for name, row in (("lm_head.weight", 37), ("lm_head.weight", 38), ("model.layers.1.self_attn.q_proj.weight", 5)):
+            if name in t:
+                t[name][row, 7] = 0.0
+        save_file(t, f, metadata={"format": "pt"})
+    pack(src, dst, codec="b12")
+    index = CheckpointIndex.open(dst)
+    head = index["lm_head.weight"]
+    assert head.codec == "b12" and b12.raw_rows(CheckpointIndex.open(src).load("lm_head.weight")) >= 2
+    monkeypatch.setattr(residency, "HEAD_SLAB_BYTES", 2048)  # 20 rows a slab
+    monkeypatch.setattr(residency, "EMBED_ROWS_BYTES", 1024)
+    ids = prompt_ids(VOCAB, 24)
+    want = Engine.open(src)
+    want_logits, want_tokens = want.logits(ids), want.generate(ids, 8, stop_token_ids=[])
+    p = plan(dst)
+    floor = plan_residency(p, None, 1 << 20).min_ram_budget
+    for budget in (None, floor):
+        eng = Engine.open(dst, ram_budget=budget, state_room=1 << 20)
+        assert torch.equal(eng.logits(ids), want_logits), budget
+        assert eng.generate(ids, 8, stop_token_ids=[]) == want_tokens, budget
+        if budget is None:
+            assert type(eng.model.lm_head) is b12.B12Weight
+            assert sum(layer.mixer.decode_blocks for layer in eng.model.layers) > 0  # the one-call layer ran
+        else:
+            assert eng.residency.head_streamed and eng.stats["peak_resident_bytes"] <= budget
+            assert eng.stats["dense_stream_bytes_read"] > 0
+        eng.close()

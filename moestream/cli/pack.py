@@ -58,8 +58,10 @@ def cmd_pack(args: argparse.Namespace) -> int:
     src = model_dir(args.model)
     s = _with_bar(f"packing {src.name}", lambda **kw: pack(src, args.dst, verify=False, codec=args.codec, **kw))
     coded = f" (coded b12: {format_bytes(s.coded_bytes)})" if s.coded_bytes else ""
+    dense = (f" (of which {format_bytes(s.dense_coded_source)} coded b12: {format_bytes(s.dense_coded_bytes)})"
+             if s.dense_coded_bytes else "")
     print(f"wrote {s.path}: {s.experts} experts in {s.expert_files} file(s), {format_bytes(s.expert_bytes)} of "
-          f"experts{coded} + {format_bytes(s.dense_bytes)} dense in {s.dense_files} shard(s), "
+          f"experts{coded} + {format_bytes(s.dense_bytes)} dense{dense} in {s.dense_files} shard(s), "
           f"{format_bytes(s.disk_bytes)} on disk")
     if args.verify:
         n = _with_bar("verifying", lambda **kw: verify_pack(s.path, **kw))

@@ -20,6 +20,8 @@ import torch
 from moestream.config import format_bytes
 from moestream.errors import BudgetError
 from moestream.experts.reader import group_extents
+from moestream.kernels import b12
+from moestream.kernels.b12 import B12Weight
 from moestream.models.blocks import UPCAST_CHUNK_BYTES, linear
 from moestream.weights.index import CheckpointIndex, TensorInfo, read_into, read_range
 
@@ -306,6 +308,38 @@ def _empty_placeholder(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     return t
 
 
+class _CodedRows:
+    """Row slabs of a packed b12-coded matrix read from its file, each a coded matrix of its own (kernels/b12.py's
+    layout: the slab's slots, its base bytes, then its rows stored whole, whose slot offsets are rewritten)."""
+
+    def __init__(self, info: TensorInfo):
+        self.info = info
+        self.n, self.k = info.shape
+        self.slot = b12.slot_bytes(self.k)
+        self.bases = read_range(info.file, info.offset + self.n * self.slot, self.n)  # one byte a row
+
+    def _raw(self, start: int, n: int) -> list[int]:
+        return [i for i in range(n) if self.bases[start + i] == b12.RAW]
+
+    def nbytes(self, start: int, n: int) -> int:
+        return b12.coded_nbytes(n, self.k, len(self._raw(start, n)))
+
+    def read(self, start: int, n: int) -> B12Weight:
+        raw = self._raw(start, n)
+        buf = torch.zeros(b12.coded_nbytes(n, self.k, len(raw)), dtype=torch.uint8)
+        mem = _buffer(buf.untyped_storage())
+        f, at = self.info.file, self.info.offset
+        read_range(f, at + start * self.slot, n * self.slot, out=(ctypes.c_char * (n * self.slot)).from_buffer(mem))
+        buf[n * self.slot:n * self.slot + n] = torch.frombuffer(self.bases[start:start + n], dtype=torch.uint8)
+        head, width = n * self.slot + -(-n // 64) * 64, 2 * self.k
+        for j, i in enumerate(raw):  # a row stored whole: read from where the matrix keeps it, its offset rewritten
+            slot = buf[i * self.slot:i * self.slot + 8]
+            old = int(slot.view(torch.int64))
+            read_range(f, at + old, width, out=(ctypes.c_char * width).from_buffer(mem, head + j * width))
+            slot.copy_(torch.tensor([head + j * width], dtype=torch.int64).view(torch.uint8))
+        return B12Weight.wrap(buf, (n, self.k))
+
+
 class DenseStreamer:
     """Runs a ResidencyPlan: placeholder tensors for streamed layers, filled before and emptied after each use.
 
@@ -339,7 +373,10 @@ class DenseStreamer:
         """The one placeholder for a streamed tensor (empty storage until its layer is entered)."""
         if name not in self.tensors:
             info = self.index[self.prefix + name]
-            t = _empty_placeholder(info.shape, info.torch_dtype)
+            if info.codec == "b12":  # a packed coded matrix: its stored bytes, read by the kernels as they are
+                t = B12Weight.wrap(_empty_placeholder((info.nbytes,), torch.uint8), info.shape)
+            else:
+                t = _empty_placeholder(info.shape, info.torch_dtype)
             self.tensors[name] = t
             layer = layer_of(name)
             if layer in self.by_layer:
@@ -463,8 +500,11 @@ class DenseStreamer:
         row = info.nbytes // vocab
         slabs = head_slabs(vocab, hidden, row)
         out = torch.empty(x.shape[0], vocab, dtype=torch.float32)
+        coded = _CodedRows(info) if info.codec == "b12" else None
 
         def read(start: int, n: int) -> torch.Tensor:
+            if coded is not None:
+                return coded.read(start, n)
             t = torch.empty(n, hidden, dtype=info.torch_dtype)
             read_range(info.file, info.offset + start * row, n * row, out=_buffer(t.untyped_storage()))
             return t
@@ -472,7 +512,7 @@ class DenseStreamer:
         inflight: list[tuple[Future, int]] = []  # (read, bytes) of the slab in flight
 
         def submit(i: int) -> None:
-            nbytes = slabs[i][1] * row
+            nbytes = coded.nbytes(*slabs[i]) if coded is not None else slabs[i][1] * row
             self.memory.add_stream(nbytes)
             inflight.append((self.pool.submit(read, *slabs[i]), nbytes))
 

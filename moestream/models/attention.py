@@ -13,6 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from moestream.memory.state import BLOCK_TOKENS, BlockBuffer, Segment, scratch, scratch_budget
 from moestream.errors import CheckpointError
 from moestream.kernels import cpu, fused, invariant, kvquant, paged
+from moestream.kernels.b12 import B12Weight
 from moestream.models.blocks import linear, linear_many, rms_norm
 from moestream.models.tiled import TILE_BYTES, Tiles, attend_tiles, tile_plan
 
@@ -264,8 +265,8 @@ class GQAMixer:
         self.prefetch_next: list[torch.Tensor] = []  # read ahead after each decode_block (DecoderModel links it)
 
     def decode_weights(self) -> list[torch.Tensor]:
-        """The weights a decode step reads first, in that order (q, k, v, o), when they are plain tensors."""
-        return [m for m in (self.q, self.k, self.v, self.o) if type(m) is torch.Tensor]
+        """The weights a decode step reads first, in that order (q, k, v, o), when they are plain (or b12-coded)."""
+        return [m for m in (self.q, self.k, self.v, self.o) if type(m) in (torch.Tensor, B12Weight)]
 
     def __call__(self, x: torch.Tensor, batch, index: int) -> torch.Tensor:
         t = x.shape[0]
@@ -362,7 +363,7 @@ class GQAMixer:
                    "inv_freq": self.rope.inv_freq, "in_norm": in_norm, "post_norm": post_norm}
         block = None
         if (self.sinks is None and not self.rope.interleaved and all(b is None for b in (self.qb, self.kb, self.vb, self.ob))
-                and all(type(m) is torch.Tensor for m in (self.q, self.k, self.v, self.o))):
+                and all(type(m) in (torch.Tensor, B12Weight) for m in (self.q, self.k, self.v, self.o))):
             options = [(router.weight, router.top_k, router.renormalize)] if router is not None else []
             for gate, top_k, renorm in options + [(None, 0, False)]:  # without the router if only it does not fit
                 try:

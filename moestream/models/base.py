@@ -17,6 +17,7 @@ from moestream.errors import CheckpointError
 from moestream.experts.dispatch import ExpertRunner
 from moestream.experts.store import PartSpec
 from moestream.kernels import cpu, fused, invariant
+from moestream.kernels.b12 import B12Weight
 from moestream.models.blocks import (Router, SigmoidRouter, SoftmaxRouter, embed, expert_glu, glu_group, glu_mlp,
                                      glu_parts, linear, native_act, rms_norm, silu_glu)
 from moestream.weights.index import CheckpointIndex
@@ -152,10 +153,12 @@ class DecoderModel:
     def __post_init__(self) -> None:
         """The ends of the model must agree with config.json: token ids below vocab_size index the embedding, and
         the final norm, embedding and head share the hidden width."""
-        e, h, n = self.embed_tokens, self.lm_head, self.norm
-        if e.dim() != 2 or h.dim() != 2 or n.dim() != 1 or e.shape[0] < self.vocab_size \
-                or h.shape[0] < self.vocab_size or not e.shape[1] == h.shape[1] == n.shape[0]:
-            raise CheckpointError(f"embedding {list(e.shape)}, final norm {list(n.shape)} and lm_head {list(h.shape)} "
+        e, n = self.embed_tokens, self.norm
+        h = (self.lm_head.out_features, self.lm_head.in_features) if type(self.lm_head) is B12Weight \
+            else tuple(self.lm_head.shape)
+        if e.dim() != 2 or len(h) != 2 or n.dim() != 1 or e.shape[0] < self.vocab_size \
+                or h[0] < self.vocab_size or not e.shape[1] == h[1] == n.shape[0]:
+            raise CheckpointError(f"embedding {list(e.shape)}, final norm {list(n.shape)} and lm_head {list(h)} "
                                   f"do not fit config.json's vocab_size {self.vocab_size} and one hidden width")
         self._head_after = self._link_prefetch()
 
@@ -172,7 +175,7 @@ class DecoderModel:
             return got
         for i, layer in enumerate(self.layers):
             if hasattr(getattr(layer, "mixer", None), "prefetch_next"):
-                last = [self.lm_head] if type(self.lm_head) is torch.Tensor else []
+                last = [self.lm_head] if type(self.lm_head) in (torch.Tensor, B12Weight) else []
                 layer.mixer.prefetch_next = first(self.layers[i + 1]) if i + 1 < len(self.layers) else last
         head = first(self.layers[0]) if self.layers else []
         return (head, fused.prefetch_regions(head)) if head else None

@@ -174,6 +174,15 @@ def _b12_linear(x: torch.Tensor, w: B12Weight, fp32: bool) -> torch.Tensor:
     return out.view(*x.shape[:-1], n)
 
 
+def _native_dense(w: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether `linear` multiplies x by w with the native bf16 kernel (w bf16, or b12-coded), whole."""
+    if type(w) is B12Weight:
+        rows = x.numel() // max(1, x.shape[-1])
+        return (w.in_features == x.shape[-1] and not x.requires_grad and cpu.available()
+                and rows <= cpu.MAX_TOKENS_BF16 and not _bf16_rows(rows) and not invariant.active())
+    return cpu.bf16_native(w, x) and w.is_contiguous() and w.shape[1] == x.shape[-1]
+
+
 def linear_many(x: torch.Tensor, ws: tuple[torch.Tensor, ...],
                 bs: tuple[torch.Tensor | None, ...] | None = None) -> list[torch.Tensor]:
     """[linear(x, w, b) for each weight]: one native call for all of them when each would take the native kernel
@@ -183,7 +192,7 @@ def linear_many(x: torch.Tensor, ws: tuple[torch.Tensor, ...],
         return [linear(x, w, b) for w, b in zip(ws, bs)]
     if (got := _bf16_linear(x, ws)) is not None:
         return [y if b is None else y + b.float() for y, b in zip(got, bs)]
-    if len(ws) > 1 and all(cpu.bf16_native(w, x) and w.is_contiguous() and w.shape[1] == x.shape[-1] for w in ws):
+    if len(ws) > 1 and all(_native_dense(w, x) for w in ws):
         ys = cpu.linear_bf16_many(x, ws)
         return [y if b is None else y + b.float() for y, b in zip(ys, bs)]
     return [linear(x, w, b) for w, b in zip(ws, bs)]

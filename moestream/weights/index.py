@@ -54,7 +54,9 @@ class TensorInfo:
     nbytes: int
     dtype: str  # safetensors dtype string
     shape: tuple[int, ...]
-    codec: str | None = None  # packed experts only: "b12" when each piece holds kernels/b12.py's coding
+    # "b12" when the bytes hold kernels/b12.py's coding: a packed expert tensor's pieces (nbytes: the bf16 size), or
+    # a packed dense matrix (dense_codec in the manifest; nbytes: the coded bytes stored, dtype and shape the bf16's)
+    codec: str | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -197,6 +199,10 @@ class CheckpointIndex:
                 coded = torch.frombuffer(read_range(piece.file, piece.offset, piece.nbytes), dtype=torch.uint8)
                 rows[i] = b12.decode(coded, *info.shape[-2:])
             return out
+        if info.codec is not None and pieces is None:  # a coded dense matrix: its bytes, read by the kernels
+            buf = read_range(info.file, info.offset, info.nbytes)
+            self._check_dense(name, info, buf)
+            return b12.B12Weight.wrap(torch.frombuffer(buf, dtype=torch.uint8), info.shape)
         if pieces is not None:
             buf, at = bytearray(info.nbytes), 0
             for piece in pieces:
@@ -204,11 +210,14 @@ class CheckpointIndex:
                 at += piece.nbytes
         else:
             buf = read_range(info.file, info.offset, info.nbytes)
-            want = self.crcs.get(name)
-            if want is not None and crc32(buf) != want:
-                raise CheckpointError(f"{info.file}: tensor {name!r} fails its checksum (crc32 {crc32(buf):08x}, "
-                                      f"manifest {want:08x}): the packed checkpoint is damaged; pack it again")
+            self._check_dense(name, info, buf)
         return bytes_to_tensor(buf, info.dtype, info.shape)
+
+    def _check_dense(self, name: str, info: TensorInfo, buf) -> None:
+        want = self.crcs.get(name)
+        if want is not None and crc32(buf) != want:
+            raise CheckpointError(f"{info.file}: tensor {name!r} fails its checksum (crc32 {crc32(buf):08x}, "
+                                  f"manifest {want:08x}): the packed checkpoint is damaged; pack it again")
 
 
 def _shard_files(root: Path) -> list[Path]:
@@ -258,6 +267,14 @@ def _packed_index(cls, root: Path, m: dict) -> CheckpointIndex:
     for name in m["dense_files"]:
         tensors.update(_read_header(member_file(root, name, f"{PACK_MANIFEST} dense shard")))
     crcs = {str(k): int(v) for k, v in m.get("dense_crc32", {}).items()}
+    for name, c in m.get("dense_codec", {}).items():  # coded dense matrices: stored U8, presented as the bf16 matrix
+        t, shape = tensors.get(name), tuple(_count(s, f"tensor {name!r} shape") for s in c["shape"])
+        if t is None or t.dtype != "U8" or c["codec"] != "b12" or c["dtype"] != "BF16" \
+                or not b12.supported(shape, torch.bfloat16) \
+                or not b12.coded_nbytes(*shape, 0) <= t.nbytes <= b12.coded_nbytes(*shape, shape[0]):
+            raise CheckpointError(f"{root}: coded dense tensor {name!r} ({c['codec']} {c['dtype']}{list(shape)}) "
+                                  f"does not match its bytes in the dense shards")
+        tensors[name] = TensorInfo(name, t.file, t.offset, t.nbytes, "BF16", shape, "b12")
     sizes: dict[str, int] = {}
     for name in m["expert_files"]:
         sizes[name] = member_file(root, name, f"{PACK_MANIFEST} expert file").stat().st_size
