@@ -152,6 +152,9 @@ def plan_pack(src: str | Path, dense_shard_bytes: int = DENSE_SHARD_BYTES,
     finally:
         p.store.close()
     dense = sorted((index[n] for n in index.names() if n not in packed), key=lambda t: (str(t.file), t.offset))
+    if any(t.codec is not None for t in dense):
+        raise MoestreamError(f"{src}: its dense tensors are already coded ({next(t for t in dense if t.codec).codec});"
+                             f" pack the original checkpoint instead")
     shards: list[list[TensorInfo]] = [[]]
     size = 0
     for t in dense:

@@ -210,12 +210,40 @@ def test_damaged_coded_manifest_is_refused(coded, tmp_path):
     (bad / PACK_MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="zstd"):
         CheckpointIndex.open(bad)
+    # a coded dense matrix whose stated shape or codec does not fit its stored bytes
+    for key, value in (("shape", [8, 64]), ("codec", "zstd"), ("dtype", "F16")):
+        manifest = json.loads((dst / PACK_MANIFEST).read_text())
+        manifest["dense_codec"]["lm_head.weight"][key] = value
+        (bad / PACK_MANIFEST).write_text(json.dumps(manifest))
+        with pytest.raises(CheckpointError, match="coded dense tensor 'lm_head.weight'"):
+            CheckpointIndex.open(bad)
+    manifest["dense_codec"]["lm_head.weight"] = {"shape": [64, 64]}
+    (bad / PACK_MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="malformed pack manifest"):
+        CheckpointIndex.open(bad)
 
 
 def test_a_coded_pack_is_not_packed_again(coded, tmp_path):
     _, dst = coded
     with pytest.raises(MoestreamError, match="already coded"):
         pack(dst, tmp_path / "again", codec="b12")
+    assert not (tmp_path / "again").exists()
+
+def test_a_pack_with_coded_dense_tensors_only_is_not_packed_again(tmp_path):
+    """fp32 experts (not coded) beside bf16 dense weights: only the lm_head and attention are coded; packing that
+    again would copy coded bytes under a bf16 header, so it is refused."""
+    from safetensors.torch import load_file, save_file
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    _qwen(src)
+    for f in src.glob("*.safetensors"):
+        save_file({k: v if ".experts." in k else v.bfloat16() for k, v in load_file(f).items()}, f,
+                  metadata={"format": "pt"})
+    pack(src, dst, codec="b12")
+    manifest = json.loads((dst / PACK_MANIFEST).read_text())
+    assert "lm_head.weight" in manifest["dense_codec"] and not any("codec" in t for t in manifest["tensors"].values())
+    with pytest.raises(MoestreamError, match="dense tensors are already coded"):
+        pack(dst, tmp_path / "again")
     assert not (tmp_path / "again").exists()
 
 
@@ -262,7 +290,8 @@ def test_coded_dense_weights_streamed_and_in_one_call_decode_equal_the_original(
     _to_bf16(src)
     for f in src.glob("*.safetensors"):  # rows the coding must store whole: in the head and in a q_proj
         t = load_file(f)
-        for name, row in (("lm_head.weight", 37), ("lm_head.weight", 38), ("model.layers.1.self_attn.q_proj.weight", 5)):
+        for name, row in (("lm_head.weight", 37), ("lm_head.weight", 38),
+                          ("model.layers.1.self_attn.q_proj.weight", 5)):
             if name in t:
                 t[name][row, 7] = 0.0
         save_file(t, f, metadata={"format": "pt"})
@@ -288,3 +317,32 @@ def test_coded_dense_weights_streamed_and_in_one_call_decode_equal_the_original(
             assert eng.residency.head_streamed and eng.stats["peak_resident_bytes"] <= budget
             assert eng.stats["dense_stream_bytes_read"] > 0
         eng.close()
+
+
+@native
+@pytest.mark.parametrize("family", ["gpt_oss", "kimi_k3"])
+def test_coded_pack_of_other_families_is_the_original(family, tmp_path):
+    """gpt-oss (MXFP4 experts, bf16 attention with biases and sinks) and Kimi K3 (MXFP4 experts, MLA / KDA): only
+    their dense matrices can be coded (gpt-oss's attention projections and head, K3's head alone); the model gives
+    the original's logits and tokens bit for bit."""
+    from safetensors.torch import load_file, save_file
+
+    from test_pack import MAKERS
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    MAKERS[family](src)
+    for f in src.glob("*.safetensors"):  # dense weights in bf16, as published (the test model is written in fp32)
+        save_file({k: v.bfloat16() if v.dtype == torch.float32 else v for k, v in load_file(f).items()}, f,
+                  metadata={"format": "pt"})
+    pack(src, dst, codec="b12")
+    coded = set(json.loads((dst / PACK_MANIFEST).read_text()).get("dense_codec", {}))
+    names = CheckpointIndex.open(src).names()
+    want = {n for n in names if n.endswith("lm_head.weight")
+            or (family == "gpt_oss" and any(n.endswith(f".self_attn.{p}_proj.weight") for p in "qkvo"))}
+    assert coded == want and len(want) == (1 + 4 * 3 if family == "gpt_oss" else 1)
+    ids = prompt_ids(64, 12)
+    got = {}
+    for path in (src, dst):
+        eng = Engine.open(path)
+        got[path] = (eng.logits(ids), eng.generate(ids, 6, stop_token_ids=[]))
+    assert torch.equal(got[src][0], got[dst][0]) and got[src][1] == got[dst][1]
