@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -170,12 +171,16 @@ def plan_pack(src: str | Path, dense_shard_bytes: int = DENSE_SHARD_BYTES,
 
 
 # Dense matrices `--codec b12` codes besides the experts: those every consumer multiplies through `blocks.linear` /
-# `linear_many` or the one-call decode layer (which read the coded bytes): the untied lm_head of any family, and
-# the attention projections of the GQA families. Others (MLA's kv_b fold, KDA's checked shapes, the embedding's
-# row gathers) stay bf16.
+# `linear_many` or the one-call decode layer (which read the coded bytes): the untied lm_head of any family, the
+# dense and shared-expert GLU MLPs (`{gate,up,down}_proj` under `mlp`, `mlp.shared_experts` or
+# `block_sparse_moe.shared_experts`: models/base.py dense_glu, latent_moe's shared experts), and the attention
+# projections of the GQA families. Others (MLA's kv_b fold, KDA's checked shapes, the embedding's row gathers,
+# routers, K3's latent projections) stay bf16.
 CODED_HEAD = "lm_head.weight"
 CODED_GQA = ("qwen3_moe", "mixtral", "gpt_oss")
 CODED_GQA_SUFFIXES = tuple(f".self_attn.{n}_proj.weight" for n in "qkvo")
+CODED_MLP = re.compile(r"model\.layers\.\d+\.(mlp|mlp\.shared_experts|block_sparse_moe\.shared_experts)\."
+                       r"(gate|up|down)_proj\.weight")
 
 
 def _dense_codable(t: TensorInfo, p) -> bool:
@@ -185,6 +190,8 @@ def _dense_codable(t: TensorInfo, p) -> bool:
         return False
     if name == CODED_HEAD:
         return not bool(getattr(p.config, "tie", False))
+    if CODED_MLP.fullmatch(name):
+        return True
     return family.model_type in CODED_GQA and name.startswith("model.layers.") and name.endswith(CODED_GQA_SUFFIXES)
 
 

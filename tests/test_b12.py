@@ -15,7 +15,7 @@ from moestream import Engine
 from moestream.cli import main
 from moestream.errors import CheckpointError, MoestreamError
 from moestream.kernels import b12, cpu, fused
-from moestream.pack import pack
+from moestream.pack import CODED_MLP, pack
 from moestream.weights.index import PACK_MANIFEST, CheckpointIndex
 from test_pack import VOCAB, _budget, _mixtral, _qwen
 
@@ -338,8 +338,10 @@ def test_coded_pack_of_other_families_is_the_original(family, tmp_path):
     coded = set(json.loads((dst / PACK_MANIFEST).read_text()).get("dense_codec", {}))
     names = CheckpointIndex.open(src).names()
     want = {n for n in names if n.endswith("lm_head.weight")
-            or (family == "gpt_oss" and any(n.endswith(f".self_attn.{p}_proj.weight") for p in "qkvo"))}
-    assert coded == want and len(want) == (1 + 4 * 3 if family == "gpt_oss" else 1)
+            or (family == "gpt_oss" and any(n.endswith(f".self_attn.{p}_proj.weight") for p in "qkvo"))
+            or CODED_MLP.fullmatch(n.removeprefix("language_model."))}
+    # K3: the head, layer 0's dense MLP and each MoE layer's shared expert
+    assert coded == want and len(want) == (1 + 4 * 3 if family == "gpt_oss" else 1 + 3 * 8), sorted(coded)
     ids = prompt_ids(64, 12)
     got = {}
     for path in (src, dst):
