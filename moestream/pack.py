@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from moestream.errors import CheckpointError, MoestreamError
 from moestream.kernels import b12
 from moestream.weights.crc import crc32
@@ -258,16 +260,16 @@ def _size_coded(pp: PackPlan, progress: Progress) -> None:
         for shard in pp.dense_shards:
             for t in shard:
                 if t.name in pp.dense_codable:
-                    w = _matrix(src, t)
-                    pp.dense_coded[t.name] = b12.coded_nbytes(*w.shape, b12.raw_rows(w))
+                    raw = sum(b12.raw_rows(w) for _, w in src.row_slabs(t))
+                    pp.dense_coded[t.name] = b12.coded_nbytes(*t.shape, raw)
                     progress(t.nbytes)
     finally:
         src.close()
 
 
 def _matrix(src: "_Source", t: TensorInfo):
-    """One part's (or coded dense tensor's) bf16 matrix, read whole: the packer's largest allocation with a codec
-    (a coded lm_head: K3's is 2.3 GB)."""
+    """One part's bf16 matrix, read whole (one expert matrix: the packer's largest allocation with a codec; dense
+    matrices are coded a slab of rows at a time, _write_coded)."""
     buf, at = bytearray(t.nbytes), 0
     for chunk in src.chunks(t):
         buf[at:at + len(chunk)] = chunk
@@ -283,14 +285,18 @@ class _Source:
         self.fds: dict[Path, int] = {}
         self.buf = bytearray(CHUNK)
 
-    def chunks(self, t: TensorInfo):
-        """Yield memoryviews over consecutive chunks of the tensor's bytes (valid until the next chunk)."""
+    def _fd(self, t: TensorInfo) -> int:
         fd = self.fds.get(t.file)
         if fd is None:
             try:
                 fd = self.fds[t.file] = os.open(t.file, os.O_RDONLY)
             except OSError as e:
                 raise CheckpointError(f"{t.file}: cannot open the source shard: {e}") from None
+        return fd
+
+    def chunks(self, t: TensorInfo):
+        """Yield memoryviews over consecutive chunks of the tensor's bytes (valid until the next chunk)."""
+        fd = self._fd(t)
         done, view = 0, memoryview(self.buf)
         while done < t.nbytes:
             want = min(CHUNK, t.nbytes - done)
@@ -304,6 +310,26 @@ class _Source:
             drop_pages(fd, t.offset + done, want)
             yield view[:want]
             done += want
+
+    def rows(self, t: TensorInfo, start: int, count: int):
+        """Rows [start, start + count) of a 2-D tensor, read into a fresh tensor of its dtype (pages dropped)."""
+        fd = self._fd(t)
+        row = t.nbytes // t.shape[0]
+        buf = bytearray(count * row)
+        try:
+            got, _ = pread_fill(fd, [memoryview(buf)], t.offset + start * row)
+        except OSError as e:
+            raise CheckpointError(f"{t.file}: read error in tensor {t.name!r}: {e}") from None
+        if got < len(buf):
+            raise CheckpointError(f"{t.file}: truncated: tensor {t.name!r} ends past the end of the file")
+        drop_pages(fd, t.offset + start * row, len(buf))
+        return bytes_to_tensor(buf, t.dtype, (count, *t.shape[1:]))
+
+    def row_slabs(self, t: TensorInfo):
+        """(first row, rows) of a 2-D tensor, CHUNK bytes of rows at a time."""
+        step = max(1, CHUNK // max(1, t.nbytes // t.shape[0]))
+        for r in range(0, t.shape[0], step):
+            yield r, self.rows(t, r, min(step, t.shape[0] - r))
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -336,11 +362,7 @@ def _write_dense(path: Path, tensors: list[TensorInfo], src: _Source, progress: 
         for t in tensors:
             crc = 0
             if t.name in coded:
-                data = memoryview(b12.encode(_matrix(src, t)).numpy())
-                if len(data) != coded[t.name]:
-                    raise CheckpointError(f"{t.file}: tensor {t.name!r} changed while packing")
-                crc = crc32(data)
-                f.write(data)
+                crc = _write_coded(f, src, t, coded[t.name])
                 progress(t.nbytes)
             else:
                 for chunk in src.chunks(t):
@@ -351,6 +373,27 @@ def _write_dense(path: Path, tensors: list[TensorInfo], src: _Source, progress: 
         f.flush()
         os.fsync(f.fileno())
     return crcs
+
+
+def _write_coded(f, src: "_Source", t: TensorInfo, size: int) -> int:
+    """A dense matrix's b12 coding written a slab of rows at a time (kernels/b12.py encode_rows: bounded memory for
+    any size); returns its crc32. CheckpointError when the bytes differ from the size planned (a changed source)."""
+    n, k = t.shape
+    bases, raw, crc, written = bytearray(n), [], 0, 0
+    for r, w in src.row_slabs(t):
+        slots, b, ids = b12.encode_rows(w, n, len(raw))
+        data = memoryview(slots.numpy()).cast("B")
+        crc, written = crc32(data, crc), written + f.write(data)
+        bases[r:r + len(b)] = b.numpy().tobytes()
+        raw += [r + int(i) for i in ids]
+    tail = bytes(bases) + bytes(-(-n // 64) * 64 - n)
+    crc, written = crc32(tail, crc), written + f.write(tail)
+    for i in raw:  # the rows stored whole, in order, read again from the source
+        data = memoryview(src.rows(t, i, 1).view(torch.uint8).numpy()).cast("B")
+        crc, written = crc32(data, crc), written + f.write(data)
+    if written != size:
+        raise CheckpointError(f"{t.file}: tensor {t.name!r} changed while packing")
+    return crc
 
 
 def _write_experts(path: Path, experts: list[ExpertPlan], size: int, src: _Source, progress: Progress) -> None:

@@ -57,29 +57,41 @@ def raw_rows(w: Tensor) -> int:
     return int((hi7 < base[:, None]).any(1).sum())
 
 
+def encode_rows(w: Tensor, n: int, raw_before: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Some consecutive rows of an n-row bf16 matrix being coded (w [rows, K]), `raw_before` rows above them
+    stored whole: (their slots uint8 [rows, K * 3 / 2], their base bytes uint8 [rows], the indices within w of
+    the rows stored whole). A matrix too large to code at once (K3's 2.3 GB lm_head) is coded a slab at a time:
+    the slots in order, then every base byte, then the rows stored whole in order (`encode` puts them together)."""
+    rows, k = w.shape
+    bits, hi7, base = _high_bits(w)
+    raw = (hi7 < base[:, None]).any(1)
+    code = ((hi7 - base[:, None]).clamp(0, 7) | ((bits >> 15) << 3)).to(torch.uint8)
+    lo = (bits & 0xFF).to(torch.uint8)
+    blocks = k // BLOCK
+    lo = lo.view(rows, blocks, BLOCK)[:, :, _POS]
+    code = code.view(rows, blocks, BLOCK)[:, :, _POS]
+    packed = code[:, :, :32] | (code[:, :, 32:] << 4)
+    slots = torch.cat([lo, packed], dim=2).reshape(rows, slot_bytes(k))
+    raw_ids = raw.nonzero().flatten()
+    bases = base.to(torch.uint8)
+    if len(raw_ids):  # a raw row's slot holds the byte offset of its bf16 row after the slots and bases
+        bases[raw_ids] = RAW
+        head = n * slot_bytes(k) + -(-n // 64) * 64
+        offsets = head + 2 * k * (raw_before + torch.arange(len(raw_ids), dtype=torch.int64))
+        slots[raw_ids, :8] = offsets.view(torch.uint8).view(len(raw_ids), 8)
+    return slots, bases, raw_ids
+
+
 def encode(w: Tensor) -> Tensor:
     """The b12 bytes (uint8, 1-D) of a bf16 matrix [N, K], K % 64 == 0."""
     if not supported(tuple(w.shape), w.dtype):
         raise ValueError(f"b12 codes 2-D bfloat16 matrices with rows a multiple of {BLOCK}, got "
                          f"{tuple(w.shape)} {w.dtype}")
     n, k = w.shape
-    bits, hi7, base = _high_bits(w)
-    raw = (hi7 < base[:, None]).any(1)
-    code = ((hi7 - base[:, None]).clamp(0, 7) | ((bits >> 15) << 3)).to(torch.uint8)
-    lo = (bits & 0xFF).to(torch.uint8)
-    blocks = k // BLOCK
-    lo = lo.view(n, blocks, BLOCK)[:, :, _POS]
-    code = code.view(n, blocks, BLOCK)[:, :, _POS]
-    packed = code[:, :, :32] | (code[:, :, 32:] << 4)
-    slots = torch.cat([lo, packed], dim=2).reshape(n, slot_bytes(k))
-    raw_ids = raw.nonzero().flatten()
+    slots, bases, raw_ids = encode_rows(w, n, 0)
     head = n * slot_bytes(k) + -(-n // 64) * 64
     out = torch.zeros(coded_nbytes(n, k, len(raw_ids)), dtype=torch.uint8)
-    bases = base.to(torch.uint8)
     if len(raw_ids):
-        bases[raw_ids] = RAW
-        offsets = head + 2 * k * torch.arange(len(raw_ids), dtype=torch.int64)
-        slots[raw_ids, :8] = offsets.view(torch.uint8).view(len(raw_ids), 8)
         out[head:] = w[raw_ids].contiguous().view(torch.uint8).reshape(-1)
     out[:n * slot_bytes(k)] = slots.reshape(-1)
     out[n * slot_bytes(k):n * slot_bytes(k) + n] = bases
