@@ -178,11 +178,12 @@ def plan_pack(src: str | Path, dense_shard_bytes: int = DENSE_SHARD_BYTES,
 # `block_sparse_moe.shared_experts`: models/base.py dense_glu, latent_moe's shared experts), and the attention
 # projections of the GQA families. Others (MLA's kv_b fold, KDA's checked shapes, the embedding's row gathers,
 # routers, K3's latent projections) stay bf16.
-# A dense matrix is stored coded only where that saves at least a tenth of its bytes. A row the coding stores whole
+# A dense matrix (an expert tensor: over all of its experts) is stored coded only where that saves at least a tenth
+# of its bytes. A row the coding stores whole
 # costs its slot besides (1.75x bf16), and wide rows of Gaussian-like values often hold one value 2^16 below their
 # largest: the full-width synthetic K3's lm_head (7168 wide) had 60% of its rows stored whole, 1.35x its bf16 size,
 # where the peer model's 1024-wide attention had 6% (0.81x).
-CODED_DENSE_MAX = 0.9
+CODED_MAX = 0.9
 CODED_HEAD = "lm_head.weight"
 CODED_GQA = ("qwen3_moe", "mixtral", "gpt_oss")
 CODED_GQA_SUFFIXES = tuple(f".self_attn.{n}_proj.weight" for n in "qkvo")
@@ -262,11 +263,18 @@ def _size_coded(pp: PackPlan, progress: Progress) -> None:
                     w = _matrix(src, part.src)
                     part.coded = b12.coded_nbytes(*w.shape, b12.raw_rows(w))
                     progress(part.src.nbytes)
+        sizes: dict[str, list[int]] = {}  # packed tensor -> [coded bytes, bf16 bytes] over its parts
+        for part in (p for ex in pp.experts for p in ex.parts if p.coded >= 0):
+            got = sizes.setdefault(part.tensor, [0, 0])
+            got[0], got[1] = got[0] + part.coded, got[1] + part.src.nbytes
+        for part in (p for ex in pp.experts for p in ex.parts if p.coded >= 0):
+            if sizes[part.tensor][0] > CODED_MAX * sizes[part.tensor][1]:  # the rule for dense matrices
+                part.coded = -1
         for shard in pp.dense_shards:
             for t in shard:
                 if t.name in pp.dense_codable:
                     raw = sum(b12.raw_rows(w) for _, w in src.row_slabs(t))
-                    if b12.coded_nbytes(*t.shape, raw) <= CODED_DENSE_MAX * t.nbytes:
+                    if b12.coded_nbytes(*t.shape, raw) <= CODED_MAX * t.nbytes:
                         pp.dense_coded[t.name] = b12.coded_nbytes(*t.shape, raw)
                     progress(t.nbytes)
     finally:

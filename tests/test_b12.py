@@ -296,6 +296,10 @@ def test_coded_dense_weights_streamed_and_in_one_call_decode_equal_the_original(
                 t[name][row, 7] = 0.0
         if "model.layers.0.self_attn.k_proj.weight" in t:  # every row stored whole: 1.75x its bf16 bytes
             t["model.layers.0.self_attn.k_proj.weight"][:, 3] = 0.0
+        experts = sorted(n for n in t if ".experts." in n and n.startswith("model.layers.1."))
+        if experts:  # and one expert tensor (every expert's part of it)
+            t[experts[0]][..., 3] = 0.0
+            wide = experts[0]
         save_file(t, f, metadata={"format": "pt"})
     from moestream import pack as pack_module
 
@@ -306,9 +310,10 @@ def test_coded_dense_weights_streamed_and_in_one_call_decode_equal_the_original(
     original = CheckpointIndex.open(src).load("lm_head.weight")
     assert head.codec == "b12" and b12.raw_rows(original) >= 2
     assert torch.equal(index.load("lm_head.weight").codes, b12.encode(original))  # the slabs make the same bytes
-    # a matrix the coding would not shrink by a tenth stays bf16 (pack.CODED_DENSE_MAX)
+    # a matrix the coding would not shrink by a tenth stays bf16 (pack.CODED_MAX)
     assert index["model.layers.0.self_attn.k_proj.weight"].codec is None
     assert index["model.layers.1.self_attn.k_proj.weight"].codec == "b12"
+    assert index[wide].codec is None and index[experts[1]].codec == "b12"
     monkeypatch.setattr(residency, "HEAD_SLAB_BYTES", 2048)  # 20 rows a slab
     monkeypatch.setattr(residency, "EMBED_ROWS_BYTES", 1024)
     ids = prompt_ids(VOCAB, 24)
