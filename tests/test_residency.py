@@ -110,6 +110,34 @@ def test_floor_budget_streams_everything_and_reads_it_every_step(qwen, small_buf
     assert eng.memory.stream_bytes == r.layers[0].bytes  # between steps: the next step's first layer, read ahead
 
 
+def test_a_streamed_heads_leading_rows_stay_resident_when_the_cache_has_room(qwen, small_buffers):
+    """Between the floor and the all-resident budget some plans stream the head but keep its leading rows (whole
+    slabs) resident out of the cache's room beyond 2 x top_k experts: the same logits and tokens as all resident,
+    fewer bytes read a step, the budget kept."""
+    p = plan(qwen)
+    ids = prompt_ids(2048, 40)
+    _, want_logits, want_tokens = _run(qwen, None, ids)
+    full = plan_residency(p, None, KV_ROOM)
+    budgets = range(full.min_ram_budget, full.all_resident_budget, 4096)
+    partial = [b for b in budgets if 0 < plan_residency(p, b, KV_ROOM).head_resident_rows]
+    assert partial, "no budget keeps part of the head"
+    for budget in (partial[0], partial[len(partial) // 2], partial[-1]):
+        r = plan_residency(p, budget, KV_ROOM)
+        assert r.head_streamed and 0 < r.head_resident_rows < 2048 and r.head_resident_rows % 32 == 0
+        eng, logits, tokens = _run(qwen, budget, ids)
+        assert torch.equal(logits, want_logits) and tokens == want_tokens, budget
+        assert eng.stats["peak_resident_bytes"] <= budget and eng.stats["dense_bytes"] == r.resident_dense_bytes
+        state = eng.new_sequence()
+        eng.step([(state, [5, 6, 7])])
+        before = eng.stats["dense_stream_bytes_read"]
+        eng.step([(state, [9])])
+        row = 64 * 4
+        got = eng.stats["dense_stream_bytes_read"] - before
+        assert got == r.streamed_bytes_per_step + (row if r.embed_streamed else 0)
+        assert got < r.head_bytes + sum(lr.bytes for lr in r.layers if lr.streamed)  # the resident rows not read
+        eng.close()
+
+
 def test_interrupted_step_leaves_no_layer_behind(qwen, small_buffers):
     p = plan(qwen)
     budget = plan_residency(p, None, KV_ROOM).min_ram_budget
@@ -175,7 +203,9 @@ def test_plan_invariants_on_k3_config(k3_config_only):
         assert r.resident_dense_bytes + r.stream_buffer_bytes + r.scratch_bytes + r.cache_bytes == budget
         assert r.cache_bytes >= r.min_cache_bytes == top_k
         streamed = sum(lr.bytes for lr in r.layers if lr.streamed) + (r.head_bytes if r.head_streamed else 0)
-        assert streamed == r.streamed_bytes_per_step
+        assert streamed - r.head_resident_bytes == r.streamed_bytes_per_step
+        if r.head_resident_rows:  # leading head rows held out of what the cache has beyond 2 x top_k experts
+            assert r.head_streamed and r.cache_bytes >= residency.HEAD_ROWS_CACHE_KEEP * top_k
         assert r.layer_buffer_bytes == 2 * max([lr.bytes for lr in r.layers if lr.streamed], default=0)
         if last is not None:
             assert r.streamed_bytes_per_step <= last

@@ -90,7 +90,11 @@ def _residency_lines(r: ResidencyPlan) -> list[str]:
                      f"step, two layers in RAM at once ({format_bytes(r.layer_buffer_bytes)})")
     if r.embed_streamed:
         lines.append("  embedding:  not resident: the rows of each step's tokens are read from disk")
-    if r.head_streamed:
+    if r.head_streamed and r.head_resident_rows:
+        lines.append(f"  lm_head:    first {r.head_resident_rows} rows resident ({format_bytes(r.head_resident_bytes)}),"
+                     f" the rest read in slabs of {format_bytes(r.head_slab_bytes)}, the next in flight "
+                     f"({format_bytes((r.head_bytes or r.embed_bytes) - r.head_resident_bytes)} per step)")
+    elif r.head_streamed:
         lines.append(f"  lm_head:    not resident: read in slabs of {format_bytes(r.head_slab_bytes)}, the next in "
                      f"flight ({format_bytes(r.head_bytes or r.embed_bytes)} per step)")
     lines.append(f"  kept:       {format_bytes(r.pinned_bytes)} of norms, routers and other small tensors always; "

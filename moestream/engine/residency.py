@@ -85,6 +85,8 @@ class ResidencyPlan:
     min_cache_bytes: int  # the expert cache the plan keeps at least (top_k experts, or one if tight)
     state_room_bytes: int  # kept for KV caches and recurrent state on top of that (they grow into the cache)
     head_slab_bytes: int = 0  # the largest lm_head slab (two are in RAM while streaming)
+    head_resident_rows: int = 0  # of a streamed head, rows [0, n) kept resident (read once; the rest stream)
+    head_resident_bytes: int = 0
     embed_rows_bytes: int = 0  # the row buffer of a streamed embedding
     layer_buffer_bytes: int = 0  # two of the largest streamed layers: the current one and the next in flight
     stream_buffer_bytes: int = 0  # every stream buffer together (reserved out of the budget)
@@ -123,6 +125,8 @@ class _Parts:
     embed_rows: int
     one_expert: int
     top_k_experts: int
+    head_shape: tuple[int, int, int] | None = None  # (rows, cols, bytes a row) of the table serving as the head
+    head_coded: bool = False
 
 
 def _parts(p) -> _Parts:
@@ -149,17 +153,40 @@ def _parts(p) -> _Parts:
     tied = embed > 0 and (head == 0 or bool(getattr(p.config, "tie", False)))
     if tied:  # the table serves as the head (a stored lm_head, if any, is never read: left pinned, to be safe)
         pinned, head, head_info = pinned + head, 0, index[prefix + EMBED]
-    head_slab = 0
+    head_slab, head_shape = 0, None
     if head_info is not None and len(head_info.shape) == 2:
         rows, cols = head_info.shape
         row_bytes = head_info.nbytes // max(1, rows)
         head_slab = max(n for _, n in head_slabs(rows, cols, row_bytes)) * row_bytes
+        head_shape = (rows, cols, row_bytes)
     embed_info = index[prefix + EMBED] if embed else None
     row = embed_info.nbytes // max(1, embed_info.shape[0]) if embed_info is not None else 0
     embed_rows = min(embed, max(row, EMBED_ROWS_BYTES // max(1, row) * row))  # what DenseStreamer.embed reads at once
     k = max(1, min(p.layout.top_k, p.layout.num_experts))
     return _Parts(pinned, unread, embed, head, tied, dict(sorted(layers.items())), head_slab, embed_rows,
-                  p.max_expert_bytes, k * p.max_expert_bytes)
+                  p.max_expert_bytes, k * p.max_expert_bytes, head_shape,
+                  head_info is not None and head_info.codec is not None)
+
+
+# A streamed lm_head keeps its first rows resident out of what the expert cache would have beyond this many top_k
+# experts' room (the current layer's and the next one's read ahead): every head byte is read every step, while a
+# cached expert byte saves a read only when a step routes to it, so dense bytes are the better use of the RAM.
+HEAD_ROWS_CACHE_KEEP = 2
+
+
+def _head_rows(parts: _Parts, spare: int) -> int:
+    """How many leading rows of a streamed head fit `spare` bytes: a slab boundary (head_slabs), so the resident
+    part and the slabs after it run the chunks the whole head would; 0 for a coded head (its rows' sizes are known
+    only from its bytes)."""
+    if parts.head_shape is None or parts.head_coded or spare <= 0:
+        return 0
+    rows, cols, row_bytes = parts.head_shape
+    best = 0
+    for start, n in head_slabs(rows, cols, row_bytes):
+        if (start + n) * row_bytes > spare or start + n >= rows:
+            break
+        best = start + n
+    return best
 
 
 def _tables_ram(parts: _Parts, head_s: bool, embed_s: bool) -> int:
@@ -258,6 +285,15 @@ def plan_residency(p, budget: int | None, state_room: int = 0) -> ResidencyPlan:
     out.streamed_bytes_per_step = sum(parts.layers[l] for l in streamed) + (table if head_s else 0)
     if budget is not None:
         out.cache_bytes = budget - out.resident_dense_bytes - out.stream_buffer_bytes - p.scratch_bytes
+        if head_s:
+            keep = max(cache_min, HEAD_ROWS_CACHE_KEEP * parts.top_k_experts) + state_room
+            rows = _head_rows(parts, out.cache_bytes - keep)
+            if rows:
+                held = rows * parts.head_shape[2]
+                out.head_resident_rows, out.head_resident_bytes = rows, held
+                out.resident_dense_bytes += held
+                out.streamed_bytes_per_step -= held
+                out.cache_bytes -= held
     return out
 
 
@@ -359,6 +395,14 @@ class DenseStreamer:
         self.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="moestream-dense")
         self.bytes_read = 0  # tensor bytes read (layers, embedding rows, lm_head slabs)
         self.wait_s = 0.0  # time the decoder loop waited for a layer's read (reads not hidden behind compute)
+        self.head_part = None  # the head's resident leading rows (plan.head_resident_rows), read once here
+        if plan.head_streamed and plan.head_resident_rows:
+            info = self._table_info(HEAD if not plan.tied else EMBED)
+            row = info.nbytes // info.shape[0]
+            t = torch.empty(plan.head_resident_rows, info.shape[1], dtype=info.torch_dtype)
+            read_range(info.file, info.offset, plan.head_resident_rows * row, out=_buffer(t.untyped_storage()))
+            memory.add_dense(t.numel() * t.element_size())
+            self.head_part = t
 
     # -- what the model's weights ask -------------------------------------------------------------------------
     def streams(self, name: str) -> bool:
@@ -494,12 +538,16 @@ class DenseStreamer:
         return out
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """`linear(x, lm_head)` [T, V] with the head read slab by slab, the next slab in flight."""
+        """`linear(x, lm_head)` [T, V]: the head's resident leading rows (plan.head_resident_rows) as they are, the
+        others read slab by slab, the next slab in flight."""
         info = self._table_info(HEAD if not self.plan.tied else EMBED)
         vocab, hidden = info.shape
         row = info.nbytes // vocab
-        slabs = head_slabs(vocab, hidden, row)
+        first = 0 if self.head_part is None else self.head_part.shape[0]
+        slabs = [(s, n) for s, n in head_slabs(vocab, hidden, row) if s >= first]  # first: a slab boundary
         out = torch.empty(x.shape[0], vocab, dtype=torch.float32)
+        if first:
+            out[:, :first] = linear(x, self.head_part)
         coded = _CodedRows(info) if info.codec == "b12" else None
 
         def read(start: int, n: int) -> torch.Tensor:
