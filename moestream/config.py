@@ -61,6 +61,9 @@ class EngineOptions:
     compute_dtype: str = "fp32"
     # a row's logits bit-identical whatever rows share its step (kernels/invariant.py; fp32 compute only)
     batch_invariant: bool = False
+    # a streamed lm_head keeps its leading rows resident out of the expert cache's room beyond 2 x top_k experts
+    # (engine/residency.py); the batch job and the server turn it off unless --state-room reserves their state
+    head_rows: bool = True
 
 
 def read_model_config(root: str | Path) -> dict:

@@ -107,11 +107,13 @@ def _expert_codec(p: ModelPlan) -> str | None:
     return codecs.pop() if len(codecs) == 1 else None
 
 
-def budget_fit(info: ModelInfo, p: ModelPlan, ram_budget: int, state_room: int = 0) -> BudgetFit:
+def budget_fit(info: ModelInfo, p: ModelPlan, ram_budget: int, state_room: int = 0,
+               head_rows: bool = True) -> BudgetFit:
     """The residency plan and expert cache of one more budget for a checkpoint `info` describes (keeping
-    `state_room` for sequence state when deciding which dense layers stream, as `--state-room` does)."""
+    `state_room` for sequence state when deciding which dense layers stream, as `--state-room` does; `head_rows`
+    as EngineOptions.head_rows)."""
     n_experts = info.num_experts * len(info.moe_layers)
-    return _fit(info, p, ram_budget, n_experts, p.expert_bytes / max(1, n_experts), state_room)
+    return _fit(info, p, ram_budget, n_experts, p.expert_bytes / max(1, n_experts), state_room, head_rows)
 
 
 def _build(path: str | Path, p: ModelPlan, ram_budget: int | None) -> ModelInfo:
@@ -174,9 +176,9 @@ def _layer_expert_bytes(p: ModelPlan, layer: int) -> int:
 
 
 def _fit(info: ModelInfo, p: ModelPlan, budget: int, n_experts: int, resident_per_expert: float,
-         state_room: int = 0) -> BudgetFit:
+         state_room: int = 0, head_rows: bool = True) -> BudgetFit:
     try:
-        residency = plan_residency(p, budget, state_room)
+        residency = plan_residency(p, budget, state_room, head_rows)
     except BudgetError:
         residency = None
     cache = max(0, residency.cache_bytes) if residency is not None else 0

@@ -121,6 +121,8 @@ def test_a_streamed_heads_leading_rows_stay_resident_when_the_cache_has_room(qwe
     budgets = range(full.min_ram_budget, full.all_resident_budget, 4096)
     partial = [b for b in budgets if 0 < plan_residency(p, b, KV_ROOM).head_resident_rows]
     assert partial, "no budget keeps part of the head"
+    off = plan_residency(p, partial[-1], KV_ROOM, head_rows=False)  # many sequences' engines (batch job, server)
+    assert off.head_resident_rows == 0 and off.cache_bytes > plan_residency(p, partial[-1], KV_ROOM).cache_bytes
     for budget in (partial[0], partial[len(partial) // 2], partial[-1]):
         r = plan_residency(p, budget, KV_ROOM)
         assert r.head_streamed and 0 < r.head_resident_rows < 2048 and r.head_resident_rows % 32 == 0

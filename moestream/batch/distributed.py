@@ -36,7 +36,8 @@ class BatchWorker:
         from moestream.tokenizer import Tokenizer
 
         self.engine = Engine.open(model, ram_budget=ram_budget, state_room=state_room, kv_dtype=kv_dtype,
-                                  compute_dtype=compute_dtype, batch_invariant=batch_invariant)
+                                  compute_dtype=compute_dtype, batch_invariant=batch_invariant,
+                                  head_rows=state_room is not None)  # as batch/job.py
         if threads:
             import torch
 

@@ -88,8 +88,10 @@ def _run_local(cfg: JobConfig, todo, writer: OutputWriter, total: int, skipped: 
 
     owned = engine is None
     if owned:
+        # many sequences: their state grows into the cache's room, which the head's resident rows would take
         engine = Engine.open(cfg.model, ram_budget=cfg.ram_budget, state_room=cfg.state_room, kv_dtype=cfg.kv_dtype,
-                             compute_dtype=cfg.compute_dtype, batch_invariant=cfg.invariant())
+                             compute_dtype=cfg.compute_dtype, batch_invariant=cfg.invariant(),
+                             head_rows=cfg.state_room is not None)
     try:
         if cfg.threads:
             import torch

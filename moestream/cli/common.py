@@ -49,7 +49,9 @@ def add_state_room_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-room", metavar="BYTES", default=None,
                    help="part of --ram-budget the residency plan keeps free for KV caches and recurrent state "
                         "when dense weights must stream (default: none reserved; state then takes room from "
-                        "the expert cache and a too-long context fails with a budget error)")
+                        "the expert cache and a too-long context fails with a budget error). The batch job and "
+                        "the server keep a streamed lm_head's leading rows resident only when it is given (they "
+                        "would take the cache's room that their sequences' state grows into)")
     p.add_argument("--kv-dtype", choices=sorted(KV_DTYPE_NAMES), default="fp32",
                    help="storage of KV and latent caches: fp32 (default; the parity bounds are fp32's), bf16 "
                         "(half the bytes), int8 (groups of 64 values with an fp32 scale: 0.27 of fp32's "

@@ -252,7 +252,7 @@ class Engine:
                                   "it, running it needs the shards")
         memory = MemoryAccountant(opts.ram_budget)
         # which dense weights stay resident; BudgetError when even streaming them cannot fit
-        residency = plan_residency(p, opts.ram_budget, parse_bytes(state_room) or 0)
+        residency = plan_residency(p, opts.ram_budget, parse_bytes(state_room) or 0, opts.head_rows)
         memory.scratch_bytes = p.scratch_bytes
         memory.stream_reserve = residency.stream_buffer_bytes
         if residency.streams:

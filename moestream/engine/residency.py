@@ -247,10 +247,12 @@ def _stream_under(layers: dict[int, int], cap: int, room: int) -> list[int] | No
     return None
 
 
-def plan_residency(p, budget: int | None, state_room: int = 0) -> ResidencyPlan:
+def plan_residency(p, budget: int | None, state_room: int = 0, head_rows: bool = True) -> ResidencyPlan:
     """Decide what stays resident under `budget` (None: everything), keeping `state_room` bytes for KV caches and
-    recurrent state on top of the minimum expert cache (state grows into the cache's room). BudgetError when
-    nothing fits."""
+    recurrent state on top of the minimum expert cache (state grows into the cache's room). `head_rows`: a
+    streamed head keeps leading rows resident out of the cache's room beyond HEAD_ROWS_CACHE_KEEP x top_k experts
+    (off for many sequences without a state room of their own: their state grows into that room). BudgetError
+    when nothing fits."""
     parts = _parts(p)
     table = parts.head if not parts.tied else parts.embed
     layer_total = sum(parts.layers.values())
@@ -285,7 +287,7 @@ def plan_residency(p, budget: int | None, state_room: int = 0) -> ResidencyPlan:
     out.streamed_bytes_per_step = sum(parts.layers[l] for l in streamed) + (table if head_s else 0)
     if budget is not None:
         out.cache_bytes = budget - out.resident_dense_bytes - out.stream_buffer_bytes - p.scratch_bytes
-        if head_s:
+        if head_s and head_rows:
             keep = max(cache_min, HEAD_ROWS_CACHE_KEEP * parts.top_k_experts) + state_room
             rows = _head_rows(parts, out.cache_bytes - keep)
             if rows:

@@ -82,12 +82,12 @@ class ModelFacts:
     def cold_bytes_per_token(self) -> float:
         return self.moe_layers * self.top_k * self.expert_bytes
 
-    def fit(self, p: ModelPlan, budget: int, state_room: int = 0) -> BudgetFit:
-        """The budget's residency plan (keeping `state_room` for state, as `--state-room`) and expert cache;
-        BudgetError when the engine could not open under it."""
-        b = budget_fit(self.info, p, budget, state_room)
+    def fit(self, p: ModelPlan, budget: int, state_room: int = 0, head_rows: bool = True) -> BudgetFit:
+        """The budget's residency plan (keeping `state_room` for state, as `--state-room`; `head_rows` as
+        EngineOptions.head_rows) and expert cache; BudgetError when the engine could not open under it."""
+        b = budget_fit(self.info, p, budget, state_room, head_rows)
         if b.residency is None and state_room:  # no room for the state as well: plan the engine's default
-            b = budget_fit(self.info, p, budget)
+            b = budget_fit(self.info, p, budget, head_rows=head_rows)
         if not b.fits or b.residency is None:
             raise BudgetError(f"--ram-budget {budget} bytes is too small for {self.path}: the engine needs at least "
                               f"{b.min_ram_budget} bytes (every dense layer streamed, one expert cached)")

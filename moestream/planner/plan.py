@@ -215,7 +215,9 @@ def _predict(facts: ModelFacts, p, rates: Rates, budget: int, opts: PlanOptions,
     warm = sc.prefill(opts.prompt_len, ENGINE_CHUNK, cold=False)
     cold = sc.prefill(opts.prompt_len, ENGINE_CHUNK, cold=True)
     ttft, ttft_cold = sum(s.seconds for s in warm), sum(s.seconds for s in cold)
-    room = fit.cache_bytes - 2 * facts.top_k * p.max_expert_bytes  # the scheduler's expert room
+    # many sequences (the batch job, the server) run without the head's resident rows unless --state-room is given
+    many = facts.fit(p, budget, per_seq, head_rows=False)
+    room = many.cache_bytes - 2 * facts.top_k * p.max_expert_bytes  # the scheduler's expert room
     max_seq = max(0, room // per_seq) if per_seq > 0 else None
     out = {
         "machine": machine, "ram_budget_bytes": budget,
@@ -235,11 +237,13 @@ def _predict(facts: ModelFacts, p, rates: Rates, budget: int, opts: PlanOptions,
         out["decode_cache_replay"] = sc.replayed
     if opts.batch is not None:
         n = max(1, min(opts.batch, max_seq or 1)) if max_seq is not None else opts.batch
-        step = sc.decode(n, context, n * per_seq, since_open=(opts.prompt_len, opts.gen_len))
+        sc_many = sc if many.residency == fit.residency else Scenario(facts, many, rates, opts.skew,
+                                                                        compute_dtype=opts.compute_dtype)
+        step = sc_many.decode(n, context, n * per_seq, since_open=(opts.prompt_len, opts.gen_len))
         out.update({"batch": opts.batch, "batch_sequences": n, "batch_tokens_per_s": n / step.seconds,
                     "batch_step": _step_json(step)})
-        if sc.replayed_batch:
-            out["batch_cache_replay"] = sc.replayed_batch
+        if sc_many.replayed_batch:
+            out["batch_cache_replay"] = sc_many.replayed_batch
     if opts.price_per_hour is not None:
         out["cost_per_million_tokens"] = _cost(opts.price_per_hour, out["decode_tokens_per_s"])
         if "batch_tokens_per_s" in out:

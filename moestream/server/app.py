@@ -90,8 +90,9 @@ class ServerState:
 
         budget = parse_bytes(cfg.ram_budget)
         prefix = parse_bytes(cfg.prefix_cache) if cfg.prefix_cache is not None else default_prefix_cache(budget)
+        # concurrent sequences: their state grows into the cache's room, which the head's resident rows would take
         engine = Engine.open(cfg.model, ram_budget=budget, state_room=cfg.state_room, kv_dtype=cfg.kv_dtype,
-                             compute_dtype=cfg.compute_dtype)
+                             compute_dtype=cfg.compute_dtype, head_rows=cfg.state_room is not None)
         if cfg.threads:
             import torch
 
