@@ -14,7 +14,6 @@ import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 
@@ -553,31 +552,25 @@ class DenseStreamer:
             out[:, :first] = linear(x, self.head_part)
         coded = _CodedRows(info) if info.codec == "b12" else None
 
-        def reads(start: int, n: int) -> tuple[list[Future], Callable[[], torch.Tensor]]:
-            """The slab's reads in flight (a plain one in pieces of READ_BYTES over the reader threads: one 64 MiB
-            read at a time streamed K3's head at 1.3 GB/s against the disk probe's 1.75) and what gives it."""
+        def read(start: int, n: int) -> torch.Tensor:
             if coded is not None:
-                fut = self.pool.submit(coded.read, start, n)
-                return [fut], fut.result
+                return coded.read(start, n)
             t = torch.empty(n, hidden, dtype=info.torch_dtype)
-            view = memoryview(_buffer(t.untyped_storage())).cast("B")
-            return ([self.pool.submit(read_into, info.file, offset, piece)
-                     for offset, piece in _pieces(info.offset + start * row, [view], READ_BYTES)], lambda: t)
+            read_range(info.file, info.offset + start * row, n * row, out=_buffer(t.untyped_storage()))
+            return t
 
-        inflight: list[tuple[list[Future], Callable[[], torch.Tensor], int]] = []  # the slab in flight
+        inflight: list[tuple[Future, int]] = []  # (read, bytes) of the slab in flight
 
         def submit(i: int) -> None:
             nbytes = coded.nbytes(*slabs[i]) if coded is not None else slabs[i][1] * row
             self.memory.add_stream(nbytes)
-            inflight.append((*reads(*slabs[i]), nbytes))
+            inflight.append((self.pool.submit(read, *slabs[i]), nbytes))
 
         submit(0)
         try:
             for i, (start, n) in enumerate(slabs):
-                futs, give, nbytes = inflight[0]
-                for fut in futs:
-                    fut.result()
-                slab = give()
+                fut, nbytes = inflight[0]
+                slab = fut.result()
                 inflight.pop(0)
                 self.bytes_read += nbytes
                 try:
@@ -588,12 +581,11 @@ class DenseStreamer:
                     del slab
                     self.memory.release_stream(nbytes)
         finally:
-            for futs, _, nbytes in inflight:  # after an error: wait for the reads in flight, give their bytes back
-                for fut in futs:
-                    try:
-                        fut.result()
-                    except BaseException:
-                        pass
+            for fut, nbytes in inflight:  # after an error: wait for the read in flight, give its bytes back
+                try:
+                    fut.result()
+                except BaseException:
+                    pass
                 self.memory.release_stream(nbytes)
         return out
 
