@@ -10,20 +10,23 @@ Small tensors (norms, biases, routers, vectors) are always resident: they are us
 from __future__ import annotations
 
 import ctypes
+import mmap
+import os
 import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from moestream.config import format_bytes
-from moestream.errors import BudgetError
+from moestream.errors import BudgetError, CheckpointError
 from moestream.experts.reader import group_extents
 from moestream.kernels import b12
 from moestream.kernels.b12 import B12Weight
 from moestream.models.blocks import UPCAST_CHUNK_BYTES, linear
-from moestream.weights.index import CheckpointIndex, TensorInfo, read_into, read_range
+from moestream.weights.index import ALIGN, CheckpointIndex, TensorInfo, pread_fill, read_into, read_range
 
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
@@ -397,6 +400,7 @@ class DenseStreamer:
         self.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="moestream-dense")
         self.bytes_read = 0  # tensor bytes read (layers, embedding rows, lm_head slabs)
         self.wait_s = 0.0  # time the decoder loop waited for a layer's read (reads not hidden behind compute)
+        self._no_direct = False  # O_DIRECT refused here (the head's slabs are then read buffered)
         self.head_part = None  # the head's resident leading rows (plan.head_resident_rows), read once here
         if plan.head_streamed and plan.head_resident_rows:
             info = self._table_info(HEAD if not plan.tied else EMBED)
@@ -555,6 +559,9 @@ class DenseStreamer:
         def read(start: int, n: int) -> torch.Tensor:
             if coded is not None:
                 return coded.read(start, n)
+            got = self._read_direct(info, info.offset + start * row, n * row)
+            if got is not None:
+                return got.view(info.torch_dtype).view(n, hidden)
             t = torch.empty(n, hidden, dtype=info.torch_dtype)
             read_range(info.file, info.offset + start * row, n * row, out=_buffer(t.untyped_storage()))
             return t
@@ -588,6 +595,33 @@ class DenseStreamer:
                     pass
                 self.memory.release_stream(nbytes)
         return out
+
+    def _read_direct(self, info: TensorInfo, offset: int, nbytes: int) -> torch.Tensor | None:
+        """[offset, offset + nbytes) of a local shard as uint8, by one O_DIRECT read of the enclosing 4 KiB-aligned
+        range into fresh anonymous pages (the tensor views them; they are unmapped with it). None where O_DIRECT or
+        the dtype's alignment does not allow it (the caller reads buffered)."""
+        if self._no_direct or not hasattr(os, "O_DIRECT") or not isinstance(info.file, Path) \
+                or (offset - offset // ALIGN * ALIGN) % 8:
+            return None
+        first = offset // ALIGN * ALIGN
+        size = -(-(offset + nbytes - first) // ALIGN) * ALIGN
+        try:
+            fd = os.open(info.file, os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            self._no_direct = True
+            return None
+        try:
+            buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            try:
+                done, _ = pread_fill(fd, [memoryview(buf)], first)
+            except OSError:
+                self._no_direct = True
+                return None
+        finally:
+            os.close(fd)
+        if done < offset + nbytes - first:
+            raise CheckpointError(f"{info.file}: unexpected end of file at byte {first + done}")
+        return torch.frombuffer(buf, dtype=torch.uint8, offset=offset - first, count=nbytes)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
