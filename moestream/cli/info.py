@@ -91,8 +91,9 @@ def _residency_lines(r: ResidencyPlan) -> list[str]:
     if r.embed_streamed:
         lines.append("  embedding:  not resident: the rows of each step's tokens are read from disk")
     if r.head_streamed and r.head_resident_rows:
-        lines.append(f"  lm_head:    first {r.head_resident_rows} rows resident ({format_bytes(r.head_resident_bytes)}),"
-                     f" the rest read in slabs of {format_bytes(r.head_slab_bytes)}, the next in flight "
+        lines.append(f"  lm_head:    first {r.head_resident_rows} rows resident "
+                     f"({format_bytes(r.head_resident_bytes)}), the rest read in slabs of "
+                     f"{format_bytes(r.head_slab_bytes)}, the next in flight "
                      f"({format_bytes((r.head_bytes or r.embed_bytes) - r.head_resident_bytes)} per step)")
     elif r.head_streamed:
         lines.append(f"  lm_head:    not resident: read in slabs of {format_bytes(r.head_slab_bytes)}, the next in "
