@@ -235,6 +235,10 @@ def test_info_prints_the_plan(k3_config_only, capsys, monkeypatch):
     assert r["resident_dense_bytes"] + r["stream_buffer_bytes"] + r["scratch_bytes"] + r["cache_bytes"] == 64 * GB
     assert info["budget"]["cache_bytes"] == r["cache_bytes"]
     assert info["min_ram_budget"] < 8 * GB and info["all_resident_budget"] > info["dense_bytes"]
+    r = plan_residency(p, 32 * GB)  # the head streams; the cache's room beyond 2 x top_k experts holds its first rows
+    assert r.head_streamed and r.head_resident_rows > 0
+    assert main(["info", str(path), "--ram-budget", "32GB"]) == 0
+    assert f"lm_head:    first {r.head_resident_rows} rows resident" in capsys.readouterr().out
 
 
 def test_layers_past_the_model_are_neither_resident_nor_streamed(qwen):
