@@ -1058,3 +1058,15 @@ def test_a_b12_pack_is_planned_with_coded_expert_probes(tiny, tmp_path, seeded_c
     assert any("b12-coded bf16 GLU experts" in a and "coded bytes" in a for a in out["b12"]["assumptions"])
     assert out["b12"]["decode_step"]["compute_parts"]["experts_s"] > out["bf16"]["decode_step"]["compute_parts"][
         "experts_s"]
+
+
+def test_a_streamed_heads_slabs_follow_the_layers():
+    """A one-row step whose lm_head streams: the head's slabs are read after the last layer (each while the one
+    before computes), so they overlap the head's own compute only, not the layers' reads and work."""
+    from moestream.planner.predict import Step
+
+    plain = Step(io_s=1.0, compute_s=0.5, overhead_s=0.1, expert_reads=0, hit_rate=0.0, wait_s=0.05)
+    assert plain.seconds == pytest.approx(0.1 + 1.0)
+    streamed = Step(io_s=1.0, compute_s=0.5, overhead_s=0.1, expert_reads=0, hit_rate=0.0, wait_s=0.05,
+                    head_tail=(0.6, 0.05))
+    assert streamed.seconds == pytest.approx(0.1 + max(0.4, 0.45 + 0.05) + 0.6)

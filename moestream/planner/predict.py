@@ -75,12 +75,17 @@ class Step:
     # overhead, compute and the waits in it, the disk's reads beside them); None: a one-row step
     timeline_s: float | None = None
     detail: dict = field(default_factory=dict)  # a multi-row step's per-layer terms, for the plan's output
+    # a one-row step's streamed lm_head: (seconds its slabs take to read, its compute, in compute_s): read after
+    # the last layer, each slab while the one before computes, so it overlaps nothing of the layers
+    head_tail: tuple[float, float] = (0.0, 0.0)
 
     @property
     def seconds(self) -> float:
         if self.timeline_s is not None:
             return self.timeline_s
-        return self.overhead_s + max(self.io_s, self.compute_s + (self.wait_s or 0.0))
+        read, head = self.head_tail
+        return (self.overhead_s + max(self.io_s - read, self.compute_s - head + (self.wait_s or 0.0))
+                + max(read, head))
 
 
 def batch_timeline(layers: int, misses: float, front: float, hits_s: float, read_s: float, miss_s: float,
@@ -370,6 +375,13 @@ class Scenario:
     def _streamed(self) -> float:
         return self.residency.streamed_bytes_per_step / self.rates.disk if self.rates.disk > 0 else 0.0
 
+    def _head_read(self) -> float:
+        """Seconds a step reads the streamed lm_head's slabs (the rows it does not keep resident), 0 when resident."""
+        r = self.residency
+        if not r.head_streamed or self.rates.disk <= 0:
+            return 0.0
+        return max(0, (r.head_bytes or r.embed_bytes) - r.head_resident_bytes) / self.rates.disk
+
     def _multi(self, used: float, missing: float, rows: float, fallback: float, parts: dict[str, float],
                head: float, overhead: float, window: float | None, step_rows: float = 0.0) -> Step:
         """A multi-row step (a batch, a prompt chunk) layer by layer (batch_timeline): per MoE layer step `used`
@@ -393,8 +405,9 @@ class Scenario:
         other = sum(parts.values())
         front = (other - head + overhead) / layers
         read = f.expert_bytes / r.disk if r.disk > 0 else 0.0
-        dense = self._streamed() / layers
-        total, cpu, busy = batch_timeline(layers, missing, front, hits_s, read, miss_s, window, dense, head)
+        dense = (self._streamed() - self._head_read()) / layers  # the head's slabs: after the last layer
+        total, cpu, busy = batch_timeline(layers, missing, front, hits_s, read, miss_s, window, dense,
+                                          max(head, self._head_read()))
         experts = layers * (hits_s + missing * miss_s)
         parts = {**parts, "experts_s": experts, "misses_s": 0.0}
         compute = sum(parts.values())
@@ -493,7 +506,9 @@ class Scenario:
             parts["misses_s"], wait = self.layer_waits(spread, partial, fill, taken)
         io = reads * f.expert_bytes / self.rates.disk + self._streamed() if self.rates.disk > 0 else 0.0
         hit = max(0.0, 1.0 - missing / max(1e-9, used))
-        return Step(io, sum(parts.values()), self._overhead("decode", sequences), reads, hit, parts, wait)
+        tail = (self._head_read(), self._head(sequences)) if self._head_read() > 0 else (0.0, 0.0)
+        return Step(io, sum(parts.values()), self._overhead("decode", sequences), reads, hit, parts, wait,
+                    head_tail=tail)
 
 
     def prefill(self, tokens: int, chunk: int, cold: bool) -> list[Step]:
