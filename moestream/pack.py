@@ -284,11 +284,7 @@ def _size_coded(pp: PackPlan, progress: Progress) -> None:
 def _matrix(src: "_Source", t: TensorInfo):
     """One part's bf16 matrix, read whole (one expert matrix: the packer's largest allocation with a codec; dense
     matrices are coded a slab of rows at a time, _write_coded)."""
-    buf, at = bytearray(t.nbytes), 0
-    for chunk in src.chunks(t):
-        buf[at:at + len(chunk)] = chunk
-        at += len(chunk)
-    return bytes_to_tensor(buf, t.dtype, t.shape)
+    return src.rows(t, 0, t.shape[0])
 
 
 # ---- writing ----------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ Small tensors (norms, biases, routers, vectors) are always resident: they are us
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import mmap
 import os
@@ -358,9 +359,12 @@ class _CodedRows:
         self.n, self.k = info.shape
         self.slot = b12.slot_bytes(self.k)
         self.bases = read_range(info.file, info.offset + self.n * self.slot, self.n)  # one byte a row
+        self.raw = (torch.frombuffer(self.bases, dtype=torch.uint8) == b12.RAW).nonzero().flatten().tolist()
 
     def _raw(self, start: int, n: int) -> list[int]:
-        return [i for i in range(n) if self.bases[start + i] == b12.RAW]
+        """The rows stored whole among [start, start + n), relative to start."""
+        lo, hi = bisect.bisect_left(self.raw, start), bisect.bisect_left(self.raw, start + n)
+        return [r - start for r in self.raw[lo:hi]]
 
     def nbytes(self, start: int, n: int) -> int:
         return b12.coded_nbytes(n, self.k, len(self._raw(start, n)))

@@ -393,7 +393,7 @@ def softmax_topk(logits: Tensor, k: int, renormalize: bool) -> tuple[Tensor, Ten
     return ids, wts
 
 
-def _dense_operand(w: Tensor) -> tuple[int, int, int]:
+def dense_operand(w: Tensor) -> tuple[int, int, int]:
     """(address, N, K) of a contiguous 2-D bf16 weight, or of a b12-coded one (kernels/b12.py's B12Weight: its
     tagged address), as ms_linear_bf16_many takes them; ValueError for anything else."""
     tagged = getattr(w, "tagged_address", None)
@@ -410,7 +410,7 @@ def linear_bf16_many(x: Tensor, ws: Sequence[Tensor], min_rows_per_thread: int =
     fp32, each w a contiguous 2-D bf16 [N_i, K] or a b12-coded one (B12Weight: the coded bytes are read, the sums
     are the bf16 matrix's bit for bit). Returns float32 [T, N_i] each. Needs available()."""
     handle = required()
-    ops = [_dense_operand(w) for w in ws]
+    ops = [dense_operand(w) for w in ws]
     k = ops[0][2]
     if any(o[2] != k for o in ops):
         raise ValueError(f"linear_bf16_many wants weights of one width [N, {k}]")

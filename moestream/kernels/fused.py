@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 from moestream.kernels import cpu
-from moestream.kernels.b12 import B12Weight
 from moestream.kernels.cpu import MIN_ROWS_PER_THREAD, _addresses, lib, required
 
 
@@ -392,11 +391,6 @@ class ExpertTable:
         self.rows[3 * e] = self.rows[3 * e + 1] = self.rows[3 * e + 2] = 0
 
 
-def _weight_address(w: Tensor) -> int:
-    """A dense weight's address as the native products take it (a b12-coded one's tagged)."""
-    return w.tagged_address if type(w) is B12Weight else w.data_ptr()
-
-
 class DecodeBlock:
     """The attention half of one GQA decoder layer for one decode token, in one native call
     (ms_gqa_decode_block): rms_norm -> q/k/v GEMVs (k, v written into the cache row the caller appended) -> q/k
@@ -408,15 +402,13 @@ class DecodeBlock:
     def __init__(self, weights: dict[str, Tensor | None], heads: int, kv_heads: int, head_dim: int, eps: float,
                  factor: float, scale: float, window: int | None, block: int, top_k: int = 0,
                  renormalize: bool = False, min_rows: int = MIN_ROWS_PER_THREAD):
-        wq, wk, wv, wo = (weights[n] for n in ("q", "k", "v", "o"))
-        hidden = wq.in_features if type(wq) is B12Weight else wq.shape[1]
+        ops = {n: cpu.dense_operand(weights[n]) for n in "qkvo"}  # (address, N, K): bf16, or b12-coded (tagged)
+        hidden = ops["q"][2]
         shapes = {"q": (heads * head_dim, hidden), "k": (kv_heads * head_dim, hidden),
                   "v": (kv_heads * head_dim, hidden), "o": (hidden, heads * head_dim)}
-        for name, shape in shapes.items():  # bf16, or b12-coded (read by its tagged address)
-            m = weights[name]
-            got = (m.out_features, m.in_features) if type(m) is B12Weight else tuple(m.shape)
-            if (type(m) is not B12Weight and m.dtype != torch.bfloat16) or not m.is_contiguous() or got != shape:
-                raise ValueError(f"DecodeBlock wants a contiguous bf16 {name} weight {shape}, got {got}")
+        for name, shape in shapes.items():
+            if ops[name][1:] != shape:
+                raise ValueError(f"DecodeBlock wants a contiguous bf16 {name} weight {shape}, got {ops[name][1:]}")
         router = weights.get("router")
         if router is not None and (router.dtype != torch.bfloat16 or not router.is_contiguous()
                                    or router.dim() != 2 or router.shape[1] != hidden
@@ -432,8 +424,8 @@ class DecodeBlock:
         self.hidden, self.top_k, self.heads, self.kv_heads, self.head_dim = hidden, top_k, heads, kv_heads, head_dim
         self._keep = dict(weights)  # the addresses below stay valid while this object lives
         vals = {"hidden": hidden, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "v_dim": head_dim,
-                "in_norm": in_norm, "in_bf16": in_bf16, "wq": _weight_address(wq), "wk": _weight_address(wk),
-                "wv": _weight_address(wv), "wo": _weight_address(wo), "q_norm": qn, "k_norm": kn, "qk_bf16": qk_bf16,
+                "in_norm": in_norm, "in_bf16": in_bf16, "wq": ops["q"][0], "wk": ops["k"][0],
+                "wv": ops["v"][0], "wo": ops["o"][0], "q_norm": qn, "k_norm": kn, "qk_bf16": qk_bf16,
                 "inv_freq": freq, "window": window or 0,
                 "post_norm": post_norm, "post_bf16": post_bf16,
                 "router": None if router is None else router.data_ptr(),

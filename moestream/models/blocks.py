@@ -158,10 +158,9 @@ def _b12_linear(x: torch.Tensor, w: B12Weight, fp32: bool) -> torch.Tensor:
     matrix's path, whose outputs do not depend on which other weight rows share the call."""
     n, k = w.out_features, w.in_features
     tokens = x.numel() // max(1, x.shape[-1])
-    fixed, bf16 = invariant.active(), not fp32 and _bf16_rows(tokens) and k % 2 == 0
-    if not fixed and not bf16 and tokens <= cpu.MAX_TOKENS_BF16:
+    if _native_dense(w, x, fp32):
         return cpu.linear_bf16_many(x, [w])[0].view(*x.shape[:-1], n)
-    if not fixed and not bf16:
+    if not invariant.active() and (fp32 or not _bf16_rows(tokens)):
         if n <= _upcast_rows(k):
             return F.linear(x, w.float())
         return _upcast_linear(x, n, lambda slab, r: w.expand_rows_into(r, slab))
@@ -174,12 +173,13 @@ def _b12_linear(x: torch.Tensor, w: B12Weight, fp32: bool) -> torch.Tensor:
     return out.view(*x.shape[:-1], n)
 
 
-def _native_dense(w: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether `linear` multiplies x by w with the native bf16 kernel (w bf16, or b12-coded), whole."""
+def _native_dense(w: torch.Tensor, x: torch.Tensor, fp32: bool = False) -> bool:
+    """Whether `linear(x, w, fp32=fp32)` multiplies x by w with the native bf16 kernel (w bf16, or b12-coded),
+    whole."""
     if type(w) is B12Weight:
         rows = x.numel() // max(1, x.shape[-1])
         return (w.in_features == x.shape[-1] and not x.requires_grad and cpu.available()
-                and rows <= cpu.MAX_TOKENS_BF16 and not _bf16_rows(rows) and not invariant.active())
+                and rows <= cpu.MAX_TOKENS_BF16 and (fp32 or not _bf16_rows(rows)) and not invariant.active())
     return cpu.bf16_native(w, x) and w.is_contiguous() and w.shape[1] == x.shape[-1]
 
 

@@ -216,7 +216,7 @@ def _predict(facts: ModelFacts, p, rates: Rates, budget: int, opts: PlanOptions,
     cold = sc.prefill(opts.prompt_len, ENGINE_CHUNK, cold=True)
     ttft, ttft_cold = sum(s.seconds for s in warm), sum(s.seconds for s in cold)
     # many sequences (the batch job, the server) run without the head's resident rows unless --state-room is given
-    many = facts.fit(p, budget, per_seq, head_rows=False)
+    many = facts.fit(p, budget, per_seq, head_rows=False) if fit.residency.head_resident_rows else fit
     room = many.cache_bytes - 2 * facts.top_k * p.max_expert_bytes  # the scheduler's expert room
     max_seq = max(0, room // per_seq) if per_seq > 0 else None
     out = {
@@ -237,8 +237,7 @@ def _predict(facts: ModelFacts, p, rates: Rates, budget: int, opts: PlanOptions,
         out["decode_cache_replay"] = sc.replayed
     if opts.batch is not None:
         n = max(1, min(opts.batch, max_seq or 1)) if max_seq is not None else opts.batch
-        sc_many = sc if many.residency == fit.residency else Scenario(facts, many, rates, opts.skew,
-                                                                        compute_dtype=opts.compute_dtype)
+        sc_many = sc if many is fit else Scenario(facts, many, rates, opts.skew, compute_dtype=opts.compute_dtype)
         step = sc_many.decode(n, context, n * per_seq, since_open=(opts.prompt_len, opts.gen_len))
         out.update({"batch": opts.batch, "batch_sequences": n, "batch_tokens_per_s": n / step.seconds,
                     "batch_step": _step_json(step)})

@@ -405,9 +405,10 @@ class Scenario:
         other = sum(parts.values())
         front = (other - head + overhead) / layers
         read = f.expert_bytes / r.disk if r.disk > 0 else 0.0
-        dense = (self._streamed() - self._head_read()) / layers  # the head's slabs: after the last layer
+        head_read = self._head_read()
+        dense = (self._streamed() - head_read) / layers  # the head's slabs: after the last layer
         total, cpu, busy = batch_timeline(layers, missing, front, hits_s, read, miss_s, window, dense,
-                                          max(head, self._head_read()))
+                                          max(head, head_read))
         experts = layers * (hits_s + missing * miss_s)
         parts = {**parts, "experts_s": experts, "misses_s": 0.0}
         compute = sum(parts.values())
@@ -506,7 +507,8 @@ class Scenario:
             parts["misses_s"], wait = self.layer_waits(spread, partial, fill, taken)
         io = reads * f.expert_bytes / self.rates.disk + self._streamed() if self.rates.disk > 0 else 0.0
         hit = max(0.0, 1.0 - missing / max(1e-9, used))
-        tail = (self._head_read(), self._head(sequences)) if self._head_read() > 0 else (0.0, 0.0)
+        head_read = self._head_read()
+        tail = (head_read, self._head(sequences)) if head_read > 0 else (0.0, 0.0)
         return Step(io, sum(parts.values()), self._overhead("decode", sequences), reads, hit, parts, wait,
                     head_tail=tail)
 
