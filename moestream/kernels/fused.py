@@ -402,7 +402,12 @@ class DecodeBlock:
     def __init__(self, weights: dict[str, Tensor | None], heads: int, kv_heads: int, head_dim: int, eps: float,
                  factor: float, scale: float, window: int | None, block: int, top_k: int = 0,
                  renormalize: bool = False, min_rows: int = MIN_ROWS_PER_THREAD):
-        ops = {n: cpu.dense_operand(weights[n]) for n in "qkvo"}  # (address, N, K): bf16, or b12-coded (tagged)
+        ops = {}  # (address, N, K) of each: bf16, or b12-coded (tagged)
+        for name in "qkvo":
+            try:
+                ops[name] = cpu.dense_operand(weights[name])
+            except ValueError as e:
+                raise ValueError(f"DecodeBlock wants a contiguous bf16 {name} weight: {e}") from None
         hidden = ops["q"][2]
         shapes = {"q": (heads * head_dim, hidden), "k": (kv_heads * head_dim, hidden),
                   "v": (kv_heads * head_dim, hidden), "o": (hidden, heads * head_dim)}
