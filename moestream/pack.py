@@ -78,6 +78,7 @@ class PackPlan:
     codec: str | None = None
     dense_codable: set[str] = field(default_factory=set)  # dense tensors a codec may code (_dense_codable)
     dense_coded: dict[str, int] = field(default_factory=dict)  # with a codec: dense tensor -> its coded size
+    dense_exceptions: dict[str, int] = field(default_factory=dict)  # ... and its exceptions (b12x: b12.py), if any
 
     @property
     def coded_tensors(self) -> set[str]:
@@ -179,11 +180,16 @@ def plan_pack(src: str | Path, dense_shard_bytes: int = DENSE_SHARD_BYTES,
 # projections of the GQA families. Others (MLA's kv_b fold, KDA's checked shapes, the embedding's row gathers,
 # routers, K3's latent projections) stay bf16.
 # A dense matrix (an expert tensor: over all of its experts) is stored coded only where that saves at least a tenth
-# of its bytes. A row the coding stores whole
-# costs its slot besides (1.75x bf16), and wide rows of Gaussian-like values often hold one value 2^16 below their
-# largest: the full-width synthetic K3's lm_head (7168 wide) had 60% of its rows stored whole, 1.35x its bf16 size,
-# where the peer model's 1024-wide attention had 6% (0.81x).
+# of its bytes. Wide rows of Gaussian-like values often hold a value 2^15 or more below their largest, which the
+# row's codes cannot give: coded as experts are, the full-width synthetic K3's lm_head (7168 wide) had 60% of its rows
+# stored whole (each costs its slot besides: 1.75x bf16), 1.35x its bf16 size. Dense matrices therefore keep such
+# values as exceptions beside their row (b12.py's b12x form, the manifest's codec "b12x" where a matrix has any),
+# and store a row whole only where its exceptions would take more than its values' bytes; not the lm_head, whose
+# leading rows a streamed head keeps resident only in bf16 (engine/residency.py), nor the experts. Expert matrices are
+# coded without exceptions (the GLU kernels decode a row with exceptions into scratch, off their register path).
 CODED_MAX = 0.9
+DENSE_B12X = "b12x"  # a coded dense matrix with exceptions (kernels/b12.py): the manifest names it so, so that a
+#                      reader without them refuses the pack instead of multiplying placeholders
 CODED_HEAD = "lm_head.weight"
 CODED_GQA = ("qwen3_moe", "mixtral", "gpt_oss")
 CODED_GQA_SUFFIXES = tuple(f".self_attn.{n}_proj.weight" for n in "qkvo")
@@ -273,9 +279,16 @@ def _size_coded(pp: PackPlan, progress: Progress) -> None:
         for shard in pp.dense_shards:
             for t in shard:
                 if t.name in pp.dense_codable:
-                    raw = sum(b12.raw_rows(w) for _, w in src.row_slabs(t))
-                    if b12.coded_nbytes(*t.shape, raw) <= CODED_MAX * t.nbytes:
-                        pp.dense_coded[t.name] = b12.coded_nbytes(*t.shape, raw)
+                    # (not the lm_head: a streamed head's leading rows stay resident only where it is bf16)
+                    forms = (False, not t.name.endswith(CODED_HEAD))
+                    counts = [tuple(b12.scan(w, x) for x in forms) for _, w in src.row_slabs(t)]
+                    # the smaller form: a small matrix's table can cost more than the rows it saves storing whole
+                    raw, exc = min(((sum(c[x][0] for c in counts), sum(c[x][1] for c in counts)) for x in (0, 1)),
+                                   key=lambda f: b12.coded_nbytes(*t.shape, *f))
+                    if b12.coded_nbytes(*t.shape, raw, exc) <= CODED_MAX * t.nbytes:
+                        pp.dense_coded[t.name] = b12.coded_nbytes(*t.shape, raw, exc)
+                        if exc:
+                            pp.dense_exceptions[t.name] = exc
                     progress(t.nbytes)
     finally:
         src.close()
@@ -357,9 +370,9 @@ def _safetensors_header(entries: dict, metadata: dict, pad_to: int | None = None
 
 
 def _write_dense(path: Path, tensors: list[TensorInfo], src: _Source, progress: Progress,
-                 coded: dict[str, int]) -> dict[str, int]:
-    """One dense shard; a tensor in `coded` is stored as its b12 bytes, declared U8 [coded size] (the manifest's
-    dense_codec gives its dtype and shape)."""
+                 coded: dict[str, int], exceptions: dict[str, int]) -> dict[str, int]:
+    """One dense shard; a tensor in `coded` is stored as its b12 bytes (with `exceptions[name]` exceptions: b12x),
+    declared U8 [coded size] (the manifest's dense_codec gives its dtype and shape)."""
     entries, at = {}, 0
     for t in tensors:
         n = coded.get(t.name, t.nbytes)
@@ -372,7 +385,7 @@ def _write_dense(path: Path, tensors: list[TensorInfo], src: _Source, progress: 
         for t in tensors:
             crc = 0
             if t.name in coded:
-                crc = _write_coded(f, src, t, coded[t.name])
+                crc = _write_coded(f, src, t, coded[t.name], exceptions.get(t.name, 0))
                 progress(t.nbytes)
             else:
                 for chunk in src.chunks(t):
@@ -385,18 +398,27 @@ def _write_dense(path: Path, tensors: list[TensorInfo], src: _Source, progress: 
     return crcs
 
 
-def _write_coded(f, src: "_Source", t: TensorInfo, size: int) -> int:
-    """A dense matrix's b12 coding written a slab of rows at a time (kernels/b12.py encode_rows: bounded memory for
-    any size); returns its crc32. CheckpointError when the bytes differ from the size planned (a changed source)."""
+def _write_coded(f, src: "_Source", t: TensorInfo, size: int, exceptions: int) -> int:
+    """A dense matrix's b12 coding (with its `exceptions` sized before: b12x) written a slab of rows at a time
+    (kernels/b12.py encode_rows: bounded memory for any size, the exceptions kept until the slots are written);
+    returns its crc32. CheckpointError when the bytes differ from the size planned (a changed source)."""
     n, k = t.shape
     bases, raw, crc, written = bytearray(n), [], 0, 0
+    table, counts, entries = b12.table_nbytes(n, exceptions), [], []
     for r, w in src.row_slabs(t):
-        slots, b, ids = b12.encode_rows(w, n, len(raw))
+        slots, b, ids, cnt, ent = b12.encode_rows(w, n, len(raw), exceptions > 0, table)
         data = memoryview(slots.numpy()).cast("B")
         crc, written = crc32(data, crc), written + f.write(data)
         bases[r:r + len(b)] = b.numpy().tobytes()
         raw += [r + int(i) for i in ids]
+        counts.append(cnt)
+        entries.append(ent)
     tail = bytes(bases) + bytes(-(-n // 64) * 64 - n)
+    if table:
+        got = torch.cat(entries)
+        if len(got) != exceptions:
+            raise CheckpointError(f"{t.file}: tensor {t.name!r} changed while packing")
+        tail += b12.table_bytes(n, torch.cat(counts), got)
     crc, written = crc32(tail, crc), written + f.write(tail)
     for i in raw:  # the rows stored whole, in order, read again from the source
         data = memoryview(src.rows(t, i, 1).view(torch.uint8).numpy()).cast("B")
@@ -509,7 +531,8 @@ def pack(src: str | Path, dst: str | Path, verify: bool = False, progress: Progr
         n_dense, n_exp = len(pp.dense_shards), len(pp.expert_file_sizes)
         crcs: dict[str, int] = {}
         for i, shard in enumerate(pp.dense_shards):
-            crcs.update(_write_dense(tmp / dense_name(i, n_dense), shard, source, progress, pp.dense_coded))
+            crcs.update(_write_dense(tmp / dense_name(i, n_dense), shard, source, progress, pp.dense_coded,
+                                     pp.dense_exceptions))
         for i, size in enumerate(pp.expert_file_sizes):
             _write_experts(tmp / expert_name(i, n_exp), [e for e in pp.experts if e.file == i], size, source, progress)
         manifest = _manifest(pp, crcs)
@@ -542,7 +565,8 @@ def _manifest(pp: PackPlan, crcs: dict[str, int]) -> dict:
         "dense_files": [dense_name(i, n_dense) for i in range(n_dense)],
         "expert_files": [expert_name(i, n_exp) for i in range(n_exp)],
         "dense_crc32": crcs,
-        **({"dense_codec": {t.name: {"codec": pp.codec, "dtype": t.dtype, "shape": list(t.shape)}
+        **({"dense_codec": {t.name: {"codec": DENSE_B12X if t.name in pp.dense_exceptions else pp.codec,
+                                     "dtype": t.dtype, "shape": list(t.shape)}
                             for s in pp.dense_shards for t in s if t.name in pp.dense_coded}}
            if pp.dense_coded else {}),
         "tensors": {name: {"dtype": d, "shape": list(s), "fused": f, **({"codec": pp.codec} if name in coded else {})}

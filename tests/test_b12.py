@@ -276,9 +276,9 @@ def test_few_token_products_decode_in_registers_with_the_tiles_sums():
 @native
 def test_coded_dense_weights_streamed_and_in_one_call_decode_equal_the_original(tmp_path, monkeypatch):
     """`pack --codec b12` codes the lm_head and the attention projections: resident (the one-call decode layer
-    reads the coded q/k/v/o), and at the budget's floor, where the coded head streams in slabs of a few rows (rows
-    stored whole among them, their offsets rewritten per slab), logits and tokens are the original's bit for bit
-    and the budget holds."""
+    reads the coded q/k/v/o, one of them with exceptions), and at the budget's floor, where the coded head streams
+    in slabs of a few rows (rows stored whole among them, their offsets rewritten per slab) and the layers stream,
+    logits and tokens are the original's bit for bit and the budget holds."""
     from safetensors.torch import load_file, save_file
 
     from moestream.engine import residency
@@ -294,8 +294,11 @@ def test_coded_dense_weights_streamed_and_in_one_call_decode_equal_the_original(
                           ("model.layers.1.self_attn.q_proj.weight", 5)):
             if name in t:
                 t[name][row, 7] = 0.0
+        if "model.layers.1.self_attn.o_proj.weight" in t:  # rows with a value or two far below the rest: b12x
+            t["model.layers.1.self_attn.o_proj.weight"][10:36, 3] = 0.0
+            t["model.layers.1.self_attn.o_proj.weight"][39, [0, 63]] = 0.0
         if "model.layers.0.self_attn.k_proj.weight" in t:  # every row stored whole: 1.75x its bf16 bytes
-            t["model.layers.0.self_attn.k_proj.weight"][:, 3] = 0.0
+            t["model.layers.0.self_attn.k_proj.weight"][:, 3:43] = 0.0
         experts = sorted(n for n in t if ".experts." in n and n.startswith("model.layers.1."))
         if experts:  # and one expert tensor (every expert's part of it)
             t[experts[0]][..., 3] = 0.0
@@ -310,6 +313,10 @@ def test_coded_dense_weights_streamed_and_in_one_call_decode_equal_the_original(
     original = CheckpointIndex.open(src).load("lm_head.weight")
     assert head.codec == "b12" and b12.raw_rows(original) >= 2
     assert torch.equal(index.load("lm_head.weight").codes, b12.encode(original))  # the slabs make the same bytes
+    codecs = {n: c["codec"] for n, c in json.loads((dst / PACK_MANIFEST).read_text())["dense_codec"].items()}
+    assert codecs["lm_head.weight"] == "b12" and codecs["model.layers.1.self_attn.o_proj.weight"] == "b12x"
+    o_proj = CheckpointIndex.open(src).load("model.layers.1.self_attn.o_proj.weight")
+    assert torch.equal(index.load("model.layers.1.self_attn.o_proj.weight").codes, b12.encode(o_proj, True))
     # a matrix the coding would not shrink by a tenth stays bf16 (pack.CODED_MAX)
     assert index["model.layers.0.self_attn.k_proj.weight"].codec is None
     assert index["model.layers.1.self_attn.k_proj.weight"].codec == "b12"

@@ -50,15 +50,19 @@ def streamable(name: str, info: TensorInfo) -> bool:
     return len(info.shape) == 2 and min(info.shape) > 1 and not name.endswith(_ROUTERS)
 
 
+HEAD_SLAB_MIN_ROWS = 16  # products of 16+ tokens by a matrix of under 12 rows sum in another order than inside a larger one
+
+
 def head_slabs(rows: int, cols: int, row_bytes: int) -> list[tuple[int, int]]:
     """(start, count) slabs of lm_head rows. Each slab is a whole number of `blocks.linear`'s upcast chunks and
-    the last one is larger than one chunk, so a slab's `linear` runs the very chunks the resident head would."""
+    the last one is larger than one chunk, so a slab's `linear` runs the very chunks the resident head would; nor is
+    the last one under HEAD_SLAB_MIN_ROWS rows (a matrix of fewer rows takes another native path for many tokens)."""
     chunk = max(1, UPCAST_CHUNK_BYTES // (4 * cols))
     per = max(1, HEAD_SLAB_BYTES // max(1, row_bytes))
     if per >= chunk:
         per -= per % chunk
     slabs = [(s, min(per, rows - s)) for s in range(0, rows, per)]
-    if len(slabs) > 1 and rows > chunk and slabs[-1][1] <= chunk:
+    if len(slabs) > 1 and (rows > chunk and slabs[-1][1] <= chunk or slabs[-1][1] < HEAD_SLAB_MIN_ROWS):
         (s, n), (_, m) = slabs[-2], slabs.pop()
         slabs[-1] = (s, n + m)
     return slabs
@@ -352,31 +356,55 @@ def _empty_placeholder(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
 
 class _CodedRows:
     """Row slabs of a packed b12-coded matrix read from its file, each a coded matrix of its own (kernels/b12.py's
-    layout: the slab's slots, its base bytes, then its rows stored whole, whose slot offsets are rewritten)."""
+    layout: the slab's slots, its base bytes, its rows' exceptions (b12x) with their offsets rebased, then its rows
+    stored whole, whose slot offsets are rewritten). The matrix's base bytes and exception table are read, and the
+    table checked, once."""
 
     def __init__(self, info: TensorInfo):
         self.info = info
         self.n, self.k = info.shape
         self.slot = b12.slot_bytes(self.k)
         self.bases = read_range(info.file, info.offset + self.n * self.slot, self.n)  # one byte a row
-        self.raw = (torch.frombuffer(self.bases, dtype=torch.uint8) == b12.RAW).nonzero().flatten().tolist()
+        bases = torch.frombuffer(self.bases, dtype=torch.uint8)
+        self.raw = (bases == b12.RAW).nonzero().flatten().tolist()
+        self.offsets = self.entries = None  # the exception table (b12x), where any row has exceptions
+        if bool(((bases & b12.XFLAG).bool() & (bases != b12.RAW)).any()):
+            at = info.offset + self.n * self.slot + -(-self.n // 64) * 64
+            head = read_range(info.file, at, 4 * (self.n + 1))
+            count = int.from_bytes(bytes(head[-4:]), "little")
+            table = read_range(info.file, at, min(b12.table_nbytes(self.n, max(1, count)), info.nbytes))
+            try:
+                got = b12.check_table(bases, torch.frombuffer(table, dtype=torch.uint8), self.n, self.k)
+            except ValueError as e:
+                raise CheckpointError(f"{info.file}: tensor {info.name!r}: {e}") from None
+            self.offsets, self.entries = got[0], got[1].to(torch.int32)  # (the entries' bits, as stored)
 
     def _raw(self, start: int, n: int) -> list[int]:
         """The rows stored whole among [start, start + n), relative to start."""
         lo, hi = bisect.bisect_left(self.raw, start), bisect.bisect_left(self.raw, start + n)
         return [r - start for r in self.raw[lo:hi]]
 
+    def _exceptions(self, start: int, n: int) -> int:
+        return 0 if self.offsets is None else int(self.offsets[start + n] - self.offsets[start])
+
     def nbytes(self, start: int, n: int) -> int:
-        return b12.coded_nbytes(n, self.k, len(self._raw(start, n)))
+        return b12.coded_nbytes(n, self.k, len(self._raw(start, n)), self._exceptions(start, n))
 
     def read(self, start: int, n: int) -> B12Weight:
-        raw = self._raw(start, n)
-        buf = torch.zeros(b12.coded_nbytes(n, self.k, len(raw)), dtype=torch.uint8)
+        raw, exc = self._raw(start, n), self._exceptions(start, n)
+        buf = torch.zeros(b12.coded_nbytes(n, self.k, len(raw), exc), dtype=torch.uint8)
         mem = _buffer(buf.untyped_storage())
         f, at = self.info.file, self.info.offset
         read_range(f, at + start * self.slot, n * self.slot, out=(ctypes.c_char * (n * self.slot)).from_buffer(mem))
         buf[n * self.slot:n * self.slot + n] = torch.frombuffer(self.bases[start:start + n], dtype=torch.uint8)
         head, width = n * self.slot + -(-n // 64) * 64, 2 * self.k
+        if exc:  # the slab's own table: its rows' offsets from 0, then their entries
+            lo = int(self.offsets[start])
+            offsets = (self.offsets[start:start + n + 1] - lo).to(torch.int32)
+            buf[head:head + 4 * (n + 1)] = offsets.view(torch.uint8)
+            first = head + -(-4 * (n + 1) // 64) * 64
+            buf[first:first + 4 * exc] = self.entries[lo:lo + exc].view(torch.uint8)
+            head += b12.table_nbytes(n, exc)
         for j, i in enumerate(raw):  # a row stored whole: read from where the matrix keeps it, its offset rewritten
             slot = buf[i * self.slot:i * self.slot + 8]
             old = int(slot.view(torch.int64))
@@ -428,6 +456,7 @@ class DenseStreamer:
         if name not in self.tensors:
             info = self.index[self.prefix + name]
             if info.codec == "b12":  # a packed coded matrix: its stored bytes, read by the kernels as they are
+                _CodedRows(info)  # (its exception table checked once, before any step reads the bytes)
                 t = B12Weight.wrap(_empty_placeholder((info.nbytes,), torch.uint8), info.shape)
             else:
                 t = _empty_placeholder(info.shape, info.torch_dtype)

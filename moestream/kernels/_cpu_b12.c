@@ -10,16 +10,23 @@
  *   N slots of K * 3 / 2 bytes: per 64 values, 64 low bytes then 32 code bytes (position p < 32 in a code byte's
  *     low nibble, p >= 32 in byte p - 32's high nibble), positions in the order the AVX-512 unpack gives
  *     (b12_weight below); a raw row's slot starts with the int64 byte offset of its bf16 row in the matrix;
- *   N base bytes (0xFF: raw), padded to a multiple of 64;
+ *   N base bytes (0xFF: raw; base | 0x80: coded with exceptions), padded to a multiple of 64;
+ *   where any row has exceptions (the "b12x" form, K <= 32768): N + 1 uint32 offsets (row n's exceptions are
+ *     entries [off[n], off[n + 1])) padded to 64 bytes, then the entries, each uint32 (position << 16 | bf16 bits),
+ *     positions rising within a row, padded to 64 bytes: the values 2^15 or more below their row's largest, which
+ *     the row's codes cannot give (their codes are placeholders);
  *   the raw rows, K bf16 values each.
  * The products below read the coded bytes: 25% fewer bytes than bf16 stream from memory, and every product sums
  * exactly as it would over the bf16 matrix (one-row products in bf16_gemv's order, 2-15 rows in bf16_tile's, both
  * decoding in registers; more rows decode into a thread's scratch and run the bf16 kernels), so results are bit for
  * bit those of the bf16 weights.
+ * A row with exceptions is decoded into a stack row of bf16 (its exceptions put in) and multiplied as a raw row is.
  * A matrix is passed to the GLU kernels as its address with bit 0 set (B12_TAG); bf16 addresses are even. */
 
 #define B12_TAG ((uintptr_t)1)
 #define B12_RAW 0xFF
+#define B12_XFLAG 0x80
+#define B12_MAX_XK 32768 /* the widest row that may have exceptions (kernels/b12.py MAX_XK) */
 
 #ifndef B12_PF
 #define B12_PF 6144
@@ -46,6 +53,24 @@ INLINE const uint16_t *b12_raw_row(const uint8_t *m, int64_t K, int64_t n) {
     return (const uint16_t *)(m + off);
 }
 
+/* a base byte of a row coded without exceptions (in registers by the tile kernels) */
+INLINE int b12_plain(int base) { return base < B12_XFLAG; }
+INLINE int64_t b12_pad64(int64_t n) { return (n + 63) / 64 * 64; }
+
+/* row n's exceptions put into its decoded bf16 row dst (kernels/b12.py checked the table when the matrix was read) */
+static void b12_patch(const uint8_t *m, int64_t N, int64_t K, int64_t n, uint16_t *dst) {
+    const uint8_t *t = m + N * b12_slot(K) + b12_pad64(N);
+    uint32_t lo, hi;
+    memcpy(&lo, t + 4 * n, 4);
+    memcpy(&hi, t + 4 * (n + 1), 4);
+    const uint8_t *e = t + b12_pad64(4 * (N + 1));
+    for (uint32_t i = lo; i < hi; i++) {
+        uint32_t v;
+        memcpy(&v, e + 4 * (int64_t)i, 4);
+        if ((int64_t)(v >> 16) < K) dst[v >> 16] = (uint16_t)(v & 0xFFFF); /* (a checked table always is) */
+    }
+}
+
 #if MS_SIMD == 2
 /* a row's table, code -> high byte, in each 128-bit lane (vpshufb looks up within lanes) */
 INLINE __m512i b12_table(int base) {
@@ -69,8 +94,8 @@ INLINE void b12_block(const uint8_t *s, __m512i table, __m512i *v0, __m512i *v1)
 
 /* row n of the N x K matrix m decoded to bf16 into dst[K] */
 static void b12_decode_row(const uint8_t *m, int64_t N, int64_t K, int64_t n, uint16_t *dst) {
-    const int base = m[N * b12_slot(K) + n];
-    if (base == B12_RAW) {
+    const int flagged = m[N * b12_slot(K) + n], base = flagged & 0x7F;
+    if (flagged == B12_RAW) {
         memcpy(dst, b12_raw_row(m, K, n), sizeof(uint16_t) * (size_t)K);
         return;
     }
@@ -91,6 +116,14 @@ static void b12_decode_row(const uint8_t *m, int64_t N, int64_t K, int64_t n, ui
             dst[k + b12_weight(p)] = (uint16_t)(hi << 8 | s[p]);
         }
 #endif
+    if (!b12_plain(flagged)) b12_patch(m, N, K, n, dst);
+}
+
+/* row n of a coded matrix as bf16: where it is stored whole, or (with exceptions) decoded into buf [K] */
+INLINE const uint16_t *b12_row_bf16(const uint8_t *m, int64_t N, int64_t K, int64_t n, int base, uint16_t *buf) {
+    if (base == B12_RAW) return b12_raw_row(m, K, n);
+    b12_decode_row(m, N, K, n, buf);
+    return buf;
 }
 
 #if MS_SIMD == 2
@@ -102,10 +135,11 @@ static void b12_decode_row(const uint8_t *m, int64_t N, int64_t K, int64_t n, ui
  * "b12"). */
 static void b12_gemv(const float *x, int64_t K, const uint8_t *m, int64_t N, int64_t n0, int64_t n1, float *out) {
     const uint8_t *bases = m + N * b12_slot(K);
+    uint16_t xrow[B12_MAX_XK]; /* a row with exceptions, decoded */
     for (int64_t n = n0; n < n1; n++) {
         const int base = bases[n];
-        if (base == B12_RAW) {
-            bf16_gemv(x, K, b12_raw_row(m, K, n), 0, 1, out + (n - n0));
+        if (!b12_plain(base)) {
+            bf16_gemv(x, K, b12_row_bf16(m, N, K, n, base, xrow), 0, 1, out + (n - n0));
             continue;
         }
         const __m512i table = b12_table(base);
@@ -181,17 +215,18 @@ static void b12_block_rows(const float *x, int64_t ldx, int tt, const uint8_t *m
 static void b12_rows_few(const float *x, int64_t ldx, int64_t T, int64_t K, const uint8_t *m, int64_t N, int64_t n0,
                          int64_t n1, float *out, int64_t ldo) {
     const uint8_t *bases = m + N * b12_slot(K);
+    uint16_t xrow[B12_MAX_XK]; /* a row with exceptions, decoded */
     for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
         const int tt = (int)(T - t0 < TILE_T ? T - t0 : TILE_T);
         const float *xt = x + t0 * ldx;
         for (int64_t n = n0; n < n1;) {
             float *o = out + t0 * ldo + (n - n0);
-            if (bases[n] == B12_RAW) {
-                bf16_block(xt, ldx, tt, b12_raw_row(m, K, n), K, o, ldo, 1);
+            if (!b12_plain(bases[n])) {
+                bf16_block(xt, ldx, tt, b12_row_bf16(m, N, K, n, bases[n], xrow), K, o, ldo, 1);
                 n++;
                 continue;
             }
-            const int rows = n + 1 < n1 && bases[n + 1] != B12_RAW ? 2 : 1;
+            const int rows = n + 1 < n1 && b12_plain(bases[n + 1]) ? 2 : 1;
             b12_block_rows(xt, ldx, tt, m, N, K, n, o, ldo, rows);
             n += rows;
         }

@@ -294,14 +294,15 @@ static void brk_rows(const uint16_t *w, int64_t N, int64_t K, int64_t n0, int64_
                      int64_t T, float *y, int64_t ldy) {
     const int coded = b12_tagged(w);
     const uint8_t *m = b12_addr(w);
+    uint16_t xrow[B12_MAX_XK]; /* a coded row with exceptions, decoded */
     for (int64_t n = n0; n < n1; n++) {
         const uint16_t *wrow = coded ? NULL : w + n * K;
         const uint8_t *s = NULL;
         __m512i table = _mm512_setzero_si512();
         if (coded) {
             const int base = m[N * b12_slot(K) + n];
-            if (base == B12_RAW) {
-                wrow = b12_raw_row(m, K, n);
+            if (!b12_plain(base)) {
+                wrow = b12_row_bf16(m, N, K, n, base, xrow);
             } else {
                 s = m + n * b12_slot(K);
                 table = b12_table(base);

@@ -202,7 +202,12 @@ class CheckpointIndex:
         if info.codec is not None and pieces is None:  # a coded dense matrix: its bytes, read by the kernels
             buf = read_range(info.file, info.offset, info.nbytes)
             self._check_dense(name, info, buf)
-            return b12.B12Weight.wrap(torch.frombuffer(buf, dtype=torch.uint8), info.shape)
+            data = torch.frombuffer(buf, dtype=torch.uint8)
+            try:  # its exceptions' table, checked before any kernel reads it
+                b12.exception_table(data, *info.shape)
+            except ValueError as e:
+                raise CheckpointError(f"{info.file}: tensor {name!r}: {e}") from None
+            return b12.B12Weight.wrap(data, info.shape)
         if pieces is not None:
             buf, at = bytearray(info.nbytes), 0
             for piece in pieces:
@@ -262,6 +267,13 @@ def _open_packed(cls, root: Path) -> CheckpointIndex:
         raise CheckpointError(f"{path}: malformed pack manifest ({type(e).__name__}: {e})") from None
 
 
+def _coded_max(shape: tuple[int, int], codec: str) -> int:
+    """The most bytes a coded dense matrix takes: every row stored whole, and with exceptions (b12x) the table of
+    the most a row may keep besides (a row keeps at most a quarter of its values)."""
+    n, k = shape
+    return b12.coded_nbytes(n, k, n, n * (k // 4) if codec == "b12x" else 0)
+
+
 def _packed_index(cls, root: Path, m: dict) -> CheckpointIndex:
     tensors: dict[str, TensorInfo] = {}
     for name in m["dense_files"]:
@@ -269,9 +281,9 @@ def _packed_index(cls, root: Path, m: dict) -> CheckpointIndex:
     crcs = {str(k): int(v) for k, v in m.get("dense_crc32", {}).items()}
     for name, c in m.get("dense_codec", {}).items():  # coded dense matrices: stored U8, presented as the bf16 matrix
         t, shape = tensors.get(name), tuple(_count(s, f"tensor {name!r} shape") for s in c["shape"])
-        if t is None or t.dtype != "U8" or c["codec"] != "b12" or c["dtype"] != "BF16" \
+        if t is None or t.dtype != "U8" or c["codec"] not in ("b12", "b12x") or c["dtype"] != "BF16" \
                 or not b12.supported(shape, torch.bfloat16) \
-                or not b12.coded_nbytes(*shape, 0) <= t.nbytes <= b12.coded_nbytes(*shape, shape[0]):
+                or not b12.coded_nbytes(*shape, 0) <= t.nbytes <= _coded_max(shape, c["codec"]):
             raise CheckpointError(f"{root}: coded dense tensor {name!r} ({c['codec']} {c['dtype']}{list(shape)}) "
                                   f"does not match its bytes in the dense shards")
         tensors[name] = TensorInfo(name, t.file, t.offset, t.nbytes, "BF16", shape, "b12")

@@ -1,0 +1,143 @@
+"""b12 with exceptions ("b12x"): a row whose few values lie 2^15 or more below its largest keeps them beside the
+row instead of being stored whole. Exact round trips (Python and native), every native product over such a matrix
+bit for bit the bf16 matrix's (one token, the few-token tiles, the decoded many-row path, bf16 compute, the GLU
+kernels), the size a wide Gaussian matrix takes, and a damaged table refused before any kernel reads it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moestream.kernels import b12, cpu, fused
+from moestream.models import blocks
+
+native = pytest.mark.skipif(not cpu.available(), reason="native kernels not built")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+def _matrix(n: int, k: int, seed: int = 0, std: float = 0.05) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g) * std).bfloat16()
+
+
+def _with_misfits(n: int, k: int, seed: int) -> torch.Tensor:
+    """A matrix whose rows 1, 2 (a pair), 7 and the last hold a few values far below the rest (exceptions), row 4
+    a zero in every other column (too many: stored whole), row 5 nothing special."""
+    w = _matrix(n, k, seed)
+    for r, cols, vals in ((1, [0, 5], [0.0, 1e-12]), (2, [k - 1], [-0.0]), (7, [3, 4, 64], [0.0, -1e-12, 1e-30]),
+                          (n - 1, [k // 2], [1e-20])):
+        w[r, cols] = torch.tensor(vals).bfloat16()
+    w[4, ::2] = 0.0
+    return w
+
+
+def test_round_trip_with_exceptions_and_the_sizes():
+    w = _with_misfits(40, 192, 1)
+    plain, coded = b12.encode(w), b12.encode(w, exceptions=True)
+    raw, exc = b12.scan(w, exceptions=True)
+    assert raw == 1 and exc >= 7 and b12.scan(w)[0] >= 5
+    assert coded.numel() == b12.coded_nbytes(40, 192, raw, exc) < plain.numel()
+    assert torch.equal(_bits(b12.decode(coded, 40, 192)), _bits(w))
+    assert torch.equal(_bits(b12.decode_rows(coded, 40, 192, 2, 9)), _bits(w[2:9]))
+    bases = coded[40 * 288:40 * 288 + 40]
+    assert [int(b) & b12.XFLAG for b in bases[[1, 2, 7, 39]]] == [b12.XFLAG] * 4 and int(bases[4]) == b12.RAW
+    # a wide Gaussian matrix (K3's lm_head rows: 7,168 values): without exceptions about half its rows are stored
+    # whole, with them it takes about three quarters of its bf16 bytes
+    wide = _matrix(256, 7168, 2, std=0.02)
+    assert b12.scan(wide)[0] > 64
+    assert b12.encode(wide, exceptions=True).numel() < 0.76 * wide.numel() * 2
+
+
+def test_rows_too_wide_or_too_many_misfits_are_stored_whole():
+    w = _matrix(3, 64, 3)
+    w[0, :17] = 0.0  # 17 exceptions take 68 bytes, more than the row's 64 values: stored whole
+    w[1, :16] = 0.0  # 16 take 64: kept as exceptions
+    assert b12.scan(w, exceptions=True) == (1, 16)
+    assert b12.scan(torch.zeros(2, b12.MAX_XK + 64).bfloat16().index_fill_(1, torch.tensor([0]), 1.0),
+                    exceptions=True) == (2, 0)
+
+
+def test_a_damaged_exception_table_is_refused():
+    w = _with_misfits(16, 128, 4)
+    coded = b12.encode(w, exceptions=True)
+    at = 16 * 192 + 64  # the offsets, after the slots and the padded base bytes
+    entries = at + 128  # 17 offsets padded to 128 bytes
+    for where, value in ((at + 4 * 2, 99), (at, 1)):  # offsets out of order / not from 0
+        bad = coded.clone()
+        bad[where] = value
+        with pytest.raises(ValueError, match="offsets"):
+            b12.exception_table(bad, 16, 128)
+    bad = coded.clone()
+    bad[entries + 3] = 0x7F  # the first exception's position far past its row
+    with pytest.raises(ValueError, match="position"):
+        b12.exception_table(bad, 16, 128)
+    bad = coded.clone()
+    bad[16 * 192 + 5] |= b12.XFLAG  # a flagged row without exceptions
+    with pytest.raises(ValueError, match="offsets"):
+        b12.exception_table(bad, 16, 128)
+
+
+@native
+def test_native_decode_of_rows_with_exceptions():
+    w = _with_misfits(33, 256, 5)
+    coded = b12.encode(w, exceptions=True)
+    out = torch.empty(33, 256, dtype=torch.bfloat16)
+    cpu.required().ms_b12_decode(coded.data_ptr(), 33, 256, out.data_ptr())
+    assert torch.equal(_bits(out), _bits(w))
+    assert torch.equal(_bits(cpu.b12_decode_rows(coded, 33, 256, 6, 9, torch.empty(3, 256, dtype=torch.bfloat16))),
+                       _bits(w[6:9]))
+
+
+@native
+@pytest.mark.parametrize("compute", ["fp32", "bf16"])
+def test_dense_products_over_exceptions_equal_the_bf16_matrix(compute):
+    """blocks.linear over the coded matrix: 1 token (b12_gemv), 2-15 (the tiles), 16+ (decoded rows) and, in bf16
+    compute, its kernels: the bf16 matrix's bits at every row count."""
+    w = _with_misfits(72, 320, 6)
+    bw = b12.B12Weight.wrap(b12.encode(w, exceptions=True), (72, 320))
+    g = torch.Generator().manual_seed(7)
+    with blocks.compute_dtype(compute):
+        for tokens in (1, 2, 3, 8, 9, 15, 16, 17, 40):
+            x = torch.randn(tokens, 320, generator=g)
+            assert torch.equal(blocks.linear(x, bw), blocks.linear(x, w)), tokens
+
+
+@native
+@pytest.mark.parametrize("compute", ["fp32", "bf16"])
+def test_glu_over_experts_with_exceptions_sums_as_on_bf16(compute):
+    inter, k, d = 128, 128, 64
+    ws = [_with_misfits(inter, k, 8), _with_misfits(inter, k, 9), _with_misfits(d, inter, 10)]
+    codes = [b12.encode(m, exceptions=True) for m in ws]
+    g = torch.Generator().manual_seed(11)
+    for tokens in (1, 2, 5, 15, 16, 40):
+        x = torch.randn(tokens, k, generator=g)
+        ref, got = torch.zeros(tokens, d), torch.zeros(tokens, d)
+        fused.moe_glu_bf16(x, [0], [tuple(m.data_ptr() for m in ws)], inter, ref, compute=compute)
+        fused.moe_glu_bf16(x, [0], [tuple(c.data_ptr() | 1 for c in codes)], inter, got, compute=compute)
+        assert torch.equal(ref, got), tokens
+
+
+def test_streamed_slabs_carry_their_rows_exceptions(tmp_path):
+    """A coded matrix read a slab of rows at a time (engine/residency.py _CodedRows, a streamed coded lm_head):
+    each slab is a coded matrix of its own whose exceptions and rows stored whole are its rows', bit for bit."""
+    from moestream.engine.residency import _CodedRows
+    from moestream.weights.index import TensorInfo
+
+    w = _with_misfits(200, 128, 12)
+    w[10:36, 3] = 0.0
+    coded = b12.encode(w, exceptions=True)
+    path = tmp_path / "m.bin"
+    path.write_bytes(bytes(128) + coded.numpy().tobytes())
+    rows = _CodedRows(TensorInfo("m", path, 128, coded.numel(), "BF16", (200, 128), "b12"))
+    for start, n in ((0, 20), (3, 5), (30, 17), (0, 200), (190, 10)):
+        slab = rows.read(start, n)
+        assert slab.numel() == rows.nbytes(start, n)
+        assert torch.equal(_bits(b12.decode(slab, n, 128)), _bits(w[start:start + n])), (start, n)
+    bad = bytearray(path.read_bytes())
+    bad[128 + 200 * 192 + 256 + 4 * 20 + 3] = 0x7F  # an offset of the table out of order
+    path.write_bytes(bytes(bad))
+    from moestream.errors import CheckpointError
+    with pytest.raises(CheckpointError, match="offsets"):
+        _CodedRows(TensorInfo("m", path, 128, coded.numel(), "BF16", (200, 128), "b12"))
