@@ -184,8 +184,7 @@ def plan_pack(src: str | Path, dense_shard_bytes: int = DENSE_SHARD_BYTES,
 # row's codes cannot give: coded as experts are, the full-width synthetic K3's lm_head (7168 wide) had 60% of its rows
 # stored whole (each costs its slot besides: 1.75x bf16), 1.35x its bf16 size. Dense matrices therefore keep such
 # values as exceptions beside their row (b12.py's b12x form, the manifest's codec "b12x" where a matrix has any),
-# and store a row whole only where its exceptions would take more than its values' bytes; not the lm_head, whose
-# leading rows a streamed head keeps resident only in bf16 (engine/residency.py), nor the experts. Expert matrices are
+# and store a row whole only where its exceptions would take more than its values' bytes. Expert matrices are
 # coded without exceptions (the GLU kernels decode a row with exceptions into scratch, off their register path).
 CODED_MAX = 0.9
 DENSE_B12X = "b12x"  # a coded dense matrix with exceptions (kernels/b12.py): the manifest names it so, so that a
@@ -279,9 +278,7 @@ def _size_coded(pp: PackPlan, progress: Progress) -> None:
         for shard in pp.dense_shards:
             for t in shard:
                 if t.name in pp.dense_codable:
-                    # (not the lm_head: a streamed head's leading rows stay resident only where it is bf16)
-                    forms = (False, not t.name.endswith(CODED_HEAD))
-                    counts = [tuple(b12.scan(w, x) for x in forms) for _, w in src.row_slabs(t)]
+                    counts = [(b12.scan(w), b12.scan(w, exceptions=True)) for _, w in src.row_slabs(t)]
                     # the smaller form: a small matrix's table can cost more than the rows it saves storing whole
                     raw, exc = min(((sum(c[x][0] for c in counts), sum(c[x][1] for c in counts)) for x in (0, 1)),
                                    key=lambda f: b12.coded_nbytes(*t.shape, *f))

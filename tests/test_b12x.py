@@ -4,6 +4,8 @@ bit for bit the bf16 matrix's (one token, the few-token tiles, the decoded many-
 kernels), the size a wide Gaussian matrix takes, and a damaged table refused before any kernel reads it."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -141,3 +143,60 @@ def test_streamed_slabs_carry_their_rows_exceptions(tmp_path):
     from moestream.errors import CheckpointError
     with pytest.raises(CheckpointError, match="offsets"):
         _CodedRows(TensorInfo("m", path, 128, coded.numel(), "BF16", (200, 128), "b12"))
+
+
+@native
+def test_a_coded_heads_leading_rows_stay_resident(tmp_path, monkeypatch):
+    """A packed b12x lm_head streamed with its leading rows resident (a coded matrix of their own, sized from the
+    head's base bytes and exception table): at budgets between the floor and all-resident, logits and tokens equal
+    the all-resident run's, the dense bytes are the plan's, and a step reads the plan's bytes."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from conftest import prompt_ids, save_reference
+    from moestream import Engine
+    from moestream.engine import residency
+    from moestream.engine.engine import plan
+    from moestream.engine.residency import plan_residency
+    from moestream.pack import pack
+
+    cfg = Qwen3MoeConfig(vocab_size=2048, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+                         num_experts=8, num_experts_per_tok=2, mlp_only_layers=[2], norm_topk_prob=True,
+                         initializer_range=0.1, tie_word_embeddings=False)
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    save_reference(Qwen3MoeForCausalLM, cfg, src)
+    for f in src.glob("*.safetensors"):
+        t = {k: v.bfloat16() for k, v in load_file(f).items()}
+        if "lm_head.weight" in t:  # a value far below the rest in most rows (exceptions), a few rows stored whole
+            t["lm_head.weight"][::2, 5] = 0.0
+            t["lm_head.weight"][[3, 700, 701], :40] = 0.0
+        save_file(t, f, metadata={"format": "pt"})
+    pack(src, dst, codec="b12")
+    assert json.loads((dst / "moestream-pack.json").read_text())["dense_codec"]["lm_head.weight"]["codec"] == "b12x"
+    monkeypatch.setattr(residency, "HEAD_SLAB_BYTES", 8192)
+    monkeypatch.setattr(residency, "EMBED_ROWS_BYTES", 1024)
+    room = 4 * 2 * 256 * 2 * 16 * 4 + 40 * 2048 * 4
+    ids = prompt_ids(2048, 40)
+    want = Engine.open(dst, state_room=room)
+    want_logits, want_tokens = want.logits(ids), want.generate(ids, 6, stop_token_ids=[])
+    want.close()
+    p = plan(dst)
+    full = plan_residency(p, None, room)
+    partial = [b for b in range(full.min_ram_budget, full.all_resident_budget, 4096)
+               if 0 < plan_residency(p, b, room).head_resident_rows]
+    assert partial, "no budget keeps part of the coded head"
+    for budget in (partial[0], partial[-1]):
+        r = plan_residency(p, budget, room)
+        eng = Engine.open(dst, ram_budget=budget, state_room=room)
+        assert type(eng.model.residency.head_part) is b12.B12Weight
+        assert eng.model.residency.head_part.numel() == r.head_resident_bytes
+        assert torch.equal(eng.logits(ids), want_logits) and eng.generate(ids, 6, stop_token_ids=[]) == want_tokens
+        assert eng.stats["peak_resident_bytes"] <= budget and eng.stats["dense_bytes"] == r.resident_dense_bytes
+        state = eng.new_sequence()
+        eng.step([(state, [5, 6, 7])])
+        before = eng.stats["dense_stream_bytes_read"]
+        eng.step([(state, [9])])
+        got = eng.stats["dense_stream_bytes_read"] - before
+        assert got == r.streamed_bytes_per_step + (64 * 2 if r.embed_streamed else 0), budget
+        eng.close()

@@ -17,6 +17,7 @@ import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -135,6 +136,12 @@ class _Parts:
     top_k_experts: int
     head_shape: tuple[int, int, int] | None = None  # (rows, cols, bytes a row) of the table serving as the head
     head_coded: bool = False
+    # the bytes of the head's first r rows (a coded head's from its base bytes and exception table); None where
+    # they are not known (a coded head whose bytes cannot be read here), so no rows stay resident
+    head_prefix: Callable[[int], int] | None = None
+    # the bytes a step reads of a streamed head whose first r rows are resident (a coded head's slabs each carry
+    # their own padded base bytes and table)
+    head_read: Callable[[int], int] | None = None
 
 
 def _parts(p) -> _Parts:
@@ -161,19 +168,43 @@ def _parts(p) -> _Parts:
     tied = embed > 0 and (head == 0 or bool(getattr(p.config, "tie", False)))
     if tied:  # the table serves as the head (a stored lm_head, if any, is never read: left pinned, to be safe)
         pinned, head, head_info = pinned + head, 0, index[prefix + EMBED]
-    head_slab, head_shape = 0, None
+    head_slab, head_shape, first_rows, head_read = 0, None, None, None
     if head_info is not None and len(head_info.shape) == 2:
         rows, cols = head_info.shape
         row_bytes = head_info.nbytes // max(1, rows)
-        head_slab = max(n for _, n in head_slabs(rows, cols, row_bytes)) * row_bytes
+        slabs = head_slabs(rows, cols, row_bytes)
+        head_slab = max(n for _, n in slabs) * row_bytes
         head_shape = (rows, cols, row_bytes)
+        first_rows = lambda r: r * row_bytes  # noqa: E731
+        head_read = lambda r: (rows - r) * row_bytes  # noqa: E731
+        if head_info.codec is not None:
+            coded = _coded_head(head_info)
+            first_rows = None if coded is None else (lambda r: coded.nbytes(0, r))
+            if coded is not None:  # its slabs' own sizes (rows stored whole make some larger than the mean)
+                head_slab = max(coded.nbytes(s, n) for s, n in slabs)
+                head_read = lambda r: sum(coded.nbytes(s, n) for s, n in slabs if s >= r)  # noqa: E731
     embed_info = index[prefix + EMBED] if embed else None
     row = embed_info.nbytes // max(1, embed_info.shape[0]) if embed_info is not None else 0
     embed_rows = min(embed, max(row, EMBED_ROWS_BYTES // max(1, row) * row))  # what DenseStreamer.embed reads at once
     k = max(1, min(p.layout.top_k, p.layout.num_experts))
     return _Parts(pinned, unread, embed, head, tied, dict(sorted(layers.items())), head_slab, embed_rows,
                   p.max_expert_bytes, k * p.max_expert_bytes, head_shape,
-                  head_info is not None and head_info.codec is not None)
+                  head_info is not None and head_info.codec is not None, first_rows, head_read)
+
+
+_CODED_HEADS: dict[tuple, "_CodedRows"] = {}
+
+
+def _coded_head(info: TensorInfo) -> "_CodedRows | None":
+    """The coded head's rows (base bytes and exception table read once a process), None where its file cannot be
+    read here."""
+    key = (str(info.file), info.offset, info.nbytes)
+    if key not in _CODED_HEADS:
+        try:
+            _CODED_HEADS[key] = _CodedRows(info)
+        except OSError:
+            return None
+    return _CODED_HEADS[key]
 
 
 # A streamed lm_head keeps its first rows resident out of what the expert cache would have beyond this many top_k
@@ -184,14 +215,14 @@ HEAD_ROWS_CACHE_KEEP = 2
 
 def _head_rows(parts: _Parts, spare: int) -> int:
     """How many leading rows of a streamed head fit `spare` bytes: a slab boundary (head_slabs), so the resident
-    part and the slabs after it run the chunks the whole head would; 0 for a coded head (its rows' sizes are known
-    only from its bytes)."""
-    if parts.head_shape is None or parts.head_coded or spare <= 0:
+    part and the slabs after it run the chunks the whole head would; 0 for a coded head whose bytes cannot be read
+    here (its rows' sizes are known only from them)."""
+    if parts.head_shape is None or parts.head_prefix is None or spare <= 0:
         return 0
     rows, cols, row_bytes = parts.head_shape
     best = 0
     for start, n in head_slabs(rows, cols, row_bytes):
-        if (start + n) * row_bytes > spare or start + n >= rows:
+        if parts.head_prefix(start + n) > spare or start + n >= rows:
             break
         best = start + n
     return best
@@ -292,17 +323,19 @@ def plan_residency(p, budget: int | None, state_room: int = 0, head_rows: bool =
     out.stream_buffer_bytes = out.layer_buffer_bytes + 2 * out.head_slab_bytes + out.embed_rows_bytes
     out.resident_dense_bytes = (parts.pinned + sum(b for l, b in parts.layers.items() if l not in streamed)
                                 + (0 if head_s else table) + (0 if embed_s or parts.tied else parts.embed))
-    out.streamed_bytes_per_step = sum(parts.layers[l] for l in streamed) + (table if head_s else 0)
+    head_read = parts.head_read if head_s and parts.head_read is not None and not parts.tied else None
+    out.streamed_bytes_per_step = sum(parts.layers[l] for l in streamed) + \
+        ((head_read(0) if head_read else table) if head_s else 0)
     if budget is not None:
         out.cache_bytes = budget - out.resident_dense_bytes - out.stream_buffer_bytes - p.scratch_bytes
         if head_s and head_rows:
             keep = max(cache_min, HEAD_ROWS_CACHE_KEEP * parts.top_k_experts) + state_room
             rows = _head_rows(parts, out.cache_bytes - keep)
             if rows:
-                held = rows * parts.head_shape[2]
+                held = parts.head_prefix(rows)
                 out.head_resident_rows, out.head_resident_bytes = rows, held
                 out.resident_dense_bytes += held
-                out.streamed_bytes_per_step -= held
+                out.streamed_bytes_per_step -= head_read(0) - head_read(rows) if head_read else held
                 out.cache_bytes -= held
     return out
 
@@ -437,8 +470,11 @@ class DenseStreamer:
         if plan.head_streamed and plan.head_resident_rows:
             info = self._table_info(HEAD if not plan.tied else EMBED)
             row = info.nbytes // info.shape[0]
-            t = torch.empty(plan.head_resident_rows, info.shape[1], dtype=info.torch_dtype)
-            read_range(info.file, info.offset, plan.head_resident_rows * row, out=_buffer(t.untyped_storage()))
+            if info.codec == "b12":  # a coded head's leading rows: a coded matrix of their own (_CodedRows)
+                t = _CodedRows(info).read(0, plan.head_resident_rows)
+            else:
+                t = torch.empty(plan.head_resident_rows, info.shape[1], dtype=info.torch_dtype)
+                read_range(info.file, info.offset, plan.head_resident_rows * row, out=_buffer(t.untyped_storage()))
             memory.add_dense(t.numel() * t.element_size())
             self.head_part = t
 
@@ -582,7 +618,7 @@ class DenseStreamer:
         info = self._table_info(HEAD if not self.plan.tied else EMBED)
         vocab, hidden = info.shape
         row = info.nbytes // vocab
-        first = 0 if self.head_part is None else self.head_part.shape[0]
+        first = 0 if self.head_part is None else self.plan.head_resident_rows
         slabs = [(s, n) for s, n in head_slabs(vocab, hidden, row) if s >= first]  # first: a slab boundary
         out = torch.empty(x.shape[0], vocab, dtype=torch.float32)
         if first:
