@@ -134,9 +134,10 @@ def test_streamed_slabs_carry_their_rows_exceptions(tmp_path):
     path.write_bytes(bytes(128) + coded.numpy().tobytes())
     rows = _CodedRows(TensorInfo("m", path, 128, coded.numel(), "BF16", (200, 128), "b12"))
     for start, n in ((0, 20), (3, 5), (30, 17), (0, 200), (190, 10)):
-        slab = rows.read(start, n)
-        assert slab.numel() == rows.nbytes(start, n)
-        assert torch.equal(_bits(b12.decode(slab, n, 128)), _bits(w[start:start + n])), (start, n)
+        for direct in (False, True):  # its slots by a buffered read, or by one O_DIRECT read where it is allowed
+            slab = rows.read(start, n, direct=direct)
+            assert slab.numel() == rows.nbytes(start, n)
+            assert torch.equal(_bits(b12.decode(slab, n, 128)), _bits(w[start:start + n])), (start, n, direct)
     bad = bytearray(path.read_bytes())
     bad[128 + 200 * 192 + 256 + 4 * 20 + 3] = 0x7F  # an offset of the table out of order
     path.write_bytes(bytes(bad))

@@ -353,6 +353,31 @@ def _too_small(p, parts: _Parts, budget: int, floor: int, table: int, state_room
 
 
 # ---- streaming ----------------------------------------------------------------------------------------------
+def read_direct(file, offset: int, nbytes: int, extra: int = 0) -> tuple[mmap.mmap, int] | None:
+    """[offset, offset + nbytes) of a local file by one O_DIRECT read of the enclosing 4 KiB-aligned range into
+    fresh anonymous pages, with room for `extra` bytes after it: (the mapping, where the range starts in it). None
+    where O_DIRECT is refused or the file is not local (the caller reads buffered)."""
+    if not hasattr(os, "O_DIRECT") or not isinstance(file, Path):
+        return None
+    first = offset // ALIGN * ALIGN
+    size = -(-(offset + nbytes - first) // ALIGN) * ALIGN
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return None
+    try:
+        buf = mmap.mmap(-1, max(size, offset - first + nbytes + extra), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            done, _ = pread_fill(fd, [memoryview(buf)[:size]], first)
+        except OSError:
+            return None
+    finally:
+        os.close(fd)
+    if done < offset + nbytes - first:
+        raise CheckpointError(f"{file}: unexpected end of file at byte {first + done}")
+    return buf, offset - first
+
+
 def _buffer(storage) -> ctypes.Array:
     """A writable bytes view of a CPU storage (for positioned reads straight into it)."""
     return (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
@@ -423,12 +448,21 @@ class _CodedRows:
     def nbytes(self, start: int, n: int) -> int:
         return b12.coded_nbytes(n, self.k, len(self._raw(start, n)), self._exceptions(start, n))
 
-    def read(self, start: int, n: int) -> B12Weight:
+    def read(self, start: int, n: int, direct: bool = False) -> B12Weight:
+        """Rows [start, start + n) as a coded matrix; `direct`: their slots by one O_DIRECT read where the file
+        allows it (read_direct), the rest of the slab's bytes written after them in the same pages."""
         raw, exc = self._raw(start, n), self._exceptions(start, n)
-        buf = torch.zeros(b12.coded_nbytes(n, self.k, len(raw), exc), dtype=torch.uint8)
-        mem = _buffer(buf.untyped_storage())
+        total, slots = b12.coded_nbytes(n, self.k, len(raw), exc), n * self.slot
         f, at = self.info.file, self.info.offset
-        read_range(f, at + start * self.slot, n * self.slot, out=(ctypes.c_char * (n * self.slot)).from_buffer(mem))
+        got = read_direct(f, at + start * self.slot, slots, total - slots) if direct else None
+        if got is not None:
+            buf = torch.frombuffer(got[0], dtype=torch.uint8, offset=got[1], count=total)
+            buf[slots:].zero_()  # (the aligned read ran past the slots)
+        else:
+            buf = torch.zeros(total, dtype=torch.uint8)
+        mem = (ctypes.c_char * total).from_address(buf.data_ptr())
+        if got is None:
+            read_range(f, at + start * self.slot, slots, out=(ctypes.c_char * slots).from_buffer(mem))
         buf[n * self.slot:n * self.slot + n] = torch.frombuffer(self.bases[start:start + n], dtype=torch.uint8)
         head, width = n * self.slot + -(-n // 64) * 64, 2 * self.k
         if exc:  # the slab's own table: its rows' offsets from 0, then their entries
@@ -627,7 +661,7 @@ class DenseStreamer:
 
         def read(start: int, n: int) -> torch.Tensor:
             if coded is not None:
-                return coded.read(start, n)
+                return coded.read(start, n, direct=not self._no_direct)
             got = self._read_direct(info, info.offset + start * row, n * row)
             if got is not None:
                 return got.view(info.torch_dtype).view(n, hidden)
@@ -666,31 +700,15 @@ class DenseStreamer:
         return out
 
     def _read_direct(self, info: TensorInfo, offset: int, nbytes: int) -> torch.Tensor | None:
-        """[offset, offset + nbytes) of a local shard as uint8, by one O_DIRECT read of the enclosing 4 KiB-aligned
-        range into fresh anonymous pages (the tensor views them; they are unmapped with it). None where O_DIRECT or
-        the dtype's alignment does not allow it (the caller reads buffered)."""
-        if self._no_direct or not hasattr(os, "O_DIRECT") or not isinstance(info.file, Path) \
-                or (offset - offset // ALIGN * ALIGN) % 8:
+        """[offset, offset + nbytes) of a local shard as uint8 by one O_DIRECT read (read_direct); None where
+        O_DIRECT or the dtype's alignment does not allow it (the caller reads buffered)."""
+        if self._no_direct or (offset - offset // ALIGN * ALIGN) % 8:
             return None
-        first = offset // ALIGN * ALIGN
-        size = -(-(offset + nbytes - first) // ALIGN) * ALIGN
-        try:
-            fd = os.open(info.file, os.O_RDONLY | os.O_DIRECT)
-        except OSError:
+        got = read_direct(info.file, offset, nbytes)
+        if got is None:
             self._no_direct = True
             return None
-        try:
-            buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            try:
-                done, _ = pread_fill(fd, [memoryview(buf)], first)
-            except OSError:
-                self._no_direct = True
-                return None
-        finally:
-            os.close(fd)
-        if done < offset + nbytes - first:
-            raise CheckpointError(f"{info.file}: unexpected end of file at byte {first + done}")
-        return torch.frombuffer(buf, dtype=torch.uint8, offset=offset - first, count=nbytes)
+        return torch.frombuffer(got[0], dtype=torch.uint8, offset=got[1], count=nbytes)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
