@@ -20,7 +20,8 @@
  * exactly as it would over the bf16 matrix (one-row products in bf16_gemv's order, 2-15 rows in bf16_tile's, both
  * decoding in registers; more rows decode into a thread's scratch and run the bf16 kernels), so results are bit for
  * bit those of the bf16 weights.
- * A row with exceptions is decoded into a stack row of bf16 (its exceptions put in) and multiplied as a raw row is.
+ * The one-token GEMV and the 2-15-token tiles put a row's exceptions into the blocks that hold them after decoding
+ * them in registers (b12_patch_block); the other paths decode a row with exceptions into a row of bf16 first.
  * A matrix is passed to the GLU kernels as its address with bit 0 set (B12_TAG); bf16 addresses are even. */
 
 #define B12_TAG ((uintptr_t)1)
@@ -57,16 +58,35 @@ INLINE const uint16_t *b12_raw_row(const uint8_t *m, int64_t K, int64_t n) {
 INLINE int b12_plain(int base) { return base < B12_XFLAG; }
 INLINE int64_t b12_pad64(int64_t n) { return (n + 63) / 64 * 64; }
 
-/* row n's exceptions put into its decoded bf16 row dst (kernels/b12.py checked the table when the matrix was read) */
-static void b12_patch(const uint8_t *m, int64_t N, int64_t K, int64_t n, uint16_t *dst) {
+/* row n's exceptions as entries [*at, *end) (none for a row without: both NULL) */
+INLINE void b12_exc_range(const uint8_t *m, int64_t N, int64_t K, int64_t n, int base, const uint8_t **at,
+                          const uint8_t **end) {
+    if (b12_plain(base)) {
+        *at = *end = NULL;
+        return;
+    }
     const uint8_t *t = m + N * b12_slot(K) + b12_pad64(N);
     uint32_t lo, hi;
     memcpy(&lo, t + 4 * n, 4);
     memcpy(&hi, t + 4 * (n + 1), 4);
     const uint8_t *e = t + b12_pad64(4 * (N + 1));
-    for (uint32_t i = lo; i < hi; i++) {
+    *at = e + 4 * (int64_t)lo;
+    *end = e + 4 * (int64_t)hi;
+}
+
+INLINE int64_t b12_exc_pos(const uint8_t *at) {
+    uint32_t v;
+    memcpy(&v, at, 4);
+    return v >> 16;
+}
+
+/* row n's exceptions put into its decoded bf16 row dst (kernels/b12.py checked the table when the matrix was read) */
+static void b12_patch(const uint8_t *m, int64_t N, int64_t K, int64_t n, int base, uint16_t *dst) {
+    const uint8_t *at, *end;
+    b12_exc_range(m, N, K, n, base, &at, &end);
+    for (; at < end; at += 4) {
         uint32_t v;
-        memcpy(&v, e + 4 * (int64_t)i, 4);
+        memcpy(&v, at, 4);
         if ((int64_t)(v >> 16) < K) dst[v >> 16] = (uint16_t)(v & 0xFFFF); /* (a checked table always is) */
     }
 }
@@ -116,8 +136,27 @@ static void b12_decode_row(const uint8_t *m, int64_t N, int64_t K, int64_t n, ui
             dst[k + b12_weight(p)] = (uint16_t)(hi << 8 | s[p]);
         }
 #endif
-    if (!b12_plain(flagged)) b12_patch(m, N, K, n, dst);
+    if (!b12_plain(flagged)) b12_patch(m, N, K, n, flagged, dst);
 }
+
+#if MS_SIMD == 2
+/* the exceptions at *at that fall in the block of values [k, k + 64) put into its decoded values v0 (0-31), v1
+ * (32-63); *at moves past them. Rare (a row of K3's width holds one or two), so through memory. */
+static void b12_patch_block(__m512i *v0, __m512i *v1, int64_t k, const uint8_t **at, const uint8_t *end) {
+    uint16_t tmp[64];
+    _mm512_storeu_si512((void *)tmp, *v0);
+    _mm512_storeu_si512((void *)(tmp + 32), *v1);
+    for (; *at < end; *at += 4) {
+        uint32_t v;
+        memcpy(&v, *at, 4);
+        const int64_t p = v >> 16;
+        if (p >= k + 64) break;
+        if (p >= k) tmp[p - k] = (uint16_t)(v & 0xFFFF);
+    }
+    *v0 = _mm512_loadu_si512((const void *)tmp);
+    *v1 = _mm512_loadu_si512((const void *)(tmp + 32));
+}
+#endif
 
 /* row n of a coded matrix as bf16: where it is stored whole, or (with exceptions) decoded into buf [K] */
 INLINE const uint16_t *b12_row_bf16(const uint8_t *m, int64_t N, int64_t K, int64_t n, int base, uint16_t *buf) {
@@ -135,19 +174,20 @@ INLINE const uint16_t *b12_row_bf16(const uint8_t *m, int64_t N, int64_t K, int6
  * "b12"). */
 static void b12_gemv(const float *x, int64_t K, const uint8_t *m, int64_t N, int64_t n0, int64_t n1, float *out) {
     const uint8_t *bases = m + N * b12_slot(K);
-    uint16_t xrow[B12_MAX_XK]; /* a row with exceptions, decoded */
     for (int64_t n = n0; n < n1; n++) {
         const int base = bases[n];
-        if (!b12_plain(base)) {
-            bf16_gemv(x, K, b12_row_bf16(m, N, K, n, base, xrow), 0, 1, out + (n - n0));
+        if (base == B12_RAW) {
+            bf16_gemv(x, K, b12_raw_row(m, K, n), 0, 1, out + (n - n0));
             continue;
         }
-        const __m512i table = b12_table(base);
-        const uint8_t *s = m + n * b12_slot(K);
+        const __m512i table = b12_table(base & 0x7F);
+        const uint8_t *s = m + n * b12_slot(K), *xa, *xe;
+        b12_exc_range(m, N, K, n, base, &xa, &xe);
         vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
         for (int64_t k = 0; k < K; k += 64, s += 96) {
             vw_t v0, v1;
             b12_block(s, table, &v0, &v1);
+            if (xa < xe && b12_exc_pos(xa) < k + 64) b12_patch_block(&v0, &v1, k, &xa, xe);
             a0 = vfma(veven(v0), vloadf(x + k), a0);
             a1 = vfma(vodd(v0), vloadf(x + k + VW), a1);
             a2 = vfma(veven(v1), vloadf(x + k + GW), a2);
@@ -159,19 +199,20 @@ static void b12_gemv(const float *x, int64_t K, const uint8_t *m, int64_t N, int
 #endif
 
 #if MS_SIMD == 2
-/* R coded rows from row n (none stored whole) times TT tokens (prepared x, stride ldx) -> out[t * ldo + r]:
+/* R coded rows from row n (none stored whole; exceptions put in, b12_patch_block) times TT tokens (prepared x, stride ldx) -> out[t * ldo + r]:
  * bf16_tile's sums (one accumulator per row and token, each 32-value half's even values then its odd ones), with
  * each 64-value block decoded in registers once for all TT tokens instead of into a scratch row first. Two rows a
  * pass keep enough independent sums in flight for two or three tokens. */
 INLINE void b12_tile(const float *x, int64_t ldx, const uint8_t *m, int64_t N, int64_t K, int64_t n, float *out,
                      int64_t ldo, const int R, const int TT) {
-    const uint8_t *bases = m + N * b12_slot(K), *s[2];
+    const uint8_t *bases = m + N * b12_slot(K), *s[2], *xa[2], *xe[2];
     __m512i table[2];
     vf acc[2][TILE_T];
 #pragma GCC unroll 2
     for (int r = 0; r < R; r++) {
-        table[r] = b12_table(bases[n + r]);
+        table[r] = b12_table(bases[n + r] & 0x7F);
         s[r] = m + (n + r) * b12_slot(K);
+        b12_exc_range(m, N, K, n + r, bases[n + r], &xa[r], &xe[r]);
 #pragma GCC unroll 8
         for (int t = 0; t < TT; t++) acc[r][t] = vzero();
     }
@@ -180,6 +221,7 @@ INLINE void b12_tile(const float *x, int64_t ldx, const uint8_t *m, int64_t N, i
         for (int r = 0; r < R; r++) {
             vw_t v0, v1;
             b12_block(s[r] + o, table[r], &v0, &v1);
+            if (xa[r] < xe[r] && b12_exc_pos(xa[r]) < k + 64) b12_patch_block(&v0, &v1, k, &xa[r], xe[r]);
             const vf e0 = veven(v0), o0 = vodd(v0), e1 = veven(v1), o1 = vodd(v1);
 #pragma GCC unroll 8
             for (int t = 0; t < TT; t++) {
@@ -215,18 +257,17 @@ static void b12_block_rows(const float *x, int64_t ldx, int tt, const uint8_t *m
 static void b12_rows_few(const float *x, int64_t ldx, int64_t T, int64_t K, const uint8_t *m, int64_t N, int64_t n0,
                          int64_t n1, float *out, int64_t ldo) {
     const uint8_t *bases = m + N * b12_slot(K);
-    uint16_t xrow[B12_MAX_XK]; /* a row with exceptions, decoded */
     for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
         const int tt = (int)(T - t0 < TILE_T ? T - t0 : TILE_T);
         const float *xt = x + t0 * ldx;
         for (int64_t n = n0; n < n1;) {
             float *o = out + t0 * ldo + (n - n0);
-            if (!b12_plain(bases[n])) {
-                bf16_block(xt, ldx, tt, b12_row_bf16(m, N, K, n, bases[n], xrow), K, o, ldo, 1);
+            if (bases[n] == B12_RAW) {
+                bf16_block(xt, ldx, tt, b12_raw_row(m, K, n), K, o, ldo, 1);
                 n++;
                 continue;
             }
-            const int rows = n + 1 < n1 && b12_plain(bases[n + 1]) ? 2 : 1;
+            const int rows = n + 1 < n1 && bases[n + 1] != B12_RAW ? 2 : 1;
             b12_block_rows(xt, ldx, tt, m, N, K, n, o, ldo, rows);
             n += rows;
         }
