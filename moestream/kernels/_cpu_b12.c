@@ -158,14 +158,28 @@ static void b12_patch_block(__m512i *v0, __m512i *v1, int64_t k, const uint8_t *
 }
 #endif
 
-/* row n of a coded matrix as bf16: where it is stored whole, or (with exceptions) decoded into buf [K] */
-INLINE const uint16_t *b12_row_bf16(const uint8_t *m, int64_t N, int64_t K, int64_t n, int base, uint16_t *buf) {
-    if (base == B12_RAW) return b12_raw_row(m, K, n);
-    b12_decode_row(m, N, K, n, buf);
-    return buf;
+#if MS_SIMD == 2
+/* row n (with exceptions) times x: b12_gemv's loop with the blocks that hold an exception patched
+ * (b12_patch_block). Out of line and after the other rows: with the check in b12_gemv's own loop, or this loop
+ * beside it, the peer's one-token grouped expert call (which has no such rows) ran 0.94-0.97x as fast. */
+__attribute__((noinline)) static float b12_row_exc(const float *x, int64_t K, const uint8_t *m, int64_t N, int64_t n) {
+    const int base = m[N * b12_slot(K) + n];
+    const __m512i table = b12_table(base & 0x7F);
+    const uint8_t *s = m + n * b12_slot(K), *xa, *xe;
+    b12_exc_range(m, N, K, n, base, &xa, &xe);
+    vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+    for (int64_t k = 0; k < K; k += 64, s += 96) {
+        vw_t v0, v1;
+        b12_block(s, table, &v0, &v1);
+        if (xa < xe && b12_exc_pos(xa) < k + 64) b12_patch_block(&v0, &v1, k, &xa, xe);
+        a0 = vfma(veven(v0), vloadf(x + k), a0);
+        a1 = vfma(vodd(v0), vloadf(x + k + VW), a1);
+        a2 = vfma(veven(v1), vloadf(x + k + GW), a2);
+        a3 = vfma(vodd(v1), vloadf(x + k + GW + VW), a3);
+    }
+    return vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
 }
 
-#if MS_SIMD == 2
 /* One token, rows [n0, n1) of the coded matrix: bf16_gemv's loop (the same four accumulators over the same
  * 64-value steps, so the same sums) with each step's 128 bytes of bf16 replaced by 96 coded bytes decoded in
  * registers. In a standalone stream of 302 MB of coded rows from DRAM, two threads, the coded bytes read at 34-52
@@ -174,20 +188,23 @@ INLINE const uint16_t *b12_row_bf16(const uint8_t *m, int64_t N, int64_t K, int6
  * "b12"). */
 static void b12_gemv(const float *x, int64_t K, const uint8_t *m, int64_t N, int64_t n0, int64_t n1, float *out) {
     const uint8_t *bases = m + N * b12_slot(K);
+    int exc = 0; /* rows with exceptions: after the others (b12_row_exc) */
     for (int64_t n = n0; n < n1; n++) {
         const int base = bases[n];
         if (base == B12_RAW) {
             bf16_gemv(x, K, b12_raw_row(m, K, n), 0, 1, out + (n - n0));
             continue;
         }
-        const __m512i table = b12_table(base & 0x7F);
-        const uint8_t *s = m + n * b12_slot(K), *xa, *xe;
-        b12_exc_range(m, N, K, n, base, &xa, &xe);
+        if (!b12_plain(base)) {
+            exc = 1;
+            continue;
+        }
+        const __m512i table = b12_table(base);
+        const uint8_t *s = m + n * b12_slot(K);
         vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
         for (int64_t k = 0; k < K; k += 64, s += 96) {
             vw_t v0, v1;
             b12_block(s, table, &v0, &v1);
-            if (xa < xe && b12_exc_pos(xa) < k + 64) b12_patch_block(&v0, &v1, k, &xa, xe);
             a0 = vfma(veven(v0), vloadf(x + k), a0);
             a1 = vfma(vodd(v0), vloadf(x + k + VW), a1);
             a2 = vfma(veven(v1), vloadf(x + k + GW), a2);
@@ -195,6 +212,8 @@ static void b12_gemv(const float *x, int64_t K, const uint8_t *m, int64_t N, int
         }
         out[n - n0] = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
     }
+    for (int64_t n = n0; exc && n < n1; n++)
+        if (!b12_plain(bases[n]) && bases[n] != B12_RAW) out[n - n0] = b12_row_exc(x, K, m, N, n);
 }
 #endif
 
@@ -204,7 +223,7 @@ static void b12_gemv(const float *x, int64_t K, const uint8_t *m, int64_t N, int
  * each 64-value block decoded in registers once for all TT tokens instead of into a scratch row first. Two rows a
  * pass keep enough independent sums in flight for two or three tokens. */
 INLINE void b12_tile(const float *x, int64_t ldx, const uint8_t *m, int64_t N, int64_t K, int64_t n, float *out,
-                     int64_t ldo, const int R, const int TT) {
+                     int64_t ldo, const int R, const int TT, const int X) {
     const uint8_t *bases = m + N * b12_slot(K), *s[2], *xa[2], *xe[2];
     __m512i table[2];
     vf acc[2][TILE_T];
@@ -221,7 +240,7 @@ INLINE void b12_tile(const float *x, int64_t ldx, const uint8_t *m, int64_t N, i
         for (int r = 0; r < R; r++) {
             vw_t v0, v1;
             b12_block(s[r] + o, table[r], &v0, &v1);
-            if (xa[r] < xe[r] && b12_exc_pos(xa[r]) < k + 64) b12_patch_block(&v0, &v1, k, &xa[r], xe[r]);
+            if (X && xa[r] < xe[r] && b12_exc_pos(xa[r]) < k + 64) b12_patch_block(&v0, &v1, k, &xa[r], xe[r]);
             const vf e0 = veven(v0), o0 = vodd(v0), e1 = veven(v1), o1 = vodd(v1);
 #pragma GCC unroll 8
             for (int t = 0; t < TT; t++) {
@@ -239,15 +258,17 @@ INLINE void b12_tile(const float *x, int64_t ldx, const uint8_t *m, int64_t N, i
         for (int t = 0; t < TT; t++) out[t * ldo + r] = vsum(acc[r][t]);
 }
 
-#define B12_CASE(R, TT) \
-    case TT: b12_tile(x, ldx, m, N, K, n, out, ldo, R, TT); break;
-#define B12_SWITCH(R)                                                                               \
-    switch (tt) { B12_CASE(R, 1) B12_CASE(R, 2) B12_CASE(R, 3) B12_CASE(R, 4) B12_CASE(R, 5)       \
-                  B12_CASE(R, 6) B12_CASE(R, 7) B12_CASE(R, 8) }
+#define B12_CASE(R, TT, X) \
+    case TT: b12_tile(x, ldx, m, N, K, n, out, ldo, R, TT, X); break;
+#define B12_SWITCH(R, X)                                                                                          \
+    switch (tt) { B12_CASE(R, 1, X) B12_CASE(R, 2, X) B12_CASE(R, 3, X) B12_CASE(R, 4, X) B12_CASE(R, 5, X)      \
+                  B12_CASE(R, 6, X) B12_CASE(R, 7, X) B12_CASE(R, 8, X) }
 
+/* `rows` (1 or 2) coded rows from row n through b12_tile; exc: one row with exceptions (its own instance, so that
+ * the plain rows' loop carries no check) */
 static void b12_block_rows(const float *x, int64_t ldx, int tt, const uint8_t *m, int64_t N, int64_t K, int64_t n,
-                           float *out, int64_t ldo, int rows) {
-    if (rows == 2) { B12_SWITCH(2) } else { B12_SWITCH(1) }
+                           float *out, int64_t ldo, int rows, int exc) {
+    if (exc) { B12_SWITCH(1, 1) } else if (rows == 2) { B12_SWITCH(2, 0) } else { B12_SWITCH(1, 0) }
 }
 #undef B12_SWITCH
 #undef B12_CASE
@@ -267,8 +288,8 @@ static void b12_rows_few(const float *x, int64_t ldx, int64_t T, int64_t K, cons
                 n++;
                 continue;
             }
-            const int rows = n + 1 < n1 && bases[n + 1] != B12_RAW ? 2 : 1;
-            b12_block_rows(xt, ldx, tt, m, N, K, n, o, ldo, rows);
+            const int exc = !b12_plain(bases[n]), rows = !exc && n + 1 < n1 && b12_plain(bases[n + 1]) ? 2 : 1;
+            b12_block_rows(xt, ldx, tt, m, N, K, n, o, ldo, rows, exc);
             n += rows;
         }
     }

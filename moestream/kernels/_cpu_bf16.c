@@ -287,6 +287,34 @@ INLINE void brk_row(const uint16_t *wrow, const uint8_t *s, __m512i table, int64
     for (int g = 0; g < G; g++) y[g * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(a0[g], a1[g]));
 }
 
+/* one weight row (bf16 at wrow, or the b12 slot s with its table) times the T tokens' bf16 rows, BRK_G a pass */
+INLINE void brk_tokens(const uint16_t *wrow, const uint8_t *s, __m512i table, int64_t K, const uint16_t *xb,
+                       int64_t ldb, int64_t T, float *y, int64_t ldy) {
+    for (int64_t t0 = 0; t0 < T; t0 += BRK_G) {
+        const uint16_t *xo = xb + t0 * ldb;
+        float *yo = y + t0 * ldy;
+        switch (T - t0 < BRK_G ? T - t0 : BRK_G) {
+        case 1: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 1); break;
+        case 2: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 2); break;
+        case 3: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 3); break;
+        case 4: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 4); break;
+        case 5: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 5); break;
+        case 6: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 6); break;
+        case 7: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 7); break;
+        default: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 8); break;
+        }
+    }
+}
+
+/* a coded row with exceptions (pack codes no expert so: a checked file may still hold one), decoded into a stack
+ * row first; out of line, so that brk_rows carries no such buffer */
+__attribute__((noinline)) static void brk_row_exc(const uint8_t *m, int64_t N, int64_t K, int64_t n, const uint16_t *xb,
+                                                  int64_t ldb, int64_t T, float *y, int64_t ldy) {
+    uint16_t xrow[B12_MAX_XK];
+    b12_decode_row(m, N, K, n, xrow);
+    brk_tokens(xrow, NULL, _mm512_setzero_si512(), K, xb, ldb, T, y, ldy);
+}
+
 /* y[t * ldy + n - n0] = row n of w [N, K] (bf16, or b12 at a tagged address) times token t's bf16 row xb + t * ldb,
  * for rows [n0, n1) and tokens t < T, BRK_G tokens a pass over the row (a row of two weight rows a pass, so that each
  * load of x served both, ran slower from memory: 15.8 against 22.1 GB/s at one row an expert) */
@@ -294,34 +322,23 @@ static void brk_rows(const uint16_t *w, int64_t N, int64_t K, int64_t n0, int64_
                      int64_t T, float *y, int64_t ldy) {
     const int coded = b12_tagged(w);
     const uint8_t *m = b12_addr(w);
-    uint16_t xrow[B12_MAX_XK]; /* a coded row with exceptions, decoded */
     for (int64_t n = n0; n < n1; n++) {
         const uint16_t *wrow = coded ? NULL : w + n * K;
         const uint8_t *s = NULL;
         __m512i table = _mm512_setzero_si512();
         if (coded) {
             const int base = m[N * b12_slot(K) + n];
-            if (!b12_plain(base)) {
-                wrow = b12_row_bf16(m, N, K, n, base, xrow);
+            if (base == B12_RAW) {
+                wrow = b12_raw_row(m, K, n);
+            } else if (!b12_plain(base)) {
+                brk_row_exc(m, N, K, n, xb, ldb, T, y + (n - n0), ldy);
+                continue;
             } else {
                 s = m + n * b12_slot(K);
                 table = b12_table(base);
             }
         }
-        for (int64_t t0 = 0; t0 < T; t0 += BRK_G) {
-            const uint16_t *xo = xb + t0 * ldb;
-            float *yo = y + t0 * ldy + (n - n0);
-            switch (T - t0 < BRK_G ? T - t0 : BRK_G) {
-            case 1: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 1); break;
-            case 2: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 2); break;
-            case 3: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 3); break;
-            case 4: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 4); break;
-            case 5: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 5); break;
-            case 6: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 6); break;
-            case 7: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 7); break;
-            default: brk_row(wrow, s, table, K, xo, ldb, yo, ldy, 8); break;
-            }
-        }
+        brk_tokens(wrow, s, table, K, xb, ldb, T, y + (n - n0), ldy);
     }
 }
 #endif
