@@ -31,7 +31,8 @@ test: venv
 # asan_kernels.py), then their tests and the checkpoint fuzz run with libasan preloaded. Any out-of-bounds access
 # aborts the run with ASan's report.
 ASAN_CACHE ?= /tmp/moestream-asan
-ASAN_TESTS ?= tests/test_native_kernels.py tests/test_fuzz_checkpoints.py tests/test_checkpoint_experts.py
+ASAN_TESTS ?= tests/test_native_kernels.py tests/test_fuzz_checkpoints.py tests/test_checkpoint_experts.py \
+	tests/test_b12x.py
 asan: venv
 	rm -rf $(ASAN_CACHE)
 	XDG_CACHE_HOME=$(ASAN_CACHE) $(BIN)/python tools/asan_kernels.py

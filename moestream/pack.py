@@ -184,8 +184,8 @@ def plan_pack(src: str | Path, dense_shard_bytes: int = DENSE_SHARD_BYTES,
 # row's codes cannot give: coded as experts are, the full-width synthetic K3's lm_head (7168 wide) had 60% of its rows
 # stored whole (each costs its slot besides: 1.75x bf16), 1.35x its bf16 size. Dense matrices therefore keep such
 # values as exceptions beside their row (b12.py's b12x form, the manifest's codec "b12x" where a matrix has any),
-# and store a row whole only where its exceptions would take more than its values' bytes. Expert matrices are
-# coded without exceptions (the GLU kernels decode a row with exceptions into scratch, off their register path).
+# and store a row whole only where its exceptions would take more than K bytes. Expert matrices are coded without
+# exceptions (a row with them leaves the kernels' register loops for an out-of-line one, or a decoded row).
 CODED_MAX = 0.9
 DENSE_B12X = "b12x"  # a coded dense matrix with exceptions (kernels/b12.py): the manifest names it so, so that a
 #                      reader without them refuses the pack instead of multiplying placeholders

@@ -51,7 +51,8 @@ def streamable(name: str, info: TensorInfo) -> bool:
     return len(info.shape) == 2 and min(info.shape) > 1 and not name.endswith(_ROUTERS)
 
 
-HEAD_SLAB_MIN_ROWS = 16  # products of 16+ tokens by a matrix of under 12 rows sum in another order than inside a larger one
+# products of 16+ tokens by a matrix of under 12 rows sum in another order than inside a larger one
+HEAD_SLAB_MIN_ROWS = 16
 
 
 def head_slabs(rows: int, cols: int, row_bytes: int) -> list[tuple[int, int]]:

@@ -218,7 +218,8 @@ static void b12_gemv(const float *x, int64_t K, const uint8_t *m, int64_t N, int
 #endif
 
 #if MS_SIMD == 2
-/* R coded rows from row n (none stored whole; exceptions put in, b12_patch_block) times TT tokens (prepared x, stride ldx) -> out[t * ldo + r]:
+/* R coded rows from row n (none stored whole; exceptions put in, b12_patch_block) times TT tokens (prepared x,
+ * stride ldx) -> out[t * ldo + r]:
  * bf16_tile's sums (one accumulator per row and token, each 32-value half's even values then its odd ones), with
  * each 64-value block decoded in registers once for all TT tokens instead of into a scratch row first. Two rows a
  * pass keep enough independent sums in flight for two or three tokens. */
