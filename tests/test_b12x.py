@@ -11,17 +11,9 @@ import torch
 
 from moestream.kernels import b12, cpu, fused
 from moestream.models import blocks
+from test_b12 import _bits, _matrix
 
 native = pytest.mark.skipif(not cpu.available(), reason="native kernels not built")
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int16)
-
-
-def _matrix(n: int, k: int, seed: int = 0, std: float = 0.05) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, k, generator=g) * std).bfloat16()
 
 
 def _with_misfits(n: int, k: int, seed: int) -> torch.Tensor:
