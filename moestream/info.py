@@ -74,6 +74,7 @@ class ModelInfo:
     total_bytes: int = 0  # dense + routed experts, on disk (text model only)
     config_only: bool = False  # sized from config.json through the family's tensor inventory (no shards present)
     expert_codec: str | None = None  # how a pack stores its routed experts beyond their dtype ("b12"), else None
+    dense_coded: tuple[int, int, int] = (0, 0, 0)  # a pack's b12-coded dense matrices: (count, bytes, bytes as bf16)
     budget: BudgetFit | None = None
 
     def to_json(self) -> dict:
@@ -141,6 +142,8 @@ def _build(path: str | Path, p: ModelPlan, ram_budget: int | None) -> ModelInfo:
     info.total_bytes = info.dense_bytes + info.expert_bytes
     info.config_only = index.virtual
     info.expert_codec = _expert_codec(p)
+    coded = [index[n] for n in p.dense_names if index[n].codec is not None]
+    info.dense_coded = (len(coded), sum(t.nbytes for t in coded), sum(2 * t.shape[0] * t.shape[1] for t in coded))
     if ram_budget is not None:
         info.budget = budget_fit(info, p, ram_budget)
     return info

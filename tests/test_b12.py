@@ -183,7 +183,8 @@ def test_coded_pack_logits_and_tokens_are_the_originals(coded):
 
 
 def test_info_names_a_packs_coding(coded, capsys):
-    """`moestream info` of a coded pack says so next to the (coded) size of an expert; the original says nothing."""
+    """`moestream info` of a coded pack says so next to the (coded) size of an expert and its dense bytes; the
+    original says nothing."""
     from moestream.info import model_info
 
     src, dst = coded
@@ -191,8 +192,13 @@ def test_info_names_a_packs_coding(coded, capsys):
     assert model_info(dst).bytes_per_expert < model_info(src).bytes_per_expert
     for path, coded_ in ((src, False), (dst, True)):
         assert main(["info", str(path)]) == 0
-        line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("experts:"))
+        out = capsys.readouterr().out.splitlines()
+        line = next(ln for ln in out if ln.startswith("experts:"))
         assert ("b12-coded" in line) == coded_, line
+        dense = next(ln for ln in out if ln.startswith("dense bytes:"))  # and of its coded dense matrices
+        assert ("b12-coded matrices" in dense) == coded_, dense
+    n, nbytes, bf16 = model_info(dst).dense_coded
+    assert n >= 2 and 0 < nbytes < bf16 and model_info(src).dense_coded == (0, 0, 0)
 
 
 def test_damaged_coded_manifest_is_refused(coded, tmp_path):

@@ -66,7 +66,9 @@ def render(i: ModelInfo) -> str:
         f"({i.total_params} / {i.active_params})",
         f"weights:      {format_bytes(i.total_bytes)} ({i.total_bytes})"
         + ("  [sized from config.json alone: no shards here]" if i.config_only else ""),
-        f"dense bytes:  {format_bytes(i.dense_bytes)} ({i.dense_bytes})",
+        f"dense bytes:  {format_bytes(i.dense_bytes)} ({i.dense_bytes})"
+        + (f", of which {i.dense_coded[0]} b12-coded matrices: {format_bytes(i.dense_coded[1])} "
+           f"({format_bytes(i.dense_coded[2])} as bf16)" if i.dense_coded[0] else ""),
         f"expert bytes: {format_bytes(i.expert_bytes)} ({i.expert_bytes}), paged on demand",
         f"cold read:    {format_bytes(i.expert_bytes_per_token_cold)} of experts per token with an empty cache "
         f"({moe} layers x {i.top_k} experts)",
