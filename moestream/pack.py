@@ -177,8 +177,8 @@ def plan_pack(src: str | Path, dense_shard_bytes: int = DENSE_SHARD_BYTES,
 # `linear_many` or the one-call decode layer (which read the coded bytes): the untied lm_head of any family, the
 # dense and shared-expert GLU MLPs (`{gate,up,down}_proj` under `mlp`, `mlp.shared_experts` or
 # `block_sparse_moe.shared_experts`: models/base.py dense_glu, latent_moe's shared experts), and the attention
-# projections of the GQA families. Others (MLA's kv_b fold, KDA's checked shapes, the embedding's row gathers,
-# routers, K3's latent projections) stay bf16.
+# projections of the GQA families and Kimi K3's attention and latent projections (CODED_K3). Others (MLA's kv_b
+# fold, the other MLA / KDA families' attention, the embedding's row gathers, routers) stay bf16.
 # A dense matrix (an expert tensor: over all of its experts) is stored coded only where that saves at least a tenth
 # of its bytes. Wide rows of Gaussian-like values often hold a value 2^15 or more below their largest, which the
 # row's codes cannot give: coded as experts are, the full-width synthetic K3's lm_head (7168 wide) had 60% of its rows
@@ -194,6 +194,11 @@ CODED_GQA = ("qwen3_moe", "mixtral", "gpt_oss")
 CODED_GQA_SUFFIXES = tuple(f".self_attn.{n}_proj.weight" for n in "qkvo")
 CODED_MLP = re.compile(r"model\.layers\.\d+\.(mlp|mlp\.shared_experts|block_sparse_moe\.shared_experts)\."
                        r"(gate|up|down)_proj\.weight")
+# Kimi K3's attention (KDA's q/k/v/g/o/b/f_a/f_b and MLA's q_a/q_b/kv_a/g/o projections) and its latent projections
+# around the routed experts: every one multiplied by `linear` (MLA's kv_b, folded by row ranges, stays bf16). At full
+# width they are 78 of its 114 GB of dense weights.
+CODED_K3 = re.compile(r"model\.layers\.\d+\.(self_attn\.(q|k|v|g|o|b|f_a|f_b|q_a|q_b)_proj|"
+                      r"self_attn\.kv_a_proj_with_mqa|block_sparse_moe\.routed_expert_(down|up)_proj)\.weight")
 
 
 def _dense_codable(t: TensorInfo, p) -> bool:
@@ -203,7 +208,7 @@ def _dense_codable(t: TensorInfo, p) -> bool:
         return False
     if name == CODED_HEAD:
         return not bool(getattr(p.config, "tie", False))
-    if CODED_MLP.fullmatch(name):
+    if CODED_MLP.fullmatch(name) or (family.model_type == "kimi_k3" and CODED_K3.fullmatch(name)):
         return True
     return family.model_type in CODED_GQA and name.startswith("model.layers.") and name.endswith(CODED_GQA_SUFFIXES)
 

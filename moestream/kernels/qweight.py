@@ -30,6 +30,11 @@ def dense_scratch_bytes(largest: int) -> int:
     return min(DENSE_CHUNK_BYTES, 4 * largest) * 3 // 2
 
 
+def matrix_shape(w: Tensor) -> tuple[int, ...]:
+    """A weight's [out, in] shape: a QuantWeight's (its stored codes have another) or the tensor's own."""
+    return (w.out_features, w.in_features) if isinstance(w, QuantWeight) else tuple(w.shape)
+
+
 class QuantWeight(Tensor):
     """Stored codes as a plain-storage tensor plus scales. Torch ops on it see raw codes (no subclass propagation):
     reach values only through `linear`, `rows` or `float`."""

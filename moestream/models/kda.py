@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from moestream.memory.state import Batch, SeqState, scratch, scratch_budget
 from moestream.errors import CheckpointError, UnsupportedModelError
 from moestream.kernels import cpu
+from moestream.kernels.qweight import matrix_shape
 from moestream.models.blocks import linear, rms_norm
 
 DECAYS = ("softplus", "lower_bound_sigmoid")
@@ -72,8 +73,9 @@ class KDAMixer:
         self.conv = [w.get(f"{p}.{n}_conv1d.weight") for n in "qkv"]  # [C, 1, K] each
         width = opt.heads * opt.head_dim
         for n, proj, conv in zip("qkv", self.proj, self.conv):
-            if proj.dim() != 2 or proj.shape[0] != width or tuple(conv.shape) != (width, 1, opt.conv_kernel):
-                raise CheckpointError(f"{p}.{n}_proj / {n}_conv1d have shapes {list(proj.shape)} / "
+            shape = matrix_shape(proj)  # (a b12-coded projection's stored bytes have another shape)
+            if len(shape) != 2 or shape[0] != width or tuple(conv.shape) != (width, 1, opt.conv_kernel):
+                raise CheckpointError(f"{p}.{n}_proj / {n}_conv1d have shapes {list(shape)} / "
                                       f"{list(conv.shape)}: config.json's KDA heads x head_dim is {width} and its "
                                       f"conv kernel {opt.conv_kernel}")
         self.f_a, self.f_b = w.get(f"{p}.f_a_proj.weight"), w.get(f"{p}.f_b_proj.weight")

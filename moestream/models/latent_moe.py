@@ -13,6 +13,7 @@ import torch
 from moestream.errors import CheckpointError
 from moestream.experts.store import PartViews
 from moestream.kernels import cpu
+from moestream.kernels.qweight import matrix_shape
 from moestream.kernels.quant import (GROUP_DECODE_BYTES, check_mxfp4_scales, mxfp4_decode_planes, mxfp4_linear,
                                      mxfp4_permute_input)
 from moestream.models.base import routed, router
@@ -207,7 +208,7 @@ class LatentMoE:
         ids, weights = self.route(x)  # [T, k] each
         z = linear(x, self.down)  # [T, latent]
         # the experts see z; the lookahead runs the next layer's full-width router on x
-        y = self.runner.run(self.layer, z, ids, weights, self.fn, out_dim=self.down.shape[0],
+        y = self.runner.run(self.layer, z, ids, weights, self.fn, out_dim=matrix_shape(self.down)[0],
                             group=self.group, router_input=x)  # [T, latent]
         if self.norm is not None:
             y = latent_norm(y, self.norm, self.eps)
