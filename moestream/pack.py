@@ -196,7 +196,7 @@ CODED_MLP = re.compile(r"model\.layers\.\d+\.(mlp|mlp\.shared_experts|block_spar
                        r"(gate|up|down)_proj\.weight")
 # Kimi K3's attention (KDA's q/k/v/g/o/b/f_a/f_b and MLA's q_a/q_b/kv_a/g/o projections) and its latent projections
 # around the routed experts: every one multiplied by `linear` (MLA's kv_b, folded by row ranges, stays bf16). At full
-# width they are 78 of its 114 GB of dense weights.
+# width they are 81 of its 114 GB of dense weights.
 CODED_K3 = re.compile(r"model\.layers\.\d+\.(self_attn\.(q|k|v|g|o|b|f_a|f_b|q_a|q_b)_proj|"
                       r"self_attn\.kv_a_proj_with_mqa|block_sparse_moe\.routed_expert_(down|up)_proj)\.weight")
 

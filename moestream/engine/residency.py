@@ -136,7 +136,6 @@ class _Parts:
     one_expert: int
     top_k_experts: int
     head_shape: tuple[int, int, int] | None = None  # (rows, cols, bytes a row) of the table serving as the head
-    head_coded: bool = False
     # the bytes of the head's first r rows (a coded head's from its base bytes and exception table); None where
     # they are not known (a coded head whose bytes cannot be read here), so no rows stay resident
     head_prefix: Callable[[int], int] | None = None
@@ -189,22 +188,22 @@ def _parts(p) -> _Parts:
     embed_rows = min(embed, max(row, EMBED_ROWS_BYTES // max(1, row) * row))  # what DenseStreamer.embed reads at once
     k = max(1, min(p.layout.top_k, p.layout.num_experts))
     return _Parts(pinned, unread, embed, head, tied, dict(sorted(layers.items())), head_slab, embed_rows,
-                  p.max_expert_bytes, k * p.max_expert_bytes, head_shape,
-                  head_info is not None and head_info.codec is not None, first_rows, head_read)
+                  p.max_expert_bytes, k * p.max_expert_bytes, head_shape, first_rows, head_read)
 
 
 _CODED_HEADS: dict[tuple, "_CodedRows"] = {}
 
 
 def _coded_head(info: TensorInfo) -> "_CodedRows | None":
-    """The coded head's rows (base bytes and exception table read once a process), None where its file cannot be
-    read here."""
-    key = (str(info.file), info.offset, info.nbytes)
-    if key not in _CODED_HEADS:
-        try:
+    """The coded head's rows (base bytes and exception table read once a process for a file as it is: its inode and
+    modification time are in the key), None where its file cannot be read here."""
+    try:
+        st = os.stat(info.file) if isinstance(info.file, Path) else None
+        key = (str(info.file), info.offset, info.nbytes, st and (st.st_ino, st.st_mtime_ns, st.st_size))
+        if key not in _CODED_HEADS:
             _CODED_HEADS[key] = _CodedRows(info)
-        except OSError:
-            return None
+    except OSError:
+        return None
     return _CODED_HEADS[key]
 
 
@@ -431,7 +430,8 @@ class _CodedRows:
             at = info.offset + self.n * self.slot + -(-self.n // 64) * 64
             head = read_range(info.file, at, 4 * (self.n + 1))
             count = int.from_bytes(bytes(head[-4:]), "little")
-            table = read_range(info.file, at, min(b12.table_nbytes(self.n, max(1, count)), info.nbytes))
+            table = read_range(info.file, at, min(b12.table_nbytes(self.n, max(1, count)),
+                                                  info.offset + info.nbytes - at))  # (check_table: too short)
             try:
                 got = b12.check_table(bases, torch.frombuffer(table, dtype=torch.uint8), self.n, self.k)
             except ValueError as e:
@@ -506,7 +506,7 @@ class DenseStreamer:
             info = self._table_info(HEAD if not plan.tied else EMBED)
             row = info.nbytes // info.shape[0]
             if info.codec == "b12":  # a coded head's leading rows: a coded matrix of their own (_CodedRows)
-                t = _CodedRows(info).read(0, plan.head_resident_rows)
+                t = (_coded_head(info) or _CodedRows(info)).read(0, plan.head_resident_rows)
             else:
                 t = torch.empty(plan.head_resident_rows, info.shape[1], dtype=info.torch_dtype)
                 read_range(info.file, info.offset, plan.head_resident_rows * row, out=_buffer(t.untyped_storage()))
@@ -658,7 +658,7 @@ class DenseStreamer:
         out = torch.empty(x.shape[0], vocab, dtype=torch.float32)
         if first:
             out[:, :first] = linear(x, self.head_part)
-        coded = _CodedRows(info) if info.codec == "b12" else None
+        coded = (_coded_head(info) or _CodedRows(info)) if info.codec == "b12" else None
 
         def read(start: int, n: int) -> torch.Tensor:
             if coded is not None:
