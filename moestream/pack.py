@@ -283,7 +283,7 @@ def _size_coded(pp: PackPlan, progress: Progress) -> None:
         for shard in pp.dense_shards:
             for t in shard:
                 if t.name in pp.dense_codable:
-                    counts = [(b12.scan(w), b12.scan(w, exceptions=True)) for _, w in src.row_slabs(t)]
+                    counts = [b12.scan_forms(w) for _, w in src.row_slabs(t)]
                     # the smaller form: a small matrix's table can cost more than the rows it saves storing whole
                     raw, exc = min(((sum(c[x][0] for c in counts), sum(c[x][1] for c in counts)) for x in (0, 1)),
                                    key=lambda f: b12.coded_nbytes(*t.shape, *f))

@@ -96,10 +96,10 @@ def _residency_lines(r: ResidencyPlan) -> list[str]:
         lines.append(f"  lm_head:    first {r.head_resident_rows} rows resident "
                      f"({format_bytes(r.head_resident_bytes)}), the rest read in slabs of "
                      f"{format_bytes(r.head_slab_bytes)}, the next in flight "
-                     f"({format_bytes((r.head_bytes or r.embed_bytes) - r.head_resident_bytes)} per step)")
+                     f"({format_bytes(r.head_stream_bytes)} per step)")
     elif r.head_streamed:
         lines.append(f"  lm_head:    not resident: read in slabs of {format_bytes(r.head_slab_bytes)}, the next in "
-                     f"flight ({format_bytes(r.head_bytes or r.embed_bytes)} per step)")
+                     f"flight ({format_bytes(r.head_stream_bytes)} per step)")
     lines.append(f"  kept:       {format_bytes(r.pinned_bytes)} of norms, routers and other small tensors always; "
                  f"expert cache at least {format_bytes(r.min_cache_bytes)}")
     return lines

@@ -97,6 +97,7 @@ class ResidencyPlan:
     head_slab_bytes: int = 0  # the largest lm_head slab (two are in RAM while streaming)
     head_resident_rows: int = 0  # of a streamed head, rows [0, n) kept resident (read once; the rest stream)
     head_resident_bytes: int = 0
+    head_stream_bytes: int = 0  # what a step reads of a streamed head: its slabs after the resident rows
     embed_rows_bytes: int = 0  # the row buffer of a streamed embedding
     layer_buffer_bytes: int = 0  # two of the largest streamed layers: the current one and the next in flight
     stream_buffer_bytes: int = 0  # every stream buffer together (reserved out of the budget)
@@ -194,15 +195,17 @@ def _parts(p) -> _Parts:
 _CODED_HEADS: dict[tuple, "_CodedRows"] = {}
 
 
-def _coded_head(info: TensorInfo) -> "_CodedRows | None":
+def _coded_head(info: TensorInfo, strict: bool = False) -> "_CodedRows | None":
     """The coded head's rows (base bytes and exception table read once a process for a file as it is: its inode and
-    modification time are in the key), None where its file cannot be read here."""
+    modification time are in the key), None where its file cannot be read here (`strict`: the OSError)."""
     try:
         st = os.stat(info.file) if isinstance(info.file, Path) else None
         key = (str(info.file), info.offset, info.nbytes, st and (st.st_ino, st.st_mtime_ns, st.st_size))
         if key not in _CODED_HEADS:
             _CODED_HEADS[key] = _CodedRows(info)
     except OSError:
+        if strict:
+            raise
         return None
     return _CODED_HEADS[key]
 
@@ -323,9 +326,8 @@ def plan_residency(p, budget: int | None, state_room: int = 0, head_rows: bool =
     out.stream_buffer_bytes = out.layer_buffer_bytes + 2 * out.head_slab_bytes + out.embed_rows_bytes
     out.resident_dense_bytes = (parts.pinned + sum(b for l, b in parts.layers.items() if l not in streamed)
                                 + (0 if head_s else table) + (0 if embed_s or parts.tied else parts.embed))
-    head_read = parts.head_read if head_s and parts.head_read is not None and not parts.tied else None
-    out.streamed_bytes_per_step = sum(parts.layers[l] for l in streamed) + \
-        ((head_read(0) if head_read else table) if head_s else 0)
+    head_read = parts.head_read or (lambda r: table)  # (no 2-D head: no rows stay resident)
+    out.head_stream_bytes = head_read(0) if head_s else 0
     if budget is not None:
         out.cache_bytes = budget - out.resident_dense_bytes - out.stream_buffer_bytes - p.scratch_bytes
         if head_s and head_rows:
@@ -334,9 +336,10 @@ def plan_residency(p, budget: int | None, state_room: int = 0, head_rows: bool =
             if rows:
                 held = parts.head_prefix(rows)
                 out.head_resident_rows, out.head_resident_bytes = rows, held
+                out.head_stream_bytes = head_read(rows)
                 out.resident_dense_bytes += held
-                out.streamed_bytes_per_step -= head_read(0) - head_read(rows) if head_read else held
                 out.cache_bytes -= held
+    out.streamed_bytes_per_step = sum(parts.layers[l] for l in streamed) + out.head_stream_bytes
     return out
 
 
@@ -428,8 +431,7 @@ class _CodedRows:
         self.offsets = self.entries = None  # the exception table (b12x), where any row has exceptions
         if bool(((bases & b12.XFLAG).bool() & (bases != b12.RAW)).any()):
             at = info.offset + self.n * self.slot + -(-self.n // 64) * 64
-            head = read_range(info.file, at, 4 * (self.n + 1))
-            count = int.from_bytes(bytes(head[-4:]), "little")
+            count = int.from_bytes(bytes(read_range(info.file, at + 4 * self.n, 4)), "little")  # the last offset
             table = read_range(info.file, at, min(b12.table_nbytes(self.n, max(1, count)),
                                                   info.offset + info.nbytes - at))  # (check_table: too short)
             try:
@@ -466,13 +468,11 @@ class _CodedRows:
             read_range(f, at + start * self.slot, slots, out=(ctypes.c_char * slots).from_buffer(mem))
         buf[n * self.slot:n * self.slot + n] = torch.frombuffer(self.bases[start:start + n], dtype=torch.uint8)
         head, width = n * self.slot + -(-n // 64) * 64, 2 * self.k
-        if exc:  # the slab's own table: its rows' offsets from 0, then their entries
+        if exc:  # the slab's own table, from its rows' exception counts and entries
             lo = int(self.offsets[start])
-            offsets = (self.offsets[start:start + n + 1] - lo).to(torch.int32)
-            buf[head:head + 4 * (n + 1)] = offsets.view(torch.uint8)
-            first = head + -(-4 * (n + 1) // 64) * 64
-            buf[first:first + 4 * exc] = self.entries[lo:lo + exc].view(torch.uint8)
-            head += b12.table_nbytes(n, exc)
+            table = b12.table_bytes(n, torch.diff(self.offsets[start:start + n + 1]), self.entries[lo:lo + exc])
+            buf[head:head + len(table)] = torch.frombuffer(bytearray(table), dtype=torch.uint8)
+            head += len(table)
         for j, i in enumerate(raw):  # a row stored whole: read from where the matrix keeps it, its offset rewritten
             slot = buf[i * self.slot:i * self.slot + 8]
             old = int(slot.view(torch.int64))
@@ -506,7 +506,7 @@ class DenseStreamer:
             info = self._table_info(HEAD if not plan.tied else EMBED)
             row = info.nbytes // info.shape[0]
             if info.codec == "b12":  # a coded head's leading rows: a coded matrix of their own (_CodedRows)
-                t = (_coded_head(info) or _CodedRows(info)).read(0, plan.head_resident_rows)
+                t = _coded_head(info, strict=True).read(0, plan.head_resident_rows)
             else:
                 t = torch.empty(plan.head_resident_rows, info.shape[1], dtype=info.torch_dtype)
                 read_range(info.file, info.offset, plan.head_resident_rows * row, out=_buffer(t.untyped_storage()))
@@ -658,7 +658,7 @@ class DenseStreamer:
         out = torch.empty(x.shape[0], vocab, dtype=torch.float32)
         if first:
             out[:, :first] = linear(x, self.head_part)
-        coded = (_coded_head(info) or _CodedRows(info)) if info.codec == "b12" else None
+        coded = _coded_head(info, strict=True) if info.codec == "b12" else None
 
         def read(start: int, n: int) -> torch.Tensor:
             if coded is not None:

@@ -159,19 +159,16 @@ static void b12_patch_block(__m512i *v0, __m512i *v1, int64_t k, const uint8_t *
 #endif
 
 #if MS_SIMD == 2
-/* row n (with exceptions) times x: b12_gemv's loop with the blocks that hold an exception patched
- * (b12_patch_block). Out of line and after the other rows: with the check in b12_gemv's own loop, or this loop
- * beside it, the peer's one-token grouped expert call (which has no such rows) ran 0.94-0.97x as fast. */
-__attribute__((noinline)) static float b12_row_exc(const float *x, int64_t K, const uint8_t *m, int64_t N, int64_t n) {
-    const int base = m[N * b12_slot(K) + n];
-    const __m512i table = b12_table(base & 0x7F);
-    const uint8_t *s = m + n * b12_slot(K), *xa, *xe;
-    b12_exc_range(m, N, K, n, base, &xa, &xe);
+/* one coded row (slot s, its table) times x: bf16_gemv's loop (the same four accumulators over the same 64-value
+ * steps, so the same sums) with each step's 128 bytes of bf16 replaced by 96 coded bytes decoded in registers; X (a
+ * compile-time 0 or 1): the row has exceptions [xa, xe), patched into the blocks that hold them (b12_patch_block) */
+INLINE float b12_row_dot(const float *x, int64_t K, const uint8_t *s, __m512i table, const uint8_t *xa,
+                         const uint8_t *xe, const int X) {
     vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
     for (int64_t k = 0; k < K; k += 64, s += 96) {
         vw_t v0, v1;
         b12_block(s, table, &v0, &v1);
-        if (xa < xe && b12_exc_pos(xa) < k + 64) b12_patch_block(&v0, &v1, k, &xa, xe);
+        if (X && xa < xe && b12_exc_pos(xa) < k + 64) b12_patch_block(&v0, &v1, k, &xa, xe);
         a0 = vfma(veven(v0), vloadf(x + k), a0);
         a1 = vfma(vodd(v0), vloadf(x + k + VW), a1);
         a2 = vfma(veven(v1), vloadf(x + k + GW), a2);
@@ -180,12 +177,20 @@ __attribute__((noinline)) static float b12_row_exc(const float *x, int64_t K, co
     return vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
 }
 
-/* One token, rows [n0, n1) of the coded matrix: bf16_gemv's loop (the same four accumulators over the same
- * 64-value steps, so the same sums) with each step's 128 bytes of bf16 replaced by 96 coded bytes decoded in
- * registers. In a standalone stream of 302 MB of coded rows from DRAM, two threads, the coded bytes read at 34-52
- * GB/s with prefetches 3-6 KiB ahead, 1.08-1.45x faster than bf16_gemv over the same values in the same runs
- * (39-52 GB/s); a layout with each row's codes in a plane of their own read at 17-21 GB/s (docs/performance.md,
- * "b12"). */
+/* row n (with exceptions) times x. Out of line, and run after the other rows: with the check in b12_gemv's own
+ * loop, or this loop beside it, the peer's one-token grouped expert call (which has no such rows) ran 0.94-0.97x as
+ * fast. */
+__attribute__((noinline)) static float b12_row_exc(const float *x, int64_t K, const uint8_t *m, int64_t N, int64_t n) {
+    const int base = m[N * b12_slot(K) + n];
+    const uint8_t *xa, *xe;
+    b12_exc_range(m, N, K, n, base, &xa, &xe);
+    return b12_row_dot(x, K, m + n * b12_slot(K), b12_table(base & 0x7F), xa, xe, 1);
+}
+
+/* One token, rows [n0, n1) of the coded matrix (b12_row_dot). In a standalone stream of 302 MB of coded rows from
+ * DRAM, two threads, the coded bytes read at 34-52 GB/s with prefetches 3-6 KiB ahead, 1.08-1.45x faster than
+ * bf16_gemv over the same values in the same runs (39-52 GB/s); a layout with each row's codes in a plane of their
+ * own read at 17-21 GB/s (docs/performance.md, "b12"). */
 static void b12_gemv(const float *x, int64_t K, const uint8_t *m, int64_t N, int64_t n0, int64_t n1, float *out) {
     const uint8_t *bases = m + N * b12_slot(K);
     int exc = 0; /* rows with exceptions: after the others (b12_row_exc) */
@@ -199,18 +204,7 @@ static void b12_gemv(const float *x, int64_t K, const uint8_t *m, int64_t N, int
             exc = 1;
             continue;
         }
-        const __m512i table = b12_table(base);
-        const uint8_t *s = m + n * b12_slot(K);
-        vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-        for (int64_t k = 0; k < K; k += 64, s += 96) {
-            vw_t v0, v1;
-            b12_block(s, table, &v0, &v1);
-            a0 = vfma(veven(v0), vloadf(x + k), a0);
-            a1 = vfma(vodd(v0), vloadf(x + k + VW), a1);
-            a2 = vfma(veven(v1), vloadf(x + k + GW), a2);
-            a3 = vfma(vodd(v1), vloadf(x + k + GW + VW), a3);
-        }
-        out[n - n0] = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
+        out[n - n0] = b12_row_dot(x, K, m + n * b12_slot(K), b12_table(base), NULL, NULL, 0);
     }
     for (int64_t n = n0; exc && n < n1; n++)
         if (!b12_plain(bases[n]) && bases[n] != B12_RAW) out[n - n0] = b12_row_exc(x, K, m, N, n);

@@ -67,11 +67,12 @@ def _high_bits(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return bits, hi7, (hi7.amax(1) - 7).clamp(min=0)
 
 
-def _rows_kind(hi7: Tensor, base: Tensor, exceptions: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _rows_kind(hi7: Tensor, base: Tensor, exceptions: bool, misfit: Tensor | None = None
+               ) -> tuple[Tensor, Tensor, Tensor]:
     """(the values that do not fit [rows, K], the rows stored whole, the rows coded with exceptions): a row keeps
     its misfits as exceptions (with `exceptions`, K <= MAX_XK) while they take at most K bytes (4 bytes each:
     a row stored whole costs 2K bytes more than its slot)."""
-    misfit = hi7 < base[:, None]
+    misfit = hi7 < base[:, None] if misfit is None else misfit
     count = misfit.sum(1)
     k = hi7.shape[1]
     xrow = (count > 0) & (4 * count <= k) if exceptions and k <= MAX_XK else torch.zeros_like(count, dtype=torch.bool)
@@ -80,9 +81,16 @@ def _rows_kind(hi7: Tensor, base: Tensor, exceptions: bool) -> tuple[Tensor, Ten
 
 def scan(w: Tensor, exceptions: bool = False) -> tuple[int, int]:
     """(rows stored whole, exceptions) of a bf16 matrix's coding (or of some of its rows: the counts add up)."""
+    return scan_forms(w)[int(exceptions)]
+
+
+def scan_forms(w: Tensor) -> tuple[tuple[int, int], tuple[int, int]]:
+    """scan(w) and scan(w, exceptions=True) from one pass over the values."""
     _, hi7, base = _high_bits(w)
-    misfit, raw, xrow = _rows_kind(hi7, base, exceptions)
-    return int(raw.sum()), int(misfit[xrow].sum())
+    misfit = hi7 < base[:, None]
+    plain = int(misfit.any(1).sum())
+    _, raw, xrow = _rows_kind(hi7, base, True, misfit)
+    return (plain, 0), (int(raw.sum()), int(misfit[xrow].sum()))
 
 
 def raw_rows(w: Tensor) -> int:

@@ -18,6 +18,7 @@ from moestream.experts.dispatch import ExpertRunner
 from moestream.experts.store import PartSpec
 from moestream.kernels import cpu, fused, invariant
 from moestream.kernels.b12 import B12Weight
+from moestream.kernels.qweight import matrix_shape
 from moestream.models.blocks import (Router, SigmoidRouter, SoftmaxRouter, embed, expert_glu, glu_group, glu_mlp,
                                      glu_parts, linear, native_act, rms_norm, silu_glu)
 from moestream.weights.index import CheckpointIndex
@@ -154,8 +155,7 @@ class DecoderModel:
         """The ends of the model must agree with config.json: token ids below vocab_size index the embedding, and
         the final norm, embedding and head share the hidden width."""
         e, n = self.embed_tokens, self.norm
-        h = (self.lm_head.out_features, self.lm_head.in_features) if type(self.lm_head) is B12Weight \
-            else tuple(self.lm_head.shape)
+        h = matrix_shape(self.lm_head)
         if e.dim() != 2 or len(h) != 2 or n.dim() != 1 or e.shape[0] < self.vocab_size \
                 or h[0] < self.vocab_size or not e.shape[1] == h[1] == n.shape[0]:
             raise CheckpointError(f"embedding {list(e.shape)}, final norm {list(n.shape)} and lm_head {list(h)} "

@@ -380,7 +380,7 @@ class Scenario:
         r = self.residency
         if not r.head_streamed or self.rates.disk <= 0:
             return 0.0
-        return max(0, (r.head_bytes or r.embed_bytes) - r.head_resident_bytes) / self.rates.disk
+        return r.head_stream_bytes / self.rates.disk
 
     def _multi(self, used: float, missing: float, rows: float, fallback: float, parts: dict[str, float],
                head: float, overhead: float, window: float | None, step_rows: float = 0.0) -> Step:
