@@ -7,7 +7,8 @@ Opens MODEL with a budget that holds every expert, decodes `--tokens` greedy tok
 the page cache), then decodes the same tokens again from a fresh sequence with timers wrapped around the pieces
 of a step: norms, the attention projections (q/k/v/o), the rest of attention (q/k norms, rope, KV append, scores),
 the router (linear + top-k), the routed experts (the runner; its native kernel call and the lookahead separately),
-the lm_head, and
+the lm_head, the native runs of every layer of a warm token (DecoderModel.decode_layers) and their Python (KV
+rows, checks; the runner's bookkeeping apart), and
 "other" (the step minus all of those: embedding, residual adds, sampling, the engine's bookkeeping). Prints a
 table (ms per token and share), the native decode layer's own phases (cpu.layer_times: prep, q/k/v, attention,
 o_proj, router, experts), the timed decode's MoE layer steps (how many ran their experts inside the native
@@ -77,11 +78,15 @@ def instrumented():
         (base.DecoderModel, "head", "lm_head (+ final norm)", True),
         (dispatch.ExpertRunner, "run", "routed experts: runner and Python", False),
         (dispatch.ExpertRunner, "resident_done", "routed experts: runner and Python", False),
+        (dispatch.ExpertRunner, "resident_run", "routed experts: runner and Python", False),
         (prefetch.Lookahead, "predict", "lookahead (next layer's router)", True),
         (fused, "moe_glu_bf16", "routed experts: native kernel", False),
         # the one-call decode layer (GQAMixer.decode_block): its native call, and its Python (KV row, checks)
         (getattr(fused, "DecodeBlock", None), "__call__", "decode block: native (attention, router, experts)", False),
         (attention.GQAMixer, "decode_block", "decode block: Python (KV row, checks)", False),
+        # every layer of a warm token in native runs (DecoderModel.decode_layers): the runs, and the Python around
+        (getattr(fused, "DecodeLayers", None), "__call__", "decode layers: native (attention, router, experts)", False),
+        (base.DecoderModel, "decode_layers", "decode layers: Python (KV rows, runs)", False),
     ]
     # what an older tree lacks (run with PYTHONPATH=<tree>) is simply not timed
     patches = [(obj, attr, timed(name, getattr(obj, attr), fold)) for obj, attr, name, fold in wanted

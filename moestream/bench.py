@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -78,10 +79,13 @@ class TokenRecord:
 class PhaseClock:
     """Wall time in the attention/mixer of every layer (wrapped from outside; the model is not changed). A mixer's
     native one-token layer (`decode_block`: attention and router, and the routed experts when all are resident) is
-    wrapped too, so the benchmark decodes by the path `run` and `serve` take, and its time counts here."""
+    wrapped too, and the model's native runs of every layer of a warm token (`decode_layers`, which finds each
+    wrapped mixer by its `__wrapped__`), so the benchmark decodes by the path `run` and `serve` take, and their time
+    counts here."""
 
     mixer_s: float = 0.0
     wrapped: list = field(default_factory=list)
+    wrapped_model: Any = None  # the model whose decode_layers is wrapped
 
     def wrap(self, model) -> bool:
         layers = getattr(model, "layers", [])
@@ -91,10 +95,14 @@ class PhaseClock:
                 return False
             self.wrapped.append((layer, fn))
             timed = self._timed(fn)
+            timed.__wrapped__ = fn  # type: ignore[attr-defined]
             block = getattr(fn, "decode_block", None)
             if block is not None:  # keep the native one-token layer the unwrapped model takes (models/base.py)
                 timed.decode_block = self._timed(block)  # type: ignore[attr-defined]
             layer.mixer = timed
+        if layers and hasattr(model, "decode_layers"):
+            self.wrapped_model = model
+            model.decode_layers = self._timed(model.decode_layers)
         return bool(layers)
 
     def _timed(self, fn):
@@ -110,6 +118,9 @@ class PhaseClock:
         for layer, fn in self.wrapped:
             layer.mixer = fn
         self.wrapped.clear()
+        if self.wrapped_model is not None:
+            del self.wrapped_model.decode_layers  # the class's method again
+            self.wrapped_model = None
 
 
 # ---- page cache and disk probe -------------------------------------------------------------------------

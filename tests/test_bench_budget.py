@@ -88,9 +88,12 @@ def test_phase_clock_keeps_the_native_decode_layer(tmp_path_factory):
         for _ in range(3):
             (logits,) = eng.step([(s, [tok])])
             tok = int(logits.argmax())
+        plan = eng.model._all_layers
         clock.unwrap()
         assert sum(m.decode_blocks for m in mixers) > before  # the wrapped model still took the native layer
+        assert plan and plan[2].runs > 0  # ... in native runs of every layer (decode_layers)
         assert clock.mixer_s > 0
         assert all(layer.mixer is m for layer, m in zip(eng.model.layers, mixers))
+        assert "decode_layers" not in vars(eng.model)
     finally:
         eng.close()

@@ -14,6 +14,7 @@ from moestream import Engine
 from moestream.kernels import cpu, fused
 from moestream.memory.state import BLOCK_TOKENS, Batch
 from moestream.models.attention import GQAMixer
+from moestream.models.base import DecoderModel
 from moestream.models.blocks import rms_norm
 from moestream.synth import synthesize
 
@@ -27,9 +28,13 @@ def threads():
     cpu.set_threads(before)
 
 
-def _decode(eng: Engine, ids: list[int], fast: bool, monkeypatch) -> torch.Tensor:
-    """Logits of a fresh sequence fed one token per step, with the decode block on or off."""
+def _decode(eng: Engine, ids: list[int], fast: bool | str, monkeypatch) -> torch.Tensor:
+    """Logits of a fresh sequence fed one token per step: `fast` True takes the native paths the engine takes (all
+    layers in native runs, DecoderModel.decode_layers), "block" one native call a layer (Layer._decode), False the
+    separate calls."""
     with monkeypatch.context() as m:
+        if fast is not True:
+            m.setattr(DecoderModel, "decode_layers", lambda *a, **k: None)
         if not fast:
             m.setattr(GQAMixer, "decode_block", lambda *a, **k: None)
         state = eng.new_sequence()
@@ -55,13 +60,28 @@ def test_decode_block_equals_separate_calls_and_is_taken(family, n_threads, tmp_
     layers = eng.model.layers
     blocks0, resident0 = sum(ly.mixer.decode_blocks for ly in layers), eng.runner.times.resident_steps
     fused0 = _fused_steps(eng)
-    got = _decode(eng, ids, True, monkeypatch)
+    got = _decode(eng, ids, "block", monkeypatch)
     assert sum(ly.mixer.decode_blocks for ly in layers) - blocks0 == len(layers) * len(ids)
     assert eng.runner.times.resident_steps - resident0 == len(layers) * len(ids)
     # ... and the routed experts in the same native call (the runner's tables held every routed expert)
     assert _fused_steps(eng) - fused0 == len(layers) * len(ids)
     want = _decode(eng, ids, False, monkeypatch)
     assert torch.equal(got, want)
+    # every layer of a step in one native call: the same logits, every layer counted as before
+    blocks0, resident0, fused0 = sum(ly.mixer.decode_blocks for ly in layers), eng.runner.times.resident_steps, \
+        _fused_steps(eng)
+    runs0 = _layer_runs(eng)
+    assert torch.equal(_decode(eng, ids, True, monkeypatch), want)
+    assert sum(ly.mixer.decode_blocks for ly in layers) - blocks0 == len(layers) * len(ids)
+    assert eng.runner.times.resident_steps - resident0 == len(layers) * len(ids)
+    assert _fused_steps(eng) - fused0 == len(layers) * len(ids)
+    assert _layer_runs(eng) - runs0 == len(ids)  # one native run a step
+
+
+def _layer_runs(eng: Engine) -> int:
+    """Native runs of DecodeLayers (the steps that took DecoderModel.decode_layers' stretches)."""
+    plan = eng.model._all_layers
+    return plan[2].runs if plan else 0
 
 
 def _fused_steps(eng: Engine) -> int:
@@ -85,6 +105,10 @@ def test_decode_layer_experts_under_evictions(tmp_path, monkeypatch):
     assert _fused_steps(eng) > 0 and eng.runner.cache.stats.evictions > 0
     want = _decode(eng, ids, False, monkeypatch)
     assert max_rel_diff(got, want) < 1e-5
+    block = _decode(eng, ids, "block", monkeypatch)
+    # the layers' native runs, stopped at a miss, against one call a layer (each pass finds the cache as the one
+    # before left it, so hits and reads, and the order a miss's experts are summed in, differ)
+    assert max_rel_diff(got, block) < 1e-5
 
 
 @native
@@ -210,3 +234,31 @@ def test_layer_times_count_decode_block_calls_only_while_on(tmp_path, monkeypatc
     assert got["calls"] == len(eng.model.layers) * len(ids)
     assert set(got) == {*cpu.LAYER_PHASES, "calls"}
     assert got["q/k/v"] > 0 and got["experts"] > 0 and all(v >= 0 for v in got.values())
+
+
+@native
+def test_decode_layers_follow_each_sequence_cache(tmp_path, monkeypatch):
+    """Two live sequences stepped in turn, one token a step, across a KV block boundary: each native run reads
+    and writes its own sequence's cache blocks (the block addresses are rebuilt when the sequence or its blocks
+    change), so the logits equal one call a layer's."""
+    synthesize("qwen3_moe", tmp_path / "m", "tiny", progress=False)
+    eng = Engine.open(tmp_path / "m", ram_budget="1GB")
+    eng.runner.lookahead.reads = 0
+    a, b = prompt_ids(eng.vocab_size, BLOCK_TOKENS + 4, seed=1), prompt_ids(eng.vocab_size, BLOCK_TOKENS + 4, seed=2)
+
+    def interleaved(mode) -> list[torch.Tensor]:
+        with monkeypatch.context() as m:
+            if mode != "layers":
+                m.setattr(DecoderModel, "decode_layers", lambda *x, **k: None)
+            sa, sb = eng.new_sequence(), eng.new_sequence()
+            try:
+                return [eng.step([(s, [t])])[0] for ta, tb in zip(a, b) for s, t in ((sa, ta), (sb, tb))]
+            finally:
+                eng.free(sa)
+                eng.free(sb)
+    interleaved("block")  # warm the expert cache: then every step's experts are cached and grouped the same way
+    runs0 = _layer_runs(eng)
+    got = interleaved("layers")
+    assert _layer_runs(eng) - runs0 >= 2 * len(a) - 2
+    want = interleaved("block")
+    assert all(torch.equal(x, y) for x, y in zip(got, want))

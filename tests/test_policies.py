@@ -3,6 +3,8 @@ across runs and protects its hottest experts, the cache honours reservations and
 engine to the same result under a tight budget."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from moestream.experts.cache import ExpertCache
@@ -162,3 +164,33 @@ def test_policies_agree_under_a_tight_budget(ckpt, tmp_path, monkeypatch):
         assert stats["peak_resident_bytes"] <= budget and stats["expert_evictions"] > 0
         outs[name] = out
     assert len({tuple(o) for o in outs.values()}) == 1
+
+
+@pytest.mark.parametrize("name", ["lru", "lfru", "heat"])
+def test_touch_many_equals_touches_one_by_one(name):
+    """A step's touches in one call (ExpertCache.hits -> policy.touch_many) leave the policy as touching the same
+    keys one by one does: the same victims in the same order, through heap compactions and the heat's refreshes."""
+    rng = random.Random(4)
+    one, many = POLICIES[name](), POLICIES[name]()
+    if name == "heat":
+        one.set_pin_count(5)
+        many.set_pin_count(5)
+    for p in (one, many):
+        for layer in range(4):
+            for e in range(16):
+                p.insert((layer, e))
+    for _ in range(700):  # steps of 4 layers x top-3 (a few thousand touches: compactions, a heat refresh)
+        for layer in range(4):
+            keys = [(layer, e) for e in sorted(rng.sample(range(16), 3))]
+            for k in keys:
+                one.touch(k)
+            many.touch_many(keys)
+        if rng.random() < 0.05:
+            gone = (rng.randrange(4), rng.randrange(16))
+            one.remove(gone)
+            many.remove(gone)
+            one.insert(gone)
+            many.insert(gone)
+    assert list(one.victims()) == list(many.victims())
+    if name != "lru":
+        assert one._score == many._score and one._t == many._t

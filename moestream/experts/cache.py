@@ -27,6 +27,11 @@ class CacheStats:
             self.misses += 1
             self.layer_misses[layer] = self.layer_misses.get(layer, 0) + 1
 
+    def record_hits(self, layer: int, n: int) -> None:
+        """`record(layer, True)` n times."""
+        self.hits += n
+        self.layer_hits[layer] = self.layer_hits.get(layer, 0) + n
+
     def layer_hit_rates(self) -> dict[int, float]:
         layers = sorted(set(self.layer_hits) | set(self.layer_misses))
         out = {}
@@ -81,6 +86,22 @@ class ExpertCache:
             return None
         self.policy.touch(key)
         return item[0]
+
+    def hits(self, layer: int, experts: list[int]) -> list[Any]:
+        """`get((layer, e))` for each of a step's routed experts in turn, each recorded as a hit (the caller found
+        them all cached): the policy's touches in one call (`touch_many` where it has one)."""
+        keys = [(layer, e) for e in experts]
+        items = self._items
+        got = [items.get(k) for k in keys]
+        touched = [k for k, item in zip(keys, got) if item is not None]
+        many = getattr(self.policy, "touch_many", None)
+        if many is not None:
+            many(touched)
+        else:
+            for k in touched:
+                self.policy.touch(k)
+        self.stats.record_hits(layer, len(experts))
+        return [None if item is None else item[0] for item in got]
 
     def make_room(self, nbytes: int, keep: frozenset = frozenset(), evict: bool = True) -> bool:
         """Evict until `nbytes` more fit under capacity; False if they cannot (pinned or `keep` entries block, or

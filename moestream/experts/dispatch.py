@@ -253,11 +253,33 @@ class ExpertRunner:
             self._harvest(need)
         if self._next_may_read(layer):
             self._prefetch_next(layer, route_x, need or {(layer, e) for e in uniq})
-        blobs = [cache.get((layer, e)) for e in uniq]
-        for _ in uniq:
-            cache.stats.record(layer, True)
+        blobs = cache.hits(layer, uniq)
         self.memory.observe()
         return blobs
+
+    def resident_run(self, layers: list[int], routed: list[list[int]], route_x: torch.Tensor) -> None:
+        """`resident_done` for consecutive layers of one decode token that ran their routed experts from the tables
+        in one native run (DecoderModel.decode_layers), in layer order: routed[i] the ids layers[i] routed to,
+        route_x[i] its router input. None but the last layer reads (the caller checked `reads_after` before the
+        run), so the others take only the counters, the lookahead's score and the cache's hits; the last takes
+        `resident_done` whole."""
+        times, quiet, observe, hits = self.times, self._quiet, self.lookahead.observe, self.cache.hits
+        last = len(layers) - 1
+        for i in range(last):
+            layer, uniq = layers[i], sorted(set(routed[i]))
+            times.steps += 1
+            times.resident_steps += 1
+            quiet[layer] = quiet.get(layer, 0) + 1
+            observe(layer, uniq)
+            hits(layer, uniq)
+        self.scan = 0
+        self.resident_done(layers[last], sorted(set(routed[last])), route_x[last:last + 1])
+
+    def reads_after(self, layer: int) -> bool:
+        """Whether the bookkeeping of a warm one-token step of `layer` (`resident_done`) may start or land reads:
+        read-ahead is in flight, or the lookahead would read the next layer's experts. A native run of several
+        layers (DecoderModel.decode_layers) ends after such a layer."""
+        return bool(self._inflight) or self._next_may_read(layer)
 
     def _next_may_read(self, layer: int) -> bool:
         """Whether a step that waits on no read of its own runs the next layer's router to read ahead: not with

@@ -36,6 +36,10 @@ class LRUPolicy:
     def remove(self, key: Key) -> None:
         self._order.pop(key, None)
 
+    def touch_many(self, keys: list[Key]) -> None:
+        for key in keys:
+            self.touch(key)
+
     def victims(self) -> Iterator[Key]:
         return iter(list(self._order))
 
@@ -80,6 +84,21 @@ class FrequencyRecencyPolicy:
         self._pending.append((prio, next(self._seq), key))
         if len(self._heap) + len(self._pending) > 4 * len(self._prio) + 64:
             self._compact()
+
+    def touch_many(self, keys: list[Key]) -> None:
+        """`touch(key)` for each key in turn, the per-touch work inlined (a warm decode step touches its top-k
+        experts in every layer: 256 touches a token on the peer checkpoint)."""
+        rate, exp, log, pending, seq = self.rate, math.exp, math.log, self._pending, self._seq
+        for key in keys:
+            self._tick(key)
+            t, old = self._t, self._score.get(key)
+            s = 1.0 if old is None else old[0] * exp(-rate * (t - old[1])) + 1.0
+            self._score[key] = (s, t)
+            prio = log(s) + rate * t
+            self._prio[key] = prio
+            pending.append((prio, next(seq), key))
+            if len(self._heap) + len(pending) > 4 * len(self._prio) + 64:
+                self._compact()
 
     def insert(self, key: Key) -> None:
         # a re-read expert keeps part of its history: frequency across evictions is the point of the policy
@@ -172,6 +191,14 @@ class HeatPolicy(FrequencyRecencyPolicy):
         if self._since_refresh >= 4096:
             self._refresh_hot()
         super()._bump(key, fresh)
+
+    def touch_many(self, keys: list[Key]) -> None:
+        for key in keys:  # the counts as _bump keeps them (the hot set reads only counts and heat)
+            self.counts[key] = self.counts.get(key, 0) + 1
+            self._since_refresh += 1
+            if self._since_refresh >= 4096:
+                self._refresh_hot()
+        super().touch_many(keys)
 
     def victims(self) -> Iterator[Key]:
         hot, warm = self._hot, []

@@ -125,8 +125,9 @@ static int dl_experts(const int64_t *cfg, const float *fcfg, const int64_t *tabl
  * a zeroed row, then one add: what the runner's grouped call and the layer's residual add compute), and returns 1.
  * Returns 0 when it stopped after the router, -1 when out of memory. The pool's workers read o_proj's weights ahead
  * during the attention, and the regions at cfg[DL_PREFETCH] (the next layer's weights) after the call. */
-int ms_gqa_decode_block(const int64_t *cfg, const float *fcfg, float *h, const int64_t *kb, const int64_t *vb,
-                        int64_t start, int64_t length, float *x2, int64_t *ids, float *wts, const int64_t *table) {
+static int dl_block(const int64_t *cfg, const float *fcfg, float *h, const int64_t *kb, const int64_t *vb,
+                    int64_t start, int64_t length, float *x2, int64_t *ids, float *wts, const int64_t *table,
+                    int prefetch) {
     const int64_t H = cfg[DL_H], Hq = cfg[DL_HQ], Hkv = cfg[DL_HKV], D = cfg[DL_D], Dv = cfg[DL_DV];
     const int64_t block = cfg[DL_BLOCK], window = cfg[DL_WINDOW], E = cfg[DL_E], min_rows = cfg[DL_MIN_ROWS];
     const float eps = fcfg[DLF_EPS];
@@ -193,7 +194,36 @@ int ms_gqa_decode_block(const int64_t *cfg, const float *fcfg, float *h, const i
     /* the next layer's dense weights (cfg[DL_PREFETCH]: pool_prefetch's regions, 0 for none) are read ahead by the
      * workers while the caller's Python runs between this call and the next */
     DL_MARK(6);
-    pool_prefetch((const int64_t *)(intptr_t)cfg[DL_PREFETCH]);
+    if (prefetch) pool_prefetch((const int64_t *)(intptr_t)cfg[DL_PREFETCH]);
     DL_MARK(7);
     return done;
+}
+
+int ms_gqa_decode_block(const int64_t *cfg, const float *fcfg, float *h, const int64_t *kb, const int64_t *vb,
+                        int64_t start, int64_t length, float *x2, int64_t *ids, float *wts, const int64_t *table) {
+    return dl_block(cfg, fcfg, h, kb, vb, start, length, x2, ids, wts, table, 1);
+}
+
+/* one layer's operands in ms_gqa_decode_layers' records (int64 each): its cfg and fcfg, its cache's block
+ * addresses (keys, values), the cache's start and length, its expert table */
+enum { DS_CFG, DS_FCFG, DS_KB, DS_VB, DS_START, DS_LENGTH, DS_TABLE, DS_COUNT };
+
+/* One decode token through n consecutive layers, each what ms_gqa_decode_block computes with an expert table
+ * (attention half, router, routed experts), h fp32 [H] updated in place from layer to layer; layer l's operands at
+ * rec[l * DS_COUNT ...], its post-norm x2 at x2s + l * H, its ids and weights at ids + l * top_k, wts + l * top_k.
+ * Only after the last layer do the workers read its cfg[DL_PREFETCH] regions ahead (between layers nothing runs
+ * that they could overlap). Returns the number of layers done whole; a return l < n means layer l routed to an
+ * expert its table lacks: its attention half and router are done (h, x2s[l], ids[l], wts[l]) and its experts are
+ * left to the caller. -1 when out of memory, -2 for bad cache rows. */
+int64_t ms_gqa_decode_layers(int64_t n, const int64_t *rec, float *h, float *x2s, int64_t *ids, float *wts) {
+    for (int64_t l = 0; l < n; l++) {
+        const int64_t *r = rec + l * DS_COUNT;
+        const int64_t *cfg = (const int64_t *)(intptr_t)r[DS_CFG], k = cfg[DL_TOPK];
+        const int code = dl_block(cfg, (const float *)(intptr_t)r[DS_FCFG], h, (const int64_t *)(intptr_t)r[DS_KB],
+                                  (const int64_t *)(intptr_t)r[DS_VB], r[DS_START], r[DS_LENGTH], x2s + l * cfg[DL_H],
+                                  ids + l * k, wts + l * k, (const int64_t *)(intptr_t)r[DS_TABLE], l + 1 == n);
+        if (code < 0) return code;
+        if (code == 0) return l;
+    }
+    return n;
 }

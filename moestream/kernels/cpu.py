@@ -151,6 +151,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_kda_decode.restype = None
     lib.ms_gqa_decode_block.argtypes = [p, p, p, p, p, i64, i64, p, p, p, p]
     lib.ms_gqa_decode_block.restype = ctypes.c_int
+    lib.ms_gqa_decode_layers.argtypes = [i64, p, p, p, p, p]
+    lib.ms_gqa_decode_layers.restype = i64
     lib.ms_prefetch_async.argtypes = [p]
     lib.ms_prefetch_async.restype = None
     lib.ms_layer_times.argtypes = [ctypes.c_int, ctypes.c_int, p]

@@ -480,3 +480,82 @@ class DecodeBlock:
             raise MemoryError("native decode block could not allocate its scratch") if code == -1 else \
                 ValueError(f"DecodeBlock: bad cache rows [{start}, {length})")
         return out, x2, ids, wts, code == 1
+
+
+_DS_COUNT = 7  # ms_gqa_decode_layers' int64 record per layer: cfg, fcfg, keys, values, start, length, table (DS_*)
+_DS_KB, _DS_START, _DS_LENGTH = 2, 4, 5
+_DL_INTER, _DL_ACT = _DL_SLOTS.index("inter"), _DL_SLOTS.index("act")
+
+
+class DecodeLayers:
+    """Consecutive GQA decoder layers of one decode token in one native call (ms_gqa_decode_layers): each layer
+    what its DecodeBlock computes with its router's ExpertTable (attention half, router, routed experts), h carried
+    from layer to layer in C, so the layers of a warm step cost one call instead of one call and its Python each.
+    Keeps per layer the operand record, the cache's block address arrays (rebuilt when the cache gains or drops a
+    block) and the outputs: post-norm x2 [L, H], ids int64 [L, k] and weights fp32 [L, k]."""
+
+    def __init__(self, blocks: Sequence[DecodeBlock], tables: Sequence[ExpertTable]):
+        shapes = {(b.hidden, b.top_k) for b in blocks}
+        if not blocks or len(blocks) != len(tables) or len(shapes) != 1 or not blocks[0].top_k:
+            raise ValueError("DecodeLayers wants one or more DecodeBlocks with routers of one width and top-k, "
+                             "and a table each")
+        for b, t in zip(blocks, tables):
+            if t.experts != b._experts or t.hidden != b.hidden:
+                raise ValueError(f"DecodeLayers: an expert table of {t.experts} experts x {t.hidden} for a "
+                                 f"router of {b._experts} x {b.hidden}")
+        n, (hidden, top_k) = len(blocks), shapes.pop()
+        self.blocks, self.tables = list(blocks), list(tables)
+        self.x2 = torch.empty(n, hidden)
+        self.ids = torch.empty(n, top_k, dtype=torch.int64)
+        self.wts = torch.empty(n, top_k)
+        self._rec = (ctypes.c_int64 * (n * _DS_COUNT))()
+        for i, (b, t) in enumerate(zip(blocks, tables)):
+            at = i * _DS_COUNT
+            self._rec[at], self._rec[at + 1] = ctypes.addressof(b._cfg), ctypes.addressof(b._fcfg)
+            self._rec[at + 6] = ctypes.addressof(t.rows)
+        self._kv: list[tuple | None] = [None] * n  # per layer: (keys, versions, values, their block addresses)
+        self.runs = 0  # native calls made
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def set_cache(self, i: int, keys, values) -> None:
+        """Layer i's cache for the next call: `keys` / `values` hold `blocks` (fp32 [block, Hkv, D] tensors),
+        `start` (blocks[0]'s absolute row), `length` (rows, the appended one included) and `version` (changed
+        whenever `blocks` changes, memory.state.BlockBuffer), so the object and its version name the block list
+        (the object is kept, so no other takes its id)."""
+        at = i * _DS_COUNT
+        got = self._kv[i]
+        if got is None or got[0] is not keys or got[1] != (keys.version, values.version) or got[2] is not values:
+            got = self._kv[i] = (keys, (keys.version, values.version), values,
+                                 _addresses([b.data_ptr() for b in keys.blocks]),
+                                 _addresses([b.data_ptr() for b in values.blocks]))
+            self._rec[at + _DS_KB], self._rec[at + _DS_KB + 1] = ctypes.addressof(got[3]), ctypes.addressof(got[4])
+            self._rec[at + _DS_START] = keys.start
+        self._rec[at + _DS_LENGTH] = keys.length
+
+    def __call__(self, h: Tensor, first: int = 0, end: int | None = None) -> int:
+        """Layers [first, end) on h fp32 [1, H] (contiguous, updated in place), their caches set (`set_cache`).
+        Returns the layer after the last one done whole: `end`, or a layer i that routed to an expert its table
+        lacks, whose attention half and router are done (h, x2[i], ids[i], wts[i]) and whose experts are left
+        to the caller."""
+        handle = required()
+        end = len(self.blocks) if end is None else end
+        if h.dtype != torch.float32 or h.shape != (1, self.x2.shape[1]) or not h.is_contiguous():
+            raise ValueError(f"DecodeLayers wants fp32 contiguous h [1, {self.x2.shape[1]}], got {tuple(h.shape)}")
+        if not 0 <= first < end <= len(self.blocks):
+            raise ValueError(f"DecodeLayers: layers [{first}, {end}) of {len(self.blocks)}")
+        for b, t in zip(self.blocks[first:end], self.tables[first:end]):
+            cfg = b._cfg
+            if cfg[_DL_INTER] != t.inter or cfg[_DL_ACT] != t.act:
+                cfg[_DL_INTER], cfg[_DL_ACT] = t.inter, t.act
+                b._fcfg[_DLF_BETA], b._fcfg[_DLF_BETA + 1] = t.beta, t.linear_beta
+        k = self.ids.shape[1]
+        self.runs += 1
+        code = handle.ms_gqa_decode_layers(end - first, ctypes.addressof(self._rec) + first * _DS_COUNT * 8,
+                                           h.data_ptr(), self.x2[first].data_ptr(), self.ids.data_ptr() + first * k * 8,
+                                           self.wts[first].data_ptr())
+        if code < 0:
+            raise MemoryError("native decode layers could not allocate their scratch") if code == -1 else \
+                ValueError("DecodeLayers: bad cache rows")
+        return first + code

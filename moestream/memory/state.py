@@ -177,6 +177,7 @@ class BlockBuffer:
         self.window = window
         self.block = block_shape(self.row_bytes, self.bits)[0] if block is None else block
         self.blocks: list[torch.Tensor] = []
+        self.version = 0  # counts changes of `blocks` (a block added, dropped or given back): names the list
         self.start = 0  # absolute index of blocks[0]'s first row (a multiple of block)
         self.length = 0  # rows appended so far (absolute)
         self.charged = 0  # bytes charged to the budget now
@@ -308,6 +309,7 @@ class BlockBuffer:
                 self._free_rows -= n
                 return
             layout = self.layout
+            self.version += 1
             charge = layout.charge_at(self.length + n)
             self.memory.grow_state(charge - self.charged, self.what)  # BudgetError before anything is allocated
             for _ in range(blocks_held(self.length, n, None, self.block) - len(self.blocks)):
@@ -315,6 +317,7 @@ class BlockBuffer:
             self.charged, self._free_rows = charge, layout.rows_free(self.length + n)
             return
         free = self._trim()
+        self.version += 1
         need = blocks_held(self.length, n, self.window, self.block) - len(self.blocks)
         charge = max(0, need - len(free)) * self.block_charge
         self.memory.grow_state(charge, self.what)  # BudgetError before anything is allocated
@@ -407,6 +410,7 @@ class BlockBuffer:
         for blk in self.blocks:
             free_block(blk)
         self.blocks, self.start, self.length, self.charged, self._free_rows = [], 0, 0, 0, 0
+        self.version += 1
 
 
 @dataclass

@@ -336,10 +336,9 @@ class GQAMixer:
         all are in it). Returns (h + attention [+ experts], post-norm x, ids, weights, experts done), ids and
         weights None without a router; None (nothing done) when the step or the layer does not fit (the caller
         then runs the layer the usual way)."""
-        seg = batch.segments[0]
-        if (h.shape[0] != 1 or len(batch.segments) != 1 or seg.state.kv_dtype != torch.float32 or h.requires_grad
-                or self.memory.streamer is not None or not cpu.available()):
+        if not self.decode_fits(h, batch):
             return None
+        seg = batch.segments[0]
         block = self._decode_plan(in_norm, post_norm, eps, router)
         if block is None:
             return None
@@ -351,6 +350,12 @@ class GQAMixer:
         self.decode_blocks += 1
         return block(h, slot.k.blocks, slot.v.blocks, slot.k.start, slot.k.length,
                      table if block.top_k else None)
+
+    def decode_fits(self, h: torch.Tensor, batch) -> bool:
+        """Whether a step may take the one-call decode layer: one sequence's one token, an fp32 cache, no autograd,
+        every dense weight resident (no streamer), and the native kernels."""
+        return (h.shape[0] == 1 and len(batch.segments) == 1 and batch.segments[0].state.kv_dtype == torch.float32
+                and not h.requires_grad and self.memory.streamer is None and cpu.available())
 
     def _decode_plan(self, in_norm: torch.Tensor, post_norm: torch.Tensor, eps: float,
                      router) -> "fused.DecodeBlock | None":

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from moestream.memory.accountant import MemoryAccountant
-from moestream.memory.state import Batch, SeqState
+from moestream.memory.state import BLOCK_TOKENS, Batch, SeqState
 from moestream.errors import CheckpointError
 from moestream.experts.dispatch import ExpertRunner
 from moestream.experts.store import PartSpec
@@ -150,6 +150,8 @@ class DecoderModel:
     memory: MemoryAccountant
     extra: dict = field(default_factory=dict)
     after_layer: Callable[[], None] | None = None  # run by leave_layer after each layer of a step (the engine sets it)
+    # decode_layers' plan: None until built at a warm step, False where the layers do not fit it
+    _all_layers: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         """The ends of the model must agree with config.json: token ids below vocab_size index the embedding, and
@@ -190,11 +192,94 @@ class DecoderModel:
 
     def hidden(self, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
         h = self.embed(tokens)  # [T, H]
+        if tokens.shape[0] == 1 and self.residency is None and (done := self.decode_layers(h, batch)) is not None:
+            return done
         for i, layer in enumerate(self.layers):
             self.enter_layer(i)
             h = layer(h, batch, i)
             self.leave_layer(i)
         return h
+
+    def decode_layers(self, h: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        """A warm decode token through every layer by native calls (fused.DecodeLayers: each layer what
+        Layer._decode's one call computes, h carried from layer to layer in C), when every layer is GQA attention and
+        a SoftmaxMoE whose one-call decode fits and the runner's tables may be used (`_layers_plan`). The layers
+        run in stretches: a stretch ends after a layer whose bookkeeping may read experts (`ExpertRunner.reads_after`:
+        read-ahead in flight, or the lookahead reading the next layer's), so that reads start where the layer-by-layer
+        path starts them, and where a layer routes to an expert its table lacks (its experts then go through the
+        runner, as Layer._decode sends them). Each layer's bookkeeping is the runner's (`resident_run`), in layer
+        order; `after_layer` runs once after each stretch (nothing between a stretch's layers allocates). Returns
+        h after the last layer, or None with nothing done (the caller runs the layers one by one)."""
+        plan = self._layers_plan()
+        if plan is None or invariant.active():
+            return None
+        mixers, moes, native = plan
+        runner = moes[0].ctx.experts
+        if not runner.warm() or "run" in vars(runner) or not mixers[0].decode_fits(h, batch):
+            return None
+        seg = batch.segments[0]
+        slots = [m.slot(seg, i) for i, m in enumerate(mixers)]
+        if any(s.k.block != BLOCK_TOKENS for s in slots):
+            return None
+        for i, s in enumerate(slots):  # each layer's new row, charged here and written by the kernel
+            s.k.reserve(1)
+            s.v.reserve(1)
+            native.set_cache(i, s.k, s.v)
+        h = h.clone(memory_format=torch.contiguous_format)
+        n, i = len(mixers), 0
+        while i < n:
+            end = i
+            while end + 1 < n and not runner.reads_after(moes[end].layer):
+                end += 1
+            done = native(h, i, end + 1)
+            for j in range(i, done):
+                mixers[j].decode_blocks += 1
+                native.tables[j].used += 1
+            if done > i:
+                runner.resident_run([m.layer for m in moes[i:done]], native.ids[i:done].tolist(), native.x2[i:done])
+            if done <= end:  # layer `done` routed to an expert not in its table: its experts through the runner
+                mixers[done].decode_blocks += 1
+                sl = slice(done, done + 1)
+                h.add_(moes[done].experts(native.x2[sl].clone(), native.ids[sl].clone(), native.wts[sl].clone()))
+                done += 1
+            if self.after_layer is not None:
+                self.after_layer()
+            i = done
+        return h
+
+    def _layers_plan(self) -> "tuple[list, list, fused.DecodeLayers] | None":
+        """(mixers, MoE layers, fused.DecodeLayers) when every layer is a `Layer` of a GQA mixer with a one-call
+        decode (attention.GQAMixer.decode_block, or a wrapper of one naming it `__wrapped__`) and a SoftmaxMoE whose
+        router fits it and whose experts have a native table; built at the first step the runner's tables may be
+        used and kept (False where the layers do not fit). None when there is no plan."""
+        plan = self._all_layers
+        if plan is not None:
+            return plan or None
+        mixers, moes = [], []
+        for layer in self.layers:
+            mixer = getattr(getattr(layer, "mixer", None), "__wrapped__", getattr(layer, "mixer", None))
+            if (not isinstance(layer, Layer) or not isinstance(layer.ffn, SoftmaxMoE)
+                    or not hasattr(mixer, "_decode_plan") or not hasattr(mixer, "decode_fits")):
+                self._all_layers = False
+                return None
+            mixers.append(mixer)
+            moes.append(layer.ffn)
+        if not moes or not cpu.available():
+            return None
+        runner = moes[0].ctx.experts
+        if not runner.warm() or "run" in vars(runner):
+            return None  # not yet (the tables are made at warm steps), or every step is watched (trace.Recorder)
+        blocks, tables = [], []
+        for layer, mixer, moe in zip(self.layers, mixers, moes):
+            blocks.append(mixer._decode_plan(layer.in_norm, layer.post_norm, layer.eps, moe.router))
+            tables.append(moe.resident_table())
+        try:
+            if any(b is None for b in blocks) or any(t is None for t in tables):
+                raise ValueError("a layer without a one-call decode or an expert table")
+            self._all_layers = (mixers, moes, fused.DecodeLayers(blocks, tables))
+        except ValueError:
+            self._all_layers = False
+        return self._all_layers or None
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """fp32 [T, H] rows of the embedding table (read from disk when the table is not resident)."""
