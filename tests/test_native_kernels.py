@@ -269,6 +269,29 @@ def test_threads_give_the_same_answers():
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
 
+@native
+@pytest.mark.parametrize("rows", [1001, 3072, 40])
+def test_one_token_rows_in_shrinking_chunks_give_one_threads_sums(rows):
+    """A one-token product splits its rows into chunks that shrink from long runs (bf16_run's guided schedule):
+    each row's sum is the one thread's, for bf16 and b12-coded rows (some stored whole, some with exceptions)."""
+    from moestream.kernels import b12
+
+    w = torch.randn(rows, 128, generator=_gen(18)).bfloat16()
+    w[5, 7] = 0.0  # a row stored whole (plain b12) or with an exception (b12x)
+    coded = [b12.B12Weight.wrap(b12.encode(w, exceptions=x), (rows, 128)) for x in (False, True)]
+    x = torch.randn(1, 128)
+    before = cpu.threads()
+    try:
+        got = []
+        for n in (1, 2):
+            cpu.set_threads(n)
+            got.append(cpu.linear_bf16_many(x, [w, *coded], min_rows_per_thread=1))
+    finally:
+        cpu.set_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+    assert torch.equal(got[1][0], got[1][1]) and torch.equal(got[1][0], got[1][2])  # the codings' sums are bf16's
+
+
 # ------------------------------------------------------------------------------------------------- callers
 
 
