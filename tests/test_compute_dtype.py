@@ -61,6 +61,28 @@ def test_rows_independent_of_split_and_threads(threads):
         assert torch.equal(torch.cat([cpu.linear_bf16dot_many(x[i:i + 17], [w])[0] for i in range(0, 45, 17)]), y)
 
 
+@native
+@pytest.mark.parametrize("t", [1, 16, 70])
+def test_coded_weights_give_the_bf16_rows_sums(t, threads):
+    """b12-coded weights (plain b12, a row stored whole, b12x with exceptions) in the bf16 product: each block of
+    rows decoded into a thread's scratch, then the bf16 rows' tile: the same bits as the bf16 matrix, on 1 and 2
+    threads; `blocks.linear` under bf16 compute takes it for a B12Weight (one call, not slab by slab)."""
+    from moestream.kernels import b12
+
+    g = seeded(9)
+    w = (torch.randn(100, 128, generator=g) * 0.05).bfloat16()
+    w[3, 5] = 0.0  # a value far below the row's largest: plain b12 stores the row whole, b12x as an exception
+    coded = [b12.B12Weight.wrap(b12.encode(w, exceptions=x), (100, 128)) for x in (False, True)]
+    x = torch.randn(t, 128, generator=g)
+    for n in (1, 2):
+        threads(n)
+        want = cpu.linear_bf16dot_many(x, [w])[0]
+        assert all(torch.equal(y, want) for y in cpu.linear_bf16dot_many(x, [w, *coded])[1:])
+    with blocks.compute_dtype("bf16"):
+        for c in coded:
+            assert torch.equal(blocks.linear(x, c), blocks.linear(x, w))
+
+
 def _glu_case(e: int, inter: int, k_in: int, d_out: int, t: int, k: int, seed: int):
     g = seeded(seed)
     experts = [tuple((torch.randn(*s, generator=g) * 0.2).bfloat16() for s in ((inter, k_in), (inter, k_in),

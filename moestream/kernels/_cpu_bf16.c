@@ -367,6 +367,7 @@ typedef struct {
     int64_t T, K, P, nw;
     const int64_t *ws, *Ns, *outs, *ustart; /* ustart[i]: weight i's first unit (BPR rows each) */
     uint32_t *xp;                            /* P panels [K/2][BP] */
+    uint16_t *dec; /* b12-coded weights (tagged addresses): per thread BPR rows of K bf16 values, a unit's decoded */
 } bpl_job;
 
 static void bpl_pack_part(void *arg, int64_t part, int64_t parts, int slot) {
@@ -382,7 +383,7 @@ static void bpl_pack_part(void *arg, int64_t part, int64_t parts, int slot) {
 
 static void bpl_part(void *arg, int64_t chunk, int64_t chunks, int slot) {
     const bpl_job *j = arg;
-    (void)chunks, (void)slot;
+    (void)chunks;
     float c[BPR * BP];
     int64_t i = 0;
     for (int64_t u = chunk * BPL_UNITS; u < (chunk + 1) * BPL_UNITS && u < j->ustart[j->nw]; u++) {
@@ -390,10 +391,17 @@ static void bpl_part(void *arg, int64_t chunk, int64_t chunks, int slot) {
         const int64_t N = j->Ns[i], n = (u - j->ustart[i]) * BPR;
         const int rr = (int)(N - n < BPR ? N - n : BPR);
         const uint16_t *w = (const uint16_t *)(intptr_t)j->ws[i];
+        int64_t wn = n;
+        if (b12_tagged(w)) { /* the unit's rows decoded once for all panels: the bf16 rows' values, the same sums */
+            uint16_t *d = j->dec + (int64_t)slot * BPR * j->K;
+            for (int r = 0; r < rr; r++) b12_decode_row(b12_addr(w), N, j->K, n + r, d + r * j->K);
+            w = d;
+            wn = 0;
+        }
         float *out = (float *)(intptr_t)j->outs[i];
         for (int64_t p = 0; p < j->P; p++) {
             const int64_t tw = j->T - p * BP < BP ? j->T - p * BP : BP;
-            bp_run(w, j->K, n, rr, j->xp + p * BP * (j->K / 2), c, tw);
+            bp_run(w, j->K, wn, rr, j->xp + p * BP * (j->K / 2), c, tw);
             for (int64_t t = 0; t < tw; t++) {
                 float *o = out + (p * BP + t) * N + n;
                 for (int r = 0; r < rr; r++) o[r] = c[r * BP + t];
@@ -402,8 +410,9 @@ static void bpl_part(void *arg, int64_t chunk, int64_t chunks, int slot) {
     }
 }
 
-/* For i < nw: out_i[T, N[i]] = bf16(x)[T, K] @ w_i[N[i], K]^T, fp32 sums, x contiguous fp32, w_i contiguous bf16,
- * K even; w_i and out_i at the addresses ws[i], outs[i]. x is rounded into panels once, in `scratch` when its
+/* For i < nw: out_i[T, N[i]] = bf16(x)[T, K] @ w_i[N[i], K]^T, fp32 sums, x contiguous fp32, w_i contiguous bf16
+ * or b12-coded (a tagged address: each row block decoded into a thread's BPR rows, then the same tile and sums as
+ * the bf16 rows'), K even; w_i and out_i at the addresses ws[i], outs[i]. x is rounded into panels once, in `scratch` when its
  * `scratch_bytes` hold them (the caller's buffer, kept across calls so that its pages are faulted in once: with the
  * engine's 64 KiB mmap threshold every malloc of the panels is a fresh mapping), else in memory of the call's own.
  * The same values either way. Returns 0, or -1 when out of memory (the panels: T rounded up to BP, times K, bf16;
@@ -423,16 +432,21 @@ int ms_bf16dot_linear_ws(const float *x, int64_t T, int64_t K, int64_t nw, const
     const int64_t P = bp_count(T);
     const int64_t need = ms_bf16dot_linear_scratch(T, K);
     const int own_xp = !scratch || ((uintptr_t)scratch & 63) || scratch_bytes < need;
+    int coded = 0;
+    for (int64_t i = 0; i < nw; i++) coded |= b12_tagged((const void *)(intptr_t)ws[i]);
+    const int slots = pool_parts > 1 ? pool_parts : 1;
     int64_t *ustart = malloc(sizeof(int64_t) * (size_t)(nw + 1));
     uint32_t *xp = own_xp ? aligned_alloc(64, (size_t)need) : (uint32_t *)scratch;
-    if (!ustart || !xp) {
+    uint16_t *dec = coded ? malloc(sizeof(uint16_t) * (size_t)(slots * BPR * K)) : NULL;
+    if (!ustart || !xp || (coded && !dec)) {
         free(ustart);
+        free(dec);
         if (own_xp) free(xp);
         return -1;
     }
     ustart[0] = 0;
     for (int64_t i = 0; i < nw; i++) ustart[i + 1] = ustart[i] + (Ns[i] + BPR - 1) / BPR;
-    bpl_job j = {x, T, K, P, nw, ws, Ns, outs, ustart, xp};
+    bpl_job j = {x, T, K, P, nw, ws, Ns, outs, ustart, xp, dec};
     const int64_t chunks = (ustart[nw] + BPL_UNITS - 1) / BPL_UNITS;
     if (pool_parts <= 1) {
         for (int64_t p = 0; p < P * bp_slices(K); p++) bpl_pack_part(&j, p, P * bp_slices(K), 0);
@@ -442,6 +456,7 @@ int ms_bf16dot_linear_ws(const float *x, int64_t T, int64_t K, int64_t nw, const
         pool_run_chunks(bpl_part, &j, chunks, pool_parts);
     }
     if (own_xp) free(xp);
+    free(dec);
     free(ustart);
     return 0;
 }

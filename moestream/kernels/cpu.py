@@ -458,11 +458,16 @@ def bf16_panel() -> int:
     return _BF16_PANEL[0]
 
 
-def bf16dot_scratch(rows: int, k_in: int) -> int:
+BF16DOT_DECODE_ROWS = 8  # at least the bf16 tile's rows (BPR): a coded weight's rows each thread decodes at a time
+
+
+def bf16dot_scratch(rows: int, k_in: int, coded: bool = False) -> int:
     """Bytes of a bf16 product's scratch for `rows` rows of K inputs: the rows rounded to bf16, padded to a panel
-    (the panels `linear_bf16dot_many` takes, fresh or a step's kept buffer), and the call's small index."""
+    (the panels `linear_bf16dot_many` takes, fresh or a step's kept buffer), and the call's small index; with
+    `coded` weights, each thread's decoded row block too."""
     panel = bf16_panel()
-    return -(-rows // panel) * panel * k_in * 2 + 64 + 8 * 64
+    decoded = threads() * BF16DOT_DECODE_ROWS * k_in * 2 if coded else 0
+    return -(-rows // panel) * panel * k_in * 2 + 64 + 8 * 64 + decoded
 
 
 # ---- a step's reused buffers ------------------------------------------------------------------------------
@@ -526,22 +531,26 @@ def step_buffer(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> T
 
 def linear_bf16dot_many(x: Tensor, ws: Sequence[Tensor]) -> list[Tensor]:
     """[bf16(x) @ w^T for w in ws] in one native call: x [T, K] fp32 rounded to bf16 once (round to nearest even),
-    each w a contiguous 2-D bf16 [N_i, K], K even; products summed in fp32 (the opt-in bf16 compute path,
+    each w a contiguous 2-D bf16 [N_i, K] or a b12-coded one (B12Weight: each block of rows decoded into a thread's
+    scratch, then the bf16 rows' sums bit for bit), K even; products summed in fp32 (the opt-in bf16 compute path,
     EngineOptions.compute_dtype). Each output row depends on its own input row only (not on T or on the other
     rows). Returns float32 [T, N_i] each; within `step_buffers` the outputs and the input panels are the running
     step's kept buffers. Needs available()."""
     handle = required()
-    k = ws[0].shape[1]
-    for w in ws:
-        if w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] != k or not w.is_contiguous():
-            raise ValueError(f"linear_bf16dot_many wants contiguous 2-D bfloat16 weights [N, {k}]")
+    try:
+        ops = [dense_operand(w) for w in ws]
+    except ValueError:
+        ops = []
+    k = ops[0][2] if ops else ws[0].shape[-1]
+    if len(ops) != len(ws) or any(o[2] != k for o in ops):
+        raise ValueError(f"linear_bf16dot_many wants contiguous 2-D bfloat16 (or b12-coded) weights [N, {k}]")
     if k % 2:
         raise ValueError(f"linear_bf16dot_many wants an even K, got {k}")
     x2 = rows(x, k)
-    outs = [step_buffer((x2.shape[0], w.shape[0])) for w in ws]
+    outs = [step_buffer((x2.shape[0], n)) for _, n, _ in ops]
     panels = step_buffer((handle.ms_bf16dot_linear_scratch(x2.shape[0], k),), torch.uint8)
-    if handle.ms_bf16dot_linear_ws(x2.data_ptr(), x2.shape[0], k, len(ws), _addresses([w.data_ptr() for w in ws]),
-                                   _addresses([w.shape[0] for w in ws]), _addresses([o.data_ptr() for o in outs]),
+    if handle.ms_bf16dot_linear_ws(x2.data_ptr(), x2.shape[0], k, len(ws), _addresses([a for a, _, _ in ops]),
+                                   _addresses([n for _, n, _ in ops]), _addresses([o.data_ptr() for o in outs]),
                                    panels.data_ptr(), panels.numel()):
         raise MemoryError("native bf16 kernel could not allocate its input scratch")
     return outs

@@ -75,6 +75,8 @@ def _bf16_rows(rows: int, least: int = BF16_MIN_ROWS) -> bool:
 
 
 def _bf16_weight(w: torch.Tensor, k_in: int) -> bool:
+    if type(w) is B12Weight:
+        return w.in_features == k_in and k_in % 2 == 0
     return (type(w) is torch.Tensor and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous()
             and w.shape[1] == k_in and k_in % 2 == 0)
 
@@ -86,9 +88,9 @@ def _bf16_linear(x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> list[torch.Te
     rows = x.numel() // max(1, x.shape[-1])
     if not _bf16_rows(rows) or not cpu.available():
         return None
-    memory = _COMPUTE.get()[1]
-    with (scratch(memory, cpu.bf16dot_scratch(rows, x.shape[-1]), "bf16 activation rows") if memory is not None
-          else contextlib.nullcontext()):
+    memory, coded = _COMPUTE.get()[1], any(type(w) is B12Weight for w in ws)
+    with (scratch(memory, cpu.bf16dot_scratch(rows, x.shape[-1], coded), "bf16 activation rows")
+          if memory is not None else contextlib.nullcontext()):
         ys = cpu.linear_bf16dot_many(x, ws)
     return [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
 
@@ -153,9 +155,10 @@ B12_SLAB_BYTES = 2 << 20  # bf16 bytes of a b12 weight's rows decoded at a time 
 
 def _b12_linear(x: torch.Tensor, w: B12Weight, fp32: bool) -> torch.Tensor:
     """`linear` for a b12-coded bf16 weight, the very values the bf16 matrix gives on each path: up to
-    cpu.MAX_TOKENS_BF16 rows (fp32 compute) the native kernel reads the coded bytes; on the other paths (the
-    fixed-order kernel, bf16 compute, the upcast slabs) rows are decoded a bounded slab at a time and take the bf16
-    matrix's path, whose outputs do not depend on which other weight rows share the call."""
+    cpu.MAX_TOKENS_BF16 rows (fp32 compute) the native kernel reads the coded bytes; in bf16 compute the bf16 kernel
+    decodes a block of rows at a time into a thread's scratch (cpu.linear_bf16dot_many); on the other paths (the
+    fixed-order kernel, the upcast slabs) rows are decoded a bounded slab at a time and take the bf16 matrix's path,
+    whose outputs do not depend on which other weight rows share the call."""
     n, k = w.out_features, w.in_features
     tokens = x.numel() // max(1, x.shape[-1])
     if _native_dense(w, x, fp32):
@@ -164,6 +167,8 @@ def _b12_linear(x: torch.Tensor, w: B12Weight, fp32: bool) -> torch.Tensor:
         if n <= _upcast_rows(k):
             return F.linear(x, w.float())
         return _upcast_linear(x, n, lambda slab, r: w.expand_rows_into(r, slab))
+    if not invariant.active() and not fp32 and (got := _bf16_linear(x, (w,))) is not None:
+        return got[0]  # bf16 compute: the coded rows decoded a block at a time inside the native call
     out = torch.empty(tokens, n, dtype=torch.float32)
     step = max(1, B12_SLAB_BYTES // (2 * k))
     dec = torch.empty(min(step, n), k, dtype=torch.bfloat16)
