@@ -181,13 +181,12 @@ class ExpertRunner:
         elif not self.scan and (reading or self._next_may_read(layer)):
             self._prefetch_next(layer, route_x, need)
         t = time.perf_counter()
-        blobs = [self.cache.get((layer, e)) for e in hits]
+        blobs = self.cache.hits(layer, hits)  # cached and not read ahead unused: each a hit (what _use records)
         grouped = False
         if group is not None and len(hits) > 1:
             counts = {"counts": route.counts(hits)} if route is not None and getattr(group, "counts", False) else {}
             grouped = group(x, ids, weights, hits, [b.tensors() for b in blobs], out, **counts)
         for e, blob in zip(hits, blobs):
-            self._use(layer, e, hit=True)
             if not grouped:
                 self._apply(out, x, route or ids, weights, e, blob, fn)
             need.discard((layer, e))
