@@ -262,3 +262,22 @@ def test_decode_layers_follow_each_sequence_cache(tmp_path, monkeypatch):
     assert _layer_runs(eng) - runs0 >= 2 * len(a) - 2
     want = interleaved("block")
     assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+
+@native
+def test_decode_layers_reject_bad_operands(tmp_path, monkeypatch):
+    """DecodeLayers refuses a row of the wrong width, a range outside its layers and tables of another router."""
+    synthesize("qwen3_moe", tmp_path / "m", "tiny", progress=False)
+    eng = Engine.open(tmp_path / "m", ram_budget="1GB")
+    _decode(eng, prompt_ids(eng.vocab_size, 3, seed=4), True, monkeypatch)
+    native = eng.model._all_layers[2]
+    hidden = native.x2.shape[1]
+    with pytest.raises(ValueError, match="fp32 contiguous h"):
+        native(torch.zeros(1, hidden + 1))
+    with pytest.raises(ValueError, match=r"layers \[2, 1\)"):
+        native(torch.zeros(1, hidden), 2, 1)
+    other = fused.ExpertTable(native.tables[0].experts + 1, hidden, "silu", 0.0, 0.0, lambda t: None)
+    with pytest.raises(ValueError, match="expert table"):
+        fused.DecodeLayers(native.blocks[:1], [other])
+    with pytest.raises(ValueError, match="a table each"):
+        fused.DecodeLayers(native.blocks, native.tables[:1])
