@@ -97,3 +97,31 @@ def test_phase_clock_keeps_the_native_decode_layer(tmp_path_factory):
         assert "decode_layers" not in vars(eng.model)
     finally:
         eng.close()
+
+
+def test_phase_clock_leaves_the_runners_time_out_of_the_layers_runs():
+    """A native run of the layers (decode_layers) that stops at a missing expert sends that layer's experts through
+    the runner, whose reads, experts and lookahead the benchmark counts in their own phases: the mixer's time
+    leaves them out, so the phases add up to the step."""
+    import time
+    from types import SimpleNamespace
+
+    from moestream.bench import PhaseClock
+
+    times = SimpleNamespace(io_wait_s=0.0, expert_s=0.0, lookahead_s=0.0)
+
+    class Model:
+        layers = [SimpleNamespace(mixer=lambda *a: None)]
+
+        def decode_layers(self, h, batch):
+            time.sleep(0.01)  # the native run
+            t = time.perf_counter()
+            time.sleep(0.05)  # a layer's experts through the runner
+            times.expert_s += time.perf_counter() - t
+
+    model, clock = Model(), PhaseClock()
+    assert clock.wrap(model, SimpleNamespace(times=times))
+    model.decode_layers(None, None)
+    clock.unwrap()
+    assert 0.009 < clock.mixer_s < 0.04 and times.expert_s >= 0.05
+    assert "decode_layers" not in vars(model)
