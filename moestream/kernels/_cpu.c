@@ -1051,16 +1051,10 @@ static int dense_rows(const float *x, int64_t ldx, int64_t T, int64_t K, const u
                       int64_t n1, float *out, int64_t ldo); /* _cpu_b12.c */
 
 /* rows [r0, r1) of the weights' rows laid end to end (each weight bf16, or b12-coded at a tagged address) */
-static void bf16_range(bf16_job *j, int64_t r0, int64_t r1);
-
 static void bf16_part(void *arg, int part, int parts) {
-    int64_t r0, r1;
-    split(((bf16_job *)arg)->total, part, parts, &r0, &r1);
-    bf16_range(arg, r0, r1);
-}
-
-static void bf16_range(bf16_job *j, int64_t r0, int64_t r1) {
-    int64_t off = 0;
+    bf16_job *j = arg;
+    int64_t r0, r1, off = 0;
+    split(j->total, part, parts, &r0, &r1);
     for (int64_t i = 0; i < j->nw && off < r1; off += j->N[i], i++) {
         const int64_t lo = r0 > off ? r0 - off : 0, hi = r1 - off < j->N[i] ? r1 - off : j->N[i];
         if (lo < hi && dense_rows(j->x, j->ldx, j->T, j->K, (const uint16_t *)(intptr_t)j->w[i], j->N[i], lo, hi,
@@ -1074,39 +1068,10 @@ static void bf16_chunk(void *arg, int64_t chunk, int64_t chunks, int slot) {
     bf16_part(arg, (int)chunk, (int)chunks);
 }
 
-/* A one-token product's rows in chunks handed out in turn as in pool_run_chunks, sized like OpenMP's guided
- * schedule: each a 1 / (2 x threads) share of the rows left (a multiple of 4, at least GUIDED_MIN_ROWS), so each
- * thread first streams a long run of rows (the hardware prefetcher's stream is not cut every CHUNK_ROWS rows) and
- * the short chunks at the end still even out a thread the OS delays. Warm decode of the peer checkpoint against
- * 64-row chunks, processes alternated: the 16384-row lm_head 0.88-0.95 against 0.94-1.24 ms a token, q/k/v and o_proj
- * 0.87-0.92x in three pairs and no different in five more (docs/performance.md, "Every layer of a warm token in
- * native runs"). */
-#define GUIDED_MIN_ROWS 32
-#define GUIDED_MAX 64 /* chunks at most (the last takes the rest) */
-typedef struct { bf16_job *j; const int64_t *at; } bf16_guided;
-static void bf16_guided_chunk(void *arg, int64_t chunk, int64_t chunks, int slot) {
-    (void)slot; (void)chunks;
-    const bf16_guided *g = arg;
-    bf16_range(g->j, g->at[chunk], g->at[chunk + 1]);
-}
-
 /* the job's rows over `parts` threads, in chunks of about CHUNK_ROWS rows handed out dynamically */
 static void bf16_run(bf16_job *j, int parts) {
     if (parts <= 1) {
         bf16_part(j, 0, 1);
-        return;
-    }
-    if (j->T == 1) { /* one token: chunks shrinking from long runs (each row's sum is the same in any range) */
-        int64_t at[GUIDED_MAX + 1], n = 0;
-        at[0] = 0;
-        while (at[n] < j->total) {
-            int64_t step = (j->total - at[n]) / (2 * parts);
-            step = step < GUIDED_MIN_ROWS ? GUIDED_MIN_ROWS : (step + 3) / 4 * 4;
-            at[n + 1] = n + 1 == GUIDED_MAX || at[n] + step > j->total ? j->total : at[n] + step;
-            n++;
-        }
-        bf16_guided g = {j, at};
-        pool_run_chunks(bf16_guided_chunk, &g, n, parts);
         return;
     }
     int64_t chunks = (j->total + CHUNK_ROWS - 1) / CHUNK_ROWS;
