@@ -89,17 +89,10 @@ class ExpertCache:
 
     def hits(self, layer: int, experts: list[int]) -> list[Any]:
         """`get((layer, e))` for each of a step's routed experts in turn, each recorded as a hit (the caller found
-        them all cached): the policy's touches in one call (`touch_many` where it has one)."""
+        them all cached): the policy's touches in one call (`touch_many`)."""
         keys = [(layer, e) for e in experts]
-        items = self._items
-        got = [items.get(k) for k in keys]
-        touched = [k for k, item in zip(keys, got) if item is not None]
-        many = getattr(self.policy, "touch_many", None)
-        if many is not None:
-            many(touched)
-        else:
-            for k in touched:
-                self.policy.touch(k)
+        got = [self._items.get(k) for k in keys]
+        self.policy.touch_many([k for k, item in zip(keys, got) if item is not None])
         self.stats.record_hits(layer, len(experts))
         return [None if item is None else item[0] for item in got]
 

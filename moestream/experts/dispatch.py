@@ -259,20 +259,9 @@ class ExpertRunner:
     def resident_run(self, layers: list[int], routed: list[list[int]], route_x: torch.Tensor) -> None:
         """`resident_done` for consecutive layers of one decode token that ran their routed experts from the tables
         in one native run (DecoderModel.decode_layers), in layer order: routed[i] the ids layers[i] routed to,
-        route_x[i] its router input. None but the last layer reads (the caller checked `reads_after` before the
-        run), so the others take only the counters, the lookahead's score and the cache's hits; the last takes
-        `resident_done` whole."""
-        times, quiet, observe, hits = self.times, self._quiet, self.lookahead.observe, self.cache.hits
-        last = len(layers) - 1
-        for i in range(last):
-            layer, uniq = layers[i], sorted(set(routed[i]))
-            times.steps += 1
-            times.resident_steps += 1
-            quiet[layer] = quiet.get(layer, 0) + 1
-            observe(layer, uniq)
-            hits(layer, uniq)
-        self.scan = 0
-        self.resident_done(layers[last], sorted(set(routed[last])), route_x[last:last + 1])
+        route_x[i] its router input. None but the last may read (the caller checked `reads_after` before the run)."""
+        for i, (layer, ids) in enumerate(zip(layers, routed)):
+            self.resident_done(layer, sorted(set(ids)), route_x[i:i + 1])
 
     def reads_after(self, layer: int) -> bool:
         """Whether the bookkeeping of a warm one-token step of `layer` (`resident_done`) may start or land reads:

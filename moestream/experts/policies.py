@@ -86,19 +86,9 @@ class FrequencyRecencyPolicy:
             self._compact()
 
     def touch_many(self, keys: list[Key]) -> None:
-        """`touch(key)` for each key in turn, the per-touch work inlined (a warm decode step touches its top-k
-        experts in every layer: 256 touches a token on the peer checkpoint)."""
-        rate, exp, log, pending, seq = self.rate, math.exp, math.log, self._pending, self._seq
+        """`touch(key)` for each key in turn (a step's hits, ExpertCache.hits)."""
         for key in keys:
-            self._tick(key)
-            t, old = self._t, self._score.get(key)
-            s = 1.0 if old is None else old[0] * exp(-rate * (t - old[1])) + 1.0
-            self._score[key] = (s, t)
-            prio = log(s) + rate * t
-            self._prio[key] = prio
-            pending.append((prio, next(seq), key))
-            if len(self._heap) + len(pending) > 4 * len(self._prio) + 64:
-                self._compact()
+            self._bump(key, fresh=False)
 
     def insert(self, key: Key) -> None:
         # a re-read expert keeps part of its history: frequency across evictions is the point of the policy
@@ -191,14 +181,6 @@ class HeatPolicy(FrequencyRecencyPolicy):
         if self._since_refresh >= 4096:
             self._refresh_hot()
         super()._bump(key, fresh)
-
-    def touch_many(self, keys: list[Key]) -> None:
-        for key in keys:  # the counts as _bump keeps them (the hot set reads only counts and heat)
-            self.counts[key] = self.counts.get(key, 0) + 1
-            self._since_refresh += 1
-            if self._since_refresh >= 4096:
-                self._refresh_hot()
-        super().touch_many(keys)
 
     def victims(self) -> Iterator[Key]:
         hot, warm = self._hot, []

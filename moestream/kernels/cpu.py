@@ -537,13 +537,10 @@ def linear_bf16dot_many(x: Tensor, ws: Sequence[Tensor]) -> list[Tensor]:
     rows). Returns float32 [T, N_i] each; within `step_buffers` the outputs and the input panels are the running
     step's kept buffers. Needs available()."""
     handle = required()
-    try:
-        ops = [dense_operand(w) for w in ws]
-    except ValueError:
-        ops = []
-    k = ops[0][2] if ops else ws[0].shape[-1]
-    if len(ops) != len(ws) or any(o[2] != k for o in ops):
-        raise ValueError(f"linear_bf16dot_many wants contiguous 2-D bfloat16 (or b12-coded) weights [N, {k}]")
+    ops = [dense_operand(w) for w in ws]  # ValueError for anything but bf16 or b12-coded matrices
+    k = ops[0][2]
+    if any(o[2] != k for o in ops):
+        raise ValueError(f"linear_bf16dot_many wants weights of one width [N, {k}]")
     if k % 2:
         raise ValueError(f"linear_bf16dot_many wants an even K, got {k}")
     x2 = rows(x, k)

@@ -361,6 +361,7 @@ _DL_SLOTS = ("hidden", "heads", "kv_heads", "head_dim", "v_dim", "in_norm", "in_
              "q_norm", "k_norm", "qk_bf16", "inv_freq", "window", "post_norm", "post_bf16", "router", "experts",
              "top_k", "renorm", "block", "min_rows", "inter", "act", "prefetch")
 _DLF_BETA = 3  # fcfg slots of the table's activation (DLF_BETA, DLF_LBETA)
+_DL_INTER, _DL_ACT = _DL_SLOTS.index("inter"), _DL_SLOTS.index("act")
 
 
 class ExpertTable:
@@ -465,11 +466,8 @@ class DecodeBlock:
             ids, wts = torch.empty(1, self.top_k, dtype=torch.int64), torch.empty(1, self.top_k)
         rows = None
         if table is not None and ids is not None:
-            if table.experts != self._experts or table.hidden != self.hidden:
-                raise ValueError(f"DecodeBlock: an expert table of {table.experts} experts x {table.hidden} for a "
-                                 f"router of {self._experts} x {self.hidden}")
-            self._cfg[_DL_SLOTS.index("inter")], self._cfg[_DL_SLOTS.index("act")] = table.inter, table.act
-            self._fcfg[_DLF_BETA], self._fcfg[_DLF_BETA + 1] = table.beta, table.linear_beta
+            self.check_table(table)
+            self.use_table(table)
             rows = table.rows
         code = handle.ms_gqa_decode_block(self._cfg, self._fcfg, out.data_ptr(),
                                           _addresses([b.data_ptr() for b in keys]),
@@ -481,10 +479,21 @@ class DecodeBlock:
                 ValueError(f"DecodeBlock: bad cache rows [{start}, {length})")
         return out, x2, ids, wts, code == 1
 
+    def check_table(self, table: ExpertTable) -> None:
+        if table.experts != self._experts or table.hidden != self.hidden:
+            raise ValueError(f"DecodeBlock: an expert table of {table.experts} experts x {table.hidden} for a "
+                             f"router of {self._experts} x {self.hidden}")
+
+    def use_table(self, table: ExpertTable) -> None:
+        """The table's intermediate width (set by its first expert) and activation into the call's operands."""
+        cfg = self._cfg
+        if cfg[_DL_INTER] != table.inter or cfg[_DL_ACT] != table.act:
+            cfg[_DL_INTER], cfg[_DL_ACT] = table.inter, table.act
+            self._fcfg[_DLF_BETA], self._fcfg[_DLF_BETA + 1] = table.beta, table.linear_beta
+
 
 _DS_COUNT = 7  # ms_gqa_decode_layers' int64 record per layer: cfg, fcfg, keys, values, start, length, table (DS_*)
 _DS_KB, _DS_START, _DS_LENGTH = 2, 4, 5
-_DL_INTER, _DL_ACT = _DL_SLOTS.index("inter"), _DL_SLOTS.index("act")
 
 
 class DecodeLayers:
@@ -500,9 +509,7 @@ class DecodeLayers:
             raise ValueError("DecodeLayers wants one or more DecodeBlocks with routers of one width and top-k, "
                              "and a table each")
         for b, t in zip(blocks, tables):
-            if t.experts != b._experts or t.hidden != b.hidden:
-                raise ValueError(f"DecodeLayers: an expert table of {t.experts} experts x {t.hidden} for a "
-                                 f"router of {b._experts} x {b.hidden}")
+            b.check_table(t)
         n, (hidden, top_k) = len(blocks), shapes.pop()
         self.blocks, self.tables = list(blocks), list(tables)
         self.x2 = torch.empty(n, hidden)
@@ -546,10 +553,7 @@ class DecodeLayers:
         if not 0 <= first < end <= len(self.blocks):
             raise ValueError(f"DecodeLayers: layers [{first}, {end}) of {len(self.blocks)}")
         for b, t in zip(self.blocks[first:end], self.tables[first:end]):
-            cfg = b._cfg
-            if cfg[_DL_INTER] != t.inter or cfg[_DL_ACT] != t.act:
-                cfg[_DL_INTER], cfg[_DL_ACT] = t.inter, t.act
-                b._fcfg[_DLF_BETA], b._fcfg[_DLF_BETA + 1] = t.beta, t.linear_beta
+            b.use_table(t)
         k = self.ids.shape[1]
         self.runs += 1
         code = handle.ms_gqa_decode_layers(end - first, ctypes.addressof(self._rec) + first * _DS_COUNT * 8,

@@ -257,7 +257,8 @@ class DecoderModel:
             return plan or None
         mixers, moes = [], []
         for layer in self.layers:
-            mixer = getattr(getattr(layer, "mixer", None), "__wrapped__", getattr(layer, "mixer", None))
+            mixer = getattr(layer, "mixer", None)
+            mixer = getattr(mixer, "__wrapped__", mixer)
             if (not isinstance(layer, Layer) or not isinstance(layer.ffn, SoftmaxMoE)
                     or not hasattr(mixer, "_decode_plan") or not hasattr(mixer, "decode_fits")):
                 self._all_layers = False
