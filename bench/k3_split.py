@@ -215,7 +215,7 @@ def run_once(path: Path, opts, lookahead: str, mem_bw: float) -> dict:
 
     base.DenseWeights.__init__ = keep
     try:
-        eng = Engine.open(path, ram_budget=opts.ram_budget, threads=opts.threads)
+        eng = Engine.open(path, ram_budget=opts.ram_budget, threads=opts.threads, compute_dtype=opts.compute_dtype)
     finally:
         base.DenseWeights.__init__ = init
     try:
@@ -264,6 +264,8 @@ def main() -> None:
     ap.add_argument("--lookahead", default="on",
                     help="comma-separated runs, one fresh engine each: on (default gate), off, open (gate forced open)")
     ap.add_argument("--lookahead-reads", type=int, default=4, help="experts read ahead per layer step with `open`")
+    ap.add_argument("--compute-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="the engine's --compute-dtype (bf16: MXFP4 experts take bf16-rounded activations in decode)")
     opts = ap.parse_args()
     opts.ram_budget = parse_bytes(opts.ram_budget)
     if opts.threads:
@@ -275,7 +277,8 @@ def main() -> None:
     if any(v not in ("on", "off", "open") for v in variants):
         ap.error(f"--lookahead takes on, off and open; got {opts.lookahead!r}")
     out = [run_once(opts.model, opts, v, mem_bw) for v in variants]
-    threads = {"threads": opts.threads, "native_threads": cpu.threads(), "torch_threads": torch.get_num_threads()}
+    threads = {"threads": opts.threads, "native_threads": cpu.threads(), "torch_threads": torch.get_num_threads(),
+               "compute_dtype": opts.compute_dtype}
     print(json.dumps({**threads, "runs": out}, indent=1, default=float))
 
 

@@ -12,10 +12,10 @@ import subprocess
 import pytest
 import torch
 
-from conftest import prompt_ids, seeded
+from conftest import decode_logits, prompt_ids, seeded
 from moestream import Engine
 from moestream.errors import MoestreamError
-from moestream.kernels import cpu, fused
+from moestream.kernels import cpu, fused, quant
 from moestream.memory.accountant import MemoryAccountant
 from moestream.models import blocks
 from moestream.synth import synthesize
@@ -273,6 +273,20 @@ def test_portable_build_computes_the_same_products(tmp_path):
     assert lib.ms_bf16dot_linear(x.data_ptr(), 37, 96, 1, arr(w.data_ptr()), arr(50), arr(out.data_ptr())) == 0
     assert _rel(out, _rounded_reference(x, w)) < 1e-5
     assert _rel(out, cpu.linear_bf16dot_many(x, [w])[0]) < 1e-5
+    # MXFP4 under bf16 compute: x rounded into a copy, then the fp32 kernel (the same inputs as vdpbf16ps's)
+    lib.ms_linear_mxfp4_bf16.argtypes = [i64, p, p, p, p, p, i64, i64, ctypes.c_int, i64, ctypes.c_int]
+    packed = torch.randint(0, 256, (50, 80), dtype=torch.uint8, generator=g)
+    scales = torch.randint(118, 130, (50, 5), dtype=torch.uint8, generator=g)
+    x = torch.randn(5, 160, generator=g)
+    for t in (1, 5):  # the same x for two entries (rounded once), 1 and 5 tokens
+        outs = [torch.empty(t, 50), torch.empty(t, 50)]
+        assert lib.ms_linear_mxfp4_bf16(2, arr(x.data_ptr(), x.data_ptr()), arr(t, t),
+                                        arr(packed.data_ptr(), packed.data_ptr()),
+                                        arr(scales.data_ptr(), scales.data_ptr()),
+                                        arr(*(o.data_ptr() for o in outs)), 50, 160, 0, 1, 1) == 0
+        want = _rounded_reference(x[:t], quant.dequant_mxfp4(packed, scales))
+        assert _rel(outs[0], want) < 1e-5 and torch.equal(outs[0], outs[1])
+        assert _rel(outs[0], cpu.linear_mxfp4(x[:t], packed, scales, bf16=True)) < 1e-5
 
 
 def _glu_call(lib, experts, x, ids, scores, out, act: int, beta: float = 0.0, linear_beta: float = 0.0) -> None:
@@ -497,6 +511,29 @@ def test_engine_bf16_within_bound_and_same_greedy_tokens(tiny, monkeypatch):
     finally:
         f32.free(sa)
         b16.free(sb)
+
+
+@native
+@pytest.mark.parametrize("family", ["kimi_k3", "gpt_oss"])
+def test_mxfp4_experts_decode_in_bf16_within_bound(tmp_path, monkeypatch, family):
+    """MXFP4 experts (K3's latent experts, gpt-oss's) under bf16 compute round their activations at every row count
+    (blocks.mxfp4_bf16): one-token decode steps too, where other products keep fp32. Their logits move within
+    bf16's bound (the module's first test explains it) and greedy tokens agree; under fp32 no MXFP4 call rounds."""
+    path = tmp_path / family
+    synthesize(family, path, "tiny", progress=False)
+    ids = prompt_ids(256, 12, seed=3)
+    seen, entry = [], cpu._mxfp4_entry
+    monkeypatch.setattr(cpu, "_mxfp4_entry", lambda handle, bf16: (seen.append(bf16), entry(handle, bf16))[1])
+    f32, b16 = Engine.open(path), Engine.open(path, compute_dtype="bf16")
+    a = decode_logits(f32, ids)
+    assert seen and not any(seen)
+    seen.clear()
+    b = decode_logits(b16, ids)
+    assert seen and all(seen)
+    rows = (b - a).abs().amax(-1) / a.abs().amax(-1)
+    assert not torch.equal(a, b)
+    assert float(rows.median()) < 0.01 and float(rows.max()) < 0.03
+    assert b16.generate(ids, 8) == f32.generate(ids, 8)
 
 
 def test_option_is_validated(tiny, capsys):

@@ -111,6 +111,63 @@ def test_mxfp4_matches_float64(layout, k, n):
 
 
 @native
+@pytest.mark.parametrize("layout", ["low_first", "gguf"])
+@pytest.mark.parametrize("k", [32, 96, 160, 2048 + 32])
+@pytest.mark.parametrize("n", [1, 5, 33])
+def test_mxfp4_bf16_is_the_rounded_inputs_product(layout, k, n):
+    """The bf16 compute path's MXFP4 product (ms_linear_mxfp4_bf16): x rounded to bf16 times the exact weights, fp32
+    sums, for 1-17 tokens and widths whose last group of four blocks is short (32, 96, 160: 1-3 blocks); each
+    token's row is the same bits in a call of 1, 2, 3 or 9 tokens (with AVX-512 BF16; the portable path's tiles
+    of 3+ tokens scale the weights first, so there within fp32 rounding); mxfp4_linear's native and torch paths
+    and linear_mxfp4_many take it too."""
+    packed, scales = _mxfp4(n, k, seed=k + n + 1)
+    w = q.dequant_mxfp4(packed, scales, layout)
+    x = torch.randn(17, k, generator=_gen(k + 3))
+    rounded = x.bfloat16().float()
+    whole = cpu.linear_mxfp4(x, packed, scales, layout, bf16=True)
+    _assert_close(whole, rounded, w)
+    for t in (1, 2, 3, 9):
+        part = cpu.linear_mxfp4(x[:t], packed, scales, layout, bf16=True)
+        if cpu.bf16dot():
+            assert torch.equal(part, whole[:t])
+        else:
+            _assert_close(part, rounded[:t], w)
+    _assert_close(q.mxfp4_linear(x, packed, scales, layout=layout, bf16=True), rounded, w)
+    _assert_close(q.mxfp4_linear(x, packed, scales, layout=layout, native=False, bf16=True), rounded, w)
+    a, b = cpu.linear_mxfp4_many([x[:4], x[:4]], [(packed, scales), (packed, scales)], layout, bf16=True)
+    assert torch.equal(a, b)
+    _assert_close(a, rounded[:4], w)
+
+
+@native
+def test_mxfp4_bf16_rounds_what_the_fp32_product_does_not():
+    """The option does something: the bf16 product differs from the fp32 one and equals the fp32 product of the
+    rounded inputs up to fp32 summation; threads give the same bits; a 0xFF scale byte is found first."""
+    packed, scales = _mxfp4(300, 3584, seed=21, low=120, high=128)
+    x = torch.randn(2, 3584, generator=_gen(22))
+    exact = cpu.linear_mxfp4(x, packed, scales)
+    before = cpu.threads()
+    try:
+        cpu.set_threads(1)
+        one = cpu.linear_mxfp4(x, packed, scales, min_rows_per_thread=1, bf16=True)
+        cpu.set_threads(2)
+        two = cpu.linear_mxfp4(x, packed, scales, min_rows_per_thread=1, bf16=True)
+    finally:
+        cpu.set_threads(before)
+    assert torch.equal(one, two)
+    assert not torch.equal(one, exact)
+    assert max_rel_diff(one, cpu.linear_mxfp4(x.bfloat16().float(), packed, scales)) < 1e-5
+    assert 1e-5 < max_rel_diff(one, exact) < 1e-2  # bf16's rounding of x, not an error of the kernel
+    bad = scales.clone()
+    bad[7, 3] = 255
+    out = torch.empty(2, 300)
+    xs, ts = [x.data_ptr()] * 2, [2, 2]
+    got = cpu.linear_mxfp4_ptrs(xs, ts, [packed.data_ptr()] * 2, [scales.data_ptr(), bad.data_ptr()],
+                                [out.data_ptr()] * 2, 300, 3584, bf16=True)
+    assert got == 1
+
+
+@native
 def test_mxfp4_non_contiguous_x_and_many():
     packed, scales = _mxfp4(6, 64, seed=1)
     other = _mxfp4(6, 64, seed=2)

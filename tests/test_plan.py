@@ -17,7 +17,8 @@ from moestream.planner.plan import PlanOptions, make_plan
 from moestream.planner.skew import Skew, distinct, fit_exponent, hit_rate, selection, top_share
 
 K3_CONFIG = Path(__file__).parent / "data" / "kimi_k3_config.json"
-RATES = {"gemv": {k: 8e9 for k in calibrate.KINDS}, "expand": {k: 4e9 for k in calibrate.KINDS},
+_SEEDED_KINDS = (*calibrate.KINDS, calibrate.MXFP4_BF16)
+RATES = {"gemv": {k: 8e9 for k in _SEEDED_KINDS}, "expand": {k: 4e9 for k in _SEEDED_KINDS},
          "gemm_flops": 5e10, "memory": 1e10, "page_faults": 2e9, "hot_bytes": 0.0, "deep_faults": 0.0,
          "glu_kernels": {"bf16": 1.6e10},
          # the dense probe's seconds a call for any shape (a 1024 x 1024-sized weight), fp32 and bf16 compute
@@ -988,6 +989,35 @@ def test_plan_compute_and_kv_dtype_options(tiny, seeded_cache, capsys):
     assert got["rates"]["dense_rows"], "the seeded dense table stands for the model's shapes"
     with pytest.raises(SystemExit):
         main(["plan", str(tiny), "--compute-dtype", "fp16"])
+
+
+def test_mxfp4_experts_under_bf16_compute_are_priced_at_their_bf16_probe(k3_dir, seeded_cache, monkeypatch,
+                                                                          capsys):
+    """--compute-dtype bf16 rounds MXFP4 experts' activations at every row count (blocks.mxfp4_bf16), so a K3 plan
+    prices their one-row products at the MXFP4_BF16 probe's rate, fp32 at the MXFP4 one's; the probe's call is the
+    engine's (mxfp4_linear with bf16)."""
+    from moestream.kernels import quant
+
+    data = json.loads(seeded_cache.read_text())
+    entry = data["machines"][calibrate.machine_key()]
+    entry["gemv"][calibrate.MXFP4_BF16] = 4 * entry["gemv"]["mxfp4"]
+    seeded_cache.write_text(json.dumps(data))
+    args = (str(k3_dir), "--ram-budget", "2000GB", "--disk-bandwidth", "3GB")
+    fp32 = plan_json(*args, capsys=capsys)
+    bf16 = plan_json(*args, "--compute-dtype", "bf16", capsys=capsys)
+    assert bf16["rates"]["gemv"]["mxfp4"] == 4 * fp32["rates"]["gemv"]["mxfp4"]
+    assert bf16["decode_step"]["compute_parts"]["experts_s"] == pytest.approx(
+        fp32["decode_step"]["compute_parts"]["experts_s"] / 4)
+    assert bf16["decode_tokens_per_s"] > fp32["decode_tokens_per_s"]
+    assert "MXFP4 experts take bf16-rounded activations" in " ".join(bf16["assumptions"])
+    calls, real = [], quant.mxfp4_linear
+    monkeypatch.setattr(quant, "mxfp4_linear",
+                        lambda *a, **kw: (calls.append(kw.get("bf16", False)), real(*a, **kw))[1])
+    assert calibrate.weight_rates(calibrate.MXFP4_BF16, 0.02, (64, 128), wide=False, nbytes=1 << 16)[0] > 0
+    assert calls and all(calls)
+    calls.clear()
+    assert calibrate.weight_rates("mxfp4", 0.02, (64, 128), wide=False, nbytes=1 << 16)[0] > 0
+    assert calls and not any(calls)
 
 
 def test_dense_and_kv_probes_measure_the_engine_paths(tiny):

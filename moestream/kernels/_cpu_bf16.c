@@ -743,3 +743,179 @@ int ms_bf16dot_glu(int64_t E, const int64_t *experts, const int64_t *gates, cons
                    int64_t k, float *out, int act, float beta, float lbeta) {
     return ms_bf16dot_glu_ws(E, experts, gates, ups, downs, I, K, D, x, T, ids, wts, k, out, act, beta, lbeta, NULL, 0);
 }
+
+/* ---------------------------------------------- MXFP4 weights times bf16-rounded activations (compute "bf16") */
+/* ms_linear_mxfp4_bf16 computes what ms_linear_mxfp4 computes with every x rounded to bf16 (f32_bf16), fp32 sums:
+ * the bf16 compute path's precision for MXFP4 products, one-token decode included (models/blocks.py).
+ * With AVX-512 BF16 a group of four blocks runs as two halves of two blocks: their 32 packed bytes widen to 32
+ * words (vpmovzxbw), vpermw through a 32-entry table of the E2M1 values' bf16 bits (exact) gives the low nibbles'
+ * weights (the index's bit 4, the high nibble's low bit, selects the table's second copy), a 4-bit shift the high
+ * nibbles'; vdpbf16ps multiplies each pair of weights by the prepared pair of x and sums them per fp32 lane (lanes
+ * 0-7 the first block, 8-15 the second); one FMA a half applies the two blocks' scales (2^(s-127), exact) to those
+ * sums. A token's sums take the same instructions whatever the other tokens of its call, its tile or the threads.
+ * Elsewhere x is rounded into a copy and the fp32 kernel runs on it (the same inputs, sums in another order). */
+#if MS_BF16DP
+#define MXB_GROUP 128 /* prepared bf16 words of x per four blocks */
+#ifndef MXB_PF
+#define MXB_PF 1024   /* software prefetch distance of the packed rows (measured: 1-2 KiB best, none 0.6x) */
+#endif
+#define MXB_CHUNK 64  /* blocks whose scales are converted at a time */
+
+static int64_t mxb_stride(int64_t K) { return (K / 32 + 3) / 4 * MXB_GROUP; }
+
+/* x [T, K] rounded to bf16 in the order the tiles read: per group of four blocks, words [low nibbles of blocks 0-1,
+ * their high nibbles, low nibbles of blocks 2-3, their high nibbles], word j of a run of 32 = byte j of the two
+ * blocks' 32 packed bytes; zeros past the last block */
+static void mxb_prepare(const float *x, int64_t T, int64_t K, int layout, uint16_t *xp) {
+    const int64_t nb = K / 32, ld = mxb_stride(K);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t b = 0; b < nb; b += 4) {
+            uint16_t *g = xp + t * ld + b / 4 * MXB_GROUP;
+            for (int run = 0; run < 4; run++) /* run = 2 * half + hi */
+                for (int j = 0; j < 32; j++) {
+                    const int64_t blk = b + 2 * (run >> 1) + j / 16;
+                    g[run * 32 + j] = blk < nb ? f32_bf16(x[t * K + blk * 32 + mx_input(layout, j % 16, run & 1)]) : 0;
+                }
+        }
+}
+
+INLINE void mxb_tile(const uint16_t *xp, int64_t ldx, const uint8_t *p, const uint8_t *s, int64_t K, float *out,
+                     int64_t ldo, const int TT) {
+    static const uint16_t table[32] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+                                       0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
+                                       0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+                                       0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+    const __m512i tab = _mm512_loadu_si512(table);
+    const __m512i first = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i second = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+    const int64_t nb = K / 32;
+    float sc[MXB_CHUNK + 4];
+    __m512 acc[TILE_T][2];
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += MXB_CHUNK) {
+        const int64_t n = nb - b0 < MXB_CHUNK ? nb - b0 : MXB_CHUNK;
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+            const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(s + b0 + i)));
+            _mm512_storeu_si512(sc + i, _mm512_max_epi32(_mm512_slli_epi32(e, 23), _mm512_set1_epi32(1 << 22)));
+        }
+        for (; i < n; i++) sc[i] = e8m0(s[b0 + i]);
+        for (; i < n + 4; i++) sc[i] = 0.0f; /* a last group's missing blocks: zero weights, zero x */
+        for (i = 0; i < n; i += 4) {
+            const int64_t b = b0 + i, rem = nb - b;
+            const uint8_t *q = p + b * 16;
+            __m256i qa, qc;
+            _mm_prefetch((const char *)(q + MXB_PF), _MM_HINT_T0);
+            if (rem >= 4) {
+                qa = _mm256_loadu_si256((const __m256i *)q);
+                qc = _mm256_loadu_si256((const __m256i *)(q + 32));
+            } else { /* never read past the row's last block */
+                qa = _mm256_maskz_loadu_epi8(rem >= 2 ? 0xFFFFFFFFu : 0xFFFFu, q);
+                qc = _mm256_maskz_loadu_epi8(rem == 3 ? 0xFFFFu : 0u, q + 32);
+            }
+            const __m512i a = _mm512_cvtepu8_epi16(qa), c = _mm512_cvtepu8_epi16(qc);
+            const __m512bh la = (__m512bh)_mm512_permutexvar_epi16(a, tab);
+            const __m512bh ha = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(a, 4), tab);
+            const __m512bh lc = (__m512bh)_mm512_permutexvar_epi16(c, tab);
+            const __m512bh hc = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(c, 4), tab);
+            const __m512 s4 = _mm512_castps128_ps512(_mm_loadu_ps(sc + i));
+            const __m512 sa = _mm512_permutexvar_ps(first, s4), sc2 = _mm512_permutexvar_ps(second, s4);
+#pragma GCC unroll 8
+            for (int t = 0; t < TT; t++) {
+                const uint16_t *xg = xp + t * ldx + b / 4 * MXB_GROUP;
+                __m512 pa = _mm512_dpbf16_ps(_mm512_setzero_ps(), la, (__m512bh)_mm512_loadu_si512(xg));
+                __m512 pc = _mm512_dpbf16_ps(_mm512_setzero_ps(), lc, (__m512bh)_mm512_loadu_si512(xg + 64));
+                pa = _mm512_dpbf16_ps(pa, ha, (__m512bh)_mm512_loadu_si512(xg + 32));
+                pc = _mm512_dpbf16_ps(pc, hc, (__m512bh)_mm512_loadu_si512(xg + 96));
+                acc[t][0] = _mm512_fmadd_ps(pa, sa, acc[t][0]);
+                acc[t][1] = _mm512_fmadd_ps(pc, sc2, acc[t][1]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; t++) out[t * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));
+}
+
+#define MXB_CASE(TT) \
+    case TT: mxb_tile(xp, ldx, p, s, K, out, ldo, TT); break;
+
+typedef struct {
+    int64_t E, N, K, ldx;
+    const uint16_t **x; const int64_t *T; const uint8_t **p; const uint8_t **s; float **out;
+} mxb_job;
+
+static void mxb_part(void *arg, int part, int parts) {
+    mxb_job *j = arg;
+    int64_t n0, n1;
+    split(j->N, part, parts, &n0, &n1);
+    const int64_t K = j->K, half = K / 2, nb = K / 32, ldx = j->ldx;
+    for (int64_t e = 0; e < j->E; e++)
+        for (int64_t n = n0; n < n1 && j->T[e] > 0; n++)
+            for (int64_t t0 = 0; t0 < j->T[e]; t0 += TILE_T) {
+                const int tt = (int)(j->T[e] - t0 < TILE_T ? j->T[e] - t0 : TILE_T);
+                const uint16_t *xp = j->x[e] + t0 * ldx;
+                const uint8_t *p = j->p[e] + n * half, *s = j->s[e] + n * nb;
+                float *out = j->out[e] + t0 * j->N + n;
+                const int64_t ldo = j->N;
+                switch (tt) {
+                    MXB_CASE(1) MXB_CASE(2) MXB_CASE(3) MXB_CASE(4) MXB_CASE(5) MXB_CASE(6) MXB_CASE(7) MXB_CASE(8)
+                }
+            }
+}
+#endif
+
+/* ms_linear_mxfp4's contract (entries, 0xFF scale check, return codes) with x rounded to bf16 */
+int ms_linear_mxfp4_bf16(int64_t E, const int64_t *xs, const int64_t *Ts, const int64_t *ps, const int64_t *ss,
+                         const int64_t *outs, int64_t N, int64_t K, int layout, int64_t min_rows_per_thread,
+                         int check255) {
+    if (E <= 0 || N <= 0) return 0;
+    const int bad = check255 ? mx_find255(E, ss, N, K) : 0;
+    if (bad) return bad;
+    int64_t total = 0;
+    for (int64_t e = 0; e < E; e++) total += Ts[e] > 0 ? Ts[e] : 0;
+    if (K <= 0 || total == 0) return ms_linear_mxfp4(E, xs, Ts, ps, ss, outs, N, K, layout, min_rows_per_thread, 0);
+#if MS_BF16DP
+    const int64_t ldx = mxb_stride(K);
+    void *mem = malloc((size_t)E * sizeof(void *) + sizeof(uint16_t) * (size_t)(total * ldx) + 64);
+    if (!mem) return -1;
+    const uint16_t **x = mem;
+    uint16_t *xp = (uint16_t *)(((uintptr_t)mem + (size_t)E * sizeof(void *) + 63) & ~(uintptr_t)63);
+    for (int64_t e = 0; e < E; e++) {
+        if (Ts[e] <= 0) {
+            x[e] = NULL;
+        } else if (e > 0 && xs[e] == xs[e - 1] && Ts[e] == Ts[e - 1]) {
+            x[e] = x[e - 1]; /* the same input for several weights: prepared once */
+        } else {
+            mxb_prepare((const float *)(intptr_t)xs[e], Ts[e], K, layout, xp);
+            x[e] = xp;
+            xp += Ts[e] * ldx;
+        }
+    }
+    mxb_job j = {E, N, K, ldx, x, Ts, (const uint8_t **)ps, (const uint8_t **)ss, (float **)outs};
+    int parts = pool_parts;
+    while (parts > 1 && N / parts < min_rows_per_thread) parts--;
+    pool_run(mxb_part, &j, parts);
+    free(mem);
+    return 0;
+#else
+    void *mem = malloc((size_t)E * sizeof(int64_t) + sizeof(float) * (size_t)(total * K));
+    if (!mem) return -1;
+    int64_t *rounded = mem;
+    float *xr = (float *)(rounded + E);
+    for (int64_t e = 0; e < E; e++) {
+        if (e > 0 && xs[e] == xs[e - 1] && Ts[e] == Ts[e - 1]) { /* rounded once (and prepared once) */
+            rounded[e] = rounded[e - 1];
+            continue;
+        }
+        const float *src = (const float *)(intptr_t)xs[e];
+        const int64_t n = (Ts[e] > 0 ? Ts[e] : 0) * K;
+        for (int64_t i = 0; i < n; i++) xr[i] = bits_f32((uint32_t)f32_bf16(src[i]) << 16);
+        rounded[e] = (int64_t)(intptr_t)xr;
+        xr += n;
+    }
+    const int r = ms_linear_mxfp4(E, rounded, Ts, ps, ss, outs, N, K, layout, min_rows_per_thread, 0);
+    free(mem);
+    return r;
+#endif
+}

@@ -403,14 +403,20 @@ static void mx_part(void *arg, int part, int parts) {
  * All pointer arrays are int64 addresses. With check255, first looks for a 0xFF scale byte (NaN in E8M0) in every
  * entry's scales and returns 1 + the first such entry without computing anything. Returns 0, or -1 when out of
  * memory. */
+/* 1 + the first entry whose N x K/32 scale bytes hold a 0xFF (NaN in E8M0), or 0 */
+static int mx_find255(int64_t E, const int64_t *ss, int64_t N, int64_t K) {
+    for (int64_t e = 0; e < E; e++)
+        if ((e == 0 || ss[e] != ss[e - 1]) && ms_find_byte((const uint8_t *)(intptr_t)ss[e], N * (K / 32), 255) >= 0)
+            return (int)(1 + e);
+    return 0;
+}
+
 int ms_linear_mxfp4(int64_t E, const int64_t *xs, const int64_t *Ts, const int64_t *ps, const int64_t *ss,
                     const int64_t *outs, int64_t N, int64_t K, int layout, int64_t min_rows_per_thread,
                     int check255) {
     if (E <= 0 || N <= 0) return 0;
-    if (check255)
-        for (int64_t e = 0; e < E; e++)
-            if ((e == 0 || ss[e] != ss[e - 1]) && ms_find_byte((const uint8_t *)(intptr_t)ss[e], N * (K / 32), 255) >= 0)
-                return (int)(1 + e);
+    const int bad = check255 ? mx_find255(E, ss, N, K) : 0;
+    if (bad) return bad;
     if (K <= 0) {
         for (int64_t e = 0; e < E; e++)
             if (Ts[e] > 0) memset((void *)(intptr_t)outs[e], 0, sizeof(float) * (size_t)(Ts[e] * N));

@@ -50,7 +50,7 @@ MIN_ROWS_PER_THREAD = 256
 SPIN_US = 3000
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
-_ABI = 17
+_ABI = 18
 _SOURCE = Path(__file__).with_name("_cpu.c")
 # _cpu.c #includes the others
 _SOURCES = (_SOURCE, *(Path(__file__).with_name(n)
@@ -124,6 +124,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_linear_bf16_heads.restype = ctypes.c_int
     lib.ms_linear_mxfp4.argtypes = [i64, p, p, p, p, p, i64, i64, ctypes.c_int, i64, ctypes.c_int]
     lib.ms_linear_mxfp4.restype = ctypes.c_int
+    lib.ms_linear_mxfp4_bf16.argtypes = lib.ms_linear_mxfp4.argtypes
+    lib.ms_linear_mxfp4_bf16.restype = ctypes.c_int
     lib.ms_set_threads.argtypes = [ctypes.c_int]
     lib.ms_get_threads.restype = ctypes.c_int
     lib.ms_set_spin_us.argtypes = [i64]
@@ -582,11 +584,18 @@ def _addresses(values: Sequence[int]) -> ctypes.Array:
     return (ctypes.c_int64 * len(values))(*values)
 
 
+def _mxfp4_entry(handle: ctypes.CDLL, bf16: bool):
+    """The MXFP4 call: fp32 activations, or (bf16) activations rounded to bf16 first (ms_linear_mxfp4_bf16: the
+    bf16 compute path's precision)."""
+    return handle.ms_linear_mxfp4_bf16 if bf16 else handle.ms_linear_mxfp4
+
+
 def linear_mxfp4_many(xs: Sequence[Tensor], weights: Sequence[tuple[Tensor, Tensor]], layout: str = "low_first",
-                      min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> list[Tensor]:
+                      min_rows_per_thread: int = MIN_ROWS_PER_THREAD, bf16: bool = False) -> list[Tensor]:
     """[x_e @ W_e^T] for MXFP4 weights W_e = (packed uint8 [N, K/2], scales uint8 [N, K/32]) of one shape, in
-    one native call; x_e float32 [T_e, K]. The caller has checked the operands (quant._mxfp4_operands) and that
-    no scale byte is 255. Consecutive entries passing the same x tensor share its reordering."""
+    one native call; x_e float32 [T_e, K] (rounded to bf16 first with `bf16`). The caller has checked the operands
+    (quant._mxfp4_operands) and that no scale byte is 255. Consecutive entries passing the same x tensor share its
+    reordering."""
     handle = required()
     n, k = weights[0][0].shape[0], weights[0][0].shape[1] * 2
     rows = [x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous() for x in xs]
@@ -598,19 +607,19 @@ def linear_mxfp4_many(xs: Sequence[Tensor], weights: Sequence[tuple[Tensor, Tens
             raise ValueError("linear_mxfp4_many wants contiguous weights of one shape")
     outs = [torch.empty(x.shape[0], n, dtype=torch.float32) for x in rows]
     count = len(rows)
-    code = handle.ms_linear_mxfp4(count, _addresses([x.data_ptr() for x in rows]),
-                                  _addresses([x.shape[0] for x in rows]),
-                                  _addresses([p.data_ptr() for p, _ in weights]),
-                                  _addresses([s.data_ptr() for _, s in weights]),
-                                  _addresses([o.data_ptr() for o in outs]), n, k, _LAYOUTS[layout],
-                                  min_rows_per_thread, 0)
+    code = _mxfp4_entry(handle, bf16)(count, _addresses([x.data_ptr() for x in rows]),
+                                      _addresses([x.shape[0] for x in rows]),
+                                      _addresses([p.data_ptr() for p, _ in weights]),
+                                      _addresses([s.data_ptr() for _, s in weights]),
+                                      _addresses([o.data_ptr() for o in outs]), n, k, _LAYOUTS[layout],
+                                      min_rows_per_thread, 0)
     if code != 0:
         raise MemoryError("native MXFP4 kernel could not allocate its input scratch")
     return outs
 
 
 def linear_mxfp4(x: Tensor, packed: Tensor, scales: Tensor, layout: str = "low_first",
-                 min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> Tensor:
+                 min_rows_per_thread: int = MIN_ROWS_PER_THREAD, bf16: bool = False) -> Tensor:
     """x [T, K] @ W^T for one checked, contiguous MXFP4 weight (see linear_mxfp4_many), float32 [T, N]."""
     handle = required()
     n, k = packed.shape[0], packed.shape[1] * 2
@@ -619,23 +628,26 @@ def linear_mxfp4(x: Tensor, packed: Tensor, scales: Tensor, layout: str = "low_f
         raise ValueError("linear_mxfp4 wants contiguous packed [N, K/2] and scales [N, K/32]")
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)
     one = ctypes.c_int64
-    if handle.ms_linear_mxfp4(1, ctypes.byref(one(x2.data_ptr())), ctypes.byref(one(x2.shape[0])),
-                              ctypes.byref(one(packed.data_ptr())), ctypes.byref(one(scales.data_ptr())),
-                              ctypes.byref(one(out.data_ptr())), n, k, _LAYOUTS[layout], min_rows_per_thread, 0):
+    if _mxfp4_entry(handle, bf16)(1, ctypes.byref(one(x2.data_ptr())), ctypes.byref(one(x2.shape[0])),
+                                  ctypes.byref(one(packed.data_ptr())), ctypes.byref(one(scales.data_ptr())),
+                                  ctypes.byref(one(out.data_ptr())), n, k, _LAYOUTS[layout], min_rows_per_thread,
+                                  0):
         raise MemoryError("native MXFP4 kernel could not allocate its input scratch")
     return out
 
 
 def linear_mxfp4_ptrs(xs: Sequence[int], tokens: Sequence[int], packed: Sequence[int], scales: Sequence[int],
                       outs: Sequence[int], n: int, k: int, layout: str = "low_first",
-                      min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> int:
+                      min_rows_per_thread: int = MIN_ROWS_PER_THREAD, bf16: bool = False) -> int:
     """The raw batched call: for each entry e, outs[e] [tokens[e], n] = xs[e] [tokens[e], k] @ W_e^T, every
-    argument a data_ptr (contiguous float32 x and out, packed uint8 [n, k/2], scales uint8 [n, k/32]). The
-    caller keeps the tensors alive. Looks for 0xFF scale bytes first: returns -1 when all is done, else the index
-    of the first entry with one (nothing computed; raise with quant's error)."""
+    argument a data_ptr (contiguous float32 x and out, packed uint8 [n, k/2], scales uint8 [n, k/32]); with
+    `bf16` x is rounded to bf16 first. The caller keeps the tensors alive. Looks for 0xFF scale bytes first:
+    returns -1 when all is done, else the index of the first entry with one (nothing computed; raise with quant's
+    error)."""
     handle = required()
-    code = handle.ms_linear_mxfp4(len(xs), _addresses(xs), _addresses(tokens), _addresses(packed),
-                                  _addresses(scales), _addresses(outs), n, k, _LAYOUTS[layout], min_rows_per_thread, 1)
+    code = _mxfp4_entry(handle, bf16)(len(xs), _addresses(xs), _addresses(tokens), _addresses(packed),
+                                      _addresses(scales), _addresses(outs), n, k, _LAYOUTS[layout],
+                                      min_rows_per_thread, 1)
     if code < 0:
         raise MemoryError("native MXFP4 kernel could not allocate its input scratch")
     return code - 1

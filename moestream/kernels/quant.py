@@ -134,6 +134,11 @@ def _mxfp4_permute_x(x: Tensor, layout: str) -> Tensor:
     return x.view(tokens, -1, 2).transpose(1, 2).reshape(tokens, in_features)
 
 
+def bf16_rounded(x: Tensor) -> Tensor:
+    """x rounded to bf16 (nearest even), as float32: what the bf16 compute path multiplies."""
+    return x.to(torch.bfloat16).float()
+
+
 def mxfp4_native(tokens: int) -> bool:
     """Whether mxfp4_linear takes the native kernel (moestream.kernels.cpu) for `tokens` activation rows."""
     return tokens <= cpu.MAX_TOKENS_MXFP4 and cpu.available()
@@ -150,13 +155,14 @@ def check_mxfp4_scales(scales: Tensor, name: str = "") -> None:
 
 def mxfp4_linear(x: Tensor, packed: Tensor, scales: Tensor, scratch: Tensor | None = None,
                  rows_per_chunk: int | None = None, layout: str = "low_first", name: str = "",
-                 native: bool = True) -> Tensor:
+                 native: bool = True, bf16: bool = False) -> Tensor:
     """y = x @ W^T for MXFP4 W (float32 [..., out]).
 
     Up to cpu.MAX_TOKENS_MXFP4 rows the native kernel decodes in registers (when available and `native`);
     otherwise rows_per_chunk rows at a time are decoded into an fp32 scratch and multiplied by torch.mm
     (rows_per_chunk None fits the chunk in SCRATCH_BYTES, or in `scratch`, a reusable flat float32 buffer).
-    Equal to x @ dequant_mxfp4(packed, scales).T up to fp32 summation order.
+    Equal to x @ dequant_mxfp4(packed, scales).T up to fp32 summation order; with `bf16` (the bf16 compute
+    path), to bf16(x) @ dequant_mxfp4(packed, scales).T.
     """
     _check_layout(layout)
     packed, scales = _mxfp4_operands(packed, scales, name)
@@ -167,8 +173,8 @@ def mxfp4_linear(x: Tensor, packed: Tensor, scales: Tensor, scratch: Tensor | No
         if scratch is not None:
             _rows_per_chunk(rows_per_chunk, in_features, scratch)  # a bad scratch fails either way
         check_mxfp4_scales(scales, name)  # before the call: the kernel assumes no 0xFF byte
-        return cpu.linear_mxfp4(x2, packed, scales, layout).view(*lead, out_features)
-    xp = _mxfp4_permute_x(x2, layout)
+        return cpu.linear_mxfp4(x2, packed, scales, layout, bf16=bf16).view(*lead, out_features)
+    xp = _mxfp4_permute_x(bf16_rounded(x2) if bf16 else x2, layout)
     mult, rescale = _mxfp4_multipliers(scales, name)
     rows = _rows_per_chunk(rows_per_chunk, in_features, scratch)
     buf = _scratch_rows(scratch, rows, in_features)

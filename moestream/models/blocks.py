@@ -7,9 +7,10 @@ The opt-in bf16 compute path (EngineOptions.compute_dtype "bf16", set for a step
 a bf16 weight over many rows (a step of at least BF16_MIN_ROWS rows: prefill chunks, batch steps) multiply the
 stored weight by the activations rounded to bf16, summing in fp32 (kernels/_cpu_bf16.c): dense projections,
 shared experts and lm_head through `linear` / `linear_many`, and the routed experts' grouped GLU calls from
-BF16_GLU_MIN_ROWS rows (the same 16). Routers stay fp32 (a bf16 router logit can flip an expert choice), and so
-do steps of fewer rows (one-token decode keeps its kernels), fp32 and quantised weights, and everything without
-the native kernels.
+BF16_GLU_MIN_ROWS rows (the same 16). MXFP4 products (K3's and gpt-oss's experts) round their activations to
+bf16 at every row count, one-token decode included (`mxfp4_bf16`). Routers stay fp32 (a bf16 router logit can
+flip an expert choice), and so do other products of fewer rows (one-token decode keeps its kernels), fp32 and
+other quantised weights, and everything without the native kernels.
 Each output row then depends on its own input row, and in the routed experts on whether its expert took fewer
 than 16 rows of the call (which kernel runs it, fused.moe_glu_bf16), so splitting a step's rows into calls (or the
 lm_head into slabs; an expert's rows are never split below 16) changes nothing; which precision a row gets depends
@@ -68,6 +69,13 @@ def compute_dtype(name: str, memory: "MemoryAccountant | None" = None) -> Iterat
         yield
     finally:
         _COMPUTE.reset(token)
+
+
+def mxfp4_bf16() -> bool:
+    """Whether MXFP4 products round their activations to bf16 (kernels/_cpu_bf16.c ms_linear_mxfp4_bf16): under
+    compute_dtype("bf16"), at every row count, one-token decode included (measured 1.3x on K3's experts streaming
+    from memory, where bf16 weights' one-token rows gained 0-10%; docs/performance.md)."""
+    return _COMPUTE.get()[0] == "bf16"
 
 
 def _bf16_rows(rows: int, least: int = BF16_MIN_ROWS) -> bool:

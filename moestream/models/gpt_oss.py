@@ -15,7 +15,7 @@ from moestream.experts.store import PartSpec
 from moestream.kernels.quant import mxfp4_linear
 from moestream.models.attention import GQAMixer, gqa_dims
 from moestream.models.base import ExpertLayout, Family, Layer, ModelContext, routed, router, standard_model
-from moestream.models.blocks import BiasedRouter
+from moestream.models.blocks import BiasedRouter, mxfp4_bf16
 from moestream.models.rope import build_rope
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -76,7 +76,7 @@ def clamped_swiglu(u: torch.Tensor) -> torch.Tensor:
 def _project(x: torch.Tensor, t: dict[str, torch.Tensor], proj: str) -> torch.Tensor:
     """One expert projection plus its bias, from MXFP4 blocks or an [in, out] float matrix."""
     if proj + "_blocks" in t:
-        y = mxfp4_linear(x, t[proj + "_blocks"], t[proj + "_scales"])
+        y = mxfp4_linear(x, t[proj + "_blocks"], t[proj + "_scales"], bf16=mxfp4_bf16())
     else:
         y = x @ t[proj].float()  # [T, in] @ [in, out]
     return y + t[proj + "_bias"].float()

@@ -14,10 +14,11 @@ from moestream.errors import CheckpointError
 from moestream.experts.store import PartViews
 from moestream.kernels import cpu
 from moestream.kernels.qweight import matrix_shape
-from moestream.kernels.quant import (GROUP_DECODE_BYTES, check_mxfp4_scales, mxfp4_decode_planes, mxfp4_linear,
-                                     mxfp4_permute_input)
+from moestream.kernels.quant import (GROUP_DECODE_BYTES, bf16_rounded, check_mxfp4_scales, mxfp4_decode_planes,
+                                     mxfp4_linear, mxfp4_permute_input)
 from moestream.models.base import routed, router
-from moestream.models.blocks import SigmoidRouter, Situ, expert_glu, glu_group, glu_mlp, linear, rms_norm
+from moestream.models.blocks import (SigmoidRouter, Situ, expert_glu, glu_group, glu_mlp, linear, mxfp4_bf16,
+                                     rms_norm)
 
 Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -34,9 +35,10 @@ def mxfp4_expert(act: Act) -> Callable[[torch.Tensor, dict[str, torch.Tensor]], 
     """One expert on latent rows z [n, latent]: w2 act(w1 z, w3 z), decoding the packed bytes per call."""
 
     def fn(z: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
-        gate = mxfp4_linear(z, t["w1_packed"], t["w1_scale"])  # [n, I]
-        up = mxfp4_linear(z, t["w3_packed"], t["w3_scale"])
-        return mxfp4_linear(act(gate, up), t["w2_packed"], t["w2_scale"])  # [n, latent]
+        bf16 = mxfp4_bf16()
+        gate = mxfp4_linear(z, t["w1_packed"], t["w1_scale"], bf16=bf16)  # [n, I]
+        up = mxfp4_linear(z, t["w3_packed"], t["w3_scale"], bf16=bf16)
+        return mxfp4_linear(act(gate, up), t["w2_packed"], t["w2_scale"], bf16=bf16)  # [n, latent]
 
     return fn
 
@@ -44,14 +46,15 @@ def mxfp4_expert(act: Act) -> Callable[[torch.Tensor, dict[str, torch.Tensor]], 
 DENSE_GROUP_MAX_ROWS = 16  # up to this many rows (decode batches), every row goes through every grouped expert
 
 
-def _all_rows(zp, ids, weights, experts, w13, w2, act, out) -> None:
+def _all_rows(zp, ids, weights, experts, w13, w2, act, out, rnd) -> None:
     """Decode-sized steps: all rows through all of the group's experts in a few batched ops (a handful of kernel
     calls instead of several per expert), then each row keeps its routed experts' outputs by weight (0 else).
-    SiTU is bounded, so unrouted products are finite and their zero weight removes them exactly."""
+    SiTU is bounded, so unrouted products are finite and their zero weight removes them exactly. `rnd` rounds
+    the products' activations (the bf16 compute path) or returns them."""
     t, n = zp.shape[0], len(experts)
     inter = w13.shape[2]
     g = (zp @ w13.view(n * 2 * inter, -1).T).view(t, n, 2, inter)
-    h = act(g[:, :, 0], g[:, :, 1])  # [T, n, inter]
+    h = rnd(act(g[:, :, 0], g[:, :, 1]))  # [T, n, inter]
     hp = mxfp4_permute_input(h.reshape(t * n, inter)).view(t, n, inter).transpose(0, 1)  # [n, T, inter]
     y = torch.bmm(hp, w2.transpose(1, 2))  # [n, T, latent]
     match = ids.unsqueeze(-1) == torch.tensor(experts).view(1, 1, n)  # [T, k, n]
@@ -59,7 +62,7 @@ def _all_rows(zp, ids, weights, experts, w13, w2, act, out) -> None:
     out += torch.einsum("tn,ntl->tl", mix, y)
 
 
-def _native_group(z, ids, weights, experts, tensors, act, out) -> None:
+def _native_group(z, ids, weights, experts, tensors, act, out, bf16: bool = False) -> None:
     """Each row through its routed experts only, all of the group's experts in two native calls (w1 and w3 of
     every expert, then w2 of every expert) straight from the packed bytes: rows are sorted by expert so that each
     expert's rows are one contiguous slice."""
@@ -100,13 +103,13 @@ def _native_group(z, ids, weights, experts, tensors, act, out) -> None:
         ss2.append(w2s)
         outs2.append(yp + start * latent * 4)
         who2.append((j, "w2_scale"))
-    bad = cpu.linear_mxfp4_ptrs(xs, ts, ps, ss, outs, inter, latent)
+    bad = cpu.linear_mxfp4_ptrs(xs, ts, ps, ss, outs, inter, latent, bf16=bf16)
     if bad >= 0:
         check_mxfp4_scales(tensors[who[bad][0]][who[bad][1]])  # raises the 0xFF scale error
     h = act(gate_up[0], gate_up[1]).float().contiguous()  # [R, inter]
     hp = h.data_ptr()
     xs2 = [hp + start * inter * 4 for _, start, _ in spans]
-    bad = cpu.linear_mxfp4_ptrs(xs2, ts[::2], ps2, ss2, outs2, latent, inter)
+    bad = cpu.linear_mxfp4_ptrs(xs2, ts[::2], ps2, ss2, outs2, latent, inter, bf16=bf16)
     if bad >= 0:
         check_mxfp4_scales(tensors[who2[bad][0]][who2[bad][1]])
     out.index_add_(0, rows, y * weights.reshape(-1)[sel].float().unsqueeze(-1))
@@ -156,15 +159,17 @@ def mxfp4_group(act: Act):
     the scratch."""
 
     def run(z, ids, weights, experts, tensors, out) -> bool:
+        bf16 = mxfp4_bf16()
         if z.shape[0] <= NATIVE_GROUP_MAX_ROWS and cpu.available():
-            _native_group(z, ids, weights, experts, tensors, act, out)
+            _native_group(z, ids, weights, experts, tensors, act, out, bf16)
             return True
         inter, latent = _group_dims(z, tensors)
         per = 3 * inter * latent * 4
         if per > GROUP_DECODE_BYTES:
             return False
         size = GROUP_DECODE_BYTES // per
-        zp = mxfp4_permute_input(z)
+        rnd = bf16_rounded if bf16 else (lambda v: v)
+        zp = mxfp4_permute_input(rnd(z))
         for c in range(0, len(experts), size):
             ts, es = tensors[c:c + size], experts[c:c + size]
             # columns come out in the kernel's half-plane order, so inputs are permuted to match
@@ -173,13 +178,13 @@ def mxfp4_group(act: Act):
             w2 = mxfp4_decode_planes(torch.cat([t["w2_packed"] for t in ts]), torch.cat([t["w2_scale"] for t in ts]))
             w13, w2 = w13.view(len(ts), 2, inter, latent), w2.view(len(ts), latent, inter)
             if z.shape[0] <= DENSE_GROUP_MAX_ROWS:
-                _all_rows(zp, ids, weights, es, w13, w2, act, out)
+                _all_rows(zp, ids, weights, es, w13, w2, act, out, rnd)
                 continue
             for j, e in enumerate(es):
                 rows, slots = torch.nonzero(ids == e, as_tuple=True)
                 zr = zp[rows]  # [n, latent], permuted
                 h = act(zr @ w13[j, 0].T, zr @ w13[j, 1].T)  # [n, inter]
-                y = mxfp4_permute_input(h) @ w2[j].T  # [n, latent]
+                y = mxfp4_permute_input(rnd(h)) @ w2[j].T  # [n, latent]
                 out.index_add_(0, rows, y * weights[rows, slots].unsqueeze(-1).float())
         return True
 

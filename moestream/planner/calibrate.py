@@ -33,6 +33,7 @@ from moestream.cgroup import memory_available
 from moestream.config import default_cache_dir
 
 KINDS = ("bf16", "mxfp4", "fp8", "int4", "f32")
+MXFP4_BF16 = "mxfp4_bf16"  # MXFP4 weights' probe under --compute-dtype bf16 (blocks.mxfp4_bf16: rounded activations)
 PROBES_VERSION = 7  # part of the cache key: a change to what a probe measures measures again
 ROUNDS = 3  # separate probes per rate; the median is kept (a burst of load costs one round, not the rate)
 PROBE_FILE_BYTES = 256 << 20  # written once where the weights would live when the model has no local shards
@@ -211,9 +212,10 @@ def _weights(kind: str, out: int, inp: int, nbytes: int) -> tuple[list, int, Cal
         w0 = dense.to(torch.bfloat16 if kind == "bf16" else torch.float32)
         scratch = torch.empty(out, inp)  # the engine expands into a reused fp32 scratch (no fresh pages)
         fn, expand = linear, scratch.copy_
-    elif kind == "mxfp4":
+    elif kind in ("mxfp4", MXFP4_BF16):
         w0 = quant.quantize_mxfp4(dense)
-        fn = lambda x, w: quant.mxfp4_linear(x, *w)  # noqa: E731
+        bf16 = kind == MXFP4_BF16  # the call under --compute-dtype bf16: activations rounded to bf16
+        fn = lambda x, w: quant.mxfp4_linear(x, *w, bf16=bf16)  # noqa: E731
         expand = lambda w: quant.mxfp4_linear(one, *w, native=False)  # noqa: E731  # decoded chunk by chunk
     elif kind == "fp8":
         w0 = quant.quantize_fp8_block(dense)
@@ -943,26 +945,29 @@ class Calibrator:
     def rates(self, kinds: set[str], model_type: str, top_k: int = 0, experts: int = 0,
               shapes: dict[str, tuple[int, int]] | None = None, widths: dict[str, int] | None = None,
               glu_shape: tuple[int, int] | None = None, dense_shapes: list[tuple[int, int]] | None = None,
-              kv_dtype: str = "fp32", glu_codec: str = "") -> Rates:
+              kv_dtype: str = "fp32", glu_codec: str = "", compute: str = "fp32") -> Rates:
         """The rates for weights of `kinds` (each probed at `shapes[kind]`, the model's matrix shape for it, else
         DEFAULT_SHAPE), the fp32 GEMM, memory, and the family's overhead at `top_k`; with `glu_shape` (a bf16 GLU
         expert's (inter, hidden)) the fused expert kernel over top_k of them, over many rows in fp32 and bf16
         compute; `dense_shapes`: bf16 dense weights' (out, in) to time over DENSE_ROWS rows in both precisions
         (dense_rows_times); `kv_dtype` other than fp32: its cache storage's cost (kv_probe); measured where
         missing. `glu_codec` "b12": the routed experts are b12-coded (a `pack --codec b12` checkpoint), so the fused
-        expert kernel is probed over coded experts (rates in their coded bytes)."""
+        expert kernel is probed over coded experts (rates in their coded bytes). `compute` "bf16": MXFP4 weights'
+        one-row rate is their bf16 call's (MXFP4_BF16), as --compute-dtype bf16 runs them at every row count."""
         e = self._entry()
         src = e.setdefault("source", {})
         gemv, expand = e.setdefault("gemv", {}), e.setdefault("expand", {})
         chosen: dict[str, str] = {}
         for kind in sorted(kinds | {"bf16", "f32"}):
             shape = (shapes or {}).get(kind, DEFAULT_SHAPE)
-            key = chosen[kind] = shape_key(kind, shape)
-            if key not in gemv and kind in gemv:  # a rate stated for the format at any shape (seeded files)
-                key = chosen[kind] = kind
+            probe = MXFP4_BF16 if kind == "mxfp4" and compute == "bf16" else kind
+            key = chosen[kind] = shape_key(probe, shape)
+            if key not in gemv and probe in gemv:  # a rate stated for the format at any shape (seeded files)
+                key = chosen[kind] = probe
             if key not in gemv:
                 self.log(f"calibrating: {key} weight kernels")
-                (gemv[key], expand[key]), spread = rounds(lambda: weight_rates(kind, self.seconds, shape), self.rounds)
+                (gemv[key], expand[key]), spread = rounds(lambda: weight_rates(probe, self.seconds, shape),
+                                                          self.rounds)
                 src[f"gemv {key}"] = f"{spread}, {self._stamp()}"
         fmt = glu_codec or "bf16"  # the experts' stored format: bf16, or a coding of it
         gkey = glu_key(glu_shape, top_k, glu_codec) if glu_shape and top_k and glu_available() else None

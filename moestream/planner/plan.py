@@ -171,7 +171,8 @@ def make_plan(path: str | Path, opts: PlanOptions) -> dict:
         cal = Calibrator(fresh=opts.calibrate, seconds=opts.probe_seconds, log=opts.log)
         kinds = set(facts.dense_bytes) | {facts.expert_kind, facts.head_kind}
         here = cal.rates(kinds, facts.model_type, facts.top_k, facts.num_experts, facts.probe_shapes(), facts.widths,
-                         facts.glu_shape(), facts.dense_probe_shapes(), opts.kv_dtype, facts.expert_codec)
+                         facts.glu_shape(), facts.dense_probe_shapes(), opts.kv_dtype, facts.expert_codec,
+                         opts.compute_dtype)
         if opts.disk_bandwidth is not None:
             here.disk, here.source["disk"] = opts.disk_bandwidth, "--disk-bandwidth"
         elif opts.machine is None:
@@ -329,7 +330,8 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
                                                             "GEMM (no dense shape probed)"]
     lines.append(f"compute dtype {opts.compute_dtype}: " + (
         "steps of 16+ rows multiply bf16 dense weights in bf16 (blocks.BF16_MIN_ROWS), and the routed "
-        "bf16 GLU experts too (BF16_GLU_MIN_ROWS) at the fused call's bf16 many-row times; one-row decode and "
+        "bf16 GLU experts too (BF16_GLU_MIN_ROWS) at the fused call's bf16 many-row times; MXFP4 experts take "
+        "bf16-rounded activations at every row count (their one-row rate probed so); other one-row products and "
         "routers stay fp32" if opts.compute_dtype == "bf16" else "fp32 products at every row count")
         + "; " + kinds[0])
     kv = (r.get("kv") or {}).get(opts.kv_dtype)
