@@ -66,7 +66,8 @@ def add_compute_dtype_arg(p: argparse.ArgumentParser) -> None:
                    help="precision of products over many rows (prefill chunks, batch steps of 16+ rows): fp32 "
                         "(default; the parity bounds are fp32's) or bf16 (bf16 weights times activations rounded "
                         "to bf16, fp32 sums: faster on CPUs with AVX-512 BF16, logits about bf16's rounding off "
-                        "fp32's; one-token decode and the routers stay fp32)")
+                        "fp32's; MXFP4 experts (Kimi K3, gpt-oss) round their activations in one-token decode too; "
+                        "other one-token products and the routers stay fp32)")
 
 
 def parse_budget(value: str | None) -> int | None:
