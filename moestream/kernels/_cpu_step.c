@@ -399,10 +399,6 @@ static void mx_part(void *arg, int part, int parts) {
         if (j->T[e] > 0) mx_rows(j->x[e], j->ldx, j->T[e], j->K, j->p[e], j->s[e], n0, n1, j->out[e], j->N);
 }
 
-/* For e < E: out[e][T[e], N] = x[e][T[e], K] @ W_e^T, W_e the MXFP4 weight (p[e], s[e]) of N rows; K % 32 == 0.
- * All pointer arrays are int64 addresses. With check255, first looks for a 0xFF scale byte (NaN in E8M0) in every
- * entry's scales and returns 1 + the first such entry without computing anything. Returns 0, or -1 when out of
- * memory. */
 /* 1 + the first entry whose N x K/32 scale bytes hold a 0xFF (NaN in E8M0), or 0 */
 static int mx_find255(int64_t E, const int64_t *ss, int64_t N, int64_t K) {
     for (int64_t e = 0; e < E; e++)
@@ -411,6 +407,10 @@ static int mx_find255(int64_t E, const int64_t *ss, int64_t N, int64_t K) {
     return 0;
 }
 
+/* For e < E: out[e][T[e], N] = x[e][T[e], K] @ W_e^T, W_e the MXFP4 weight (p[e], s[e]) of N rows; K % 32 == 0.
+ * All pointer arrays are int64 addresses. With check255, first looks for a 0xFF scale byte (NaN in E8M0) in every
+ * entry's scales and returns 1 + the first such entry without computing anything. Returns 0, or -1 when out of
+ * memory. */
 int ms_linear_mxfp4(int64_t E, const int64_t *xs, const int64_t *Ts, const int64_t *ps, const int64_t *ss,
                     const int64_t *outs, int64_t N, int64_t K, int layout, int64_t min_rows_per_thread,
                     int check255) {

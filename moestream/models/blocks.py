@@ -73,8 +73,8 @@ def compute_dtype(name: str, memory: "MemoryAccountant | None" = None) -> Iterat
 
 def mxfp4_bf16() -> bool:
     """Whether MXFP4 products round their activations to bf16 (kernels/_cpu_bf16.c ms_linear_mxfp4_bf16): under
-    compute_dtype("bf16"), at every row count, one-token decode included (measured 1.3x on K3's experts streaming
-    from memory, where bf16 weights' one-token rows gained 0-10%; docs/performance.md)."""
+    compute_dtype("bf16"), at every row count, one-token decode included (K3's routed experts in a warm decode
+    1.4-1.5x faster, where bf16 weights' one-token rows gained 0-10%; docs/performance.md)."""
     return _COMPUTE.get()[0] == "bf16"
 
 
