@@ -779,6 +779,8 @@ static void mxb_prepare(const float *x, int64_t T, int64_t K, int layout, uint16
         }
 }
 
+static void mxb_prep(const float *x, int64_t T, int64_t K, int layout, void *xp) { mxb_prepare(x, T, K, layout, xp); }
+
 INLINE void mxb_tile(const uint16_t *xp, int64_t ldx, const uint8_t *p, const uint8_t *s, int64_t K, float *out,
                      int64_t ldo, const int TT) {
     static const uint16_t table[32] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
@@ -877,26 +879,13 @@ int ms_linear_mxfp4_bf16(int64_t E, const int64_t *xs, const int64_t *Ts, const 
     if (K <= 0 || total == 0) return ms_linear_mxfp4(E, xs, Ts, ps, ss, outs, N, K, layout, min_rows_per_thread, 0);
 #if MS_BF16DP
     const int64_t ldx = mxb_stride(K);
-    void *mem = malloc((size_t)E * sizeof(void *) + sizeof(uint16_t) * (size_t)(total * ldx) + 64);
-    if (!mem) return -1;
-    const uint16_t **x = mem;
-    uint16_t *xp = (uint16_t *)(((uintptr_t)mem + (size_t)E * sizeof(void *) + 63) & ~(uintptr_t)63);
-    for (int64_t e = 0; e < E; e++) {
-        if (Ts[e] <= 0) {
-            x[e] = NULL;
-        } else if (e > 0 && xs[e] == xs[e - 1] && Ts[e] == Ts[e - 1]) {
-            x[e] = x[e - 1]; /* the same input for several weights: prepared once */
-        } else {
-            mxb_prepare((const float *)(intptr_t)xs[e], Ts[e], K, layout, xp);
-            x[e] = xp;
-            xp += Ts[e] * ldx;
-        }
-    }
-    mxb_job j = {E, N, K, ldx, x, Ts, (const uint8_t **)ps, (const uint8_t **)ss, (float **)outs};
+    void **x = mx_inputs(E, xs, Ts, K, layout, ldx, sizeof(uint16_t), mxb_prep);
+    if (!x) return -1;
+    mxb_job j = {E, N, K, ldx, (const uint16_t **)x, Ts, (const uint8_t **)ps, (const uint8_t **)ss, (float **)outs};
     int parts = pool_parts;
     while (parts > 1 && N / parts < min_rows_per_thread) parts--;
     pool_run(mxb_part, &j, parts);
-    free(mem);
+    free(x);
     return 0;
 #else
     void *mem = malloc((size_t)E * sizeof(int64_t) + sizeof(float) * (size_t)(total * K));

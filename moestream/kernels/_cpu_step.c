@@ -399,6 +399,34 @@ static void mx_part(void *arg, int part, int parts) {
         if (j->T[e] > 0) mx_rows(j->x[e], j->ldx, j->T[e], j->K, j->p[e], j->s[e], n0, n1, j->out[e], j->N);
 }
 
+typedef void (*mx_prep)(const float *x, int64_t T, int64_t K, int layout, void *xp);
+
+static void mx_prep_f32(const float *x, int64_t T, int64_t K, int layout, void *xp) { mx_prepare(x, T, K, layout, xp); }
+
+/* The inputs of an MXFP4 call prepared by `prep`, each into T rows of `ld` elements of `esize` bytes (consecutive
+ * entries passing the same x and token count share one): one malloc'd block (the caller frees it) whose first E
+ * pointers are the entries' prepared inputs (NULL for an entry of no tokens); NULL when out of memory. */
+static void **mx_inputs(int64_t E, const int64_t *xs, const int64_t *Ts, int64_t K, int layout, int64_t ld,
+                        size_t esize, mx_prep prep) {
+    int64_t total = 0;
+    for (int64_t e = 0; e < E; e++) total += Ts[e] > 0 ? Ts[e] : 0;
+    void **x = malloc((size_t)E * sizeof(void *) + esize * (size_t)(total * ld) + 64);
+    if (!x) return NULL;
+    char *xp = (char *)(((uintptr_t)(x + E) + 63) & ~(uintptr_t)63);
+    for (int64_t e = 0; e < E; e++) {
+        if (Ts[e] <= 0) {
+            x[e] = NULL;
+        } else if (e > 0 && xs[e] == xs[e - 1] && Ts[e] == Ts[e - 1]) {
+            x[e] = x[e - 1]; /* the same input for several weights: prepared once */
+        } else {
+            prep((const float *)(intptr_t)xs[e], Ts[e], K, layout, xp);
+            x[e] = xp;
+            xp += esize * (size_t)(Ts[e] * ld);
+        }
+    }
+    return x;
+}
+
 /* 1 + the first entry whose N x K/32 scale bytes hold a 0xFF (NaN in E8M0), or 0 */
 static int mx_find255(int64_t E, const int64_t *ss, int64_t N, int64_t K) {
     for (int64_t e = 0; e < E; e++)
@@ -423,28 +451,13 @@ int ms_linear_mxfp4(int64_t E, const int64_t *xs, const int64_t *Ts, const int64
         return 0;
     }
     const int64_t ldx = mx_stride(K);
-    int64_t total = 0;
-    for (int64_t e = 0; e < E; e++) total += Ts[e] > 0 ? Ts[e] : 0;
-    void *mem = malloc((size_t)E * sizeof(void *) + sizeof(float) * (size_t)(total * ldx) + 64);
-    if (!mem) return -1;
-    const float **x = mem;
-    float *xp = (float *)(((uintptr_t)mem + (size_t)E * sizeof(void *) + 63) & ~(uintptr_t)63);
-    for (int64_t e = 0; e < E; e++) {
-        if (Ts[e] <= 0) {
-            x[e] = NULL;
-        } else if (e > 0 && xs[e] == xs[e - 1] && Ts[e] == Ts[e - 1]) {
-            x[e] = x[e - 1]; /* the same input for several weights: prepared once */
-        } else {
-            mx_prepare((const float *)(intptr_t)xs[e], Ts[e], K, layout, xp);
-            x[e] = xp;
-            xp += Ts[e] * ldx;
-        }
-    }
-    mx_job j = {E, N, K, ldx, x, Ts, (const uint8_t **)ps, (const uint8_t **)ss, (float **)outs};
+    void **x = mx_inputs(E, xs, Ts, K, layout, ldx, sizeof(float), mx_prep_f32);
+    if (!x) return -1;
+    mx_job j = {E, N, K, ldx, (const float **)x, Ts, (const uint8_t **)ps, (const uint8_t **)ss, (float **)outs};
     int parts = pool_parts;
     while (parts > 1 && N / parts < min_rows_per_thread) parts--;
     pool_run(mx_part, &j, parts);
-    free(mem);
+    free(x);
     return 0;
 }
 
