@@ -4,6 +4,7 @@ build (no AVX-512 BF16) against the same reference, whole models within the stat
 greedy tokens, the scratch charged, and the option validated."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import shutil
@@ -534,6 +535,49 @@ def test_mxfp4_experts_decode_in_bf16_within_bound(tmp_path, monkeypatch, family
     assert not torch.equal(a, b)
     assert float(rows.median()) < 0.01 and float(rows.max()) < 0.03
     assert b16.generate(ids, 8) == f32.generate(ids, 8)
+
+
+@pytest.mark.parametrize("rows,native_on", [(24, True), (80, True), (8, False), (40, False)])
+def test_k3_grouped_mxfp4_experts_round_under_bf16_on_every_path(rows, native_on):
+    """K3's grouped MXFP4 experts (latent_moe.mxfp4_group) under bf16 compute on each of its paths (the native call up
+    to NATIVE_GROUP_MAX_ROWS rows, the decoded planes beyond it or without the native kernels: all rows through all
+    experts up to DENSE_GROUP_MAX_ROWS, an expert's own rows beyond) give bf16(z) and bf16(h) products: against a
+    float64 reference of the rounded inputs; under fp32 against the unrounded one."""
+    from moestream.kernels import quant as q
+    from moestream.models import latent_moe
+
+    g = seeded(rows)
+    inter, latent, experts = 64, 96, 4
+    tensors = [{f"{w}_packed": torch.randint(0, 256, (o, i // 2), dtype=torch.uint8, generator=g)
+                for w, o, i in (("w1", inter, latent), ("w3", inter, latent), ("w2", latent, inter))}
+               for _ in range(experts)]
+    for t in tensors:
+        for w, o, i in (("w1", inter, latent), ("w3", inter, latent), ("w2", latent, inter)):
+            t[f"{w}_scale"] = torch.randint(118, 128, (o, i // 32), dtype=torch.uint8, generator=g)
+    z = torch.randn(rows, latent, generator=g)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(rows)])
+    weights = torch.rand(rows, 2, generator=g)
+    act = latent_moe.make_act(4.0, 25.0)
+    w = [{k: q.dequant_mxfp4(t[f"{k}_packed"], t[f"{k}_scale"]).double() for k in ("w1", "w3", "w2")} for t in tensors]
+
+    def reference(rnd):
+        out = torch.zeros(rows, latent, dtype=torch.float64)
+        for r in range(rows):
+            x = rnd(z[r]).double()
+            for j in range(2):
+                e = int(ids[r, j])
+                h = rnd(act((w[e]["w1"] @ x).float(), (w[e]["w3"] @ x).float())).double()
+                out[r] += float(weights[r, j]) * (w[e]["w2"] @ h)
+        return out
+
+    for mode, rnd in (("bf16", lambda v: v.bfloat16().float()), ("fp32", lambda v: v)):
+        out = torch.zeros(rows, latent)
+        with blocks.compute_dtype(mode), (contextlib.nullcontext() if native_on else cpu.disabled()):
+            assert latent_moe.mxfp4_group(act)(z, ids, weights, list(range(experts)), tensors, out)
+        want = reference(rnd)
+        assert _rel(out, want) < 1e-4, mode
+        if mode == "bf16":
+            assert _rel(out, reference(lambda v: v)) > 1e-4  # the rounding is there
 
 
 def test_option_is_validated(tiny, capsys):
