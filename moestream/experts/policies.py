@@ -1,8 +1,9 @@
 """Eviction policies for the expert cache: LRU, frequency-weighted recency, and learned, persisted heat.
 
-A policy only orders keys for eviction: `insert` (new entry), `touch` (hit), `remove` (gone), `victims()` (best
-candidates first). It never sees bytes, I/O or torch. Keys are (layer, expert) tuples; `heat` persists its
-per-expert counts as JSON between runs and keeps the hottest experts (a fixed share of the cache) last in line.
+A policy only orders keys for eviction: `insert` (new entry), `touch` (hit; `touch_many` for a step's hits), `remove`
+(gone), `victims()` (best candidates first). It never sees bytes, I/O or torch. Keys are (layer, expert) tuples;
+`heat` persists its per-expert counts as JSON between runs and keeps the hottest experts (a fixed share of the
+cache) last in line.
 """
 from __future__ import annotations
 
@@ -18,7 +19,18 @@ from typing import Callable, Hashable, Iterator
 Key = Hashable
 
 
-class LRUPolicy:
+class _Touches:
+    """`touch_many`: a step's hits (ExpertCache.hits) as `touch` of each key in turn, for every policy."""
+
+    def touch(self, key: Key) -> None:
+        raise NotImplementedError
+
+    def touch_many(self, keys: list[Key]) -> None:
+        for key in keys:
+            self.touch(key)
+
+
+class LRUPolicy(_Touches):
     """Least recently used: evict the entry touched longest ago."""
 
     name = "lru"
@@ -36,15 +48,11 @@ class LRUPolicy:
     def remove(self, key: Key) -> None:
         self._order.pop(key, None)
 
-    def touch_many(self, keys: list[Key]) -> None:
-        for key in keys:
-            self.touch(key)
-
     def victims(self) -> Iterator[Key]:
         return iter(list(self._order))
 
 
-class FrequencyRecencyPolicy:
+class FrequencyRecencyPolicy(_Touches):
     """Exponentially decayed access count: score = sum over accesses of 2^-(age / half_life).
 
     Age is counted in engine steps for (layer, expert) keys (a step starts when the layer index goes down, so a
@@ -84,11 +92,6 @@ class FrequencyRecencyPolicy:
         self._pending.append((prio, next(self._seq), key))
         if len(self._heap) + len(self._pending) > 4 * len(self._prio) + 64:
             self._compact()
-
-    def touch_many(self, keys: list[Key]) -> None:
-        """`touch(key)` for each key in turn (a step's hits, ExpertCache.hits)."""
-        for key in keys:
-            self._bump(key, fresh=False)
 
     def insert(self, key: Key) -> None:
         # a re-read expert keeps part of its history: frequency across evictions is the point of the policy

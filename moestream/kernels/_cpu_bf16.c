@@ -874,9 +874,7 @@ int ms_linear_mxfp4_bf16(int64_t E, const int64_t *xs, const int64_t *Ts, const 
     if (E <= 0 || N <= 0) return 0;
     const int bad = check255 ? mx_find255(E, ss, N, K) : 0;
     if (bad) return bad;
-    int64_t total = 0;
-    for (int64_t e = 0; e < E; e++) total += Ts[e] > 0 ? Ts[e] : 0;
-    if (K <= 0 || total == 0) return ms_linear_mxfp4(E, xs, Ts, ps, ss, outs, N, K, layout, min_rows_per_thread, 0);
+    if (K <= 0) return ms_linear_mxfp4(E, xs, Ts, ps, ss, outs, N, K, layout, min_rows_per_thread, 0); /* zeros */
 #if MS_BF16DP
     const int64_t ldx = mxb_stride(K);
     void **x = mx_inputs(E, xs, Ts, K, layout, ldx, sizeof(uint16_t), mxb_prep);
@@ -888,6 +886,8 @@ int ms_linear_mxfp4_bf16(int64_t E, const int64_t *xs, const int64_t *Ts, const 
     free(x);
     return 0;
 #else
+    int64_t total = 0;
+    for (int64_t e = 0; e < E; e++) total += Ts[e] > 0 ? Ts[e] : 0;
     void *mem = malloc((size_t)E * sizeof(int64_t) + sizeof(float) * (size_t)(total * K));
     if (!mem) return -1;
     int64_t *rounded = mem;
