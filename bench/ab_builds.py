@@ -1,8 +1,8 @@
 """A/B of native library builds in one process: the same source compiled with different -D settings, loaded side by
 side, their calls alternated round by round so that the shared machine's drift hits every build alike.
 
-    python bench/ab_builds.py glu [--codec b12|bf16] [--tokens 1] [--threads 2] [--rounds 8] NAME:FLAGS ...
-    python bench/ab_builds.py dense [--tokens 16] [--threads 2] [--rounds 8] NAME:FLAGS NAME:FLAGS ...
+    python bench/ab_builds.py glu [--codec b12|bf16] [--tokens 1] [--experts 256] [--threads 2] [--rounds 8] NAME:FLAGS ...
+    python bench/ab_builds.py dense [--codec b12|bf16] [--tokens 16] [--threads 2] [--rounds 8] NAME:FLAGS NAME:FLAGS ...
 
 e.g. `python bench/ab_builds.py glu old:"-DGLU_ROWS_ONE=16 -DDOWN_CHUNK_ONE=64" new:` (an empty FLAGS is the
 tree's own settings). The first build is the baseline of the ratios.
@@ -10,7 +10,7 @@ tree's own settings). The first build is the baseline of the ratios.
 glu: one decode token's grouped expert call (ms_moe_glu_bf16: one row, or --tokens rows each routed to all 8;
 8 experts of the peer checkpoint's shape, gate/up 512 x 1024, down 1024 x 512, random N(0, 0.02) bf16 values,
 b12-coded or not) over a pool of 256 experts (650-800 MB, past the last-level cache), as a warm decode step streams
-them; reports bytes of stored weights a second. dense: 16-token (--tokens) bf16 products at the peer's
+them; reports bytes of stored weights a second. dense: 16-token (--tokens) products (bf16 or b12-coded weights) at the peer's
 attention shapes (q/k/v 1536 x 1024 in one weight, o 1024 x 1024) over 32 layers of weights (168 MB), through
 ms_linear_bf16; reports GFLOP/s. Both report, per
 build, the median and range over the rounds, the median of the per-round ratios to the first build, and whether
@@ -76,17 +76,24 @@ def glu_case(codec: str, rows: int = 1, experts: int = 256, per_call: int = 8):
     return work, (rows, hidden), nbytes, pool
 
 
-def dense_case(tokens: int, layers: int = 32):
-    """(work(lib, out), out shape, FLOPs a pass): the attention projections of `layers` layers at `tokens` rows."""
+def dense_case(tokens: int, codec: str = "bf16", layers: int = 32):
+    """(work(lib, out), out shape, FLOPs a pass): the attention projections of `layers` layers at `tokens` rows,
+    bf16 or b12-coded (a tagged address, as a coded pack's dense weights go to the kernel)."""
     g = torch.Generator().manual_seed(0)
     shapes = [(1536, 1024), (1024, 1024)]
     ws = [[(torch.randn(n, k, generator=g) * 0.02).bfloat16() for n, k in shapes] for _ in range(layers)]
+    if codec == "b12":
+        ws = [[(b12.encode(w), w.shape[0]) for w in layer] for layer in ws]
+        tag = 1
+    else:
+        ws = [[(w, w.shape[0]) for w in layer] for layer in ws]
+        tag = 0
     x = torch.randn(tokens, 1024, generator=g)
 
     def work(lib: ctypes.CDLL, out: torch.Tensor) -> None:
         for layer in ws:
-            for w in layer:
-                lib.ms_linear_bf16(x.data_ptr(), tokens, 1024, w.data_ptr(), w.shape[0], out.data_ptr(), 16)
+            for w, n in layer:
+                lib.ms_linear_bf16(x.data_ptr(), tokens, 1024, w.data_ptr() | tag, n, out.data_ptr(), 16)
 
     return work, (tokens, 1536), 2 * tokens * layers * sum(n * k for n, k in shapes), ws
 
@@ -100,16 +107,18 @@ def main() -> None:
                     help="rows: dense, the product's (default 16); glu, each expert's (default 1)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=256,
+                    help="glu: the pool's experts (256: past the last-level cache; 8: one call's, in cache)")
     a = ap.parse_args()
     builds = [b.split(":", 1) if ":" in b else (b, "") for b in a.builds]
     a.tokens = a.tokens or (1 if a.kind == "glu" else 16)
     with tempfile.TemporaryDirectory(prefix="ab_builds-") as tmp:
         libs = {name: build(name, flags, Path(tmp), a.threads) for name, flags in builds}
         if a.kind == "glu":
-            work, shape, amount, _keep = glu_case(a.codec, a.tokens)
+            work, shape, amount, _keep = glu_case(a.codec, a.tokens, a.experts)
             unit, what = 1e9, f"GB/s of {a.codec} weights, {a.tokens} rows an expert"
         else:
-            work, shape, amount, _keep = dense_case(a.tokens)
+            work, shape, amount, _keep = dense_case(a.tokens, a.codec)
             unit, what = 1e9, f"GFLOP/s at {a.tokens} rows"
         outs = {name: torch.zeros(shape) for name in libs}
         rates: dict[str, list[float]] = {name: [] for name in libs}
