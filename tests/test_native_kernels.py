@@ -42,6 +42,16 @@ def _assert_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rtol: flo
     assert bool((err <= rtol * bound + 1e-30).all()), f"max rel err {float((err / bound.clamp_min(1e-30)).max())}"
 
 
+def _fp8(rows: int, cols: int, seed: int, block: tuple[int, int] = (64, 64)):
+    """Random float8_e4m3fn codes (every non-NaN code, subnormals and both zeros among them) and their scale_inv."""
+    g = _gen(seed)
+    codes = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=g)
+    codes[0, : min(cols, 256)] = torch.arange(min(cols, 256), dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C  # no NaN codes
+    scale_inv = torch.rand(-(-rows // block[0]), -(-cols // block[1]), generator=g) * 1e-2 + 1e-4
+    return codes.view(torch.float8_e4m3fn), scale_inv
+
+
 def _mxfp4(rows: int, cols: int, seed: int, low: int = 110, high: int = 140):
     g = _gen(seed)
     return (torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g),
@@ -301,6 +311,10 @@ def test_portable_build_is_cached_and_correct(fresh_cache, monkeypatch):
         packed, scales = _mxfp4(5, 64, seed=15)
         x = torch.randn(3, 64)
         _assert_close(cpu.linear_mxfp4(x, packed, scales, layout), x, q.dequant_mxfp4(packed, scales, layout))
+    codes, scale_inv = _fp8(130, 192, seed=16)
+    for t in (1, 3):  # the portable path's lookup table, every code the rows hold
+        x = torch.randn(t, 192, generator=_gen(t))
+        _assert_close(cpu.linear_fp8(x, codes, scale_inv, (64, 64)), x, q.dequant_fp8_block(codes, scale_inv, (64, 64)))
 
 
 def test_cache_key_depends_on_flags(monkeypatch):
@@ -651,3 +665,74 @@ def test_a_batched_step_does_not_expand_bf16_glu_experts(tmp_path):
     assert ref.runner.upcast.buf.numel() > 0
     for a, b in zip(got, want):
         assert max_rel_diff(a, b) < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------------- block FP8
+
+
+@native
+@pytest.mark.parametrize("n,k,block", [(1, 64, (128, 128)), (300, 448, (128, 128)), (257, 1024, (128, 64)),
+                                       (130, 16384, (128, 128)), (64, 128, (32, 64))])
+def test_fp8_native_is_the_block_product(n, k, block):
+    """The codes read as stored: within fp32 summation of float64 over the dequantised weight (every code, the
+    subnormals exact, partial row and column blocks); a token's row the same bits in calls of 1-15 tokens."""
+    codes, scale_inv = _fp8(n, k, seed=n + k, block=block)
+    w = q.dequant_fp8_block(codes, scale_inv, block)
+    x = torch.randn(15, k, generator=_gen(k))
+    alone = cpu.linear_fp8(x[:1], codes, scale_inv, block)
+    for t in (1, 2, 3, 4, 5, 9, 15):
+        got = cpu.linear_fp8(x[:t], codes, scale_inv, block)
+        _assert_close(got, x[:t], w)
+        assert torch.equal(got[0], alone[0])
+
+
+@native
+def test_fp8_subnormal_codes_stay_exact_under_flush_denormal():
+    """The kernel widens a code through fp32 subnormals: it clears DAZ for its call, so a caller that set
+    torch.set_flush_denormal(True) gets the same bits (and its setting back)."""
+    codes = torch.tensor([[b for b in range(1, 8)] * 9 + [0x81] * 8 + [0] * 57], dtype=torch.uint8)
+    codes = codes.view(torch.float8_e4m3fn)
+    scale_inv = torch.tensor([[1.0]])
+    x = torch.ones(1, 128)
+    want = cpu.linear_fp8(x, codes, scale_inv, (128, 128))
+    assert float(want) == pytest.approx(sum(range(1, 8)) * 9 * 2.0 ** -9 - 8 * 2.0 ** -9, abs=0)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-denormal mode")
+    try:
+        assert torch.equal(cpu.linear_fp8(x, codes, scale_inv, (128, 128)), want)
+        assert float(torch.tensor([1e-40]) * 1.0) == 0.0  # the caller's setting is still in force
+    finally:
+        torch.set_flush_denormal(False)
+
+
+@native
+def test_fp8_block_linear_takes_the_native_kernel_for_few_rows(monkeypatch):
+    """fp8_block_linear: fewer than FP8_NATIVE_MAX_T rows on the native kernel, more (or a width it does not take)
+    on the chunked torch path, both within fp32 summation of float64; threads give the same bits."""
+    codes, scale_inv = _fp8(200, 256, seed=21, block=(128, 128))
+    w = q.dequant_fp8_block(codes, scale_inv)
+    calls = []
+    real = cpu.linear_fp8
+    monkeypatch.setattr(cpu, "linear_fp8", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    for t in (1, 7, q.FP8_NATIVE_MAX_T - 1, q.FP8_NATIVE_MAX_T, q.FP8_NATIVE_MAX_T + 9):
+        x = torch.randn(2, t, 256, generator=_gen(t))  # leading dims kept
+        got = q.fp8_block_linear(x[0], codes, scale_inv)
+        _assert_close(got, x[0], w)
+        assert got.shape == (t, 200)
+    assert calls == [1, 7, q.FP8_NATIVE_MAX_T - 1]
+    odd, odd_scale = _fp8(10, 96, seed=22, block=(128, 128))  # 96 columns: not a multiple of 64
+    x = torch.randn(1, 96)
+    _assert_close(q.fp8_block_linear(x, odd, odd_scale), x, q.dequant_fp8_block(odd, odd_scale))
+    assert calls == [1, 7, q.FP8_NATIVE_MAX_T - 1]
+    with pytest.raises(ValueError, match="multiples of 64"):
+        cpu.linear_fp8(x, odd, odd_scale, (128, 128))
+    before = cpu.threads()
+    try:
+        x = torch.randn(2, 256, generator=_gen(23))
+        cpu.set_threads(1)
+        one = cpu.linear_fp8(x, codes, scale_inv, (128, 128), min_rows_per_thread=1)
+        cpu.set_threads(2)
+        two = cpu.linear_fp8(x, codes, scale_inv, (128, 128), min_rows_per_thread=1)
+    finally:
+        cpu.set_threads(before)
+    assert torch.equal(one, two)

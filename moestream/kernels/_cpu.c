@@ -8,7 +8,7 @@
  * A tiny persistent pthread pool can split the rows of one call over several threads (ms_set_threads).
  * _cpu_step.c and _cpu_layer.c (included at the end) hold the fused decode-step kernels built on these; _cpu_bf16.c
  * the opt-in bf16 compute path for many rows (bf16-rounded activations, fp32 sums); _cpu_fixed.c the batch-invariant
- * dense product and router selection.
+ * dense product and router selection; _cpu_fp8.c block-FP8 weights read as stored.
  *
  * Layouts (see kernels/quant.py): packed uint8 [N, K/2], scales uint8 [N, K/32] (E8M0, 255 rejected by the caller).
  * layout 0 "low_first": byte j holds inputs 2j (low nibble) and 2j+1 (high nibble).
@@ -37,7 +37,7 @@
 #endif
 #define MS_AVX512 (MS_SIMD == 2)
 
-#define MS_ABI 18
+#define MS_ABI 19
 #define TILE_T 8   /* tokens per register tile */
 #ifndef PF_BYTES
 #define PF_BYTES 16384  /* software prefetch distance of the bf16 kernel (measured: 16-32 KiB best) */
@@ -1157,3 +1157,4 @@ int ms_linear_bf16_heads(const float *x, int64_t H, int64_t T, int64_t K, const 
 #include "_cpu_layer.c"
 #include "_cpu_bf16.c"
 #include "_cpu_fixed.c"
+#include "_cpu_fp8.c"

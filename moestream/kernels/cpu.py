@@ -50,12 +50,12 @@ MIN_ROWS_PER_THREAD = 256
 SPIN_US = 3000
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
-_ABI = 18
+_ABI = 19
 _SOURCE = Path(__file__).with_name("_cpu.c")
 # _cpu.c #includes the others
 _SOURCES = (_SOURCE, *(Path(__file__).with_name(n)
                        for n in ("_cpu_exp.c", "_cpu_panel.c", "_cpu_b12.c", "_cpu_step.c", "_cpu_paged.c", "_cpu_layer.c", "_cpu_bf16.c",
-                                 "_cpu_fixed.c")))
+                                 "_cpu_fixed.c", "_cpu_fp8.c")))
 _LAYOUTS = {"low_first": 0, "gguf": 1}
 
 _lock = threading.Lock()
@@ -180,6 +180,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_b12_decode.restype = None
     lib.ms_b12_decode_rows.argtypes = [p, i64, i64, i64, i64, p]
     lib.ms_b12_decode_rows.restype = None
+    lib.ms_linear_fp8.argtypes = [p, i64, i64, p, i64, p, i64, i64, p, i64]
+    lib.ms_linear_fp8.restype = ctypes.c_int
     lib.ms_linear_fixed.argtypes = [p, i64, i64, p, ctypes.c_int, i64, p]
     lib.ms_linear_fixed.restype = ctypes.c_int
     lib.ms_softmax_topk.argtypes = [p, i64, i64, i64, ctypes.c_int, p, p]
@@ -633,6 +635,26 @@ def linear_mxfp4(x: Tensor, packed: Tensor, scales: Tensor, layout: str = "low_f
                                   ctypes.byref(one(out.data_ptr())), n, k, _LAYOUTS[layout], min_rows_per_thread,
                                   0):
         raise MemoryError("native MXFP4 kernel could not allocate its input scratch")
+    return out
+
+
+def linear_fp8(x: Tensor, weight: Tensor, scale_inv: Tensor, block: tuple[int, int],
+               min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> Tensor:
+    """x [T, K] @ W^T for a block-FP8 weight read as stored (_cpu_fp8.c): weight float8_e4m3fn [N, K] (or its
+    uint8 bytes), scale_inv [ceil(N / block[0]), ceil(K / block[1])], W = code * its block's scale_inv; K and
+    block[1] multiples of 64. float32 [T, N]. Needs available()."""
+    handle = required()
+    n, k = weight.shape
+    x2 = rows(x, k)
+    codes = weight.view(torch.uint8)
+    scales = _f32(scale_inv)
+    want = (-(-n // block[0]), -(-k // block[1]))
+    if not codes.is_contiguous() or tuple(scales.shape) != want:
+        raise ValueError(f"linear_fp8 wants contiguous codes [N, K] and scale_inv {want}, got {tuple(scales.shape)}")
+    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    if handle.ms_linear_fp8(x2.data_ptr(), x2.shape[0], k, codes.data_ptr(), n, scales.data_ptr(), block[0],
+                            block[1], out.data_ptr(), min_rows_per_thread):
+        raise ValueError(f"linear_fp8 wants K ({k}) and the column block ({block[1]}) multiples of 64")
     return out
 
 

@@ -21,6 +21,10 @@ E2M1_VALUES = torch.tensor(
 )
 MXFP4_BLOCK = 32
 FP8_BLOCK = (128, 128)
+# fewer rows than this take the native FP8 kernel; more are matmuls over decoded chunks, whose decode the rows share
+# (DeepSeek-V3's shapes, 2 threads, from DRAM: native 80-101 GFLOP/s at 16-64 rows against torch's 36-95, torch
+# ahead from 128 rows: 98-127 against 82-91; docs/performance.md)
+FP8_NATIVE_MAX_T = 64
 # fp32 scratch per *_linear call: 96..146 rows of 3584 (1.3..2 MiB) time the same, 192+ rows are slower
 # (bench/kernels.py --chunks, 1 MiB L2 per core)
 SCRATCH_BYTES = 3 << 19
@@ -294,16 +298,30 @@ def _fp8_decode(weight: Tensor, bits: Tensor, out: Tensor) -> None:
     out.copy_(bits.view(torch.float16))
 
 
-def fp8_block_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, block: tuple[int, int] = FP8_BLOCK,
-                     scratch: Tensor | None = None, rows_per_chunk: int | None = None) -> Tensor:
-    """y = x @ W^T for block-FP8 W, chunk by chunk; the per-block scale is folded into x (float32 [..., out]).
+def fp8_native(tokens: int, in_features: int, block: tuple[int, int] = FP8_BLOCK) -> bool:
+    """Whether fp8_block_linear takes the native kernel for `tokens` rows: fewer than FP8_NATIVE_MAX_T, AVX-512,
+    the width and the column block multiples of 64 (DeepSeek-V3 / Kimi K2's every block-FP8 weight)."""
+    return (tokens < FP8_NATIVE_MAX_T and in_features % 64 == 0 and block[1] % 64 == 0 and cpu.available()
+            and cpu.simd() == "avx512")
 
-    Work memory: one chunk of rows as fp32 (`scratch`, or rows_per_chunk / SCRATCH_BYTES) and int16, and one
-    scaled copy of x; never a whole fp32 weight."""
+
+def fp8_block_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, block: tuple[int, int] = FP8_BLOCK,
+                     scratch: Tensor | None = None, rows_per_chunk: int | None = None,
+                     native: bool = True) -> Tensor:
+    """y = x @ W^T for block-FP8 W (float32 [..., out]).
+
+    Fewer than FP8_NATIVE_MAX_T rows (decode steps, short prompts, experts of few rows) go to the native kernel
+    where fp8_native says so: the codes read as stored, each column block's products summed and scaled
+    (kernels/_cpu_fp8.c), no work memory. Otherwise
+    chunk by chunk, the per-block scale folded into x: one chunk of rows as fp32 (`scratch`, or rows_per_chunk /
+    SCRATCH_BYTES) and int16, and one scaled copy of x; never a whole fp32 weight. The two differ by fp32
+    rounding only."""
     _fp8_check(weight, scale_inv, block)
     out_features, in_features = weight.shape
     lead = x.shape[:-1]
     x2 = cpu.rows(x, in_features)
+    if native and fp8_native(x2.shape[0], in_features, block) and weight.is_contiguous():
+        return cpu.linear_fp8(x2, weight, scale_inv, block).view(*lead, out_features)
     rows = min(_rows_per_chunk(rows_per_chunk, in_features, scratch), block[0])
     buf = _scratch_rows(scratch, rows, in_features)
     bits = torch.empty(rows, in_features, dtype=torch.int16)

@@ -1,0 +1,170 @@
+/* moestream native CPU kernels, part 9 (#included at the end of _cpu.c, one translation unit): block-FP8 weights
+ * (float8_e4m3fn codes with one float32 scale_inv per block of BR x BC values: DeepSeek-V3 / Kimi K2's dense
+ * weights and DeepSeek-V3's experts) times fp32 inputs, reading the stored bytes: one byte a weight streams from
+ * memory instead of the fp32 rows the torch path decodes a chunk at a time (kernels/quant.py).
+ *
+ * Each code is widened to fp32 exactly: its 7 magnitude bits moved to bit 20 and its sign to bit 31 make an fp32
+ * whose value is the code's times 2^-120 (e4m3's bias is 7, fp32's 127; e4m3 subnormals land on fp32 subnormals,
+ * the same factor), and one multiply by 2^120 makes it the code's value. That multiply reads subnormal inputs, so
+ * each thread clears the DAZ bit of its MXCSR for the call (restored after). The NaN codes 0x7F / 0xFF come out as
+ * +-480, as in quant.py's chunked path (checkpoints hold none).
+ * Sums: per row and token, each column block's products in four accumulators (consecutive groups of 16 values in
+ * turn), the block's sum times its scale added into the row's total; the order depends only on K and BC, not on
+ * the token count, the threads or the rows a call holds. */
+
+#ifndef FP8_PF
+#define FP8_PF 2048 /* bytes ahead of a row's read that each 64-byte step prefetches */
+#endif
+#define FP8_TT 4    /* tokens a pass over a row */
+#ifndef FP8_PAIR_X
+/* two rows a pass (x read once for both) for one or two tokens whose x takes more than this many bytes, about
+ * L1: in alternated builds over 350-470 MB of DeepSeek-V3-shaped weights, 2 threads, pairs ran 1.26-1.28x as fast
+ * at K = 16384 (1-2 tokens), 1.14x at K = 7168 and 2 tokens, 0.97x at 1 token, 0.72-0.86x at K = 2048 */
+#define FP8_PAIR_X (32 << 10)
+#endif
+
+/* the value of e4m3fn code b, exactly (portable path) */
+static float fp8_value(uint8_t b) {
+    const int e = (b >> 3) & 15, m = b & 7;
+    const float v = e ? ldexpf((float)(8 + m), e - 10) : ldexpf((float)m, -9);
+    return (b & 0x80) ? -v : v;
+}
+
+#if MS_SIMD == 2
+/* 16 codes at p as fp32 */
+INLINE __m512 fp8_16(const uint8_t *p) {
+    const __m512i d = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i b = _mm512_and_si512(_mm512_slli_epi32(d, 20), _mm512_set1_epi32((int)0x87F00000u));
+    return _mm512_mul_ps(_mm512_castsi512_ps(b), _mm512_set1_ps(0x1p120f));
+}
+
+/* R rows from w [R, K] (K % 64 == 0, bc % 64 == 0; row r's column blocks' scales at srow[r]) times TT tokens (x,
+ * stride ldx) -> out[t * ldo + r]. Two rows a pass read x once for both (one token's x of a 7168-wide row is 28
+ * KiB, about L1); each (row, token) sums in the same order for any R. */
+INLINE void fp8_rows(const float *x, int64_t ldx, const uint8_t *w, int64_t K, int64_t bc, const float *const *srow,
+                     float *out, int64_t ldo, const int R, const int TT) {
+    __m512 tot[2][FP8_TT];
+#pragma GCC unroll 2
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < TT; t++) tot[r][t] = _mm512_setzero_ps();
+    for (int64_t k0 = 0, b = 0; k0 < K; k0 += bc, b++) {
+        const int64_t k1 = k0 + bc < K ? k0 + bc : K;
+        __m512 acc[4][2][FP8_TT];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++)
+#pragma GCC unroll 2
+            for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+                for (int t = 0; t < TT; t++) acc[j][r][t] = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k1; k += 64) {
+#pragma GCC unroll 2
+            for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + r * K + k) + FP8_PF, _MM_HINT_T0);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                __m512 wv[2];
+#pragma GCC unroll 2
+                for (int r = 0; r < R; r++) wv[r] = fp8_16(w + r * K + k + 16 * j);
+#pragma GCC unroll 4
+                for (int t = 0; t < TT; t++) {
+                    const __m512 xv = _mm512_loadu_ps(x + t * ldx + k + 16 * j);
+#pragma GCC unroll 2
+                    for (int r = 0; r < R; r++) acc[j][r][t] = _mm512_fmadd_ps(wv[r], xv, acc[j][r][t]);
+                }
+            }
+        }
+#pragma GCC unroll 2
+        for (int r = 0; r < R; r++) {
+            const __m512 sc = _mm512_set1_ps(srow[r][b]);
+#pragma GCC unroll 4
+            for (int t = 0; t < TT; t++)
+                tot[r][t] = _mm512_fmadd_ps(_mm512_add_ps(_mm512_add_ps(acc[0][r][t], acc[1][r][t]),
+                                                          _mm512_add_ps(acc[2][r][t], acc[3][r][t])), sc, tot[r][t]);
+        }
+    }
+#pragma GCC unroll 2
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < TT; t++) out[t * ldo + r] = _mm512_reduce_add_ps(tot[r][t]);
+}
+#endif
+
+typedef struct {
+    const float *x; int64_t T, K, N, br, bc, sk; const uint8_t *w; const float *s; float *out;
+} fp8_job;
+
+/* rows [n0, n1) of the part: every token, FP8_TT at a time */
+static void fp8_part(void *arg, int part, int parts) {
+    const fp8_job *j = arg;
+    int64_t n0, n1;
+    split(j->N, part, parts, &n0, &n1);
+#if MS_SIMD == 2
+    const unsigned csr = _mm_getcsr();
+    if (csr & 0x0040u) _mm_setcsr(csr & ~0x0040u); /* DAZ off: fp8_16's multiply reads subnormals */
+    /* each row (or row pair) is read once for all the token tiles */
+    const int pair = j->T <= 2 && j->T * j->K * (int64_t)sizeof(float) > FP8_PAIR_X;
+    for (int64_t n = n0; n < n1;) {
+        const int R = pair && n + 1 < n1 ? 2 : 1;
+        const float *srow[2] = {j->s + (n / j->br) * j->sk, j->s + ((n + R - 1) / j->br) * j->sk};
+        const uint8_t *w = j->w + n * j->K;
+        for (int64_t t0 = 0; t0 < j->T; t0 += FP8_TT) {
+            const int tt = (int)(j->T - t0 < FP8_TT ? j->T - t0 : FP8_TT);
+            const float *x = j->x + t0 * j->K;
+            float *o = j->out + t0 * j->N + n;
+#define FP8_CASE(RR, TT) fp8_rows(x, j->K, w, j->K, j->bc, srow, o, j->N, RR, TT)
+            if (R == 2) {
+                if (tt == 1) FP8_CASE(2, 1); else FP8_CASE(2, 2);
+            } else {
+                switch (tt) {
+                    case 1: FP8_CASE(1, 1); break;
+                    case 2: FP8_CASE(1, 2); break;
+                    case 3: FP8_CASE(1, 3); break;
+                    default: FP8_CASE(1, 4); break;
+                }
+            }
+#undef FP8_CASE
+        }
+        n += R;
+    }
+    if (csr & 0x0040u) _mm_setcsr(csr);
+#else
+    float lut[256];
+    for (int b = 0; b < 256; b++) lut[b] = fp8_value((uint8_t)b);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *w = j->w + n * j->K;
+        const float *srow = j->s + (n / j->br) * j->sk;
+        for (int64_t t = 0; t < j->T; t++) {
+            const float *x = j->x + t * j->K;
+            float tot = 0.0f;
+            for (int64_t k0 = 0, b = 0; k0 < j->K; k0 += j->bc, b++) {
+                const int64_t k1 = k0 + j->bc < j->K ? k0 + j->bc : j->K;
+                float acc[4][16] = {{0}};
+                for (int64_t k = k0; k < k1; k += 64)
+                    for (int q = 0; q < 4; q++)
+                        for (int l = 0; l < 16; l++) acc[q][l] += lut[w[k + 16 * q + l]] * x[k + 16 * q + l];
+                float lane[16];
+                for (int l = 0; l < 16; l++) lane[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
+                float blk = 0.0f;
+                for (int l = 0; l < 16; l++) blk += lane[l];
+                tot += blk * srow[b];
+            }
+            j->out[t * j->N + n] = tot;
+        }
+    }
+#endif
+}
+
+/* out[T, N] = x[T, K] (contiguous fp32) @ W^T, W the N x K float8_e4m3fn codes w (row-major bytes) with scale_inv
+ * s [ceil(N / br), sk = ceil(K / bc)] (contiguous fp32): W[n, k] = code * s[n / br, k / bc]. K and bc multiples
+ * of 64. Rows split over the threads (when there are at least `min_rows_per_thread` a thread). Returns 0, or -2
+ * when K or bc is not a multiple of 64 (nothing computed). */
+int ms_linear_fp8(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N, const float *s, int64_t br,
+                  int64_t bc, float *out, int64_t min_rows_per_thread) {
+    if (K % 64 || bc <= 0 || bc % 64 || br <= 0) return -2;
+    if (T <= 0 || N <= 0) return 0;
+    fp8_job j = {x, T, K, N, br, bc, (K + bc - 1) / bc, w, s, out};
+    int parts = pool_parts;
+    while (parts > 1 && N / parts < min_rows_per_thread) parts--;
+    pool_run(fp8_part, &j, parts);
+    return 0;
+}
