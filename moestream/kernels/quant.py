@@ -312,10 +312,9 @@ def fp8_block_linear(x: Tensor, weight: Tensor, scale_inv: Tensor, block: tuple[
 
     Fewer than FP8_NATIVE_MAX_T rows (decode steps, short prompts, experts of few rows) go to the native kernel
     where fp8_native says so: the codes read as stored, each column block's products summed and scaled
-    (kernels/_cpu_fp8.c), no work memory. Otherwise
-    chunk by chunk, the per-block scale folded into x: one chunk of rows as fp32 (`scratch`, or rows_per_chunk /
-    SCRATCH_BYTES) and int16, and one scaled copy of x; never a whole fp32 weight. The two differ by fp32
-    rounding only."""
+    (kernels/_cpu_fp8.c), no work memory. Otherwise chunk by chunk, the per-block scale folded into x: one chunk
+    of rows as fp32 (`scratch`, or rows_per_chunk / SCRATCH_BYTES) and int16, and one scaled copy of x; never a
+    whole fp32 weight. The two differ by fp32 rounding only."""
     _fp8_check(weight, scale_inv, block)
     out_features, in_features = weight.shape
     lead = x.shape[:-1]
