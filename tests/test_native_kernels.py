@@ -52,6 +52,15 @@ def _fp8(rows: int, cols: int, seed: int, block: tuple[int, int] = (64, 64)):
     return codes.view(torch.float8_e4m3fn), scale_inv
 
 
+def _int4(rows: int, cols: int, seed: int, scale_dtype: torch.dtype = torch.bfloat16):
+    """Random int4 pack-quantized words (every nibble value in row 0) and group-of-32 scales."""
+    g = _gen(seed)
+    q4 = torch.randint(-8, 8, (rows, cols), generator=g)
+    q4[0, : min(cols, 16)] = torch.arange(-8, 8)[: min(cols, 16)]
+    scale = (torch.rand(rows, cols // 32, generator=g) * 1e-2 + 1e-4).to(scale_dtype)
+    return q._pack_int32(q4), scale
+
+
 def _mxfp4(rows: int, cols: int, seed: int, low: int = 110, high: int = 140):
     g = _gen(seed)
     return (torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g),
@@ -315,6 +324,8 @@ def test_portable_build_is_cached_and_correct(fresh_cache, monkeypatch):
     for t in (1, 3):  # the portable path's lookup table, every code the rows hold
         x = torch.randn(t, 192, generator=_gen(t))
         _assert_close(cpu.linear_fp8(x, codes, scale_inv, (64, 64)), x, q.dequant_fp8_block(codes, scale_inv, (64, 64)))
+        packed, scale = _int4(9, 96, seed=t)
+        _assert_close(cpu.linear_int4(x[:, :96], packed, scale), x[:, :96], q.dequant_int4_packed(packed, scale))
 
 
 def test_cache_key_depends_on_flags(monkeypatch):
@@ -733,6 +744,60 @@ def test_fp8_block_linear_takes_the_native_kernel_for_few_rows(monkeypatch):
         one = cpu.linear_fp8(x, codes, scale_inv, (128, 128), min_rows_per_thread=1)
         cpu.set_threads(2)
         two = cpu.linear_fp8(x, codes, scale_inv, (128, 128), min_rows_per_thread=1)
+    finally:
+        cpu.set_threads(before)
+    assert torch.equal(one, two)
+
+
+# ---------------------------------------------------------------------------------------------------- int4
+
+
+@native
+@pytest.mark.parametrize("n,k", [(1, 32), (17, 96), (300, 448), (129, 7168)])
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+def test_int4_native_is_the_group_product(n, k, scale_dtype):
+    """The packed words read as stored: within fp32 summation of float64 over the dequantised weight (every nibble
+    value, bf16 or fp32 group scales); a token's row the same bits in calls of 1-9 tokens."""
+    packed, scale = _int4(n, k, seed=n + k, scale_dtype=scale_dtype)
+    w = q.dequant_int4_packed(packed, scale)
+    x = torch.randn(9, k, generator=_gen(k))
+    alone = cpu.linear_int4(x[:1], packed, scale)
+    for t in (1, 2, 3, 4, 5, 9):
+        got = cpu.linear_int4(x[:t], packed, scale)
+        _assert_close(got, x[:t], w)
+        assert torch.equal(got[0], alone[0])
+
+
+@native
+def test_int4_linear_takes_the_native_kernel_for_few_rows(monkeypatch):
+    """int4_linear: fewer than INT4_NATIVE_MAX_T rows of groups of 32 on the native kernel; more rows, another group
+    size or a padded last word on the chunked torch path; all within fp32 summation of float64; threads give the
+    same bits."""
+    packed, scale = _int4(70, 256, seed=31)
+    w = q.dequant_int4_packed(packed, scale)
+    calls = []
+    real = cpu.linear_int4
+    monkeypatch.setattr(cpu, "linear_int4", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    for t in (1, 6, q.INT4_NATIVE_MAX_T - 1, q.INT4_NATIVE_MAX_T):
+        x = torch.randn(t, 256, generator=_gen(t))
+        _assert_close(q.int4_linear(x, packed, scale, 32), x, w)
+    assert calls == [1, 6, q.INT4_NATIVE_MAX_T - 1]
+    p64, s64 = q.pack_int4(torch.randn(8, 256, generator=_gen(32)), group_size=64)
+    x = torch.randn(2, 256)
+    _assert_close(q.int4_linear(x, p64, s64, 64), x, q.dequant_int4_packed(p64, s64, 64))
+    ragged, rscale = q.pack_int4(torch.randn(8, 100, generator=_gen(33)), group_size=32)  # 100 of 104 stored
+    x = torch.randn(2, 100)
+    _assert_close(q.int4_linear(x, ragged, rscale, 32, (8, 100)), x, q.dequant_int4_packed(ragged, rscale, 32, (8, 100)))
+    assert calls == [1, 6, q.INT4_NATIVE_MAX_T - 1]
+    with pytest.raises(ValueError, match="int32 packed"):
+        cpu.linear_int4(torch.randn(1, 256), packed, scale.half())
+    before = cpu.threads()
+    try:
+        x = torch.randn(3, 256, generator=_gen(34))
+        cpu.set_threads(1)
+        one = cpu.linear_int4(x, packed, scale, min_rows_per_thread=1)
+        cpu.set_threads(2)
+        two = cpu.linear_int4(x, packed, scale, min_rows_per_thread=1)
     finally:
         cpu.set_threads(before)
     assert torch.equal(one, two)

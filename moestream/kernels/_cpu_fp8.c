@@ -1,7 +1,8 @@
-/* moestream native CPU kernels, part 9 (#included at the end of _cpu.c, one translation unit): block-FP8 weights
- * (float8_e4m3fn codes with one float32 scale_inv per block of BR x BC values: DeepSeek-V3 / Kimi K2's dense
- * weights and DeepSeek-V3's experts) times fp32 inputs, reading the stored bytes: one byte a weight streams from
- * memory instead of the fp32 rows the torch path decodes a chunk at a time (kernels/quant.py).
+/* moestream native CPU kernels, part 9 (#included at the end of _cpu.c, one translation unit): quantised weights
+ * read as stored, times fp32 inputs: block-FP8 (float8_e4m3fn codes with one float32 scale_inv per block of BR x BC
+ * values: DeepSeek-V3 / Kimi K2's dense weights and DeepSeek-V3's experts) and, below, int4 (Kimi K2's experts).
+ * One byte (half a byte) a weight streams from memory instead of the fp32 rows the torch paths decode a chunk at a
+ * time (kernels/quant.py).
  *
  * Each code is widened to fp32 exactly: its 7 magnitude bits moved to bit 20 and its sign to bit 31 make an fp32
  * whose value is the code's times 2^-120 (e4m3's bias is 7, fp32's 127; e4m3 subnormals land on fp32 subnormals,
@@ -166,5 +167,141 @@ int ms_linear_fp8(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_
     int parts = pool_parts;
     while (parts > 1 && N / parts < min_rows_per_thread) parts--;
     pool_run(fp8_part, &j, parts);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------ int4 */
+/* compressed-tensors int4 "pack-quantized" weights (Kimi K2's experts): a row's element 2j in the low nibble of its
+ * byte j, 2j + 1 in the high one, each stored as value + 8 (values -8..7), one scale (bf16 or fp32) per group of 32
+ * consecutive elements. Decoded in registers: a group's 16 bytes widened to 32-bit lanes, the low nibbles looked
+ * up in a 16-entry table of -8..7 (vpermps reads only an index's low 4 bits), the high nibbles after a 4-bit shift;
+ * x is prepared per call with each group's even elements first, then its odd ones (the order the lookups give).
+ * Sums: per row and token, each group's products (the odd half fused onto the even half's) times the group's scale
+ * into four totals in turn (group g into total g % 4), added pairwise at the end: the order depends only on K. */
+
+/* group g's scale of a row: bf16 (its bits shifted into an fp32) or fp32 */
+INLINE float int4_scale(const void *sc, int64_t g, const int BF) {
+    if (BF) {
+        const uint32_t b = (uint32_t)((const uint16_t *)sc)[g] << 16;
+        float f;
+        memcpy(&f, &b, sizeof f);
+        return f;
+    }
+    return ((const float *)sc)[g];
+}
+
+/* x [T, K] -> xp [T, K]: each group of 32 as its 16 even elements, then its 16 odd ones */
+static void int4_prepare(const float *x, int64_t T, int64_t K, float *xp) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t g = 0; g < K; g += 32)
+            for (int i = 0; i < 16; i++) {
+                xp[t * K + g + i] = x[t * K + g + 2 * i];
+                xp[t * K + g + 16 + i] = x[t * K + g + 2 * i + 1];
+            }
+}
+
+#if MS_SIMD == 2
+/* group g of a row (bytes p, scales sc) times TT tokens of prepared x into totals tot[t] */
+#define INT4_GROUP(g, tot)                                                                                        \
+    do {                                                                                                      \
+        const __m512i d_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * (g))));           \
+        const __m512 lo_ = _mm512_permutexvar_ps(d_, table);                                                  \
+        const __m512 hi_ = _mm512_permutexvar_ps(_mm512_srli_epi32(d_, 4), table);                            \
+        const __m512 s_ = _mm512_set1_ps(int4_scale(sc, (g), BF));                                            \
+        _Pragma("GCC unroll 4") for (int t = 0; t < TT; t++) {                                                \
+            const float *xt_ = x + t * ldx + 32 * (g);                                                        \
+            const __m512 part_ = _mm512_fmadd_ps(hi_, _mm512_loadu_ps(xt_ + 16),                              \
+                                                 _mm512_mul_ps(lo_, _mm512_loadu_ps(xt_)));                   \
+            tot[t] = _mm512_fmadd_ps(part_, s_, tot[t]);                                                      \
+        }                                                                                                     \
+    } while (0)
+
+/* one row (bytes p [K/2], group scales sc [K/32]) times TT tokens of prepared x (stride ldx) -> out[t * ldo] */
+INLINE void int4_row(const float *x, int64_t ldx, const uint8_t *p, const void *sc, int64_t K, float *out,
+                     int64_t ldo, const int TT, const int BF) {
+    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    __m512 t0[FP8_TT], t1[FP8_TT], t2[FP8_TT], t3[FP8_TT];
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; t++) t0[t] = t1[t] = t2[t] = t3[t] = _mm512_setzero_ps();
+    const int64_t G = K / 32;
+    int64_t g = 0;
+    for (; g + 4 <= G; g += 4) {
+        _mm_prefetch((const char *)(p + 16 * g) + FP8_PF, _MM_HINT_T0);
+        INT4_GROUP(g, t0);
+        INT4_GROUP(g + 1, t1);
+        INT4_GROUP(g + 2, t2);
+        INT4_GROUP(g + 3, t3);
+    }
+    if (g < G) INT4_GROUP(g, t0);
+    if (g + 1 < G) INT4_GROUP(g + 1, t1);
+    if (g + 2 < G) INT4_GROUP(g + 2, t2);
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; t++)
+        out[t * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(t0[t], t1[t]), _mm512_add_ps(t2[t], t3[t])));
+}
+#undef INT4_GROUP
+#endif
+
+typedef struct {
+    const float *x; int64_t T, K, N; const uint8_t *p; const uint8_t *s; int bf; float *out;
+} int4_job;
+
+static void int4_part(void *arg, int part, int parts) {
+    const int4_job *j = arg;
+    int64_t n0, n1;
+    split(j->N, part, parts, &n0, &n1);
+    const int64_t sb = (j->K / 32) * (j->bf ? 2 : 4); /* a row's scale bytes */
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *p = j->p + n * (j->K / 2);
+        const void *sc = j->s + n * sb;
+#if MS_SIMD == 2
+        for (int64_t t0 = 0; t0 < j->T; t0 += FP8_TT) {
+            const float *x = j->x + t0 * j->K;
+            float *o = j->out + t0 * j->N + n;
+            const int tt = (int)(j->T - t0 < FP8_TT ? j->T - t0 : FP8_TT);
+#define INT4_CASE(TT) (j->bf ? int4_row(x, j->K, p, sc, j->K, o, j->N, TT, 1) : int4_row(x, j->K, p, sc, j->K, o, j->N, TT, 0))
+            switch (tt) {
+                case 1: INT4_CASE(1); break;
+                case 2: INT4_CASE(2); break;
+                case 3: INT4_CASE(3); break;
+                default: INT4_CASE(4); break;
+            }
+#undef INT4_CASE
+        }
+#else
+        for (int64_t t = 0; t < j->T; t++) {
+            const float *x = j->x + t * j->K;
+            float tot[4][16] = {{0}};
+            for (int64_t g = 0; g < j->K / 32; g++) {
+                const float s = j->bf ? int4_scale(sc, g, 1) : int4_scale(sc, g, 0);
+                for (int l = 0; l < 16; l++) {
+                    const uint8_t b = p[16 * g + l];
+                    const float part = (float)((b >> 4) - 8) * x[32 * g + 16 + l] + (float)((b & 15) - 8) * x[32 * g + l];
+                    tot[g & 3][l] += part * s;
+                }
+            }
+            float sum = 0.0f;
+            for (int l = 0; l < 16; l++) sum += (tot[0][l] + tot[1][l]) + (tot[2][l] + tot[3][l]);
+            j->out[t * j->N + n] = sum;
+        }
+#endif
+    }
+}
+
+/* out[T, N] = x[T, K] (contiguous fp32) @ W^T, W the int4 pack-quantized rows p [N, K/2] (bytes of the int32 words,
+ * little-endian) with one scale per 32 elements s [N, K/32] (bf16 when bf, else fp32); K % 32 == 0. Returns 0, -1
+ * when out of memory, -2 when K is not a multiple of 32 (nothing computed). */
+int ms_linear_int4(const float *x, int64_t T, int64_t K, const uint8_t *p, const uint8_t *s, int bf, int64_t N,
+                   float *out, int64_t min_rows_per_thread) {
+    if (K % 32) return -2;
+    if (T <= 0 || N <= 0) return 0;
+    float *xp = malloc(sizeof(float) * (size_t)(T * K + 1));
+    if (!xp) return -1;
+    int4_prepare(x, T, K, xp);
+    int4_job j = {xp, T, K, N, p, s, bf, out};
+    int parts = pool_parts;
+    while (parts > 1 && N / parts < min_rows_per_thread) parts--;
+    pool_run(int4_part, &j, parts);
+    free(xp);
     return 0;
 }

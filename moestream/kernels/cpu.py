@@ -182,6 +182,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_b12_decode_rows.restype = None
     lib.ms_linear_fp8.argtypes = [p, i64, i64, p, i64, p, i64, i64, p, i64]
     lib.ms_linear_fp8.restype = ctypes.c_int
+    lib.ms_linear_int4.argtypes = [p, i64, i64, p, p, ctypes.c_int, i64, p, i64]
+    lib.ms_linear_int4.restype = ctypes.c_int
     lib.ms_linear_fixed.argtypes = [p, i64, i64, p, ctypes.c_int, i64, p]
     lib.ms_linear_fixed.restype = ctypes.c_int
     lib.ms_softmax_topk.argtypes = [p, i64, i64, i64, ctypes.c_int, p, p]
@@ -655,6 +657,27 @@ def linear_fp8(x: Tensor, weight: Tensor, scale_inv: Tensor, block: tuple[int, i
     if handle.ms_linear_fp8(x2.data_ptr(), x2.shape[0], k, codes.data_ptr(), n, scales.data_ptr(), block[0],
                             block[1], out.data_ptr(), min_rows_per_thread):
         raise ValueError(f"linear_fp8 wants K ({k}) and the column block ({block[1]}) multiples of 64")
+    return out
+
+
+def linear_int4(x: Tensor, packed: Tensor, scale: Tensor, min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> Tensor:
+    """x [T, K] @ W^T for a compressed-tensors int4 weight read as stored (_cpu_fp8.c): packed int32 [N, K/8]
+    (element 8j + i in bits 4i..4i+3 of word j, stored as value + 8), scale [N, K/32] bf16 or float32, one per
+    group of 32; K a multiple of 32, every stored element a real one. float32 [T, N]. Needs available()."""
+    handle = required()
+    n, k = packed.shape[0], packed.shape[1] * 8
+    x2 = rows(x, k)
+    if packed.dtype != torch.int32 or scale.dtype not in (torch.bfloat16, torch.float32) \
+            or not (packed.is_contiguous() and scale.is_contiguous()) or tuple(scale.shape) != (n, k // 32):
+        raise ValueError(f"linear_int4 wants contiguous int32 packed [N, K/8] and bf16 or float32 scale "
+                         f"[N, K/32], got {tuple(packed.shape)} {packed.dtype}, {tuple(scale.shape)} {scale.dtype}")
+    out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    code = handle.ms_linear_int4(x2.data_ptr(), x2.shape[0], k, packed.data_ptr(), scale.data_ptr(),
+                                 int(scale.dtype == torch.bfloat16), n, out.data_ptr(), min_rows_per_thread)
+    if code == -1:
+        raise MemoryError("native int4 kernel could not allocate its input scratch")
+    if code:
+        raise ValueError(f"linear_int4 wants K ({k}) a multiple of 32")
     return out
 
 

@@ -25,6 +25,9 @@ FP8_BLOCK = (128, 128)
 # (DeepSeek-V3's shapes, 2 threads, from DRAM: native 80-101 GFLOP/s at 16-64 rows against torch's 36-95, torch
 # ahead from 128 rows: 98-127 against 82-91; docs/performance.md)
 FP8_NATIVE_MAX_T = 64
+# the same for int4 (group 32): native 80-97 GFLOP/s at 16-128 rows of Kimi K2's expert shapes against torch's
+# 18-89 (docs/performance.md)
+INT4_NATIVE_MAX_T = 128
 # fp32 scratch per *_linear call: 96..146 rows of 3584 (1.3..2 MiB) time the same, 192+ rows are slower
 # (bench/kernels.py --chunks, 1 MiB L2 per core)
 SCRATCH_BYTES = 3 << 19
@@ -393,15 +396,27 @@ def _int4_decode(packed_bytes: Tensor, scale: Tensor, work: Tensor, out: Tensor)
               out=out.view(n, 2, groups, -1))
 
 
+def int4_native(tokens: int, packed: Tensor, scale: Tensor, group_size: int, in_features: int) -> bool:
+    """Whether int4_linear takes the native kernel: fewer than INT4_NATIVE_MAX_T rows, AVX-512, groups of 32, every
+    stored element a real one (no padded last word), bf16 or fp32 scales, contiguous."""
+    return (tokens < INT4_NATIVE_MAX_T and group_size == 32 and packed.shape[1] * 8 == in_features
+            and scale.dtype in (torch.bfloat16, torch.float32) and packed.is_contiguous() and scale.is_contiguous()
+            and cpu.available() and cpu.simd() == "avx512")
+
+
 def int4_linear(x: Tensor, packed: Tensor, scale: Tensor, group_size: int = 32,
                 shape: Tensor | tuple[int, int] | None = None, scratch: Tensor | None = None,
-                rows_per_chunk: int | None = None) -> Tensor:
-    """y = x @ W^T for int4 pack-quantized W, decoding a chunk of rows at a time (float32 [..., out])."""
+                rows_per_chunk: int | None = None, native: bool = True) -> Tensor:
+    """y = x @ W^T for int4 pack-quantized W (float32 [..., out]): fewer than INT4_NATIVE_MAX_T rows on the native
+    kernel where int4_native says so (the packed words read as stored, kernels/_cpu_fp8.c), otherwise decoding a
+    chunk of rows at a time. The two differ by fp32 rounding only."""
     _int4_check(packed, scale, group_size)
     out_features, stored = packed.shape[0], packed.shape[1] * 8
     in_features = _in_features(packed, shape)
     lead = x.shape[:-1]
     x2 = cpu.rows(x, in_features)
+    if native and int4_native(x2.shape[0], packed, scale, group_size, in_features):
+        return cpu.linear_int4(x2, packed, scale).view(*lead, out_features)
     if stored != scale.shape[1] * group_size or group_size % 2:  # ragged last group: use the reference
         return _int4_linear_reference(x2, packed, scale, group_size, in_features).view(*lead, out_features)
     x2 = torch.nn.functional.pad(x2, (0, stored - in_features))  # padding codes decode to -8: zero their inputs
