@@ -116,14 +116,14 @@ def _is_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-def _quantise(src, fmt: str, prefix: str = "") -> tuple[dict, dict]:
+def _quantise(src, fmt: str, prefix: str = "", block: tuple[int, int] = (32, 32)) -> tuple[dict, dict]:
     """(stored tensors in the official layout, the same tensors as the dequantised fp32 values)."""
     stored, rounded = {}, {}
     for name, t in load_file(str(src / "model.safetensors")).items():
         if fmt == "fp8" and _is_fp8_dense(name, t):
-            q, s = quantize_fp8_block(t, (32, 32))
+            q, s = quantize_fp8_block(t, block)
             stored[prefix + name], stored[prefix + name + "_scale_inv"] = q, s
-            rounded[name] = dequant_fp8_block(q, s, (32, 32))
+            rounded[name] = dequant_fp8_block(q, s, block)
         elif fmt == "int4" and _is_expert(name):
             packed, scale = pack_int4(t, 32)
             base = prefix + name[: -len("weight")]
@@ -179,6 +179,28 @@ def test_fp8_parity(fp8_ckpt, check_parity):
     path, ref = fp8_ckpt
     out = check_parity(path, ref, VOCAB, fraction=kv_fraction(path))
     print("deepseek_v3 fp8", out["max_rel_logit_diff"])
+
+
+def test_fp8_parity_on_the_native_kernel(tmp_path, check_parity, monkeypatch):
+    """64 x 64 blocks: the 64-wide weights (q_a, kv_a, o_proj, the dense and expert gate / up) of decode steps and
+    short prompts run on the native FP8 kernel (kernels/_cpu_fp8.c), the others chunked; parity holds."""
+    from moestream.kernels import cpu, quant
+
+    if not quant.fp8_native(1, 64, (64, 64)):
+        pytest.skip("no native AVX-512 FP8 kernel here")
+    calls = []
+    real = cpu.linear_fp8
+    monkeypatch.setattr(cpu, "linear_fp8", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    src, path = tmp_path / "src", tmp_path / "ckpt"
+    path.mkdir()
+    tiny_model(seed=7).save_pretrained(src)
+    stored, rounded = _quantise(src, "fp8", block=(64, 64))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = dict(FP8_QUANT, weight_block_size=[64, 64])
+    _write(path, stored, cfg)
+    out = check_parity(path, _reference_from(rounded, src, tmp_path), VOCAB, fraction=kv_fraction(path))
+    print("deepseek_v3 fp8 native", out["max_rel_logit_diff"])
+    assert {tuple(s)[1] for s in calls} == {64} and len(calls) > 100
 
 
 def test_fp8_dense_stays_fp8_in_ram(fp8_ckpt):
