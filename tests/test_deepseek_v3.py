@@ -51,14 +51,14 @@ def tiny_model(seed: int = 0, **kw):
     return model
 
 
-def kv_fraction(path) -> float:
+def kv_fraction(path, latent: int = 32) -> float:
     """conftest sizes the budget by expert bytes; packed experts are small enough that the MLA latent cache (the
     parity run's 75 + 32 tokens, grown GROW_TOKENS rows at a time) would not fit, so add its share to keep ~30% of
     the experts cached."""
     from moestream.engine.engine import plan
     from moestream.server.prefix import rows_at
 
-    kv = 3 * rows_at(75, 75 + 32, 75) * (32 + 8) * 4  # layers * rows * (kv_lora_rank + rope dim) * fp32
+    kv = 3 * rows_at(75, 75 + 32, 75) * (latent + 8) * 4  # layers * rows * (kv_lora_rank + rope dim) * fp32
     return 0.3 + kv / plan(path).expert_bytes
 
 
@@ -182,25 +182,29 @@ def test_fp8_parity(fp8_ckpt, check_parity):
 
 
 def test_fp8_parity_on_the_native_kernel(tmp_path, check_parity, monkeypatch):
-    """64 x 64 blocks: the 64-wide weights (q_a, kv_a, o_proj, the dense and expert gate / up) of decode steps and
-    short prompts run on the native FP8 kernel (kernels/_cpu_fp8.c), the others chunked; parity holds."""
+    """64 x 64 blocks and 64-wide MLA heads: the 64-wide weights (q_a, kv_a, o_proj, the dense and expert gate / up)
+    of decode steps and short prompts run on the native FP8 kernel (kernels/_cpu_fp8.c), the others chunked, and
+    kv_b stays FP8 (its heads on whole blocks: fold and unfold on the native per-head call); parity holds."""
     from moestream.kernels import cpu, quant
 
     if not quant.fp8_native(1, 64, (64, 64)):
         pytest.skip("no native AVX-512 FP8 kernel here")
-    calls = []
-    real = cpu.linear_fp8
+    calls, head_calls = [], []
+    real, real_heads = cpu.linear_fp8, cpu.linear_fp8_heads
     monkeypatch.setattr(cpu, "linear_fp8", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    monkeypatch.setattr(cpu, "linear_fp8_heads", lambda *a, **kw: head_calls.append(1) or real_heads(*a, **kw))
     src, path = tmp_path / "src", tmp_path / "ckpt"
     path.mkdir()
-    tiny_model(seed=7).save_pretrained(src)
+    tiny_model(seed=7, kv_lora_rank=64, qk_nope_head_dim=64, v_head_dim=64).save_pretrained(src)
     stored, rounded = _quantise(src, "fp8", block=(64, 64))
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = dict(FP8_QUANT, weight_block_size=[64, 64])
     _write(path, stored, cfg)
-    out = check_parity(path, _reference_from(rounded, src, tmp_path), VOCAB, fraction=kv_fraction(path))
+    out = check_parity(path, _reference_from(rounded, src, tmp_path), VOCAB, fraction=kv_fraction(path, 64))
     print("deepseek_v3 fp8 native", out["max_rel_logit_diff"])
-    assert {tuple(s)[1] for s in calls} == {64} and len(calls) > 100
+    assert {tuple(s)[1] for s in calls} == {64, 256} and len(calls) > 100 and len(head_calls) > 100  # 256: o_proj
+    heads = Engine.open(path).model.layers[0].mixer.heads
+    assert heads.w32 is None and heads.uk_t8 is not None
 
 
 def test_fp8_dense_stays_fp8_in_ram(fp8_ckpt):

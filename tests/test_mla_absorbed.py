@@ -83,6 +83,37 @@ def _run(tensors, mode: str, splits: list[int], kv_dtype: torch.dtype = torch.fl
     return torch.cat(outs)
 
 
+def test_block_fp8_kv_b_on_whole_blocks_stays_fp8(monkeypatch):
+    """A block-FP8 kv_b whose heads fall on whole scale blocks keeps its codes: the key halves' codes and scales
+    transposed once (counted), fold and unfold on the native FP8 kernel for fewer than FP8_NATIVE_MAX_T rows, a
+    bounded upcast beyond; all within fp32 summation of float64 over the dequantised kv_b."""
+    from moestream.kernels import quant
+
+    h, dn, dv, r, block = 3, 128, 64, 192, (64, 64)
+    if not quant.fp8_native(1, r, block):
+        pytest.skip("no native AVX-512 FP8 kernel here")
+    torch.manual_seed(2)
+    q, s = quantize_fp8_block(torch.randn(h * (dn + dv), r) * 0.1, block)
+    ref = dequant_fp8_block(q, s, block).double().view(h, dn + dv, r)
+    memory = MemoryAccountant(None)
+    heads = LatentHeads(BlockFp8Weight.wrap(q, s, block), h, dn, dv, r, memory)
+    assert heads.w32 is None and heads.uk_t8[0].shape == (h * r, dn)
+    assert memory.dense_bytes == h * r * dn + h * (r // 64) * (dn // 64) * 4  # an eighth of the fp32 bytes
+    calls = []
+    real = cpu.linear_fp8_heads
+    monkeypatch.setattr(cpu, "linear_fp8_heads", lambda *a, **kw: calls.append(a[0].shape[1]) or real(*a, **kw))
+    for n in (1, 5, quant.FP8_NATIVE_MAX_T):
+        qn, ctx = torch.randn(h, n, dn), torch.randn(h, n, r)
+        for got, x, w in ((heads.fold_query(qn), qn, ref[:, :dn]), (heads.unfold_context(ctx), ctx,
+                                                                      ref[:, dn:].transpose(1, 2))):
+            want, bound = x.double() @ w, x.double().abs() @ w.abs()
+            assert bool(((got.double() - want).abs() <= 1e-5 * bound + 1e-30).all())
+    assert calls == [1, 1, 5, 5]
+    unaligned = LatentHeads(BlockFp8Weight.wrap(*quantize_fp8_block(torch.randn(h * 96, r), block), block),
+                            h, 48, 48, r, MemoryAccountant(None))
+    assert unaligned.uk_t8 is None and unaligned.w32 is not None  # 48-row halves: dequantised once, as before
+
+
 def test_bf16_weights_every_mode_matches_the_fp32_expansion():
     """bf16 kv_b takes the prepared per-head path (native kernel for decode rows); its result is the fp32 one."""
     bf16 = _mixer_tensors(torch.bfloat16)

@@ -91,27 +91,31 @@ INLINE void fp8_rows(const float *x, int64_t ldx, const uint8_t *w, int64_t K, i
 #endif
 
 typedef struct {
-    const float *x; int64_t T, K, N, br, bc, sk; const uint8_t *w; const float *s; float *out;
+    const float *x; int64_t H, T, K, N, br, bc, sk; const uint8_t *w; int64_t wh; const float *s; int64_t sh;
+    float *out;
 } fp8_job;
 
-/* rows [n0, n1) of the part: every token, FP8_TT at a time */
+/* rows [r0, r1) of the part over all heads' rows laid end to end (head h's row n is row h * N + n): every token,
+ * FP8_TT at a time */
 static void fp8_part(void *arg, int part, int parts) {
     const fp8_job *j = arg;
-    int64_t n0, n1;
-    split(j->N, part, parts, &n0, &n1);
+    int64_t r0, r1;
+    split(j->H * j->N, part, parts, &r0, &r1);
 #if MS_SIMD == 2
     const unsigned csr = _mm_getcsr();
     if (csr & 0x0040u) _mm_setcsr(csr & ~0x0040u); /* DAZ off: fp8_16's multiply reads subnormals */
     /* each row (or row pair) is read once for all the token tiles */
     const int pair = j->T <= 2 && j->T * j->K * (int64_t)sizeof(float) > FP8_PAIR_X;
-    for (int64_t n = n0; n < n1;) {
-        const int R = pair && n + 1 < n1 ? 2 : 1;
-        const float *srow[2] = {j->s + (n / j->br) * j->sk, j->s + ((n + R - 1) / j->br) * j->sk};
-        const uint8_t *w = j->w + n * j->K;
+    for (int64_t r = r0; r < r1;) {
+        const int64_t h = r / j->N, n = r % j->N;
+        const int R = pair && r + 1 < r1 && n + 1 < j->N ? 2 : 1;
+        const float *hs = j->s + h * j->sh;
+        const float *srow[2] = {hs + (n / j->br) * j->sk, hs + ((n + R - 1) / j->br) * j->sk};
+        const uint8_t *w = j->w + h * j->wh + n * j->K;
         for (int64_t t0 = 0; t0 < j->T; t0 += FP8_TT) {
             const int tt = (int)(j->T - t0 < FP8_TT ? j->T - t0 : FP8_TT);
-            const float *x = j->x + t0 * j->K;
-            float *o = j->out + t0 * j->N + n;
+            const float *x = j->x + (h * j->T + t0) * j->K;
+            float *o = j->out + (h * j->T + t0) * j->N + n;
 #define FP8_CASE(RR, TT) fp8_rows(x, j->K, w, j->K, j->bc, srow, o, j->N, RR, TT)
             if (R == 2) {
                 if (tt == 1) FP8_CASE(2, 1); else FP8_CASE(2, 2);
@@ -125,17 +129,18 @@ static void fp8_part(void *arg, int part, int parts) {
             }
 #undef FP8_CASE
         }
-        n += R;
+        r += R;
     }
     if (csr & 0x0040u) _mm_setcsr(csr);
 #else
     float lut[256];
     for (int b = 0; b < 256; b++) lut[b] = fp8_value((uint8_t)b);
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *w = j->w + n * j->K;
-        const float *srow = j->s + (n / j->br) * j->sk;
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t h = r / j->N, n = r % j->N;
+        const uint8_t *w = j->w + h * j->wh + n * j->K;
+        const float *srow = j->s + h * j->sh + (n / j->br) * j->sk;
         for (int64_t t = 0; t < j->T; t++) {
-            const float *x = j->x + t * j->K;
+            const float *x = j->x + (h * j->T + t) * j->K;
             float tot = 0.0f;
             for (int64_t k0 = 0, b = 0; k0 < j->K; k0 += j->bc, b++) {
                 const int64_t k1 = k0 + j->bc < j->K ? k0 + j->bc : j->K;
@@ -149,25 +154,32 @@ static void fp8_part(void *arg, int part, int parts) {
                 for (int l = 0; l < 16; l++) blk += lane[l];
                 tot += blk * srow[b];
             }
-            j->out[t * j->N + n] = tot;
+            j->out[(h * j->T + t) * j->N + n] = tot;
         }
     }
 #endif
 }
 
-/* out[T, N] = x[T, K] (contiguous fp32) @ W^T, W the N x K float8_e4m3fn codes w (row-major bytes) with scale_inv
- * s [ceil(N / br), sk = ceil(K / bc)] (contiguous fp32): W[n, k] = code * s[n / br, k / bc]. K and bc multiples
- * of 64. Rows split over the threads (when there are at least `min_rows_per_thread` a thread). Returns 0, or -2
- * when K or bc is not a multiple of 64 (nothing computed). */
-int ms_linear_fp8(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N, const float *s, int64_t br,
-                  int64_t bc, float *out, int64_t min_rows_per_thread) {
+/* For h < H: out[h] [T, N] = x[h] [T, K] (contiguous fp32) @ W_h^T, W_h the N x K float8_e4m3fn codes at
+ * w + h * wh (rows of K bytes) with its scale_inv rows at s + h * sh (floats), sk = ceil(K / bc) a row:
+ * W_h[n, k] = code * s[h * sh + (n / br) * sk + k / bc]. K and bc multiples of 64. All heads' rows split over the
+ * threads together (when there are at least `min_rows_per_thread` a thread). Returns 0, or -2 when K or bc is not
+ * a multiple of 64 (nothing computed). */
+int ms_linear_fp8_heads(const float *x, int64_t H, int64_t T, int64_t K, const uint8_t *w, int64_t wh, int64_t N,
+                        const float *s, int64_t sh, int64_t br, int64_t bc, float *out, int64_t min_rows_per_thread) {
     if (K % 64 || bc <= 0 || bc % 64 || br <= 0) return -2;
-    if (T <= 0 || N <= 0) return 0;
-    fp8_job j = {x, T, K, N, br, bc, (K + bc - 1) / bc, w, s, out};
+    if (H <= 0 || T <= 0 || N <= 0) return 0;
+    fp8_job j = {x, H, T, K, N, br, bc, (K + bc - 1) / bc, w, wh, s, sh, out};
     int parts = pool_parts;
-    while (parts > 1 && N / parts < min_rows_per_thread) parts--;
+    while (parts > 1 && H * N / parts < min_rows_per_thread) parts--;
     pool_run(fp8_part, &j, parts);
     return 0;
+}
+
+/* out[T, N] = x[T, K] @ W^T, W the N x K codes w with scale_inv s [ceil(N / br), ceil(K / bc)]: one head */
+int ms_linear_fp8(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N, const float *s, int64_t br,
+                  int64_t bc, float *out, int64_t min_rows_per_thread) {
+    return ms_linear_fp8_heads(x, 1, T, K, w, 0, N, s, 0, br, bc, out, min_rows_per_thread);
 }
 
 /* ------------------------------------------------------------------------------------------------ int4 */

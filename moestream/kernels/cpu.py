@@ -182,6 +182,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_b12_decode_rows.restype = None
     lib.ms_linear_fp8.argtypes = [p, i64, i64, p, i64, p, i64, i64, p, i64]
     lib.ms_linear_fp8.restype = ctypes.c_int
+    lib.ms_linear_fp8_heads.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64, i64, i64, p, i64]
+    lib.ms_linear_fp8_heads.restype = ctypes.c_int
     lib.ms_linear_int4.argtypes = [p, i64, i64, p, p, ctypes.c_int, i64, p, i64]
     lib.ms_linear_int4.restype = ctypes.c_int
     lib.ms_linear_fixed.argtypes = [p, i64, i64, p, ctypes.c_int, i64, p]
@@ -657,6 +659,31 @@ def linear_fp8(x: Tensor, weight: Tensor, scale_inv: Tensor, block: tuple[int, i
     if handle.ms_linear_fp8(x2.data_ptr(), x2.shape[0], k, codes.data_ptr(), n, scales.data_ptr(), block[0],
                             block[1], out.data_ptr(), min_rows_per_thread):
         raise ValueError(f"linear_fp8 wants K ({k}) and the column block ({block[1]}) multiples of 64")
+    return out
+
+
+def linear_fp8_heads(x: Tensor, codes: Tensor, scales: Tensor, head_rows: int, row0: int, rows: int,
+                     block: tuple[int, int], min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> Tensor:
+    """x [H, T, K] -> [H, T, rows]: head h's x times rows [h * head_rows + row0, ... + rows) of one block-FP8 weight
+    (codes [H * head_rows, K] float8_e4m3fn or uint8, scale_inv [ceil(H * head_rows / block[0]), ceil(K /
+    block[1])]), all heads in one threaded call (MLA's per-head products from a stored kv_b). head_rows and row0
+    multiples of block[0]; K and block[1] multiples of 64. Needs available()."""
+    handle = required()
+    h, t, k = x.shape
+    codes8 = codes.view(torch.uint8)
+    s32 = _f32(scales)
+    br, bc = block
+    if codes8.shape[1] != k or codes8.shape[0] < h * head_rows or not codes8.is_contiguous() \
+            or head_rows % br or row0 % br or row0 + rows > head_rows or not s32.is_contiguous():
+        raise ValueError(f"linear_fp8_heads: {h} heads of {head_rows} rows (rows {row0}+{rows}) of "
+                         f"{tuple(codes8.shape)} in blocks {block}")
+    x3 = x.to(torch.float32).contiguous()
+    out = torch.empty(h, t, rows, dtype=torch.float32)
+    sk = -(-k // bc)
+    if handle.ms_linear_fp8_heads(x3.data_ptr(), h, t, k, codes8.data_ptr() + row0 * k, head_rows * k, rows,
+                                  s32.data_ptr() + 4 * (row0 // br) * sk, (head_rows // br) * sk, br, bc,
+                                  out.data_ptr(), min_rows_per_thread):
+        raise ValueError(f"linear_fp8_heads wants K ({k}) and the column block ({bc}) multiples of 64")
     return out
 
 

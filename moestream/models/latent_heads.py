@@ -3,17 +3,20 @@
 Owns the three products attention needs from kv_b: the query folded into the latent space (q_nope W_UK, absorbed
 form), the latent context brought back out (ctx W_UV^T), and per-head keys / values of a tile of latents (expanded
 form). A resident bf16 kv_b keeps W_UK transposed once (counted as dense bytes) so a decode step's fold and
-unfold are one threaded native bf16 call each (all heads at once, no upcast, no loop over heads); a quantised
-one (block-FP8, int4) is dequantised once to fp32 at load (exact, counted). A streamed kv_b (refilled each step)
-is used as it is: the same native products (the key halves transposed per step), and for larger steps a bounded
-chunk of heads upcast at a time.
+unfold are one threaded native bf16 call each (all heads at once, no upcast, no loop over heads). A resident
+block-FP8 kv_b whose heads fall on whole scale blocks (DeepSeek-V3's) stays FP8 the same way: W_UK's codes and
+scales transposed once (an eighth of kv_b's fp32 bytes, counted), each product of fewer than FP8_NATIVE_MAX_T rows
+one native FP8 call, larger steps a bounded chunk of heads upcast at a time. Other quantised ones (int4, unaligned
+FP8) are dequantised once to fp32 at load (exact, counted). A streamed kv_b (refilled each step) is used as it is:
+the same native products (the key halves transposed per step), and for larger steps a bounded chunk of heads
+upcast at a time.
 """
 from __future__ import annotations
 
 import torch
 
-from moestream.kernels import cpu
-from moestream.kernels.qweight import QuantWeight, dense_float_rows
+from moestream.kernels import cpu, quant
+from moestream.kernels.qweight import BlockFp8Weight, QuantWeight, dense_float_rows
 from moestream.memory.accountant import MemoryAccountant
 
 HEAD_CHUNK_BYTES = 16 << 20  # fp32 bytes of kv_b heads upcast at once where a product cannot use the stored form
@@ -26,9 +29,13 @@ class LatentHeads:
         self.kv_b, self.heads, self.dn, self.dv, self.rank = kv_b, heads, dn, dv, rank
         self.w32: torch.Tensor | None = None  # [H, dn + dv, r] fp32, when resident in (or dequantised to) fp32
         self.uk_t: torch.Tensor | None = None  # [H, r, dn] bf16 contiguous: native per-head query fold
+        self.uk_t8: tuple[torch.Tensor, torch.Tensor] | None = None  # FP8 W_UK^T codes [H * r, dn], scales
         if memory is None:
             return
-        if isinstance(kv_b, QuantWeight) or kv_b.dtype not in (torch.bfloat16, torch.float32):
+        if self._fp8_aligned():
+            self.uk_t8 = self._fp8_key_halves_t()
+            memory.add_dense(sum(t.numel() * t.element_size() for t in self.uk_t8))
+        elif isinstance(kv_b, QuantWeight) or kv_b.dtype not in (torch.bfloat16, torch.float32):
             self.w32 = self._dequantised()
             memory.add_dense(self.w32.numel() * 4)
         elif kv_b.dtype == torch.float32:
@@ -48,6 +55,28 @@ class LatentHeads:
         for r in range(0, rows, step):
             out[r:r + step] = dense_float_rows(self.kv_b, r, min(rows, r + step))
         return self._per_head(out)
+
+    def _fp8_aligned(self) -> bool:
+        """A block-FP8 kv_b the native FP8 kernel can read per head: every head's key and value halves whole scale
+        row blocks, the rank a whole number of column blocks, widths multiples of 64."""
+        if not isinstance(self.kv_b, BlockFp8Weight):
+            return False
+        br, bc = self.kv_b.block
+        return (self.dn % br == 0 and self.dv % br == 0 and self.rank % bc == 0
+                and quant.fp8_native(1, self.rank, (br, bc)) and quant.fp8_native(1, self.dn, (bc, br)))
+
+    def _fp8_key_halves_t(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every head's W_UK^T as FP8 codes [H * r, dn] and its scale_inv [H * r / bc, dn / br] (blocks transposed)."""
+        br, bc = self.kv_b.block
+        per = self.dn + self.dv
+        codes = self.kv_b.codes.view(torch.uint8).view(self.heads, per, self.rank)[:, :self.dn]
+        codes_t = codes.transpose(1, 2).contiguous().view(self.heads * self.rank, self.dn)
+        grid = self.kv_b.scale_inv.to(torch.float32).view(self.heads, per // br, self.rank // bc)[:, :self.dn // br]
+        scales_t = grid.transpose(1, 2).contiguous().view(self.heads * self.rank // bc, self.dn // br)
+        return codes_t, scales_t
+
+    def _fp8(self, tokens: int) -> bool:
+        return self.uk_t8 is not None and tokens < quant.FP8_NATIVE_MAX_T
 
     def _native(self, tokens: int) -> bool:
         """bf16 kv_b and few rows: per-head native products (a streamed kv_b too, so streaming changes no bit)."""
@@ -71,6 +100,9 @@ class LatentHeads:
     def fold_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [H, n, dn] -> [H, n, r]: each head's query through its key half (absorbed attention)."""
         h, n, _ = q_nope.shape
+        if self._fp8(n):  # every head in one native FP8 call on the transposed key halves' codes
+            br, bc = self.kv_b.block
+            return cpu.linear_fp8_heads(q_nope, self.uk_t8[0], self.uk_t8[1], self.rank, 0, self.rank, (bc, br))
         if self._native(n):  # every head in one threaded native call on the transposed key halves
             uk_t = self.uk_t if self.uk_t is not None else self._key_halves_t()
             return cpu.linear_bf16_heads(q_nope, uk_t, 0, self.rank * self.dn, self.rank)
@@ -82,6 +114,9 @@ class LatentHeads:
     def unfold_context(self, ctx: torch.Tensor) -> torch.Tensor:
         """ctx [H, n, r] (attention over the latents) -> [H, n, dv] through each head's value half."""
         h, n, _ = ctx.shape
+        if self._fp8(n):  # the value halves' codes read in place, one native FP8 call
+            return cpu.linear_fp8_heads(ctx, self.kv_b.codes, self.kv_b.scale_inv, self.dn + self.dv, self.dn,
+                                        self.dv, self.kv_b.block)
         if self._native(n):  # the value halves are contiguous row blocks of kv_b: read in place, one call
             kv_b = self.kv_b if self.kv_b.is_contiguous() else self.kv_b.contiguous()
             return cpu.linear_bf16_heads(ctx, kv_b, self.dn * self.rank, (self.dn + self.dv) * self.rank, self.dv)
