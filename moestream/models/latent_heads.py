@@ -5,7 +5,7 @@ form), the latent context brought back out (ctx W_UV^T), and per-head keys / val
 form). A resident bf16 kv_b keeps W_UK transposed once (counted as dense bytes) so a decode step's fold and
 unfold are one threaded native bf16 call each (all heads at once, no upcast, no loop over heads). A resident
 block-FP8 kv_b whose heads fall on whole scale blocks (DeepSeek-V3's) stays FP8 the same way: W_UK's codes and
-scales transposed once (an eighth of kv_b's fp32 bytes, counted), each product of fewer than FP8_NATIVE_MAX_T rows
+scales transposed once (the key halves' bytes again, counted), each product of fewer than FP8_NATIVE_MAX_T rows
 one native FP8 call, larger steps a bounded chunk of heads upcast at a time. Other quantised ones (int4, unaligned
 FP8) are dequantised once to fp32 at load (exact, counted). A streamed kv_b (refilled each step) is used as it is:
 the same native products (the key halves transposed per step), and for larger steps a bounded chunk of heads
