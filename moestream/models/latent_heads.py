@@ -58,11 +58,11 @@ class LatentHeads:
 
     def _fp8_aligned(self) -> bool:
         """A block-FP8 kv_b the native FP8 kernel can read per head: every head's key and value halves whole scale
-        row blocks, the rank a whole number of column blocks, widths multiples of 64."""
+        row blocks, the rank a whole number of column blocks, widths multiples of 64, codes contiguous."""
         if not isinstance(self.kv_b, BlockFp8Weight):
             return False
         br, bc = self.kv_b.block
-        return (self.dn % br == 0 and self.dv % br == 0 and self.rank % bc == 0
+        return (self.dn % br == 0 and self.dv % br == 0 and self.rank % bc == 0 and self.kv_b.codes.is_contiguous()
                 and quant.fp8_native(1, self.rank, (br, bc)) and quant.fp8_native(1, self.dn, (bc, br)))
 
     def _fp8_key_halves_t(self) -> tuple[torch.Tensor, torch.Tensor]:
