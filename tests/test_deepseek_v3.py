@@ -280,3 +280,30 @@ def test_unsupported_router_is_a_clear_error():
     cfg["scoring_func"] = "softmax"
     with pytest.raises(UnsupportedModelError, match="scoring_func"):
         DeepseekV3Config.from_hf(cfg)
+
+
+def test_inventory_is_the_published_checkpoints(tmp_path, tmp_path_factory):
+    """config.json alone sizes a DeepSeek-V3 / Kimi K2 checkpoint: the inventory is the synthesised checkpoint's
+    headers (names, shapes, dtypes) and the int4 checkpoint's tensor names and shapes (its dense weights here are
+    the test's float32), and `info` on a directory holding only config.json gives the full directory's sizes."""
+    from conftest import synth_tiny
+    from moestream.info import model_info
+    from moestream.models import deepseek_v3 as dv
+    from moestream.weights.index import CheckpointIndex
+
+    synth = synth_tiny(tmp_path_factory, "deepseek_v3")
+    cfg = json.loads((synth / "config.json").read_text())
+    headers = {n: (tuple(t.shape), t.dtype) for n, t in CheckpointIndex.open(synth).tensors.items()}
+    inv = dv.inventory(dv.DeepseekV3Config.from_hf(cfg))
+    assert {n: (tuple(shape), dtype) for n, (shape, dtype) in inv.items()} == headers
+    only = tmp_path / "config_only"
+    only.mkdir()
+    (only / "config.json").write_text(json.dumps(cfg))
+    a, b = model_info(only), model_info(synth)
+    assert a.config_only and not b.config_only
+    assert (a.dense_bytes, a.bytes_per_expert, a.total_bytes) == (b.dense_bytes, b.bytes_per_expert, b.total_bytes)
+    (tmp_path / "k2").mkdir()
+    path, _ = _int4_ckpt(tmp_path / "k2", wrap_k25=False)
+    k2 = json.loads((path / "config.json").read_text())
+    shapes = {n: tuple(t.shape) for n, t in CheckpointIndex.open(path).tensors.items()}
+    assert {n: tuple(shape) for n, (shape, _) in dv.inventory(dv.DeepseekV3Config.from_hf(k2)).items()} == shapes

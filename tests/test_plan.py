@@ -95,9 +95,11 @@ def test_text_output_states_assumptions(tiny, capsys):
     assert "decode:" in text and "ttft" in text and "assumptions:" in text and "Zipf-like" in text
 
 
-def test_config_only_dir(tmp_path_factory, tmp_path, capsys):
-    """A family with a tensor inventory (K3) plans from config.json alone, as it would from its shards."""
-    k3 = synth_tiny(tmp_path_factory, "kimi_k3")
+@pytest.mark.parametrize("family", ["kimi_k3", "deepseek_v3"])
+def test_config_only_dir(tmp_path_factory, tmp_path, capsys, family):
+    """A family with a tensor inventory (K3, DeepSeek-V3 / Kimi K2) plans from config.json alone, as it would from
+    its shards."""
+    k3 = synth_tiny(tmp_path_factory, family)
     d = tmp_path / "cfg"
     d.mkdir()
     shutil.copy(k3 / "config.json", d / "config.json")

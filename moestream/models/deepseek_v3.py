@@ -8,6 +8,8 @@ lives in mla.py; the FP8 / int4 arithmetic in kernels/quant.py.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -203,10 +205,82 @@ def _moe(cfg: DeepseekV3Config, ctx: ModelContext, w: DenseWeights, i: int, fn):
                        cfg.topk_group, shared)
 
 
-FAMILY = Family("deepseek_v3", DeepseekV3Config.from_hf, expert_layout, build)
+# ---- tensor inventory (a directory holding only config.json: `info` and `plan` size it) -----------------------
+Inventory = dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, safetensors dtype)
+
+
+def _int4_targets(quant: dict) -> bool:
+    return quant.get("quant_method") == "compressed-tensors"
+
+
+def _linear(name: str, rows: int, cols: int, fmt: str, cfg: DeepseekV3Config) -> Inventory:
+    """One linear's tensors as the published checkpoints store it: "fp8" (e4m3 codes + float32 scale_inv per tile),
+    "int4" (compressed-tensors pack-quantized: int32 words of 8 codes, bf16 group scales, the int32 [out, in]
+    shape) or "bf16"."""
+    if fmt == "fp8":
+        br, bc = cfg.fp8_block
+        return {f"{name}.weight": ((rows, cols), "F8_E4M3"),
+                f"{name}.weight_scale_inv": ((math.ceil(rows / br), math.ceil(cols / bc)), "F32")}
+    if fmt == "int4":
+        g = cfg.int4_group
+        return {f"{name}.weight_packed": ((rows, math.ceil(cols / 8)), "I32"),
+                f"{name}.weight_scale": ((rows, math.ceil(cols / g)), "BF16"),
+                f"{name}.weight_shape": ((2,), "I32")}
+    return {f"{name}.weight": ((rows, cols), "BF16")}
+
+
+def inventory(cfg: DeepseekV3Config) -> Inventory:
+    """Every tensor of a DeepSeek-V3 / Kimi K2 checkpoint from its config: block-FP8 linears where the config says
+    `quant_method: fp8` (DeepSeek-V3, Kimi K2 Instruct), int4 routed experts with bf16 dense linears where it says
+    compressed-tensors (Kimi K2 Thinking), bf16 otherwise; bf16 embeddings, norms, router and lm_head, the float32
+    router correction bias."""
+    c, h = cfg.raw, cfg.hidden_size
+    quant = c.get("quantization_config") or {}
+    dense = "fp8" if quant.get("quant_method") == "fp8" else "bf16"
+    experts = "int4" if _int4_targets(quant) else dense
+    heads, nope, rope, v = c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    r, q_lora = c["kv_lora_rank"], c.get("q_lora_rank")
+    out: Inventory = {"model.embed_tokens.weight": ((cfg.vocab_size, h), "BF16"), "model.norm.weight": ((h,), "BF16")}
+    if not cfg.tie:
+        out["lm_head.weight"] = ((cfg.vocab_size, h), "BF16")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        out[f"{p}.input_layernorm.weight"] = ((h,), "BF16")
+        out[f"{p}.post_attention_layernorm.weight"] = ((h,), "BF16")
+        a = f"{p}.self_attn"
+        if q_lora:
+            out.update(_linear(f"{a}.q_a_proj", q_lora, h, dense, cfg))
+            out[f"{a}.q_a_layernorm.weight"] = ((q_lora,), "BF16")
+            out.update(_linear(f"{a}.q_b_proj", heads * (nope + rope), q_lora, dense, cfg))
+        else:
+            out.update(_linear(f"{a}.q_proj", heads * (nope + rope), h, dense, cfg))
+        out.update(_linear(f"{a}.kv_a_proj_with_mqa", r + rope, h, dense, cfg))
+        out[f"{a}.kv_a_layernorm.weight"] = ((r,), "BF16")
+        out.update(_linear(f"{a}.kv_b_proj", heads * (nope + v), r, dense, cfg))
+        out.update(_linear(f"{a}.o_proj", h, heads * v, dense, cfg))
+        m = f"{p}.mlp"
+        if i not in cfg.moe_layers:
+            inter = c["intermediate_size"]
+            for proj, rows, cols in (("gate", inter, h), ("up", inter, h), ("down", h, inter)):
+                out.update(_linear(f"{m}.{proj}_proj", rows, cols, dense, cfg))
+            continue
+        out[f"{m}.gate.weight"] = ((cfg.num_experts, h), "BF16")
+        out[f"{m}.gate.e_score_correction_bias"] = ((cfg.num_experts,), "F32")
+        shared, inter = (c.get("n_shared_experts") or 0) * cfg.moe_intermediate_size, cfg.moe_intermediate_size
+        for proj, rows, cols in (("gate", shared, h), ("up", shared, h), ("down", h, shared)):
+            if shared:
+                out.update(_linear(f"{m}.shared_experts.{proj}_proj", rows, cols, dense, cfg))
+        for e in range(cfg.num_experts):
+            for proj, rows, cols in (("gate", inter, h), ("up", inter, h), ("down", h, inter)):
+                out.update(_linear(f"{m}.experts.{e}.{proj}_proj", rows, cols, experts, cfg))
+    return out
+
+
+FAMILY = Family("deepseek_v3", DeepseekV3Config.from_hf, expert_layout, build, inventory=inventory)
 # K2.5 is a multimodal wrapper: same text model, tensors under `language_model.`, vision tower never read.
 VARIANTS = {
-    "kimi_k2": Family("kimi_k2", DeepseekV3Config.from_hf, expert_layout, build),
+    "kimi_k2": Family("kimi_k2", DeepseekV3Config.from_hf, expert_layout, build, inventory=inventory),
     "kimi_k25": Family("kimi_k25", DeepseekV3Config.from_kimi_k25, expert_layout, build, prefix="language_model.",
-                       ignore=("vision_tower.", "mm_projector.", "multi_modal_projector.")),
+                       ignore=("vision_tower.", "mm_projector.", "multi_modal_projector."),
+                       inventory=lambda cfg: {"language_model." + k: v for k, v in inventory(cfg).items()}),
 }
