@@ -34,7 +34,7 @@ from moestream.config import default_cache_dir
 
 KINDS = ("bf16", "mxfp4", "fp8", "int4", "f32")
 MXFP4_BF16 = "mxfp4_bf16"  # MXFP4 weights' probe under --compute-dtype bf16 (blocks.mxfp4_bf16: rounded activations)
-PROBES_VERSION = 7  # part of the cache key: a change to what a probe measures measures again
+PROBES_VERSION = 8  # part of the cache key: a change to what a probe measures measures again
 ROUNDS = 3  # separate probes per rate; the median is kept (a burst of load costs one round, not the rate)
 PROBE_FILE_BYTES = 256 << 20  # written once where the weights would live when the model has no local shards
 BURST_S = 0.15
@@ -217,13 +217,14 @@ def _weights(kind: str, out: int, inp: int, nbytes: int) -> tuple[list, int, Cal
         bf16 = kind == MXFP4_BF16  # the call under --compute-dtype bf16: activations rounded to bf16
         fn = lambda x, w: quant.mxfp4_linear(x, *w, bf16=bf16)  # noqa: E731
         expand = lambda w: quant.mxfp4_linear(one, *w, native=False)  # noqa: E731  # decoded chunk by chunk
-    elif kind == "fp8":
+    elif kind == "fp8":  # one row on the native kernel; the expansion is the chunked decode many rows take
         w0 = quant.quantize_fp8_block(dense)
-        fn, expand = (lambda x, w: quant.fp8_block_linear(x, *w)), (lambda w: quant.fp8_block_linear(one, *w))
+        fn = lambda x, w: quant.fp8_block_linear(x, *w)  # noqa: E731
+        expand = lambda w: quant.fp8_block_linear(one, *w, native=False)  # noqa: E731
     else:
         w0 = quant.pack_int4(dense)
         fn = lambda x, w: quant.int4_linear(x, *w, shape=(out, inp))  # noqa: E731
-        expand = lambda w: quant.int4_linear(one, *w, shape=(out, inp))  # noqa: E731
+        expand = lambda w: quant.int4_linear(one, *w, shape=(out, inp), native=False)  # noqa: E731
     del dense
     parts = w0 if isinstance(w0, tuple) else (w0,)
     per = sum(t.numel() * t.element_size() for t in parts)
