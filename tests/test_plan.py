@@ -1102,3 +1102,23 @@ def test_a_streamed_heads_slabs_follow_the_layers():
     streamed = Step(io_s=1.0, compute_s=0.5, overhead_s=0.1, expert_reads=0, hit_rate=0.0, wait_s=0.05,
                     head_tail=(0.6, 0.05))
     assert streamed.seconds == pytest.approx(0.1 + max(0.4, 0.45 + 0.05) + 0.6)
+
+
+def test_fp8_and_int4_weights_of_few_rows_are_priced_at_their_native_kernels(tmp_path_factory):
+    """Block-FP8 (and int4) products below quant's row limits run on the native kernels (kernels/_cpu_fp8.c): priced
+    at the one-row kernel's byte rate plus the extra rows' FLOPs; from the limit on, at the chunked expansion and
+    a GEMM."""
+    from moestream.kernels.quant import FP8_NATIVE_MAX_T, INT4_NATIVE_MAX_T
+    from moestream.planner.predict import EXPERT_ROWS, NATIVE_ROWS
+
+    dsv3 = synth_tiny(tmp_path_factory, "deepseek_v3")
+    rates = {**RATES, "gemv": {**RATES["gemv"], "fp8": 2e10}, "expand": {**RATES["expand"], "fp8": 1e9}}
+    sc = _scenario(dsv3, 1.0, rates)
+    f = sc.facts
+    assert f.expert_kind == "fp8"
+    for limit in (EXPERT_ROWS, NATIVE_ROWS):
+        few = sc._weights(f.expert_bytes, "fp8", f.expert_params, FP8_NATIVE_MAX_T - 1, limit)
+        assert few == pytest.approx(f.expert_bytes / 2e10 + 2 * f.expert_params * (FP8_NATIVE_MAX_T - 2) / 5e10)
+        many = sc._weights(f.expert_bytes, "fp8", f.expert_params, FP8_NATIVE_MAX_T, limit)
+        assert many == pytest.approx(sc._expanded(f.expert_bytes, "fp8", f.expert_params, FP8_NATIVE_MAX_T))
+        assert limit["int4"] == INT4_NATIVE_MAX_T - 1

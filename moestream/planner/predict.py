@@ -42,16 +42,20 @@ from dataclasses import dataclass, field
 from moestream.info import BudgetFit
 from moestream.experts.dispatch import NATIVE_MAX_ROWS, SCAN_SHARE, scan_window
 from moestream.kernels.cpu import MAX_TOKENS_BF16, MAX_TOKENS_MXFP4
+from moestream.kernels.quant import FP8_NATIVE_MAX_T, INT4_NATIVE_MAX_T
 from moestream.models.blocks import BF16_GLU_MIN_ROWS, BF16_MIN_ROWS
 from moestream.planner.calibrate import Rates, interp_rows, nearest_dense
 from moestream.planner.facts import ModelFacts
 from moestream.planner.skew import (Skew, binomial_spread, distinct, first_use, replay_batch, replay_decode,
                                      single_row, split_cache)
 
-NATIVE_ROWS = {"bf16": MAX_TOKENS_BF16, "mxfp4": MAX_TOKENS_MXFP4}  # rows the one-row kernels take in one pass
+# rows the one-row kernels take in one pass (block-FP8 and int4: kernels/_cpu_fp8.c below quant's row limits)
+NATIVE_ROWS = {"bf16": MAX_TOKENS_BF16, "mxfp4": MAX_TOKENS_MXFP4, "fp8": FP8_NATIVE_MAX_T - 1,
+               "int4": INT4_NATIVE_MAX_T - 1}
 # rows a routed expert runs in the one-row kernel: bf16 experts over more rows are expanded to fp32 once
-# (experts/dispatch.py); MXFP4 experts go through kernels.quant, native up to its row limit
-EXPERT_ROWS = {"bf16": NATIVE_MAX_ROWS, "mxfp4": MAX_TOKENS_MXFP4}
+# (experts/dispatch.py); MXFP4, FP8 and int4 experts go through kernels.quant, native up to its row limits
+EXPERT_ROWS = {"bf16": NATIVE_MAX_ROWS, "mxfp4": MAX_TOKENS_MXFP4, "fp8": FP8_NATIVE_MAX_T - 1,
+               "int4": INT4_NATIVE_MAX_T - 1}
 # a dense bf16 weight of at least this many bytes is priced at one row by the dense probe at its own shape (K3's
 # MLP, g / o projections, lm_head: a GEMV of that size is its streaming rate at that shape); smaller ones by the
 # one-row kernel's rate at hidden x hidden, which the overhead probe's subtraction uses too
