@@ -42,6 +42,19 @@ def _assert_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rtol: flo
     assert bool((err <= rtol * bound + 1e-30).all()), f"max rel err {float((err / bound.clamp_min(1e-30)).max())}"
 
 
+def _on_threads(fn, counts=(1, 2)) -> list:
+    """fn() run with the native pool at each thread count in turn (the caller's count restored)."""
+    before = cpu.threads()
+    try:
+        out = []
+        for n in counts:
+            cpu.set_threads(n)
+            out.append(fn())
+        return out
+    finally:
+        cpu.set_threads(before)
+
+
 def _fp8(rows: int, cols: int, seed: int, block: tuple[int, int] = (64, 64)):
     """Random float8_e4m3fn codes (every non-NaN code, subnormals and both zeros among them) and their scale_inv."""
     g = _gen(seed)
@@ -165,14 +178,7 @@ def test_mxfp4_bf16_rounds_what_the_fp32_product_does_not():
     packed, scales = _mxfp4(300, 3584, seed=21, low=120, high=128)
     x = torch.randn(2, 3584, generator=_gen(22))
     exact = cpu.linear_mxfp4(x, packed, scales)
-    before = cpu.threads()
-    try:
-        cpu.set_threads(1)
-        one = cpu.linear_mxfp4(x, packed, scales, min_rows_per_thread=1, bf16=True)
-        cpu.set_threads(2)
-        two = cpu.linear_mxfp4(x, packed, scales, min_rows_per_thread=1, bf16=True)
-    finally:
-        cpu.set_threads(before)
+    one, two = _on_threads(lambda: cpu.linear_mxfp4(x, packed, scales, min_rows_per_thread=1, bf16=True))
     assert torch.equal(one, two)
     assert not torch.equal(one, exact)
     assert max_rel_diff(one, cpu.linear_mxfp4(x.bfloat16().float(), packed, scales)) < 1e-5
@@ -737,15 +743,8 @@ def test_fp8_block_linear_takes_the_native_kernel_for_few_rows(monkeypatch):
     assert calls == [1, 7, q.FP8_NATIVE_MAX_T - 1]
     with pytest.raises(ValueError, match="multiples of 64"):
         cpu.linear_fp8(x, odd, odd_scale, (128, 128))
-    before = cpu.threads()
-    try:
-        x = torch.randn(2, 256, generator=_gen(23))
-        cpu.set_threads(1)
-        one = cpu.linear_fp8(x, codes, scale_inv, (128, 128), min_rows_per_thread=1)
-        cpu.set_threads(2)
-        two = cpu.linear_fp8(x, codes, scale_inv, (128, 128), min_rows_per_thread=1)
-    finally:
-        cpu.set_threads(before)
+    x = torch.randn(2, 256, generator=_gen(23))
+    one, two = _on_threads(lambda: cpu.linear_fp8(x, codes, scale_inv, (128, 128), min_rows_per_thread=1))
     assert torch.equal(one, two)
 
 
@@ -791,13 +790,6 @@ def test_int4_linear_takes_the_native_kernel_for_few_rows(monkeypatch):
     assert calls == [1, 6, q.INT4_NATIVE_MAX_T - 1]
     with pytest.raises(ValueError, match="int32 packed"):
         cpu.linear_int4(torch.randn(1, 256), packed, scale.half())
-    before = cpu.threads()
-    try:
-        x = torch.randn(3, 256, generator=_gen(34))
-        cpu.set_threads(1)
-        one = cpu.linear_int4(x, packed, scale, min_rows_per_thread=1)
-        cpu.set_threads(2)
-        two = cpu.linear_int4(x, packed, scale, min_rows_per_thread=1)
-    finally:
-        cpu.set_threads(before)
+    x = torch.randn(3, 256, generator=_gen(34))
+    one, two = _on_threads(lambda: cpu.linear_int4(x, packed, scale, min_rows_per_thread=1))
     assert torch.equal(one, two)

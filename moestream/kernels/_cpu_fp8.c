@@ -24,12 +24,20 @@
 #define FP8_PAIR_X (32 << 10)
 #endif
 
+#if MS_SIMD != 2
 /* the value of e4m3fn code b, exactly (portable path) */
 static float fp8_value(uint8_t b) {
     const int e = (b >> 3) & 15, m = b & 7;
     const float v = e ? ldexpf((float)(8 + m), e - 10) : ldexpf((float)m, -9);
     return (b & 0x80) ? -v : v;
 }
+
+static float fp8_lut[256]; /* every code's value, filled once (fp8_lut_fill) */
+static pthread_once_t fp8_lut_once = PTHREAD_ONCE_INIT;
+static void fp8_lut_fill(void) {
+    for (int b = 0; b < 256; b++) fp8_lut[b] = fp8_value((uint8_t)b);
+}
+#endif
 
 #if MS_SIMD == 2
 /* 16 codes at p as fp32 */
@@ -133,8 +141,8 @@ static void fp8_part(void *arg, int part, int parts) {
     }
     if (csr & 0x0040u) _mm_setcsr(csr);
 #else
-    float lut[256];
-    for (int b = 0; b < 256; b++) lut[b] = fp8_value((uint8_t)b);
+    pthread_once(&fp8_lut_once, fp8_lut_fill);
+    const float *lut = fp8_lut;
     for (int64_t r = r0; r < r1; r++) {
         const int64_t h = r / j->N, n = r % j->N;
         const uint8_t *w = j->w + h * j->wh + n * j->K;

@@ -209,10 +209,6 @@ def _moe(cfg: DeepseekV3Config, ctx: ModelContext, w: DenseWeights, i: int, fn):
 Inventory = dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, safetensors dtype)
 
 
-def _int4_targets(quant: dict) -> bool:
-    return quant.get("quant_method") == "compressed-tensors"
-
-
 def _linear(name: str, rows: int, cols: int, fmt: str, cfg: DeepseekV3Config) -> Inventory:
     """One linear's tensors as the published checkpoints store it: "fp8" (e4m3 codes + float32 scale_inv per tile),
     "int4" (compressed-tensors pack-quantized: int32 words of 8 codes, bf16 group scales, the int32 [out, in]
@@ -229,6 +225,14 @@ def _linear(name: str, rows: int, cols: int, fmt: str, cfg: DeepseekV3Config) ->
     return {f"{name}.weight": ((rows, cols), "BF16")}
 
 
+def _glu(name: str, inter: int, hidden: int, fmt: str, cfg: DeepseekV3Config) -> Inventory:
+    """An MLP's (or expert's) gate, up ([inter, hidden]) and down ([hidden, inter]) projections."""
+    out: Inventory = {}
+    for proj, rows, cols in (("gate", inter, hidden), ("up", inter, hidden), ("down", hidden, inter)):
+        out.update(_linear(f"{name}.{proj}_proj", rows, cols, fmt, cfg))
+    return out
+
+
 def inventory(cfg: DeepseekV3Config) -> Inventory:
     """Every tensor of a DeepSeek-V3 / Kimi K2 checkpoint from its config: block-FP8 linears where the config says
     `quant_method: fp8` (DeepSeek-V3, Kimi K2 Instruct), int4 routed experts with bf16 dense linears where it says
@@ -237,7 +241,7 @@ def inventory(cfg: DeepseekV3Config) -> Inventory:
     c, h = cfg.raw, cfg.hidden_size
     quant = c.get("quantization_config") or {}
     dense = "fp8" if quant.get("quant_method") == "fp8" else "bf16"
-    experts = "int4" if _int4_targets(quant) else dense
+    experts = "int4" if quant.get("quant_method") == "compressed-tensors" else dense
     heads, nope, rope, v = c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
     r, q_lora = c["kv_lora_rank"], c.get("q_lora_rank")
     out: Inventory = {"model.embed_tokens.weight": ((cfg.vocab_size, h), "BF16"), "model.norm.weight": ((h,), "BF16")}
@@ -260,19 +264,15 @@ def inventory(cfg: DeepseekV3Config) -> Inventory:
         out.update(_linear(f"{a}.o_proj", h, heads * v, dense, cfg))
         m = f"{p}.mlp"
         if i not in cfg.moe_layers:
-            inter = c["intermediate_size"]
-            for proj, rows, cols in (("gate", inter, h), ("up", inter, h), ("down", h, inter)):
-                out.update(_linear(f"{m}.{proj}_proj", rows, cols, dense, cfg))
+            out.update(_glu(m, c["intermediate_size"], h, dense, cfg))
             continue
         out[f"{m}.gate.weight"] = ((cfg.num_experts, h), "BF16")
         out[f"{m}.gate.e_score_correction_bias"] = ((cfg.num_experts,), "F32")
-        shared, inter = (c.get("n_shared_experts") or 0) * cfg.moe_intermediate_size, cfg.moe_intermediate_size
-        for proj, rows, cols in (("gate", shared, h), ("up", shared, h), ("down", h, shared)):
-            if shared:
-                out.update(_linear(f"{m}.shared_experts.{proj}_proj", rows, cols, dense, cfg))
+        shared = (c.get("n_shared_experts") or 0) * cfg.moe_intermediate_size
+        if shared:
+            out.update(_glu(f"{m}.shared_experts", shared, h, dense, cfg))
         for e in range(cfg.num_experts):
-            for proj, rows, cols in (("gate", inter, h), ("up", inter, h), ("down", h, inter)):
-                out.update(_linear(f"{m}.experts.{e}.{proj}_proj", rows, cols, experts, cfg))
+            out.update(_glu(f"{m}.experts.{e}", cfg.moe_intermediate_size, h, experts, cfg))
     return out
 
 

@@ -49,13 +49,13 @@ from moestream.planner.facts import ModelFacts
 from moestream.planner.skew import (Skew, binomial_spread, distinct, first_use, replay_batch, replay_decode,
                                      single_row, split_cache)
 
-# rows the one-row kernels take in one pass (block-FP8 and int4: kernels/_cpu_fp8.c below quant's row limits)
-NATIVE_ROWS = {"bf16": MAX_TOKENS_BF16, "mxfp4": MAX_TOKENS_MXFP4, "fp8": FP8_NATIVE_MAX_T - 1,
-               "int4": INT4_NATIVE_MAX_T - 1}
+# quantised weights kernels.quant multiplies natively up to its row limits, dense or expert alike (MXFP4; block-FP8
+# and int4 on kernels/_cpu_fp8.c)
+QUANT_ROWS = {"mxfp4": MAX_TOKENS_MXFP4, "fp8": FP8_NATIVE_MAX_T - 1, "int4": INT4_NATIVE_MAX_T - 1}
+NATIVE_ROWS = {"bf16": MAX_TOKENS_BF16, **QUANT_ROWS}  # rows the one-row kernels take in one pass
 # rows a routed expert runs in the one-row kernel: bf16 experts over more rows are expanded to fp32 once
-# (experts/dispatch.py); MXFP4, FP8 and int4 experts go through kernels.quant, native up to its row limits
-EXPERT_ROWS = {"bf16": NATIVE_MAX_ROWS, "mxfp4": MAX_TOKENS_MXFP4, "fp8": FP8_NATIVE_MAX_T - 1,
-               "int4": INT4_NATIVE_MAX_T - 1}
+# (experts/dispatch.py)
+EXPERT_ROWS = {"bf16": NATIVE_MAX_ROWS, **QUANT_ROWS}
 # a dense bf16 weight of at least this many bytes is priced at one row by the dense probe at its own shape (K3's
 # MLP, g / o projections, lm_head: a GEMV of that size is its streaming rate at that shape); smaller ones by the
 # one-row kernel's rate at hidden x hidden, which the overhead probe's subtraction uses too
