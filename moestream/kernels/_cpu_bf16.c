@@ -842,13 +842,8 @@ INLINE void mxb_tile(const uint16_t *xp, int64_t ldx, const uint8_t *p, const ui
 #define MXB_CASE(TT) \
     case TT: mxb_tile(xp, ldx, p, s, K, out, ldo, TT); break;
 
-typedef struct {
-    int64_t E, N, K, ldx;
-    const uint16_t **x; const int64_t *T; const uint8_t **p; const uint8_t **s; float **out;
-} mxb_job;
-
 static void mxb_part(void *arg, int part, int parts) {
-    mxb_job *j = arg;
+    mx_job *j = arg;
     int64_t n0, n1;
     split(j->N, part, parts, &n0, &n1);
     const int64_t K = j->K, half = K / 2, nb = K / 32, ldx = j->ldx;
@@ -856,7 +851,7 @@ static void mxb_part(void *arg, int part, int parts) {
         for (int64_t n = n0; n < n1 && j->T[e] > 0; n++)
             for (int64_t t0 = 0; t0 < j->T[e]; t0 += TILE_T) {
                 const int tt = (int)(j->T[e] - t0 < TILE_T ? j->T[e] - t0 : TILE_T);
-                const uint16_t *xp = j->x[e] + t0 * ldx;
+                const uint16_t *xp = (const uint16_t *)j->x[e] + t0 * ldx;
                 const uint8_t *p = j->p[e] + n * half, *s = j->s[e] + n * nb;
                 float *out = j->out[e] + t0 * j->N + n;
                 const int64_t ldo = j->N;
@@ -879,7 +874,7 @@ int ms_linear_mxfp4_bf16(int64_t E, const int64_t *xs, const int64_t *Ts, const 
     const int64_t ldx = mxb_stride(K);
     void **x = mx_inputs(E, xs, Ts, K, layout, ldx, sizeof(uint16_t), mxb_prep);
     if (!x) return -1;
-    mxb_job j = {E, N, K, ldx, (const uint16_t **)x, Ts, (const uint8_t **)ps, (const uint8_t **)ss, (float **)outs};
+    mx_job j = {E, N, K, ldx, x, Ts, (const uint8_t **)ps, (const uint8_t **)ss, (float **)outs};
     int parts = pool_parts;
     while (parts > 1 && N / parts < min_rows_per_thread) parts--;
     pool_run(mxb_part, &j, parts);

@@ -386,9 +386,10 @@ int ms_moe_glu_bf16_pairs(int64_t E, const int64_t *experts, const int64_t *gate
     return moe_glu(E, experts, gates, ups, downs, I, K, D, x, T, ids, wts, k, NULL, act, beta, lbeta, 1, pairs);
 }
 
+/* an MXFP4 call's entries: x[e] the prepared inputs (fp32 here, bf16 bits for _cpu_bf16.c's mxb_part) */
 typedef struct {
     int64_t E, N, K, ldx;
-    const float **x; const int64_t *T; const uint8_t **p; const uint8_t **s; float **out;
+    void *const *x; const int64_t *T; const uint8_t **p; const uint8_t **s; float **out;
 } mx_job;
 
 static void mx_part(void *arg, int part, int parts) {
@@ -396,7 +397,8 @@ static void mx_part(void *arg, int part, int parts) {
     int64_t n0, n1;
     split(j->N, part, parts, &n0, &n1);
     for (int64_t e = 0; e < j->E; e++)
-        if (j->T[e] > 0) mx_rows(j->x[e], j->ldx, j->T[e], j->K, j->p[e], j->s[e], n0, n1, j->out[e], j->N);
+        if (j->T[e] > 0)
+            mx_rows((const float *)j->x[e], j->ldx, j->T[e], j->K, j->p[e], j->s[e], n0, n1, j->out[e], j->N);
 }
 
 typedef void (*mx_prep)(const float *x, int64_t T, int64_t K, int layout, void *xp);
@@ -453,7 +455,7 @@ int ms_linear_mxfp4(int64_t E, const int64_t *xs, const int64_t *Ts, const int64
     const int64_t ldx = mx_stride(K);
     void **x = mx_inputs(E, xs, Ts, K, layout, ldx, sizeof(float), mx_prep_f32);
     if (!x) return -1;
-    mx_job j = {E, N, K, ldx, (const float **)x, Ts, (const uint8_t **)ps, (const uint8_t **)ss, (float **)outs};
+    mx_job j = {E, N, K, ldx, x, Ts, (const uint8_t **)ps, (const uint8_t **)ss, (float **)outs};
     int parts = pool_parts;
     while (parts > 1 && N / parts < min_rows_per_thread) parts--;
     pool_run(mx_part, &j, parts);
