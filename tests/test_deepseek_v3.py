@@ -193,18 +193,67 @@ def test_fp8_parity_on_the_native_kernel(tmp_path, check_parity, monkeypatch):
     real, real_heads = cpu.linear_fp8, cpu.linear_fp8_heads
     monkeypatch.setattr(cpu, "linear_fp8", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
     monkeypatch.setattr(cpu, "linear_fp8_heads", lambda *a, **kw: head_calls.append(1) or real_heads(*a, **kw))
+    group_calls = []
+    real_group = cpu.linear_fp8_ptrs
+    monkeypatch.setattr(cpu, "linear_fp8_ptrs", lambda *a, **kw: group_calls.append(1) or real_group(*a, **kw))
+    path, rounded = _fp8_native_ckpt(tmp_path)
+    out = check_parity(path, _reference_from(rounded, tmp_path / "src", tmp_path), VOCAB,
+                       fraction=kv_fraction(path, 64))
+    print("deepseek_v3 fp8 native", out["max_rel_logit_diff"])
+    assert {tuple(s)[1] for s in calls} == {64, 256} and len(calls) > 100 and len(head_calls) > 100  # 256: o_proj
+    assert len(group_calls) > 20  # the resident experts of a step: gate and up, then down, of all of them
+    heads = Engine.open(path).model.layers[0].mixer.heads
+    assert heads.w32 is None and heads.uk_t8 is not None
+
+
+def _fp8_native_ckpt(tmp_path, seed: int = 7):
+    """64 x 64 blocks, 64-wide MLA heads and experts (every expert product on the native kernel's widths)."""
     src, path = tmp_path / "src", tmp_path / "ckpt"
     path.mkdir()
-    tiny_model(seed=7, kv_lora_rank=64, qk_nope_head_dim=64, v_head_dim=64).save_pretrained(src)
+    tiny_model(seed=seed, kv_lora_rank=64, qk_nope_head_dim=64, v_head_dim=64,
+               moe_intermediate_size=64).save_pretrained(src)
     stored, rounded = _quantise(src, "fp8", block=(64, 64))
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = dict(FP8_QUANT, weight_block_size=[64, 64])
     _write(path, stored, cfg)
-    out = check_parity(path, _reference_from(rounded, src, tmp_path), VOCAB, fraction=kv_fraction(path, 64))
-    print("deepseek_v3 fp8 native", out["max_rel_logit_diff"])
-    assert {tuple(s)[1] for s in calls} == {64, 256} and len(calls) > 100 and len(head_calls) > 100  # 256: o_proj
-    heads = Engine.open(path).model.layers[0].mixer.heads
-    assert heads.w32 is None and heads.uk_t8 is not None
+    return path, rounded
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_grouped_experts_are_the_one_by_one_bits(tmp_path, monkeypatch, fmt):
+    """A step's resident block-FP8 / int4 experts in two native calls (expert_group) give the same logits, to the
+    bit, as the same experts one by one, prefill, batched and decode steps alike (a row's sums do not depend on
+    the call's other rows, and its experts add in the same order); experts of many rows go one by one inside it."""
+    from moestream.kernels import cpu, quant
+    from moestream.models import deepseek_v3
+
+    if not quant.fp8_native(1, 64, (64, 64)):
+        pytest.skip("no native AVX-512 kernels here")
+    path = _fp8_native_ckpt(tmp_path)[0] if fmt == "fp8" else _int4_ckpt(tmp_path, False, moe_intermediate_size=64)[0]
+    name = f"linear_{fmt}_ptrs"
+    calls = []
+    real = getattr(cpu, name)
+    monkeypatch.setattr(cpu, name, lambda *a, **kw: calls.append(len(a[0])) or real(*a, **kw))
+    a, b = prompt_ids(VOCAB, 250, seed=3), prompt_ids(VOCAB, 9, seed=4)
+
+    def run():
+        eng = Engine.open(path)
+        eng.logits(a[:20])  # the experts read: later steps' experts are resident (the grouped call's)
+        warm = eng.logits(a)  # ~62 rows an expert: fp8's native limit (64) inside the group and past it
+        sa, sb = eng.new_sequence(), eng.new_sequence()
+        both = eng.step([(sa, a[:70]), (sb, b)])
+        tokens = eng.generate(b, 12, stop_token_ids=[])
+        return warm, both, tokens
+
+    grouped = run()
+    assert calls and max(calls) > 2
+    monkeypatch.setattr(deepseek_v3, "expert_group", lambda cfg: (lambda *args, **kw: False))
+    n = len(calls)
+    alone = run()
+    assert len(calls) == n  # the declining group: every expert went one by one
+    assert torch.equal(grouped[0], alone[0])
+    assert all(torch.equal(x, y) for x, y in zip(grouped[1], alone[1]))
+    assert grouped[2] == alone[2]
 
 
 def test_fp8_dense_stays_fp8_in_ram(fp8_ckpt):
@@ -235,10 +284,10 @@ def test_block_fp8_weight_dequantises_on_float_only():
     assert type(wrapped.float()) is torch.Tensor and type(wrapped[:2]) is torch.Tensor
 
 
-def _int4_ckpt(root, wrap_k25: bool):
+def _int4_ckpt(root, wrap_k25: bool, **kw):
     src, path = root / "src", root / "ckpt"
     path.mkdir()
-    tiny_model(seed=11, n_group=1, topk_group=1, q_lora_rank=None).save_pretrained(src)
+    tiny_model(seed=11, n_group=1, topk_group=1, q_lora_rank=None, **kw).save_pretrained(src)
     prefix = "language_model." if wrap_k25 else ""
     stored, rounded = _quantise(src, "int4", prefix)
     text = json.loads((src / "config.json").read_text())

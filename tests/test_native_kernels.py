@@ -793,3 +793,36 @@ def test_int4_linear_takes_the_native_kernel_for_few_rows(monkeypatch):
     x = torch.randn(3, 256, generator=_gen(34))
     one, two = _on_threads(lambda: cpu.linear_int4(x, packed, scale, min_rows_per_thread=1))
     assert torch.equal(one, two)
+
+
+@native
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_entry_calls_are_the_single_products(fmt):
+    """linear_fp8_ptrs / linear_int4_ptrs (the grouped expert calls): each entry's rows the same bits as its own
+    single call gives them, whatever the other entries' token counts, at one and two threads."""
+    n, k = 96, 192
+    weights = [_fp8(n, k, seed=40 + e) if fmt == "fp8" else _int4(n, k, seed=40 + e) for e in range(4)]
+    tokens = [1, 3, 0, 6]
+    xs = [torch.randn(t, k, generator=_gen(50 + t)) for t in tokens]
+    single = cpu.linear_fp8 if fmt == "fp8" else cpu.linear_int4
+    args = (((64, 64),) if fmt == "fp8" else ())
+    want = [single(x, *w, *args) for x, w in zip(xs, weights)]
+
+    def grouped():
+        outs = [torch.full((t, n), float("nan")) for t in tokens]
+        ptrs = ([x.data_ptr() for x in xs], tokens, [w[0].data_ptr() for w in weights],
+                [w[1].data_ptr() for w in weights])
+        if fmt == "fp8":
+            cpu.linear_fp8_ptrs(*ptrs, [o.data_ptr() for o in outs], n, k, (64, 64), min_rows_per_thread=1)
+        else:
+            cpu.linear_int4_ptrs(*ptrs, True, [o.data_ptr() for o in outs], n, k, min_rows_per_thread=1)
+        return outs
+
+    for outs in _on_threads(grouped):
+        for got, exp in zip(outs, want):
+            assert torch.equal(got, exp)
+    with pytest.raises(ValueError, match="multiple"):
+        if fmt == "fp8":
+            cpu.linear_fp8_ptrs([0], [1], [0], [0], [0], n, 96, (64, 64))
+        else:
+            cpu.linear_int4_ptrs([0], [1], [0], [0], True, [0], n, 48)

@@ -99,31 +99,30 @@ INLINE void fp8_rows(const float *x, int64_t ldx, const uint8_t *w, int64_t K, i
 #endif
 
 typedef struct {
-    const float *x; int64_t H, T, K, N, br, bc, sk; const uint8_t *w; int64_t wh; const float *s; int64_t sh;
-    float *out;
+    int64_t E, K, N, br, bc, sk; /* entries; every entry's weight N x K in blocks br x bc (sk blocks a row) */
+    const float *const *x; const int64_t *T; const uint8_t *const *w; const float *const *s; float *const *out;
 } fp8_job;
 
-/* rows [r0, r1) of the part over all heads' rows laid end to end (head h's row n is row h * N + n): every token,
- * FP8_TT at a time */
+/* rows [r0, r1) of the part over all entries' rows laid end to end (entry e's row n is row e * N + n): every token
+ * of the entry, FP8_TT at a time */
 static void fp8_part(void *arg, int part, int parts) {
     const fp8_job *j = arg;
     int64_t r0, r1;
-    split(j->H * j->N, part, parts, &r0, &r1);
+    split(j->E * j->N, part, parts, &r0, &r1);
 #if MS_SIMD == 2
     const unsigned csr = _mm_getcsr();
     if (csr & 0x0040u) _mm_setcsr(csr & ~0x0040u); /* DAZ off: fp8_16's multiply reads subnormals */
     /* each row (or row pair) is read once for all the token tiles */
-    const int pair = j->T <= 2 && j->T * j->K * (int64_t)sizeof(float) > FP8_PAIR_X;
     for (int64_t r = r0; r < r1;) {
-        const int64_t h = r / j->N, n = r % j->N;
+        const int64_t e = r / j->N, n = r % j->N, T = j->T[e];
+        const int pair = T <= 2 && T * j->K * (int64_t)sizeof(float) > FP8_PAIR_X;
         const int R = pair && r + 1 < r1 && n + 1 < j->N ? 2 : 1;
-        const float *hs = j->s + h * j->sh;
-        const float *srow[2] = {hs + (n / j->br) * j->sk, hs + ((n + R - 1) / j->br) * j->sk};
-        const uint8_t *w = j->w + h * j->wh + n * j->K;
-        for (int64_t t0 = 0; t0 < j->T; t0 += FP8_TT) {
-            const int tt = (int)(j->T - t0 < FP8_TT ? j->T - t0 : FP8_TT);
-            const float *x = j->x + (h * j->T + t0) * j->K;
-            float *o = j->out + (h * j->T + t0) * j->N + n;
+        const float *srow[2] = {j->s[e] + (n / j->br) * j->sk, j->s[e] + ((n + R - 1) / j->br) * j->sk};
+        const uint8_t *w = j->w[e] + n * j->K;
+        for (int64_t t0 = 0; t0 < T; t0 += FP8_TT) {
+            const int tt = (int)(T - t0 < FP8_TT ? T - t0 : FP8_TT);
+            const float *x = j->x[e] + t0 * j->K;
+            float *o = j->out[e] + t0 * j->N + n;
 #define FP8_CASE(RR, TT) fp8_rows(x, j->K, w, j->K, j->bc, srow, o, j->N, RR, TT)
             if (R == 2) {
                 if (tt == 1) FP8_CASE(2, 1); else FP8_CASE(2, 2);
@@ -144,11 +143,11 @@ static void fp8_part(void *arg, int part, int parts) {
     pthread_once(&fp8_lut_once, fp8_lut_fill);
     const float *lut = fp8_lut;
     for (int64_t r = r0; r < r1; r++) {
-        const int64_t h = r / j->N, n = r % j->N;
-        const uint8_t *w = j->w + h * j->wh + n * j->K;
-        const float *srow = j->s + h * j->sh + (n / j->br) * j->sk;
-        for (int64_t t = 0; t < j->T; t++) {
-            const float *x = j->x + (h * j->T + t) * j->K;
+        const int64_t e = r / j->N, n = r % j->N;
+        const uint8_t *w = j->w[e] + n * j->K;
+        const float *srow = j->s[e] + (n / j->br) * j->sk;
+        for (int64_t t = 0; t < j->T[e]; t++) {
+            const float *x = j->x[e] + t * j->K;
             float tot = 0.0f;
             for (int64_t k0 = 0, b = 0; k0 < j->K; k0 += j->bc, b++) {
                 const int64_t k1 = k0 + j->bc < j->K ? k0 + j->bc : j->K;
@@ -162,32 +161,58 @@ static void fp8_part(void *arg, int part, int parts) {
                 for (int l = 0; l < 16; l++) blk += lane[l];
                 tot += blk * srow[b];
             }
-            j->out[(h * j->T + t) * j->N + n] = tot;
+            j->out[e][t * j->N + n] = tot;
         }
     }
 #endif
 }
 
-/* For h < H: out[h] [T, N] = x[h] [T, K] (contiguous fp32) @ W_h^T, W_h the N x K float8_e4m3fn codes at
- * w + h * wh (rows of K bytes) with its scale_inv rows at s + h * sh (floats), sk = ceil(K / bc) a row:
- * W_h[n, k] = code * s[h * sh + (n / br) * sk + k / bc]. K and bc multiples of 64. All heads' rows split over the
- * threads together (when there are at least `min_rows_per_thread` a thread). Returns 0, or -2 when K or bc is not
- * a multiple of 64 (nothing computed). */
-int ms_linear_fp8_heads(const float *x, int64_t H, int64_t T, int64_t K, const uint8_t *w, int64_t wh, int64_t N,
-                        const float *s, int64_t sh, int64_t br, int64_t bc, float *out, int64_t min_rows_per_thread) {
-    if (K % 64 || bc <= 0 || bc % 64 || br <= 0) return -2;
-    if (H <= 0 || T <= 0 || N <= 0) return 0;
-    fp8_job j = {x, H, T, K, N, br, bc, (K + bc - 1) / bc, w, wh, s, sh, out};
+static int fp8_bad(int64_t K, int64_t br, int64_t bc) { return K % 64 || bc <= 0 || bc % 64 || br <= 0; }
+
+/* For each entry e < E: outs[e] [Ts[e], N] = xs[e] [Ts[e], K] (contiguous fp32) @ W_e^T, W_e the N x K
+ * float8_e4m3fn codes ws[e] (rows of K bytes) with scale_inv ss[e] [ceil(N / br), ceil(K / bc)] (floats):
+ * W_e[n, k] = code * ss[e][(n / br) * sk + k / bc], sk = ceil(K / bc). K and bc multiples of 64. All entries' rows
+ * split over the threads together (when there are at least `min_rows_per_thread` a thread); a (row, token)'s sum
+ * is the same bits whatever the other entries, tokens or threads. Returns 0, or -2 when K or bc is not a multiple
+ * of 64 (nothing computed). */
+int ms_linear_fp8_ptrs(int64_t E, const int64_t *xs, const int64_t *Ts, const int64_t *ws, const int64_t *ss,
+                       const int64_t *outs, int64_t N, int64_t K, int64_t br, int64_t bc, int64_t min_rows_per_thread) {
+    if (fp8_bad(K, br, bc)) return -2;
+    if (E <= 0 || N <= 0) return 0;
+    fp8_job j = {E, K, N, br, bc, (K + bc - 1) / bc, (const float *const *)xs, Ts, (const uint8_t *const *)ws,
+                 (const float *const *)ss, (float *const *)outs};
     int parts = pool_parts;
-    while (parts > 1 && H * N / parts < min_rows_per_thread) parts--;
+    while (parts > 1 && E * N / parts < min_rows_per_thread) parts--;
     pool_run(fp8_part, &j, parts);
     return 0;
 }
 
-/* out[T, N] = x[T, K] @ W^T, W the N x K codes w with scale_inv s [ceil(N / br), ceil(K / bc)]: one head */
+/* For h < H: out[h] [T, N] = x[h] [T, K] (contiguous fp32) @ W_h^T, W_h the N x K codes at w + h * wh with its
+ * scale_inv rows at s + h * sh (floats): ms_linear_fp8_ptrs over the H heads (MLA's per-head products). Returns
+ * 0, -1 when out of memory, -2 as ms_linear_fp8_ptrs. */
+int ms_linear_fp8_heads(const float *x, int64_t H, int64_t T, int64_t K, const uint8_t *w, int64_t wh, int64_t N,
+                        const float *s, int64_t sh, int64_t br, int64_t bc, float *out, int64_t min_rows_per_thread) {
+    if (H <= 0 || T <= 0) return fp8_bad(K, br, bc) ? -2 : 0;
+    int64_t *a = malloc(sizeof(int64_t) * (size_t)(5 * H));
+    if (!a) return -1;
+    for (int64_t h = 0; h < H; h++) {
+        a[h] = (int64_t)(x + h * T * K);
+        a[H + h] = T;
+        a[2 * H + h] = (int64_t)(w + h * wh);
+        a[3 * H + h] = (int64_t)(s + h * sh);
+        a[4 * H + h] = (int64_t)(out + h * T * N);
+    }
+    const int r = ms_linear_fp8_ptrs(H, a, a + H, a + 2 * H, a + 3 * H, a + 4 * H, N, K, br, bc, min_rows_per_thread);
+    free(a);
+    return r;
+}
+
+/* out[T, N] = x[T, K] @ W^T, W the N x K codes w with scale_inv s [ceil(N / br), ceil(K / bc)]: one entry */
 int ms_linear_fp8(const float *x, int64_t T, int64_t K, const uint8_t *w, int64_t N, const float *s, int64_t br,
                   int64_t bc, float *out, int64_t min_rows_per_thread) {
-    return ms_linear_fp8_heads(x, 1, T, K, w, 0, N, s, 0, br, bc, out, min_rows_per_thread);
+    if (T <= 0) return fp8_bad(K, br, bc) ? -2 : 0;
+    const int64_t a[5] = {(int64_t)x, T, (int64_t)w, (int64_t)s, (int64_t)out};
+    return ms_linear_fp8_ptrs(1, a, a + 1, a + 2, a + 3, a + 4, N, K, br, bc, min_rows_per_thread);
 }
 
 /* ------------------------------------------------------------------------------------------------ int4 */
@@ -263,22 +288,25 @@ INLINE void int4_row(const float *x, int64_t ldx, const uint8_t *p, const void *
 #endif
 
 typedef struct {
-    const float *x; int64_t T, K, N; const uint8_t *p; const uint8_t *s; int bf; float *out;
+    int64_t E, K, N; int bf; /* entries; every entry's weight N x K, scales bf16 when bf */
+    const float *const *x; const int64_t *T; const uint8_t *const *p; const uint8_t *const *s; float *const *out;
 } int4_job;
 
+/* rows [r0, r1) of all entries' rows laid end to end (entry e's row n is row e * N + n), every token of the entry */
 static void int4_part(void *arg, int part, int parts) {
     const int4_job *j = arg;
-    int64_t n0, n1;
-    split(j->N, part, parts, &n0, &n1);
+    int64_t r0, r1;
+    split(j->E * j->N, part, parts, &r0, &r1);
     const int64_t sb = (j->K / 32) * (j->bf ? 2 : 4); /* a row's scale bytes */
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *p = j->p + n * (j->K / 2);
-        const void *sc = j->s + n * sb;
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t e = r / j->N, n = r % j->N, T = j->T[e];
+        const uint8_t *p = j->p[e] + n * (j->K / 2);
+        const void *sc = j->s[e] + n * sb;
 #if MS_SIMD == 2
-        for (int64_t t0 = 0; t0 < j->T; t0 += FP8_TT) {
-            const float *x = j->x + t0 * j->K;
-            float *o = j->out + t0 * j->N + n;
-            const int tt = (int)(j->T - t0 < FP8_TT ? j->T - t0 : FP8_TT);
+        for (int64_t t0 = 0; t0 < T; t0 += FP8_TT) {
+            const float *x = j->x[e] + t0 * j->K;
+            float *o = j->out[e] + t0 * j->N + n;
+            const int tt = (int)(T - t0 < FP8_TT ? T - t0 : FP8_TT);
 #define INT4_CASE(TT) (j->bf ? int4_row(x, j->K, p, sc, j->K, o, j->N, TT, 1) : int4_row(x, j->K, p, sc, j->K, o, j->N, TT, 0))
             switch (tt) {
                 case 1: INT4_CASE(1); break;
@@ -289,8 +317,8 @@ static void int4_part(void *arg, int part, int parts) {
 #undef INT4_CASE
         }
 #else
-        for (int64_t t = 0; t < j->T; t++) {
-            const float *x = j->x + t * j->K;
+        for (int64_t t = 0; t < T; t++) {
+            const float *x = j->x[e] + t * j->K;
             float tot[4][16] = {{0}};
             for (int64_t g = 0; g < j->K / 32; g++) {
                 const float s = j->bf ? int4_scale(sc, g, 1) : int4_scale(sc, g, 0);
@@ -302,26 +330,43 @@ static void int4_part(void *arg, int part, int parts) {
             }
             float sum = 0.0f;
             for (int l = 0; l < 16; l++) sum += (tot[0][l] + tot[1][l]) + (tot[2][l] + tot[3][l]);
-            j->out[t * j->N + n] = sum;
+            j->out[e][t * j->N + n] = sum;
         }
 #endif
     }
 }
 
-/* out[T, N] = x[T, K] (contiguous fp32) @ W^T, W the int4 pack-quantized rows p [N, K/2] (bytes of the int32 words,
- * little-endian) with one scale per 32 elements s [N, K/32] (bf16 when bf, else fp32); K % 32 == 0. Returns 0, -1
- * when out of memory, -2 when K is not a multiple of 32 (nothing computed). */
+/* For each entry e < E: outs[e] [Ts[e], N] = xs[e] [Ts[e], K] (contiguous fp32) @ W_e^T, W_e the int4
+ * pack-quantized rows ps[e] [N, K/2] (bytes of the int32 words, little-endian) with one scale per 32 elements ss[e]
+ * [N, K/32] (bf16 when bf, else fp32); K % 32 == 0. All entries' rows split over the threads together; a (row,
+ * token)'s sum is the same bits whatever the other entries, tokens or threads. Returns 0, -1 when out of memory, -2
+ * when K is not a multiple of 32 (nothing computed). */
+int ms_linear_int4_ptrs(int64_t E, const int64_t *xs, const int64_t *Ts, const int64_t *ps, const int64_t *ss, int bf,
+                        const int64_t *outs, int64_t N, int64_t K, int64_t min_rows_per_thread) {
+    if (K % 32) return -2;
+    if (E <= 0 || N <= 0) return 0;
+    int64_t total = 0;
+    for (int64_t e = 0; e < E; e++) total += Ts[e];
+    /* the prepared inputs' addresses, then the inputs */
+    const float **xe = malloc(sizeof(float *) * (size_t)E + sizeof(float) * (size_t)(total * K + 1));
+    if (!xe) return -1;
+    float *xp = (float *)(xe + E);
+    for (int64_t e = 0, at = 0; e < E; at += Ts[e] * K, e++) {
+        int4_prepare((const float *)xs[e], Ts[e], K, xp + at);
+        xe[e] = xp + at;
+    }
+    int4_job j = {E, K, N, bf, xe, Ts, (const uint8_t *const *)ps, (const uint8_t *const *)ss, (float *const *)outs};
+    int parts = pool_parts;
+    while (parts > 1 && E * N / parts < min_rows_per_thread) parts--;
+    pool_run(int4_part, &j, parts);
+    free(xe);
+    return 0;
+}
+
+/* out[T, N] = x[T, K] @ W^T for one int4 weight (p [N, K/2], s [N, K/32]): one entry of ms_linear_int4_ptrs */
 int ms_linear_int4(const float *x, int64_t T, int64_t K, const uint8_t *p, const uint8_t *s, int bf, int64_t N,
                    float *out, int64_t min_rows_per_thread) {
-    if (K % 32) return -2;
-    if (T <= 0 || N <= 0) return 0;
-    float *xp = malloc(sizeof(float) * (size_t)(T * K + 1));
-    if (!xp) return -1;
-    int4_prepare(x, T, K, xp);
-    int4_job j = {xp, T, K, N, p, s, bf, out};
-    int parts = pool_parts;
-    while (parts > 1 && N / parts < min_rows_per_thread) parts--;
-    pool_run(int4_part, &j, parts);
-    free(xp);
-    return 0;
+    if (T <= 0) return K % 32 ? -2 : 0;
+    const int64_t a[5] = {(int64_t)x, T, (int64_t)p, (int64_t)s, (int64_t)out};
+    return ms_linear_int4_ptrs(1, a, a + 1, a + 2, a + 3, (int)bf, a + 4, N, K, min_rows_per_thread);
 }

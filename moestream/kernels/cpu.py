@@ -50,7 +50,7 @@ MIN_ROWS_PER_THREAD = 256
 SPIN_US = 3000
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
-_ABI = 19
+_ABI = 20
 _SOURCE = Path(__file__).with_name("_cpu.c")
 # _cpu.c #includes the others
 _SOURCES = (_SOURCE, *(Path(__file__).with_name(n)
@@ -186,6 +186,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_linear_fp8_heads.restype = ctypes.c_int
     lib.ms_linear_int4.argtypes = [p, i64, i64, p, p, ctypes.c_int, i64, p, i64]
     lib.ms_linear_int4.restype = ctypes.c_int
+    lib.ms_linear_fp8_ptrs.argtypes = [i64, p, p, p, p, p, i64, i64, i64, i64, i64]
+    lib.ms_linear_fp8_ptrs.restype = ctypes.c_int
+    lib.ms_linear_int4_ptrs.argtypes = [i64, p, p, p, p, ctypes.c_int, p, i64, i64, i64]
+    lib.ms_linear_int4_ptrs.restype = ctypes.c_int
     lib.ms_linear_fixed.argtypes = [p, i64, i64, p, ctypes.c_int, i64, p]
     lib.ms_linear_fixed.restype = ctypes.c_int
     lib.ms_softmax_topk.argtypes = [p, i64, i64, i64, ctypes.c_int, p, p]
@@ -680,11 +684,44 @@ def linear_fp8_heads(x: Tensor, codes: Tensor, scales: Tensor, head_rows: int, r
     x3 = x.to(torch.float32).contiguous()
     out = torch.empty(h, t, rows, dtype=torch.float32)
     sk = -(-k // bc)
-    if handle.ms_linear_fp8_heads(x3.data_ptr(), h, t, k, codes8.data_ptr() + row0 * k, head_rows * k, rows,
-                                  s32.data_ptr() + 4 * (row0 // br) * sk, (head_rows // br) * sk, br, bc,
-                                  out.data_ptr(), min_rows_per_thread):
+    code = handle.ms_linear_fp8_heads(x3.data_ptr(), h, t, k, codes8.data_ptr() + row0 * k, head_rows * k, rows,
+                                      s32.data_ptr() + 4 * (row0 // br) * sk, (head_rows // br) * sk, br, bc,
+                                      out.data_ptr(), min_rows_per_thread)
+    if code == -1:
+        raise MemoryError("native FP8 kernel could not allocate its entry table")
+    if code:
         raise ValueError(f"linear_fp8_heads wants K ({k}) and the column block ({bc}) multiples of 64")
     return out
+
+
+def linear_fp8_ptrs(xs: Sequence[int], tokens: Sequence[int], codes: Sequence[int], scales: Sequence[int],
+                    outs: Sequence[int], n: int, k: int, block: tuple[int, int],
+                    min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> None:
+    """The raw batched call: for each entry e, outs[e] [tokens[e], n] = xs[e] [tokens[e], k] @ W_e^T, every
+    argument but the counts a data_ptr (contiguous float32 x and out, the weight's e4m3 codes [n, k], its float32
+    scale_inv [ceil(n / block[0]), ceil(k / block[1])]); k and block[1] multiples of 64. All entries' rows split
+    over the threads together; each (row, token) the same bits as linear_fp8 gives it. The caller keeps the
+    tensors alive."""
+    if required().ms_linear_fp8_ptrs(len(xs), _addresses(xs), _addresses(tokens), _addresses(codes),
+                                     _addresses(scales), _addresses(outs), n, k, block[0], block[1],
+                                     min_rows_per_thread):
+        raise ValueError(f"linear_fp8_ptrs wants K ({k}) and the column block ({block[1]}) multiples of 64")
+
+
+def linear_int4_ptrs(xs: Sequence[int], tokens: Sequence[int], packed: Sequence[int], scales: Sequence[int],
+                     bf16_scales: bool, outs: Sequence[int], n: int, k: int,
+                     min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> None:
+    """The raw batched call: for each entry e, outs[e] [tokens[e], n] = xs[e] [tokens[e], k] @ W_e^T, every
+    argument but the counts a data_ptr (contiguous float32 x and out, int32 packed [n, k/8], scales [n, k/32],
+    bf16 when `bf16_scales` else float32); k a multiple of 32. Each (row, token) the same bits as linear_int4
+    gives it. The caller keeps the tensors alive."""
+    code = required().ms_linear_int4_ptrs(len(xs), _addresses(xs), _addresses(tokens), _addresses(packed),
+                                          _addresses(scales), int(bf16_scales), _addresses(outs), n, k,
+                                          min_rows_per_thread)
+    if code == -1:
+        raise MemoryError("native int4 kernel could not allocate its input scratch")
+    if code:
+        raise ValueError(f"linear_int4_ptrs wants K ({k}) a multiple of 32")
 
 
 def linear_int4(x: Tensor, packed: Tensor, scale: Tensor, min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> Tensor:

@@ -358,13 +358,15 @@ def routed(ctx: ModelContext, layer: int, r: Router) -> Router:
 
 
 def sigmoid_moe(ctx: ModelContext, layer: int, p: str, fn, top_k: int, renormalize: bool, scale: float,
-                n_group: int = 1, topk_group: int = 1, shared=None) -> Callable[[torch.Tensor], torch.Tensor]:
+                n_group: int = 1, topk_group: int = 1, shared=None,
+                group=None) -> Callable[[torch.Tensor], torch.Tensor]:
     """DeepSeek-V3 / Kimi Linear MoE at `p`: sigmoid router (the correction bias only selects), routed experts
-    through the runner, plus the shared MLP on the full-width input when there is one."""
+    through the runner (`group`: its grouped call, glu_group's for bf16 SiLU-GLU experts by default), plus the
+    shared MLP on the full-width input when there is one."""
     route = routed(ctx, layer, SigmoidRouter(router(ctx, f"{p}.gate.weight"),
                                              ctx.weights.maybe(f"{p}.gate.e_score_correction_bias"), top_k,
                                              renormalize, scale, n_group, topk_group))
-    group = glu_group()  # bf16 SiLU-GLU experts; declines other stored forms (fp8, int4), which go one by one
+    group = group or glu_group()  # glu_group declines other stored forms, which then go one by one
 
     def ffn(x: torch.Tensor) -> torch.Tensor:
         ids, wts = route(x)

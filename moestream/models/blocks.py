@@ -391,6 +391,28 @@ def expert_glu(act=silu_glu):
     return fn
 
 
+def routed_spans(ids: torch.Tensor, experts: list[int]) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """The (row, slot) pairs of ids [T, k] routed to one of `experts`, grouped by expert (ascending id, rows in
+    order within an expert): their positions in ids.reshape(-1) (row = position // k, slot = position % k), and
+    per expert present (its index in `experts`, first pair, pairs). A grouped call gathers its rows in this order
+    so that each expert's rows are one contiguous slice."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    sorted_ids = flat[order].tolist()
+    slot = {e: j for j, e in enumerate(experts)}
+    pick: list[int] = []
+    spans = []
+    i, total = 0, len(sorted_ids)
+    while i < total:
+        e, start = sorted_ids[i], i
+        while i < total and sorted_ids[i] == e:
+            i += 1
+        if e in slot:
+            spans.append((slot[e], len(pick), i - start))
+            pick.extend(range(start, i))
+    return order[torch.tensor(pick, dtype=torch.long)], spans
+
+
 def glu_group(act=silu_glu) -> Callable[..., bool]:
     """The runner's grouped call for bf16 GLU experts: every resident expert of a layer step (each token through
     its routed experts only) in fused native calls (one, unless the rows' scratch needs several: fused.moe_glu_bf16),

@@ -17,10 +17,12 @@ import torch
 from moestream.errors import UnsupportedModelError
 from moestream.experts.store import PartSpec
 from moestream.kernels.qweight import BlockFp8Weight, Int4Weight
-from moestream.kernels.quant import FP8_BLOCK, fp8_block_linear, int4_linear
+from moestream.kernels import cpu
+from moestream.kernels.quant import (FP8_BLOCK, FP8_NATIVE_MAX_T, INT4_NATIVE_MAX_T, fp8_block_linear,
+                                     int4_linear)
 from moestream.models.base import (DenseWeights, ExpertLayout, Family, Layer, ModelContext, dense_glu, sigmoid_moe,
                                    standard_model)
-from moestream.models.blocks import expert_glu, linear
+from moestream.models.blocks import expert_glu, glu_group, linear, routed_spans
 from moestream.models.mla import MLAMixer, MLAOptions
 from moestream.models.rope import build_rope, rope_params, yarn_get_mscale
 
@@ -139,6 +141,110 @@ def expert_fn(cfg: DeepseekV3Config):
     return fn
 
 
+# the stored forms' parts: codes and scales of each projection
+_QUANT_PARTS = {"fp8": ("weight", "weight_scale_inv"), "int4": ("weight_packed", "weight_scale")}
+
+
+def _quant_pointers(cfg: DeepseekV3Config, fmt: str, t) -> tuple[int, ...] | None:
+    """Addresses of a quantised expert's gate, up and down (codes, scales each), after checking every part's dtype,
+    shape and contiguity against the config (the native call reads every expert with one shape, so a malformed one
+    would be read out of bounds), else None. Cached on a blob's PartViews (its views live as long as the blob)."""
+    cached = getattr(t, "ptrs", None)
+    if cached is not None and cached[0] == fmt:
+        return cached[1]
+    inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+    codes_name, scale_name = _QUANT_PARTS[fmt]
+    got: list[int] | None = []
+    for proj, (rows, cols) in zip(PROJS, ((inter, hidden), (inter, hidden), (hidden, inter))):
+        codes, scale = t.get(f"{proj}.{codes_name}"), t.get(f"{proj}.{scale_name}")
+        if fmt == "fp8":
+            br, bc = cfg.fp8_block
+            ok = (codes is not None and codes.dtype == torch.float8_e4m3fn and tuple(codes.shape) == (rows, cols)
+                  and scale is not None and scale.dtype == torch.float32
+                  and tuple(scale.shape) == (-(-rows // br), -(-cols // bc)))
+        else:
+            shape = t.get(f"{proj}.weight_shape")
+            ok = (codes is not None and codes.dtype == torch.int32 and tuple(codes.shape) == (rows, cols // 8)
+                  and scale is not None and scale.dtype == torch.bfloat16 and tuple(scale.shape) == (rows, cols // 32)
+                  and (shape is None or shape.tolist() == [rows, cols]))
+        if not (ok and codes.is_contiguous() and scale.is_contiguous()):
+            got = None
+            break
+        got += (codes.data_ptr(), scale.data_ptr())
+    ptrs = None if got is None else tuple(got)
+    if hasattr(t, "ptrs"):
+        t.ptrs = (fmt, ptrs)
+    return ptrs
+
+
+def expert_group(cfg: DeepseekV3Config):
+    """The runner's grouped call for a layer step's resident experts. Block-FP8 (DeepSeek-V3, Kimi K2 Instruct) and
+    int4 (Kimi K2 Thinking) experts: each row through its routed experts, every expert of the step in two native
+    calls (gate and up of all of them, then down: kernels/_cpu_fp8.c), threads splitting all their rows; an expert
+    of at least quant's native row limit goes through its own (chunked) products, and a row's sum over its experts
+    is added in the order expert_fn's path adds it. bf16 experts go to glu_group. Declines (the runner then goes
+    expert by expert) without the AVX-512 kernels, for widths they do not take, or for parts of other shapes."""
+    plain, fn = glu_group(), expert_fn(cfg)
+    inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+
+    def run(x, ids, weights, experts, tensors, out, counts: list[int] | None = None) -> bool:
+        first = tensors[0]
+        fmt = "fp8" if "gate.weight_scale_inv" in first else "int4" if "gate.weight_packed" in first else ""
+        if not fmt:
+            return plain(x, ids, weights, experts, tensors, out, counts=counts)
+        if fmt == "fp8":
+            limit = FP8_NATIVE_MAX_T
+            fits = hidden % 64 == 0 and inter % 64 == 0 and cfg.fp8_block[1] % 64 == 0
+        else:
+            limit = INT4_NATIVE_MAX_T
+            fits = cfg.int4_group == 32 and hidden % 32 == 0 and inter % 32 == 0
+        if not fits or x.requires_grad or not cpu.available() or cpu.simd() != "avx512":
+            return False
+        ptrs = [_quant_pointers(cfg, fmt, t) for t in tensors]
+        if any(p is None for p in ptrs):
+            return False
+        k = ids.shape[1]
+        sel, spans = routed_spans(ids, experts)
+        rows = sel // k
+        xr = x.index_select(0, rows).float().contiguous()  # [R, hidden], grouped by expert
+        few = [s for s in spans if s[2] < limit]
+        y = torch.empty(sel.numel(), hidden, dtype=torch.float32)
+        if few:
+            gate_up = torch.empty(2, sel.numel(), inter, dtype=torch.float32)
+            xp, gp, upp, yp = xr.data_ptr(), gate_up[0].data_ptr(), gate_up[1].data_ptr(), y.data_ptr()
+            a = ([], [], [], [], [])  # gate and up entries: x, tokens, codes, scales, out
+            b = ([], [], [], [], [])  # down entries
+            for j, start, count in few:
+                g, gs, u, us, d, ds = ptrs[j]
+                for entry in ((xp + start * hidden * 4, count, g, gs, gp + start * inter * 4),
+                              (xp + start * hidden * 4, count, u, us, upp + start * inter * 4)):
+                    for col, v in zip(a, entry):
+                        col.append(v)
+                for col, v in zip(b, (gp + start * inter * 4, count, d, ds, yp + start * hidden * 4)):
+                    col.append(v)
+            if fmt == "fp8":
+                cpu.linear_fp8_ptrs(*a, inter, hidden, cfg.fp8_block)
+            else:
+                cpu.linear_int4_ptrs(*a[:4], True, a[4], inter, hidden)
+            # h in place of the gate rows (the down entries read it there)
+            torch.mul(torch.nn.functional.silu(gate_up[0]), gate_up[1], out=gate_up[0])
+            if fmt == "fp8":
+                cpu.linear_fp8_ptrs(*b, hidden, inter, cfg.fp8_block)
+            else:
+                cpu.linear_int4_ptrs(*b[:4], True, b[4], hidden, inter)
+        for j, start, count in spans:
+            if count >= limit:
+                y[start:start + count] = fn(xr[start:start + count], tensors[j])
+        if out.dim() == 3:  # the batch-invariant runner's per-slot outputs
+            out[rows, sel % k] = y
+        else:
+            out.index_add_(0, rows, y * weights.reshape(-1)[sel].float().unsqueeze(-1))
+        return True
+
+    run.pairs = True  # type: ignore[attr-defined]  # takes the runner's batch-invariant [T, k, D] out
+    return run
+
+
 # ---- dense weights -------------------------------------------------------------------------------------------
 
 
@@ -187,22 +293,22 @@ def build(cfg: DeepseekV3Config, ctx: ModelContext):
     w = QuantDenseWeights(ctx.weights, cfg.fp8_block, cfg.int4_group)
     rope = build_rope(cfg.raw, cfg.raw.get("qk_rope_head_dim", 64), interleaved=cfg.raw.get("rope_interleave", True))
     opts = MLAOptions.from_hf(cfg.raw, rope=rope, scale=softmax_scale(cfg))
-    fn = expert_fn(cfg)
+    fn, group = expert_fn(cfg), expert_group(cfg)
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}"
-        ffn = _moe(cfg, ctx, w, i, fn) if i in cfg.moe_layers else dense_glu(w, p + ".mlp")
+        ffn = _moe(cfg, ctx, w, i, fn, group) if i in cfg.moe_layers else dense_glu(w, p + ".mlp")
         layers.append(Layer(MLAMixer(w, p + ".self_attn", opts), ffn, w.get(p + ".input_layernorm.weight"),
                             w.get(p + ".post_attention_layernorm.weight"), cfg.eps))
     ctx = ModelContext(w, ctx.experts, ctx.memory)
     return standard_model(ctx, layers, cfg.eps, cfg.vocab_size, cfg.tie)
 
 
-def _moe(cfg: DeepseekV3Config, ctx: ModelContext, w: DenseWeights, i: int, fn):
+def _moe(cfg: DeepseekV3Config, ctx: ModelContext, w: DenseWeights, i: int, fn, group):
     p = f"model.layers.{i}.mlp"
     shared = dense_glu(w, p + ".shared_experts") if f"{p}.shared_experts.gate_proj.weight" in w else None
     return sigmoid_moe(ctx, i, p, fn, cfg.top_k, cfg.norm_topk_prob, cfg.routed_scaling_factor, cfg.n_group,
-                       cfg.topk_group, shared)
+                       cfg.topk_group, shared, group)
 
 
 # ---- tensor inventory (a directory holding only config.json: `info` and `plan` size it) -----------------------

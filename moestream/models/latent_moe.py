@@ -18,7 +18,7 @@ from moestream.kernels.quant import (GROUP_DECODE_BYTES, bf16_rounded, check_mxf
                                      mxfp4_linear, mxfp4_permute_input)
 from moestream.models.base import routed, router
 from moestream.models.blocks import (SigmoidRouter, Situ, expert_glu, glu_group, glu_mlp, linear, mxfp4_bf16,
-                                     rms_norm)
+                                     rms_norm, routed_spans)
 
 Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -67,25 +67,12 @@ def _native_group(z, ids, weights, experts, tensors, act, out, bf16: bool = Fals
     every expert, then w2 of every expert) straight from the packed bytes: rows are sorted by expert so that each
     expert's rows are one contiguous slice."""
     k = ids.shape[1]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    sorted_ids = flat[order].tolist()
-    slot = {e: j for j, e in enumerate(experts)}
-    pick, spans = [], []  # positions in `order` of the group's experts; (expert slot, first row, rows)
-    i, total = 0, len(sorted_ids)
-    while i < total:
-        e, start = sorted_ids[i], i
-        while i < total and sorted_ids[i] == e:
-            i += 1
-        if e in slot:
-            spans.append((slot[e], len(pick), i - start))
-            pick.extend(range(start, i))
-    sel = order[torch.tensor(pick, dtype=torch.long)]
+    sel, spans = routed_spans(ids, experts)
     rows = sel // k
     zr = z.index_select(0, rows).float().contiguous()  # [R, latent], grouped by expert
     inter, latent = _group_dims(z, tensors)
-    gate_up = torch.empty(2, len(pick), inter, dtype=torch.float32)
-    y = torch.empty(len(pick), latent, dtype=torch.float32)
+    gate_up = torch.empty(2, sel.numel(), inter, dtype=torch.float32)
+    y = torch.empty(sel.numel(), latent, dtype=torch.float32)
     zp, gp, up, yp = zr.data_ptr(), gate_up[0].data_ptr(), gate_up[1].data_ptr(), y.data_ptr()
     xs, ts, ps, ss, outs, who = [], [], [], [], [], []
     ps2, ss2, outs2, who2 = [], [], [], []
