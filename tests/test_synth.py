@@ -153,16 +153,21 @@ def _dequantised_reference(path: Path, out: Path):
     transformers stores them): the independent reference for the FP8 synth."""
     from transformers import DeepseekV3ForCausalLM
 
-    from moestream.kernels.quant import dequant_fp8_block
+    from moestream.kernels.quant import dequant_fp8_block, dequant_int4_packed
 
     cfg = json.loads((path / "config.json").read_text())
-    block = tuple(cfg.pop("quantization_config")["weight_block_size"])
+    block = tuple(cfg.pop("quantization_config").get("weight_block_size") or (0, 0))
+    cfg["model_type"] = "deepseek_v3"  # Kimi K2's model class is DeepSeek-V3's
     raw = {}
     for shard in sorted(path.glob("*.safetensors")):
         with safe_open(shard, "pt") as f:
             raw.update({k: f.get_tensor(k) for k in f.keys()})
     plain = {k: (dequant_fp8_block(t, raw[k + "_scale_inv"], block) if t.dtype == torch.float8_e4m3fn
-                 else t.float()) for k, t in raw.items() if not k.endswith("_scale_inv")}
+                 else t.float()) for k, t in raw.items() if not k.endswith(("_scale_inv", "weight_packed",
+                                                                            "weight_scale", "weight_shape"))}
+    for k in [k for k in raw if k.endswith(".weight_packed")]:  # Kimi K2's int4 experts
+        stem = k[:-len("packed")]
+        plain[stem[:-1]] = dequant_int4_packed(raw[k], raw[stem + "scale"], 32, raw[stem + "shape"].tolist())
     for i in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
         p = f"model.layers.{i}.mlp.experts."
         n = cfg["n_routed_experts"]
@@ -195,8 +200,29 @@ def test_deepseek_v3_layout_is_published(tiny):
     assert {dtypes[k][0] for k in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")} == {"BF16"}
 
 
-def test_deepseek_v3_agrees_with_transformers_on_dequantised_weights(tiny, tmp_path):
-    path = tiny("deepseek_v3")
+def test_kimi_k2_layout_is_published(tiny):
+    """Kimi K2 Thinking's layout: int4 pack-quantized routed experts (int32 words, a bf16 scale per 32 inputs, the
+    int32 [out, in] shape), every other linear bf16, the published compressed-tensors config."""
+    path = tiny("kimi_k2")
+    cfg = json.loads((path / "config.json").read_text())
+    q = cfg["quantization_config"]
+    assert (cfg["model_type"], q["quant_method"], q["format"]) == ("kimi_k2", "compressed-tensors", "pack-quantized")
+    assert q["config_groups"]["group_0"]["weights"]["group_size"] == 32 and "re:.*self_attn.*" in q["ignore"]
+    t = _tensors(path)
+    h, i = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    p = "model.layers.1.mlp.experts.3.down_proj."
+    assert (t[p + "weight_packed"].dtype, tuple(t[p + "weight_packed"].shape)) == (torch.int32, (h, i // 8))
+    assert (t[p + "weight_scale"].dtype, tuple(t[p + "weight_scale"].shape)) == (torch.bfloat16, (h, i // 32))
+    assert t[p + "weight_shape"].tolist() == [h, i]
+    assert t["model.layers.1.mlp.shared_experts.down_proj.weight"].dtype == torch.bfloat16
+    assert t["model.layers.0.self_attn.o_proj.weight"].dtype == t["model.layers.0.mlp.up_proj.weight"].dtype \
+        == torch.bfloat16
+    assert t["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k2"])
+def test_deepseek_v3_agrees_with_transformers_on_dequantised_weights(tiny, tmp_path, family):
+    path = tiny(family)
     ref = _dequantised_reference(path, tmp_path / "reference")
     ids = prompt_ids(PRESETS["tiny"].vocab, 40)
     want = reference_logits(ref, ids)
@@ -281,6 +307,11 @@ def test_full_width_sizes_are_the_published_shapes():
     v3_expert = 3 * (2048 * 7168 + 16 * 56 * 4)  # e4m3 codes + fp32 scale_inv per 128 x 128 tile
     assert 256 * v3_expert < v3["layers"][3] < 257 * v3_expert + 300 * 2**20
     assert v3["other"] > 2 * 129280 * 7168 * 2  # bf16 embeddings and lm_head at the published vocabulary
+    k2 = full_width_sizes("kimi_k2", 4)
+    assert k2["moe"] == [False, True, True, True]  # first_k_dense_replace 1
+    k2_expert = 3 * (2048 * 7168 // 2 + 2048 * 7168 // 32 * 2 + 8)  # int4 words + bf16 group scales + the shape
+    assert 384 * k2_expert < k2["layers"][1] < 384 * k2_expert + 400 * 2**20  # + bf16 MLA and shared expert
+    assert k2["other"] == 2 * 163840 * 7168 * 2 + 7168 * 2  # bf16 embeddings, lm_head, final norm
     oss = full_width_sizes("gpt_oss", 2)
     assert oss["moe"] == [True, True]  # gpt-oss has no dense layer
     oss_expert = 3 * 2880 * 2880 // 2 + 3 * 2880 * 90 + 3 * 2880 * 2  # E2M1 codes + E8M0 scales + bf16 biases
@@ -303,7 +334,7 @@ def test_synth_help_sizes_are_true():
     def gib(n: int) -> str:
         return f"{n / 2**30:.2f} GiB"
 
-    for family, layers in (("kimi_k3", 2), ("deepseek_v3", 2), ("gpt_oss", 2)):
+    for family, layers in (("kimi_k3", 2), ("deepseek_v3", 2), ("kimi_k2", 2), ("gpt_oss", 2)):
         full, small = full_width_sizes(family, layers), full_width_sizes(family, layers, 32768)
         for figure in (full["layers"][0], full["layers"][1], full["other"], small["other"], full["total"],
                        small["total"]):

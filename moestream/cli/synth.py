@@ -18,6 +18,9 @@ full-width disk sizes (every tensor at the published shape and dtype; only --lay
                --layers 2 (one dense + one MoE layer, both MLA): 21.60 GiB, 18.10 GiB at --vocab 32768
   deepseek_v3  dense layer 0.54 GiB, MoE layer (256 block-FP8 experts) 10.72 GiB, embeddings + lm_head
                3.45 GiB (0.88 GiB at --vocab 32768); --layers 2: 14.72 GiB, 12.14 GiB at --vocab 32768
+  kimi_k2      dense layer 0.93 GiB (bf16), MoE layer (384 int4 experts, bf16 attention and shared expert)
+               9.13 GiB, embeddings + lm_head 4.38 GiB (0.88 GiB at --vocab 32768); --layers 2: 14.44 GiB,
+               10.94 GiB at --vocab 32768
   gpt_oss      layer (attention + 128 MXFP4 experts; every layer is MoE) 1.63 GiB, embeddings + lm_head 2.16 GiB
                (0.35 GiB at --vocab 32768); --layers 2: 5.41 GiB, 3.61 GiB at --vocab 32768
 Writing streams one bounded chunk at a time (peak RSS well under 1 GiB whatever the size)."""
@@ -32,7 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("dir", metavar="DIR", help="output directory (must not exist or be empty)")
     p.add_argument("--preset", choices=list(PRESETS), default="tiny",
                    help="tiny (a few MB), small (a few hundred MB), medium (a few GB), full-width (the published "
-                        "model's widths, kimi_k3 / deepseek_v3 / gpt_oss only, needs --layers; sizes below); default tiny")
+                        "model's widths, kimi_k3 / deepseek_v3 / kimi_k2 / gpt_oss only, needs --layers; sizes "
+                        "below); default tiny")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
     p.add_argument("--layers", type=int, metavar="N", help="override the preset's number of layers")
     p.add_argument("--vocab", type=int, metavar="N", help="override the preset's vocabulary size (full-width: keeps "

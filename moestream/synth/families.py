@@ -297,6 +297,7 @@ SYNTHS: dict[str, SynthFamily] = {
 EXTRA_MODULES: dict[str, str] = {
     "kimi_k3": "moestream.synth.kimi_k3",
     "deepseek_v3": "moestream.synth.deepseek_v3",
+    "kimi_k2": "moestream.synth.kimi_k2",
     "gpt_oss": "moestream.synth.gpt_oss",
 }
 
