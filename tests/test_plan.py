@@ -892,10 +892,10 @@ def test_dense_weights_priced_at_their_own_shapes(tiny, k3_dir):
     finally:
         p.store.close()
     shapes = k3.dense_probe_shapes()
-    assert k3.head_shape in shapes and len(shapes) <= calibrate.DENSE_SHAPES_MAX + 1
+    assert ("bf16", *k3.head_shape) in shapes and len(shapes) <= calibrate.DENSE_SHAPES_MAX + 1
     biggest = max(((o, i) for (k, o, i), n in k3.dense_shapes.items() if k == "bf16"), key=lambda s: s[0] * s[1] *
                   k3.dense_shapes[("bf16", *s)])
-    assert biggest in shapes
+    assert ("bf16", *biggest) in shapes
     o, i = calibrate.dense_probe_shape(k3.head_shape)
     assert i == k3.head_shape[1] and 2 * o * i <= calibrate.DENSE_MATRIX_MAX < 2 * k3.head_shape[0] * i
     assert calibrate.nearest_dense(DENSE, (128, 64)) == ("bf16 64x64", 2.0)
@@ -912,6 +912,51 @@ def test_dense_weights_priced_at_their_own_shapes(tiny, k3_dir):
     # one row: the tiny model's weights are below DENSE_OWN_MIN_BYTES, so the one-row kernel's rate prices them
     plain = _facts_scenario(tiny, 1.0, {**RATES, "disk": 1e8})
     assert sc._dense(1, 1) - sc._head(1) == pytest.approx(plain._dense(1, 1) - plain._head(1))
+
+
+def test_fp8_dense_weights_priced_at_their_own_shapes(tmp_path_factory):
+    """Block-FP8 dense weights (DeepSeek-V3's) are probed at their own shapes too, apart from bf16 ones: the probe
+    list names them by format, a weight takes the nearest probed shape of its own format, and the multi-row dense
+    term follows the FP8 table (a slower FP8 probe, a slower step; the bf16 table does not price them)."""
+    path = synth_tiny(tmp_path_factory, "deepseek_v3")
+    sc = _facts_scenario(path, 1.0, {**RATES, "disk": 1e8})
+    f = sc.facts
+    fp8 = [s for s in f.dense_probe_shapes() if s[0] == "fp8"]
+    assert fp8 and len(fp8) <= calibrate.DENSE_SHAPES_MAX and ("bf16", *f.head_shape) in f.dense_probe_shapes()
+    o, i = calibrate.dense_probe_shape(fp8[0][1:], "fp8")
+    assert (o, i) == fp8[0][1:]
+    assert calibrate.dense_probe_shape((10**6, 1000), "fp8")[0] == 2 * calibrate.dense_probe_shape((10**6, 1000))[0]
+    table = {"fp32": {"1": 1e-5, "16": 4e-5, "64": 1.6e-4, "256": 6.4e-4}, "bf16": {}}
+    both = {**DENSE, "fp8 64x64": table}
+    assert calibrate.nearest_dense(both, (128, 64), "fp8") == ("fp8 64x64", 2.0)
+    assert calibrate.nearest_dense(DENSE, (128, 64), "fp8") is None
+    priced = _facts_scenario(path, 1.0, {**RATES, "disk": 1e8, "dense_rows": both})
+    want = calibrate.dense_rows_s(f.dense_shapes, both, 32)
+    assert want > calibrate.dense_rows_s(f.dense_shapes, DENSE, 32) > 0
+    slower = {**both, "fp8 64x64": {"fp32": {r: 3 * t for r, t in table["fp32"].items()}, "bf16": {}}}
+    assert _facts_scenario(path, 1.0, {**RATES, "disk": 1e8, "dense_rows": slower})._dense(32, 32) > \
+        priced._dense(32, 32)
+
+
+def test_fp8_dense_probe_and_the_overhead_probes_fp8_widths(tmp_path):
+    """The dense probe times a block-FP8 weight through blocks.linear over every probed row count (fp32 only), and
+    the overhead probe's DeepSeek-V3 checkpoint at DeepSeek-V3's head widths has only block-FP8 weights the native
+    kernel takes (widths and column tiles multiples of 64), as the published model's are: at the tiny hidden size
+    every one went through the chunked path, ~20 ms a layer step priced as overhead."""
+    from safetensors import safe_open
+
+    got = calibrate.dense_rows_times((128, 256), 0.05, rows=(1, 70), nbytes=1 << 20, kind="fp8")
+    assert set(got["fp32"]) == {"1", "70"} and not got["bf16"] and all(t > 0 for t in got["fp32"].values())
+    what = calibrate._tiny("deepseek_v3", tmp_path / "m", 8, 256,
+                           {"hidden": 7168, "heads": 128, "kv_heads": 128, "head_dim": 128})
+    assert "hidden 512" in what
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    block = tuple(cfg["quantization_config"]["weight_block_size"])
+    widths = set()
+    for shard in (tmp_path / "m").glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            widths |= {f.get_slice(k).get_shape()[1] for k in f.keys() if f.get_slice(k).get_dtype() == "F8_E4M3"}
+    assert widths and all(w % 64 == 0 for w in widths) and block[1] % 64 == 0  # quant.fp8_native's conditions
 
 
 def test_kv_dtype_storage_work_is_priced(tiny):

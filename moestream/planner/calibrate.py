@@ -34,7 +34,7 @@ from moestream.config import default_cache_dir
 
 KINDS = ("bf16", "mxfp4", "fp8", "int4", "f32")
 MXFP4_BF16 = "mxfp4_bf16"  # MXFP4 weights' probe under --compute-dtype bf16 (blocks.mxfp4_bf16: rounded activations)
-PROBES_VERSION = 8  # part of the cache key: a change to what a probe measures measures again
+PROBES_VERSION = 9  # part of the cache key: a change to what a probe measures measures again
 ROUNDS = 3  # separate probes per rate; the median is kept (a burst of load costs one round, not the rate)
 PROBE_FILE_BYTES = 256 << 20  # written once where the weights would live when the model has no local shards
 BURST_S = 0.15
@@ -399,27 +399,37 @@ DENSE_MATRIX_MAX = 64 << 20  # a probed dense matrix's stored bytes at most: a l
 # is probed with its rows cut to fit (a GEMV / GEMM of that width runs at the same rate per byte)
 
 
-def dense_probe_shape(shape: tuple[int, int]) -> tuple[int, int]:
-    """The (out, in) a bf16 dense weight of `shape` is probed at: its own, its rows cut to DENSE_MATRIX_MAX."""
+DENSE_KINDS = {"bf16": 2, "fp8": 1}  # dense formats the dense probe times over many rows: bytes a weight
+
+
+def dense_probe_shape(shape: tuple[int, int], kind: str = "bf16") -> tuple[int, int]:
+    """The (out, in) a dense weight of `shape` in `kind` (DENSE_KINDS) is probed at: its own, its rows cut to
+    DENSE_MATRIX_MAX."""
     out, inp = shape
-    return max(1, min(out, DENSE_MATRIX_MAX // (2 * max(1, inp)))), inp
+    return max(1, min(out, DENSE_MATRIX_MAX // (DENSE_KINDS[kind] * max(1, inp)))), inp
 
 
 def dense_rows_times(shape: tuple[int, int], seconds: float = 0.4, rows: tuple[int, ...] = DENSE_ROWS,
-                     nbytes: int | None = None) -> dict:
-    """Seconds per call of the engine's `blocks.linear` through one bf16 weight of `shape` (out, in) over each of
-    `rows` activation rows, cycling through distinct copies of the weight of `nbytes` stored bytes in all (default
+                     nbytes: int | None = None, kind: str = "bf16") -> dict:
+    """Seconds per call of the engine's `blocks.linear` through one dense weight of `shape` (out, in), bf16 or
+    block-FP8 (`kind`, as DeepSeek-V3's dense weights: kernels/qweight.BlockFp8Weight), over each of `rows`
+    activation rows, cycling through distinct copies of the weight of `nbytes` stored bytes in all (default
     stream_bytes(): from DRAM, as a step streams them), one copy a call: {"fp32": {rows: s}} as the engine runs by
-    default (the one-row native kernel up to cpu.MAX_TOKENS_BF16 rows, above it the weight upcast slab by slab and
-    torch's fp32 GEMM), and {"bf16": {rows: s}} under compute_dtype("bf16") for the rows that path takes
+    default (bf16: the one-row native kernel up to cpu.MAX_TOKENS_BF16 rows, above it the weight upcast slab by slab
+    and torch's fp32 GEMM; FP8: the native kernel below quant.FP8_NATIVE_MAX_T rows, above it the chunked decode and
+    GEMM), and for bf16 {"bf16": {rows: s}} under compute_dtype("bf16") for the rows that path takes
     (blocks.BF16_MIN_ROWS and more; only with the native kernels)."""
     from moestream.kernels import cpu
+    from moestream.kernels.qweight import BlockFp8Weight
+    from moestream.kernels.quant import FP8_BLOCK
     from moestream.models.blocks import BF16_MIN_ROWS, compute_dtype, linear
 
     out_f, inp = shape
-    ws, _, _, _ = _weights("bf16", out_f, inp, stream_bytes() if nbytes is None else nbytes)
+    ws, _, _, _ = _weights(kind, out_f, inp, stream_bytes() if nbytes is None else nbytes)
+    if kind == "fp8":
+        ws = [BlockFp8Weight.wrap(codes, scale, FP8_BLOCK) for codes, scale in ws]
     got: dict[str, dict[str, float]] = {"fp32": {}, "bf16": {}}
-    modes = ["fp32"] + (["bf16"] if cpu.available() else [])
+    modes = ["fp32"] + (["bf16"] if cpu.available() and kind == "bf16" else [])
     each = seconds / (len(rows) * len(modes))
     for r in rows:
         x = torch.randn(r, inp)
@@ -678,24 +688,35 @@ def probe_bytes(family: str, shape) -> int:
     return sum(nbytes(s) for s in fam.tensors(fam.config(shape, SpecialIds(bos=0, eos=1))))
 
 
+# Families whose narrow probe needs a wider hidden size and experts to take the planned model's kernels: the
+# DeepSeek-V3 synth writes block-FP8 weights whose widths and column tiles are multiples of 64 (the native FP8
+# kernel's, kernels/quant.fp8_native) from hidden 512 (64-wide tiles, latent ranks 128 / 64) and experts 64 wide;
+# at the tiny hidden size every FP8 product took the chunked torch path, about 20 ms a layer step of "overhead"
+# that a DeepSeek-V3 at its published widths never pays (docs/plan.md).
+PROBE_WIDTHS = {"deepseek_v3": {"hidden": 512, "moe_intermediate": 64}}
+
+
 def _tiny(family: str, out: Path, top_k: int, experts: int, widths: dict[str, int]) -> str:
     """Write a small checkpoint of `family` at the planned model's `widths` (hidden size, heads), routing `top_k`
     of `experts` (at most 64) experts per token, with 32-wide experts and a 512-token vocabulary (weights of a few
     MB); where that checkpoint would exceed PROBE_MAX_BYTES (a full-width MLA / KDA model: about 0.5 GB a layer)
-    or the synthesizer cannot take those widths, the heads' widths at the tiny hidden size, else the plain tiny
-    preset. Returns what was written."""
+    or the synthesizer cannot take those widths, the heads' widths at the tiny hidden size (PROBE_WIDTHS' hidden
+    size and expert width for the families named there), else the plain tiny preset. Returns what was written."""
     from dataclasses import replace
 
     from moestream.synth import synthesize
     from moestream.synth.families import preset, synth_family
     from moestream.synth.writer import write_checkpoint
 
-    narrow = {k: v for k, v in widths.items() if k != "hidden"}  # the heads' widths at the tiny hidden size
+    own = PROBE_WIDTHS.get(family, {})
+    # the heads' widths at the tiny hidden size (or the family's own)
+    narrow = {k: v for k, v in widths.items() if k != "hidden"} | {k: v for k, v in own.items() if k == "hidden"}
     for w in ([widths, narrow, {}] if widths else [{}]):
         if not top_k and not w:
             break
         shape = replace(preset("tiny"), name="plan-overhead", top_k=top_k or preset("tiny").top_k,
-                        experts=max(top_k, min(experts or 16, 64)), **w, **({"moe_intermediate": 32} if w else {}))
+                        experts=max(top_k, min(experts or 16, 64)), **w,
+                        **({"moe_intermediate": own.get("moe_intermediate", 32)} if w else {}))
         try:
             if w and (size := probe_bytes(family, shape)) > PROBE_MAX_BYTES:  # full-width MLA / KDA layers
                 raise ValueError(f"{size} bytes at the model's widths")
@@ -740,12 +761,13 @@ def _step_bytes(f) -> int:
 BATCH_ROWS = 128
 
 
-def nearest_dense(tables: dict, shape: tuple[int, int]) -> tuple[str, float] | None:
-    """(the probed dense shape's key nearest `shape` in size, the parameters' ratio shape / probed), or None."""
+def nearest_dense(tables: dict, shape: tuple[int, int], kind: str = "bf16") -> tuple[str, float] | None:
+    """(the probed dense shape's key of format `kind` nearest `shape` in size, the parameters' ratio shape /
+    probed), or None."""
     size = {}
     for k in tables:  # "FORMAT OUTxIN" keys (a seeded file's format-only key names no shape)
         dims = k.split()[-1].split("x")
-        if len(dims) == 2 and all(d.isdigit() for d in dims):
+        if k.split()[0] == kind and len(dims) == 2 and all(d.isdigit() for d in dims):
             size[k] = max(1, int(dims[0]) * int(dims[1]))
     if not size:
         return None
@@ -769,12 +791,12 @@ def interp_rows(table: dict[str, float], x: float) -> float:
 
 
 def dense_rows_s(shapes: dict[tuple[str, int, int], int], tables: dict, rows: float, compute: str = "fp32") -> float:
-    """Seconds of the bf16 dense weights `shapes` ((format, out, in) -> count) over `rows` rows by the dense probe's
-    `tables` (shape key -> {precision: {rows: s}}): each at the probed shape nearest in size, scaled by its
-    parameters; 0 without tables."""
+    """Seconds of the bf16 and block-FP8 dense weights `shapes` ((format, out, in) -> count) over `rows` rows by the
+    dense probe's `tables` (shape key -> {precision: {rows: s}}): each at the probed shape of its format nearest in
+    size, scaled by its parameters; 0 without tables."""
     t = 0.0
     for (kind, o, i), n in shapes.items():
-        got = nearest_dense(tables, (o, i)) if kind == "bf16" else None
+        got = nearest_dense(tables, (o, i), kind) if kind in DENSE_KINDS else None
         if got is None:
             continue
         by = tables[got[0]]
@@ -945,13 +967,13 @@ class Calibrator:
 
     def rates(self, kinds: set[str], model_type: str, top_k: int = 0, experts: int = 0,
               shapes: dict[str, tuple[int, int]] | None = None, widths: dict[str, int] | None = None,
-              glu_shape: tuple[int, int] | None = None, dense_shapes: list[tuple[int, int]] | None = None,
+              glu_shape: tuple[int, int] | None = None, dense_shapes: list[tuple[str, int, int]] | None = None,
               kv_dtype: str = "fp32", glu_codec: str = "", compute: str = "fp32") -> Rates:
         """The rates for weights of `kinds` (each probed at `shapes[kind]`, the model's matrix shape for it, else
         DEFAULT_SHAPE), the fp32 GEMM, memory, and the family's overhead at `top_k`; with `glu_shape` (a bf16 GLU
         expert's (inter, hidden)) the fused expert kernel over top_k of them, over many rows in fp32 and bf16
-        compute; `dense_shapes`: bf16 dense weights' (out, in) to time over DENSE_ROWS rows in both precisions
-        (dense_rows_times); `kv_dtype` other than fp32: its cache storage's cost (kv_probe); measured where
+        compute; `dense_shapes`: bf16 and block-FP8 dense weights' (format, out, in) to time over DENSE_ROWS rows
+        (dense_rows_times: bf16 in both precisions); `kv_dtype` other than fp32: its cache storage's cost (kv_probe); measured where
         missing. `glu_codec` "b12": the routed experts are b12-coded (a `pack --codec b12` checkpoint), so the fused
         expert kernel is probed over coded experts (rates in their coded bytes). `compute` "bf16": MXFP4 weights'
         one-row rate is their bf16 call's (MXFP4_BF16), as --compute-dtype bf16 runs them at every row count."""
@@ -996,14 +1018,15 @@ class Calibrator:
                          f"{min(g['group'][mid] for g in got) * 1e3:.3g}-{max(g['group'][mid] for g in got) * 1e3:.3g}"
                          f" ms an expert), {self._stamp()}")
         dense_keys = {}  # shape key -> the cache's entry for it
-        for shape in dict.fromkeys(dense_probe_shape(sh) for sh in (dense_shapes or [])):
-            dkey = dense_keys[shape_key("bf16", shape)] = shape_key("bf16", shape)
-            if dkey not in e.setdefault("dense_rows", {}) and "bf16" in e["dense_rows"]:
-                dense_keys[dkey] = "bf16"  # stated for any shape (seeded files)
+        for dkind, shape in dict.fromkeys((k, dense_probe_shape((o, i), k)) for k, o, i in (dense_shapes or [])):
+            dkey = dense_keys[shape_key(dkind, shape)] = shape_key(dkind, shape)
+            if dkey not in e.setdefault("dense_rows", {}) and dkind in e["dense_rows"]:
+                dense_keys[dkey] = dkind  # stated for any shape (seeded files)
                 continue
             if dkey not in e["dense_rows"]:
-                self.log(f"calibrating: dense {dkey} over {', '.join(map(str, DENSE_ROWS))} rows, fp32 and bf16")
-                got = [dense_rows_times(shape, self.seconds / 2) for _ in range(max(1, self.rounds))]
+                self.log(f"calibrating: dense {dkey} over {', '.join(map(str, DENSE_ROWS))} rows" +
+                         (", fp32 and bf16" if dkind == "bf16" else ""))
+                got = [dense_rows_times(shape, self.seconds / 2, kind=dkind) for _ in range(max(1, self.rounds))]
                 e["dense_rows"][dkey] = {c: {r: statistics.median(g[c][r] for g in got) for r in got[0][c]}
                                          for c in got[0]}
                 src[f"dense {dkey}"] = (f"median of {len(got)} rounds (1 row: "

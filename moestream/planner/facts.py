@@ -14,7 +14,7 @@ from moestream.engine.engine import ModelPlan, plan
 from moestream.engine.residency import EMBED, HEAD, layer_of
 from moestream.errors import BudgetError
 from moestream.info import BudgetFit, ModelInfo, budget_fit, info_from_plan, tensor_params
-from moestream.planner.calibrate import DENSE_SHAPES_MAX, model_widths
+from moestream.planner.calibrate import DENSE_KINDS, DENSE_SHAPES_MAX, model_widths
 from moestream.planner.state import StateShape, state_shape
 
 _KIND = {"BF16": "bf16", "F16": "bf16", "F32": "f32", "F8_E4M3": "fp8", "U8": "mxfp4", "I32": "int4"}
@@ -61,14 +61,16 @@ class ModelFacts:
             shapes[self.expert_kind] = (max(1, round(self.expert_params / 3 / self.hidden)), self.hidden)
         return shapes
 
-    def dense_probe_shapes(self, most: int = DENSE_SHAPES_MAX) -> list[tuple[int, int]]:
-        """(out, in) of the bf16 dense weights calibration times over many rows: the `most` shapes holding the most
-        bytes, and the lm_head's."""
-        bf16 = sorted(((n * o * i, (o, i)) for (k, o, i), n in self.dense_shapes.items() if k == "bf16"),
-                      reverse=True)
-        shapes = [sh for _, sh in bf16[:most]]
-        if self.head_shape is not None and self.head_kind == "bf16":
-            shapes.append(self.head_shape)
+    def dense_probe_shapes(self, most: int = DENSE_SHAPES_MAX) -> list[tuple[str, int, int]]:
+        """(format, out, in) of the bf16 and block-FP8 dense weights calibration times over many rows: per format
+        the `most` shapes holding the most bytes, and the lm_head's."""
+        shapes = []
+        for kind in DENSE_KINDS:
+            own = sorted(((n * o * i, (kind, o, i)) for (k, o, i), n in self.dense_shapes.items() if k == kind),
+                         reverse=True)
+            shapes += [sh for _, sh in own[:most]]
+        if self.head_shape is not None and self.head_kind in DENSE_KINDS:
+            shapes.append((self.head_kind, *self.head_shape))
         return list(dict.fromkeys(shapes))
 
     def glu_shape(self) -> tuple[int, int] | None:

@@ -44,7 +44,7 @@ from moestream.experts.dispatch import NATIVE_MAX_ROWS, SCAN_SHARE, scan_window
 from moestream.kernels.cpu import MAX_TOKENS_BF16, MAX_TOKENS_MXFP4
 from moestream.kernels.quant import FP8_NATIVE_MAX_T, INT4_NATIVE_MAX_T
 from moestream.models.blocks import BF16_GLU_MIN_ROWS, BF16_MIN_ROWS
-from moestream.planner.calibrate import Rates, interp_rows, nearest_dense
+from moestream.planner.calibrate import DENSE_KINDS, Rates, interp_rows, nearest_dense
 from moestream.planner.facts import ModelFacts
 from moestream.planner.skew import (Skew, binomial_spread, distinct, first_use, replay_batch, replay_decode,
                                      single_row, split_cache)
@@ -298,13 +298,13 @@ class Scenario:
             wait += share * max(0.0, pages + m * read + last - work)
         return f.moe_layers * cpu, f.moe_layers * wait
 
-    def dense_time(self, shape: tuple[int, int], rows: float) -> float | None:
-        """Seconds of one bf16 dense weight of `shape` (out, in) over `rows` rows, from the dense probe
-        (calibrate.dense_rows_times) at the probed shape nearest in size, scaled by the parameters' ratio, linear
-        between the probed row counts and beyond the last; in bf16 compute (--compute-dtype bf16) from
-        blocks.BF16_MIN_ROWS rows. None where no dense shape was probed."""
+    def dense_time(self, shape: tuple[int, int], rows: float, kind: str = "bf16") -> float | None:
+        """Seconds of one bf16 or block-FP8 (`kind`) dense weight of `shape` (out, in) over `rows` rows, from the
+        dense probe (calibrate.dense_rows_times) at the probed shape of that format nearest in size, scaled by the
+        parameters' ratio, linear between the probed row counts and beyond the last; bf16 weights in bf16 compute
+        (--compute-dtype bf16) from blocks.BF16_MIN_ROWS rows. None where no dense shape was probed."""
         tables = self.rates.dense_rows
-        got = nearest_dense(tables, shape)
+        got = nearest_dense(tables, shape, kind)
         if got is None:
             return None
         by = tables[got[0]]
@@ -315,18 +315,19 @@ class Scenario:
 
     def _dense_shapes(self, rows: float) -> tuple[float, dict[str, float], float]:
         """(seconds, bytes by format, parameters) of the dense weights the dense probe prices at `rows` rows: every
-        bf16 dense weight over several rows; at one row only those of DENSE_OWN_MIN_BYTES or more (the smaller
-        ones keep the one-row kernel's rate: the engine's decode layer multiplies them in fused native calls,
-        whose per-call cost the overhead probe measures)."""
+        bf16 and block-FP8 dense weight over several rows; at one row only those of DENSE_OWN_MIN_BYTES or more (the
+        smaller ones keep the one-row kernel's rate: the engine's decode layer multiplies them in fused native
+        calls, whose per-call cost the overhead probe measures)."""
         t, nbytes, params = 0.0, {}, 0.0
         for (kind, o, i), n in self.facts.dense_shapes.items():
-            if kind != "bf16" or (rows <= 1 and 2 * o * i < DENSE_OWN_MIN_BYTES):
+            size = DENSE_KINDS.get(kind, 0) * o * i
+            if not size or (rows <= 1 and size < DENSE_OWN_MIN_BYTES):
                 continue
-            got = self.dense_time((o, i), rows)
+            got = self.dense_time((o, i), rows, kind)
             if got is None:
                 continue
             t += n * got
-            nbytes[kind] = nbytes.get(kind, 0.0) + n * 2.0 * o * i
+            nbytes[kind] = nbytes.get(kind, 0.0) + n * float(size)
             params += n * o * i
         return t, nbytes, params
 
@@ -334,8 +335,9 @@ class Scenario:
         """The lm_head over `rows` rows: the dense probe at its shape where measured (several rows, or one row of a
         head of DENSE_OWN_MIN_BYTES or more), else the format's one-row / expansion rule."""
         f = self.facts
-        if f.head_shape is not None and f.head_kind == "bf16" and (rows > 1 or f.head_bytes >= DENSE_OWN_MIN_BYTES):
-            got = self.dense_time(f.head_shape, rows)
+        if f.head_shape is not None and f.head_kind in DENSE_KINDS \
+                and (rows > 1 or f.head_bytes >= DENSE_OWN_MIN_BYTES):
+            got = self.dense_time(f.head_shape, rows, f.head_kind)
             if got is not None:
                 return got
         return self._weights(f.head_bytes, f.head_kind, f.head_params, rows)

@@ -54,9 +54,11 @@ def dims_for(p: Preset) -> V3Dims:
                          "first_dense": min(REAL.first_dense, p.layers - 1)})
     h, e = p.hidden, p.experts
     groups = 4 if e % 4 == 0 else 1
+    # FP8 tiles: the published 128 from hidden 1024, 64 from 512 (the native kernel's widths: plan's overhead probe),
+    # 32 below (ragged tiles in the tiny test checkpoints)
     return V3Dims(h, p.layers, p.vocab, 3 * h, p.moe_intermediate, e, p.top_k, groups, max(1, groups // 2), 1,
                   p.heads, max(16, h // 4), max(16, h // 8), p.head_dim, p.head_dim // 2, p.head_dim, 1,
-                  128 if h >= 1024 else 32)
+                  128 if h >= 1024 else 64 if h >= 512 else 32)
 
 
 def v3_config(d: V3Dims, ids: SpecialIds) -> dict:
