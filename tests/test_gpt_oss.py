@@ -170,3 +170,40 @@ def test_mxfp4_streams_packed_bytes(mxfp4_ckpt):
     gate_up = 128 * 64 // 2 + 128 * 2 + 128 * 2  # codes + scales + bf16 bias
     down = 64 * 64 // 2 + 64 * 2 + 64 * 2
     assert plan(path).store.expert_nbytes(2, 11) == gate_up + down
+
+
+@pytest.mark.parametrize("compute", ["fp32", "bf16"])
+def test_grouped_experts_are_the_one_by_one_bits(mxfp4_ckpt, monkeypatch, compute):
+    """A step's resident MXFP4 experts in two native calls (gpt_oss.expert_group: gate_up of all, biases and the
+    clamped SwiGLU, down of all) give the same logits, to the bit, as expert by expert: prefill (experts of more
+    rows than the native kernel takes go one by one inside it), a batched step and decode, in fp32 and bf16
+    compute."""
+    from moestream.kernels import cpu
+    from moestream.models import gpt_oss
+
+    if not cpu.available():
+        pytest.skip("no native kernels here")
+    path, _ = mxfp4_ckpt
+    calls = []
+    real = cpu.linear_mxfp4_ptrs
+    monkeypatch.setattr(cpu, "linear_mxfp4_ptrs", lambda *a, **kw: calls.append(len(a[0])) or real(*a, **kw))
+    a, b = prompt_ids(VOCAB, 200, seed=3), prompt_ids(VOCAB, 9, seed=4)
+
+    def run():
+        eng = Engine.open(path, compute_dtype=compute)
+        eng.logits(a[:20])  # the experts read: later steps' experts are resident (the grouped call's)
+        warm = eng.logits(a)  # 50 rows an expert on average: past the native kernel's 32 for some
+        sa, sb = eng.new_sequence(), eng.new_sequence()
+        both = eng.step([(sa, a[:40]), (sb, b)])
+        tokens = eng.generate(b, 12, stop_token_ids=[])
+        return warm, both, tokens
+
+    grouped = run()
+    assert calls and max(calls) > 2
+    n = len(calls)
+    monkeypatch.setattr(gpt_oss, "expert_group", lambda *args, **kw: False)
+    alone = run()
+    assert len(calls) == n  # the declining group: every expert went one by one
+    assert torch.equal(grouped[0], alone[0])
+    assert all(torch.equal(x, y) for x, y in zip(grouped[1], alone[1]))
+    assert grouped[2] == alone[2]

@@ -12,10 +12,11 @@ import torch
 
 from moestream.errors import UnsupportedModelError
 from moestream.experts.store import PartSpec
-from moestream.kernels.quant import mxfp4_linear
+from moestream.kernels import cpu
+from moestream.kernels.quant import check_mxfp4_scales, mxfp4_linear
 from moestream.models.attention import GQAMixer, gqa_dims
 from moestream.models.base import ExpertLayout, Family, Layer, ModelContext, routed, router, standard_model
-from moestream.models.blocks import BiasedRouter, mxfp4_bf16
+from moestream.models.blocks import BiasedRouter, mxfp4_bf16, routed_spans
 from moestream.models.rope import build_rope
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -86,6 +87,86 @@ def expert_fn(x: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
     return _project(clamped_swiglu(_project(x, t, "gate_up")), t, "down")
 
 
+_PARTS = ("gate_up_blocks", "gate_up_scales", "gate_up_bias", "down_blocks", "down_scales", "down_bias")
+
+
+def _group_pointers(t, inter: int, hidden: int) -> tuple[int, ...] | None:
+    """Addresses of an MXFP4 expert's gate_up / down codes and scales, after checking every part's dtype, shape
+    and contiguity (the native call reads every expert with one shape: a malformed one would be read out of
+    bounds), else None. Cached on a blob's PartViews (its views live as long as the blob)."""
+    cached = getattr(t, "ptrs", None)
+    if cached is not None and cached[0] == "gpt_oss":
+        return cached[1]
+    want = {"gate_up_blocks": (2 * inter, hidden // 32, 16), "gate_up_scales": (2 * inter, hidden // 32),
+            "gate_up_bias": (2 * inter,), "down_blocks": (hidden, inter // 32, 16),
+            "down_scales": (hidden, inter // 32), "down_bias": (hidden,)}
+    ok = all(n in t and tuple(t[n].shape) == shape and t[n].is_contiguous()
+             and (t[n].dtype == torch.uint8) == (not n.endswith("bias")) for n, shape in want.items())
+    ptrs = tuple(t[n].data_ptr() for n in _PARTS if not n.endswith("bias")) if ok else None
+    if hasattr(t, "ptrs"):
+        t.ptrs = ("gpt_oss", ptrs)
+    return ptrs
+
+
+def expert_group(x, ids, weights, experts, tensors, out, counts=None) -> bool:
+    """The runner's grouped call for a layer step's resident MXFP4 experts: each row through its routed experts,
+    gate_up of all of them in one native call and down of all in another (kernels.cpu.linear_mxfp4_ptrs), the
+    biases and clamped SwiGLU between, an expert's rows the same bits as expert_fn gives them; experts of more
+    rows than the native kernel takes go through expert_fn inside it. Declines (the runner then goes expert by
+    expert) without the native kernels, for float experts (save_pretrained's layout) or parts of other shapes."""
+    first = tensors[0]
+    if x.requires_grad or not cpu.available() or "gate_up_blocks" not in first or x.shape[1] % 32:
+        return False
+    hidden, inter = x.shape[1], first["gate_up_blocks"].shape[0] // 2
+    ptrs = [_group_pointers(t, inter, hidden) for t in tensors]
+    if inter % 32 or any(p is None for p in ptrs):
+        return False
+    k = ids.shape[1]
+    sel, spans = routed_spans(ids, experts)
+    rows = sel // k
+    xr = x.index_select(0, rows).float().contiguous()  # [R, hidden], grouped by expert
+    y = torch.empty(sel.numel(), hidden, dtype=torch.float32)
+    few = [s for s in spans if s[2] <= cpu.MAX_TOKENS_MXFP4]
+    if few:
+        bf16 = mxfp4_bf16()
+        slot = torch.cat([torch.full((c,), i, dtype=torch.long) for i, (_, _, c) in enumerate(few)])
+        at = torch.cat([torch.arange(s, s + c) for _, s, c in few])
+        gu = torch.empty(slot.numel(), 2 * inter, dtype=torch.float32)
+        xf = xr.index_select(0, at) if len(few) < len(spans) else xr
+        xp, gp = xf.data_ptr(), gu.data_ptr()
+        starts = [0]
+        for _, _, c in few:
+            starts.append(starts[-1] + c)
+        counts_ = [c for _, _, c in few]
+        bad = cpu.linear_mxfp4_ptrs([xp + s * hidden * 4 for s in starts[:-1]], counts_,
+                                    [ptrs[j][0] for j, _, _ in few], [ptrs[j][1] for j, _, _ in few],
+                                    [gp + s * 2 * inter * 4 for s in starts[:-1]], 2 * inter, hidden, bf16=bf16)
+        if bad >= 0:
+            check_mxfp4_scales(tensors[few[bad][0]]["gate_up_scales"])  # raises the 0xFF scale error
+        gu += torch.stack([tensors[j]["gate_up_bias"].float() for j, _, _ in few]).index_select(0, slot)
+        h = clamped_swiglu(gu).contiguous()  # [R, inter]
+        yf = torch.empty(slot.numel(), hidden, dtype=torch.float32)
+        hp, yp = h.data_ptr(), yf.data_ptr()
+        bad = cpu.linear_mxfp4_ptrs([hp + s * inter * 4 for s in starts[:-1]], counts_,
+                                    [ptrs[j][2] for j, _, _ in few], [ptrs[j][3] for j, _, _ in few],
+                                    [yp + s * hidden * 4 for s in starts[:-1]], hidden, inter, bf16=bf16)
+        if bad >= 0:
+            check_mxfp4_scales(tensors[few[bad][0]]["down_scales"])
+        yf += torch.stack([tensors[j]["down_bias"].float() for j, _, _ in few]).index_select(0, slot)
+        y[at] = yf
+    for j, start, count in spans:
+        if count > cpu.MAX_TOKENS_MXFP4:
+            y[start:start + count] = expert_fn(xr[start:start + count], tensors[j])
+    if out.dim() == 3:  # the batch-invariant runner's per-slot outputs
+        out[rows, sel % k] = y
+    else:
+        out.index_add_(0, rows, y * weights.reshape(-1)[sel].float().unsqueeze(-1))
+    return True
+
+
+expert_group.pairs = True  # type: ignore[attr-defined]  # takes the runner's batch-invariant [T, k, D] out
+
+
 def build(cfg: GptOssConfig, ctx: ModelContext):
     w = ctx.weights
     rope = build_rope(cfg.raw, cfg.head_dim)
@@ -106,7 +187,7 @@ def _moe(cfg: GptOssConfig, ctx: ModelContext, i: int):
 
     def ffn(x: torch.Tensor) -> torch.Tensor:
         ids, weights = route(x)  # [T, k]
-        return ctx.experts.run(i, x, ids, weights, expert_fn)
+        return ctx.experts.run(i, x, ids, weights, expert_fn, group=expert_group)
 
     return ffn
 
