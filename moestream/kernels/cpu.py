@@ -660,10 +660,17 @@ def linear_fp8(x: Tensor, weight: Tensor, scale_inv: Tensor, block: tuple[int, i
     if not codes.is_contiguous() or tuple(scales.shape) != want:
         raise ValueError(f"linear_fp8 wants contiguous codes [N, K] and scale_inv {want}, got {tuple(scales.shape)}")
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    if handle.ms_linear_fp8(x2.data_ptr(), x2.shape[0], k, codes.data_ptr(), n, scales.data_ptr(), block[0],
-                            block[1], out.data_ptr(), min_rows_per_thread):
-        raise ValueError(f"linear_fp8 wants K ({k}) and the column block ({block[1]}) multiples of 64")
+    _fp8_code(handle.ms_linear_fp8(x2.data_ptr(), x2.shape[0], k, codes.data_ptr(), n, scales.data_ptr(),
+                                   block[0], block[1], out.data_ptr(), min_rows_per_thread), "linear_fp8", k, block)
     return out
+
+
+def _fp8_code(code: int, what: str, k: int, block: tuple[int, int]) -> None:
+    """Raise for a native FP8 call's return code (0: done)."""
+    if code == -1:
+        raise MemoryError(f"native FP8 kernel ({what}) could not allocate its input scratch")
+    if code:
+        raise ValueError(f"{what} wants K ({k}) and the column block ({block[1]}) multiples of 64")
 
 
 def linear_fp8_heads(x: Tensor, codes: Tensor, scales: Tensor, head_rows: int, row0: int, rows: int,
@@ -687,10 +694,7 @@ def linear_fp8_heads(x: Tensor, codes: Tensor, scales: Tensor, head_rows: int, r
     code = handle.ms_linear_fp8_heads(x3.data_ptr(), h, t, k, codes8.data_ptr() + row0 * k, head_rows * k, rows,
                                       s32.data_ptr() + 4 * (row0 // br) * sk, (head_rows // br) * sk, br, bc,
                                       out.data_ptr(), min_rows_per_thread)
-    if code == -1:
-        raise MemoryError("native FP8 kernel could not allocate its entry table")
-    if code:
-        raise ValueError(f"linear_fp8_heads wants K ({k}) and the column block ({bc}) multiples of 64")
+    _fp8_code(code, "linear_fp8_heads", k, block)
     return out
 
 
@@ -702,10 +706,9 @@ def linear_fp8_ptrs(xs: Sequence[int], tokens: Sequence[int], codes: Sequence[in
     scale_inv [ceil(n / block[0]), ceil(k / block[1])]); k and block[1] multiples of 64. All entries' rows split
     over the threads together; each (row, token) the same bits as linear_fp8 gives it. The caller keeps the
     tensors alive."""
-    if required().ms_linear_fp8_ptrs(len(xs), _addresses(xs), _addresses(tokens), _addresses(codes),
-                                     _addresses(scales), _addresses(outs), n, k, block[0], block[1],
-                                     min_rows_per_thread):
-        raise ValueError(f"linear_fp8_ptrs wants K ({k}) and the column block ({block[1]}) multiples of 64")
+    _fp8_code(required().ms_linear_fp8_ptrs(len(xs), _addresses(xs), _addresses(tokens), _addresses(codes),
+                                            _addresses(scales), _addresses(outs), n, k, block[0], block[1],
+                                            min_rows_per_thread), "linear_fp8_ptrs", k, block)
 
 
 def linear_int4_ptrs(xs: Sequence[int], tokens: Sequence[int], packed: Sequence[int], scales: Sequence[int],
