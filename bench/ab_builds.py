@@ -3,6 +3,7 @@ side, their calls alternated round by round so that the shared machine's drift h
 
     python bench/ab_builds.py glu [--codec b12|bf16] [--tokens 1] [--experts 256] [--threads 2] [--rounds 8] NAME:FLAGS ...
     python bench/ab_builds.py dense [--codec b12|bf16] [--tokens 16] [--threads 2] [--rounds 8] NAME:FLAGS NAME:FLAGS ...
+    python bench/ab_builds.py fp8|int4 [--tokens 1] [--threads 2] [--rounds 8] NAME:FLAGS NAME:FLAGS ...
 
 e.g. `python bench/ab_builds.py glu old:"-DGLU_ROWS_ONE=16 -DDOWN_CHUNK_ONE=64" new:` (an empty FLAGS is the
 tree's own settings). The first build is the baseline of the ratios.
@@ -98,25 +99,70 @@ def dense_case(tokens: int, codec: str = "bf16", layers: int = 32):
     return work, (tokens, 1536), 2 * tokens * layers * sum(n * k for n, k in shapes), ws
 
 
+def fp8_case(tokens: int, copies: int = 12):
+    """(work(lib, out), out shape, bytes a pass): `tokens` rows through DeepSeek-V3-shaped block-FP8 weights
+    (2048 x 7168 and 7168 x 2048, 128 x 128 tiles, `copies` of each: 350 MB past the last-level cache) by
+    ms_linear_fp8, as a decode step streams its FP8 dense weights and experts."""
+    from moestream.kernels import quant
+
+    g = torch.Generator().manual_seed(0)
+    ws = []
+    for n, k in ((2048, 7168), (7168, 2048)):
+        codes, scale = quant.quantize_fp8_block(torch.randn(n, k, generator=g) * 0.02)
+        ws += [(codes.clone(), scale.clone(), n, k) for _ in range(copies)]
+    xs = {k: torch.randn(tokens, k, generator=g) for k in (7168, 2048)}
+
+    def work(lib: ctypes.CDLL, out: torch.Tensor) -> None:
+        for codes, scale, n, k in ws:
+            lib.ms_linear_fp8(xs[k].data_ptr(), tokens, k, codes.data_ptr(), n, scale.data_ptr(), 128, 128,
+                              out.data_ptr(), 16)
+
+    return work, (tokens, 7168), sum(c.numel() for c, _, _, _ in ws), ws
+
+
+def int4_case(tokens: int, copies: int = 24):
+    """(work(lib, out), out shape, bytes a pass): `tokens` rows through Kimi K2 expert-shaped int4 weights (2048 x
+    7168 and 7168 x 2048, groups of 32 with bf16 scales, `copies` of each: 370 MB) by ms_linear_int4."""
+    from moestream.kernels import quant
+
+    g = torch.Generator().manual_seed(0)
+    ws = []
+    for n, k in ((2048, 7168), (7168, 2048)):
+        packed, scale = quant.pack_int4(torch.randn(n, k, generator=g) * 0.02)
+        ws += [(packed.clone(), scale.clone(), n, k) for _ in range(copies)]
+    xs = {k: torch.randn(tokens, k, generator=g) for k in (7168, 2048)}
+
+    def work(lib: ctypes.CDLL, out: torch.Tensor) -> None:
+        for packed, scale, n, k in ws:
+            lib.ms_linear_int4(xs[k].data_ptr(), tokens, k, packed.data_ptr(), scale.data_ptr(), 1, n,
+                               out.data_ptr(), 16)
+
+    return work, (tokens, 7168), sum(p.numel() * 4 + s.numel() * 2 for p, s, _, _ in ws), ws
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kind", choices=("glu", "dense"))
+    ap.add_argument("kind", choices=("glu", "dense", "fp8", "int4"))
     ap.add_argument("builds", nargs="+", help="NAME:FLAGS (FLAGS: -D settings, may be empty)")
     ap.add_argument("--codec", choices=("b12", "bf16"), default="b12")
     ap.add_argument("--tokens", type=int, default=None,
-                    help="rows: dense, the product's (default 16); glu, each expert's (default 1)")
+                    help="rows: dense, the product's (default 16); glu, each expert's (default 1); fp8, the "
+                         "product's (default 1); int4, the same")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--experts", type=int, default=256,
                     help="glu: the pool's experts (256: past the last-level cache; 8: one call's, in cache)")
     a = ap.parse_args()
     builds = [b.split(":", 1) if ":" in b else (b, "") for b in a.builds]
-    a.tokens = a.tokens or (1 if a.kind == "glu" else 16)
+    a.tokens = a.tokens or (16 if a.kind == "dense" else 1)
     with tempfile.TemporaryDirectory(prefix="ab_builds-") as tmp:
         libs = {name: build(name, flags, Path(tmp), a.threads) for name, flags in builds}
         if a.kind == "glu":
             work, shape, amount, _keep = glu_case(a.codec, a.tokens, a.experts)
             unit, what = 1e9, f"GB/s of {a.codec} weights, {a.tokens} rows an expert"
+        elif a.kind in ("fp8", "int4"):
+            work, shape, amount, _keep = (fp8_case if a.kind == "fp8" else int4_case)(a.tokens)
+            unit, what = 1e9, f"GB/s of {a.kind} weights and scales, {a.tokens} rows"
         else:
             work, shape, amount, _keep = dense_case(a.tokens, a.codec)
             unit, what = 1e9, f"GFLOP/s at {a.tokens} rows"

@@ -16,6 +16,16 @@
 #ifndef FP8_PF
 #define FP8_PF 2048 /* bytes ahead of a row's read that each 64-byte step prefetches */
 #endif
+#ifndef FP8_PF_ONE
+/* one token: prefetch this far ahead into L2 instead (x, up to 28 KiB a 7168-wide row, keeps L1): in alternated
+ * builds over 350 MB of DeepSeek-V3-shaped weights, 2 threads (bench/ab_builds.py fp8), 4 KiB into L2 ran 1.11x,
+ * 1.25x and 1.18x (12 rounds) the 2 KiB into L1, 2 KiB into L2 1.06x, 4 KiB into L3 1.22x; at 2 tokens the same, at
+ * 4 tokens 0.92x (so calls of 2+ tokens keep L1). int4 rows (bench/ab_builds.py int4) gained nothing from it. */
+#define FP8_PF_ONE 4096
+#endif
+#ifndef FP8_ONE_HINT
+#define FP8_ONE_HINT _MM_HINT_T1
+#endif
 #define FP8_TT 4    /* tokens a pass over a row */
 #ifndef FP8_PAIR_X
 /* two rows a pass (x read once for both) for one or two tokens whose x takes more than this many bytes, about
@@ -51,7 +61,7 @@ INLINE __m512 fp8_16(const uint8_t *p) {
  * stride ldx) -> out[t * ldo + r]. Two rows a pass read x once for both (one token's x of a 7168-wide row is 28
  * KiB, about L1); each (row, token) sums in the same order for any R. */
 INLINE void fp8_rows(const float *x, int64_t ldx, const uint8_t *w, int64_t K, int64_t bc, const float *const *srow,
-                     float *out, int64_t ldo, const int R, const int TT) {
+                     float *out, int64_t ldo, const int R, const int TT, const int ONE) {
     __m512 tot[2][FP8_TT];
 #pragma GCC unroll 2
     for (int r = 0; r < R; r++)
@@ -68,7 +78,10 @@ INLINE void fp8_rows(const float *x, int64_t ldx, const uint8_t *w, int64_t K, i
                 for (int t = 0; t < TT; t++) acc[j][r][t] = _mm512_setzero_ps();
         for (int64_t k = k0; k < k1; k += 64) {
 #pragma GCC unroll 2
-            for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + r * K + k) + FP8_PF, _MM_HINT_T0);
+            for (int r = 0; r < R; r++) {
+                if (ONE) _mm_prefetch((const char *)(w + r * K + k) + FP8_PF_ONE, FP8_ONE_HINT);
+                else _mm_prefetch((const char *)(w + r * K + k) + FP8_PF, _MM_HINT_T0);
+            }
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
                 __m512 wv[2];
@@ -123,18 +136,20 @@ static void fp8_part(void *arg, int part, int parts) {
             const int tt = (int)(T - t0 < FP8_TT ? T - t0 : FP8_TT);
             const float *x = j->x[e] + t0 * j->K;
             float *o = j->out[e] + t0 * j->N + n;
-#define FP8_CASE(RR, TT) fp8_rows(x, j->K, w, j->K, j->bc, srow, o, j->N, RR, TT)
+#define FP8_CASE(RR, TT) fp8_rows(x, j->K, w, j->K, j->bc, srow, o, j->N, RR, TT, 0)
+#define FP8_ONE(RR) fp8_rows(x, j->K, w, j->K, j->bc, srow, o, j->N, RR, 1, 1) /* the entry's one token */
             if (R == 2) {
-                if (tt == 1) FP8_CASE(2, 1); else FP8_CASE(2, 2);
+                if (T == 1) FP8_ONE(2); else if (tt == 1) FP8_CASE(2, 1); else FP8_CASE(2, 2);
             } else {
                 switch (tt) {
-                    case 1: FP8_CASE(1, 1); break;
+                    case 1: if (T == 1) FP8_ONE(1); else FP8_CASE(1, 1); break;
                     case 2: FP8_CASE(1, 2); break;
                     case 3: FP8_CASE(1, 3); break;
                     default: FP8_CASE(1, 4); break;
                 }
             }
 #undef FP8_CASE
+#undef FP8_ONE
         }
         r += R;
     }
