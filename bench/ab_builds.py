@@ -99,45 +99,32 @@ def dense_case(tokens: int, codec: str = "bf16", layers: int = 32):
     return work, (tokens, 1536), 2 * tokens * layers * sum(n * k for n, k in shapes), ws
 
 
-def fp8_case(tokens: int, copies: int = 12):
-    """(work(lib, out), out shape, bytes a pass): `tokens` rows through DeepSeek-V3-shaped block-FP8 weights
-    (2048 x 7168 and 7168 x 2048, 128 x 128 tiles, `copies` of each: 350 MB past the last-level cache) by
-    ms_linear_fp8, as a decode step streams its FP8 dense weights and experts."""
+def quant_case(kind: str, tokens: int):
+    """(work(lib, out), out shape, bytes a pass): `tokens` rows through DeepSeek-V3 / Kimi K2 expert-shaped weights
+    (2048 x 7168 and 7168 x 2048) past the last-level cache, as a decode step streams them: `fp8` block-FP8 (128 x
+    128 tiles, 12 copies of each: 350 MB) by ms_linear_fp8, `int4` pack-quantized (groups of 32, bf16 scales, 24
+    copies: 370 MB) by ms_linear_int4."""
     from moestream.kernels import quant
 
     g = torch.Generator().manual_seed(0)
     ws = []
     for n, k in ((2048, 7168), (7168, 2048)):
-        codes, scale = quant.quantize_fp8_block(torch.randn(n, k, generator=g) * 0.02)
-        ws += [(codes.clone(), scale.clone(), n, k) for _ in range(copies)]
+        dense = torch.randn(n, k, generator=g) * 0.02
+        codes, scale = quant.quantize_fp8_block(dense) if kind == "fp8" else quant.pack_int4(dense)
+        ws += [(codes.clone(), scale.clone(), n, k) for _ in range(12 if kind == "fp8" else 24)]
     xs = {k: torch.randn(tokens, k, generator=g) for k in (7168, 2048)}
 
     def work(lib: ctypes.CDLL, out: torch.Tensor) -> None:
         for codes, scale, n, k in ws:
-            lib.ms_linear_fp8(xs[k].data_ptr(), tokens, k, codes.data_ptr(), n, scale.data_ptr(), 128, 128,
-                              out.data_ptr(), 16)
+            if kind == "fp8":
+                lib.ms_linear_fp8(xs[k].data_ptr(), tokens, k, codes.data_ptr(), n, scale.data_ptr(), 128, 128,
+                                  out.data_ptr(), 16)
+            else:
+                lib.ms_linear_int4(xs[k].data_ptr(), tokens, k, codes.data_ptr(), scale.data_ptr(), 1, n,
+                                   out.data_ptr(), 16)
 
-    return work, (tokens, 7168), sum(c.numel() for c, _, _, _ in ws), ws
-
-
-def int4_case(tokens: int, copies: int = 24):
-    """(work(lib, out), out shape, bytes a pass): `tokens` rows through Kimi K2 expert-shaped int4 weights (2048 x
-    7168 and 7168 x 2048, groups of 32 with bf16 scales, `copies` of each: 370 MB) by ms_linear_int4."""
-    from moestream.kernels import quant
-
-    g = torch.Generator().manual_seed(0)
-    ws = []
-    for n, k in ((2048, 7168), (7168, 2048)):
-        packed, scale = quant.pack_int4(torch.randn(n, k, generator=g) * 0.02)
-        ws += [(packed.clone(), scale.clone(), n, k) for _ in range(copies)]
-    xs = {k: torch.randn(tokens, k, generator=g) for k in (7168, 2048)}
-
-    def work(lib: ctypes.CDLL, out: torch.Tensor) -> None:
-        for packed, scale, n, k in ws:
-            lib.ms_linear_int4(xs[k].data_ptr(), tokens, k, packed.data_ptr(), scale.data_ptr(), 1, n,
-                               out.data_ptr(), 16)
-
-    return work, (tokens, 7168), sum(p.numel() * 4 + s.numel() * 2 for p, s, _, _ in ws), ws
+    return work, (tokens, 7168), sum(c.numel() * c.element_size() + s.numel() * s.element_size()
+                                     for c, s, _, _ in ws), ws
 
 
 def main() -> None:
@@ -161,7 +148,7 @@ def main() -> None:
             work, shape, amount, _keep = glu_case(a.codec, a.tokens, a.experts)
             unit, what = 1e9, f"GB/s of {a.codec} weights, {a.tokens} rows an expert"
         elif a.kind in ("fp8", "int4"):
-            work, shape, amount, _keep = (fp8_case if a.kind == "fp8" else int4_case)(a.tokens)
+            work, shape, amount, _keep = quant_case(a.kind, a.tokens)
             unit, what = 1e9, f"GB/s of {a.kind} weights and scales, {a.tokens} rows"
         else:
             work, shape, amount, _keep = dense_case(a.tokens, a.codec)

@@ -77,6 +77,32 @@ def reference_greedy(model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def group_on_and_off(open_engine, vocab: int, calls: list, decline, n_prompt: int, n_batched: int):
+    """The grouped-expert check: (warm prompt logits, a two-sequence step's logits, 12 greedy ids) from an engine
+    whose runner takes the family's grouped call (its native calls appended to `calls`), then again after
+    `decline()` makes the group decline (every expert one by one): asserts both give the same bits and that the
+    second run made no grouped call."""
+    a, b = prompt_ids(vocab, n_prompt, seed=3), prompt_ids(vocab, 9, seed=4)
+
+    def run():
+        eng = open_engine()
+        eng.logits(a[:20])  # the experts read: later steps' experts are resident (the grouped call's)
+        warm = eng.logits(a)
+        sa, sb = eng.new_sequence(), eng.new_sequence()
+        both = eng.step([(sa, a[:n_batched]), (sb, b)])
+        return warm, both, eng.generate(b, 12, stop_token_ids=[])
+
+    grouped = run()
+    assert calls and max(calls) > 2
+    n = len(calls)
+    decline()
+    alone = run()
+    assert len(calls) == n  # the declining group: every expert went one by one
+    assert torch.equal(grouped[0], alone[0])
+    assert all(torch.equal(x, y) for x, y in zip(grouped[1], alone[1]))
+    assert grouped[2] == alone[2]
+
+
 def expert_budget(path, fraction: float = 0.3) -> int:
     """A RAM budget holding the dense weights, scratch and `fraction` of the experts (forces evictions)."""
     from moestream.engine.engine import plan

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import prompt_ids
+from conftest import group_on_and_off, prompt_ids
 from moestream import Engine
 from moestream.kernels.quant import dequant_fp8_block, dequant_int4_packed, pack_int4, quantize_fp8_block
 
@@ -234,26 +234,10 @@ def test_grouped_experts_are_the_one_by_one_bits(tmp_path, monkeypatch, fmt):
     calls = []
     real = getattr(cpu, name)
     monkeypatch.setattr(cpu, name, lambda *a, **kw: calls.append(len(a[0])) or real(*a, **kw))
-    a, b = prompt_ids(VOCAB, 250, seed=3), prompt_ids(VOCAB, 9, seed=4)
-
-    def run():
-        eng = Engine.open(path)
-        eng.logits(a[:20])  # the experts read: later steps' experts are resident (the grouped call's)
-        warm = eng.logits(a)  # ~62 rows an expert: fp8's native limit (64) inside the group and past it
-        sa, sb = eng.new_sequence(), eng.new_sequence()
-        both = eng.step([(sa, a[:70]), (sb, b)])
-        tokens = eng.generate(b, 12, stop_token_ids=[])
-        return warm, both, tokens
-
-    grouped = run()
-    assert calls and max(calls) > 2
-    monkeypatch.setattr(deepseek_v3, "expert_group", lambda cfg: (lambda *args, **kw: False))
-    n = len(calls)
-    alone = run()
-    assert len(calls) == n  # the declining group: every expert went one by one
-    assert torch.equal(grouped[0], alone[0])
-    assert all(torch.equal(x, y) for x, y in zip(grouped[1], alone[1]))
-    assert grouped[2] == alone[2]
+    # 250 tokens: ~62 rows an expert, fp8's native limit (64) inside the group and past it
+    group_on_and_off(lambda: Engine.open(path), VOCAB, calls,
+                     lambda: monkeypatch.setattr(deepseek_v3, "expert_group", lambda cfg: (lambda *a, **kw: False)),
+                     250, 70)
 
 
 def test_fp8_dense_stays_fp8_in_ram(fp8_ckpt):

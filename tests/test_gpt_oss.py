@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import prompt_ids
+from conftest import group_on_and_off, prompt_ids
 from moestream import Engine
 
 VOCAB = 160
@@ -187,23 +187,6 @@ def test_grouped_experts_are_the_one_by_one_bits(mxfp4_ckpt, monkeypatch, comput
     calls = []
     real = cpu.linear_mxfp4_ptrs
     monkeypatch.setattr(cpu, "linear_mxfp4_ptrs", lambda *a, **kw: calls.append(len(a[0])) or real(*a, **kw))
-    a, b = prompt_ids(VOCAB, 200, seed=3), prompt_ids(VOCAB, 9, seed=4)
-
-    def run():
-        eng = Engine.open(path, compute_dtype=compute)
-        eng.logits(a[:20])  # the experts read: later steps' experts are resident (the grouped call's)
-        warm = eng.logits(a)  # 50 rows an expert on average: past the native kernel's 32 for some
-        sa, sb = eng.new_sequence(), eng.new_sequence()
-        both = eng.step([(sa, a[:40]), (sb, b)])
-        tokens = eng.generate(b, 12, stop_token_ids=[])
-        return warm, both, tokens
-
-    grouped = run()
-    assert calls and max(calls) > 2
-    n = len(calls)
-    monkeypatch.setattr(gpt_oss, "expert_group", lambda *args, **kw: False)
-    alone = run()
-    assert len(calls) == n  # the declining group: every expert went one by one
-    assert torch.equal(grouped[0], alone[0])
-    assert all(torch.equal(x, y) for x, y in zip(grouped[1], alone[1]))
-    assert grouped[2] == alone[2]
+    # 200 tokens: 50 rows an expert on average, past the native kernel's 32 for some
+    group_on_and_off(lambda: Engine.open(path, compute_dtype=compute), VOCAB, calls,
+                     lambda: monkeypatch.setattr(gpt_oss, "expert_group", lambda *a, **kw: False), 200, 40)

@@ -413,6 +413,30 @@ def routed_spans(ids: torch.Tensor, experts: list[int]) -> tuple[torch.Tensor, l
     return order[torch.tensor(pick, dtype=torch.long)], spans
 
 
+def routed_group(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: list[int], tensors: list,
+                 out: torch.Tensor, most: int, native: Callable, fn: Callable) -> None:
+    """A grouped expert call's frame: the rows routed to `experts` gathered by expert (routed_spans) into xr, each
+    expert's outputs computed into y at its rows' places, then out[row] += weight * y (into the batch-invariant
+    runner's per-slot [T, k, D] out: out[row, slot] = y). `native(xr, y, few)` computes the experts of at most
+    `most` rows, `few` their spans (index in `experts`, first row in xr / y, rows); the others go through `fn(rows,
+    tensors[j])` one by one. Rows are summed in expert order, as the runner's one-by-one path adds them."""
+    k = ids.shape[1]
+    sel, spans = routed_spans(ids, experts)
+    rows = sel // k
+    xr = x.index_select(0, rows).float().contiguous()  # [R, in], grouped by expert
+    y = torch.empty(sel.numel(), out.shape[-1], dtype=torch.float32)
+    few = [s for s in spans if s[2] <= most]
+    if few:
+        native(xr, y, few)
+    for j, start, count in spans:
+        if count > most:
+            y[start:start + count] = fn(xr[start:start + count], tensors[j])
+    if out.dim() == 3:
+        out[rows, sel % k] = y
+    else:
+        out.index_add_(0, rows, y * weights.reshape(-1)[sel].float().unsqueeze(-1))
+
+
 def glu_group(act=silu_glu) -> Callable[..., bool]:
     """The runner's grouped call for bf16 GLU experts: every resident expert of a layer step (each token through
     its routed experts only) in fused native calls (one, unless the rows' scratch needs several: fused.moe_glu_bf16),

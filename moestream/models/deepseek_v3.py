@@ -22,7 +22,7 @@ from moestream.kernels.quant import (FP8_BLOCK, FP8_NATIVE_MAX_T, INT4_NATIVE_MA
                                      int4_linear)
 from moestream.models.base import (DenseWeights, ExpertLayout, Family, Layer, ModelContext, dense_glu, sigmoid_moe,
                                    standard_model)
-from moestream.models.blocks import expert_glu, glu_group, linear, routed_spans
+from moestream.models.blocks import expert_glu, glu_group, linear, routed_group
 from moestream.models.mla import MLAMixer, MLAOptions
 from moestream.models.rope import build_rope, rope_params, yarn_get_mscale
 
@@ -203,42 +203,26 @@ def expert_group(cfg: DeepseekV3Config):
         ptrs = [_quant_pointers(cfg, fmt, t) for t in tensors]
         if any(p is None for p in ptrs):
             return False
-        k = ids.shape[1]
-        sel, spans = routed_spans(ids, experts)
-        rows = sel // k
-        xr = x.index_select(0, rows).float().contiguous()  # [R, hidden], grouped by expert
-        few = [s for s in spans if s[2] < limit]
-        y = torch.empty(sel.numel(), hidden, dtype=torch.float32)
-        if few:
-            gate_up = torch.empty(2, sel.numel(), inter, dtype=torch.float32)
+        linear_ptrs = (lambda *e: cpu.linear_fp8_ptrs(*e, cfg.fp8_block)) if fmt == "fp8" else \
+            (lambda xs, ts, codes, scales, outs, n, k: cpu.linear_int4_ptrs(xs, ts, codes, scales, True, outs, n, k))
+
+        def native(xr: torch.Tensor, y: torch.Tensor, few: list[tuple[int, int, int]]) -> None:
+            gate_up = torch.empty(2, xr.shape[0], inter, dtype=torch.float32)
             xp, gp, upp, yp = xr.data_ptr(), gate_up[0].data_ptr(), gate_up[1].data_ptr(), y.data_ptr()
             a = ([], [], [], [], [])  # gate and up entries: x, tokens, codes, scales, out
             b = ([], [], [], [], [])  # down entries
             for j, start, count in few:
                 g, gs, u, us, d, ds = ptrs[j]
-                for entry in ((xp + start * hidden * 4, count, g, gs, gp + start * inter * 4),
-                              (xp + start * hidden * 4, count, u, us, upp + start * inter * 4)):
-                    for col, v in zip(a, entry):
+                xo, ho = xp + start * hidden * 4, gp + start * inter * 4
+                for cols, entry in ((a, (xo, count, g, gs, ho)), (a, (xo, count, u, us, upp + start * inter * 4)),
+                                    (b, (ho, count, d, ds, yp + start * hidden * 4))):
+                    for col, v in zip(cols, entry):
                         col.append(v)
-                for col, v in zip(b, (gp + start * inter * 4, count, d, ds, yp + start * hidden * 4)):
-                    col.append(v)
-            if fmt == "fp8":
-                cpu.linear_fp8_ptrs(*a, inter, hidden, cfg.fp8_block)
-            else:
-                cpu.linear_int4_ptrs(*a[:4], True, a[4], inter, hidden)
-            # h in place of the gate rows (the down entries read it there)
-            torch.mul(torch.nn.functional.silu(gate_up[0]), gate_up[1], out=gate_up[0])
-            if fmt == "fp8":
-                cpu.linear_fp8_ptrs(*b, hidden, inter, cfg.fp8_block)
-            else:
-                cpu.linear_int4_ptrs(*b[:4], True, b[4], hidden, inter)
-        for j, start, count in spans:
-            if count >= limit:
-                y[start:start + count] = fn(xr[start:start + count], tensors[j])
-        if out.dim() == 3:  # the batch-invariant runner's per-slot outputs
-            out[rows, sel % k] = y
-        else:
-            out.index_add_(0, rows, y * weights.reshape(-1)[sel].float().unsqueeze(-1))
+            linear_ptrs(*a, inter, hidden)
+            torch.mul(torch.nn.functional.silu(gate_up[0]), gate_up[1], out=gate_up[0])  # h where down reads it
+            linear_ptrs(*b, hidden, inter)
+
+        routed_group(x, ids, weights, experts, tensors, out, limit - 1, native, fn)
         return True
 
     run.pairs = True  # type: ignore[attr-defined]  # takes the runner's batch-invariant [T, k, D] out

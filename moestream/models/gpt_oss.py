@@ -16,7 +16,7 @@ from moestream.kernels import cpu
 from moestream.kernels.quant import check_mxfp4_scales, mxfp4_linear
 from moestream.models.attention import GQAMixer, gqa_dims
 from moestream.models.base import ExpertLayout, Family, Layer, ModelContext, routed, router, standard_model
-from moestream.models.blocks import BiasedRouter, mxfp4_bf16, routed_spans
+from moestream.models.blocks import BiasedRouter, mxfp4_bf16, routed_group
 from moestream.models.rope import build_rope
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -121,46 +121,31 @@ def expert_group(x, ids, weights, experts, tensors, out, counts=None) -> bool:
     ptrs = [_group_pointers(t, inter, hidden) for t in tensors]
     if inter % 32 or any(p is None for p in ptrs):
         return False
-    k = ids.shape[1]
-    sel, spans = routed_spans(ids, experts)
-    rows = sel // k
-    xr = x.index_select(0, rows).float().contiguous()  # [R, hidden], grouped by expert
-    y = torch.empty(sel.numel(), hidden, dtype=torch.float32)
-    few = [s for s in spans if s[2] <= cpu.MAX_TOKENS_MXFP4]
-    if few:
-        bf16 = mxfp4_bf16()
+    bf16 = mxfp4_bf16()
+
+    def native(xr: torch.Tensor, y: torch.Tensor, few: list[tuple[int, int, int]]) -> None:
+        # every row of xr has a place in gu / h; the rows of experts not in `few` are left unused
         slot = torch.cat([torch.full((c,), i, dtype=torch.long) for i, (_, _, c) in enumerate(few)])
         at = torch.cat([torch.arange(s, s + c) for _, s, c in few])
-        gu = torch.empty(slot.numel(), 2 * inter, dtype=torch.float32)
-        xf = xr.index_select(0, at) if len(few) < len(spans) else xr
-        xp, gp = xf.data_ptr(), gu.data_ptr()
-        starts = [0]
-        for _, _, c in few:
-            starts.append(starts[-1] + c)
-        counts_ = [c for _, _, c in few]
-        bad = cpu.linear_mxfp4_ptrs([xp + s * hidden * 4 for s in starts[:-1]], counts_,
-                                    [ptrs[j][0] for j, _, _ in few], [ptrs[j][1] for j, _, _ in few],
-                                    [gp + s * 2 * inter * 4 for s in starts[:-1]], 2 * inter, hidden, bf16=bf16)
+        gu = torch.zeros(xr.shape[0], 2 * inter, dtype=torch.float32)
+        xp, gp, yp = xr.data_ptr(), gu.data_ptr(), y.data_ptr()
+        tokens = [c for _, _, c in few]
+        bad = cpu.linear_mxfp4_ptrs([xp + s * hidden * 4 for _, s, _ in few], tokens, [ptrs[j][0] for j, _, _ in few],
+                                    [ptrs[j][1] for j, _, _ in few], [gp + s * 2 * inter * 4 for _, s, _ in few],
+                                    2 * inter, hidden, bf16=bf16)
         if bad >= 0:
             check_mxfp4_scales(tensors[few[bad][0]]["gate_up_scales"])  # raises the 0xFF scale error
-        gu += torch.stack([tensors[j]["gate_up_bias"].float() for j, _, _ in few]).index_select(0, slot)
+        gu[at] += torch.stack([tensors[j]["gate_up_bias"].float() for j, _, _ in few]).index_select(0, slot)
         h = clamped_swiglu(gu).contiguous()  # [R, inter]
-        yf = torch.empty(slot.numel(), hidden, dtype=torch.float32)
-        hp, yp = h.data_ptr(), yf.data_ptr()
-        bad = cpu.linear_mxfp4_ptrs([hp + s * inter * 4 for s in starts[:-1]], counts_,
-                                    [ptrs[j][2] for j, _, _ in few], [ptrs[j][3] for j, _, _ in few],
-                                    [yp + s * hidden * 4 for s in starts[:-1]], hidden, inter, bf16=bf16)
+        hp = h.data_ptr()
+        bad = cpu.linear_mxfp4_ptrs([hp + s * inter * 4 for _, s, _ in few], tokens, [ptrs[j][2] for j, _, _ in few],
+                                    [ptrs[j][3] for j, _, _ in few], [yp + s * hidden * 4 for _, s, _ in few],
+                                    hidden, inter, bf16=bf16)
         if bad >= 0:
             check_mxfp4_scales(tensors[few[bad][0]]["down_scales"])
-        yf += torch.stack([tensors[j]["down_bias"].float() for j, _, _ in few]).index_select(0, slot)
-        y[at] = yf
-    for j, start, count in spans:
-        if count > cpu.MAX_TOKENS_MXFP4:
-            y[start:start + count] = expert_fn(xr[start:start + count], tensors[j])
-    if out.dim() == 3:  # the batch-invariant runner's per-slot outputs
-        out[rows, sel % k] = y
-    else:
-        out.index_add_(0, rows, y * weights.reshape(-1)[sel].float().unsqueeze(-1))
+        y[at] += torch.stack([tensors[j]["down_bias"].float() for j, _, _ in few]).index_select(0, slot)
+
+    routed_group(x, ids, weights, experts, tensors, out, cpu.MAX_TOKENS_MXFP4, native, expert_fn)
     return True
 
 
