@@ -3,7 +3,7 @@ side, their calls alternated round by round so that the shared machine's drift h
 
     python bench/ab_builds.py glu [--codec b12|bf16] [--tokens 1] [--experts 256] [--threads 2] [--rounds 8] NAME:FLAGS ...
     python bench/ab_builds.py dense [--codec b12|bf16] [--tokens 16] [--threads 2] [--rounds 8] NAME:FLAGS NAME:FLAGS ...
-    python bench/ab_builds.py fp8|int4 [--tokens 1] [--threads 2] [--rounds 8] NAME:FLAGS NAME:FLAGS ...
+    python bench/ab_builds.py fp8|int4|mxfp4|mxfp4_bf16 [--tokens 1] [--threads 2] [--rounds 8] NAME:FLAGS ...
 
 e.g. `python bench/ab_builds.py glu old:"-DGLU_ROWS_ONE=16 -DDOWN_CHUNK_ONE=64" new:` (an empty FLAGS is the
 tree's own settings). The first build is the baseline of the ratios.
@@ -127,9 +127,43 @@ def quant_case(kind: str, tokens: int):
                                      for c, s, _, _ in ws), ws
 
 
+def mxfp4_case(tokens: int, bf16: bool, experts: int = 16):
+    """(work(lib, out), out shape, bytes a pass): `tokens` rows through `experts` Kimi K3 MXFP4 experts (w1 / w3 3072
+    x 3584, w2 3584 x 3072: 281 MB) in two grouped calls, as the latent MoE's native group makes them:
+    ms_linear_mxfp4, or with `bf16` ms_linear_mxfp4_bf16 (x rounded to bf16)."""
+    g = torch.Generator().manual_seed(0)
+    inter, latent = 3072, 3584
+    mats = []
+    for _ in range(experts):
+        for n, k in ((inter, latent), (inter, latent), (latent, inter)):
+            mats.append((torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
+                         torch.randint(118, 128, (n, k // 32), dtype=torch.uint8, generator=g)))
+    A = ctypes.c_int64
+    x13, x2 = torch.randn(tokens, latent, generator=g), torch.randn(tokens, inter, generator=g)
+    y13 = torch.empty(2 * experts, tokens, inter)
+
+    def arrays(sel, xs, outs):
+        n = len(sel)
+        return ((A * n)(*xs), (A * n)(*([tokens] * n)), (A * n)(*[mats[i][0].data_ptr() for i in sel]),
+                (A * n)(*[mats[i][1].data_ptr() for i in sel]), (A * n)(*outs))
+
+    first = [i for i in range(3 * experts) if i % 3 != 2]
+    calls13 = arrays(first, [x13.data_ptr()] * len(first), [y13[j].data_ptr() for j in range(len(first))])
+
+    def work(lib: ctypes.CDLL, out: torch.Tensor) -> None:
+        fn = lib.ms_linear_mxfp4_bf16 if bf16 else lib.ms_linear_mxfp4
+        fn(len(first), *calls13, inter, latent, 0, 16, 0)
+        down = arrays([i for i in range(3 * experts) if i % 3 == 2], [x2.data_ptr()] * experts,
+                      [out[e].data_ptr() for e in range(experts)])
+        fn(experts, *down, latent, inter, 0, 16, 0)
+
+    # the tensors the calls' addresses point into stay alive with the case (x13 and y13 only by address above)
+    return work, (experts, tokens, latent), sum(p.numel() + s.numel() for p, s in mats), (mats, x13, y13)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kind", choices=("glu", "dense", "fp8", "int4"))
+    ap.add_argument("kind", choices=("glu", "dense", "fp8", "int4", "mxfp4", "mxfp4_bf16"))
     ap.add_argument("builds", nargs="+", help="NAME:FLAGS (FLAGS: -D settings, may be empty)")
     ap.add_argument("--codec", choices=("b12", "bf16"), default="b12")
     ap.add_argument("--tokens", type=int, default=None,
@@ -147,6 +181,9 @@ def main() -> None:
         if a.kind == "glu":
             work, shape, amount, _keep = glu_case(a.codec, a.tokens, a.experts)
             unit, what = 1e9, f"GB/s of {a.codec} weights, {a.tokens} rows an expert"
+        elif a.kind.startswith("mxfp4"):
+            work, shape, amount, _keep = mxfp4_case(a.tokens, a.kind == "mxfp4_bf16")
+            unit, what = 1e9, f"GB/s of MXFP4 codes and scales ({a.kind}), {a.tokens} rows"
         elif a.kind in ("fp8", "int4"):
             work, shape, amount, _keep = quant_case(a.kind, a.tokens)
             unit, what = 1e9, f"GB/s of {a.kind} weights and scales, {a.tokens} rows"

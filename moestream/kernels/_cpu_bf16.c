@@ -759,6 +759,15 @@ int ms_bf16dot_glu(int64_t E, const int64_t *experts, const int64_t *gates, cons
 #ifndef MXB_PF
 #define MXB_PF 1024   /* software prefetch distance of the packed rows (measured: 1-2 KiB best, none 0.6x) */
 #endif
+#ifndef MXB_PF_FEW
+/* tiles of 1-4 tokens: prefetch this far into L2 instead (bench/ab_builds.py mxfp4_bf16, K3's experts, 2 threads,
+ * against 1 KiB into L1: 4 KiB into L2 1.09x / 1.12x at one token, 1.05x at 4; tiles of 8 at 16 rows 0.95x, so they
+ * keep L1) */
+#define MXB_PF_FEW 4096
+#endif
+#ifndef MXB_FEW_HINT
+#define MXB_FEW_HINT _MM_HINT_T1
+#endif
 #define MXB_CHUNK 64  /* blocks whose scales are converted at a time */
 
 static int64_t mxb_stride(int64_t K) { return (K / 32 + 3) / 4 * MXB_GROUP; }
@@ -808,7 +817,8 @@ INLINE void mxb_tile(const uint16_t *xp, int64_t ldx, const uint8_t *p, const ui
             const int64_t b = b0 + i, rem = nb - b;
             const uint8_t *q = p + b * 16;
             __m256i qa, qc;
-            _mm_prefetch((const char *)(q + MXB_PF), _MM_HINT_T0);
+            if (TT <= 4) _mm_prefetch((const char *)(q + MXB_PF_FEW), MXB_FEW_HINT);
+            else _mm_prefetch((const char *)(q + MXB_PF), _MM_HINT_T0);
             if (rem >= 4) {
                 qa = _mm256_loadu_si256((const __m256i *)q);
                 qc = _mm256_loadu_si256((const __m256i *)(q + 32));
