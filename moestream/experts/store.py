@@ -67,13 +67,26 @@ class Check:
 
 class PartViews(dict):
     """An expert's part tensors by name (zero-copy views of its buffer). `ptrs` lets a kernel caller cache the
-    parts' addresses for as long as the views live (they live as long as the blob)."""
+    parts' addresses for as long as the views live (they live as long as the blob): see `cached_addresses`."""
 
     __slots__ = ("ptrs",)
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.ptrs = None
+
+
+def cached_addresses(t, tag: str, make):
+    """`make()` (what a kernel caller derives from an expert's parts: their addresses after its checks, or None when
+    its kernel does not take them), cached under `tag` on a blob's PartViews, whose views live as long as the blob;
+    other mappings derive it each call."""
+    if not isinstance(t, PartViews):
+        return make()
+    if t.ptrs is not None and t.ptrs[0] == tag:
+        return t.ptrs[1]
+    got = make()
+    t.ptrs = (tag, got)
+    return got
 
 
 class ExpertBlob:

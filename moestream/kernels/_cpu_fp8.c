@@ -362,13 +362,19 @@ int ms_linear_int4_ptrs(int64_t E, const int64_t *xs, const int64_t *Ts, const i
     if (E <= 0 || N <= 0) return 0;
     int64_t total = 0;
     for (int64_t e = 0; e < E; e++) total += Ts[e];
-    /* the prepared inputs' addresses, then the inputs */
+    /* the prepared inputs' addresses, then the inputs; consecutive entries of one x (an expert's gate and up) share
+     * one preparation */
     const float **xe = malloc(sizeof(float *) * (size_t)E + sizeof(float) * (size_t)(total * K + 1));
     if (!xe) return -1;
     float *xp = (float *)(xe + E);
-    for (int64_t e = 0, at = 0; e < E; at += Ts[e] * K, e++) {
+    for (int64_t e = 0, at = 0; e < E; e++) {
+        if (e > 0 && xs[e] == xs[e - 1] && Ts[e] == Ts[e - 1]) {
+            xe[e] = xe[e - 1];
+            continue;
+        }
         int4_prepare((const float *)xs[e], Ts[e], K, xp + at);
         xe[e] = xp + at;
+        at += Ts[e] * K;
     }
     int4_job j = {E, K, N, bf, xe, Ts, (const uint8_t *const *)ps, (const uint8_t *const *)ss, (float *const *)outs};
     int parts = pool_parts;

@@ -665,12 +665,16 @@ def linear_fp8(x: Tensor, weight: Tensor, scale_inv: Tensor, block: tuple[int, i
     return out
 
 
-def _fp8_code(code: int, what: str, k: int, block: tuple[int, int]) -> None:
-    """Raise for a native FP8 call's return code (0: done)."""
+def _quant_code(code: int, what: str, wants: str) -> None:
+    """Raise for a native FP8 / int4 call's return code (_cpu_fp8.c: 0 done, -1 out of memory, -2 bad widths)."""
     if code == -1:
-        raise MemoryError(f"native FP8 kernel ({what}) could not allocate its input scratch")
+        raise MemoryError(f"native kernel ({what}) could not allocate its input scratch")
     if code:
-        raise ValueError(f"{what} wants K ({k}) and the column block ({block[1]}) multiples of 64")
+        raise ValueError(f"{what} wants {wants}")
+
+
+def _fp8_code(code: int, what: str, k: int, block: tuple[int, int]) -> None:
+    _quant_code(code, what, f"K ({k}) and the column block ({block[1]}) multiples of 64")
 
 
 def linear_fp8_heads(x: Tensor, codes: Tensor, scales: Tensor, head_rows: int, row0: int, rows: int,
@@ -718,13 +722,9 @@ def linear_int4_ptrs(xs: Sequence[int], tokens: Sequence[int], packed: Sequence[
     argument but the counts a data_ptr (contiguous float32 x and out, int32 packed [n, k/8], scales [n, k/32],
     bf16 when `bf16_scales` else float32); k a multiple of 32. Each (row, token) the same bits as linear_int4
     gives it. The caller keeps the tensors alive."""
-    code = required().ms_linear_int4_ptrs(len(xs), _addresses(xs), _addresses(tokens), _addresses(packed),
-                                          _addresses(scales), int(bf16_scales), _addresses(outs), n, k,
-                                          min_rows_per_thread)
-    if code == -1:
-        raise MemoryError("native int4 kernel could not allocate its input scratch")
-    if code:
-        raise ValueError(f"linear_int4_ptrs wants K ({k}) a multiple of 32")
+    _quant_code(required().ms_linear_int4_ptrs(len(xs), _addresses(xs), _addresses(tokens), _addresses(packed),
+                                               _addresses(scales), int(bf16_scales), _addresses(outs), n, k,
+                                               min_rows_per_thread), "linear_int4_ptrs", f"K ({k}) a multiple of 32")
 
 
 def linear_int4(x: Tensor, packed: Tensor, scale: Tensor, min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> Tensor:
@@ -739,12 +739,9 @@ def linear_int4(x: Tensor, packed: Tensor, scale: Tensor, min_rows_per_thread: i
         raise ValueError(f"linear_int4 wants contiguous int32 packed [N, K/8] and bf16 or float32 scale "
                          f"[N, K/32], got {tuple(packed.shape)} {packed.dtype}, {tuple(scale.shape)} {scale.dtype}")
     out = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    code = handle.ms_linear_int4(x2.data_ptr(), x2.shape[0], k, packed.data_ptr(), scale.data_ptr(),
-                                 int(scale.dtype == torch.bfloat16), n, out.data_ptr(), min_rows_per_thread)
-    if code == -1:
-        raise MemoryError("native int4 kernel could not allocate its input scratch")
-    if code:
-        raise ValueError(f"linear_int4 wants K ({k}) a multiple of 32")
+    _quant_code(handle.ms_linear_int4(x2.data_ptr(), x2.shape[0], k, packed.data_ptr(), scale.data_ptr(),
+                                      int(scale.dtype == torch.bfloat16), n, out.data_ptr(), min_rows_per_thread),
+                "linear_int4", f"K ({k}) a multiple of 32")
     return out
 
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from moestream.config import COMPUTE_DTYPE_NAMES
 from moestream.errors import MoestreamError
+from moestream.experts.store import cached_addresses
 from moestream.kernels import cpu, fused, invariant
 from moestream.kernels.b12 import B12Weight
 from moestream.kernels.qweight import QuantWeight
@@ -296,27 +297,26 @@ def _address(m: torch.Tensor) -> int:
 
 def glu_parts(t: Mapping[str, torch.Tensor]) -> Glu | None:
     """Addresses and widths of a bf16 GLU expert the fused native kernel takes, else None. Cached on a blob's
-    PartViews (its views live as long as the blob)."""
-    cached = getattr(t, "ptrs", None)
-    if cached is not None and cached[0] == "glu":
-        return cached[1]
-    got = None
+    PartViews (experts.store.cached_addresses)."""
+    return cached_addresses(t, "glu", lambda: _glu_parts(t))
+
+
+def _glu_parts(t: Mapping[str, torch.Tensor]) -> Glu | None:
     parts = glu_tensors(t)
-    if parts is not None and all(_bf16_matrix(m) for m in parts):
-        if len(parts) == 2:
-            gu, down = parts
-            inter = gu.shape[0] // 2
-            # a b12 gate_up is one coded matrix: its up rows have no address of their own (the general path)
-            if type(gu) is torch.Tensor and gu.shape[0] % 2 == 0 and _shape(down)[1] == inter:
-                gate = gu.data_ptr()
-                got = (gate, gate + inter * gu.shape[1] * 2, _address(down), inter, gu.shape[1], _shape(down)[0])
-        else:
-            gate, up, down = parts
-            if _shape(gate) == _shape(up) and _shape(down)[1] == _shape(gate)[0]:
-                got = (_address(gate), _address(up), _address(down), *_shape(gate), _shape(down)[0])
-    if hasattr(t, "ptrs"):
-        t.ptrs = ("glu", got)
-    return got
+    if parts is None or not all(_bf16_matrix(m) for m in parts):
+        return None
+    if len(parts) == 2:
+        gu, down = parts
+        inter = gu.shape[0] // 2
+        # a b12 gate_up is one coded matrix: its up rows have no address of their own (the general path)
+        if type(gu) is torch.Tensor and gu.shape[0] % 2 == 0 and _shape(down)[1] == inter:
+            gate = gu.data_ptr()
+            return gate, gate + inter * gu.shape[1] * 2, _address(down), inter, gu.shape[1], _shape(down)[0]
+        return None
+    gate, up, down = parts
+    if _shape(gate) == _shape(up) and _shape(down)[1] == _shape(gate)[0]:
+        return _address(gate), _address(up), _address(down), *_shape(gate), _shape(down)[0]
+    return None
 
 
 # compute scratch kept per engine (its accountant): the bf16 GLU calls' workspace (fused.glu_workspace), which lies

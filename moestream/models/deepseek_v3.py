@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from moestream.errors import UnsupportedModelError
-from moestream.experts.store import PartSpec
+from moestream.experts.store import PartSpec, cached_addresses
 from moestream.kernels.qweight import BlockFp8Weight, Int4Weight
 from moestream.kernels import cpu
 from moestream.kernels.quant import (FP8_BLOCK, FP8_NATIVE_MAX_T, INT4_NATIVE_MAX_T, fp8_block_linear,
@@ -148,13 +148,14 @@ _QUANT_PARTS = {"fp8": ("weight", "weight_scale_inv"), "int4": ("weight_packed",
 def _quant_pointers(cfg: DeepseekV3Config, fmt: str, t) -> tuple[int, ...] | None:
     """Addresses of a quantised expert's gate, up and down (codes, scales each), after checking every part's dtype,
     shape and contiguity against the config (the native call reads every expert with one shape, so a malformed one
-    would be read out of bounds), else None. Cached on a blob's PartViews (its views live as long as the blob)."""
-    cached = getattr(t, "ptrs", None)
-    if cached is not None and cached[0] == fmt:
-        return cached[1]
+    would be read out of bounds), else None. Cached on a blob's PartViews (experts.store.cached_addresses)."""
+    return cached_addresses(t, fmt, lambda: _checked_pointers(cfg, fmt, t))
+
+
+def _checked_pointers(cfg: DeepseekV3Config, fmt: str, t) -> tuple[int, ...] | None:
     inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
     codes_name, scale_name = _QUANT_PARTS[fmt]
-    got: list[int] | None = []
+    got: list[int] = []
     for proj, (rows, cols) in zip(PROJS, ((inter, hidden), (inter, hidden), (hidden, inter))):
         codes, scale = t.get(f"{proj}.{codes_name}"), t.get(f"{proj}.{scale_name}")
         if fmt == "fp8":
@@ -168,13 +169,9 @@ def _quant_pointers(cfg: DeepseekV3Config, fmt: str, t) -> tuple[int, ...] | Non
                   and scale is not None and scale.dtype == torch.bfloat16 and tuple(scale.shape) == (rows, cols // 32)
                   and (shape is None or shape.tolist() == [rows, cols]))
         if not (ok and codes.is_contiguous() and scale.is_contiguous()):
-            got = None
-            break
+            return None
         got += (codes.data_ptr(), scale.data_ptr())
-    ptrs = None if got is None else tuple(got)
-    if hasattr(t, "ptrs"):
-        t.ptrs = (fmt, ptrs)
-    return ptrs
+    return tuple(got)
 
 
 def expert_group(cfg: DeepseekV3Config):

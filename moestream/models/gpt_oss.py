@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from moestream.errors import UnsupportedModelError
-from moestream.experts.store import PartSpec
+from moestream.experts.store import PartSpec, cached_addresses
 from moestream.kernels import cpu
 from moestream.kernels.quant import check_mxfp4_scales, mxfp4_linear
 from moestream.models.attention import GQAMixer, gqa_dims
@@ -93,19 +93,17 @@ _PARTS = ("gate_up_blocks", "gate_up_scales", "gate_up_bias", "down_blocks", "do
 def _group_pointers(t, inter: int, hidden: int) -> tuple[int, ...] | None:
     """Addresses of an MXFP4 expert's gate_up / down codes and scales, after checking every part's dtype, shape
     and contiguity (the native call reads every expert with one shape: a malformed one would be read out of
-    bounds), else None. Cached on a blob's PartViews (its views live as long as the blob)."""
-    cached = getattr(t, "ptrs", None)
-    if cached is not None and cached[0] == "gpt_oss":
-        return cached[1]
+    bounds), else None. Cached on a blob's PartViews (experts.store.cached_addresses)."""
     want = {"gate_up_blocks": (2 * inter, hidden // 32, 16), "gate_up_scales": (2 * inter, hidden // 32),
             "gate_up_bias": (2 * inter,), "down_blocks": (hidden, inter // 32, 16),
             "down_scales": (hidden, inter // 32), "down_bias": (hidden,)}
-    ok = all(n in t and tuple(t[n].shape) == shape and t[n].is_contiguous()
-             and (t[n].dtype == torch.uint8) == (not n.endswith("bias")) for n, shape in want.items())
-    ptrs = tuple(t[n].data_ptr() for n in _PARTS if not n.endswith("bias")) if ok else None
-    if hasattr(t, "ptrs"):
-        t.ptrs = ("gpt_oss", ptrs)
-    return ptrs
+
+    def make() -> tuple[int, ...] | None:
+        ok = all(n in t and tuple(t[n].shape) == shape and t[n].is_contiguous()
+                 and (t[n].dtype == torch.uint8) == (not n.endswith("bias")) for n, shape in want.items())
+        return tuple(t[n].data_ptr() for n in _PARTS if not n.endswith("bias")) if ok else None
+
+    return cached_addresses(t, "gpt_oss", make)
 
 
 def expert_group(x, ids, weights, experts, tensors, out, counts=None) -> bool:

@@ -11,14 +11,14 @@ from typing import Callable
 import torch
 
 from moestream.errors import CheckpointError
-from moestream.experts.store import PartViews
+from moestream.experts.store import cached_addresses
 from moestream.kernels import cpu
 from moestream.kernels.qweight import matrix_shape
 from moestream.kernels.quant import (GROUP_DECODE_BYTES, bf16_rounded, check_mxfp4_scales, mxfp4_decode_planes,
                                      mxfp4_linear, mxfp4_permute_input)
 from moestream.models.base import routed, router
 from moestream.models.blocks import (SigmoidRouter, Situ, expert_glu, glu_group, glu_mlp, linear, mxfp4_bf16,
-                                     rms_norm, routed_spans)
+                                     rms_norm, routed_group)
 
 Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -64,42 +64,41 @@ def _all_rows(zp, ids, weights, experts, w13, w2, act, out, rnd) -> None:
 
 def _native_group(z, ids, weights, experts, tensors, act, out, bf16: bool = False) -> None:
     """Each row through its routed experts only, all of the group's experts in two native calls (w1 and w3 of
-    every expert, then w2 of every expert) straight from the packed bytes: rows are sorted by expert so that each
-    expert's rows are one contiguous slice."""
-    k = ids.shape[1]
-    sel, spans = routed_spans(ids, experts)
-    rows = sel // k
-    zr = z.index_select(0, rows).float().contiguous()  # [R, latent], grouped by expert
+    every expert, then w2 of every expert) straight from the packed bytes, in blocks.routed_group's frame (rows
+    gathered by expert, each expert's rows one contiguous slice). For steps of at most NATIVE_GROUP_MAX_ROWS rows."""
     inter, latent = _group_dims(z, tensors)
-    gate_up = torch.empty(2, sel.numel(), inter, dtype=torch.float32)
-    y = torch.empty(sel.numel(), latent, dtype=torch.float32)
-    zp, gp, up, yp = zr.data_ptr(), gate_up[0].data_ptr(), gate_up[1].data_ptr(), y.data_ptr()
-    xs, ts, ps, ss, outs, who = [], [], [], [], [], []
-    ps2, ss2, outs2, who2 = [], [], [], []
-    keep = []  # contiguous copies made here must outlive the calls
-    for j, start, count in spans:
-        w1p, w1s, w3p, w3s, w2p, w2s = _pointers(tensors[j], keep)
-        x = zp + start * latent * 4
-        xs += (x, x)
-        ts += (count, count)
-        ps += (w1p, w3p)
-        ss += (w1s, w3s)
-        outs += (gp + start * inter * 4, up + start * inter * 4)
-        who += ((j, "w1_scale"), (j, "w3_scale"))
-        ps2.append(w2p)
-        ss2.append(w2s)
-        outs2.append(yp + start * latent * 4)
-        who2.append((j, "w2_scale"))
-    bad = cpu.linear_mxfp4_ptrs(xs, ts, ps, ss, outs, inter, latent, bf16=bf16)
-    if bad >= 0:
-        check_mxfp4_scales(tensors[who[bad][0]][who[bad][1]])  # raises the 0xFF scale error
-    h = act(gate_up[0], gate_up[1]).float().contiguous()  # [R, inter]
-    hp = h.data_ptr()
-    xs2 = [hp + start * inter * 4 for _, start, _ in spans]
-    bad = cpu.linear_mxfp4_ptrs(xs2, ts[::2], ps2, ss2, outs2, latent, inter, bf16=bf16)
-    if bad >= 0:
-        check_mxfp4_scales(tensors[who2[bad][0]][who2[bad][1]])
-    out.index_add_(0, rows, y * weights.reshape(-1)[sel].float().unsqueeze(-1))
+
+    def native(zr: torch.Tensor, y: torch.Tensor, few: list[tuple[int, int, int]]) -> None:
+        gate_up = torch.empty(2, zr.shape[0], inter, dtype=torch.float32)
+        zp, gp, up, yp = zr.data_ptr(), gate_up[0].data_ptr(), gate_up[1].data_ptr(), y.data_ptr()
+        xs, ts, ps, ss, outs, who = [], [], [], [], [], []
+        ps2, ss2, outs2, who2 = [], [], [], []
+        keep = []  # contiguous copies made here must outlive the calls
+        for j, start, count in few:
+            w1p, w1s, w3p, w3s, w2p, w2s = _pointers(tensors[j], keep)
+            x = zp + start * latent * 4
+            xs += (x, x)
+            ts += (count, count)
+            ps += (w1p, w3p)
+            ss += (w1s, w3s)
+            outs += (gp + start * inter * 4, up + start * inter * 4)
+            who += ((j, "w1_scale"), (j, "w3_scale"))
+            ps2.append(w2p)
+            ss2.append(w2s)
+            outs2.append(yp + start * latent * 4)
+            who2.append((j, "w2_scale"))
+        bad = cpu.linear_mxfp4_ptrs(xs, ts, ps, ss, outs, inter, latent, bf16=bf16)
+        if bad >= 0:
+            check_mxfp4_scales(tensors[who[bad][0]][who[bad][1]])  # raises the 0xFF scale error
+        h = act(gate_up[0], gate_up[1]).float().contiguous()  # [R, inter]
+        hp = h.data_ptr()
+        xs2 = [hp + start * inter * 4 for _, start, _ in few]
+        bad = cpu.linear_mxfp4_ptrs(xs2, ts[::2], ps2, ss2, outs2, latent, inter, bf16=bf16)
+        if bad >= 0:
+            check_mxfp4_scales(tensors[who2[bad][0]][who2[bad][1]])
+
+    # every expert of such a step has at most NATIVE_GROUP_MAX_ROWS rows: all of them go to `native`
+    routed_group(z, ids, weights, experts, tensors, out, NATIVE_GROUP_MAX_ROWS, native, mxfp4_expert(act))
 
 
 _PARTS = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")
@@ -122,20 +121,17 @@ def _group_dims(z: torch.Tensor, tensors) -> tuple[int, int]:
 
 
 def _pointers(t, keep: list) -> tuple[int, ...]:
-    """Addresses of an expert's six parts; cached on a blob's PartViews (its views are contiguous and live as long
-    as the blob); other mappings are checked each time, non-contiguous parts copied into `keep`."""
-    cached = getattr(t, "ptrs", None)
-    if cached is not None:
-        return cached
-    parts = [t[n] for n in _PARTS]
-    if all(p.is_contiguous() for p in parts):
-        ptrs = tuple(p.data_ptr() for p in parts)
-        if isinstance(t, PartViews):
-            t.ptrs = ptrs
-        return ptrs
-    parts = [p if p.is_contiguous() else p.contiguous() for p in parts]
+    """Addresses of an expert's six parts; cached on a blob's PartViews (experts.store.cached_addresses: its views
+    are contiguous); other mappings' non-contiguous parts are copied into `keep`."""
+    got = cached_addresses(t, "mxfp4", lambda: tuple(t[n].data_ptr() for n in _PARTS)
+                           if all(t[n].is_contiguous() for n in _PARTS) else None)
+    if got is not None:
+        return got
+    parts = [t[n].contiguous() for n in _PARTS]
     keep.extend(parts)
     return tuple(p.data_ptr() for p in parts)
+
+
 NATIVE_GROUP_MAX_ROWS = 64  # up to this many rows per step the grouped experts use the native kernels (if available)
 
 
