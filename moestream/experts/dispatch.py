@@ -559,28 +559,61 @@ def scan_window(expert: int, experts: int, top_k: int, layers: int, capacity: in
 
 
 class Routing:
-    """A multi-row step's (row, slot) pairs sorted by expert once (one argsort instead of a compare and a nonzero
-    per expert): each expert's pairs are one contiguous slice, rows ascending as nonzero would give them, so its
-    GEMM sees the same input and the combine adds the same products in the same order."""
+    """A multi-row step's (row, slot) pairs sorted by expert once (one stable sort instead of a compare and a
+    nonzero per expert): each expert's pairs are one contiguous slice, rows ascending as nonzero would give them, so
+    its GEMM sees the same input and the combine adds the same products in the same order. `of` makes only the
+    step's experts and their spans; the per-pair tensors (rows, weights, slots) and the routing as the kernels take
+    it (ids, raw) are made on first use: a step whose resident experts all go to one grouped call, which groups the
+    pairs itself, needs none of them (a warm 16-token prefill spent ~0.2 ms a layer step making them)."""
 
-    def __init__(self, rows: torch.Tensor, weights: torch.Tensor, experts: list[int], spans: dict[int, slice],
-                 ids: torch.Tensor | None = None, raw: torch.Tensor | None = None):
-        self.rows, self.weights, self.experts, self._spans = rows, weights, experts, spans
-        self.ids, self.raw = ids, raw  # the step's routing as given: ids [T, k] and their weights [T, k]
-        self._slots = torch.empty(0, dtype=torch.long)  # each sorted pair's slot (set by `of`)
+    def __init__(self, ids: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, experts: list[int],
+                 spans: dict[int, slice]):
+        self.experts, self._spans = experts, spans
+        self._given, self._order = (ids, weights), order  # the step's routing as given; the pairs' sorted order
+        self._made: dict[str, torch.Tensor] = {}
 
     @classmethod
     def of(cls, ids: torch.Tensor, weights: torch.Tensor) -> "Routing":
         flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
-        ends = torch.cumsum(counts, 0).tolist()
-        spans = {e: slice(end - n, end) for e, n, end in zip(experts.tolist(), counts.tolist(), ends)}
-        rows = torch.div(order, ids.shape[1], rounding_mode="floor")
-        got = cls(rows, weights.reshape(-1)[order].float().unsqueeze(-1), list(spans), spans,
-                  ids.long().contiguous(), weights.float().contiguous())
-        got._slots = order % ids.shape[1]
+        ordered, order = torch.sort(flat, stable=True)
+        experts, counts = torch.unique_consecutive(ordered, return_counts=True)
+        spans, end = {}, 0
+        for e, n in zip(experts.tolist(), counts.tolist()):
+            spans[e] = slice(end, end + n)
+            end += n
+        return cls(ids, weights, order, list(spans), spans)
+
+    def _get(self, name: str) -> torch.Tensor:
+        got = self._made.get(name)
+        if got is None:
+            (ids, weights), order, k = self._given, self._order, self._given[0].shape[1]
+            got = {"rows": lambda: torch.div(order, k, rounding_mode="floor"),
+                   "weights": lambda: weights.reshape(-1)[order].float().unsqueeze(-1),
+                   "slots": lambda: order % k,
+                   "ids": lambda: ids.long().contiguous(),
+                   "raw": lambda: weights.float().contiguous()}[name]()
+            self._made[name] = got
         return got
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """Each sorted pair's row [pairs] (int64)."""
+        return self._get("rows")
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """Each sorted pair's routing weight [pairs, 1] fp32."""
+        return self._get("weights")
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """The step's routing as given: ids [T, k] int64 contiguous."""
+        return self._get("ids")
+
+    @property
+    def raw(self) -> torch.Tensor:
+        """The step's routing weights as given, [T, k] fp32 contiguous."""
+        return self._get("raw")
 
     def counts(self, experts: list[int]) -> list[int]:
         """The pairs routed to each of `experts` (each one of this step's experts)."""
@@ -589,7 +622,7 @@ class Routing:
 
     def slots(self, e: int) -> torch.Tensor:
         """The slots (top-k ranks) of the pairs routed to `e`, in the order of `pairs(e)`'s rows."""
-        return self._slots[self._spans[e]]
+        return self._get("slots")[self._spans[e]]
 
     def pairs(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows routed to `e` (ascending) and their routing weights [n, 1] fp32."""
