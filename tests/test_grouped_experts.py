@@ -86,7 +86,8 @@ def test_grouped_native_experts_match_per_expert_and_refuse_scale_255():
 
 def test_routing_slices_match_per_expert_nonzero():
     """A multi-row step's pairs sorted once by expert: each expert's slice is exactly the rows (ascending) and the
-    routing weights that a compare + nonzero per expert finds, and the experts are the step's sorted union."""
+    routing weights that a compare + nonzero per expert finds, the slots its nonzero gives, and the experts are the
+    step's sorted union with their pair counts; the routing as given comes back as the kernels take it."""
     from moestream.experts.dispatch import Routing
 
     g = torch.Generator().manual_seed(5)
@@ -94,11 +95,15 @@ def test_routing_slices_match_per_expert_nonzero():
     weights = torch.rand(37, 4, generator=g).to(torch.bfloat16)
     route = Routing.of(ids, weights)
     assert route.experts == torch.unique(ids).tolist()
-    for e in route.experts:
+    assert route.counts(route.experts) == [int((ids == e).sum()) for e in route.experts]
+    for e in reversed(route.experts):  # the per-pair tensors are made on first use, whichever expert asks first
         rows, w = route.pairs(e)
         want_rows, slots = torch.nonzero(ids == e, as_tuple=True)
         assert torch.equal(rows, want_rows)
         assert torch.equal(w, weights[want_rows, slots].unsqueeze(-1).float())
+        assert torch.equal(route.slots(e), slots)
+    assert torch.equal(route.ids, ids.long()) and route.ids.is_contiguous()
+    assert torch.equal(route.raw, weights.float()) and route.raw.dtype == torch.float32
 
 
 def test_warm_decode_short_path_adds_what_the_full_step_adds(tmp_path, monkeypatch):
