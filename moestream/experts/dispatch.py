@@ -16,6 +16,7 @@ import time
 import weakref
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -569,8 +570,7 @@ class Routing:
     def __init__(self, ids: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, experts: list[int],
                  spans: dict[int, slice]):
         self.experts, self._spans = experts, spans
-        self._given, self._order = (ids, weights), order  # the step's routing as given; the pairs' sorted order
-        self._made: dict[str, torch.Tensor] = {}
+        self._ids, self._weights, self._order = ids, weights, order  # the routing as given; the pairs' sorted order
 
     @classmethod
     def of(cls, ids: torch.Tensor, weights: torch.Tensor) -> "Routing":
@@ -583,37 +583,30 @@ class Routing:
             end += n
         return cls(ids, weights, order, list(spans), spans)
 
-    def _get(self, name: str) -> torch.Tensor:
-        got = self._made.get(name)
-        if got is None:
-            (ids, weights), order, k = self._given, self._order, self._given[0].shape[1]
-            got = {"rows": lambda: torch.div(order, k, rounding_mode="floor"),
-                   "weights": lambda: weights.reshape(-1)[order].float().unsqueeze(-1),
-                   "slots": lambda: order % k,
-                   "ids": lambda: ids.long().contiguous(),
-                   "raw": lambda: weights.float().contiguous()}[name]()
-            self._made[name] = got
-        return got
-
-    @property
+    @cached_property
     def rows(self) -> torch.Tensor:
         """Each sorted pair's row [pairs] (int64)."""
-        return self._get("rows")
+        return torch.div(self._order, self._ids.shape[1], rounding_mode="floor")
 
-    @property
+    @cached_property
     def weights(self) -> torch.Tensor:
         """Each sorted pair's routing weight [pairs, 1] fp32."""
-        return self._get("weights")
+        return self._weights.reshape(-1)[self._order].float().unsqueeze(-1)
 
-    @property
+    @cached_property
+    def pair_slots(self) -> torch.Tensor:
+        """Each sorted pair's slot (top-k rank) [pairs]."""
+        return self._order % self._ids.shape[1]
+
+    @cached_property
     def ids(self) -> torch.Tensor:
         """The step's routing as given: ids [T, k] int64 contiguous."""
-        return self._get("ids")
+        return self._ids.long().contiguous()
 
-    @property
+    @cached_property
     def raw(self) -> torch.Tensor:
         """The step's routing weights as given, [T, k] fp32 contiguous."""
-        return self._get("raw")
+        return self._weights.float().contiguous()
 
     def counts(self, experts: list[int]) -> list[int]:
         """The pairs routed to each of `experts` (each one of this step's experts)."""
@@ -622,7 +615,7 @@ class Routing:
 
     def slots(self, e: int) -> torch.Tensor:
         """The slots (top-k ranks) of the pairs routed to `e`, in the order of `pairs(e)`'s rows."""
-        return self._get("slots")[self._spans[e]]
+        return self.pair_slots[self._spans[e]]
 
     def pairs(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows routed to `e` (ascending) and their routing weights [n, 1] fp32."""
