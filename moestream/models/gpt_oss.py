@@ -94,11 +94,10 @@ def _group_pointers(t, inter: int, hidden: int) -> tuple[int, ...] | None:
     """Addresses of an MXFP4 expert's gate_up / down codes and scales, after checking every part's dtype, shape
     and contiguity (the native call reads every expert with one shape: a malformed one would be read out of
     bounds), else None. Cached on a blob's PartViews (experts.store.cached_addresses)."""
-    want = {"gate_up_blocks": (2 * inter, hidden // 32, 16), "gate_up_scales": (2 * inter, hidden // 32),
-            "gate_up_bias": (2 * inter,), "down_blocks": (hidden, inter // 32, 16),
-            "down_scales": (hidden, inter // 32), "down_bias": (hidden,)}
-
-    def make() -> tuple[int, ...] | None:
+    def make() -> tuple[int, ...] | None:  # (the shapes only when not cached: this runs per expert per step)
+        want = {"gate_up_blocks": (2 * inter, hidden // 32, 16), "gate_up_scales": (2 * inter, hidden // 32),
+                "gate_up_bias": (2 * inter,), "down_blocks": (hidden, inter // 32, 16),
+                "down_scales": (hidden, inter // 32), "down_bias": (hidden,)}
         ok = all(n in t and tuple(t[n].shape) == shape and t[n].is_contiguous()
                  and (t[n].dtype == torch.uint8) == (not n.endswith("bias")) for n, shape in want.items())
         return tuple(t[n].data_ptr() for n in _PARTS if not n.endswith("bias")) if ok else None
@@ -125,23 +124,22 @@ def expert_group(x, ids, weights, experts, tensors, out, counts=None) -> bool:
         # every row of xr has a place in gu / h; the rows of experts not in `few` are left unused
         slot = torch.cat([torch.full((c,), i, dtype=torch.long) for i, (_, _, c) in enumerate(few)])
         at = torch.cat([torch.arange(s, s + c) for _, s, c in few])
-        gu = torch.zeros(xr.shape[0], 2 * inter, dtype=torch.float32)
-        xp, gp, yp = xr.data_ptr(), gu.data_ptr(), y.data_ptr()
         tokens = [c for _, _, c in few]
-        bad = cpu.linear_mxfp4_ptrs([xp + s * hidden * 4 for _, s, _ in few], tokens, [ptrs[j][0] for j, _, _ in few],
-                                    [ptrs[j][1] for j, _, _ in few], [gp + s * 2 * inter * 4 for _, s, _ in few],
-                                    2 * inter, hidden, bf16=bf16)
-        if bad >= 0:
-            check_mxfp4_scales(tensors[few[bad][0]]["gate_up_scales"])  # raises the 0xFF scale error
-        gu[at] += torch.stack([tensors[j]["gate_up_bias"].float() for j, _, _ in few]).index_select(0, slot)
-        h = clamped_swiglu(gu).contiguous()  # [R, inter]
-        hp = h.data_ptr()
-        bad = cpu.linear_mxfp4_ptrs([hp + s * inter * 4 for _, s, _ in few], tokens, [ptrs[j][2] for j, _, _ in few],
-                                    [ptrs[j][3] for j, _, _ in few], [yp + s * hidden * 4 for _, s, _ in few],
-                                    hidden, inter, bf16=bf16)
-        if bad >= 0:
-            check_mxfp4_scales(tensors[few[bad][0]]["down_scales"])
-        y[at] += torch.stack([tensors[j]["down_bias"].float() for j, _, _ in few]).index_select(0, slot)
+
+        def project(src: torch.Tensor, dst: torch.Tensor, part: int, name: str) -> None:
+            """dst[at] = src[at] @ W^T + bias for the `name` projection of each expert in `few` (its codes and
+            scales ptrs[j][part], ptrs[j][part + 1])."""
+            n, k, sp, dp = dst.shape[1], src.shape[1], src.data_ptr(), dst.data_ptr()
+            bad = cpu.linear_mxfp4_ptrs([sp + s * k * 4 for _, s, _ in few], tokens, [ptrs[j][part] for j, _, _ in few],
+                                        [ptrs[j][part + 1] for j, _, _ in few], [dp + s * n * 4 for _, s, _ in few],
+                                        n, k, bf16=bf16)
+            if bad >= 0:
+                check_mxfp4_scales(tensors[few[bad][0]][f"{name}_scales"])  # raises the 0xFF scale error
+            dst[at] += torch.stack([tensors[j][f"{name}_bias"].float() for j, _, _ in few]).index_select(0, slot)
+
+        gu = torch.zeros(xr.shape[0], 2 * inter, dtype=torch.float32)
+        project(xr, gu, 0, "gate_up")
+        project(clamped_swiglu(gu).contiguous(), y, 2, "down")  # h [R, inter]
 
     routed_group(x, ids, weights, experts, tensors, out, cpu.MAX_TOKENS_MXFP4, native, expert_fn)
     return True

@@ -973,8 +973,8 @@ class Calibrator:
         DEFAULT_SHAPE), the fp32 GEMM, memory, and the family's overhead at `top_k`; with `glu_shape` (a bf16 GLU
         expert's (inter, hidden)) the fused expert kernel over top_k of them, over many rows in fp32 and bf16
         compute; `dense_shapes`: bf16 and block-FP8 dense weights' (format, out, in) to time over DENSE_ROWS rows
-        (dense_rows_times: bf16 in both precisions); `kv_dtype` other than fp32: its cache storage's cost (kv_probe); measured where
-        missing. `glu_codec` "b12": the routed experts are b12-coded (a `pack --codec b12` checkpoint), so the fused
+        (dense_rows_times: bf16 in both precisions); `kv_dtype` other than fp32: its cache storage's cost
+        (kv_probe); measured where missing. `glu_codec` "b12": the routed experts are b12-coded (a `pack --codec b12` checkpoint), so the fused
         expert kernel is probed over coded experts (rates in their coded bytes). `compute` "bf16": MXFP4 weights'
         one-row rate is their bf16 call's (MXFP4_BF16), as --compute-dtype bf16 runs them at every row count."""
         e = self._entry()

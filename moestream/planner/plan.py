@@ -322,12 +322,12 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
         f"later requests); prefill in chunks of "
         f"{ENGINE_CHUNK}; ttft_s with the cache at its steady share, ttft_cold_s with an empty cache",
     ]
-    kinds = [f"dense weights over {len(r.get('dense_rows') or {})} probed shapes ("
-             + ", ".join(r.get("dense_rows") or {}) + "): blocks.linear timed over 1-256 rows (bf16 weights in "
-             "fp32 and bf16 compute, block-FP8 in fp32), each weight priced at the probed shape of its format "
-             "nearest in size, scaled by its parameters (one row: only weights of 16 MiB or more, and the lm_head; "
-             "smaller ones at the one-row kernel's rate)"] if r.get("dense_rows") else ["dense weights: one-row kernel rate and fp32 expansion + "
-                                                            "GEMM (no dense shape probed)"]
+    probed = r.get("dense_rows") or {}
+    kinds = [f"dense weights over {len(probed)} probed shapes (" + ", ".join(probed) + "): blocks.linear timed "
+             "over 1-256 rows (bf16 weights in fp32 and bf16 compute, block-FP8 in fp32), each weight priced at the "
+             "probed shape of its format nearest in size, scaled by its parameters (one row: only weights of 16 MiB "
+             "or more, and the lm_head; smaller ones at the one-row kernel's rate)"] if probed else \
+        ["dense weights: one-row kernel rate and fp32 expansion + GEMM (no dense shape probed)"]
     lines.append(f"compute dtype {opts.compute_dtype}: " + (
         "steps of 16+ rows multiply bf16 dense weights in bf16 (blocks.BF16_MIN_ROWS), and the routed "
         "bf16 GLU experts too (BF16_GLU_MIN_ROWS) at the fused call's bf16 many-row times; MXFP4 experts take "
