@@ -92,11 +92,14 @@ static void b12_patch(const uint8_t *m, int64_t N, int64_t K, int64_t n, int bas
 }
 
 #if MS_SIMD == 2
-/* a row's table, code -> high byte, in each 128-bit lane (vpshufb looks up within lanes) */
+/* a row's table, code -> high byte, in each 128-bit lane (vpshufb looks up within lanes): base + c for c < 8,
+ * 0x80 | (base + c - 8) for c >= 8, in bytes. Made in registers: built in a stack array and loaded back, the bytes
+ * stalled on store forwarding once a row, and the peer's one-token grouped expert call ran 0.85x as fast on one
+ * thread (bench/ab_builds.py glu). */
 INLINE __m512i b12_table(int base) {
-    uint8_t lut[16];
-    for (int c = 0; c < 16; c++) lut[c] = (uint8_t)(c < 8 ? base + c : 0x80 | (base + c - 8));
-    return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)lut));
+    const __m128i step = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m128i sign = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, -128, -128, -128, -128, -128, -128, -128, -128);
+    return _mm512_broadcast_i32x4(_mm_or_si128(_mm_add_epi8(_mm_set1_epi8((char)base), step), sign));
 }
 
 /* the 64 values of the block at s (64 low bytes, then 32 code bytes) as bf16: values 0-31 in v0, 32-63 in v1 */
