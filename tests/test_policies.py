@@ -185,6 +185,11 @@ def test_touch_many_equals_touches_one_by_one(name):
             for k in keys:
                 one.touch(k)
             many.touch_many(keys)
+        if rng.random() < 0.1:  # one call across layers (a lower layer starts a step inside the call)
+            keys = [(3, rng.randrange(16)), (0, rng.randrange(16)), (1, rng.randrange(16))]
+            for k in keys:
+                one.touch(k)
+            many.touch_many(keys)
         if rng.random() < 0.05:
             gone = (rng.randrange(4), rng.randrange(16))
             one.remove(gone)
@@ -193,4 +198,4 @@ def test_touch_many_equals_touches_one_by_one(name):
             many.insert(gone)
     assert list(one.victims()) == list(many.victims())
     if name != "lru":
-        assert one._score == many._score and one._t == many._t
+        assert one._score == many._score and one._t == many._t and one._prio == many._prio

@@ -100,6 +100,29 @@ class FrequencyRecencyPolicy(_Touches):
     def touch(self, key: Key) -> None:
         self._bump(key, fresh=False)
 
+    def touch_many(self, keys: list[Key]) -> None:
+        """`touch` of each key in turn with `_tick` and `_bump` inlined (the same state after, entry for entry): a
+        warm decode touches every routed expert of every layer, and the three calls a key cost 2.5 us of it."""
+        rate, score, prio, pending, seq = self.rate, self._score, self._prio, self._pending, self._seq
+        exp, log = math.exp, math.log
+        t, last = self._t, self._last_layer
+        for key in keys:
+            layer = key[0] if isinstance(key, tuple) and key and isinstance(key[0], int) else None
+            if layer is None or last is None or layer < last:
+                t += 1
+            last = layer
+            old = score.get(key)
+            s = 1.0 if old is None else old[0] * exp(-rate * (t - old[1])) + 1.0
+            score[key] = (s, t)
+            p = log(s) + rate * t
+            prio[key] = p
+            pending.append((p, next(seq), key))
+            if len(self._heap) + len(pending) > 4 * len(prio) + 64:
+                self._t, self._last_layer = t, last
+                self._compact()
+                score = self._score  # (the compaction may replace it)
+        self._t, self._last_layer = t, last
+
     def remove(self, key: Key) -> None:
         self._prio.pop(key, None)
 
@@ -177,6 +200,10 @@ class HeatPolicy(FrequencyRecencyPolicy):
         ranked = sorted(merged, key=merged.get, reverse=True)
         self._hot = frozenset(ranked[: self.pin_count])
         self._since_refresh = 0
+
+    def touch_many(self, keys: list[Key]) -> None:
+        for key in keys:  # (its counts and refreshes go with each key's bump)
+            self._bump(key, fresh=False)
 
     def _bump(self, key: Key, fresh: bool) -> None:
         self.counts[key] = self.counts.get(key, 0) + 1
