@@ -281,3 +281,27 @@ def test_decode_layers_reject_bad_operands(tmp_path, monkeypatch):
         fused.DecodeLayers(native.blocks[:1], [other])
     with pytest.raises(ValueError, match="a table each"):
         fused.DecodeLayers(native.blocks, native.tables[:1])
+
+
+@native
+def test_a_native_run_keeps_the_books_as_layer_by_layer_steps(tmp_path, monkeypatch):
+    """The bookkeeping of a token whose layers ran in native runs (ExpertRunner.resident_run, which does the
+    non-reading layers' share inline and the policy's touches through its log) leaves the runner as one native call a
+    layer with resident_done each does: hit counts per layer, the steps' counters, the quiet counts, the lookahead's
+    scores and the cache policy's victims in order."""
+    synthesize("qwen3_moe", tmp_path / "m", "tiny", progress=False)
+    ids = prompt_ids(1000, BLOCK_TOKENS + 6, seed=9)
+    books = []
+    for fast in (True, "block"):
+        eng = Engine.open(tmp_path / "m", ram_budget="1GB")
+        eng.runner.lookahead.reads = 0
+        ids = [t % eng.vocab_size for t in ids]
+        _decode(eng, ids, "block", monkeypatch)  # the same warm-up for both
+        runs0 = _layer_runs(eng)
+        _decode(eng, ids, fast, monkeypatch)
+        assert (_layer_runs(eng) > runs0) == (fast is True)
+        r, stats = eng.runner, eng.runner.cache.stats
+        books.append((stats.hits, stats.misses, dict(stats.layer_hits), r.times.steps, r.times.resident_steps,
+                      dict(r._quiet), {k: (g.scored, g.recall) for k, g in r.lookahead.gates.items()},
+                      list(r.cache.policy.victims())))
+    assert books[0] == books[1]

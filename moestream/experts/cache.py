@@ -96,6 +96,12 @@ class ExpertCache:
         self.stats.record_hits(layer, len(experts))
         return [None if item is None else item[0] for item in got]
 
+    def touch_hits(self, layer: int, experts: list[int]) -> None:
+        """`hits` without the values (a caller that computed from its own table): the touches and the counts."""
+        items = self._items
+        self.policy.touch_many([k for k in ((layer, e) for e in experts) if k in items])
+        self.stats.record_hits(layer, len(experts))
+
     def make_room(self, nbytes: int, keep: frozenset = frozenset(), evict: bool = True) -> bool:
         """Evict until `nbytes` more fit under capacity; False if they cannot (pinned or `keep` entries block, or
         `evict` is False and the free room is short)."""

@@ -261,8 +261,21 @@ class ExpertRunner:
         """`resident_done` for consecutive layers of one decode token that ran their routed experts from the tables
         in one native run (DecoderModel.decode_layers), in layer order: routed[i] the ids layers[i] routed to,
         route_x[i] its router input. None but the last may read (the caller checked `reads_after` before the run)."""
+        last = len(layers) - 1
+        times, quiet, observe, cache = self.times, self._quiet, self.lookahead.observe, self.cache
         for i, (layer, ids) in enumerate(zip(layers, routed)):
-            self.resident_done(layer, sorted(set(ids)), route_x[i:i + 1])
+            uniq = sorted(set(ids))
+            if i == last or self._inflight:  # the one that may read, and what it left in flight
+                self.resident_done(layer, uniq, route_x[i:i + 1])
+                continue
+            # resident_done for a layer that reads nothing (no read-ahead in flight, `reads_after` False): the
+            # counters, the lookahead's score and the touches; nothing is allocated between a run's layers, so the
+            # accountant's peak is observed by the last one's
+            times.steps += 1
+            times.resident_steps += 1
+            quiet[layer] = quiet.get(layer, 0) + 1
+            observe(layer, uniq)
+            cache.touch_hits(layer, uniq)
 
     def reads_after(self, layer: int) -> bool:
         """Whether the bookkeeping of a warm one-token step of `layer` (`resident_done`) may start or land reads:
