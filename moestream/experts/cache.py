@@ -99,7 +99,7 @@ class ExpertCache:
     def touch_hits(self, layer: int, experts: list[int]) -> None:
         """`hits` without the values (a caller that computed from its own table): the touches and the counts."""
         items = self._items
-        self.policy.touch_many([k for k in ((layer, e) for e in experts) if k in items])
+        self.policy.touch_many([(layer, e) for e in experts if (layer, e) in items])
         self.stats.record_hits(layer, len(experts))
 
     def make_room(self, nbytes: int, keep: frozenset = frozenset(), evict: bool = True) -> bool:

@@ -240,10 +240,7 @@ class ExpertRunner:
         the read-ahead of this and earlier layers not started (this step routed elsewhere) and land finished reads.
         Returns the experts' blobs."""
         cache = self.cache
-        self.times.steps += 1
-        self.times.resident_steps += 1
-        self._quiet[layer] = self._quiet.get(layer, 0) + 1
-        self.lookahead.observe(layer, uniq)
+        self._count_resident(layer, uniq)
         self.scan = 0
         need = None
         if self._inflight:
@@ -262,20 +259,23 @@ class ExpertRunner:
         in one native run (DecoderModel.decode_layers), in layer order: routed[i] the ids layers[i] routed to,
         route_x[i] its router input. None but the last may read (the caller checked `reads_after` before the run)."""
         last = len(layers) - 1
-        times, quiet, observe, cache = self.times, self._quiet, self.lookahead.observe, self.cache
         for i, (layer, ids) in enumerate(zip(layers, routed)):
             uniq = sorted(set(ids))
             if i == last or self._inflight:  # the one that may read, and what it left in flight
                 self.resident_done(layer, uniq, route_x[i:i + 1])
                 continue
             # resident_done for a layer that reads nothing (no read-ahead in flight, `reads_after` False): the
-            # counters, the lookahead's score and the touches; nothing is allocated between a run's layers, so the
-            # accountant's peak is observed by the last one's
-            times.steps += 1
-            times.resident_steps += 1
-            quiet[layer] = quiet.get(layer, 0) + 1
-            observe(layer, uniq)
-            cache.touch_hits(layer, uniq)
+            # counters, the lookahead's score and the touches, without the blobs; nothing is allocated between a
+            # run's layers, so the accountant's peak is observed by the last one's
+            self._count_resident(layer, uniq)
+            self.cache.touch_hits(layer, uniq)
+
+    def _count_resident(self, layer: int, uniq: list[int]) -> None:
+        """A warm one-token step's counters, its layer's quiet count and the lookahead's score of it."""
+        self.times.steps += 1
+        self.times.resident_steps += 1
+        self._quiet[layer] = self._quiet.get(layer, 0) + 1
+        self.lookahead.observe(layer, uniq)
 
     def reads_after(self, layer: int) -> bool:
         """Whether the bookkeeping of a warm one-token step of `layer` (`resident_done`) may start or land reads:

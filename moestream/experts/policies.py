@@ -83,31 +83,17 @@ class FrequencyRecencyPolicy(_Touches):
         self._prio: dict[Key, float] = {}
         self._log: list[Key] = []  # touches not yet scored, in order (touch_many)
 
-    def _tick(self, key: Key) -> None:
-        layer = key[0] if isinstance(key, tuple) and key and isinstance(key[0], int) else None
-        if layer is None or self._last_layer is None or layer < self._last_layer:
-            self._t += 1
-        self._last_layer = layer
-
-    def _bump(self, key: Key, fresh: bool) -> None:
+    def _bump(self, key: Key) -> None:
         if self._log:
             self._play()
-        self._tick(key)
-        old = None if fresh else self._score.get(key)
-        s = 1.0 if old is None else old[0] * math.exp(-self.rate * (self._t - old[1])) + 1.0
-        self._score[key] = (s, self._t)
-        prio = math.log(s) + self.rate * self._t
-        self._prio[key] = prio
-        self._pending.append((prio, next(self._seq), key))
-        if len(self._heap) + len(self._pending) > 4 * len(self._prio) + 64:
-            self._compact()
+        self._score_keys((key,))
 
     def insert(self, key: Key) -> None:
         # a re-read expert keeps part of its history: frequency across evictions is the point of the policy
-        self._bump(key, fresh=False)
+        self._bump(key)
 
     def touch(self, key: Key) -> None:
-        self._bump(key, fresh=False)
+        self._bump(key)
 
     def touch_many(self, keys: list[Key]) -> None:
         self._log += keys
@@ -115,8 +101,14 @@ class FrequencyRecencyPolicy(_Touches):
             self._play()
 
     def _play(self) -> None:
-        """The logged touches scored in order: `touch` of each key with `_tick` and `_bump` inlined."""
+        """The logged touches scored in order."""
         keys, self._log = self._log, []
+        self._score_keys(keys)
+
+    def _score_keys(self, keys) -> None:
+        """Each key's access in turn: a lower layer than the last key's (or a key without one) starts a step; the
+        key's score decays to now and gains 1; its new priority waits in `_pending` (compacting when superseded
+        entries pile up)."""
         rate, score, prio, pending, seq = self.rate, self._score, self._prio, self._pending, self._seq
         exp, log = math.exp, math.log
         t, last = self._t, self._last_layer
@@ -221,14 +213,14 @@ class HeatPolicy(FrequencyRecencyPolicy):
 
     def touch_many(self, keys: list[Key]) -> None:
         for key in keys:  # (its counts and refreshes go with each key's bump)
-            self._bump(key, fresh=False)
+            self._bump(key)
 
-    def _bump(self, key: Key, fresh: bool) -> None:
+    def _bump(self, key: Key) -> None:
         self.counts[key] = self.counts.get(key, 0) + 1
         self._since_refresh += 1
         if self._since_refresh >= 4096:
             self._refresh_hot()
-        super()._bump(key, fresh)
+        super()._bump(key)
 
     def victims(self) -> Iterator[Key]:
         hot, warm = self._hot, []
