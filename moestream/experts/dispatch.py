@@ -270,6 +270,33 @@ class ExpertRunner:
             self._count_resident(layer, uniq)
             self.cache.touch_hits(layer, uniq)
 
+    def rows_done(self, layer: int, uniq: list[int], route_x: torch.Tensor, top_k: int) -> None:
+        """The bookkeeping of a multi-row step (a short prompt chunk) whose routed experts `uniq` (ascending) were
+        all in the layer's table, computed by the caller (the native rows block, models/base.py Layer._rows): what
+        `_run` does for a step whose experts all hit, without the compute (counters, the lookahead's score, read-ahead
+        withdrawn and landed, the quiet count, the scan window and the read-ahead it or the lookahead start, the
+        policy's touches and the hit statistics, the idle buffers trimmed). Experts in the table are cached and
+        not read ahead unused, so every one is a hit, as `_run` would find."""
+        self.times.steps += 1
+        self.lookahead.observe(layer, uniq)
+        need = {(layer, e) for e in uniq}
+        self._ahead = None
+        self._need = need
+        self._withdraw(layer, need)
+        self._harvest()
+        self._quiet[layer] = self._quiet.get(layer, 0) + 1
+        self.scan = self._scan_window(layer, len(uniq), top_k)
+        reader = self.store.reader
+        reader.set_depth(max(SCAN_DEPTH, reader.threads) if self.scan else reader.threads)
+        if self.scan:
+            self._scan_ahead(layer, route_x, need)
+        elif self._next_may_read(layer):
+            self._prefetch_next(layer, route_x, need)
+        self.cache.touch_hits(layer, uniq)
+        self._trim_idle()
+        self._need = set()
+        self.memory.observe()
+
     def _count_resident(self, layer: int, uniq: list[int]) -> None:
         """A warm one-token step's counters, its layer's quiet count and the lookahead's score of it."""
         self.times.steps += 1

@@ -227,3 +227,162 @@ int64_t ms_gqa_decode_layers(int64_t n, const int64_t *rec, float *h, float *x2s
     }
     return n;
 }
+
+typedef struct {
+    int64_t T, Hq, Hkv, D, Dv, start, length, window, block;
+    const int64_t *kb, *vb;
+    const float *q; /* [T, Hq, D] */
+    float *out, *scores; /* out [T, Hq, Dv]; scores: per part, length floats */
+    float scale;
+} dr_attn_job;
+
+/* the (query, head) pairs [i0, i1) of part `part`: ms_gqa_attend's loops for query t (position length - T + t,
+ * causal, the last `window` positions when window > 0), keys read from the cache's blocks */
+static void dr_attn_part(void *arg, int part, int parts) {
+    const dr_attn_job *j = arg;
+    const int64_t items = j->T * j->Hq, i0 = items * part / parts, i1 = items * (part + 1) / parts;
+    const int64_t G = j->Hq / j->Hkv, pos0 = j->length - j->T;
+    float *p = j->scores + (int64_t)part * j->length;
+    for (int64_t it = i0; it < i1; it++) {
+        const int64_t t = it / j->Hq, h = it % j->Hq, g = h / G, n = pos0 + t + 1;
+        const int64_t j0 = j->window > 0 && n > j->window ? n - j->window : 0;
+        const float *qh = j->q + it * j->D;
+        float m = -INFINITY;
+        for (int64_t i = j0; i < n; i++) {
+            const int64_t r = i - j->start;
+            const float *kj = (const float *)(intptr_t)j->kb[r / j->block] + ((r % j->block) * j->Hkv + g) * j->D;
+            p[i] = dot_lanes(qh, kj, j->D) * j->scale;
+            if (p[i] > m) m = p[i];
+        }
+        const float sum = softmax_exps(p + j0, n - j0, m);
+        float *oh = j->out + it * j->Dv;
+        for (int64_t d = 0; d < j->Dv; d++) oh[d] = 0.0f;
+        for (int64_t i = j0; i < n; i++) {
+            const int64_t r = i - j->start;
+            const float w = p[i] / sum;
+            const float *vj = (const float *)(intptr_t)j->vb[r / j->block] + ((r % j->block) * j->Hkv + g) * j->Dv;
+            for (int64_t d = 0; d < j->Dv; d++) oh[d] += w * vj[d];
+        }
+    }
+}
+
+/* The MoE half of ms_gqa_rows_block: every routed expert of the T rows in the table (else 0, nothing done), then
+ * h += the routed experts' weighted sum, from one ms_moe_glu_bf16 call over the step's experts in ascending id
+ * order into zeroed rows and one add (what the runner's grouped call, when its scratch fits one call, and the
+ * layer's residual add compute). 1 when done, -1 when out of memory. */
+static int dr_experts(const int64_t *cfg, const float *fcfg, const int64_t *table, int64_t T, float *h,
+                      const float *x2, const int64_t *ids, const float *wts) {
+    const int64_t H = cfg[DL_H], k = cfg[DL_TOPK], E = cfg[DL_E];
+    if (k <= 0 || E <= 0) return 0;
+    char *seen = calloc((size_t)E, 1);
+    if (!seen) return -1;
+    int64_t n = 0;
+    for (int64_t i = 0; i < T * k; i++) {
+        const int64_t e = ids[i];
+        if (e < 0 || e >= E || !table[3 * e]) {
+            free(seen);
+            return 0;
+        }
+        n += !seen[e];
+        seen[e] = 1;
+    }
+    int64_t *lists = malloc(sizeof(int64_t) * (size_t)(4 * n));
+    float *y = calloc((size_t)(T * H), sizeof(float));
+    int code = lists && y ? 1 : -1;
+    if (code == 1) {
+        int64_t *sorted = lists, *gates = lists + n, *ups = gates + n, *downs = ups + n, j = 0;
+        for (int64_t e = 0; e < E; e++)
+            if (seen[e]) {
+                sorted[j] = e;
+                gates[j] = table[3 * e];
+                ups[j] = table[3 * e + 1];
+                downs[j++] = table[3 * e + 2];
+            }
+        if (ms_moe_glu_bf16(n, sorted, gates, ups, downs, cfg[DL_INTER], H, H, x2, T, ids, wts, k, y, (int)cfg[DL_ACT],
+                            fcfg[DLF_BETA], fcfg[DLF_LBETA]))
+            code = -1;
+        else
+            for (int64_t c = 0; c < T * H; c++) h[c] += y[c];
+    }
+    free(y);
+    free(lists);
+    free(seen);
+    return code;
+}
+
+/* ms_gqa_decode_block's attention half and router for T new tokens of one sequence (a short prompt chunk), h fp32
+ * [T, H] updated in place; the caller has appended the T rows [length - T, length) to the cache (their contents are
+ * written here). The same pieces in the same order as the separate calls of that step (ms_rms_norm,
+ * ms_linear_bf16_many for q/k/v, ms_gqa_attend's norms, rope and causal attention per query, ms_linear_bf16 for
+ * o_proj, the residual add, ms_rms_norm, ms_router_softmax_topk), so the same values bit for bit: x2 [T, H] the
+ * post-norm rows, with a router ids [T, k] and wts [T, k]. With a router and an expert table (as
+ * ms_gqa_decode_block's) holding every expert the rows routed to, the MoE half too (dr_experts) and returns 1; the
+ * caller must know that the runner's grouped call would make one native call of these rows. The cache must hold
+ * every key the first query sees (blocks[0] starts at or before it). Returns 0 when it stopped after the router, -1
+ * when out of memory, -2 for bad cache rows. */
+int ms_gqa_rows_block(const int64_t *cfg, const float *fcfg, int64_t T, float *h, const int64_t *kb,
+                      const int64_t *vb, int64_t start, int64_t length, float *x2, int64_t *ids, float *wts,
+                      const int64_t *table) {
+    const int64_t H = cfg[DL_H], Hq = cfg[DL_HQ], Hkv = cfg[DL_HKV], D = cfg[DL_D], Dv = cfg[DL_DV];
+    const int64_t block = cfg[DL_BLOCK], window = cfg[DL_WINDOW], E = cfg[DL_E], min_rows = cfg[DL_MIN_ROWS];
+    const float eps = fcfg[DLF_EPS];
+    const int64_t nq = Hq * D, nk = Hkv * D, nv = Hkv * Dv, na = Hq * Dv, ldx = bf16_stride(H), lda = bf16_stride(na);
+    const int64_t pos0 = length - T, seen = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
+    if (T <= 0 || pos0 < start || start > seen || H <= 0 || Hkv <= 0 || Hq % Hkv) return -2;
+    const int attn_parts = T * (length - seen) * nk * 8 < ATTN_SPLIT_BYTES ? 1 : dl_parts(T * Hq, 1);
+    const int64_t router = cfg[DL_ROUTER] && E > 0;
+    const size_t floats = (size_t)(T * (ldx + H + nq + nk + nv + na + lda + H) + attn_parts * length
+                                   + (router ? T * E : 0));
+    float *mem = malloc(sizeof(float) * floats + (size_t)E + 64);
+    if (!mem) return -1;
+    float *xp = (float *)(((uintptr_t)mem + 63) & ~(uintptr_t)63), *x = xp + T * ldx, *q = x + T * H;
+    float *k = q + T * nq, *v = k + T * nk, *att = v + T * nv, *ap = att + T * na, *y = ap + T * lda;
+    float *scores = y + T * H, *logits = scores + attn_parts * length;
+    char *taken = (char *)(logits + (router ? T * E : 0));
+
+    memcpy(x, h, sizeof(float) * (size_t)(T * H));
+    rms_rows(x, T, H, (const void *)(intptr_t)cfg[DL_IN_NORM], (int)cfg[DL_IN_BF16], eps);
+    bf16_prepare(x, T, H, xp);
+    const int64_t ws[3] = {cfg[DL_WQ], cfg[DL_WK], cfg[DL_WV]}, Ns[3] = {nq, nk, nv};
+    const int64_t outs[3] = {(int64_t)(intptr_t)q, (int64_t)(intptr_t)k, (int64_t)(intptr_t)v};
+    bf16_job qkv = {xp, ldx, T, H, 3, nq + nk + nv, ws, Ns, outs, 0};
+    bf16_run(&qkv, dl_parts(nq + nk + nv, min_rows));
+
+    const void *qn = (const void *)(intptr_t)cfg[DL_QN], *kn = (const void *)(intptr_t)cfg[DL_KN];
+    const float *inv_freq = (const float *)(intptr_t)cfg[DL_INV_FREQ];
+    for (int64_t t = 0; t < T; t++) { /* the new rows into the cache, then ms_gqa_attend's norms and rope */
+        const int64_t r = pos0 + t - start;
+        float *kout = (float *)(intptr_t)kb[r / block] + (r % block) * nk;
+        float *vout = (float *)(intptr_t)vb[r / block] + (r % block) * nv;
+        float *qt = q + t * nq;
+        memcpy(kout, k + t * nk, sizeof(float) * (size_t)nk);
+        memcpy(vout, v + t * nv, sizeof(float) * (size_t)nv);
+        if (qn) rms_rows(qt, Hq, D, qn, (int)cfg[DL_QK_BF16], eps);
+        if (kn) rms_rows(kout, Hkv, D, kn, (int)cfg[DL_QK_BF16], eps);
+        if (inv_freq) {
+            rope_heads(qt, Hq, D, pos0 + t, inv_freq, fcfg[DLF_FACTOR]);
+            rope_heads(kout, Hkv, D, pos0 + t, inv_freq, fcfg[DLF_FACTOR]);
+        }
+    }
+    dr_attn_job aj = {T, Hq, Hkv, D, Dv, start, length, window, block, kb, vb, q, att, scores, fcfg[DLF_SCALE]};
+    pool_run(dr_attn_part, &aj, attn_parts);
+
+    bf16_prepare(att, T, na, ap);
+    const int64_t wo = cfg[DL_WO], yo = (int64_t)(intptr_t)y;
+    bf16_job oj = {ap, lda, T, na, 1, H, &wo, &H, &yo, 0};
+    bf16_run(&oj, dl_parts(H, min_rows));
+    for (int64_t c = 0; c < T * H; c++) h[c] += y[c];
+
+    memcpy(x2, h, sizeof(float) * (size_t)(T * H));
+    rms_rows(x2, T, H, (const void *)(intptr_t)cfg[DL_POST_NORM], (int)cfg[DL_POST_BF16], eps);
+    if (router) {
+        bf16_prepare(x2, T, H, xp);
+        bf16_rows(xp, ldx, T, H, (const uint16_t *)(intptr_t)cfg[DL_ROUTER], 0, E, logits, E);
+        for (int64_t t = 0; t < T; t++)
+            softmax_topk_row(logits + t * E, E, cfg[DL_TOPK], (int)cfg[DL_RENORM], taken, ids + t * cfg[DL_TOPK],
+                             wts + t * cfg[DL_TOPK]);
+    }
+    free(mem);
+    if (atomic_load(&qkv.failed) || atomic_load(&oj.failed)) return -1;
+    return table && router ? dr_experts(cfg, fcfg, table, T, h, x2, ids, wts) : 0;
+}

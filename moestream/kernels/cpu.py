@@ -50,7 +50,7 @@ MIN_ROWS_PER_THREAD = 256
 SPIN_US = 3000
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
-_ABI = 20
+_ABI = 21
 _SOURCE = Path(__file__).with_name("_cpu.c")
 # _cpu.c #includes the others
 _SOURCES = (_SOURCE, *(Path(__file__).with_name(n)
@@ -155,6 +155,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_gqa_decode_block.restype = ctypes.c_int
     lib.ms_gqa_decode_layers.argtypes = [i64, p, p, p, p, p]
     lib.ms_gqa_decode_layers.restype = i64
+    lib.ms_gqa_rows_block.argtypes = [p, p, i64, p, p, p, i64, i64, p, p, p, p]
+    lib.ms_gqa_rows_block.restype = ctypes.c_int
     lib.ms_prefetch_async.argtypes = [p]
     lib.ms_prefetch_async.restype = None
     lib.ms_layer_times.argtypes = [ctypes.c_int, ctypes.c_int, p]

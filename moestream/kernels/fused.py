@@ -391,6 +391,14 @@ class ExpertTable:
     def drop(self, e: int) -> None:
         self.rows[3 * e] = self.rows[3 * e + 1] = self.rows[3 * e + 2] = 0
 
+    def one_call(self, rows: int, top_k: int) -> bool:
+        """Whether moe_glu_bf16 (fp32 compute) runs any routing of `rows` rows, top_k each, over this table's
+        experts as one native call (its first test: the scratch the most pairs per expert could need fits the cap),
+        as the native rows block runs them (DecodeBlock.rows)."""
+        inter, k_in = self.inter, self.hidden
+        return bool(inter) and _call_scratch(rows * top_k, min(self.experts, rows * top_k), rows, inter, k_in, False,
+                                             False) <= glu_scratch_cap(inter, k_in, k_in)
+
 
 class DecodeBlock:
     """The attention half of one GQA decoder layer for one decode token, in one native call
@@ -398,7 +406,8 @@ class DecodeBlock:
     rms_norm and rotate-half rope -> attention over the cache's blocks -> o_proj -> residual add, then the
     post-attention rms_norm and, with a router, its softmax top-k. The same pieces in the same order as the
     separate calls (rms_norm, linear_many, gqa_attend, linear, router_softmax_topk), so the same values bit for
-    bit. Holds the layer's tensors (their addresses are baked into the call's operands)."""
+    bit. `rows` does the same half (and the router) for a short prompt chunk of one sequence. Holds the layer's
+    tensors (their addresses are baked into the call's operands)."""
 
     def __init__(self, weights: dict[str, Tensor | None], heads: int, kv_heads: int, head_dim: int, eps: float,
                  factor: float, scale: float, window: int | None, block: int, top_k: int = 0,
@@ -477,6 +486,41 @@ class DecodeBlock:
         if code < 0:
             raise MemoryError("native decode block could not allocate its scratch") if code == -1 else \
                 ValueError(f"DecodeBlock: bad cache rows [{start}, {length})")
+        return out, x2, ids, wts, code == 1
+
+    def rows(self, h: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor], start: int, length: int,
+             table: ExpertTable | None = None) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, bool]:
+        """The attention half and router for T new tokens of one sequence (a short prompt chunk) in one native
+        call (ms_gqa_rows_block): h fp32 [T, H] -> (h after attention and residual (a new tensor), the post-norm x2
+        [T, H], with a router its ids int64 [T, k] and weights fp32 [T, k], and whether the MoE half was done too).
+        The cache's blocks hold absolute rows [start, length), the last T appended (their contents are written
+        here); blocks[0] must start at or before the first key the first new token sees. The same values as
+        rms_norm, linear_many, gqa_attend, linear, the residual add, rms_norm and router_softmax_topk called one by
+        one, bit for bit. With a router and an ExpertTable of its experts that holds every expert the rows route
+        to, h also gets the routed experts' weighted sum as one grouped native call computes it (flag True); the
+        caller passes a table only where the runner's grouped call would be that one call (ExpertTable.one_call)."""
+        handle = required()
+        t = h.shape[0] if h.dim() == 2 else 0
+        if h.dtype != torch.float32 or h.shape != (t, self.hidden) or t < 1:
+            raise ValueError(f"DecodeBlock.rows wants fp32 h [T, {self.hidden}], got {tuple(h.shape)} {h.dtype}")
+        out = h.clone(memory_format=torch.contiguous_format)
+        x2 = torch.empty(t, self.hidden)
+        ids = wts = None
+        rows = None
+        if self.top_k:
+            ids, wts = torch.empty(t, self.top_k, dtype=torch.int64), torch.empty(t, self.top_k)
+            if table is not None:
+                self.check_table(table)
+                self.use_table(table)
+                rows = table.rows
+        code = handle.ms_gqa_rows_block(self._cfg, self._fcfg, t, out.data_ptr(),
+                                        _addresses([b.data_ptr() for b in keys]),
+                                        _addresses([b.data_ptr() for b in values]), start, length, x2.data_ptr(),
+                                        None if ids is None else ids.data_ptr(),
+                                        None if wts is None else wts.data_ptr(), rows)
+        if code < 0:
+            raise MemoryError("native attention rows could not allocate their scratch") if code == -1 else \
+                ValueError(f"DecodeBlock.rows: bad cache rows [{start}, {length}) for {t} new tokens")
         return out, x2, ids, wts, code == 1
 
     def check_table(self, table: ExpertTable) -> None:

@@ -14,7 +14,7 @@ from moestream.memory.state import BLOCK_TOKENS, BlockBuffer, Segment, scratch, 
 from moestream.errors import CheckpointError
 from moestream.kernels import cpu, fused, invariant, kvquant, paged
 from moestream.kernels.b12 import B12Weight
-from moestream.models.blocks import linear, linear_many, rms_norm
+from moestream.models.blocks import linear, linear_many, native_rows, rms_norm
 from moestream.models.tiled import TILE_BYTES, Tiles, attend_tiles, tile_plan
 
 NATIVE_MAX_TOKENS = 16  # segments up to this long attend in one native call (decode); longer ones use torch bmm
@@ -261,6 +261,7 @@ class GQAMixer:
         self.scale = scale if scale is not None else head_dim ** -0.5
         self.memory = w.memory
         self.decode_blocks = 0  # one-token steps done by decode_block's single native call
+        self.row_blocks = 0  # short prompt chunks whose attention half took rows_block's single native call
         self._blocks: dict[tuple, fused.DecodeBlock | None] = {}
         self.prefetch_next: list[torch.Tensor] = []  # read ahead after each decode_block (DecoderModel links it)
 
@@ -350,6 +351,40 @@ class GQAMixer:
         self.decode_blocks += 1
         return block(h, slot.k.blocks, slot.v.blocks, slot.k.start, slot.k.length,
                      table if block.top_k else None)
+
+    def rows_block(self, h: torch.Tensor, batch, index: int, in_norm: torch.Tensor, post_norm: torch.Tensor,
+                   eps: float, router=None, table: "fused.ExpertTable | None" = None):
+        """A decoder layer's attention half (and, given a SoftmaxRouter that fits, its top-k; given also the
+        router's ExpertTable, the routed experts when all are in it) for a step of one sequence's 2-16 new tokens (a
+        short prompt chunk), in one native call (fused.DecodeBlock.rows): what `__call__` between the layer's two
+        norms, the router and the runner's grouped call compute on that step, bit for bit, without their Python.
+        Returns (h + attention [+ experts], post-norm x2, ids, weights, experts done), ids and weights None without
+        a router; None (nothing done) when the step or the layer does not fit (the caller runs the layer the usual
+        way)."""
+        if not self.rows_fit(h, batch):
+            return None
+        block = self._decode_plan(in_norm, post_norm, eps, router)
+        if block is None:
+            return None
+        slot = self.slot(batch.segments[0], index)
+        if slot.k.block != BLOCK_TOKENS or slot.k.start != 0:
+            return None
+        t = h.shape[0]
+        slot.k.reserve(t)  # the rows are charged and allocated here; the kernel writes their contents
+        slot.v.reserve(t)
+        self.row_blocks += 1
+        return block.rows(h, slot.k.blocks, slot.v.blocks, slot.k.start, slot.k.length,
+                          table if block.top_k else None)
+
+    def rows_fit(self, h: torch.Tensor, batch) -> bool:
+        """Whether a step may take rows_block: one sequence's 2-16 new tokens over an fp32 cache, no window, every
+        dense weight resident and multiplied by the native kernel in fp32 compute (blocks.native_rows), the native
+        attention kernel's conditions (`_native`), no autograd."""
+        t = h.shape[0]
+        return (1 < t <= min(NATIVE_MAX_TOKENS, cpu.MAX_TOKENS_BF16) and len(batch.segments) == 1
+                and batch.segments[0].length == t and batch.segments[0].state.kv_dtype == torch.float32
+                and self.window is None and not h.requires_grad and self.memory.streamer is None
+                and self._native(h, batch) and native_rows(h, (self.q, self.k, self.v, self.o)))
 
     def decode_fits(self, h: torch.Tensor, batch) -> bool:
         """Whether a step may take the one-call decode layer: one sequence's one token, an fp32 cache, no autograd,

@@ -20,7 +20,8 @@ from moestream.kernels import cpu, fused, invariant
 from moestream.kernels.b12 import B12Weight
 from moestream.kernels.qweight import matrix_shape
 from moestream.models.blocks import (Router, SigmoidRouter, SoftmaxRouter, embed, expert_glu, glu_group, glu_mlp,
-                                     glu_parts, linear, native_act, rms_norm, silu_glu)
+                                     glu_parts, linear, native_act, native_glu_fp32, rms_norm,
+                                     silu_glu)
 from moestream.weights.index import CheckpointIndex
 
 
@@ -112,11 +113,36 @@ class Layer:
     def __call__(self, h: torch.Tensor, batch: Batch, index: int) -> torch.Tensor:
         if h.shape[0] == 1 and not invariant.active() and (fast := self._decode(h, batch, index)) is not None:
             return fast
+        if h.shape[0] > 1 and not invariant.active() and (fast := self._rows(h, batch, index)) is not None:
+            return fast
         x = rms_norm(h, self.in_norm, self.eps)
         h = residual(h, self.mixer(x, batch, index))
         # the mixer is done with its input: the post-norm goes into that buffer (no second fresh [T, H] a layer)
         return residual(h, self.ffn(rms_norm(h, self.post_norm, self.eps,
                                              out=x if x.data_ptr() != h.data_ptr() else None)))
+
+    def _rows(self, h: torch.Tensor, batch: Batch, index: int) -> torch.Tensor | None:
+        """A short prompt chunk of one sequence: the mixer's attention half and the router in one native call when
+        the mixer has one (GQAMixer.rows_block), in the same call the routed experts when the runner's table holds
+        all of them (and its grouped call would be one native call: ExpertTable.one_call; the runner then keeps
+        the books, `rows_done`), else the routed experts through the runner as usual: the same values as the
+        general path with a fraction of its Python. None when it does not apply."""
+        block = getattr(self.mixer, "rows_block", None)
+        if block is None:
+            return None
+        moe = self.ffn if isinstance(self.ffn, SoftmaxMoE) else None
+        table = moe.resident_table() if moe is not None else None
+        if table is not None and not (native_glu_fp32(h.shape[0]) and table.one_call(h.shape[0], moe.router.top_k)):
+            table = None
+        got = block(h, batch, index, self.in_norm, self.post_norm, self.eps, moe.router if moe else None, table)
+        if got is None:
+            return None
+        h, x, ids, weights, done = got
+        if done:
+            table.used += 1
+            moe.ctx.experts.rows_done(moe.layer, sorted(set(ids.view(-1).tolist())), x, ids.shape[1])
+            return h
+        return residual(h, moe.experts(x, ids, weights) if moe is not None and ids is not None else self.ffn(x))
 
     def _decode(self, h: torch.Tensor, batch: Batch, index: int) -> torch.Tensor | None:
         """One decode token: the mixer's attention half and the router in one native call when the mixer has one

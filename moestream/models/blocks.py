@@ -197,6 +197,20 @@ def _native_dense(w: torch.Tensor, x: torch.Tensor, fp32: bool = False) -> bool:
     return cpu.bf16_native(w, x) and w.is_contiguous() and w.shape[1] == x.shape[-1]
 
 
+def native_rows(x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> bool:
+    """Whether `linear_many(x, ws)` and `linear(x, w)` multiply x by each w with the native kernel in fp32 compute
+    (ms_linear_bf16_many: bf16 or b12-coded weights, up to cpu.MAX_TOKENS_BF16 rows, not the bf16 compute path nor
+    the batch-invariant one): what a native call made of the same pieces must match (attention.GQAMixer.rows_block)."""
+    rows = x.numel() // max(1, x.shape[-1])
+    return not invariant.active() and not _bf16_rows(rows) and all(_native_dense(w, x) for w in ws)
+
+
+def native_glu_fp32(rows: int) -> bool:
+    """Whether the grouped GLU experts of a step of `rows` rows compute in fp32 (ms_moe_glu_bf16), not on the bf16
+    compute path: what the native rows block's experts compute (attention.GQAMixer.rows_block)."""
+    return not _bf16_rows(rows, BF16_GLU_MIN_ROWS)
+
+
 def linear_many(x: torch.Tensor, ws: tuple[torch.Tensor, ...],
                 bs: tuple[torch.Tensor | None, ...] | None = None) -> list[torch.Tensor]:
     """[linear(x, w, b) for each weight]: one native call for all of them when each would take the native kernel
