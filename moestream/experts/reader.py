@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from moestream.errors import CheckpointError
+from moestream.weights import pages
 from moestream.weights.index import ALIGN, drop_pages, pread_fill
 
 GAP = 4096  # read through holes up to this size rather than issue a second request
@@ -160,8 +161,9 @@ class BufferPool:
                 return buf
             self._drop(nbytes)
             self.mapped_bytes += nbytes
-        # private: MAP_SHARED anonymous memory would be shmem, charged and reclaimed differently
-        return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # private: MAP_SHARED anonymous memory would be shmem, charged and reclaimed differently; whole 2 MiB
+        # stretches on huge pages (memory/pages.py)
+        return pages.anon_buffer(nbytes)
 
     def claim(self, buf: object) -> object:
         """What the buffer's last user kept over it (`give(buf, kept)`), or None; once per `take`."""
@@ -176,8 +178,9 @@ class BufferPool:
             stale = self._kept.pop(id(buf), None)  # taken and given back unclaimed (a cancelled or failed read)
             if kept is None and stale is not None and stale[0] is buf:
                 kept = stale[1]
-            self._free.setdefault(len(buf), []).append((buf, kept))
-            self.idle_bytes += len(buf)
+            size = pages.size(buf)
+            self._free.setdefault(size, []).append((buf, kept))
+            self.idle_bytes += size
 
     def trim(self, keep_bytes: int = 0) -> None:
         """Drop idle buffers beyond `keep_bytes` (their memory returns to the OS when the last view dies)."""

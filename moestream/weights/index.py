@@ -19,6 +19,7 @@ import torch
 
 from moestream.errors import CheckpointError
 from moestream.kernels import b12
+from moestream.weights import pages
 from moestream.weights.crc import crc32
 from moestream.weights.validate import (check_align, check_no_overlap, header_entry, is_int, member_file,
                                        regular_file)
@@ -200,7 +201,7 @@ class CheckpointIndex:
                 rows[i] = b12.decode(coded, *info.shape[-2:])
             return out
         if info.codec is not None and pieces is None:  # a coded dense matrix: its bytes, read by the kernels
-            buf = read_range(info.file, info.offset, info.nbytes)
+            buf = read_range(info.file, info.offset, info.nbytes, out=pages.weight_bytes(info.nbytes))
             self._check_dense(name, info, buf)
             data = torch.frombuffer(buf, dtype=torch.uint8)
             try:  # its exceptions' table, checked before any kernel reads it
@@ -214,7 +215,7 @@ class CheckpointIndex:
                 read_range(piece.file, piece.offset, piece.nbytes, memoryview(buf)[at:at + piece.nbytes])
                 at += piece.nbytes
         else:
-            buf = read_range(info.file, info.offset, info.nbytes)
+            buf = read_range(info.file, info.offset, info.nbytes, out=pages.weight_bytes(info.nbytes))
             self._check_dense(name, info, buf)
         return bytes_to_tensor(buf, info.dtype, info.shape)
 
@@ -395,8 +396,9 @@ def read_into(path: Path, offset: int, buffers: list) -> None:
         os.close(fd)
 
 
-def read_range(path: Path, offset: int, nbytes: int, out: bytearray | None = None) -> bytearray:
-    """Positioned read of [offset, offset+nbytes) into a fresh (or given) buffer; drops the pages afterwards."""
+def read_range(path: Path, offset: int, nbytes: int, out=None) -> bytearray:
+    """Positioned read of [offset, offset+nbytes) into a fresh bytearray (or `out`, any writable buffer of at least
+    nbytes: a dense weight's `pages.weight_bytes`); drops the pages afterwards. Returns the buffer."""
     buf = out if out is not None else bytearray(nbytes)
     read_into(path, offset, [memoryview(buf)[:nbytes]])
     return buf
