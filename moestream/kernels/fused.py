@@ -379,6 +379,7 @@ class ExpertTable:
         self.rows = (ctypes.c_int64 * (3 * experts))()
         self.parts_of = parts_of
         self.used = 0  # layer steps whose routed experts ran from this table
+        self._calls: dict[tuple, bool] = {}  # one_call's answers
 
     def fill(self, e: int, tensors: Mapping[str, Tensor]) -> None:
         if self.rows[3 * e]:
@@ -395,9 +396,14 @@ class ExpertTable:
         """Whether moe_glu_bf16 (fp32 compute) runs any routing of `rows` rows, top_k each, over this table's
         experts as one native call (its first test: the scratch the most pairs per expert could need fits the cap),
         as the native rows block runs them (DecodeBlock.rows)."""
-        inter, k_in = self.inter, self.hidden
-        return bool(inter) and _call_scratch(rows * top_k, min(self.experts, rows * top_k), rows, inter, k_in, False,
-                                             False) <= glu_scratch_cap(inter, k_in, k_in)
+        key = (rows, top_k, self.inter, cpu.threads())  # what the answer depends on (asked once a layer step)
+        got = self._calls.get(key)
+        if got is None:
+            inter, k_in = self.inter, self.hidden
+            got = self._calls[key] = bool(inter) and _call_scratch(
+                rows * top_k, min(self.experts, rows * top_k), rows, inter, k_in, False, False) \
+                <= glu_scratch_cap(inter, k_in, k_in)
+        return got
 
 
 class DecodeBlock:

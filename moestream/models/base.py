@@ -128,7 +128,7 @@ class Layer:
         the books, `rows_done`), else the routed experts through the runner as usual: the same values as the
         general path with a fraction of its Python. None when it does not apply."""
         block = getattr(self.mixer, "rows_block", None)
-        if block is None:
+        if block is None or not self.mixer.rows_fit(h, batch):  # (no expert table made for a step that cannot)
             return None
         moe = self.ffn if isinstance(self.ffn, SoftmaxMoE) else None
         table = moe.resident_table() if moe is not None else None
