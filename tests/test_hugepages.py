@@ -1,7 +1,7 @@
 """Weight buffers on transparent huge pages (weights/pages.py): a buffer of 2 MiB or more is a mapping rounded up to
 2 MiB whose whole 2 MiB stretches are advised onto huge pages and whose tail is not; what becomes resident is the
-bytes asked for, never the rounded-up tail; the reader's pool recycles and counts buffers by the bytes asked for;
-MOESTREAM_HUGEPAGES=0 gives plain mappings of the exact size."""
+bytes asked for, never the rounded-up tail; the reader's pool (plain 4 KiB mappings) recycles and counts buffers by
+the bytes asked for; MOESTREAM_HUGEPAGES=0, or huge=False, gives plain mappings of the exact size."""
 from __future__ import annotations
 
 import ctypes
@@ -58,13 +58,16 @@ def test_off_by_environment_and_for_small_buffers(monkeypatch):
     big = pages.anon_buffer(3 * MiB + 7)
     assert len(big) == pages.size(big) == 3 * MiB + 7
     assert isinstance(pages.weight_bytes(3 * MiB), bytearray)
+    monkeypatch.delenv("MOESTREAM_HUGEPAGES")
+    plain = pages.anon_buffer(3 * MiB + 7, huge=False)
+    assert len(plain) == pages.size(plain) == 3 * MiB + 7 and not isinstance(plain, pages.Buffer)
 
 
 def test_the_pool_recycles_and_counts_by_the_bytes_asked_for():
     pool = BufferPool()
     want = 3 * MiB + 4096
     a = pool.take(want)
-    assert pages.size(a) == want
+    assert pages.size(a) == want and len(a) == want  # a plain mapping (no huge-page fault on a cold step's read)
     pool.give(a)
     assert pool.idle_bytes == want and pool.mapped_bytes == want
     assert pool.take(want) is a  # the same buffer back, found under the size asked for

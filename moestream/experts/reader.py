@@ -133,6 +133,9 @@ class IOStats:
     buffered_files: int = 0
 
 
+EXPERT_HUGEPAGES = False  # expert buffers on 4 KiB pages (weights/pages.py: measured both ways)
+
+
 class BufferPool:
     """Page-aligned anonymous buffers, recycled by size. Idle buffers are trimmed so they never outlive a step, and
     a new buffer is only mapped after idle ones of other sizes (experts' spans differ by alignment pages) are
@@ -161,9 +164,9 @@ class BufferPool:
                 return buf
             self._drop(nbytes)
             self.mapped_bytes += nbytes
-        # private: MAP_SHARED anonymous memory would be shmem, charged and reclaimed differently; whole 2 MiB
-        # stretches on huge pages (memory/pages.py)
-        return pages.anon_buffer(nbytes)
+        # private: MAP_SHARED anonymous memory would be shmem, charged and reclaimed differently; 4 KiB pages: a
+        # huge page's fault, with the compaction it may stall on, made cold prefills slower (weights/pages.py)
+        return pages.anon_buffer(nbytes, huge=EXPERT_HUGEPAGES)
 
     def claim(self, buf: object) -> object:
         """What the buffer's last user kept over it (`give(buf, kept)`), or None; once per `take`."""

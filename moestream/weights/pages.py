@@ -1,11 +1,13 @@
-"""Anonymous buffers for the weights every step streams (the reader's expert buffers, resident dense matrices): each
-whole 2 MiB stretch of the bytes asked for on a transparent huge page where the kernel offers them (THP mode
-"madvise" or "always"), the rest on 4 KiB pages, so that resident memory is still the bytes asked for, which is what
-the budget counts.
+"""Anonymous buffers for weights. Resident dense matrices (loaded once, streamed by every step): each whole 2 MiB
+stretch of the bytes asked for on a transparent huge page where the kernel offers them (THP mode "madvise" or
+"always"), the rest on 4 KiB pages, so that resident memory is still the bytes asked for, which is what the budget
+counts. The reader's expert buffers (mapped while a cold step waits on them) stay on 4 KiB pages (`huge=False`).
 
-Why: a decode step streams every routed expert and dense matrix from RAM once, and on 4 KiB pages each page of the
-stream costs a TLB miss and a page walk. A 512 MiB bf16 matrix-vector product on this machine's two cores ran 25.4
-against 22.5 GB/s (one thread 21.0 against 19.4) on huge pages (docs/performance.md).
+Why: a decode step streams every dense matrix from RAM once, and on 4 KiB pages each page of the stream costs a TLB
+miss and a page walk. A 512 MiB bf16 matrix-vector product on this machine's two cores ran 25.4 against 22.5 GB/s
+(one thread 21.0 against 19.4) on huge pages; a warm decode of the peer checkpoint 1.04x with its dense weights so.
+Expert buffers on huge pages gained a warm decode 1.01x but cost a cold 16-token prefill a third of its speed: each
+fresh buffer's huge-page fault may stall on compaction while the step waits on its read (docs/performance.md).
 
 How: the mapping's length is rounded up to a multiple of 2 MiB, which makes Linux place it on a 2 MiB boundary
 (anonymous mappings of PMD-multiple length are aligned); MADV_HUGEPAGE covers the whole 2 MiB stretches within the
@@ -47,11 +49,11 @@ def enabled() -> bool:
     return _ok
 
 
-def anon_buffer(nbytes: int) -> mmap.mmap:
+def anon_buffer(nbytes: int, huge: bool = True) -> mmap.mmap:
     """A zero-filled private anonymous mapping of at least `nbytes` (page-aligned): a `Buffer` whose whole 2 MiB
-    stretches of the first `nbytes` are advised onto huge pages when `enabled()` and nbytes >= 2 MiB, else a plain
-    mapping of exactly `nbytes` (at least one byte)."""
-    if nbytes < HUGE or not enabled():
+    stretches of the first `nbytes` are advised onto huge pages when `huge`, `enabled()` and nbytes >= 2 MiB, else
+    a plain mapping of exactly `nbytes` (at least one byte)."""
+    if nbytes < HUGE or not huge or not enabled():
         return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     length = -(-nbytes // HUGE) * HUGE
     buf = Buffer(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
