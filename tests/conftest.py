@@ -58,6 +58,15 @@ def decode_logits(eng, ids: list[int]) -> torch.Tensor:
         eng.free(state)
 
 
+def gqa_block_weights(h: int, d: int) -> dict[str, torch.Tensor]:
+    """Random bf16 q/k/v/o of a GQA layer (4 query heads, 2 KV heads of width d, hidden h) and unit norms: the
+    operands of a small fused.DecodeBlock."""
+    w = {n: torch.randn(*s).bfloat16() for n, s in (("q", (4 * d, h)), ("k", (2 * d, h)), ("v", (2 * d, h)),
+                                                       ("o", (h, 4 * d)))}
+    w.update(in_norm=torch.ones(h), post_norm=torch.ones(h))
+    return w
+
+
 def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b|: the 'relative logit difference' reported in issue notes."""
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())

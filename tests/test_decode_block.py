@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import expert_budget, max_rel_diff, prompt_ids
+from conftest import expert_budget, gqa_block_weights, max_rel_diff, prompt_ids
 from moestream import Engine
 from moestream.kernels import cpu, fused
 from moestream.memory.state import BLOCK_TOKENS, Batch
@@ -157,9 +157,7 @@ def test_decode_block_sliding_window_matches_torch(tmp_path, monkeypatch):
 @native
 def test_decode_block_rejects_bad_operands():
     h, d = 32, 8
-    w = {n: torch.randn(*s).bfloat16() for n, s in (("q", (4 * d, h)), ("k", (2 * d, h)), ("v", (2 * d, h)),
-                                                       ("o", (h, 4 * d)))}
-    w.update(in_norm=torch.ones(h), post_norm=torch.ones(h))
+    w = gqa_block_weights(h, d)
     with pytest.raises(ValueError, match="contiguous bf16 o weight"):
         fused.DecodeBlock({**w, "o": w["o"].float()}, 4, 2, d, 1e-6, 1.0, 0.3, None, BLOCK_TOKENS)
     with pytest.raises(ValueError, match="router"):

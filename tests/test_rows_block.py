@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import prompt_ids
+from conftest import gqa_block_weights, prompt_ids
 from moestream import Engine
 from moestream.kernels import cpu, fused
 from moestream.memory.state import BLOCK_TOKENS
@@ -116,9 +116,7 @@ def test_bf16_compute_leaves_its_products_to_the_general_path(tmp_path, monkeypa
 @native
 def test_rows_block_rejects_bad_operands():
     h, d = 32, 8
-    w = {n: torch.randn(*s).bfloat16() for n, s in (("q", (4 * d, h)), ("k", (2 * d, h)), ("v", (2 * d, h)),
-                                                       ("o", (h, 4 * d)))}
-    w.update(in_norm=torch.ones(h), post_norm=torch.ones(h))
+    w = gqa_block_weights(h, d)
     block = fused.DecodeBlock(w, 4, 2, d, 1e-6, 1.0, 0.3, None, BLOCK_TOKENS)
     keys, values = [torch.zeros(BLOCK_TOKENS, 2, d)], [torch.zeros(BLOCK_TOKENS, 2, d)]
     with pytest.raises(ValueError, match="fp32 h"):

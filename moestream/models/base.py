@@ -20,8 +20,7 @@ from moestream.kernels import cpu, fused, invariant
 from moestream.kernels.b12 import B12Weight
 from moestream.kernels.qweight import matrix_shape
 from moestream.models.blocks import (Router, SigmoidRouter, SoftmaxRouter, embed, expert_glu, glu_group, glu_mlp,
-                                     glu_parts, linear, native_act, native_glu_fp32, rms_norm,
-                                     silu_glu)
+                                     glu_parts, linear, native_act, native_glu_fp32, rms_norm, silu_glu)
 from moestream.weights.index import CheckpointIndex
 
 
@@ -130,19 +129,7 @@ class Layer:
         block = getattr(self.mixer, "rows_block", None)
         if block is None or not self.mixer.rows_fit(h, batch):  # (no expert table made for a step that cannot)
             return None
-        moe = self.ffn if isinstance(self.ffn, SoftmaxMoE) else None
-        table = moe.resident_table() if moe is not None else None
-        if table is not None and not (native_glu_fp32(h.shape[0]) and table.one_call(h.shape[0], moe.router.top_k)):
-            table = None
-        got = block(h, batch, index, self.in_norm, self.post_norm, self.eps, moe.router if moe else None, table)
-        if got is None:
-            return None
-        h, x, ids, weights, done = got
-        if done:
-            table.used += 1
-            moe.ctx.experts.rows_done(moe.layer, sorted(set(ids.view(-1).tolist())), x, ids.shape[1])
-            return h
-        return residual(h, moe.experts(x, ids, weights) if moe is not None and ids is not None else self.ffn(x))
+        return self._one_call(h, batch, index, block, rows=True)
 
     def _decode(self, h: torch.Tensor, batch: Batch, index: int) -> torch.Tensor | None:
         """One decode token: the mixer's attention half and the router in one native call when the mixer has one
@@ -150,19 +137,30 @@ class Layer:
         (the MoE's resident table), else the routed experts from that routing (one grouped call when resident):
         the same values as the two lines above with a fraction of their Python. None when it does not apply."""
         block = getattr(self.mixer, "decode_block", None)
-        if block is None:
-            return None
+        return None if block is None else self._one_call(h, batch, index, block, rows=False)
+
+    def _one_call(self, h: torch.Tensor, batch: Batch, index: int, block, rows: bool) -> torch.Tensor | None:
+        """`block` (the mixer's decode_block, or its rows_block when `rows`) with the MoE's router and resident
+        table (for rows, only where the runner's grouped call would be one native call), then the runner's books
+        (resident_done / rows_done) when the experts ran in the call, else the experts through the runner."""
         moe = self.ffn if isinstance(self.ffn, SoftmaxMoE) else None
         table = moe.resident_table() if moe is not None else None
+        if rows and table is not None and not (native_glu_fp32(h.shape[0])
+                                               and table.one_call(h.shape[0], moe.router.top_k)):
+            table = None
         got = block(h, batch, index, self.in_norm, self.post_norm, self.eps, moe.router if moe else None, table)
         if got is None:
             return None
         h, x, ids, weights, done = got
         if done:
             table.used += 1
-            moe.ctx.experts.resident_done(moe.layer, sorted(set(ids.view(-1).tolist())), x)
+            uniq = sorted(set(ids.view(-1).tolist()))
+            if rows:
+                moe.ctx.experts.rows_done(moe.layer, uniq, x, ids.shape[1])
+            else:
+                moe.ctx.experts.resident_done(moe.layer, uniq, x)
             return h
-        return h + (moe.experts(x, ids, weights) if moe is not None and ids is not None else self.ffn(x))
+        return residual(h, moe.experts(x, ids, weights) if moe is not None and ids is not None else self.ffn(x))
 
 
 @dataclass
