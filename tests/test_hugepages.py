@@ -1,7 +1,7 @@
 """Weight buffers on transparent huge pages (weights/pages.py): a buffer of 2 MiB or more is a mapping rounded up to
 2 MiB whose whole 2 MiB stretches are advised onto huge pages and whose tail is not; what becomes resident is the
 bytes asked for, never the rounded-up tail; the reader's pool (plain 4 KiB mappings) recycles and counts buffers by
-the bytes asked for; MOESTREAM_HUGEPAGES=0, or huge=False, gives plain mappings of the exact size."""
+the bytes asked for; MOESTREAM_HUGEPAGES=0 gives plain mappings of the exact size."""
 from __future__ import annotations
 
 import ctypes
@@ -39,7 +39,7 @@ def _vmas(buf) -> list[dict]:
 def test_a_large_buffer_is_rounded_advised_and_only_its_bytes_resident():
     want = 5 * MiB + 12345
     buf = pages.anon_buffer(want)
-    assert isinstance(buf, mmap.mmap) and len(buf) == 6 * MiB and pages.size(buf) == want
+    assert isinstance(buf, mmap.mmap) and len(buf) == 6 * MiB
     buf[:want] = b"\x01" * want  # the whole buffer written, as a read fills it
     vmas = _vmas(buf)
     advised = [v for v in vmas if "hg" in v.get("flags", [])]
@@ -52,22 +52,19 @@ def test_a_large_buffer_is_rounded_advised_and_only_its_bytes_resident():
 
 def test_off_by_environment_and_for_small_buffers(monkeypatch):
     small = pages.anon_buffer(MiB + 1)
-    assert len(small) == pages.size(small) == MiB + 1 and not isinstance(small, pages.Buffer)
+    assert len(small) == MiB + 1
     monkeypatch.setenv("MOESTREAM_HUGEPAGES", "0")
     assert not pages.enabled()
     big = pages.anon_buffer(3 * MiB + 7)
-    assert len(big) == pages.size(big) == 3 * MiB + 7
+    assert len(big) == 3 * MiB + 7
     assert isinstance(pages.weight_bytes(3 * MiB), bytearray)
-    monkeypatch.delenv("MOESTREAM_HUGEPAGES")
-    plain = pages.anon_buffer(3 * MiB + 7, huge=False)
-    assert len(plain) == pages.size(plain) == 3 * MiB + 7 and not isinstance(plain, pages.Buffer)
 
 
 def test_the_pool_recycles_and_counts_by_the_bytes_asked_for():
     pool = BufferPool()
     want = 3 * MiB + 4096
     a = pool.take(want)
-    assert pages.size(a) == want and len(a) == want  # a plain mapping (no huge-page fault on a cold step's read)
+    assert len(a) == want  # a plain mapping (no huge-page fault on a cold step's read)
     pool.give(a)
     assert pool.idle_bytes == want and pool.mapped_bytes == want
     assert pool.take(want) is a  # the same buffer back, found under the size asked for

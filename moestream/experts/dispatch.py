@@ -160,27 +160,15 @@ class ExpertRunner:
         uniq = route.experts if route is not None else torch.unique(ids).tolist()
         if self.times.steps == 0:
             self.configure_pins(layer)
-        self.times.steps += 1
-        self.lookahead.observe(layer, uniq)
-        need = {(layer, e) for e in uniq}
-        self._ahead = None  # this step's scan read-ahead is made afresh
-        self._need = need  # what this layer step waits on (shrinking the cache must not take its reads' room)
-        self._withdraw(layer, need)
-        self._harvest()
+        need = self._open_step(layer, uniq)
         # experts read ahead count as reads whether or not they have landed by now (they are computed in the
         # reads' queue order below), so the fp32 sum over experts does not depend on how fast the disk was
         hits = [e for e in uniq if (layer, e) in self.cache and (layer, e) not in self._fresh]
         waiting = [e for e in uniq if (layer, e) not in self.cache or (layer, e) in self._fresh]
         reading = bool(waiting)  # (_start takes the experts it queues off `waiting`)
-        self._quiet[layer] = 0 if reading else self._quiet.get(layer, 0) + 1
-        self.scan = self._scan_window(layer, len(uniq), ids.shape[1])
-        reader = self.store.reader
-        reader.set_depth(max(SCAN_DEPTH, reader.threads) if self.scan else reader.threads)
+        self._set_scan(layer, reading, len(uniq), ids.shape[1])
         started = self._start(layer, waiting, need, evict=not self.scan)
-        if self.scan and not waiting:
-            self._scan_ahead(layer, route_x, need)
-        elif not self.scan and (reading or self._next_may_read(layer)):
-            self._prefetch_next(layer, route_x, need)
+        self._read_next(layer, route_x, need, reading, bool(waiting))
         t = time.perf_counter()
         blobs = self.cache.hits(layer, hits)  # cached and not read ahead unused: each a hit (what _use records)
         grouped = False
@@ -194,10 +182,41 @@ class ExpertRunner:
             self._fill(layer, e, blob)
         self.times.expert_s += time.perf_counter() - t
         self._drain(layer, x, (out, route or ids, weights, fn), started, waiting, need, route_x)
+        self._close_step()
+        return out
+
+    def _open_step(self, layer: int, uniq: list[int]) -> set[Key]:
+        """A layer step of `_run` (or `rows_done`) begins: counters, the lookahead's score, this step's needs (what it
+        waits on: shrinking the cache must not take its reads' room; its scan read-ahead made afresh), read-ahead it
+        does not route to withdrawn and finished reads landed. Returns the needs."""
+        self.times.steps += 1
+        self.lookahead.observe(layer, uniq)
+        need = {(layer, e) for e in uniq}
+        self._ahead = None
+        self._need = need
+        self._withdraw(layer, need)
+        self._harvest()
+        return need
+
+    def _set_scan(self, layer: int, reading: bool, routed: int, top_k: int) -> None:
+        """The layer's quiet count, the step's scan window and the reader's depth for it."""
+        self._quiet[layer] = 0 if reading else self._quiet.get(layer, 0) + 1
+        self.scan = self._scan_window(layer, routed, top_k)
+        reader = self.store.reader
+        reader.set_depth(max(SCAN_DEPTH, reader.threads) if self.scan else reader.threads)
+
+    def _read_next(self, layer: int, route_x: torch.Tensor, need: set[Key], reading: bool, waiting: bool) -> None:
+        """The next layer's read-ahead once this step's own reads are queued: a scan's when nothing is left waiting,
+        else the lookahead's when this step reads or the next layer may."""
+        if self.scan and not waiting:
+            self._scan_ahead(layer, route_x, need)
+        elif not self.scan and (reading or self._next_may_read(layer)):
+            self._prefetch_next(layer, route_x, need)
+
+    def _close_step(self) -> None:
         self._trim_idle()
         self._need = set()
         self.memory.observe()
-        return out
 
     def _resident_step(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, fn: ExpertFn,
                        group: GroupFn, out: torch.Tensor, route_x: torch.Tensor) -> bool:
@@ -277,25 +296,11 @@ class ExpertRunner:
         withdrawn and landed, the quiet count, the scan window and the read-ahead it or the lookahead start, the
         policy's touches and the hit statistics, the idle buffers trimmed). Experts in the table are cached and
         not read ahead unused, so every one is a hit, as `_run` would find."""
-        self.times.steps += 1
-        self.lookahead.observe(layer, uniq)
-        need = {(layer, e) for e in uniq}
-        self._ahead = None
-        self._need = need
-        self._withdraw(layer, need)
-        self._harvest()
-        self._quiet[layer] = self._quiet.get(layer, 0) + 1
-        self.scan = self._scan_window(layer, len(uniq), top_k)
-        reader = self.store.reader
-        reader.set_depth(max(SCAN_DEPTH, reader.threads) if self.scan else reader.threads)
-        if self.scan:
-            self._scan_ahead(layer, route_x, need)
-        elif self._next_may_read(layer):
-            self._prefetch_next(layer, route_x, need)
+        need = self._open_step(layer, uniq)
+        self._set_scan(layer, False, len(uniq), top_k)
+        self._read_next(layer, route_x, need, False, False)
         self.cache.touch_hits(layer, uniq)
-        self._trim_idle()
-        self._need = set()
-        self.memory.observe()
+        self._close_step()
 
     def _count_resident(self, layer: int, uniq: list[int]) -> None:
         """A warm one-token step's counters, its layer's quiet count and the lookahead's score of it."""

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from moestream.errors import CheckpointError
-from moestream.weights import pages
 from moestream.weights.index import ALIGN, drop_pages, pread_fill
 
 GAP = 4096  # read through holes up to this size rather than issue a second request
@@ -133,9 +132,6 @@ class IOStats:
     buffered_files: int = 0
 
 
-EXPERT_HUGEPAGES = False  # expert buffers on 4 KiB pages (weights/pages.py: measured both ways)
-
-
 class BufferPool:
     """Page-aligned anonymous buffers, recycled by size. Idle buffers are trimmed so they never outlive a step, and
     a new buffer is only mapped after idle ones of other sizes (experts' spans differ by alignment pages) are
@@ -164,9 +160,8 @@ class BufferPool:
                 return buf
             self._drop(nbytes)
             self.mapped_bytes += nbytes
-        # private: MAP_SHARED anonymous memory would be shmem, charged and reclaimed differently; 4 KiB pages: a
-        # huge page's fault, with the compaction it may stall on, made cold prefills slower (weights/pages.py)
-        return pages.anon_buffer(nbytes, huge=EXPERT_HUGEPAGES)
+        # private: MAP_SHARED anonymous memory would be shmem, charged and reclaimed differently
+        return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
     def claim(self, buf: object) -> object:
         """What the buffer's last user kept over it (`give(buf, kept)`), or None; once per `take`."""
@@ -181,9 +176,8 @@ class BufferPool:
             stale = self._kept.pop(id(buf), None)  # taken and given back unclaimed (a cancelled or failed read)
             if kept is None and stale is not None and stale[0] is buf:
                 kept = stale[1]
-            size = pages.size(buf)
-            self._free.setdefault(size, []).append((buf, kept))
-            self.idle_bytes += size
+            self._free.setdefault(len(buf), []).append((buf, kept))
+            self.idle_bytes += len(buf)
 
     def trim(self, keep_bytes: int = 0) -> None:
         """Drop idle buffers beyond `keep_bytes` (their memory returns to the OS when the last view dies)."""

@@ -22,7 +22,6 @@ import torch
 from moestream.errors import CheckpointError
 from moestream.kernels.b12 import B12Weight
 from moestream.experts.reader import DEMAND, IO_THREADS, ReadPlan, Reader, Span, plan_reads
-from moestream.weights import pages
 from moestream.weights.crc import crc32
 from moestream.weights.index import DTYPES, CheckpointIndex, PackedExpert, bytes_to_tensor
 
@@ -99,7 +98,7 @@ class ExpertBlob:
                  views: PartViews | None = None):
         self.buf = buf  # mmap (page-aligned, recycled on eviction) or bytearray
         self.parts = parts  # (part name, offset in buf, location in the checkpoint)
-        self.nbytes = pages.size(buf)  # the bytes read into it (a huge-page buffer's mapping may be longer)
+        self.nbytes = len(buf)
         self.layout = layout  # what the views depend on (`part_layout`), one object per distinct layout
         self._views: PartViews | None = views  # views an earlier expert of the same layout made over this buffer
 

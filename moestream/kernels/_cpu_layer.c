@@ -40,32 +40,36 @@ void ms_layer_times(int enable, int reset, int64_t *out) {
 #define ATTN_SPLIT_BYTES (256 << 10) /* below this much K+V the attention runs on the calling thread alone */
 
 typedef struct {
-    int64_t Hq, Hkv, D, Dv, start, length, j0, block;
+    int64_t T, Hq, Hkv, D, Dv, start, length, window, block;
     const int64_t *kb, *vb;
-    const float *q;
-    float *out, *scores; /* scores: per part, length floats */
+    const float *q; /* [T, Hq, D] */
+    float *out, *scores; /* out [T, Hq, Dv]; scores: per part, length floats */
     float scale;
 } dl_attn_job;
 
-/* heads [h0, h1) of part `part`: the loops of ms_gqa_attend for one query, keys read from the cache's blocks */
+/* the (query, head) pairs [i0, i1) of part `part`: ms_gqa_attend's loops for query t of T (position length - T + t,
+ * causal, the last `window` positions when window > 0, none before the cache's first row `start`), keys read from
+ * the cache's blocks: a decode token's attention (T = 1) and a prompt chunk's */
 static void dl_attn_part(void *arg, int part, int parts) {
     const dl_attn_job *j = arg;
-    const int64_t h0 = j->Hq * part / parts, h1 = j->Hq * (part + 1) / parts, G = j->Hq / j->Hkv;
+    const int64_t items = j->T * j->Hq, i0 = items * part / parts, i1 = items * (part + 1) / parts;
+    const int64_t G = j->Hq / j->Hkv, pos0 = j->length - j->T;
     float *p = j->scores + (int64_t)part * j->length;
-    for (int64_t h = h0; h < h1; h++) {
-        const float *qh = j->q + h * j->D;
-        const int64_t g = h / G;
+    for (int64_t it = i0; it < i1; it++) {
+        const int64_t t = it / j->Hq, h = it % j->Hq, g = h / G, n = pos0 + t + 1;
+        const int64_t w0 = j->window > 0 && n > j->window ? n - j->window : 0, j0 = w0 > j->start ? w0 : j->start;
+        const float *qh = j->q + it * j->D;
         float m = -INFINITY;
-        for (int64_t i = j->j0; i < j->length; i++) {
+        for (int64_t i = j0; i < n; i++) {
             const int64_t r = i - j->start;
             const float *kj = (const float *)(intptr_t)j->kb[r / j->block] + ((r % j->block) * j->Hkv + g) * j->D;
             p[i] = dot_lanes(qh, kj, j->D) * j->scale;
             if (p[i] > m) m = p[i];
         }
-        const float sum = softmax_exps(p + j->j0, j->length - j->j0, m);
-        float *oh = j->out + h * j->Dv;
+        const float sum = softmax_exps(p + j0, n - j0, m);
+        float *oh = j->out + it * j->Dv;
         for (int64_t d = 0; d < j->Dv; d++) oh[d] = 0.0f;
-        for (int64_t i = j->j0; i < j->length; i++) {
+        for (int64_t i = j0; i < n; i++) {
             const int64_t r = i - j->start;
             const float w = p[i] / sum;
             const float *vj = (const float *)(intptr_t)j->vb[r / j->block] + ((r % j->block) * j->Hkv + g) * j->Dv;
@@ -80,35 +84,62 @@ static int dl_parts(int64_t rows, int64_t min_rows) {
     return parts;
 }
 
-#define DL_MAX_TOPK 64
-
-/* the MoE half of ms_gqa_decode_block (see there): 1 when done, 0 when an expert is not in the table, -1 */
-static int dl_experts(const int64_t *cfg, const float *fcfg, const int64_t *table, float *h, const float *x2,
-                      const int64_t *ids, const float *wts) {
-    const int64_t H = cfg[DL_H], k = cfg[DL_TOPK];
-    int64_t sorted[DL_MAX_TOPK], gates[DL_MAX_TOPK], ups[DL_MAX_TOPK], downs[DL_MAX_TOPK];
-    if (k <= 0 || k > DL_MAX_TOPK) return 0;
-    for (int64_t j = 0; j < k; j++) { /* insertion sort: k is 8 */
-        int64_t i = j;
-        if (!table[3 * ids[j]]) return 0;
-        for (; i > 0 && sorted[i - 1] > ids[j]; i--) sorted[i] = sorted[i - 1];
-        sorted[i] = ids[j];
+/* The MoE half of ms_gqa_decode_block (T = 1) and ms_gqa_rows_block: every routed expert of the T rows in the table
+ * (else 0, nothing done), then h += the routed experts' weighted sum, from one ms_moe_glu_bf16 call over the step's
+ * experts in ascending id order into zeroed rows and one add (what the runner's grouped call, when its scratch fits
+ * one call, and the layer's residual add compute). 1 when done, -1 when out of memory. */
+static int dl_experts(const int64_t *cfg, const float *fcfg, const int64_t *table, int64_t T, float *h,
+                      const float *x2, const int64_t *ids, const float *wts) {
+    const int64_t H = cfg[DL_H], k = cfg[DL_TOPK], E = cfg[DL_E];
+    if (k <= 0 || E <= 0) return 0;
+    char *seen = calloc((size_t)E, 1);
+    if (!seen) return -1;
+    int64_t n = 0;
+    for (int64_t i = 0; i < T * k; i++) {
+        const int64_t e = ids[i];
+        if (e < 0 || e >= E || !table[3 * e]) {
+            free(seen);
+            return 0;
+        }
+        n += !seen[e];
+        seen[e] = 1;
     }
-    for (int64_t j = 0; j < k; j++) {
-        gates[j] = table[3 * sorted[j]];
-        ups[j] = table[3 * sorted[j] + 1];
-        downs[j] = table[3 * sorted[j] + 2];
+    int64_t *lists = malloc(sizeof(int64_t) * (size_t)(4 * n));
+    float *y = calloc((size_t)(T * H), sizeof(float));
+    int code = lists && y ? 1 : -1;
+    if (code == 1) {
+        int64_t *sorted = lists, *gates = lists + n, *ups = gates + n, *downs = ups + n, j = 0;
+        for (int64_t e = 0; e < E; e++)
+            if (seen[e]) {
+                sorted[j] = e;
+                gates[j] = table[3 * e];
+                ups[j] = table[3 * e + 1];
+                downs[j++] = table[3 * e + 2];
+            }
+        if (ms_moe_glu_bf16(n, sorted, gates, ups, downs, cfg[DL_INTER], H, H, x2, T, ids, wts, k, y, (int)cfg[DL_ACT],
+                            fcfg[DLF_BETA], fcfg[DLF_LBETA]))
+            code = -1;
+        else
+            for (int64_t c = 0; c < T * H; c++) h[c] += y[c];
     }
-    float *y = calloc((size_t)H, sizeof(float));
-    if (!y) return -1;
-    if (ms_moe_glu_bf16(k, sorted, gates, ups, downs, cfg[DL_INTER], H, H, x2, 1, ids, wts, k, y, (int)cfg[DL_ACT],
-                        fcfg[DLF_BETA], fcfg[DLF_LBETA])) {
-        free(y);
-        return -1;
-    }
-    for (int64_t c = 0; c < H; c++) h[c] += y[c];
     free(y);
-    return 1;
+    free(lists);
+    free(seen);
+    return code;
+}
+
+/* x2 [T, H] = rms_norm(h) * post_norm and, with a router, its softmax top-k into ids / wts [T, k] (xp: T prepared
+ * rows of scratch, logits T x E floats, taken E bytes): the separate calls' ms_rms_norm and ms_router_softmax_topk */
+static void dl_route(const int64_t *cfg, const float *fcfg, int64_t T, const float *h, float *x2, float *xp,
+                     float *logits, char *taken, int64_t *ids, float *wts) {
+    const int64_t H = cfg[DL_H], E = cfg[DL_E], k = cfg[DL_TOPK];
+    memcpy(x2, h, sizeof(float) * (size_t)(T * H));
+    rms_rows(x2, T, H, (const void *)(intptr_t)cfg[DL_POST_NORM], (int)cfg[DL_POST_BF16], fcfg[DLF_EPS]);
+    if (!cfg[DL_ROUTER] || E <= 0) return;
+    bf16_prepare(x2, T, H, xp);
+    bf16_rows(xp, bf16_stride(H), T, H, (const uint16_t *)(intptr_t)cfg[DL_ROUTER], 0, E, logits, E);
+    for (int64_t t = 0; t < T; t++)
+        softmax_topk_row(logits + t * E, E, k, (int)cfg[DL_RENORM], taken, ids + t * k, wts + t * k);
 }
 
 /* The attention half of one decode token's layer, h fp32 [H] updated in place:
@@ -170,7 +201,7 @@ static int dl_block(const int64_t *cfg, const float *fcfg, float *h, const int64
         rope_heads(q, Hq, D, length - 1, inv_freq, fcfg[DLF_FACTOR]);
         rope_heads(kout, Hkv, D, length - 1, inv_freq, fcfg[DLF_FACTOR]);
     }
-    dl_attn_job aj = {Hq, Hkv, D, Dv, start, length, first, block, kb, vb, q, att, scores, fcfg[DLF_SCALE]};
+    dl_attn_job aj = {1, Hq, Hkv, D, Dv, start, length, window, block, kb, vb, q, att, scores, fcfg[DLF_SCALE]};
     pool_run(dl_attn_part, &aj, attn_parts);
 
     DL_MARK(3);
@@ -181,16 +212,10 @@ static int dl_block(const int64_t *cfg, const float *fcfg, float *h, const int64
     for (int64_t c = 0; c < H; c++) h[c] += y[c];
     DL_MARK(4);
 
-    memcpy(x2, h, sizeof(float) * (size_t)H);
-    rms_rows(x2, 1, H, (const void *)(intptr_t)cfg[DL_POST_NORM], (int)cfg[DL_POST_BF16], eps);
-    if (cfg[DL_ROUTER] && E > 0) {
-        bf16_prepare_row(x2, H, xp);
-        bf16_rows(xp, ldx, 1, H, (const uint16_t *)(intptr_t)cfg[DL_ROUTER], 0, E, logits, E);
-        softmax_topk_row(logits, E, cfg[DL_TOPK], (int)cfg[DL_RENORM], taken, ids, wts);
-    }
+    dl_route(cfg, fcfg, 1, h, x2, xp, logits, taken, ids, wts);
     free(mem);
     DL_MARK(5);
-    const int done = table && cfg[DL_ROUTER] && E > 0 ? dl_experts(cfg, fcfg, table, h, x2, ids, wts) : 0;
+    const int done = table && cfg[DL_ROUTER] && E > 0 ? dl_experts(cfg, fcfg, table, 1, h, x2, ids, wts) : 0;
     /* the next layer's dense weights (cfg[DL_PREFETCH]: pool_prefetch's regions, 0 for none) are read ahead by the
      * workers while the caller's Python runs between this call and the next */
     DL_MARK(6);
@@ -228,95 +253,13 @@ int64_t ms_gqa_decode_layers(int64_t n, const int64_t *rec, float *h, float *x2s
     return n;
 }
 
-typedef struct {
-    int64_t T, Hq, Hkv, D, Dv, start, length, window, block;
-    const int64_t *kb, *vb;
-    const float *q; /* [T, Hq, D] */
-    float *out, *scores; /* out [T, Hq, Dv]; scores: per part, length floats */
-    float scale;
-} dr_attn_job;
-
-/* the (query, head) pairs [i0, i1) of part `part`: ms_gqa_attend's loops for query t (position length - T + t,
- * causal, the last `window` positions when window > 0), keys read from the cache's blocks */
-static void dr_attn_part(void *arg, int part, int parts) {
-    const dr_attn_job *j = arg;
-    const int64_t items = j->T * j->Hq, i0 = items * part / parts, i1 = items * (part + 1) / parts;
-    const int64_t G = j->Hq / j->Hkv, pos0 = j->length - j->T;
-    float *p = j->scores + (int64_t)part * j->length;
-    for (int64_t it = i0; it < i1; it++) {
-        const int64_t t = it / j->Hq, h = it % j->Hq, g = h / G, n = pos0 + t + 1;
-        const int64_t j0 = j->window > 0 && n > j->window ? n - j->window : 0;
-        const float *qh = j->q + it * j->D;
-        float m = -INFINITY;
-        for (int64_t i = j0; i < n; i++) {
-            const int64_t r = i - j->start;
-            const float *kj = (const float *)(intptr_t)j->kb[r / j->block] + ((r % j->block) * j->Hkv + g) * j->D;
-            p[i] = dot_lanes(qh, kj, j->D) * j->scale;
-            if (p[i] > m) m = p[i];
-        }
-        const float sum = softmax_exps(p + j0, n - j0, m);
-        float *oh = j->out + it * j->Dv;
-        for (int64_t d = 0; d < j->Dv; d++) oh[d] = 0.0f;
-        for (int64_t i = j0; i < n; i++) {
-            const int64_t r = i - j->start;
-            const float w = p[i] / sum;
-            const float *vj = (const float *)(intptr_t)j->vb[r / j->block] + ((r % j->block) * j->Hkv + g) * j->Dv;
-            for (int64_t d = 0; d < j->Dv; d++) oh[d] += w * vj[d];
-        }
-    }
-}
-
-/* The MoE half of ms_gqa_rows_block: every routed expert of the T rows in the table (else 0, nothing done), then
- * h += the routed experts' weighted sum, from one ms_moe_glu_bf16 call over the step's experts in ascending id
- * order into zeroed rows and one add (what the runner's grouped call, when its scratch fits one call, and the
- * layer's residual add compute). 1 when done, -1 when out of memory. */
-static int dr_experts(const int64_t *cfg, const float *fcfg, const int64_t *table, int64_t T, float *h,
-                      const float *x2, const int64_t *ids, const float *wts) {
-    const int64_t H = cfg[DL_H], k = cfg[DL_TOPK], E = cfg[DL_E];
-    if (k <= 0 || E <= 0) return 0;
-    char *seen = calloc((size_t)E, 1);
-    if (!seen) return -1;
-    int64_t n = 0;
-    for (int64_t i = 0; i < T * k; i++) {
-        const int64_t e = ids[i];
-        if (e < 0 || e >= E || !table[3 * e]) {
-            free(seen);
-            return 0;
-        }
-        n += !seen[e];
-        seen[e] = 1;
-    }
-    int64_t *lists = malloc(sizeof(int64_t) * (size_t)(4 * n));
-    float *y = calloc((size_t)(T * H), sizeof(float));
-    int code = lists && y ? 1 : -1;
-    if (code == 1) {
-        int64_t *sorted = lists, *gates = lists + n, *ups = gates + n, *downs = ups + n, j = 0;
-        for (int64_t e = 0; e < E; e++)
-            if (seen[e]) {
-                sorted[j] = e;
-                gates[j] = table[3 * e];
-                ups[j] = table[3 * e + 1];
-                downs[j++] = table[3 * e + 2];
-            }
-        if (ms_moe_glu_bf16(n, sorted, gates, ups, downs, cfg[DL_INTER], H, H, x2, T, ids, wts, k, y, (int)cfg[DL_ACT],
-                            fcfg[DLF_BETA], fcfg[DLF_LBETA]))
-            code = -1;
-        else
-            for (int64_t c = 0; c < T * H; c++) h[c] += y[c];
-    }
-    free(y);
-    free(lists);
-    free(seen);
-    return code;
-}
-
 /* ms_gqa_decode_block's attention half and router for T new tokens of one sequence (a short prompt chunk), h fp32
  * [T, H] updated in place; the caller has appended the T rows [length - T, length) to the cache (their contents are
  * written here). The same pieces in the same order as the separate calls of that step (ms_rms_norm,
  * ms_linear_bf16_many for q/k/v, ms_gqa_attend's norms, rope and causal attention per query, ms_linear_bf16 for
  * o_proj, the residual add, ms_rms_norm, ms_router_softmax_topk), so the same values bit for bit: x2 [T, H] the
  * post-norm rows, with a router ids [T, k] and wts [T, k]. With a router and an expert table (as
- * ms_gqa_decode_block's) holding every expert the rows routed to, the MoE half too (dr_experts) and returns 1; the
+ * ms_gqa_decode_block's) holding every expert the rows routed to, the MoE half too (dl_experts) and returns 1; the
  * caller must know that the runner's grouped call would make one native call of these rows. The cache must hold
  * every key the first query sees (blocks[0] starts at or before it). Returns 0 when it stopped after the router, -1
  * when out of memory, -2 for bad cache rows. */
@@ -364,8 +307,8 @@ int ms_gqa_rows_block(const int64_t *cfg, const float *fcfg, int64_t T, float *h
             rope_heads(kout, Hkv, D, pos0 + t, inv_freq, fcfg[DLF_FACTOR]);
         }
     }
-    dr_attn_job aj = {T, Hq, Hkv, D, Dv, start, length, window, block, kb, vb, q, att, scores, fcfg[DLF_SCALE]};
-    pool_run(dr_attn_part, &aj, attn_parts);
+    dl_attn_job aj = {T, Hq, Hkv, D, Dv, start, length, window, block, kb, vb, q, att, scores, fcfg[DLF_SCALE]};
+    pool_run(dl_attn_part, &aj, attn_parts);
 
     bf16_prepare(att, T, na, ap);
     const int64_t wo = cfg[DL_WO], yo = (int64_t)(intptr_t)y;
@@ -373,16 +316,8 @@ int ms_gqa_rows_block(const int64_t *cfg, const float *fcfg, int64_t T, float *h
     bf16_run(&oj, dl_parts(H, min_rows));
     for (int64_t c = 0; c < T * H; c++) h[c] += y[c];
 
-    memcpy(x2, h, sizeof(float) * (size_t)(T * H));
-    rms_rows(x2, T, H, (const void *)(intptr_t)cfg[DL_POST_NORM], (int)cfg[DL_POST_BF16], eps);
-    if (router) {
-        bf16_prepare(x2, T, H, xp);
-        bf16_rows(xp, ldx, T, H, (const uint16_t *)(intptr_t)cfg[DL_ROUTER], 0, E, logits, E);
-        for (int64_t t = 0; t < T; t++)
-            softmax_topk_row(logits + t * E, E, cfg[DL_TOPK], (int)cfg[DL_RENORM], taken, ids + t * cfg[DL_TOPK],
-                             wts + t * cfg[DL_TOPK]);
-    }
+    dl_route(cfg, fcfg, T, h, x2, xp, logits, taken, ids, wts);
     free(mem);
     if (atomic_load(&qkv.failed) || atomic_load(&oj.failed)) return -1;
-    return table && router ? dr_experts(cfg, fcfg, table, T, h, x2, ids, wts) : 0;
+    return table && router ? dl_experts(cfg, fcfg, table, T, h, x2, ids, wts) : 0;
 }

@@ -1,7 +1,8 @@
 """Anonymous buffers for weights. Resident dense matrices (loaded once, streamed by every step): each whole 2 MiB
 stretch of the bytes asked for on a transparent huge page where the kernel offers them (THP mode "madvise" or
 "always"), the rest on 4 KiB pages, so that resident memory is still the bytes asked for, which is what the budget
-counts. The reader's expert buffers (mapped while a cold step waits on them) stay on 4 KiB pages (`huge=False`).
+counts. The reader's expert buffers (mapped while a cold step waits on them) stay plain 4 KiB mappings
+(experts/reader.py).
 
 Why: a decode step streams every dense matrix from RAM once, and on 4 KiB pages each page of the stream costs a TLB
 miss and a page walk. A 512 MiB bf16 matrix-vector product on this machine's two cores ran 25.4 against 22.5 GB/s
@@ -26,13 +27,6 @@ _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _ok: bool | None = None
 
 
-class Buffer(mmap.mmap):
-    """A private anonymous mapping whose first `want` bytes are the buffer; len() may be larger (an untouched,
-    never resident tail that rounds the mapping up to 2 MiB)."""
-
-    want: int
-
-
 def enabled() -> bool:
     """Whether buffers of 2 MiB or more get huge pages: MOESTREAM_HUGEPAGES is not 0, the kernel's THP mode is
     "always" or "madvise", and Python's mmap can advise them. Asked once (the environment variable every time)."""
@@ -49,25 +43,19 @@ def enabled() -> bool:
     return _ok
 
 
-def anon_buffer(nbytes: int, huge: bool = True) -> mmap.mmap:
-    """A zero-filled private anonymous mapping of at least `nbytes` (page-aligned): a `Buffer` whose whole 2 MiB
-    stretches of the first `nbytes` are advised onto huge pages when `huge`, `enabled()` and nbytes >= 2 MiB, else
-    a plain mapping of exactly `nbytes` (at least one byte)."""
-    if nbytes < HUGE or not huge or not enabled():
+def anon_buffer(nbytes: int) -> mmap.mmap:
+    """A zero-filled private anonymous mapping of at least `nbytes` (page-aligned). When `enabled()` and nbytes >=
+    2 MiB: rounded up to 2 MiB, its whole 2 MiB stretches of the first `nbytes` advised onto huge pages and the rest
+    not; else exactly `nbytes` (at least one byte)."""
+    if nbytes < HUGE or not enabled():
         return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     length = -(-nbytes // HUGE) * HUGE
-    buf = Buffer(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf.want = nbytes
+    buf = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = nbytes // HUGE * HUGE
     buf.madvise(mmap.MADV_HUGEPAGE, 0, whole)
     if length > whole:
         buf.madvise(mmap.MADV_NOHUGEPAGE, whole, length - whole)
     return buf
-
-
-def size(buf: object) -> int:
-    """The bytes asked for of a buffer from `anon_buffer` (its len() for a plain mapping)."""
-    return getattr(buf, "want", None) or len(buf)  # type: ignore[arg-type]
 
 
 def weight_bytes(nbytes: int) -> memoryview | bytearray:
