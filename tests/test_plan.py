@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import synth_tiny
 from moestream.cli import main
@@ -15,6 +16,7 @@ from moestream.memory.state import BLOCK_HOST_BYTES, host_bytes_of
 from moestream.planner import calibrate
 from moestream.planner.plan import PlanOptions, make_plan
 from moestream.planner.skew import Skew, distinct, fit_exponent, hit_rate, selection, top_share
+from moestream.weights import pages
 
 K3_CONFIG = Path(__file__).parent / "data" / "kimi_k3_config.json"
 _SEEDED_KINDS = (*calibrate.KINDS, calibrate.MXFP4_BF16)
@@ -459,6 +461,33 @@ def test_one_row_step_is_its_reads_or_its_layers(tiny):
         assert s.seconds == pytest.approx(s.overhead_s + max(s.io_s, s.compute_s + s.wait_s))
         assert s.seconds >= s.overhead_s + s.io_s  # never shorter than its reads
     assert steps[0].seconds > steps[1].seconds >= steps[2].seconds
+
+
+def _advised_huge(address: int) -> bool:
+    """Whether the mapping holding `address` is advised onto transparent huge pages (VmFlags "hg" in smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and all(c in "0123456789abcdef-" for c in head[0]):
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= address < hi
+            elif inside and head and head[0] == "VmFlags:":
+                return "hg" in head[1:]
+    return False
+
+
+@pytest.mark.skipif(not pages.enabled(), reason="no transparent huge pages here")
+def test_dense_probes_stream_weights_from_where_the_engine_keeps_them():
+    """The dense probes' copies sit in weights.pages.weight_bytes memory (huge pages, as the engine's resident dense
+    weights); the expert probes' in plain memory (as a read expert's buffer)."""
+    dense, _, _, _ = calibrate._weights("bf16", 2048, 1024, 8 << 20, resident=True)
+    plain, _, _, _ = calibrate._weights("bf16", 2048, 1024, 8 << 20)
+    assert len(dense) == len(plain) == 2 and all(torch.equal(w, dense[0]) for w in dense + plain)
+    assert all(_advised_huge(w.data_ptr()) for w in dense)
+    assert not any(_advised_huge(w.data_ptr()) for w in plain)
+    fp8, _, _, _ = calibrate._weights("fp8", 2048, 1024, 8 << 20, resident=True)  # codes and their scales
+    assert all(_advised_huge(codes.data_ptr()) for codes, _ in fp8)
 
 
 def test_binomial_spread_and_replayed_spread():

@@ -34,7 +34,7 @@ from moestream.config import default_cache_dir
 
 KINDS = ("bf16", "mxfp4", "fp8", "int4", "f32")
 MXFP4_BF16 = "mxfp4_bf16"  # MXFP4 weights' probe under --compute-dtype bf16 (blocks.mxfp4_bf16: rounded activations)
-PROBES_VERSION = 9  # part of the cache key: a change to what a probe measures measures again
+PROBES_VERSION = 10  # part of the cache key: a change to what a probe measures measures again
 ROUNDS = 3  # separate probes per rate; the median is kept (a burst of load costs one round, not the rate)
 PROBE_FILE_BYTES = 256 << 20  # written once where the weights would live when the model has no local shards
 BURST_S = 0.15
@@ -198,10 +198,23 @@ def rounds(probe: Callable[[], float | tuple[float, ...]], n: int = ROUNDS) -> t
     return med, f"median of {len(rows)} rounds (spread {min(first):.4g}-{max(first):.4g})"
 
 
-def _weights(kind: str, out: int, inp: int, nbytes: int) -> tuple[list, int, Callable, Callable]:
+def _resident_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in the memory a resident dense weight of the engine is loaded into (weights.pages.weight_bytes:
+    huge pages for its whole 2 MiB stretches; weights/index.py), so that a probe of dense weights streams what the
+    engine's decode streams (a 512 MiB bf16 GEMV here: 42.2 against 38.9 GB/s on 4 KiB pages, docs/plan.md)."""
+    from moestream.weights import pages
+
+    raw = torch.frombuffer(pages.weight_bytes(t.numel() * t.element_size()), dtype=torch.uint8)
+    return raw.view(t.dtype).view(t.shape).copy_(t)
+
+
+def _weights(kind: str, out: int, inp: int, nbytes: int, resident: bool = False) -> tuple[list, int, Callable,
+                                                                                         Callable]:
     """Weight matrices of one format in distinct buffers, as many as make `nbytes` stored bytes (at least 2):
     (weights, their stored bytes, the engine's linear fn(x, w), its expansion to fp32 fn(w) as a multi-row step does
-    before its GEMM). One matrix is made and copied: the probes time bytes streamed, not values."""
+    before its GEMM). One matrix is made and copied: the probes time bytes streamed, not values. `resident`: the
+    copies sit where the engine keeps a resident dense weight (_resident_copy); else in torch's own memory (a read
+    expert's buffer is plain pages too)."""
     from moestream.kernels import quant
     from moestream.models.blocks import linear
 
@@ -229,7 +242,8 @@ def _weights(kind: str, out: int, inp: int, nbytes: int) -> tuple[list, int, Cal
     parts = w0 if isinstance(w0, tuple) else (w0,)
     per = sum(t.numel() * t.element_size() for t in parts)
     count = max(2, -(-nbytes // per))
-    ws = [w0] + [tuple(t.clone() for t in parts) if isinstance(w0, tuple) else w0.clone() for _ in range(count - 1)]
+    copy = _resident_copy if resident else torch.Tensor.clone
+    ws = [tuple(copy(t) for t in parts) if isinstance(w0, tuple) else copy(w0) for _ in range(count)]
     return ws, per * count, fn, expand
 
 
@@ -425,7 +439,7 @@ def dense_rows_times(shape: tuple[int, int], seconds: float = 0.4, rows: tuple[i
     from moestream.models.blocks import BF16_MIN_ROWS, compute_dtype, linear
 
     out_f, inp = shape
-    ws, _, _, _ = _weights(kind, out_f, inp, stream_bytes() if nbytes is None else nbytes)
+    ws, _, _, _ = _weights(kind, out_f, inp, stream_bytes() if nbytes is None else nbytes, resident=True)
     if kind == "fp8":
         ws = [BlockFp8Weight.wrap(codes, scale, FP8_BLOCK) for codes, scale in ws]
     got: dict[str, dict[str, float]] = {"fp32": {}, "bf16": {}}
