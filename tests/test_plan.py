@@ -41,6 +41,9 @@ SEEDED_GLU_ROWS = {"bf16": {"group": {"2": 2e-5, "16": 8e-5, "64": 3e-4},
                             "single_bf16": {"2": 5e-5, "16": 7e-5, "64": 1.7e-4}}}
 
 
+MiB = 1 << 20
+
+
 @pytest.fixture(autouse=True)
 def seeded_cache(tmp_path, monkeypatch):
     """A private cache dir holding fixed rates for this machine's key (no probe runs unless a test clears it)."""
@@ -451,6 +454,30 @@ def test_reads_into_free_room_beyond_hot_memory_fault_at_the_deep_rate(tiny):
     assert cold[1].wait_s > cold[0].wait_s and cold[1].seconds > cold[0].seconds
     assert _scenario(tiny, 1.0, {**rates, "deep_faults": 0.0, "hot_bytes": 0.0}).decode(
         1, 32, since_open=(16, 8)).seconds == pytest.approx(cold[0].seconds)  # not measured: the fresh-page rate
+
+
+def test_dense_weights_on_huge_pages_leave_the_hot_memory_to_read_buffers(tiny):
+    """With the engine's resident dense weights on huge pages (which take the deep memory themselves), a read into
+    free room faults against the fresh memory held less those pages: each matrix's whole 2 MiB stretches, their
+    share of the dense matrices' bytes applied to the resident dense bytes; a cold decode then waits less."""
+    rates = {**RATES, "disk": 1e6, "deep_faults": 1e8}
+    plain, huge = (_scenario(tiny, 1.0, {**rates, "hot_bytes": 1.0}) for _ in range(2))
+    huge.huge_pages = True
+    for sc in (plain, huge):  # two 3 MiB matrices (one whole 2 MiB stretch each) and a head of 1 MiB (none)
+        sc.facts.dense_shapes, sc.facts.head_shape, sc.facts.head_kind = {("bf16", 1536, 1024): 2}, (512, 1024), "bf16"
+    resident = huge.residency.resident_dense_bytes
+    assert plain.huge_dense_bytes() == 0.0 and resident > 0
+    assert huge.huge_dense_bytes() == pytest.approx(resident * (2 * 2 * MiB) / (2 * 3 * MiB + MiB))
+    taken = {}
+    for name, sc in (("plain", plain), ("huge", huge)):  # the fresh memory each decode faults its reads against
+        waits = sc.layer_waits
+        sc.layer_waits = lambda *a, _w=waits, _n=name, **k: (taken.__setitem__(_n, a[3]), _w(*a, **k))[1]
+        sc.decode(1, 32, since_open=(16, 8))
+        sc.layer_waits = waits
+    assert taken["huge"] == pytest.approx(taken["plain"] - huge.huge_dense_bytes())
+    huge.rates.hot_bytes = plain.rates.hot_bytes = taken["plain"] / 2  # past twice the hot memory without them
+    cold = [s.decode(1, 32, since_open=(16, 8)) for s in (plain, huge)]
+    assert cold[1].wait_s < cold[0].wait_s and cold[1].seconds < cold[0].seconds
 
 
 def test_one_row_step_is_its_reads_or_its_layers(tiny):

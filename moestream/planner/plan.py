@@ -21,6 +21,7 @@ from moestream.planner.calibrate import Calibrator, Overhead, Rates
 from moestream.planner.facts import ModelFacts, model_facts, open_plan
 from moestream.planner.predict import Scenario
 from moestream.planner.skew import Skew
+from moestream.weights import pages as weight_pages
 
 SCHEDULER_CHUNK = 256  # the server scheduler's default prompt tokens per step (SchedulerConfig.prefill_chunk)
 ENGINE_CHUNK = 512  # the engine's default prefill chunk (EngineOptions.prefill_chunk)
@@ -207,7 +208,7 @@ def _probe_target(path: Path) -> tuple[list[Path], Path]:
 def _predict(facts: ModelFacts, p, rates: Rates, budget: int, opts: PlanOptions, machine: str) -> dict:
     per_seq = facts.state.at(opts.prompt_len, opts.prompt_len + opts.gen_len, SCHEDULER_CHUNK)
     fit = facts.fit(p, budget, per_seq)  # dense residency keeps room for one sequence (as --state-room would)
-    sc = Scenario(facts, fit, rates, opts.skew, compute_dtype=opts.compute_dtype)
+    sc = Scenario(facts, fit, rates, opts.skew, compute_dtype=opts.compute_dtype, huge_pages=weight_pages.enabled())
     context = opts.prompt_len + opts.gen_len / 2  # mean context over the generated tokens
     # one stream from an engine just opened (as `moestream run` / `bench --cold`): its prompt fills the cache, and
     # the cached experts it did not use miss on first use during the generation; the steady state has none of these
@@ -238,7 +239,8 @@ def _predict(facts: ModelFacts, p, rates: Rates, budget: int, opts: PlanOptions,
         out["decode_cache_replay"] = sc.replayed
     if opts.batch is not None:
         n = max(1, min(opts.batch, max_seq or 1)) if max_seq is not None else opts.batch
-        sc_many = sc if many is fit else Scenario(facts, many, rates, opts.skew, compute_dtype=opts.compute_dtype)
+        sc_many = sc if many is fit else Scenario(facts, many, rates, opts.skew, compute_dtype=opts.compute_dtype,
+                                                  huge_pages=sc.huge_pages)
         step = sc_many.decode(n, context, n * per_seq, since_open=(opts.prompt_len, opts.gen_len))
         out.update({"batch": opts.batch, "batch_sequences": n, "batch_tokens_per_s": n / step.seconds,
                     "batch_step": _step_json(step)})
@@ -361,7 +363,9 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
         if deep:
             deep_note = (f", and once the process holds twice {format_bytes(r['hot_bytes'])} of fresh memory (its "
                          f"hot memory; linear from there) at {deep / 1e9:.3g} GB/s "
-                         f"({f.expert_bytes / deep * 1e3:.3g} ms an expert; {src.get('deep_faults', '')})")
+                         f"({f.expert_bytes / deep * 1e3:.3g} ms an expert; {src.get('deep_faults', '')})"
+                         + ("; the resident dense weights' huge pages not counted in it (they take the deep memory "
+                            "themselves)" if weight_pages.enabled() else ""))
         else:  # measured, no slowdown seen; or not measured (reference machines)
             deep_note = f" (fresh memory held: {src['deep_faults']})" if src.get("deep_faults") else ""
         lines.append(f"a one-row decode step, layer by layer: a MoE layer step with misses leaves the warm path "

@@ -46,6 +46,7 @@ from moestream.kernels.quant import FP8_NATIVE_MAX_T, INT4_NATIVE_MAX_T
 from moestream.models.blocks import BF16_GLU_MIN_ROWS, BF16_MIN_ROWS
 from moestream.planner.calibrate import DENSE_KINDS, Rates, interp_rows, nearest_dense
 from moestream.planner.facts import ModelFacts
+from moestream.weights.pages import HUGE as HUGE_PAGE
 from moestream.planner.skew import (Skew, binomial_spread, distinct, first_use, replay_batch, replay_decode,
                                      single_row, split_cache)
 
@@ -171,10 +172,27 @@ class Scenario:
     replayed: str = ""  # what decode replayed of the skew's recorded routing (empty: the analytic model)
     replayed_batch: str = ""  # what a batch's decode replayed of it (empty: the analytic model)
     compute_dtype: str = "fp32"  # --compute-dtype: "bf16" prices many-row steps' bf16 products at the bf16 probes
+    huge_pages: bool = False  # the engine here holds resident dense weights on huge pages (weights.pages.enabled)
 
     @property
     def residency(self):
         return self.fit.residency
+
+    def huge_dense_bytes(self) -> float:
+        """Bytes of the resident dense weights on transparent huge pages (with `huge_pages`): each matrix's whole 2
+        MiB stretches (weights/pages.py), their share of the dense matrices' bytes (the lm_head's among them) applied
+        to the resident dense bytes. On this VM such pages come from the deep pool (the memory its host took back),
+        not from the hot pool a read buffer's 4 KiB pages take first (docs/plan.md, "Dense weights on huge pages take
+        the deep pool"), so they do not count toward the fresh memory the read buffers fault against."""
+        if not self.huge_pages:
+            return 0.0
+        f = self.facts
+        mats = [(DENSE_KINDS.get(kind, 2) * o * i, n) for (kind, o, i), n in f.dense_shapes.items()]
+        if f.head_shape is not None:
+            mats.append((DENSE_KINDS.get(f.head_kind, 2) * f.head_shape[0] * f.head_shape[1], 1))
+        total = sum(size * n for size, n in mats)
+        huge = sum(size // HUGE_PAGE * HUGE_PAGE * n for size, n in mats)
+        return self.residency.resident_dense_bytes * huge / total if total else 0.0
 
     def cached_per_layer(self, state_bytes: float = 0.0) -> float:
         """Experts a layer keeps cached (the cache shared evenly by the MoE layers), after `state_bytes` of
@@ -509,7 +527,8 @@ class Scenario:
             # fresh memory taken by then: all the budget holds but the cache, and the experts the prompt cached
             held = min(room, sum(prompt) / len(prompt)) if prompt else room
             fit = self.fit
-            taken = fit.ram_budget - fit.cache_bytes + held * f.moe_layers * fit.resident_bytes_per_expert
+            taken = fit.ram_budget - fit.cache_bytes - self.huge_dense_bytes() \
+                + held * f.moe_layers * fit.resident_bytes_per_expert
             parts["misses_s"], wait = self.layer_waits(spread, partial, fill, taken)
         io = reads * f.expert_bytes / self.rates.disk + self._streamed() if self.rates.disk > 0 else 0.0
         hit = max(0.0, 1.0 - missing / max(1e-9, used))
