@@ -46,9 +46,9 @@ from moestream.kernels.quant import FP8_NATIVE_MAX_T, INT4_NATIVE_MAX_T
 from moestream.models.blocks import BF16_GLU_MIN_ROWS, BF16_MIN_ROWS
 from moestream.planner.calibrate import DENSE_KINDS, Rates, interp_rows, nearest_dense
 from moestream.planner.facts import ModelFacts
-from moestream.weights.pages import HUGE as HUGE_PAGE
 from moestream.planner.skew import (Skew, binomial_spread, distinct, first_use, replay_batch, replay_decode,
                                      single_row, split_cache)
+from moestream.weights.pages import HUGE as HUGE_PAGE
 
 # quantised weights kernels.quant multiplies natively up to its row limits, dense or expert alike (MXFP4; block-FP8
 # and int4 on kernels/_cpu_fp8.c)
