@@ -31,6 +31,7 @@ import torch
 from moestream import __version__
 from moestream.cgroup import memory_available
 from moestream.config import default_cache_dir
+from moestream.weights import pages
 
 KINDS = ("bf16", "mxfp4", "fp8", "int4", "f32")
 MXFP4_BF16 = "mxfp4_bf16"  # MXFP4 weights' probe under --compute-dtype bf16 (blocks.mxfp4_bf16: rounded activations)
@@ -202,8 +203,6 @@ def _resident_copy(t: torch.Tensor) -> torch.Tensor:
     """A copy of `t` in the memory a resident dense weight of the engine is loaded into (weights.pages.weight_bytes:
     huge pages for its whole 2 MiB stretches; weights/index.py), so that a probe of dense weights streams what the
     engine's decode streams (a 512 MiB bf16 GEMV here: 42.2 against 38.9 GB/s on 4 KiB pages, docs/plan.md)."""
-    from moestream.weights import pages
-
     raw = torch.frombuffer(pages.weight_bytes(t.numel() * t.element_size()), dtype=torch.uint8)
     return raw.view(t.dtype).view(t.shape).copy_(t)
 
@@ -578,11 +577,11 @@ def _fresh_mapping(nbytes: int) -> tuple[mmap.mmap, float]:
     """A fresh private anonymous mapping of `nbytes` with every page written once (the kernel zeroes each), and
     the seconds that took: one byte a page, in C, so that the faults, not Python, are timed."""
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    pages = torch.frombuffer(m, dtype=torch.uint8)
+    view = torch.frombuffer(m, dtype=torch.uint8)
     t = time.perf_counter()
-    pages[::mmap.PAGESIZE].fill_(1)
+    view[::mmap.PAGESIZE].fill_(1)
     took = time.perf_counter() - t
-    del pages  # the view pins the mapping: closing it needs the view gone
+    del view  # the view pins the mapping: closing it needs the view gone
     return m, took
 
 

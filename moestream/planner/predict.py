@@ -48,7 +48,7 @@ from moestream.planner.calibrate import DENSE_KINDS, Rates, interp_rows, nearest
 from moestream.planner.facts import ModelFacts
 from moestream.planner.skew import (Skew, binomial_spread, distinct, first_use, replay_batch, replay_decode,
                                      single_row, split_cache)
-from moestream.weights.pages import HUGE as HUGE_PAGE
+from moestream.weights.pages import huge_bytes
 
 # quantised weights kernels.quant multiplies natively up to its row limits, dense or expert alike (MXFP4; block-FP8
 # and int4 on kernels/_cpu_fp8.c)
@@ -191,7 +191,7 @@ class Scenario:
         if f.head_shape is not None:
             mats.append((DENSE_KINDS.get(f.head_kind, 2) * f.head_shape[0] * f.head_shape[1], 1))
         total = sum(size * n for size, n in mats)
-        huge = sum(size // HUGE_PAGE * HUGE_PAGE * n for size, n in mats)
+        huge = sum(huge_bytes(size) * n for size, n in mats)
         return self.residency.resident_dense_bytes * huge / total if total else 0.0
 
     def cached_per_layer(self, state_bytes: float = 0.0) -> float:

@@ -43,6 +43,12 @@ def enabled() -> bool:
     return _ok
 
 
+def huge_bytes(nbytes: int) -> int:
+    """Bytes of a weight of `nbytes` that `anon_buffer` advises onto huge pages where `enabled()`: its whole 2 MiB
+    stretches (none below 2 MiB)."""
+    return nbytes // HUGE * HUGE
+
+
 def anon_buffer(nbytes: int) -> mmap.mmap:
     """A zero-filled private anonymous mapping of at least `nbytes` (page-aligned). When `enabled()` and nbytes >=
     2 MiB: rounded up to 2 MiB, its whole 2 MiB stretches of the first `nbytes` advised onto huge pages and the rest
@@ -51,7 +57,7 @@ def anon_buffer(nbytes: int) -> mmap.mmap:
         return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     length = -(-nbytes // HUGE) * HUGE
     buf = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = nbytes // HUGE * HUGE
+    whole = huge_bytes(nbytes)
     buf.madvise(mmap.MADV_HUGEPAGE, 0, whole)
     if length > whole:
         buf.madvise(mmap.MADV_NOHUGEPAGE, whole, length - whole)
