@@ -52,6 +52,7 @@ class PartPlan:
     phase: int = 0  # where the part started, modulo PART_ALIGN, in the buffer the original's reader fills
     offset: int = 0  # within the expert
     coded: int = -1  # --codec b12: the part's coded size (kernels/b12.py); -1 when stored as it is
+    exceptions: int = 0  # ... and its exceptions where the smaller form keeps some (b12x)
 
     @property
     def nbytes(self) -> int:
@@ -184,11 +185,13 @@ def plan_pack(src: str | Path, dense_shard_bytes: int = DENSE_SHARD_BYTES,
 # row's codes cannot give: coded as experts are, the full-width synthetic K3's lm_head (7168 wide) had 60% of its rows
 # stored whole (each costs its slot besides: 1.75x bf16), 1.35x its bf16 size. Dense matrices therefore keep such
 # values as exceptions beside their row (b12.py's b12x form, the manifest's codec "b12x" where a matrix has any),
-# and store a row whole only where its exceptions would take more than K bytes. Expert matrices are coded without
-# exceptions (a row with them leaves the kernels' register loops for an out-of-line one, or a decoded row).
+# and store a row whole only where its exceptions would take more than K bytes. Expert matrices are coded the same
+# way, each in the smaller of the two forms (the peer model's 1024-wide experts: 6% of rows stored whole, 0.81x of
+# their bf16 bytes, against 0.75x with exceptions); an expert tensor any of whose experts keeps exceptions is
+# "b12x" in the manifest, and the reader checks each coded expert's layout after its read (b12.check_bytes).
 CODED_MAX = 0.9
-DENSE_B12X = "b12x"  # a coded dense matrix with exceptions (kernels/b12.py): the manifest names it so, so that a
-#                      reader without them refuses the pack instead of multiplying placeholders
+B12X = "b12x"  # a coded matrix with exceptions (kernels/b12.py): the manifest names it so, so that a reader
+#                without them refuses the pack instead of multiplying placeholders
 CODED_HEAD = "lm_head.weight"
 CODED_GQA = ("qwen3_moe", "mixtral", "gpt_oss")
 CODED_GQA_SUFFIXES = tuple(f".self_attn.{n}_proj.weight" for n in "qkvo")
@@ -222,7 +225,7 @@ def _lay_out(pp: PackPlan, expert_file_bytes: int) -> None:
     matrix-vector product sums in a different order for a 16-byte-aligned weight than for an 8-byte-aligned
     one), so this is what keeps a packed model's logits bit-identical to the original's.
 
-    With a codec, experts of one shape differ in size by a few rows stored whole; each is padded with zeros to the
+    With a codec, experts of one shape differ in size by their rows stored whole and exceptions; each is padded with zeros to the
     longest of its shape (in any layer), so that they all take read buffers of one size and an evicted expert's
     buffer is recycled for the next read, whatever its layer (a buffer of a new size is fresh memory, whose first
     touch costs: with padding per layer a 256-sequence batch step ran 12% slower than without the codec)."""
@@ -271,7 +274,8 @@ def _size_coded(pp: PackPlan, progress: Progress) -> None:
             for part in ex.parts:
                 if _codable(part):
                     w = _matrix(src, part.src)
-                    part.coded = b12.coded_nbytes(*w.shape, b12.raw_rows(w))
+                    raw, exc = b12.smaller_form(w)  # as for dense matrices
+                    part.coded, part.exceptions = b12.coded_nbytes(*w.shape, raw, exc), exc
                     progress(part.src.nbytes)
         sizes: dict[str, list[int]] = {}  # packed tensor -> [coded bytes, bf16 bytes] over its parts
         for part in (p for ex in pp.experts for p in ex.parts if p.coded >= 0):
@@ -279,7 +283,7 @@ def _size_coded(pp: PackPlan, progress: Progress) -> None:
             got[0], got[1] = got[0] + part.coded, got[1] + part.src.nbytes
         for part in (p for ex in pp.experts for p in ex.parts if p.coded >= 0):
             if sizes[part.tensor][0] > CODED_MAX * sizes[part.tensor][1]:  # the rule for dense matrices
-                part.coded = -1
+                part.coded, part.exceptions = -1, 0
         for shard in pp.dense_shards:
             for t in shard:
                 if t.name in pp.dense_codable:
@@ -443,7 +447,7 @@ def _write_experts(path: Path, experts: list[ExpertPlan], size: int, src: _Sourc
                 crc = crc32(pad, crc)
                 f.write(pad)
                 if part.coded >= 0:
-                    data = memoryview(b12.encode(_matrix(src, part.src)).numpy())
+                    data = memoryview(b12.encode(_matrix(src, part.src), exceptions=part.exceptions > 0).numpy())
                     if len(data) != part.coded:  # the source changed between sizing and writing
                         raise CheckpointError(f"{part.src.file}: tensor {part.tensor!r} changed while packing")
                     crc = crc32(data, crc)
@@ -562,21 +566,24 @@ def pack(src: str | Path, dst: str | Path, verify: bool = False, progress: Progr
 def _manifest(pp: PackPlan, crcs: dict[str, int]) -> dict:
     n_dense, n_exp = len(pp.dense_shards), len(pp.expert_file_sizes)
     coded = pp.coded_tensors
+    with_exceptions = {p.tensor for e in pp.experts for p in e.parts if p.exceptions}
     return {
         "format": PACK_FORMAT, "version": PACK_VERSION, "align": ALIGN, "checksum": "crc32",
         "dense_files": [dense_name(i, n_dense) for i in range(n_dense)],
         "expert_files": [expert_name(i, n_exp) for i in range(n_exp)],
         "dense_crc32": crcs,
-        **({"dense_codec": {t.name: {"codec": DENSE_B12X if t.name in pp.dense_exceptions else pp.codec,
+        **({"dense_codec": {t.name: {"codec": B12X if t.name in pp.dense_exceptions else pp.codec,
                                      "dtype": t.dtype, "shape": list(t.shape)}
                             for s in pp.dense_shards for t in s if t.name in pp.dense_coded}}
            if pp.dense_coded else {}),
-        "tensors": {name: {"dtype": d, "shape": list(s), "fused": f, **({"codec": pp.codec} if name in coded else {})}
+        "tensors": {name: {"dtype": d, "shape": list(s), "fused": f,
+                           **({"codec": B12X if name in with_exceptions else pp.codec} if name in coded else {})}
                     for name, (d, s, f) in pp.tensors.items()},
         "experts": [{"layer": e.layer, "expert": e.expert, "file": expert_name(e.file, n_exp), "offset": e.offset,
                      "length": e.length, "crc32": e.crc32,
                      "parts": [{"tensor": p.tensor, "index": p.index, "dtype": p.src.dtype, "shape": list(p.src.shape),
-                                "offset": p.offset, "nbytes": p.nbytes, **({"codec": pp.codec} if p.coded >= 0 else {})}
+                                "offset": p.offset, "nbytes": p.nbytes,
+                                **({"codec": B12X if p.exceptions else pp.codec} if p.coded >= 0 else {})}
                                for p in e.parts]}
                     for e in pp.experts],
     }

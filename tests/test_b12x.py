@@ -1,16 +1,23 @@
 """b12 with exceptions ("b12x"): a row whose few values lie 2^15 or more below its largest keeps them beside the
 row instead of being stored whole. Exact round trips (Python and native), every native product over such a matrix
 bit for bit the bf16 matrix's (one token, the few-token tiles, the decoded many-row path, bf16 compute, the GLU
-kernels), the size a wide Gaussian matrix takes, and a damaged table refused before any kernel reads it."""
+kernels), the size a wide Gaussian matrix takes, and a damaged table refused before any kernel reads it; packed
+experts in the smaller form, their logits the original's, and a damaged coded expert refused when it is read."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 
+from conftest import prompt_ids
+from moestream import Engine
+from moestream.cli import main
+from moestream.errors import CheckpointError
 from moestream.kernels import b12, cpu, fused
 from moestream.models import blocks
+from moestream.weights.index import PACK_MANIFEST, CheckpointIndex
 from test_b12 import _bits, _matrix
 
 native = pytest.mark.skipif(not cpu.available(), reason="native kernels not built")
@@ -133,7 +140,6 @@ def test_streamed_slabs_carry_their_rows_exceptions(tmp_path):
     bad = bytearray(path.read_bytes())
     bad[128 + 200 * 192 + 256 + 4 * 20 + 3] = 0x7F  # an offset of the table out of order
     path.write_bytes(bytes(bad))
-    from moestream.errors import CheckpointError
     with pytest.raises(CheckpointError, match="offsets"):
         _CodedRows(TensorInfo("m", path, 128, coded.numel(), "BF16", (200, 128), "b12"))
 
@@ -193,3 +199,129 @@ def test_a_coded_heads_leading_rows_stay_resident(tmp_path, monkeypatch):
         got = eng.stats["dense_stream_bytes_read"] - before
         assert got == r.streamed_bytes_per_step + (64 * 2 if r.embed_streamed else 0), budget
         eng.close()
+
+
+def _damaged_forms(coded: torch.Tensor, n: int, k: int) -> dict[str, torch.Tensor]:
+    """Copies of a coded matrix (rows 1, 2, 7 and the last with exceptions, row 4 stored whole: _with_misfits)
+    each broken in one way the kernels could not survive."""
+    slot, head = n * k * 3 // 2, n * k * 3 // 2 + -(-n // 64) * 64
+    raw_at = 4 * (k * 3 // 2)  # row 4's slot: its bf16 row's offset
+    out = {"too short": coded[:head - 1].clone()}
+    for what, value in (("raw offset past the end", coded.numel()), ("raw offset into the slots", 8),
+                        ("raw offset odd", int(coded[raw_at:raw_at + 8].view(torch.int64)) + 1)):
+        bad = coded.clone()
+        bad[raw_at:raw_at + 8] = torch.tensor([value], dtype=torch.int64).view(torch.uint8)
+        out[what] = bad
+    bad = coded.clone()
+    bad[head + 4 * 2] = 0x7F  # the table's offsets out of order
+    out["table offsets"] = bad
+    bad = coded.clone()
+    bad[slot + 5] |= b12.XFLAG  # a flagged row without exceptions
+    out["flag without exceptions"] = bad
+    return out
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_a_coded_matrix_the_kernels_could_not_read_is_refused(path, monkeypatch):
+    """b12.check_bytes, which the expert store runs on every coded expert it reads: the native check and the
+    Python one (no library) pass a sound matrix of either form and refuse each kind of damage."""
+    if path == "native" and not cpu.available():
+        pytest.skip("native kernels not built")
+    if path == "python":
+        monkeypatch.setattr(cpu, "available", lambda: False)
+    n, k = 40, 192
+    w = _with_misfits(n, k, 21)
+    for exceptions in (False, True):
+        b12.check_bytes(b12.encode(w, exceptions=exceptions), n, k)
+    for what, bad in _damaged_forms(b12.encode(w, exceptions=True), n, k).items():
+        with pytest.raises(ValueError, match="b12: "):
+            b12.check_bytes(bad, n, k)
+            pytest.fail(what)
+
+
+@pytest.fixture(scope="module")
+def packed_with_exceptions(tmp_path_factory):
+    """A Qwen3-MoE checkpoint whose experts' rows hold a value or two far below the rest (about a row in eight of
+    every expert matrix), packed with `--codec b12`."""
+    from safetensors.torch import load_file, save_file
+
+    from test_b12 import _to_bf16
+    from test_pack import _qwen
+
+    root = tmp_path_factory.mktemp("b12x_experts")
+    src, dst = root / "src", root / "dst"
+    _qwen(src)
+    _to_bf16(src)
+    for f in src.glob("*.safetensors"):
+        t = load_file(f)
+        for name in (n for n in t if ".experts." in n):
+            rows = t[name].shape[-2]
+            t[name][..., ::8, 5] = 0.0  # exceptions
+            t[name][..., 3 % rows, 7] = 1e-30
+        save_file(t, f, metadata={"format": "pt"})
+    assert main(["pack", str(src), str(dst), "--codec", "b12"]) == 0
+    return src, dst
+
+
+def test_packed_experts_keep_their_misfits_as_exceptions(packed_with_exceptions):
+    """pack codes each expert matrix in the smaller of its two forms: here b12x (the manifest says so, tensor and
+    part), smaller than plain b12 would be; the expert tensors load as the original's values, and the engine's
+    logits and tokens (warm, and under a budget that evicts, every coded expert checked as it is read) are the
+    original's bit for bit."""
+    from test_pack import VOCAB, _budget
+
+    src, dst = packed_with_exceptions
+    manifest = json.loads((dst / PACK_MANIFEST).read_text())
+    parts = [p for e in manifest["experts"] for p in e["parts"]]
+    assert parts and all(p["codec"] == "b12x" for p in parts)
+    assert all(t["codec"] == "b12x" for n, t in manifest["tensors"].items() if ".experts." in n)
+    a, b = CheckpointIndex.open(src), CheckpointIndex.open(dst)
+    for p in parts:
+        w = a.load(p["tensor"])
+        w = w[p["index"]] if p["index"] is not None else w
+        raw, exc = b12.scan(w, exceptions=True)
+        assert exc > 0 and p["nbytes"] == b12.coded_nbytes(*w.shape, raw, exc) < b12.coded_nbytes(*w.shape, b12.raw_rows(w))
+    for n in a.names():
+        if ".experts." in n:
+            assert b[n].codec == "b12" and torch.equal(a.load(n), b.load(n)), n
+    ids = prompt_ids(VOCAB, 32)
+    warm = {}
+    for path in (src, dst):
+        eng = Engine.open(path)
+        eng.logits(ids)
+        warm[path] = eng.logits(ids)
+    assert torch.equal(warm[src], warm[dst])
+    got = {}
+    for path in (src, dst):
+        eng = Engine.open(path, ram_budget=_budget(src))
+        got[path] = eng.generate(ids, 12, stop_token_ids=[])
+        assert eng.stats["expert_evictions"] > 0, "the budget was meant to force evictions"
+    assert got[src] == got[dst]
+
+
+def test_an_expert_whose_coding_is_damaged_is_refused_when_read(packed_with_exceptions, tmp_path):
+    """An expert whose exception table is broken but whose crc32 was made to match (so the checksum cannot tell):
+    reading it raises a CheckpointError naming the layer, the expert and the part, before a kernel touches it."""
+    from moestream.weights.crc import crc32
+
+    _, dst = packed_with_exceptions
+    bad = tmp_path / "bad"
+    shutil.copytree(dst, bad)
+    manifest = json.loads((bad / PACK_MANIFEST).read_text())
+    rec = manifest["experts"][5]
+    part = rec["parts"][0]
+    n, k = part["shape"][-2:]
+    at = rec["offset"] + part["offset"] + n * k * 3 // 2 + -(-n // 64) * 64 + 4 * 2  # its table's third offset
+    path = bad / rec["file"]
+    data = bytearray(path.read_bytes())
+    data[at] = 0x7F
+    path.write_bytes(bytes(data))
+    rec["crc32"] = crc32(memoryview(data)[rec["offset"]:rec["offset"] + rec["length"]])
+    (bad / PACK_MANIFEST).write_text(json.dumps(manifest))
+    from moestream.engine.engine import plan
+
+    store = plan(bad).store
+    store.read(rec["layer"], (rec["expert"] + 1) % 12)  # its neighbours read as before
+    with pytest.raises(CheckpointError, match=rf"layer {rec['layer']} expert {rec['expert']} part .*exception table"):
+        store.read(rec["layer"], rec["expert"])
+    store.close()

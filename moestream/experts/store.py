@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from moestream.errors import CheckpointError
+from moestream.kernels import b12
 from moestream.kernels.b12 import B12Weight
 from moestream.experts.reader import DEMAND, IO_THREADS, ReadPlan, Reader, Span, plan_reads
 from moestream.weights.crc import crc32
@@ -235,6 +236,15 @@ class ExpertStore:
                     f"{pe.file}: layer {key[0]} expert {key[1]} fails its checksum (crc32 {got:08x}, manifest "
                     f"{pe.crc32:08x}, {pe.nbytes} bytes at offset {pe.offset}): the packed checkpoint is damaged; "
                     f"`moestream pack --verify DIR` lists every bad expert, pack the original again")
+        for name, start, loc in parts:  # a coded part's layout, before any kernel reads it (its crc says nothing of that)
+            if loc.codec == "b12":
+                try:
+                    b12.check_bytes(bytes_to_tensor(memoryview(buf)[start:start + loc.nbytes], "U8", (loc.nbytes,)),
+                                    *loc.shape)
+                except ValueError as e:
+                    self.reader.pool.give(buf)
+                    raise CheckpointError(f"{loc.file}: layer {key[0]} expert {key[1]} part {name!r}: {e}; the packed "
+                                          f"checkpoint is damaged, pack the original again") from None
         layout = self._layouts[key]
         kept = self.reader.pool.claim(buf)  # (layout, views) the buffer's last expert left on it
         return ExpertBlob(buf, parts, layout, kept[1] if kept is not None and kept[0] is layout else None)

@@ -349,6 +349,50 @@ static int dense_rows(const float *x, int64_t ldx, int64_t T, int64_t K, const u
     return 0;
 }
 
+/* Whether the kernels may read the coded N x K matrix at m (nbytes bytes, what b12.check_bytes wraps): 0 when the
+ * slots and base bytes fit, every row stored whole points at K bf16 values inside the bytes past them (2-byte
+ * aligned), and, where any row is flagged, its exception table fits, its offsets rise from 0 and move exactly at
+ * the flagged rows, and each row's positions lie inside it, rising. 1: too short, 2: a row stored whole points
+ * outside, 3: the table. One pass over the base bytes and the table: microseconds for an expert. */
+int ms_b12_check(const uint8_t *m, int64_t nbytes, int64_t N, int64_t K) {
+    if (N <= 0 || K <= 0 || K % 64) return 1;
+    const int64_t head = N * b12_slot(K) + b12_pad64(N);
+    if (nbytes < head) return 1;
+    const uint8_t *bases = m + N * b12_slot(K);
+    int flagged = 0;
+    for (int64_t n = 0; n < N; n++) flagged |= bases[n] != B12_RAW && !b12_plain(bases[n]);
+    int64_t data = head; /* where the rows stored whole may start */
+    if (flagged) {
+        if (K > B12_MAX_XK || nbytes < head + b12_pad64(4 * (N + 1))) return 3;
+        const uint8_t *t = m + head, *e = t + b12_pad64(4 * (N + 1));
+        uint32_t prev;
+        memcpy(&prev, t, 4);
+        if (prev != 0) return 3;
+        for (int64_t n = 0; n < N; n++) {
+            uint32_t next;
+            memcpy(&next, t + 4 * (n + 1), 4);
+            const int has = bases[n] != B12_RAW && !b12_plain(bases[n]);
+            if (next < prev || (next > prev) != has) return 3;
+            if ((int64_t)(e - m) + 4 * (int64_t)next > nbytes) return 3;
+            int64_t last = -1;
+            for (uint32_t i = prev; i < next; i++) {
+                const int64_t pos = b12_exc_pos(e + 4 * (int64_t)i);
+                if (pos >= K || pos <= last) return 3;
+                last = pos;
+            }
+            prev = next;
+        }
+        data = (int64_t)(e - m) + b12_pad64(4 * (int64_t)prev);
+    }
+    for (int64_t n = 0; n < N; n++) {
+        if (bases[n] != B12_RAW) continue;
+        int64_t off;
+        memcpy(&off, m + n * b12_slot(K), sizeof(off));
+        if (off < data || off % 2 || off > nbytes - 2 * K) return 2;
+    }
+    return 0;
+}
+
 /* rows [n0, n1) of the coded N x K matrix m decoded into out [n1 - n0, K] bf16 */
 void ms_b12_decode_rows(const uint8_t *m, int64_t N, int64_t K, int64_t n0, int64_t n1, uint16_t *out) {
     for (int64_t n = n0; n < n1; n++) b12_decode_row(m, N, K, n, out + (n - n0) * K);

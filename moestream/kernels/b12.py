@@ -93,6 +93,12 @@ def scan_forms(w: Tensor) -> tuple[tuple[int, int], tuple[int, int]]:
     return (plain, 0), (int(raw.sum()), int(misfit[xrow].sum()))
 
 
+def smaller_form(w: Tensor) -> tuple[int, int]:
+    """(rows stored whole, exceptions) of the smaller of a bf16 matrix's two codings, plain b12 or b12x: how
+    `moestream pack` codes an expert matrix (encode(w, exceptions=the second > 0))."""
+    return min(scan_forms(w), key=lambda f: coded_nbytes(*w.shape, *f))
+
+
 def raw_rows(w: Tensor) -> int:
     """How many rows of a bf16 matrix the coding without exceptions stores whole."""
     return scan(w)[0]
@@ -199,6 +205,34 @@ def check_table(bases: Tensor, table: Tensor, n: int, k: int) -> tuple[Tensor, T
     if bool((pos >= k).any()) or not bool(rising.all()):
         raise ValueError("b12: an exception's position is past its row or out of order")
     return offsets, entries
+
+
+CHECK_FAILS = {1: "its bytes are too few for its shape", 2: "a row stored whole points outside its bytes",
+               3: "its exception table is damaged"}
+
+
+def check_bytes(data: Tensor, n: int, k: int) -> None:
+    """ValueError where the native kernels may not read the coded n x k matrix in `data` (uint8, contiguous): too
+    few bytes for the slots and base bytes, a row stored whole whose offset points outside them (or into them), an
+    exception table that does not fit (check_table). A packed expert is checked after its read (experts/store.py),
+    before any kernel reads it: its crc32 says the bytes are those packed, this that they are safe to read."""
+    if cpu.available():
+        code = cpu.b12_check(data, n, k)
+        if code:
+            raise ValueError(f"b12: {CHECK_FAILS.get(code, code)}")
+        return
+    head = n * slot_bytes(k) + _pad(n)
+    if n <= 0 or k <= 0 or k % BLOCK or data.numel() < head:
+        raise ValueError(f"b12: {CHECK_FAILS[1]}")
+    table = exception_table(data, n, k)  # ValueError where damaged
+    start = head + (table_nbytes(n, len(table[1])) if table is not None else 0)
+    bases = data[n * slot_bytes(k):n * slot_bytes(k) + n]
+    raw = (bases == RAW).nonzero().flatten()
+    if len(raw):
+        slots = data[:n * slot_bytes(k)].view(n, slot_bytes(k))
+        off = slots[raw, :8].contiguous().view(torch.int64).flatten()
+        if bool(((off < start) | (off % 2 != 0) | (off > data.numel() - 2 * k)).any()):
+            raise ValueError(f"b12: {CHECK_FAILS[2]}")
 
 
 def decode_rows(data: Tensor, n: int, k: int, start: int, stop: int) -> Tensor:

@@ -182,6 +182,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_b12_decode.restype = None
     lib.ms_b12_decode_rows.argtypes = [p, i64, i64, i64, i64, p]
     lib.ms_b12_decode_rows.restype = None
+    lib.ms_b12_check.argtypes = [p, i64, i64, i64]
+    lib.ms_b12_check.restype = ctypes.c_int
     lib.ms_linear_fp8.argtypes = [p, i64, i64, p, i64, p, i64, i64, p, i64]
     lib.ms_linear_fp8.restype = ctypes.c_int
     lib.ms_linear_fp8_heads.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64, i64, i64, p, i64]
@@ -450,6 +452,12 @@ def b12_decode_rows(codes: Tensor, n: int, k: int, start: int, stop: int, out: T
         raise ValueError(f"b12_decode_rows: rows [{start}, {stop}) of {n} into {tuple(out.shape)} {out.dtype}")
     handle.ms_b12_decode_rows(codes.data_ptr(), n, k, start, stop, out.data_ptr())
     return out
+
+
+def b12_check(codes: Tensor, n: int, k: int) -> int:
+    """ms_b12_check over the b12-coded n x k matrix in `codes` (uint8, contiguous): 0 when the kernels may read it,
+    1 too short, 2 a row stored whole points outside it, 3 its exception table is damaged. Needs available()."""
+    return required().ms_b12_check(codes.data_ptr(), codes.numel(), n, k)
 
 
 def bf16dot() -> bool:

@@ -35,7 +35,7 @@ from moestream.weights import pages
 
 KINDS = ("bf16", "mxfp4", "fp8", "int4", "f32")
 MXFP4_BF16 = "mxfp4_bf16"  # MXFP4 weights' probe under --compute-dtype bf16 (blocks.mxfp4_bf16: rounded activations)
-PROBES_VERSION = 10  # part of the cache key: a change to what a probe measures measures again
+PROBES_VERSION = 11  # part of the cache key: a change to what a probe measures measures again
 ROUNDS = 3  # separate probes per rate; the median is kept (a burst of load costs one round, not the rate)
 PROBE_FILE_BYTES = 256 << 20  # written once where the weights would live when the model has no local shards
 BURST_S = 0.15
@@ -316,8 +316,8 @@ def weight_rates(kind: str, seconds: float = 0.6, shape: tuple[int, int] = DEFAU
 def _glu_experts(shape: tuple[int, int], count: int, codec: str = "") -> tuple[list, list[tuple[int, int, int]]]:
     """`count` bf16 GLU experts of shape = (inter, hidden) (gate, up [inter, hidden], down [hidden, inter]) in
     distinct buffers: (their tensors, which the caller keeps alive; their addresses as fused.moe_glu_bf16 takes
-    them). One expert is made and copied. codec "b12": each matrix b12-coded (kernels/b12.py, as `moestream pack
-    --codec b12` stores a pack's experts), passed by its tagged address as the engine passes a coded expert."""
+    them). One expert is made and copied. codec "b12": each matrix b12-coded in its smaller form (kernels/b12.py,
+    as `moestream pack --codec b12` stores a pack's experts), passed by its tagged address as the engine passes a coded expert."""
     inter, hidden = shape
     gen = torch.Generator().manual_seed(0)
     first = [(torch.randn(*dims, generator=gen) * 0.02).to(torch.bfloat16)
@@ -326,7 +326,7 @@ def _glu_experts(shape: tuple[int, int], count: int, codec: str = "") -> tuple[l
         from moestream.kernels import b12
 
         shapes = [tuple(m.shape) for m in first]
-        coded = [b12.encode(m) for m in first]
+        coded = [b12.encode(m, exceptions=b12.smaller_form(m)[1] > 0) for m in first]  # as pack codes them
         experts = [coded] + [[c.clone() for c in coded] for _ in range(count - 1)]
         return experts, [tuple(b12.B12Weight.wrap(c, sh).tagged_address for c, sh in zip(e, shapes))
                          for e in experts]

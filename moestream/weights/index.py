@@ -204,8 +204,8 @@ class CheckpointIndex:
             buf = read_range(info.file, info.offset, info.nbytes, out=pages.weight_bytes(info.nbytes))
             self._check_dense(name, info, buf)
             data = torch.frombuffer(buf, dtype=torch.uint8)
-            try:  # its exceptions' table, checked before any kernel reads it
-                b12.exception_table(data, *info.shape)
+            try:  # its rows stored whole and its exceptions' table, checked before any kernel reads them
+                b12.check_bytes(data, *info.shape)
             except ValueError as e:
                 raise CheckpointError(f"{info.file}: tensor {name!r}: {e}") from None
             return b12.B12Weight.wrap(data, info.shape)
@@ -269,8 +269,8 @@ def _open_packed(cls, root: Path) -> CheckpointIndex:
 
 
 def _coded_max(shape: tuple[int, int], codec: str) -> int:
-    """The most bytes a coded dense matrix takes: every row stored whole, and with exceptions (b12x) the table of
-    the most a row may keep besides (a row keeps at most a quarter of its values)."""
+    """The most bytes a coded matrix (dense, or one expert's piece) takes: every row stored whole, and with
+    exceptions (b12x) the table of the most a row may keep besides (a row keeps at most a quarter of its values)."""
     n, k = shape
     return b12.coded_nbytes(n, k, n, n * (k // 4) if codec == "b12x" else 0)
 
@@ -327,9 +327,9 @@ def _packed_index(cls, root: Path, m: dict) -> CheckpointIndex:
         got = slots[name]
         codec = codecs[name]
         if codec is not None:  # b12 pieces: each between the coded size with no row and with every row stored whole
-            piece = shape[1:] if fused else shape
-            sizes_ok = (codec == "b12" and b12.supported(piece, DTYPES.get(dtype, (None,))[0])
-                        and all(b12.coded_nbytes(*piece, 0) <= p.nbytes <= b12.coded_nbytes(*piece, piece[0])
+            piece = shape[1:] if fused else shape  # (b12x: and the table of the most exceptions its rows may keep)
+            sizes_ok = (codec in ("b12", "b12x") and b12.supported(piece, DTYPES.get(dtype, (None,))[0])
+                        and all(b12.coded_nbytes(*piece, 0) <= p.nbytes <= _coded_max(piece, codec)
                                 for p in got.values()))
         else:
             sizes_ok = sum(p.nbytes for p in got.values()) == nbytes and len({p.nbytes for p in got.values()}) <= 1
@@ -341,7 +341,8 @@ def _packed_index(cls, root: Path, m: dict) -> CheckpointIndex:
             raise CheckpointError(f"{root}: tensor {name!r} is both dense and packed")
         pieces[name] = tuple(got[i] for i in range(count))
         first = pieces[name][0]
-        tensors[name] = TensorInfo(name, first.file, first.offset, nbytes, dtype, shape, codec)
+        # "b12" for either form: the kernels read both, a piece's base bytes saying which rows keep exceptions
+        tensors[name] = TensorInfo(name, first.file, first.offset, nbytes, dtype, shape, codec and "b12")
     return cls(root, tensors, packed=packed, pieces=pieces, crcs=crcs)
 
 
