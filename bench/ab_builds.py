@@ -1,7 +1,7 @@
 """A/B of native library builds in one process: the same source compiled with different -D settings, loaded side by
 side, their calls alternated round by round so that the shared machine's drift hits every build alike.
 
-    python bench/ab_builds.py glu [--codec b12|bf16] [--tokens 1] [--experts 256] [--threads 2] [--rounds 8] NAME:FLAGS ...
+    python bench/ab_builds.py glu [--codec b12|b12x|bf16] [--tokens 1] [--experts 256] [--threads 2] [--rounds 8] NAME:FLAGS ...
     python bench/ab_builds.py dense [--codec b12|bf16] [--tokens 16] [--threads 2] [--rounds 8] NAME:FLAGS NAME:FLAGS ...
     python bench/ab_builds.py fp8|int4|mxfp4|mxfp4_bf16 [--tokens 1] [--threads 2] [--rounds 8] NAME:FLAGS ...
 
@@ -10,8 +10,8 @@ tree's own settings). The first build is the baseline of the ratios.
 
 glu: one decode token's grouped expert call (ms_moe_glu_bf16: one row, or --tokens rows each routed to all 8;
 8 experts of the peer checkpoint's shape, gate/up 512 x 1024, down 1024 x 512, random N(0, 0.02) bf16 values,
-b12-coded or not) over a pool of 256 experts (650-800 MB, past the last-level cache), as a warm decode step streams
-them; reports bytes of stored weights a second. dense: 16-token (--tokens) products (bf16 or b12-coded weights) at the peer's
+b12-coded (b12x: in the smaller form, as `pack` codes them) or not) over a pool of 256 experts (650-800 MB, past
+the last-level cache), as a warm decode step streams them; reports bytes of stored weights a second. dense: 16-token (--tokens) products (bf16 or b12-coded weights) at the peer's
 attention shapes (q/k/v 1536 x 1024 in one weight, o 1024 x 1024) over 32 layers of weights (168 MB), through
 ms_linear_bf16; reports GFLOP/s. Both report, per
 build, the median and range over the rounds, the median of the per-round ratios to the first build, and whether
@@ -55,9 +55,10 @@ def glu_case(codec: str, rows: int = 1, experts: int = 256, per_call: int = 8):
     for _ in range(per_call):
         mats = [(torch.randn(r, c, generator=g) * 0.02).bfloat16()
                 for r, c in ((inter, hidden), (inter, hidden), (hidden, inter))]
-        distinct.append([b12.encode(m) if codec == "b12" else m.contiguous().view(torch.uint8).reshape(-1)
+        distinct.append([b12.encode(m, exceptions=codec == "b12x" and b12.smaller_form(m)[1] > 0)
+                         if codec != "bf16" else m.contiguous().view(torch.uint8).reshape(-1)
                          for m in mats])
-    tag = 1 if codec == "b12" else 0
+    tag = 1 if codec != "bf16" else 0
     pool = [[t.clone() for t in distinct[e % per_call]] for e in range(experts)]
     A = ctypes.c_int64 * per_call
     groups = [tuple(A(*[pool[s + j][m].data_ptr() | tag for j in range(per_call)]) for m in range(3))
@@ -83,8 +84,9 @@ def dense_case(tokens: int, codec: str = "bf16", layers: int = 32):
     g = torch.Generator().manual_seed(0)
     shapes = [(1536, 1024), (1024, 1024)]
     ws = [[(torch.randn(n, k, generator=g) * 0.02).bfloat16() for n, k in shapes] for _ in range(layers)]
-    if codec == "b12":
-        ws = [[(b12.encode(w), w.shape[0]) for w in layer] for layer in ws]
+    if codec != "bf16":
+        ws = [[(b12.encode(w, exceptions=codec == "b12x" and b12.smaller_form(w)[1] > 0), w.shape[0]) for w in layer]
+              for layer in ws]
         tag = 1
     else:
         ws = [[(w, w.shape[0]) for w in layer] for layer in ws]
@@ -165,7 +167,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kind", choices=("glu", "dense", "fp8", "int4", "mxfp4", "mxfp4_bf16"))
     ap.add_argument("builds", nargs="+", help="NAME:FLAGS (FLAGS: -D settings, may be empty)")
-    ap.add_argument("--codec", choices=("b12", "bf16"), default="b12")
+    ap.add_argument("--codec", choices=("b12", "b12x", "bf16"), default="b12",
+                    help="glu: b12x codes each expert matrix in the smaller form, as `moestream pack` does")
     ap.add_argument("--tokens", type=int, default=None,
                     help="rows: dense, the product's (default 16); glu, each expert's (default 1); fp8, the "
                          "product's (default 1); int4, the same")

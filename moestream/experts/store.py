@@ -236,7 +236,7 @@ class ExpertStore:
                     f"{pe.file}: layer {key[0]} expert {key[1]} fails its checksum (crc32 {got:08x}, manifest "
                     f"{pe.crc32:08x}, {pe.nbytes} bytes at offset {pe.offset}): the packed checkpoint is damaged; "
                     f"`moestream pack --verify DIR` lists every bad expert, pack the original again")
-        for name, start, loc in parts:  # a coded part's layout, before any kernel reads it (its crc says nothing of that)
+        for name, start, loc in parts:  # a coded part's layout, before any kernel reads it (its crc cannot say)
             if loc.codec == "b12":
                 try:
                     b12.check_bytes(bytes_to_tensor(memoryview(buf)[start:start + loc.nbytes], "U8", (loc.nbytes,)),

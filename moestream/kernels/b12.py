@@ -8,7 +8,7 @@ the "b12x" form), is kept beside the row as its position and bf16 bits: a wide G
 holds one such value in two, so without exceptions most of its rows would be stored whole. The byte layout is
 described in _cpu_b12.c, whose kernels read it directly: 1.5 bytes a value plus a byte a row (and 2 bytes a value
 of the rows stored whole, 4 bytes a row and an exception of a matrix with exceptions), so a bf16 expert streams
-25% fewer bytes from disk and from memory, and 25% more of them fit a cache budget. Decoding gives back exactly the
+25% fewer bytes from disk and from memory, and a third more of them fit a cache budget. Decoding gives back exactly the
 stored bf16 bits: every product is the bf16 matrix's.
 """
 from __future__ import annotations

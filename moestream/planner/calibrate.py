@@ -317,7 +317,8 @@ def _glu_experts(shape: tuple[int, int], count: int, codec: str = "") -> tuple[l
     """`count` bf16 GLU experts of shape = (inter, hidden) (gate, up [inter, hidden], down [hidden, inter]) in
     distinct buffers: (their tensors, which the caller keeps alive; their addresses as fused.moe_glu_bf16 takes
     them). One expert is made and copied. codec "b12": each matrix b12-coded in its smaller form (kernels/b12.py,
-    as `moestream pack --codec b12` stores a pack's experts), passed by its tagged address as the engine passes a coded expert."""
+    as `moestream pack --codec b12` stores a pack's experts), passed by its tagged address as the engine passes a
+    coded expert."""
     inter, hidden = shape
     gen = torch.Generator().manual_seed(0)
     first = [(torch.randn(*dims, generator=gen) * 0.02).to(torch.bfloat16)

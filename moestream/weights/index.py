@@ -55,7 +55,8 @@ class TensorInfo:
     nbytes: int
     dtype: str  # safetensors dtype string
     shape: tuple[int, ...]
-    # "b12" when the bytes hold kernels/b12.py's coding: a packed expert tensor's pieces (nbytes: the bf16 size), or
+    # "b12" when the bytes hold kernels/b12.py's coding, either form (b12 or b12x, with exceptions): a packed expert
+    # tensor's pieces (nbytes: the bf16 size), or
     # a packed dense matrix (dense_codec in the manifest; nbytes: the coded bytes stored, dtype and shape the bf16's)
     codec: str | None = None
 
