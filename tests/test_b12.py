@@ -146,6 +146,23 @@ def coded(request, tmp_path_factory):
     return src, dst
 
 
+def assert_same_outputs(src: Path, dst: Path) -> None:
+    """A pack's warm logits, and its greedy tokens under a budget that evicts, bit for bit the original's."""
+    ids = prompt_ids(VOCAB, 32)
+    warm = {}
+    for path in (src, dst):
+        eng = Engine.open(path)
+        eng.logits(ids)
+        warm[path] = eng.logits(ids)
+    assert torch.equal(warm[src], warm[dst])
+    got = {}
+    for path in (src, dst):
+        eng = Engine.open(path, ram_budget=_budget(src))
+        got[path] = eng.generate(ids, 12, stop_token_ids=[])
+        assert eng.stats["expert_evictions"] > 0, "the budget was meant to force evictions"
+    assert got[src] == got[dst]
+
+
 def test_coded_pack_logits_and_tokens_are_the_originals(coded):
     src, dst = coded
     manifest = json.loads((dst / PACK_MANIFEST).read_text())
@@ -167,19 +184,7 @@ def test_coded_pack_logits_and_tokens_are_the_originals(coded):
             assert type(got) is b12.B12Weight and b[n].nbytes < 0.8 * a[n].nbytes, n
             got = cpu.b12_decode_rows(got.codes, *a[n].shape, 0, a[n].shape[0])
         assert torch.equal(a.load(n), got), n  # a coded expert tensor loads decoded, bit for bit
-    ids = prompt_ids(VOCAB, 32)
-    warm = {}
-    for path in (src, dst):
-        eng = Engine.open(path)
-        eng.logits(ids)
-        warm[path] = eng.logits(ids)
-    assert torch.equal(warm[src], warm[dst])
-    got = {}
-    for path in (src, dst):
-        eng = Engine.open(path, ram_budget=_budget(src))
-        got[path] = eng.generate(ids, 12, stop_token_ids=[])
-        assert eng.stats["expert_evictions"] > 0, "the budget was meant to force evictions"
-    assert got[src] == got[dst]
+    assert_same_outputs(src, dst)
 
 
 def test_info_names_a_packs_coding(coded, capsys):

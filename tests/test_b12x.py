@@ -11,14 +11,12 @@ import shutil
 import pytest
 import torch
 
-from conftest import prompt_ids
-from moestream import Engine
 from moestream.cli import main
 from moestream.errors import CheckpointError
 from moestream.kernels import b12, cpu, fused
 from moestream.models import blocks
 from moestream.weights.index import PACK_MANIFEST, CheckpointIndex
-from test_b12 import _bits, _matrix
+from test_b12 import _bits, _matrix, assert_same_outputs
 
 native = pytest.mark.skipif(not cpu.available(), reason="native kernels not built")
 
@@ -268,8 +266,6 @@ def test_packed_experts_keep_their_misfits_as_exceptions(packed_with_exceptions)
     part), smaller than plain b12 would be; the expert tensors load as the original's values, and the engine's
     logits and tokens (warm, and under a budget that evicts, every coded expert checked as it is read) are the
     original's bit for bit."""
-    from test_pack import VOCAB, _budget
-
     src, dst = packed_with_exceptions
     manifest = json.loads((dst / PACK_MANIFEST).read_text())
     parts = [p for e in manifest["experts"] for p in e["parts"]]
@@ -285,19 +281,7 @@ def test_packed_experts_keep_their_misfits_as_exceptions(packed_with_exceptions)
     for n in a.names():
         if ".experts." in n:
             assert b[n].codec == "b12" and torch.equal(a.load(n), b.load(n)), n
-    ids = prompt_ids(VOCAB, 32)
-    warm = {}
-    for path in (src, dst):
-        eng = Engine.open(path)
-        eng.logits(ids)
-        warm[path] = eng.logits(ids)
-    assert torch.equal(warm[src], warm[dst])
-    got = {}
-    for path in (src, dst):
-        eng = Engine.open(path, ram_budget=_budget(src))
-        got[path] = eng.generate(ids, 12, stop_token_ids=[])
-        assert eng.stats["expert_evictions"] > 0, "the budget was meant to force evictions"
-    assert got[src] == got[dst]
+    assert_same_outputs(src, dst)
 
 
 def test_an_expert_whose_coding_is_damaged_is_refused_when_read(packed_with_exceptions, tmp_path):
