@@ -55,7 +55,7 @@ def glu_case(codec: str, rows: int = 1, experts: int = 256, per_call: int = 8):
     for _ in range(per_call):
         mats = [(torch.randn(r, c, generator=g) * 0.02).bfloat16()
                 for r, c in ((inter, hidden), (inter, hidden), (hidden, inter))]
-        distinct.append([b12.encode(m, exceptions=codec == "b12x" and b12.smaller_form(m)[1] > 0)
+        distinct.append([(b12.encode_smaller(m) if codec == "b12x" else b12.encode(m))
                          if codec != "bf16" else m.contiguous().view(torch.uint8).reshape(-1)
                          for m in mats])
     tag = 1 if codec != "bf16" else 0
@@ -85,8 +85,8 @@ def dense_case(tokens: int, codec: str = "bf16", layers: int = 32):
     shapes = [(1536, 1024), (1024, 1024)]
     ws = [[(torch.randn(n, k, generator=g) * 0.02).bfloat16() for n, k in shapes] for _ in range(layers)]
     if codec != "bf16":
-        ws = [[(b12.encode(w, exceptions=codec == "b12x" and b12.smaller_form(w)[1] > 0), w.shape[0]) for w in layer]
-              for layer in ws]
+        code = b12.encode_smaller if codec == "b12x" else b12.encode
+        ws = [[(code(w), w.shape[0]) for w in layer] for layer in ws]
         tag = 1
     else:
         ws = [[(w, w.shape[0]) for w in layer] for layer in ws]

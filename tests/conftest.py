@@ -44,6 +44,22 @@ def synth_tiny(tmp_path_factory, family: str, name: str = "tiny"):
     return root / name
 
 
+def smaps_mappings() -> list[dict]:
+    """This process's mappings from /proc/self/smaps: start, end, each "kB" field in bytes, and VmFlags as `flags`."""
+    out = []
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and all(c in "0123456789abcdef-" for c in head[0]):
+                a, b = (int(x, 16) for x in head[0].split("-"))
+                out.append({"start": a, "end": b})
+            elif out and line.endswith("kB\n"):
+                out[-1][head[0].rstrip(":")] = int(head[1]) * 1024
+            elif out and head and head[0] == "VmFlags:":
+                out[-1]["flags"] = head[1:]
+    return out
+
+
 def prompt_ids(vocab: int, n: int = 75, seed: int = 1) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=g).tolist()

@@ -9,6 +9,7 @@ import mmap
 
 import pytest
 
+from conftest import smaps_mappings
 from moestream.experts.reader import BufferPool
 from moestream.weights import pages
 
@@ -19,20 +20,7 @@ def _vmas(buf) -> list[dict]:
     """/proc/self/smaps entries (start, end, fields) of the mappings inside buf's address range."""
     lo = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     hi = lo + len(buf)
-    out, cur = [], None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if "-" in head[0] and len(head) >= 5 and all(c in "0123456789abcdef-" for c in head[0]):
-                a, b = (int(x, 16) for x in head[0].split("-"))
-                cur = {"start": a, "end": b} if lo <= a and b <= hi else None
-                if cur is not None:
-                    out.append(cur)
-            elif cur is not None and line.endswith("kB\n"):
-                cur[head[0].rstrip(":")] = int(head[1]) * 1024
-            elif cur is not None and head and head[0] == "VmFlags:":
-                cur["flags"] = head[1:]
-    return out
+    return [m for m in smaps_mappings() if lo <= m["start"] and m["end"] <= hi]
 
 
 @pytest.mark.skipif(not pages.enabled(), reason="no transparent huge pages here")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import synth_tiny
+from conftest import smaps_mappings, synth_tiny
 from moestream.cli import main
 from moestream.memory.state import BLOCK_HOST_BYTES, host_bytes_of
 from moestream.planner import calibrate
@@ -492,16 +492,7 @@ def test_one_row_step_is_its_reads_or_its_layers(tiny):
 
 def _advised_huge(address: int) -> bool:
     """Whether the mapping holding `address` is advised onto transparent huge pages (VmFlags "hg" in smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if "-" in head[0] and len(head) >= 5 and all(c in "0123456789abcdef-" for c in head[0]):
-                lo, hi = (int(x, 16) for x in head[0].split("-"))
-                inside = lo <= address < hi
-            elif inside and head and head[0] == "VmFlags:":
-                return "hg" in head[1:]
-    return False
+    return any(m["start"] <= address < m["end"] and "hg" in m.get("flags", []) for m in smaps_mappings())
 
 
 @pytest.mark.skipif(not pages.enabled(), reason="no transparent huge pages here")

@@ -95,8 +95,13 @@ def scan_forms(w: Tensor) -> tuple[tuple[int, int], tuple[int, int]]:
 
 def smaller_form(w: Tensor) -> tuple[int, int]:
     """(rows stored whole, exceptions) of the smaller of a bf16 matrix's two codings, plain b12 or b12x: how
-    `moestream pack` codes an expert matrix (encode(w, exceptions=the second > 0))."""
+    `moestream pack` sizes and codes an expert matrix (encode_smaller)."""
     return min(scan_forms(w), key=lambda f: coded_nbytes(*w.shape, *f))
+
+
+def encode_smaller(w: Tensor) -> Tensor:
+    """encode(w) in its smaller form (smaller_form), as `moestream pack` codes an expert matrix."""
+    return encode(w, exceptions=smaller_form(w)[1] > 0)
 
 
 def raw_rows(w: Tensor) -> int:

@@ -327,7 +327,7 @@ def _glu_experts(shape: tuple[int, int], count: int, codec: str = "") -> tuple[l
         from moestream.kernels import b12
 
         shapes = [tuple(m.shape) for m in first]
-        coded = [b12.encode(m, exceptions=b12.smaller_form(m)[1] > 0) for m in first]  # as pack codes them
+        coded = [b12.encode_smaller(m) for m in first]  # as pack codes them
         experts = [coded] + [[c.clone() for c in coded] for _ in range(count - 1)]
         return experts, [tuple(b12.B12Weight.wrap(c, sh).tagged_address for c, sh in zip(e, shapes))
                          for e in experts]
