@@ -172,6 +172,41 @@ def anon_rss() -> int:
     return (int(f[1]) - int(f[2])) * mmap.PAGESIZE
 
 
+class StepRoom:
+    """One step on the step heap (StepHeap) in an engine whose RSS no scheduler watches (`run`, `bench`, the
+    library): the step heap keeps the step's freed temporaries until it ends, and with the books full (the cache
+    holding the whole budget) those holes took RSS over the budget + interpreter + 32 MiB bound (a 64-token
+    prefill of the peer checkpoint at half its experts: 39 MiB of them, 6-33 MB over the bound;
+    docs/memory.md). After each layer, what anonymous RSS holds beyond the process's own when the engine opened
+    plus the books is booked as unbooked memory, so experts make room for it before the next layer reads; the step's
+    end gives it back (the heap's trim returns the holes). Never more than RSS actually holds beyond the books:
+    bytes booked but not yet resident (reads in flight, scratch not yet touched) leave room rather than count."""
+
+    GROW = 1 << 20  # books move by at least this much (no eviction for a page or two)
+
+    def __init__(self, memory, idle: Callable[[], int], opened_anon: int):
+        self.memory, self.idle, self.opened = memory, idle, opened_anon
+        self.booked = False
+
+    def books(self) -> int:
+        m = self.memory
+        return m.resident() - m.unbooked_bytes + (m.stream_reserve - m.stream_bytes) + self.idle()
+
+    def layer_done(self) -> None:
+        rss = anon_rss()
+        if not rss or not self.opened:
+            return
+        over = rss - self.opened - self.books()
+        if over > self.memory.unbooked_bytes + self.GROW:
+            self.memory.set_unbooked(over)
+            self.booked = True
+
+    def done(self) -> None:
+        if self.booked:
+            self.memory.set_unbooked(0)
+            self.booked = False
+
+
 class ResidentCheck:
     """Before and after each engine step: the anonymous RSS grown since `start` beyond what the accountant books
     (plus the reader's idle expert buffers, which the cache's free room covers) is booked as unbooked memory, so

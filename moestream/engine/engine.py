@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import torch
 
 from moestream.config import EngineOptions, format_bytes, parse_bytes, read_model_config
-from moestream.engine.allocator import HeapTrim, ResidentCheck, StepHeap, return_freed_memory
+from moestream.engine.allocator import HeapTrim, ResidentCheck, StepHeap, StepRoom, anon_rss, return_freed_memory
 from moestream.memory.accountant import MemoryAccountant
 from moestream.engine.residency import DenseStreamer, ResidencyPlan, plan_residency
 from moestream.engine.sampling import SamplingParams, sample
@@ -228,6 +228,7 @@ class Engine:
         self.residency: ResidencyPlan | None = None  # what stays resident and what streams (set by open)
         self._heap = HeapTrim()  # freed step temporaries back to the kernel (RSS beyond the books otherwise)
         self._resident: ResidentCheck | None = None  # measured RSS beyond the books (watch_resident)
+        self._opened_anon = 0  # anonymous RSS when `open` began (StepRoom); 0: not measured
 
     @classmethod
     def open(cls, path: str | Path, ram_budget: str | int | None = None, device: str = "cpu",
@@ -236,6 +237,7 @@ class Engine:
         caches and recurrent state when it decides which dense weights stream (default: none set aside)."""
         if device != "cpu":
             raise MoestreamError(f"device {device!r} is not supported yet; use device='cpu'")
+        opened_anon = anon_rss()  # the process before any weight (StepRoom: RSS beyond it and the books)
         path = model_path(path)  # a remote checkpoint (hf://ORG/NAME[@REV], https://.../DIR/): its local stub
         opts = EngineOptions(ram_budget=parse_bytes(ram_budget), device=device, **options)
         kv_dtype(opts.kv_dtype)  # a bad --kv-dtype fails before anything is read
@@ -265,6 +267,7 @@ class Engine:
         _check_built(p, memory)
         eng = cls(Path(path), p, memory, model, runner, opts)
         eng.residency = residency
+        eng._opened_anon = opened_anon
         return eng
 
     # ---- sequences and steps -------------------------------------------------------------------------
@@ -303,12 +306,16 @@ class Engine:
         with tensors_fit_config(self.path), transient(self.memory, held, "all-position logits"), \
                 self._math(tokens.shape[0]), StepHeap.enter(tokens.shape[0], self._step_heap(items)) as heap, \
                 cpu.step_buffers(tokens.shape[0] >= STEP_BUFFER_ROWS and not heap.active):
+            room = StepRoom(self.memory, lambda: self.plan.store.reader.pool.idle_bytes, self._opened_anon) \
+                if heap.active and self._resident is None and self.memory.limited else None
             try:
-                self.model.after_layer = self._after_layer(heap.after_layer)
+                self.model.after_layer = self._after_layer(room.layer_done if room is not None else heap.after_layer)
                 logits = self.model.forward(tokens, batch, rows, head=not chunked)
             finally:
                 self.model.after_layer = None
                 self.runner.end_step()
+        if room is not None:
+            room.done()  # after the step heap's trim
         self._heap.after_step()
         if self._resident is not None:
             self._resident.step_done()
