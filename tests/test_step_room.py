@@ -1,7 +1,7 @@
 """A step on the step heap in an engine no scheduler watches (engine/allocator.StepRoom): anonymous RSS that a
-step's layers hold beyond the books and the process's own memory at open is booked as unbooked memory after each
-layer, so the expert cache makes room for it, and given back when the step ends; one-row steps (off the step heap)
-and engines without a budget book nothing."""
+step's layers grow beyond the books (and beyond the process's own memory at open) is booked as unbooked memory after
+each layer, so the expert cache makes room for it, and given back when the step ends; one-row steps (off the step
+heap) and engines without a budget book nothing."""
 import json
 import subprocess
 import sys

@@ -172,38 +172,44 @@ def anon_rss() -> int:
     return (int(f[1]) - int(f[2])) * mmap.PAGESIZE
 
 
+def books_held(memory, idle: Callable[[], int]) -> int:
+    """What the books say is resident (the measured part aside): the accountant's bytes, the stream reserve's
+    buffers whole, and idle expert buffers (which the cache's free room covers)."""
+    return memory.resident() - memory.unbooked_bytes + (memory.stream_reserve - memory.stream_bytes) + idle()
+
+
 class StepRoom:
     """One step on the step heap (StepHeap) in an engine whose RSS no scheduler watches (`run`, `bench`, the
     library): the step heap keeps the step's freed temporaries until it ends, and with the books full (the cache
     holding the whole budget) those holes took RSS over the budget + interpreter + 32 MiB bound (a 64-token
-    prefill of the peer checkpoint at half its experts: 39 MiB of them, 6-33 MB over the bound;
-    docs/memory.md). After each layer, what anonymous RSS holds beyond the process's own when the engine opened
-    plus the books is booked as unbooked memory, so experts make room for it before the next layer reads; the step's
-    end gives it back (the heap's trim returns the holes). Never more than RSS actually holds beyond the books:
-    bytes booked but not yet resident (reads in flight, scratch not yet touched) leave room rather than count."""
+    prefill of the peer checkpoint at half its experts: 39 MiB of them, 1.5-33 MB over the bound; docs/memory.md).
+    After each layer, the anonymous RSS that lies both beyond the process's own when the engine opened plus the books
+    and beyond what the step began with (RSS the step did not grow is not its holes: another engine's, or the
+    caller's) is booked as unbooked memory, so experts make room before the next layer reads, never below `keep`
+    bytes of expert room (a layer step's reads); the step's end gives it back. Bytes booked but not yet resident
+    (reads in flight, scratch not yet touched) leave room rather than count."""
 
     GROW = 1 << 20  # books move by at least this much (no eviction for a page or two)
 
-    def __init__(self, memory, idle: Callable[[], int], opened_anon: int):
-        self.memory, self.idle, self.opened = memory, idle, opened_anon
+    def __init__(self, memory, idle: Callable[[], int], opened_anon: int, keep: int = 0):
+        self.memory, self.idle, self.opened, self.keep = memory, idle, opened_anon, keep
+        rss = anon_rss()
+        self.start = rss - books_held(memory, idle) if rss else 0
         self.booked = False
-
-    def books(self) -> int:
-        m = self.memory
-        return m.resident() - m.unbooked_bytes + (m.stream_reserve - m.stream_bytes) + self.idle()
 
     def layer_done(self) -> None:
         rss = anon_rss()
         if not rss or not self.opened:
             return
-        over = rss - self.opened - self.books()
+        beyond = rss - books_held(self.memory, self.idle)
+        over = min(beyond - self.opened, beyond - self.start)
         if over > self.memory.unbooked_bytes + self.GROW:
-            self.memory.set_unbooked(over)
+            self.memory.set_unbooked(over, keep=self.keep)
             self.booked = True
 
     def done(self) -> None:
         if self.booked:
-            self.memory.set_unbooked(0)
+            self.memory.set_unbooked(0, keep=self.keep)
             self.booked = False
 
 
@@ -226,10 +232,7 @@ class ResidentCheck:
         self._step_over = 0  # this step's so far
 
     def books(self) -> int:
-        """What the books say is resident (the measured part aside): the accountant's bytes, the stream reserve's
-        buffers whole, and idle expert buffers."""
-        m = self.memory
-        return m.resident() - m.unbooked_bytes + (m.stream_reserve - m.stream_bytes) + self.idle()
+        return books_held(self.memory, self.idle)
 
     def measure(self) -> None:
         """Book what RSS holds beyond the books now. The engine measures after a step and again before the next:

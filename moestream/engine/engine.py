@@ -306,7 +306,8 @@ class Engine:
         with tensors_fit_config(self.path), transient(self.memory, held, "all-position logits"), \
                 self._math(tokens.shape[0]), StepHeap.enter(tokens.shape[0], self._step_heap(items)) as heap, \
                 cpu.step_buffers(tokens.shape[0] >= STEP_BUFFER_ROWS and not heap.active):
-            room = StepRoom(self.memory, lambda: self.plan.store.reader.pool.idle_bytes, self._opened_anon) \
+            room = StepRoom(self.memory, lambda: self.plan.store.reader.pool.idle_bytes, self._opened_anon,
+                            2 * self.plan.layout.top_k * self.plan.max_expert_bytes) \
                 if heap.active and self._resident is None and self.memory.limited else None
             try:
                 self.model.after_layer = self._after_layer(room.layer_done if room is not None else heap.after_layer)
@@ -314,8 +315,8 @@ class Engine:
             finally:
                 self.model.after_layer = None
                 self.runner.end_step()
-        if room is not None:
-            room.done()  # after the step heap's trim
+                if room is not None:
+                    room.done()
         self._heap.after_step()
         if self._resident is not None:
             self._resident.step_done()
