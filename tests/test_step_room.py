@@ -40,12 +40,10 @@ def layer_done(self):
 allocator.StepRoom.layer_done = layer_done
 st = eng.new_sequence()
 eng.prefill(st, list(range(3, 3 + 40)))  # a first step, so the cache holds what it can
-before = eng.memory.cache.resident_bytes
 armed.append(True)
 eng.step([(st, list(range(5, 5 + rows)))])
 print(json.dumps({"seen": seen, "after": eng.memory.unbooked_bytes, "peak": eng.memory.peak,
-                  "budget": budget, "cache_before": before, "evictions": eng.memory.cache.stats.evictions,
-                  "limited": eng.memory.limited}))
+                  "budget": budget, "limited": eng.memory.limited}))
 """
 
 

@@ -56,6 +56,12 @@ class ModelPlan:
     widest_input: int = 0  # the widest input of a 2-D dense weight (step_charge: the fixed-order kernel's panels)
     prompt_row_bytes: int = 0  # what a prompt row holds beyond activation_row_bytes (ACT_PROMPT_COPIES)
 
+    @property
+    def layer_reads_bytes(self) -> int:
+        """2 x top_k of the largest expert: room for a layer step's reads in flight (the expert room a scheduler
+        keeps by default, and the least `StepRoom` leaves the cache)."""
+        return 2 * self.layout.top_k * self.max_expert_bytes
+
 
 def model_config(path: str | Path):
     """(family, parsed config) of a checkpoint from its config.json alone (no shard headers read)."""
@@ -306,8 +312,7 @@ class Engine:
         with tensors_fit_config(self.path), transient(self.memory, held, "all-position logits"), \
                 self._math(tokens.shape[0]), StepHeap.enter(tokens.shape[0], self._step_heap(items)) as heap, \
                 cpu.step_buffers(tokens.shape[0] >= STEP_BUFFER_ROWS and not heap.active):
-            room = StepRoom(self.memory, lambda: self.plan.store.reader.pool.idle_bytes, self._opened_anon,
-                            2 * self.plan.layout.top_k * self.plan.max_expert_bytes) \
+            room = StepRoom(self.memory, self._idle_buffers, self._opened_anon, self.plan.layer_reads_bytes) \
                 if heap.active and self._resident is None and self.memory.limited else None
             try:
                 self.model.after_layer = self._after_layer(room.layer_done if room is not None else heap.after_layer)
@@ -365,12 +370,16 @@ class Engine:
                 compute_dtype(self.options.compute_dtype, self.memory), invariant.mode(self.options.batch_invariant):
             yield
 
+    def _idle_buffers(self) -> int:
+        """Bytes of the reader's idle expert buffers (resident, covered by the cache's free room)."""
+        return self.plan.store.reader.pool.idle_bytes
+
     def watch_resident(self, keep: int = 0) -> None:
         """From now on, book after each step the process's anonymous RSS grown beyond the books (engine/allocator.py
         `ResidentCheck`), so the expert cache makes room for it, all but `keep` bytes. For a process the engine
         owns (server, batch)."""
         if self._resident is None and self.memory.limited:
-            self._resident = ResidentCheck(self.memory, lambda: self.plan.store.reader.pool.idle_bytes, keep)
+            self._resident = ResidentCheck(self.memory, self._idle_buffers, keep)
 
     def activation_bytes(self, rows: int, logit_rows: int, prompt_rows: int = 0) -> int:
         """What a step of `rows` tokens (`prompt_rows` of them in prompt chunks: items of more than one token)

@@ -219,7 +219,7 @@ def _predict(facts: ModelFacts, p, rates: Rates, budget: int, opts: PlanOptions,
     ttft, ttft_cold = sum(s.seconds for s in warm), sum(s.seconds for s in cold)
     # many sequences (the batch job, the server) run without the head's resident rows unless --state-room is given
     many = facts.fit(p, budget, per_seq, head_rows=False) if fit.residency.head_resident_rows else fit
-    room = many.cache_bytes - 2 * facts.top_k * p.max_expert_bytes  # the scheduler's expert room
+    room = many.cache_bytes - p.layer_reads_bytes  # the scheduler's expert room
     max_seq = max(0, room // per_seq) if per_seq > 0 else None
     out = {
         "machine": machine, "ram_budget_bytes": budget,

@@ -90,7 +90,7 @@ class Scheduler:
         self._drawn: dict[_Seq, int] = {}  # tokens `_draw_ahead` sampled for this step's rows, taken by `_advance`
         # State never squeezes the expert cache below one expert: a layer step could not run at all.
         self.expert_reserve = engine.plan.max_expert_bytes
-        room = cfg.expert_room if cfg.expert_room is not None else 2 * engine.plan.layout.top_k * self.expert_reserve
+        room = cfg.expert_room if cfg.expert_room is not None else engine.plan.layer_reads_bytes
         self.expert_room = max(self.expert_reserve, room)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.waiting: deque[Ticket] = deque()
