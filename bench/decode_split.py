@@ -219,6 +219,9 @@ def main() -> None:
               f"{pool['caller_sleeps'] / units:.1f}, a worker slept between calls "
               f"{pool['worker_sleeps'] / units:.1f} times; the caller polled > 2000 pauses in "
               f"{pool.get('long_waits', 0) / units:.1f}")
+        if "wait_ns" in pool:  # an older tree's pool has no such clock
+            print(f"  the caller waited for a worker's started part (the threaded calls' tails) "
+                  f"{pool['wait_ns'] / 1e6 / units:.2f} ms per {what}")
         if pool.get("prefetches"):
             print(f"  background prefetch per {what}: {pool['prefetches'] / units:.1f} posted, "
                   f"{pool['prefetches_cut'] / units:.1f} cut short, "

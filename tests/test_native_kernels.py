@@ -143,6 +143,72 @@ def test_mxfp4_matches_float64(layout, k, n):
 
 
 @native
+def test_situ_glu_native_matches_float64_and_torch():
+    """Kimi K3's SiTU-GLU in one native call (cpu.situ_glu, which blocks.situ_glu takes in inference): within a few
+    fp32 roundings of float64 from 1e-4 to 3 in scale (both sides of the tanh's series / exponential switch), as close
+    as torch's ops; specials as torch gives them; a row's values the same bits whatever its length (lanes and the
+    scalar tail do the same operations) and on one or two threads; with a gradient to keep, torch's ops."""
+    def ref(g, u):
+        g, u = g.double(), u.double()
+        return (4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g)) * (25.0 * torch.tanh(u / 25.0))
+
+    for scale in (1e-4, 1e-2, 0.3, 1.0, 3.0):
+        g, u = torch.randn(16, 3072, generator=_gen(1)) * scale, torch.randn(16, 3072, generator=_gen(2)) * scale
+        want = ref(g, u)
+        got = cpu.situ_glu(g, u, 4.0, 25.0).double()
+        assert float(((got - want).abs() / want.abs()).max()) < 1e-6
+        one, two = _on_threads(lambda: cpu.situ_glu(g, u, 4.0, 25.0))
+        assert torch.equal(one, two)
+    sp = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-30, -88.0, 1e30, 0.55, -0.55])
+    with torch.no_grad():
+        got = blocks.situ_glu(sp, torch.ones_like(sp))
+    torch_ops = (4.0 * torch.tanh(sp / 4.0) * torch.sigmoid(sp)) * (25.0 * torch.tanh(torch.ones_like(sp) / 25.0))
+    assert torch.equal(got.isnan(), torch_ops.isnan())
+    assert max_rel_diff(torch.nan_to_num(got), torch.nan_to_num(torch_ops)) < 1e-6
+    g, u = torch.randn(1, 37, generator=_gen(3)), torch.randn(1, 37, generator=_gen(4))
+    whole = cpu.situ_glu(g, u, 4.0, 25.0)
+    assert torch.equal(torch.cat([cpu.situ_glu(g[:, i:i + 1], u[:, i:i + 1], 4.0, 25.0) for i in range(37)], 1), whole)
+    with torch.inference_mode():
+        assert torch.equal(blocks.situ_glu(g, u), whole)
+    gr = g.clone().requires_grad_()
+    out = blocks.situ_glu(gr, u)
+    out.sum().backward()  # torch's ops: differentiable
+    assert gr.grad is not None and max_rel_diff(out.detach(), whole) < 1e-5
+
+
+@native
+@pytest.mark.parametrize("layout", ["low_first", "gguf"])
+def test_mxfp4_one_token_integer_path(layout):
+    """A one-token MXFP4 product (every entry of the call at one token: a decode step's) in integers where the CPU
+    has AVX-512 VNNI (`cpu.mxfp4_int`): x held per 8 inputs to within 2^-23 of their largest |x|, exact products.
+    Within a few fp32 roundings of float64 even beside outliers 300x the rest, and widths whose last group of four
+    blocks is short; a token holding a non-finite value or an extreme magnitude takes the fp32 tiles (the same
+    bits as the same row in a two-token call); the threads give the same bits."""
+    for n, k, outlier in ((37, 3584, 1.0), (33, 2048 + 96, 300.0), (5, 160, 30.0)):
+        packed, scales = _mxfp4(n, k, seed=n + k, low=118, high=130)
+        w = q.dequant_mxfp4(packed, scales, layout).double()
+        x = torch.randn(1, k, generator=_gen(k))
+        x[0, ::97] *= outlier
+        x[0, 32:64] = 0.0  # a block of zeros (its lanes' scale 0)
+        got = cpu.linear_mxfp4(x, packed, scales, layout).double()
+        ref = x.double() @ w.T
+        err = ((got - ref).abs() / (x.double().abs() @ w.abs().T)).max().item()
+        assert err < 2e-6, err
+        tiles = cpu.linear_mxfp4(torch.cat([x, x]), packed, scales, layout)[:1].double()
+        assert torch.equal(got, tiles) != cpu.mxfp4_int()  # the integer path's own roundings, where it runs
+        one, two = _on_threads(lambda: cpu.linear_mxfp4(x, packed, scales, layout, min_rows_per_thread=1))
+        assert torch.equal(one, two)
+    packed, scales = _mxfp4(9, 256, seed=5)
+    for bad in (float("nan"), float("inf"), 1e36, 1e-36):
+        x = torch.randn(1, 256, generator=_gen(6))
+        x[0, 32:64] *= bad  # a whole block (the tiny one: every input of its lanes)
+        got = cpu.linear_mxfp4(x, packed, scales, layout)
+        tiles = cpu.linear_mxfp4(torch.cat([x, x]), packed, scales, layout)[:1]
+        assert torch.equal(got.isnan(), tiles.isnan())
+        assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(tiles))
+
+
+@native
 @pytest.mark.parametrize("layout", ["low_first", "gguf"])
 @pytest.mark.parametrize("k", [32, 96, 160, 2048 + 32])
 @pytest.mark.parametrize("n", [1, 5, 33])

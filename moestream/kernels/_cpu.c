@@ -37,7 +37,7 @@
 #endif
 #define MS_AVX512 (MS_SIMD == 2)
 
-#define MS_ABI 21
+#define MS_ABI 22
 #define TILE_T 8   /* tokens per register tile */
 #ifndef PF_BYTES
 #define PF_BYTES 16384  /* software prefetch distance of the bf16 kernel (measured: 16-32 KiB best) */
@@ -755,6 +755,7 @@ static atomic_long pool_stat_taken;              /* parts the caller took becaus
 static atomic_int pool_caller_cpu = -1;
 static atomic_int pool_worker_cpu[MAX_THREADS];
 static atomic_long pool_stat_shared_cpu;         /* polls cut short because both threads were on one CPU */
+static atomic_long pool_stat_wait_ns;            /* ns the caller waited for parts a worker had started */
 
 INLINE void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -868,6 +869,7 @@ static void pool_wait(uint64_t gen, int parts, job_fn fn, void *arg, int run, in
             started[n++] = i;
         }
     }
+    const int64_t waited = counted && n ? now_ns() : 0;
     for (int k = 0; k < n; k++) {
         const int i = started[k];
         const int64_t until = now_ns() + __atomic_load_n(&pool_spin_ns, __ATOMIC_RELAXED);
@@ -892,6 +894,7 @@ static void pool_wait(uint64_t gen, int parts, job_fn fn, void *arg, int run, in
             pthread_mutex_unlock(&pool_mu);
         }
     }
+    if (waited) atomic_fetch_add_explicit(&pool_stat_wait_ns, now_ns() - waited, memory_order_relaxed);
 }
 
 /* ---- background prefetch. Between two native calls of a decode step (Python's bookkeeping, the serial norms
@@ -984,7 +987,8 @@ static void pool_run(job_fn fn, void *arg, int parts) {
 /* multi-threaded calls so far, how many of them the caller slept waiting for a worker, how often a worker went
  * to sleep between calls (each such call then paid a wake-up), how many calls the caller polled more than
  * 2000 pauses for (the old poll, after which it slept); background prefetches posted, cut short by the next call,
- * and the bytes they read */
+ * and the bytes they read; parts the caller took, polls cut short on a shared CPU, and the ns the caller waited for
+ * parts a worker had started */
 void ms_pool_stats(int64_t *out) {
     out[0] = atomic_load(&pool_stat_runs);
     out[1] = atomic_load(&pool_stat_caller_sleeps);
@@ -995,6 +999,7 @@ void ms_pool_stats(int64_t *out) {
     out[6] = atomic_load(&pool_stat_prefetch_bytes);
     out[7] = atomic_load(&pool_stat_taken);
     out[8] = atomic_load(&pool_stat_shared_cpu);
+    out[9] = atomic_load(&pool_stat_wait_ns);
 }
 
 /* Dynamic split: `chunks` pieces of work handed out one at a time to whichever thread is free (the caller

@@ -81,6 +81,89 @@ INLINE __m512 vexp_f32(__m512 x) {
 }
 #endif
 
+/* tanh by the same exponential: for |a| >= TANH_SMALL, (1 - e) / (1 + e) with e = exp(-2 |a|) (no cancellation:
+ * e <= 0.33); below it the odd Taylor series to a^19 (Horner in a^2, fused; the next term is under 1e-9 of the
+ * result there); the sign of a put back. NaN gives NaN, +-inf +-1. tanh_f32 (scalar) and vtanh_f32 (AVX-512) do the
+ * same operations in the same order, so they give the same bits. */
+#define TANH_SMALL 0.55f
+#define TANH_C3 (-0x1.555556p-2f)   /* -1/3 */
+#define TANH_C5 0x1.111112p-3f      /* 2/15 */
+#define TANH_C7 (-0x1.ba1ba2p-5f)   /* -17/315 */
+#define TANH_C9 0x1.664f48p-6f      /* 62/2835 */
+#define TANH_C11 (-0x1.226e36p-7f)  /* -1382/155925 */
+#define TANH_C13 0x1.d6d3dp-9f     /* 21844/6081075 */
+#define TANH_C15 (-0x1.7da364p-10f) /* -929569/638512875 */
+#define TANH_C17 0x1.355824p-11f    /* 6404582/10854718875 */
+#define TANH_C19 (-0x1.f57d78p-13f) /* -443861162/1856156927625 */
+
+INLINE float tanh_f32(float a) {
+    const float ax = fabsf(a);
+    float t;
+    if (ax < TANH_SMALL) {
+        const float a2 = ax * ax;
+        float p = fmaf(TANH_C19, a2, TANH_C17);
+        p = fmaf(p, a2, TANH_C15);
+        p = fmaf(p, a2, TANH_C13);
+        p = fmaf(p, a2, TANH_C11);
+        p = fmaf(p, a2, TANH_C9);
+        p = fmaf(p, a2, TANH_C7);
+        p = fmaf(p, a2, TANH_C5);
+        p = fmaf(p, a2, TANH_C3);
+        float a3 = a2 * ax;
+        FP_KEEP(a3);
+        t = fmaf(p, a3, ax);
+    } else {
+        const float e = exp_f32(-2.0f * ax);
+        t = (1.0f - e) / (1.0f + e);
+    }
+    return copysignf(t, a);
+}
+
+/* Kimi K3's SiTU-GLU, as models/blocks.situ_glu computes it: (beta tanh(g / beta) sigmoid(g)) (lb tanh(u / lb)) */
+INLINE float situ_glu_f32(float g, float u, float beta, float lbeta) {
+    float a = beta * tanh_f32(g / beta);
+    FP_KEEP(a);
+    a = a * (1.0f / (1.0f + exp_f32(-g)));
+    FP_KEEP(a);
+    float b = lbeta * tanh_f32(u / lbeta);
+    FP_KEEP(b);
+    return a * b;
+}
+
+#if MS_AVX512
+INLINE __m512 vtanh_f32(__m512 a) {
+    const __m512 ax = _mm512_abs_ps(a), one = _mm512_set1_ps(1.0f);
+    const __m512 a2 = _mm512_mul_ps(ax, ax);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(TANH_C19), a2, _mm512_set1_ps(TANH_C17));
+    p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(TANH_C15));
+    p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(TANH_C13));
+    p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(TANH_C11));
+    p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(TANH_C9));
+    p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(TANH_C7));
+    p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(TANH_C5));
+    p = _mm512_fmadd_ps(p, a2, _mm512_set1_ps(TANH_C3));
+    __m512 a3 = _mm512_mul_ps(a2, ax);
+    FP_KEEPV(a3);
+    const __m512 small = _mm512_fmadd_ps(p, a3, ax);
+    const __m512 e = vexp_f32(_mm512_mul_ps(_mm512_set1_ps(-2.0f), ax));
+    const __m512 big = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    const __m512 t = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(TANH_SMALL), _CMP_LT_OQ), big, small);
+    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32((int)0x80000000u));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign));
+}
+
+INLINE __m512 vsitu_glu_f32(__m512 g, __m512 u, float beta, float lbeta) {
+    const __m512 vb = _mm512_set1_ps(beta), vl = _mm512_set1_ps(lbeta), one = _mm512_set1_ps(1.0f);
+    __m512 a = _mm512_mul_ps(vb, vtanh_f32(_mm512_div_ps(g, vb)));
+    FP_KEEPV(a);
+    a = _mm512_mul_ps(a, _mm512_div_ps(one, _mm512_add_ps(one, vexp_f32(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+    FP_KEEPV(a);
+    __m512 b = _mm512_mul_ps(vl, vtanh_f32(_mm512_div_ps(u, vl)));
+    FP_KEEPV(b);
+    return _mm512_mul_ps(a, b);
+}
+#endif
+
 /* p[0..n) = exp_f32(p - m) (16 lanes at a time where AVX-512), returning their sum taken in index order: a softmax's
  * numerators and denominator. Every native attention kernel (ms_gqa_attend, the paged batch decode, the fused
  * decode layer) takes its softmax from here, so the one-at-a-time and batched paths give the same bits. */

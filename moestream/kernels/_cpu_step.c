@@ -429,6 +429,211 @@ static void **mx_inputs(int64_t E, const int64_t *xs, const int64_t *Ts, int64_t
     return x;
 }
 
+/* ---- MXFP4 times fp32 activations for one token, in integers (AVX-512 VNNI). A decode token's product with an
+ * MXFP4 weight is bound by the CPU on two cores, not by the memory bus: the fp32 tiles decode each code to fp32 and
+ * scale it, ~34 vector instructions per four blocks (K3's routed experts ran at 0.54 of the bus in a warm decode).
+ * Here every 8 inputs that one 32-bit lane sums (4 code bytes' low and high nibbles of one block) share a
+ * fixed-point exponent E, 2^(E - 1) <= their largest |x| < 2^E, each held as the integer X = round(x 2^(22 - E))
+ * split into three signed bytes q0 2^16 + q1 2^8 + q2; each code is looked up as the unsigned byte 2 w + 12 (2 w
+ * an integer in [-12, 12]) and vpdpbusd sums the exact integer products of four codes at a time, the 12 sum X
+ * taken off; each lane's integer sum is converted and scaled by 2^(e - 127) 2^(E - 23) once per group of four
+ * blocks. The products and a lane's sums are exact: beyond fp32 summation the only rounding is x's own, each x to
+ * within 2^-23 of its lane's largest |x| (measured: 2-4x the fp32 tiles' error against float64, both within a few
+ * units of 2^-24 of sum |w x|). A token holding a non-finite value or an extreme magnitude (a lane exponent
+ * outside [-100, 100]) takes the fp32 tiles instead. -DMXV_OFF=1 builds without it. */
+#if MS_AVX512 && defined(__AVX512VNNI__) && !defined(MXV_OFF)
+#define MXV 1
+#define MXV_GROUP 512 /* prepared bytes per group of four blocks: q0, q1, q2 for the low and the high nibbles (6 x 64),
+                       * each lane's correction -12 sum X (16 int32), each lane's input scale 2^(E - 23) (16 fp32) */
+#ifndef MXV_PF
+#define MXV_PF 4096   /* software prefetch distance of the weight rows */
+#endif
+static int64_t mxv_stride(int64_t K) { return (K / 32 + 3) / 4 * MXV_GROUP; }
+
+/* x [K] into the prepared groups; 0 when x cannot be held so (a non-finite value, an extreme exponent). Each
+ * 32-bit lane of a group sums the products of 8 inputs of one block (4 bytes' low and high nibbles): they share
+ * one fixed-point exponent E, 2^(E - 1) <= their largest |x| < 2^E (E = 0 and scale 0 when all are 0). A block at a
+ * time: its inputs in the order the codes come (low nibbles of bytes 0-15, then high), each lane's largest |x|
+ * spread over its four elements by two in-lane swaps. */
+static int mxv_prepare(const float *x, int64_t K, int layout, int8_t *xp) {
+    const int64_t nb = K / 32;
+    memset(xp, 0, (size_t)mxv_stride(K));
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const __m512 a0 = _mm512_loadu_ps(x + b * 32), a1 = _mm512_loadu_ps(x + b * 32 + 16);
+        /* mx_input: low_first holds inputs 2j, 2j + 1 in byte j's nibbles; gguf j, j + 16 */
+        const __m512 lo = layout == 0 ? _mm512_permutex2var_ps(a0, even, a1) : a0;
+        const __m512 hi = layout == 0 ? _mm512_permutex2var_ps(a0, odd, a1) : a1;
+        if (_mm512_fpclass_ps_mask(lo, 0x99) | _mm512_fpclass_ps_mask(hi, 0x99)) return 0; /* NaN or infinity */
+        __m512 m = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
+        m = _mm512_max_ps(m, _mm512_permute_ps(m, 0xB1));
+        m = _mm512_max_ps(m, _mm512_permute_ps(m, 0x4E)); /* each lane's largest |x|, in its four elements */
+        const __mmask16 live = _mm512_cmp_ps_mask(m, _mm512_setzero_ps(), _CMP_GT_OQ);
+        const __m512 E = _mm512_maskz_add_ps(live, _mm512_getexp_ps(m), one); /* floor(log2 m) + 1 */
+        if (_mm512_mask_cmp_ps_mask(live, E, _mm512_set1_ps(-100.0f), _CMP_LT_OQ) |
+            _mm512_mask_cmp_ps_mask(live, E, _mm512_set1_ps(100.0f), _CMP_GT_OQ))
+            return 0;
+        const __m512 f = _mm512_maskz_scalef_ps(live, one, _mm512_sub_ps(_mm512_set1_ps(22.0f), E));
+        /* x f is exact (a power of two, |x f| <= 2^22); rounded to nearest, even */
+        const __m512i X[2] = {_mm512_cvtps_epi32(_mm512_mul_ps(lo, f)), _mm512_cvtps_epi32(_mm512_mul_ps(hi, f))};
+        int8_t *g = xp + (b / 4) * MXV_GROUP;
+        const int bl = (int)(b % 4);
+        for (int h = 0; h < 2; h++) { /* X = q0 2^16 + q1 2^8 + q2, each a signed byte (|q0| <= 64) */
+            const __m512i q2 = _mm512_srai_epi32(_mm512_slli_epi32(X[h], 24), 24);
+            const __m512i X1 = _mm512_srai_epi32(_mm512_sub_epi32(X[h], q2), 8);
+            const __m512i q1 = _mm512_srai_epi32(_mm512_slli_epi32(X1, 24), 24);
+            const __m512i q0 = _mm512_srai_epi32(_mm512_sub_epi32(X1, q1), 8);
+            _mm_storeu_si128((__m128i *)(void *)(g + h * 64 + 16 * bl), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(void *)(g + 128 + h * 64 + 16 * bl), _mm512_cvtepi32_epi8(q1));
+            _mm_storeu_si128((__m128i *)(void *)(g + 256 + h * 64 + 16 * bl), _mm512_cvtepi32_epi8(q2));
+        }
+        __m512i sum = _mm512_add_epi32(X[0], X[1]);
+        sum = _mm512_add_epi32(sum, _mm512_shuffle_epi32(sum, (_MM_PERM_ENUM)0xB1));
+        sum = _mm512_add_epi32(sum, _mm512_shuffle_epi32(sum, (_MM_PERM_ENUM)0x4E)); /* each lane's sum of X */
+        const __m512i corr = _mm512_mullo_epi32(_mm512_maskz_compress_epi32(0x1111, sum), _mm512_set1_epi32(-12));
+        const __m512 xs = _mm512_maskz_compress_ps(0x1111, _mm512_maskz_scalef_ps(live, one,
+                                                                     _mm512_sub_ps(E, _mm512_set1_ps(23.0f))));
+        _mm_storeu_si128((__m128i *)(void *)(g + 384 + 16 * bl), _mm512_castsi512_si128(corr));
+        _mm_storeu_ps((float *)(void *)(g + 448 + 16 * bl), _mm512_castps512_ps128(xs));
+    }
+    return 1;
+}
+
+/* one row of N: sum_k w_k x_k from the prepared token */
+INLINE float mxv_row(const int8_t *xp, const uint8_t *p, const uint8_t *s, int64_t K) {
+    /* 2 w + 12 for the 16 codes: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives */
+    const __m512i tab = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24,
+                                                             12, 11, 10, 9, 8, 6, 4, 0));
+    const __m512i nib = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+    const __m512i lane_byte = _mm512_set_epi32(
+        (int)0x80808003u, (int)0x80808003u, (int)0x80808003u, (int)0x80808003u, (int)0x80808002u, (int)0x80808002u,
+        (int)0x80808002u, (int)0x80808002u, (int)0x80808001u, (int)0x80808001u, (int)0x80808001u, (int)0x80808001u,
+        (int)0x80808000u, (int)0x80808000u, (int)0x80808000u, (int)0x80808000u);
+    const __m512i tiny = _mm512_set1_epi32(1 << 22); /* scale byte 0: 2^-127, a subnormal */
+    const int64_t nb = K / 32;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0, g = 0; b < nb; b += 4, g += MXV_GROUP) {
+        const int64_t rem = nb - b;
+        __m512i v;
+        uint32_t sc = 0;
+        if (rem >= 4) {
+            v = _mm512_loadu_si512((const void *)(p + b * 16));
+            memcpy(&sc, s + b, 4);
+        } else {
+            v = _mm512_maskz_loadu_epi8((__mmask64)((1ull << (16 * rem)) - 1), p + b * 16);
+            for (int64_t i = 0; i < rem; i++) sc |= (uint32_t)s[b + i] << (8 * i);
+        }
+        _mm_prefetch((const char *)(p + b * 16 + MXV_PF), _MM_HINT_T0);
+        const __m512i wl = _mm512_shuffle_epi8(tab, _mm512_and_si512(v, nib));
+        const __m512i wh = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
+        const int8_t *xg = xp + g;
+        __m512i d0 = _mm512_dpbusd_epi32(zero, wl, _mm512_load_si512((const void *)xg));
+        __m512i d1 = _mm512_dpbusd_epi32(zero, wl, _mm512_load_si512((const void *)(xg + 128)));
+        __m512i d2 = _mm512_dpbusd_epi32(zero, wl, _mm512_load_si512((const void *)(xg + 256)));
+        d0 = _mm512_dpbusd_epi32(d0, wh, _mm512_load_si512((const void *)(xg + 64)));
+        d1 = _mm512_dpbusd_epi32(d1, wh, _mm512_load_si512((const void *)(xg + 192)));
+        d2 = _mm512_dpbusd_epi32(d2, wh, _mm512_load_si512((const void *)(xg + 320)));
+        /* the lanes' corrections -12 sum X (starting d2 from them instead ran 0.86x here) */
+        d2 = _mm512_add_epi32(d2, _mm512_load_si512((const void *)(xg + 384)));
+        const __m512i t = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(d0, 16), _mm512_slli_epi32(d1, 8)), d2);
+        const __m512i bits = _mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32((int)sc), lane_byte), 23);
+        const __m512 scale = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_max_epi32(bits, tiny)),
+                                           _mm512_load_ps((const float *)(const void *)(xg + 448)));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+#ifndef MXV_ROWS
+#define MXV_ROWS 256 /* rows per chunk of a dynamically split call (~0.5 MB of a K3 expert's codes; against an even
+                      * split of each weight's rows: 1.06x, bench/ab_builds.py mxfp4 on two threads) */
+#endif
+/* chunk c: rows [r MXV_ROWS, (r + 1) MXV_ROWS) of entry c / per (per = chunks of an entry), handed out in order */
+static void mxv_chunk(void *arg, int64_t c, int64_t chunks, int slot) {
+    mx_job *j = arg;
+    (void)chunks;
+    (void)slot;
+    const int64_t per = (j->N + MXV_ROWS - 1) / MXV_ROWS, e = c / per, n0 = c % per * MXV_ROWS;
+    const int64_t n1 = n0 + MXV_ROWS < j->N ? n0 + MXV_ROWS : j->N, half = j->K / 2, nb = j->K / 32;
+    if (j->T[e] > 0)
+        for (int64_t n = n0; n < n1; n++)
+            j->out[e][n] = mxv_row((const int8_t *)j->x[e], j->p[e] + n * half, j->s[e] + n * nb, j->K);
+}
+
+/* the one-token entries' inputs prepared for mxv_row (as mx_inputs does for the fp32 tiles); NULL when out of
+ * memory, and *ok = 0 (nothing to free) when some token's x cannot be held in 23 bits */
+static void **mxv_inputs(int64_t E, const int64_t *xs, const int64_t *Ts, int64_t K, int layout, int *ok) {
+    const int64_t ld = mxv_stride(K);
+    void **x = malloc((size_t)E * sizeof(void *) + (size_t)(E * ld) + 64);
+    *ok = 1;
+    if (!x) return NULL;
+    int8_t *xp = (int8_t *)(((uintptr_t)(x + E) + 63) & ~(uintptr_t)63);
+    for (int64_t e = 0; e < E; e++) {
+        if (Ts[e] <= 0) {
+            x[e] = NULL;
+        } else if (e > 0 && Ts[e - 1] > 0 && (xs[e] == xs[e - 1] || !memcmp((const void *)(intptr_t)xs[e],
+                                                                          (const void *)(intptr_t)xs[e - 1],
+                                                                          sizeof(float) * (size_t)K))) {
+            x[e] = x[e - 1]; /* the same token for several weights (a routed group's copies of one row) */
+        } else {
+            if (!mxv_prepare((const float *)(intptr_t)xs[e], K, layout, xp)) {
+                free(x);
+                *ok = 0;
+                return NULL;
+            }
+            x[e] = xp;
+            xp += ld;
+        }
+    }
+    return x;
+}
+#endif
+
+/* ---- SiTU-GLU of gate and up rows (Kimi K3's experts between their two products: a routed group's [R, I], a
+ * shared expert's or the dense MLP's [1, I]) in one call instead of eight small torch ops, each of which cost tens
+ * of microseconds between the native calls of a decode step (their threads woken, their inputs out of cache). */
+typedef struct {
+    const float *g, *u;
+    float *out;
+    int64_t n;
+    float beta, lbeta;
+} situ_job;
+
+static void situ_part(void *arg, int part, int parts) {
+    const situ_job *j = arg;
+    const int64_t blocks = (j->n + 15) / 16, i0 = blocks * part / parts * 16;
+    const int64_t i1 = blocks * (part + 1) / parts * 16 < j->n ? blocks * (part + 1) / parts * 16 : j->n;
+    int64_t i = i0;
+#if MS_AVX512
+    for (; i + 16 <= i1; i += 16)
+        _mm512_storeu_ps(j->out + i, vsitu_glu_f32(_mm512_loadu_ps(j->g + i), _mm512_loadu_ps(j->u + i), j->beta,
+                                                   j->lbeta));
+#endif
+    for (; i < i1; i++) j->out[i] = situ_glu_f32(j->g[i], j->u[i], j->beta, j->lbeta);
+}
+
+#define SITU_MIN_PART 8192 /* values per thread below which one thread does it all */
+
+/* out[i] = SiTU-GLU(g[i], u[i]) for i < n (fp32, contiguous; out may be g or u) */
+void ms_situ_glu(const float *g, const float *u, int64_t n, float beta, float lbeta, float *out) {
+    if (n <= 0) return;
+    situ_job j = {g, u, out, n, beta, lbeta};
+    int parts = pool_parts;
+    while (parts > 1 && n / parts < SITU_MIN_PART) parts--;
+    pool_run(situ_part, &j, parts);
+}
+
+/* whether one-token MXFP4 products go through the integer path (mxv_row) */
+int ms_mxfp4_int(void) {
+#ifdef MXV
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* 1 + the first entry whose N x K/32 scale bytes hold a 0xFF (NaN in E8M0), or 0 */
 static int mx_find255(int64_t E, const int64_t *ss, int64_t N, int64_t K) {
     for (int64_t e = 0; e < E; e++)
@@ -452,12 +657,27 @@ int ms_linear_mxfp4(int64_t E, const int64_t *xs, const int64_t *Ts, const int64
             if (Ts[e] > 0) memset((void *)(intptr_t)outs[e], 0, sizeof(float) * (size_t)(Ts[e] * N));
         return 0;
     }
+    int parts = pool_parts;
+    while (parts > 1 && N / parts < min_rows_per_thread) parts--;
+#ifdef MXV
+    int one = 1; /* every entry one token (or none): a decode step's products, in integers */
+    for (int64_t e = 0; e < E && one; e++) one = Ts[e] <= 1;
+    if (one) {
+        int ok;
+        void **xv = mxv_inputs(E, xs, Ts, K, layout, &ok);
+        if (ok && !xv) return -1;
+        if (xv) {
+            mx_job j = {E, N, K, mxv_stride(K), xv, Ts, (const uint8_t **)ps, (const uint8_t **)ss, (float **)outs};
+            pool_run_chunks(mxv_chunk, &j, E * ((N + MXV_ROWS - 1) / MXV_ROWS), parts);
+            free(xv);
+            return 0;
+        }
+    }
+#endif
     const int64_t ldx = mx_stride(K);
     void **x = mx_inputs(E, xs, Ts, K, layout, ldx, sizeof(float), mx_prep_f32);
     if (!x) return -1;
     mx_job j = {E, N, K, ldx, x, Ts, (const uint8_t **)ps, (const uint8_t **)ss, (float **)outs};
-    int parts = pool_parts;
-    while (parts > 1 && N / parts < min_rows_per_thread) parts--;
     pool_run(mx_part, &j, parts);
     free(x);
     return 0;

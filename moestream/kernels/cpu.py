@@ -50,7 +50,7 @@ MIN_ROWS_PER_THREAD = 256
 SPIN_US = 3000
 
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-pthread")
-_ABI = 21
+_ABI = 22
 _SOURCE = Path(__file__).with_name("_cpu.c")
 # _cpu.c #includes the others
 _SOURCES = (_SOURCE, *(Path(__file__).with_name(n)
@@ -162,6 +162,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_layer_times.argtypes = [ctypes.c_int, ctypes.c_int, p]
     lib.ms_layer_times.restype = None
     lib.ms_bf16dp.restype = ctypes.c_int
+    lib.ms_mxfp4_int.restype = ctypes.c_int
+    lib.ms_situ_glu.argtypes = [p, p, i64, ctypes.c_float, ctypes.c_float, p]
+    lib.ms_situ_glu.restype = None
     lib.ms_bf16_panel.restype = ctypes.c_int
     lib.ms_bf16dot_row_limit.restype = ctypes.c_int
     lib.ms_bf16dot_set_row_limit.argtypes = [ctypes.c_int]
@@ -294,13 +297,14 @@ def pool_stats() -> dict[str, int]:
     2000 pauses (~40 us), background prefetches posted (fused.prefetch), how many the next call cut short, and the
     bytes they read, and the parts of threaded calls the caller ran (or, for chunked work, dropped) itself because
     their worker had not started them by the time the caller's own part was done, and polls cut short because the
-    two threads found themselves on one CPU; zeros without the library."""
-    out = (ctypes.c_int64 * 9)()
+    two threads found themselves on one CPU, and the nanoseconds the caller spent waiting for parts a worker had
+    started (the calls' tails); zeros without the library."""
+    out = (ctypes.c_int64 * 10)()
     if (handle := lib()) is not None:
         handle.ms_pool_stats(out)
     return {"runs": out[0], "caller_sleeps": out[1], "worker_sleeps": out[2], "long_waits": out[3],
             "prefetches": out[4], "prefetches_cut": out[5], "prefetch_bytes": out[6], "taken": out[7],
-            "shared_cpu": out[8]}
+            "shared_cpu": out[8], "wait_ns": out[9]}
 
 
 LAYER_PHASES = ("prep", "q/k/v", "q/k norm, rope, attention", "o_proj", "post norm, router", "experts",
@@ -458,6 +462,27 @@ def b12_check(codes: Tensor, n: int, k: int) -> int:
     """ms_b12_check over the b12-coded n x k matrix in `codes` (uint8, contiguous): 0 when the kernels may read it,
     1 too short, 2 a row stored whole points outside it, 3 its exception table is damaged. Needs available()."""
     return required().ms_b12_check(codes.data_ptr(), codes.numel(), n, k)
+
+
+def situ_glu(gate: Tensor, up: Tensor, beta: float, linear_beta: float) -> Tensor:
+    """Kimi K3's SiTU-GLU of fp32 gate and up of one shape in one native call (ms_situ_glu: tanh and sigmoid from the
+    kernels' own exponential, within a few ulp of float64; threads over long rows), a new fp32 tensor. Needs
+    available()."""
+    handle = required()
+    if gate.shape != up.shape:
+        raise ValueError(f"situ_glu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    g, u = gate.float().contiguous(), up.float().contiguous()
+    out = torch.empty_like(g)
+    handle.ms_situ_glu(g.data_ptr(), u.data_ptr(), g.numel(), beta, linear_beta, out.data_ptr())
+    return out
+
+
+def mxfp4_int() -> bool:
+    """Whether one-token MXFP4 products (a decode step's; ms_linear_mxfp4 with every entry at one token) take the
+    library's integer path (AVX-512 VNNI: x held per 8 inputs as a 23-bit fixed-point integer, exact integer
+    products, _cpu_step.c mxv_row); False: the fp32 tiles, or no library."""
+    handle = lib()
+    return bool(handle.ms_mxfp4_int()) if handle is not None else False
 
 
 def bf16dot() -> bool:
