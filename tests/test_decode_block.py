@@ -172,7 +172,8 @@ def test_decode_block_rejects_bad_operands():
 
 @native
 def test_pool_stats_count_threaded_calls(threads):
-    """ms_pool_stats: a call split over two threads counts once; a one-thread call does not count."""
+    """ms_pool_stats: a call split over two threads counts once; a one-thread call does not count; the caller's wait
+    for started parts is a clock that only grows."""
     w, x = torch.randn(1024, 64).bfloat16(), torch.randn(1, 64)
     threads(1)
     before = cpu.pool_stats()
@@ -183,7 +184,7 @@ def test_pool_stats_count_threaded_calls(threads):
     after = cpu.pool_stats()
     assert after["runs"] == before["runs"] + 1
     assert set(after) == {"runs", "caller_sleeps", "worker_sleeps", "long_waits", "prefetches", "prefetches_cut",
-                          "prefetch_bytes", "taken", "shared_cpu"}
+                          "prefetch_bytes", "taken", "shared_cpu", "wait_ns"}
     assert all(after[k] >= before[k] for k in after)
     assert torch.allclose(got, x @ w.float().T, rtol=1e-4, atol=1e-4)
 
