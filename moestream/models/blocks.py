@@ -254,8 +254,8 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_bet
     gradient to keep (inference), one native call (cpu.situ_glu: the same order of operations, tanh and sigmoid
     from the kernels' own exponential, as accurate as torch's against float64; between a decode step's native calls
     torch's eight small ops cost 1.4 ms a routed group of 16 rows on two cores); else torch's ops."""
-    if (cpu.available() and gate.shape == up.shape and not (torch.is_grad_enabled()
-                                                               and (gate.requires_grad or up.requires_grad))):
+    if (cpu.available() and gate.shape == up.shape and gate.device.type == up.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad))):
         return cpu.situ_glu(gate, up, beta, linear_beta)
     gate, up = gate.float(), up.float()
     return (beta * torch.tanh(gate / beta) * torch.sigmoid(gate)) * (linear_beta * torch.tanh(up / linear_beta))
