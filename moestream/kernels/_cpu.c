@@ -440,6 +440,27 @@ static void mx_prepare(const float *x, int64_t T, int64_t K, int layout, float *
             }
 }
 
+/* v = the group of four blocks at block b of nb (64 code bytes; zeros past the last block), sc |= its 4 scale
+ * bytes (sc starts at 0). A macro, not an inline function: mxv_row's loop ran at 0.8x with the same lines behind
+ * inline helpers (gcc 12) */
+#define MX_GROUP_LOAD(p, s, b, nb, v, sc)                                                                  \
+    do {                                                                                                    \
+        const int64_t rem_ = (nb) - (b);                                                                    \
+        if (rem_ >= 4) {                                                                                    \
+            (v) = _mm512_loadu_si512((const void *)((p) + (b) * 16));                                       \
+            memcpy(&(sc), (s) + (b), 4);                                                                    \
+        } else {                                                                                            \
+            (v) = _mm512_maskz_loadu_epi8((__mmask64)((1ull << (16 * rem_)) - 1), (p) + (b) * 16);          \
+            for (int64_t i_ = 0; i_ < rem_; i_++) (sc) |= (uint32_t)(s)[(b) + i_] << (8 * i_);              \
+        }                                                                                                   \
+    } while (0)
+
+/* vpshufb indexes putting group scale byte i into the low byte of block i's four 32-bit lanes */
+#define MX_LANE_BYTE _mm512_set_epi32(                                                                      \
+    (int)0x80808003u, (int)0x80808003u, (int)0x80808003u, (int)0x80808003u, (int)0x80808002u, (int)0x80808002u, \
+    (int)0x80808002u, (int)0x80808002u, (int)0x80808001u, (int)0x80808001u, (int)0x80808001u, (int)0x80808001u, \
+    (int)0x80808000u, (int)0x80808000u, (int)0x80808000u, (int)0x80808000u)
+
 INLINE void mx_tile(const float *xp, int64_t ldx, const uint8_t *p, const uint8_t *s, int64_t K, float *out,
                     int64_t ldo, const int TT) {
     const __m512i hb = _mm512_broadcast_i32x4(_mm_setr_epi8(0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
@@ -447,26 +468,16 @@ INLINE void mx_tile(const float *xp, int64_t ldx, const uint8_t *p, const uint8_
     const __m512i sb = _mm512_broadcast_i32x4(_mm_setr_epi8(0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40,
         (char)0x80, (char)0xC0, 0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0));
     const __m512i nib = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi32((int)0xFFFF0000u);
-    const __m512i lane_byte = _mm512_set_epi32(
-        (int)0x80808003u, (int)0x80808003u, (int)0x80808003u, (int)0x80808003u, (int)0x80808002u, (int)0x80808002u,
-        (int)0x80808002u, (int)0x80808002u, (int)0x80808001u, (int)0x80808001u, (int)0x80808001u, (int)0x80808001u,
-        (int)0x80808000u, (int)0x80808000u, (int)0x80808000u, (int)0x80808000u);
+    const __m512i lane_byte = MX_LANE_BYTE;
     const __m512i tiny = _mm512_set1_epi32(1 << 22); /* scale byte 0: 2^-127, a subnormal */
     const int64_t nb = K / 32;
     __m512 acc[TILE_T];
 #pragma GCC unroll 8
     for (int t = 0; t < TT; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0, g = 0; b < nb; b += 4, g += MX_GROUP) {
-        int64_t rem = nb - b;
         __m512i v;
         uint32_t sc = 0;
-        if (rem >= 4) {
-            v = _mm512_loadu_si512((const void *)(p + b * 16));
-            memcpy(&sc, s + b, 4);
-        } else {
-            v = _mm512_maskz_loadu_epi8((__mmask64)((1ull << (16 * rem)) - 1), p + b * 16);
-            for (int64_t i = 0; i < rem; i++) sc |= (uint32_t)s[b + i] << (8 * i);
-        }
+        MX_GROUP_LOAD(p, s, b, nb, v, sc);
         __m512i bits = _mm512_slli_epi32(_mm512_shuffle_epi8(_mm512_set1_epi32((int)sc), lane_byte), 23);
         __m512 scale = _mm512_castsi512_ps(_mm512_max_epi32(bits, tiny));
         __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);

@@ -1,8 +1,8 @@
 /* The native kernels' own exponential (included by _cpu.c before the kernels that use it), for the bf16 path's SiLU,
  * K3's SiTU-GLU (its tanh and sigmoid: ms_situ_glu) and every native attention's softmax (libm's expf stays in the
- * other fp32 kernels): exp(x) = 2^k e^r with k the nearest integer to x / ln2 and r = x - k ln2 (ln2 split in two floats, fused), e^r by its Taylor polynomial
- * to degree 7 (Horner, fused), then times 2^k in two steps (2^(k >> 1), 2^(k - (k >> 1))) so that results near the
- * overflow and in the subnormal range are rounded once. x is clamped to [-104, 89] first: above ~88.72 the result
+ * other fp32 kernels): exp(x) = 2^k e^r with k the nearest integer to x / ln2 and r = x - k ln2 (ln2 split in two
+ * floats, fused), e^r by its Taylor polynomial to degree 7 (Horner, fused), then times 2^k in two steps
+ * (2^(k >> 1), 2^(k - (k >> 1))) so that results near the overflow and in the subnormal range are rounded once. x is clamped to [-104, 89] first: above ~88.72 the result
  * is inf, below ~-103.97 it is 0 (subnormal results are kept, not flushed); NaN gives NaN (quieted). Within 1 ulp of
  * exp (0.94 measured over every float; tests/test_compute_dtype.py checks it). exp_f32 (scalar) and vexp_f32
  * (AVX-512, 16 lanes) do the same operations in the same order, so they give the same bits. */

@@ -507,27 +507,14 @@ INLINE float mxv_row(const int8_t *xp, const uint8_t *p, const uint8_t *s, int64
     const __m512i tab = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24,
                                                              12, 11, 10, 9, 8, 6, 4, 0));
     const __m512i nib = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
-    const __m512i lane_byte = _mm512_set_epi32(
-        (int)0x80808003u, (int)0x80808003u, (int)0x80808003u, (int)0x80808003u, (int)0x80808002u, (int)0x80808002u,
-        (int)0x80808002u, (int)0x80808002u, (int)0x80808001u, (int)0x80808001u, (int)0x80808001u, (int)0x80808001u,
-        (int)0x80808000u, (int)0x80808000u, (int)0x80808000u, (int)0x80808000u);
+    const __m512i lane_byte = MX_LANE_BYTE;
     const __m512i tiny = _mm512_set1_epi32(1 << 22); /* scale byte 0: 2^-127, a subnormal */
     const int64_t nb = K / 32;
     __m512 acc = _mm512_setzero_ps();
     for (int64_t b = 0, g = 0; b < nb; b += 4, g += MXV_GROUP) {
-        /* the group's codes and scale bytes, and below their scales, as mx_tile takes them: written out again here
-         * because the same lines through shared inline helpers ran this loop at 0.8x (gcc 12, a 16-expert call on one
-         * thread, the builds alternated) */
-        const int64_t rem = nb - b;
         __m512i v;
         uint32_t sc = 0;
-        if (rem >= 4) {
-            v = _mm512_loadu_si512((const void *)(p + b * 16));
-            memcpy(&sc, s + b, 4);
-        } else {
-            v = _mm512_maskz_loadu_epi8((__mmask64)((1ull << (16 * rem)) - 1), p + b * 16);
-            for (int64_t i = 0; i < rem; i++) sc |= (uint32_t)s[b + i] << (8 * i);
-        }
+        MX_GROUP_LOAD(p, s, b, nb, v, sc);
         _mm_prefetch((const char *)(p + b * 16 + MXV_PF), _MM_HINT_T0);
         const __m512i wl = _mm512_shuffle_epi8(tab, _mm512_and_si512(v, nib));
         const __m512i wh = _mm512_shuffle_epi8(tab, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib));
