@@ -107,7 +107,32 @@ def test_floor_budget_streams_everything_and_reads_it_every_step(qwen, small_buf
     per_step = eng.stats["dense_stream_bytes_read"] - before
     row = 64 * 4
     assert per_step == r.streamed_bytes_per_step + row  # every streamed layer, the head, one embedding row
-    assert eng.memory.stream_bytes == r.layers[0].bytes  # between steps: the next step's first layer, read ahead
+    # between steps: the next step's first layer, read ahead, and the head's two slab buffers (kept from step to step)
+    assert eng.memory.stream_bytes == r.layers[0].bytes + 2 * r.head_slab_bytes
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_streamed_heads_slabs_land_in_two_kept_buffers(qwen, small_buffers, monkeypatch, direct):
+    """The head's slabs are read into the same two buffers every step (made once, counted while held), by O_DIRECT
+    or, where that is refused, buffered into the same buffers: the all-resident logits and tokens either way."""
+    ids = prompt_ids(2048, 40)
+    _, want_logits, want_tokens = _run(qwen, None, ids)
+    if not direct:
+        monkeypatch.setattr(residency, "read_direct", lambda *a, **k: None)
+    p = plan(qwen)
+    r = plan_residency(p, plan_residency(p, None, KV_ROOM).min_ram_budget, KV_ROOM)
+    eng, logits, tokens = _run(qwen, r.ram_budget, ids)
+    assert eng.residency.head_streamed and torch.equal(logits, want_logits) and tokens == want_tokens
+    kept = eng.memory.streamer._head_kept
+    assert kept is not None and len(kept) == 2
+    ids_before = [id(b) for b in kept]
+    state = eng.new_sequence()
+    eng.step([(state, [5, 6, 7])])
+    assert [id(b) for b in eng.memory.streamer._head_kept] == ids_before
+    assert eng.stats["peak_resident_bytes"] <= r.ram_budget
+    held = eng.memory.stream_bytes
+    eng.close()
+    assert eng.memory.stream_bytes == held - 2 * r.head_slab_bytes and eng.memory.streamer._head_kept is None
 
 
 def test_a_streamed_heads_leading_rows_stay_resident_when_the_cache_has_room(qwen, small_buffers):

@@ -28,6 +28,7 @@ from moestream.experts.reader import group_extents
 from moestream.kernels import b12
 from moestream.kernels.b12 import B12Weight
 from moestream.models.blocks import UPCAST_CHUNK_BYTES, linear
+from moestream.weights import pages
 from moestream.weights.index import ALIGN, CheckpointIndex, TensorInfo, pread_fill, read_into, read_range
 
 EMBED = "model.embed_tokens.weight"
@@ -356,20 +357,32 @@ def _too_small(p, parts: _Parts, budget: int, floor: int, table: int, state_room
 
 
 # ---- streaming ----------------------------------------------------------------------------------------------
-def read_direct(file, offset: int, nbytes: int, extra: int = 0) -> tuple[mmap.mmap, int] | None:
+def direct_span(offset: int, nbytes: int, extra: int = 0) -> int:
+    """Bytes `read_direct` needs for [offset, offset + nbytes) and `extra` bytes after it: the enclosing 4 KiB-aligned
+    range, or up to the extra bytes' end if that is further."""
+    first = offset // ALIGN * ALIGN
+    return max(-(-(offset + nbytes - first) // ALIGN) * ALIGN, offset - first + nbytes + extra)
+
+
+def read_direct(file, offset: int, nbytes: int, extra: int = 0, into: mmap.mmap | None = None
+                ) -> tuple[mmap.mmap, int] | None:
     """[offset, offset + nbytes) of a local file by one O_DIRECT read of the enclosing 4 KiB-aligned range into
-    fresh anonymous pages, with room for `extra` bytes after it: (the mapping, where the range starts in it). None
-    where O_DIRECT is refused or the file is not local (the caller reads buffered)."""
+    `into` (a mapping of at least `direct_span` bytes, reused by the caller) or else fresh anonymous pages, with
+    room for `extra` bytes after it: (the mapping, where the range starts in it). None where O_DIRECT is refused or
+    the file is not local (the caller reads buffered)."""
     if not hasattr(os, "O_DIRECT") or not isinstance(file, Path):
         return None
     first = offset // ALIGN * ALIGN
     size = -(-(offset + nbytes - first) // ALIGN) * ALIGN
+    span = direct_span(offset, nbytes, extra)
+    if into is not None and len(into) < span:
+        raise ValueError(f"internal: a direct read of {span} bytes into a buffer of {len(into)}")
     try:
         fd = os.open(file, os.O_RDONLY | os.O_DIRECT)
     except OSError:
         return None
     try:
-        buf = mmap.mmap(-1, max(size, offset - first + nbytes + extra), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buf = into if into is not None else mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         try:
             done, _ = pread_fill(fd, [memoryview(buf)[:size]], first)
         except OSError:
@@ -451,16 +464,24 @@ class _CodedRows:
     def nbytes(self, start: int, n: int) -> int:
         return b12.coded_nbytes(n, self.k, len(self._raw(start, n)), self._exceptions(start, n))
 
-    def read(self, start: int, n: int, direct: bool = False) -> B12Weight:
+    def span(self, start: int, n: int) -> int:
+        """Bytes a direct read of rows [start, start + n) needs (read_direct's `into`)."""
+        return direct_span(self.info.offset + start * self.slot, n * self.slot, self.nbytes(start, n) - n * self.slot)
+
+    def read(self, start: int, n: int, direct: bool = False, into: mmap.mmap | None = None) -> B12Weight:
         """Rows [start, start + n) as a coded matrix; `direct`: their slots by one O_DIRECT read where the file
-        allows it (read_direct), the rest of the slab's bytes written after them in the same pages."""
+        allows it (read_direct, into `into` where given), the rest of the slab's bytes written after them in the
+        same pages."""
         raw, exc = self._raw(start, n), self._exceptions(start, n)
         total, slots = b12.coded_nbytes(n, self.k, len(raw), exc), n * self.slot
         f, at = self.info.file, self.info.offset
-        got = read_direct(f, at + start * self.slot, slots, total - slots) if direct else None
+        got = read_direct(f, at + start * self.slot, slots, total - slots, into=into) if direct else None
         if got is not None:
             buf = torch.frombuffer(got[0], dtype=torch.uint8, offset=got[1], count=total)
             buf[slots:].zero_()  # (the aligned read ran past the slots)
+        elif into is not None:
+            buf = torch.frombuffer(into, dtype=torch.uint8, count=total)
+            buf.zero_()
         else:
             buf = torch.zeros(total, dtype=torch.uint8)
         mem = (ctypes.c_char * total).from_address(buf.data_ptr())
@@ -501,6 +522,8 @@ class DenseStreamer:
         self.bytes_read = 0  # tensor bytes read (layers, embedding rows, lm_head slabs)
         self.wait_s = 0.0  # time the decoder loop waited for a layer's read (reads not hidden behind compute)
         self._no_direct = False  # O_DIRECT refused here (the head's slabs are then read buffered)
+        self._head_kept: list | None = None  # the two buffers streamed head slabs are read into (_head_buffers)
+        self._head_counted = 0
         self.head_part = None  # the head's resident leading rows (plan.head_resident_rows), read once here
         if plan.head_streamed and plan.head_resident_rows:
             info = self._table_info(HEAD if not plan.tied else EMBED)
@@ -659,23 +682,29 @@ class DenseStreamer:
         if first:
             out[:, :first] = linear(x, self.head_part)
         coded = _coded_head(info, strict=True) if info.codec == "b12" else None
+        kept = self._head_buffers(info, slabs, coded, row) if slabs else None
 
-        def read(start: int, n: int) -> torch.Tensor:
+        def read(i: int, start: int, n: int) -> torch.Tensor:
+            into = kept[i % 2] if kept else None
             if coded is not None:
-                return coded.read(start, n, direct=not self._no_direct)
-            got = self._read_direct(info, info.offset + start * row, n * row)
+                return coded.read(start, n, direct=not self._no_direct, into=into)
+            got = self._read_direct(info, info.offset + start * row, n * row, into=into)
             if got is not None:
                 return got.view(info.torch_dtype).view(n, hidden)
-            t = torch.empty(n, hidden, dtype=info.torch_dtype)
+            if into is not None:
+                t = torch.frombuffer(into, dtype=info.torch_dtype, count=n * hidden).view(n, hidden)
+            else:
+                t = torch.empty(n, hidden, dtype=info.torch_dtype)
             read_range(info.file, info.offset + start * row, n * row, out=_buffer(t.untyped_storage()))
             return t
 
-        inflight: list[tuple[Future, int]] = []  # (read, bytes) of the slab in flight
+        inflight: list[tuple[Future, int]] = []  # (read, bytes counted for it) of the slab in flight
 
         def submit(i: int) -> None:
             nbytes = coded.nbytes(*slabs[i]) if coded is not None else slabs[i][1] * row
-            self.memory.add_stream(nbytes)
-            inflight.append((self.pool.submit(read, *slabs[i]), nbytes))
+            counted = 0 if kept else nbytes  # the kept buffers are counted while they are held
+            self.memory.add_stream(counted)
+            inflight.append((self.pool.submit(read, i, *slabs[i]), counted))
 
         submit(0)
         try:
@@ -683,7 +712,7 @@ class DenseStreamer:
                 fut, nbytes = inflight[0]
                 slab = fut.result()
                 inflight.pop(0)
-                self.bytes_read += nbytes
+                self.bytes_read += coded.nbytes(start, n) if coded is not None else n * row
                 try:
                     if i + 1 < len(slabs):
                         submit(i + 1)
@@ -700,12 +729,32 @@ class DenseStreamer:
                 self.memory.release_stream(nbytes)
         return out
 
-    def _read_direct(self, info: TensorInfo, offset: int, nbytes: int) -> torch.Tensor | None:
-        """[offset, offset + nbytes) of a local shard as uint8 by one O_DIRECT read (read_direct); None where
-        O_DIRECT or the dtype's alignment does not allow it (the caller reads buffered)."""
+    def _head_buffers(self, info: TensorInfo, slabs: list[tuple[int, int]], coded, row: int) -> list | None:
+        """The two buffers a streamed head's slabs are read into, one slab computing while the next is read: made
+        at the first step and kept (counted as streamed bytes while held), on huge pages where the kernel offers
+        them (weights/pages.py). Why kept: an O_DIRECT read is cut into one disk request per physically contiguous
+        stretch of its buffer, and fresh 4 KiB pages come scattered: on this VM 64 MiB slabs read at 1.2 GB/s into
+        fresh mappings (requests of ~1 MiB), 1.2 into kept 4 KiB-page ones (528 KiB), 3.3 into kept huge pages (4
+        MiB requests; docs/performance.md). None where the file is not a local one read directly."""
+        if self._head_kept is not None or self._no_direct or not hasattr(os, "O_DIRECT") \
+                or not isinstance(info.file, Path):
+            return self._head_kept
+        if coded is not None:
+            size = max(coded.span(s, n) for s, n in slabs)
+        else:
+            size = max(direct_span(info.offset + s * row, n * row) for s, n in slabs)
+        self._head_counted = 2 * self.plan.head_slab_bytes  # (the alignment pages around a slab: 8 KiB at most)
+        self.memory.add_stream(self._head_counted)
+        self._head_kept = [pages.anon_buffer(size), pages.anon_buffer(size)]
+        return self._head_kept
+
+    def _read_direct(self, info: TensorInfo, offset: int, nbytes: int, into: mmap.mmap | None = None
+                     ) -> torch.Tensor | None:
+        """[offset, offset + nbytes) of a local shard as uint8 by one O_DIRECT read (read_direct, into `into`
+        where given); None where O_DIRECT or the dtype's alignment does not allow it (the caller reads buffered)."""
         if self._no_direct or (offset - offset // ALIGN * ALIGN) % 8:
             return None
-        got = read_direct(info.file, offset, nbytes)
+        got = read_direct(info.file, offset, nbytes, into=into)
         if got is None:
             self._no_direct = True
             return None
@@ -713,3 +762,6 @@ class DenseStreamer:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        if self._head_kept is not None:
+            self._head_kept = None
+            self.memory.release_stream(self._head_counted)
