@@ -68,6 +68,14 @@ def probe(model: Path) -> float:
     return disk_rate(model_files(model), PROBE_SECONDS)
 
 
+def probe_stream(model: Path) -> float:
+    """The planner's stream probe (calibrate.stream_rate: a streamed lm_head's slabs into kept huge-page buffers)."""
+    from moestream.bench import PROBE_SECONDS, model_files
+    from moestream.planner.calibrate import stream_rate
+
+    return stream_rate(model_files(model), PROBE_SECONDS)
+
+
 def skew_args(a: dict, model: str) -> list[str]:
     """--skew-from the model's routing report (a file, or DIR/MODEL.json) when the run has one, else --skew /
     --reuse."""
@@ -78,12 +86,14 @@ def skew_args(a: dict, model: str) -> list[str]:
     return ["--skew", str(a["skew"]), "--reuse", str(a["reuse"])]
 
 
-def plan(run: dict, disk: float | None, calibrate: bool = False, batch: int | None = None) -> dict:
+def plan(run: dict, disk: float | None, calibrate: bool = False, batch: int | None = None,
+         stream: float | None = None) -> dict:
     a = run["args"]
     cmd = [PY, "-m", "moestream", "plan", run["model"], "--json", "--ram-budget", str(run["budget_bytes"]),
            "--prompt-len", str(a["prompt_len"]), "--gen-len", str(a["batch_gen_len"] if batch else a["gen_len"]),
            *skew_args(a, run["model"])]
     cmd += ["--disk-bandwidth", str(int(disk))] if disk else []
+    cmd += ["--stream-bandwidth", str(int(stream))] if stream else []
     cmd += ["--calibrate"] if calibrate else []
     cmd += ["--batch", str(batch)] if batch else []
     cmd += dtype_args(a)
@@ -132,8 +142,9 @@ def batch(model: Path, budget: int, a: dict) -> dict:
 def predict_decode(run: dict, calibrate: bool = False) -> dict:
     """Fill in a decode run's predictions: with the pre-bench probe, and with the bench's own probe mean."""
     meas = run["bench"]
-    run["plan"] = plan(run, run["disk_probe"], calibrate)
-    run["plan_benchdisk"] = plan(run, meas["disk_bandwidth_bytes_per_s"])
+    run["plan"] = plan(run, run["disk_probe"], calibrate, stream=run.get("stream_probe"))
+    run["plan_benchdisk"] = plan(run, meas["disk_bandwidth_bytes_per_s"],
+                                 stream=meas.get("disk_stream_bandwidth_bytes_per_s") or run.get("stream_probe"))
     # a diagnostic, not a prediction: the disk rate the bench's own reads got (bytes over the time any was in
     # flight, their buffers' page faults included), where the probes around the bench disagree
     if meas.get("read_bandwidth_bytes_per_s"):
@@ -178,6 +189,7 @@ def decode_row(run: dict) -> dict:
             "streamed_dense_bytes_per_token_measured": meas.get("streamed_dense_bytes_per_token"),
             "bytes_per_token_measured": meas["bytes_read_per_token"], "disk_probe": pred["rates"]["disk"],
             "disk_bench": meas["disk_bandwidth_bytes_per_s"], "step_predicted": pred_b["decode_step"],
+            "stream_probe": run.get("stream_probe"), "stream_bench": meas.get("disk_stream_bandwidth_bytes_per_s"),
             "phases_measured_per_token": {k: (v / n if v is not None else None) for k, v in ph.items()},
             "prefill_predicted": pred_b["prefill_cold_tokens_per_s"], "prefill_measured": meas["prefill_tokens_per_s"],
             "other_cpu_load": meas.get("other_cpu_load")}
@@ -242,6 +254,7 @@ def measure(args) -> dict:
             if i == 0 and not args.keep_calibration:  # calibrate before anything else of this model, in this run
                 calibrate(out, run)
             run["disk_probe"] = probe(model)
+            run["stream_probe"] = probe_stream(model)
             try:
                 run["bench"] = bench(model, run["budget_bytes"], a)
             except RunFailed as e:  # a budget the engine refuses: said, and the other budgets still run
@@ -353,6 +366,8 @@ def _line(r: dict) -> str:
             f"{r['bytes_per_token_measured'] / 1e6:.0f} (+ dense {r['streamed_dense_bytes_per_token'] / 1e6:.0f}/"
             f"{(r.get('streamed_dense_bytes_per_token_measured') or 0) / 1e6:.0f})  "
             f"disk {r['disk_probe'] / 1e9:.2f}/{r['disk_bench'] / 1e9:.2f}"
+            + (f"  stream {r['stream_probe'] / 1e9:.2f}/{(r.get('stream_bench') or 0) / 1e9:.2f}"
+               if r.get("stream_probe") else "")
             + (f"  other load {r['other_cpu_load']:.2f} CPUs" if r.get("other_cpu_load") is not None else "")
             + (f"  (at its reads' rate {r['disk_read'] / 1e9:.2f}: ratio {r['ratio_readdisk']:.2f})"
                if r.get("ratio_readdisk") else ""))

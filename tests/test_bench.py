@@ -2,11 +2,13 @@
 consistent with each other, the phase breakdown adds up, and the plot is a PNG."""
 from __future__ import annotations
 
+
 import json
+import os
 
 import pytest
 
-from moestream.bench import BenchOptions, bench, format_report, probe_disk, model_files
+from moestream.bench import BenchOptions, bench, format_report, probe_disk, probe_stream, model_files
 from moestream.cli import main
 from moestream.engine.engine import plan
 
@@ -112,3 +114,16 @@ def test_peak_rss_within_budget_plus_fixed_overhead(tiny):
     assert r["rss_bound_bytes"] == budget + r["interpreter_rss_bytes"] + (32 << 20)
     assert r["rss_within_bound"], (r["peak_rss_bytes"], r["rss_bound_bytes"])
     assert r["peak_accounted_bytes"] <= budget
+
+
+def test_stream_probe_reads_a_shards_slabs_back_to_back(tmp_path, monkeypatch):
+    """The stream probe (a streamed head's pattern) reads whole slabs of the largest shard; a shard shorter than two
+    slabs gives 0.0 (nothing to stream)."""
+    from moestream.engine import residency
+
+    monkeypatch.setattr(residency, "HEAD_SLAB_BYTES", 1 << 20)
+    big, small = tmp_path / "big.bin", tmp_path / "small.bin"
+    big.write_bytes(os.urandom(5 << 20))
+    small.write_bytes(os.urandom(1 << 20))
+    assert probe_stream([small, big], seconds=0.2) > 0
+    assert probe_stream([small], seconds=0.2) == 0.0

@@ -127,6 +127,19 @@ def test_kimi_k3_real_config_reference_machines(k3_dir, capsys):
     assert refs["server-512g"]["max_sequences"] > 0
 
 
+def test_a_streamed_heads_slabs_at_the_stream_bandwidth(k3_dir, capsys):
+    """A streamed lm_head's slabs are priced at --stream-bandwidth (probed by default: bench.probe_stream); with
+    --disk-bandwidth alone, at the disk's rate."""
+    args = ("--ram-budget", "64GB", "--disk-bandwidth", "3GB", "--prompt-len", "16", "--gen-len", "8")
+    disk_only = plan_json(str(k3_dir), *args, capsys=capsys)
+    same = plan_json(str(k3_dir), *args, "--stream-bandwidth", "3GB", capsys=capsys)
+    slow = plan_json(str(k3_dir), *args, "--stream-bandwidth", "0.1GB", capsys=capsys)
+    assert same["decode_tokens_per_s"] == pytest.approx(disk_only["decode_tokens_per_s"], rel=1e-9)
+    assert slow["rates"]["disk_stream"] == 0.1e9 and disk_only["rates"]["disk_stream"] == 0.0
+    assert slow["decode_tokens_per_s"] < 0.9 * disk_only["decode_tokens_per_s"]
+    assert any("a streamed lm_head's slabs at 0.1 GB/s" in a for a in slow["assumptions"])
+
+
 def test_monotonic(tiny):
     def decode(budget_share: float, disk: float, batch: int | None = None) -> dict:
         opts = PlanOptions(budget_of(tiny, budget_share), batch, 8, 4, disk, skew=Skew(0.0, "test"))
@@ -163,6 +176,8 @@ def test_batch_shares_reads_when_io_bound(tiny):
 @pytest.mark.parametrize("argv, message", [
     (["--disk-bandwidth", "fast"], "--disk-bandwidth must be auto or bytes per second"),
     (["--disk-bandwidth", "0"], "--disk-bandwidth must be"),
+    (["--stream-bandwidth", "fast"], "--stream-bandwidth must be auto or bytes per second"),
+    (["--stream-bandwidth", "0"], "--stream-bandwidth must be"),
     (["--ram-budget", "1KB"], "too small"),
     (["--batch", "0"], "--batch must be at least 1"),
     (["--skew", "-1"], "--skew must be"),

@@ -29,6 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gen-len", type=int, default=256, help="generated tokens per sequence (default 256)")
     p.add_argument("--disk-bandwidth", default="auto", metavar="auto|BYTES/s",
                    help="disk read bandwidth, e.g. 7GB (per second), or auto: probe it (cached; default)")
+    p.add_argument("--stream-bandwidth", default="auto", metavar="auto|BYTES/s",
+                   help="read bandwidth of a streamed lm_head's 64 MiB slabs, or auto: probe it (cached; default; "
+                        "with --disk-bandwidth given: that rate)")
     p.add_argument("--skew", type=float, default=None, metavar="S",
                    help=f"expert popularity exponent: rank-i expert weight i^-S; 0 = uniform; default "
                         f"{DEFAULT_SKEW.exponent:g}, fitted to the trained demo model (random-weight synthetic "
@@ -66,18 +69,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_plan)
 
 
+def _rate(value: str, flag: str) -> float | None:
+    """A --disk-bandwidth style value in bytes/s (None for auto)."""
+    if str(value).lower() == "auto":
+        return None
+    text = str(value).removesuffix("/s")
+    try:
+        rate = float(text) if text.replace(".", "", 1).replace("e", "", 1).isdigit() else float(
+            parse_bytes(text) or 0)
+    except (MoestreamError, ValueError):
+        raise MoestreamError(f"{flag} must be auto or bytes per second (e.g. 7GB/s, 1.2e9), got {value!r}") from None
+    if rate <= 0:
+        raise MoestreamError(f"{flag} must be positive, got {value!r}")
+    return rate
+
+
 def options(args: argparse.Namespace) -> PlanOptions:
-    disk = None
-    if str(args.disk_bandwidth).lower() != "auto":
-        text = str(args.disk_bandwidth).removesuffix("/s")
-        try:
-            disk = float(text) if text.replace(".", "", 1).replace("e", "", 1).isdigit() else float(
-                parse_bytes(text) or 0)
-        except (MoestreamError, ValueError):
-            raise MoestreamError(f"--disk-bandwidth must be auto or bytes per second (e.g. 7GB/s, 1.2e9), got "
-                                 f"{args.disk_bandwidth!r}") from None
-        if disk <= 0:
-            raise MoestreamError(f"--disk-bandwidth must be positive, got {args.disk_bandwidth!r}")
+    disk = _rate(args.disk_bandwidth, "--disk-bandwidth")
+    stream = _rate(args.stream_bandwidth, "--stream-bandwidth")
     skew = DEFAULT_SKEW
     if args.skew_from and args.skew is not None:
         raise MoestreamError("--skew-from measures the skew: give it or --skew, not both")
@@ -92,7 +101,7 @@ def options(args: argparse.Namespace) -> PlanOptions:
     return PlanOptions(parse_budget(args.ram_budget), args.batch, args.prompt_len, args.gen_len, disk,
                        args.price_per_hour, skew, args.calibrate, args.machine, args.reference, args.kv_dtype,
                        compute_dtype=args.compute_dtype, skew_from=args.skew_from, skew_tokens=args.skew_tokens,
-                       save_skew=args.save_skew,
+                       save_skew=args.save_skew, stream_bandwidth=stream,
                        log=lambda msg: print(msg, file=sys.stderr))
 
 

@@ -107,6 +107,9 @@ class Rates:
     # {kv_dtype: {"decode_s", "decode_row_s", "batch_s", "batch_row_s", "prefill_token_s"}} seconds per layer with
     # a cache (per sequence; "_row_s": per token of context); empty: not measured (priced as fp32's)
     kv: dict[str, dict[str, float]] = field(default_factory=dict)
+    # bytes/s of a streamed lm_head's slab reads (bench.probe_stream: 64 MiB O_DIRECT reads back to back into two
+    # kept huge-page buffers, DenseStreamer.head's pattern); 0: not measured, the disk rate is used
+    disk_stream: float = 0.0
 
     def overhead_for(self, model_type: str, top_k: int, widths: dict[str, int] | None = None) -> Overhead | None:
         """The family's overhead at this top-k and these widths, else at this top-k, else the family's, else any
@@ -128,6 +131,7 @@ class Rates:
         out.dense_rows = {shape: {c: {str(r): float(t) for r, t in v.items()} for c, v in by.items()}
                           for shape, by in (d.get("dense_rows") or {}).items()}
         out.kv = {k: {n: float(t) for n, t in v.items()} for k, v in (d.get("kv") or {}).items()}
+        out.disk_stream = float(d.get("disk_stream", 0.0))
         out.overhead = {k: Overhead(**v) for k, v in d.get("overhead", {}).items()}
         return out
 
@@ -651,6 +655,14 @@ def disk_rate(files: list[Path], seconds: float) -> float:
                       buffers=DISK_PROBE_BUFFERS)
 
 
+def stream_rate(files: list[Path], seconds: float) -> float:
+    """bench's stream probe (a streamed lm_head's 64 MiB slabs back to back into two kept huge-page buffers) over
+    the model's largest shard; 0.0 where it cannot run (no shard of two slabs, O_DIRECT refused)."""
+    from moestream.bench import probe_stream
+
+    return probe_stream(files, max(0.5, seconds), seed=random.randrange(1 << 30))
+
+
 def disk_rate_at(directory: Path, seconds: float, nbytes: int = PROBE_FILE_BYTES) -> float:
     """The probe over a scratch file written in `directory` (a model with no local shards: where they would go)."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -1118,6 +1130,21 @@ class Calibrator:
             probe = (lambda: disk_rate(files, self.seconds)) if files else (lambda: disk_rate_at(where, self.seconds))
             (bw,), spread = rounds(probe, self.rounds)
             disks[key] = {"bytes_per_s": bw, "source": f"direct-I/O probe of {where}, {spread}, {self._stamp()}"}
+            _save(self.data)
+        return disks[key]["bytes_per_s"], disks[key]["source"]
+
+    def disk_stream(self, files: list[Path], where: Path) -> tuple[float, str]:
+        """A streamed lm_head's read rate (stream_rate) on the filesystem holding `where`, cached beside `disk`'s;
+        (0.0, why) where the model has no local shard to stream from (the disk rate is used)."""
+        if not files:
+            return 0.0, "no local shards: the disk probe's rate"
+        disks = self.data.setdefault("disks", {})
+        key = f"{self.key}|{disk_key(where)}|stream"
+        if key not in disks or (self.fresh and key not in self.disk_done):
+            self.disk_done.add(key)
+            self.log("calibrating: stream probe")
+            (bw,), spread = rounds(lambda: stream_rate(files, self.seconds), self.rounds)
+            disks[key] = {"bytes_per_s": bw, "source": f"stream probe of {where}, {spread}, {self._stamp()}"}
             _save(self.data)
         return disks[key]["bytes_per_s"], disks[key]["source"]
 

@@ -100,6 +100,8 @@ class PlanOptions:
     skew_tokens: int = 0  # tokens a --skew-from model trace routes (0: routing.TRACE_TOKENS)
     save_skew: str | None = None  # --save-skew: write the --skew-from model trace's routing report here
     probe_seconds: float = 1.0
+    # a streamed lm_head's slab reads, bytes/s; None: probed (bench.probe_stream), or with disk_bandwidth given, that
+    stream_bandwidth: float | None = None
     log: Callable[[str], None] = field(default=lambda msg: None)
 
     def check(self) -> None:
@@ -107,8 +109,9 @@ class PlanOptions:
             raise MoestreamError(f"--batch must be at least 1, got {self.batch}")
         if self.prompt_len < 1 or self.gen_len < 1:
             raise MoestreamError("--prompt-len and --gen-len must be at least 1")
-        if self.disk_bandwidth is not None and not (self.disk_bandwidth > 0 and math.isfinite(self.disk_bandwidth)):
-            raise MoestreamError(f"--disk-bandwidth must be a positive number of bytes/s, got {self.disk_bandwidth}")
+        for flag, rate in (("--disk-bandwidth", self.disk_bandwidth), ("--stream-bandwidth", self.stream_bandwidth)):
+            if rate is not None and not (rate > 0 and math.isfinite(rate)):
+                raise MoestreamError(f"{flag} must be a positive number of bytes/s, got {rate}")
         if self.price_per_hour is not None and not self.price_per_hour >= 0:
             raise MoestreamError(f"--price-per-hour must be >= 0, got {self.price_per_hour}")
         if self.compute_dtype not in COMPUTE_DTYPE_NAMES:
@@ -177,7 +180,12 @@ def make_plan(path: str | Path, opts: PlanOptions) -> dict:
         if opts.disk_bandwidth is not None:
             here.disk, here.source["disk"] = opts.disk_bandwidth, "--disk-bandwidth"
         elif opts.machine is None:
-            here.disk, here.source["disk"] = cal.disk(*_probe_target(Path(path)))
+            target = _probe_target(Path(path))
+            here.disk, here.source["disk"] = cal.disk(*target)
+            if opts.stream_bandwidth is None:
+                here.disk_stream, here.source["disk_stream"] = cal.disk_stream(*target)
+        if opts.stream_bandwidth is not None and opts.machine is None:
+            here.disk_stream, here.source["disk_stream"] = opts.stream_bandwidth, "--stream-bandwidth"
         if opts.machine is not None:
             m = MACHINES[opts.machine]
             out = _predict(facts, p, m.rates(here), opts.ram_budget or m.ram - OS_RESERVE, opts, m.describe())
@@ -287,7 +295,9 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
         "expert cache: the budget's cache holds each MoE layer's most popular experts, shared evenly by the "
         f"{f.moe_layers} MoE layers (LFRU's steady state); sequence state grows into the same room",
         f"disk: {r['disk'] / 1e9:.3g} GB/s for expert reads and streamed dense layers "
-        f"({src.get('disk', src.get('all', ''))})",
+        f"({src.get('disk', src.get('all', ''))})"
+        + (f"; a streamed lm_head's slabs at {r['disk_stream'] / 1e9:.3g} GB/s ({src.get('disk_stream', '')})"
+           if r.get("disk_stream") else ""),
         "compute: one-row weight kernels at " + ", ".join(f"{k} {v / 1e9:.3g} GB/s" for k, v in r["gemv"].items())
         + "; multi-row weights expanded to fp32 at " + ", ".join(f"{k} {v / 1e9:.3g} GB/s"
                                                                  for k, v in r["expand"].items())
