@@ -448,7 +448,8 @@ def finish_report(r: dict) -> dict:
     """Derived figures: io_roofline_fraction = (bytes per token / disk bandwidth) / seconds per token, against the
     probes' mean and (io_roofline_fraction_best_probe) against the faster probe; every_byte_roofline_fraction =
     (expert bytes at the disk bandwidth, streamed dense bytes at the stream probe's (probe_stream, where it ran) +
-    resident dense and cached expert bytes at the memory bandwidth, no overlap credited) / seconds per token (issue #12's K3 roofline)."""
+    resident dense and cached expert bytes at the memory bandwidth, no overlap credited) / seconds per token (issue
+    #12's K3 roofline)."""
     per_tok = 1.0 / r["decode_tokens_per_s"] if r["decode_tokens_per_s"] > 0 else 0.0
     for key, bw_key in (("io_roofline_fraction", "disk_bandwidth_bytes_per_s"),
                         ("io_roofline_fraction_best_probe", "disk_bandwidth_best_probe_bytes_per_s")):

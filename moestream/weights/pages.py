@@ -1,8 +1,9 @@
-"""Anonymous buffers for weights. Resident dense matrices (loaded once, streamed by every step): each whole 2 MiB
-stretch of the bytes asked for on a transparent huge page where the kernel offers them (THP mode "madvise" or
-"always"), the rest on 4 KiB pages, so that resident memory is still the bytes asked for, which is what the budget
-counts. The reader's expert buffers (mapped while a cold step waits on them) stay plain 4 KiB mappings
-(experts/reader.py).
+"""Anonymous buffers for weights. Resident dense matrices (loaded once, streamed by every step) and the two buffers a
+streamed lm_head's slabs are read into (made once, kept: engine/residency.py): each whole 2 MiB stretch of the bytes
+asked for on a transparent huge page where the kernel offers them (THP mode "madvise" or "always"), the rest on 4 KiB
+pages, so that resident memory is still the bytes asked for, which is what the budget counts. The reader's expert
+buffers (mapped while a cold step waits on them) stay plain 4 KiB mappings (experts/reader.py): fresh huge pages
+fault in slowly on this VM, and expert buffers come and go.
 
 Why: a decode step streams every dense matrix from RAM once, and on 4 KiB pages each page of the stream costs a TLB
 miss and a page walk. A 512 MiB bf16 matrix-vector product on this machine's two cores ran 25.4 against 22.5 GB/s
