@@ -69,7 +69,7 @@ def probe(model: Path) -> float:
 
 
 def probe_stream(model: Path) -> float:
-    """The planner's stream probe (calibrate.stream_rate: a streamed lm_head's slabs into kept huge-page buffers)."""
+    """The planner's stream probe (calibrate.stream_rate: streamed dense weights into kept huge-page buffers)."""
     from moestream.bench import PROBE_SECONDS, model_files
     from moestream.planner.calibrate import stream_rate
 

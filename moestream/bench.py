@@ -196,9 +196,9 @@ def probe_disk(files: list[Path], threads: int, seconds: float = PROBE_SECONDS, 
 
 
 def probe_stream(files: list[Path], seconds: float = PROBE_SECONDS, seed: int = 0) -> float:
-    """Bytes/s of a streamed lm_head's own read pattern (engine/residency.py, DenseStreamer.head): consecutive
-    HEAD_SLAB_BYTES O_DIRECT reads from a random place in the model's largest shard, back to back, into two kept
-    buffers on huge pages (faulted in before the clock starts). On a VM a direct read is cut into one disk request
+    """Bytes/s of streamed dense weights' read pattern (engine/residency.py: a head's slabs, and layers read into
+    two kept slots): consecutive HEAD_SLAB_BYTES O_DIRECT reads from a random place in the model's largest shard,
+    back to back, into two kept buffers on huge pages (faulted in before the clock starts). On a VM a direct read is cut into one disk request
     per physically contiguous stretch of its buffer, so this pattern and the random probe's (4 MiB into 4 KiB pages)
     read at different rates (docs/performance.md). 0.0 where no shard holds two slabs or O_DIRECT is refused."""
     from moestream.engine.residency import HEAD_SLAB_BYTES, read_direct
@@ -275,7 +275,7 @@ def bench(path: str | Path, opts: BenchOptions) -> dict:
     if opts.probe:
         probes.append(probe_disk(files, probe_threads, seed=1))
         report["memory_bandwidth_bytes_per_s"] = mem_bw
-        if report.get("streamed_dense_bytes_per_token"):  # the streamed dense bytes' own pattern (a head's slabs)
+        if report.get("streamed_dense_bytes_per_token"):  # the streamed dense bytes' own pattern
             report["disk_stream_bandwidth_bytes_per_s"] = probe_stream(files, seed=1)
     report.update(_context(eng, opts, cold, sum(probes) / len(probes) if probes else 0.0, base_rss, peak))
     report["disk_bandwidth_best_probe_bytes_per_s"] = max(probes, default=0.0)
@@ -482,8 +482,8 @@ def format_report(r: dict) -> str:
         + (f"{format_bytes(r['disk_bandwidth_bytes_per_s'])}/s (direct I/O, mean of before and after; better one "
            f"{format_bytes(int(r['disk_bandwidth_best_probe_bytes_per_s']))}/s)"
            if r.get("disk_bandwidth_best_probe_bytes_per_s") else "skipped (--no-probe)")
-        + (f";   stream probe {format_bytes(int(r['disk_stream_bandwidth_bytes_per_s']))}/s (a streamed head's "
-           f"slabs)" if r.get("disk_stream_bandwidth_bytes_per_s") else ""),
+        + (f";   stream probe {format_bytes(int(r['disk_stream_bandwidth_bytes_per_s']))}/s (streamed dense "
+           f"weights)" if r.get("disk_stream_bandwidth_bytes_per_s") else ""),
         f"I/O roofline     {_pct(r['io_roofline_fraction'])} of decode time is the disk at full speed "
         f"({_pct(r.get('io_roofline_fraction_best_probe'))} against the better probe)",
         f"every-byte roof  {_pct(r.get('every_byte_roofline_fraction'))} (disk bytes at the probes', RAM bytes at "

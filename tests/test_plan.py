@@ -128,8 +128,8 @@ def test_kimi_k3_real_config_reference_machines(k3_dir, capsys):
 
 
 def test_a_streamed_heads_slabs_at_the_stream_bandwidth(k3_dir, capsys):
-    """A streamed lm_head's slabs are priced at --stream-bandwidth (probed by default: bench.probe_stream); with
-    --disk-bandwidth alone, at the disk's rate."""
+    """Streamed dense weights (here the lm_head's slabs) are priced at --stream-bandwidth (probed by default:
+    bench.probe_stream); with --disk-bandwidth alone, at the disk's rate."""
     args = ("--ram-budget", "64GB", "--disk-bandwidth", "3GB", "--prompt-len", "16", "--gen-len", "8")
     disk_only = plan_json(str(k3_dir), *args, capsys=capsys)
     same = plan_json(str(k3_dir), *args, "--stream-bandwidth", "3GB", capsys=capsys)
@@ -137,7 +137,7 @@ def test_a_streamed_heads_slabs_at_the_stream_bandwidth(k3_dir, capsys):
     assert same["decode_tokens_per_s"] == pytest.approx(disk_only["decode_tokens_per_s"], rel=1e-9)
     assert slow["rates"]["disk_stream"] == 0.1e9 and disk_only["rates"]["disk_stream"] == 0.0
     assert slow["decode_tokens_per_s"] < 0.9 * disk_only["decode_tokens_per_s"]
-    assert any("a streamed lm_head's slabs at 0.1 GB/s" in a for a in slow["assumptions"])
+    assert any("streamed dense layers and lm_head slabs at 0.1 GB/s" in a for a in slow["assumptions"])
 
 
 def test_monotonic(tiny):

@@ -30,8 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disk-bandwidth", default="auto", metavar="auto|BYTES/s",
                    help="disk read bandwidth, e.g. 7GB (per second), or auto: probe it (cached; default)")
     p.add_argument("--stream-bandwidth", default="auto", metavar="auto|BYTES/s",
-                   help="read bandwidth of a streamed lm_head's 64 MiB slabs, or auto: probe it (cached; default; "
-                        "with --disk-bandwidth given: that rate)")
+                   help="read bandwidth of streamed dense weights (layers, lm_head slabs), or auto: probe it (cached; "
+                        "default; with --disk-bandwidth given: that rate)")
     p.add_argument("--skew", type=float, default=None, metavar="S",
                    help=f"expert popularity exponent: rank-i expert weight i^-S; 0 = uniform; default "
                         f"{DEFAULT_SKEW.exponent:g}, fitted to the trained demo model (random-weight synthetic "

@@ -3,8 +3,10 @@
 Owns `plan_residency` (from a `ModelPlan` and a budget: which decoder layers keep their large matrices resident,
 whether the embedding is read row by row from disk and the lm_head in slabs, the stream buffers that costs, what
 is left for the expert cache; BudgetError naming the numbers when even streaming everything cannot fit) and
-`DenseStreamer`, which carries that plan out: it hands the model placeholder tensors whose storage is filled
-just before their layer runs and emptied right after, while reader threads fetch the next streamed layer.
+`DenseStreamer`, which carries that plan out: it hands the model tensors over places in two slots kept for the
+engine's life (the streamed layers take them in turn), filled just before their layer runs while reader threads
+fetch the next streamed layer into the other slot (where slots cannot be used: placeholder tensors whose storage
+is filled before their layer runs and emptied right after), and reads a streamed head slab by slab.
 Small tensors (norms, biases, routers, vectors) are always resident: they are used every token and cost little.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ import mmap
 import os
 import re
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -394,6 +397,26 @@ def read_direct(file, offset: int, nbytes: int, extra: int = 0, into: mmap.mmap 
     return buf, offset - first
 
 
+def _read_aligned(path: Path, offset: int, view: memoryview) -> None:
+    """[offset, offset + len(view)) of a local file, offset, length and view 4 KiB-aligned, by O_DIRECT (a buffered
+    read where the file refuses it); CheckpointError if the file ends first."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        read_into(path, offset, [view])
+        return
+    try:
+        done, _ = pread_fill(fd, [view], offset)
+    except OSError:  # (O_DIRECT refused at read time: the same bytes buffered)
+        done = -1
+    finally:
+        os.close(fd)
+    if done == -1:
+        read_into(path, offset, [view])
+    elif done < len(view):
+        raise CheckpointError(f"{path}: unexpected end of file at byte {offset + done}")
+
+
 def _buffer(storage) -> ctypes.Array:
     """A writable bytes view of a CPU storage (for positioned reads straight into it)."""
     return (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
@@ -503,12 +526,14 @@ class _CodedRows:
 
 
 class DenseStreamer:
-    """Runs a ResidencyPlan: placeholder tensors for streamed layers, filled before and emptied after each use.
+    """Runs a ResidencyPlan: tensors for streamed layers in kept slots (or placeholders), filled before each use.
 
     The decoder loops call `enter(l)` before layer l and `leave(l)` after it. At `enter(l)` layer l is made present
     (waiting for its read) and the read of the next streamed layer (in loop order, wrapping to the next step) is
-    started on the reader threads, so at most two streamed layers are in RAM: the current one and the next.
-    Their bytes are counted by the accountant (`add_stream`), inside the reserve the plan set aside.
+    started on the reader threads, so at most two streamed layers are in RAM: the current one and the next (with
+    an odd number of streamed layers in slots, the last and the first share a slot: the first is read at the
+    last one's `leave`). Their bytes are counted by the accountant (`add_stream`), inside the reserve the plan set
+    aside: the slots for as long as they are kept, placeholders' storage while it holds a layer.
     """
 
     def __init__(self, index: CheckpointIndex, prefix: str, memory, plan: ResidencyPlan):
@@ -524,6 +549,12 @@ class DenseStreamer:
         self._no_direct = False  # O_DIRECT refused here (the head's slabs are then read buffered)
         self._head_kept: list | None = None  # the two buffers streamed head slabs are read into (_head_buffers)
         self._head_counted = 0
+        # streamed layers' tensors in two kept slots on huge pages (_plan_slots): name -> (slot, place)
+        self._slots: list = []
+        self._place: dict[str, tuple[int, int]] = {}
+        self._slot_of: dict[int, int] = {}
+        self._slot_counted = 0
+        self._plan_slots()
         self.head_part = None  # the head's resident leading rows (plan.head_resident_rows), read once here
         if plan.head_streamed and plan.head_resident_rows:
             info = self._table_info(HEAD if not plan.tied else EMBED)
@@ -535,6 +566,58 @@ class DenseStreamer:
                 read_range(info.file, info.offset, plan.head_resident_rows * row, out=_buffer(t.untyped_storage()))
             memory.add_dense(t.numel() * t.element_size())
             self.head_part = t
+
+    def _plan_slots(self) -> None:
+        """Places for the streamed layers' tensors in two slots kept for the engine's life, on huge pages where the
+        kernel offers them (weights/pages.py): the streamed layers take the slots in turn (a layer is read into one
+        while the one before it computes in the other), each layer's tensors in file order, each at the first place
+        at or after the previous one's end that is congruent to its file offset modulo ALIGN, so the aligned inside
+        of its bytes is read by O_DIRECT straight into place. Why: fresh memory for every read faults its pages in
+        (about 2 GB/s on this VM) and scatters the disk requests (docs/performance.md, "Streamed dense weights into
+        kept huge pages"). The slots are booked as the plan's layer buffers (two of the largest layer's bytes; the
+        gaps, under ALIGN bytes a tensor, are measured as unbooked memory). Nothing is kept where a shard is not a
+        local file, O_DIRECT is missing, or a place would not suit a tensor's dtype: each read then takes storage
+        of its own."""
+        if not self.order or not hasattr(os, "O_DIRECT"):
+            return
+        streamed = set(self.order)
+        items: dict[int, list[tuple[str, TensorInfo]]] = {l: [] for l in self.order}
+        for full in self.index.names():
+            if not full.startswith(self.prefix):
+                continue
+            name = full[len(self.prefix):]
+            layer, info = layer_of(name), self.index[full]
+            if layer in streamed and streamable(name, info):
+                if not isinstance(info.file, Path):
+                    return
+                items[layer].append((name, info))
+        place, size = {}, 0
+        for i, layer in enumerate(self.order):
+            pos = 0
+            for name, info in sorted(items[layer], key=lambda ni: (str(ni[1].file), ni[1].offset)):
+                pos += (info.offset - pos) % ALIGN
+                width = 1 if info.codec == "b12" else info.torch_dtype.itemsize
+                if pos % width:
+                    return
+                place[name] = (i % 2, pos)
+                pos += info.nbytes
+            size = max(size, pos)
+        if size == 0:
+            return
+        self._slot_of = {layer: i % 2 for i, layer in enumerate(self.order)}
+        self._place = place
+        self._slots = [pages.anon_buffer(size) for _ in range(2 if len(self.order) > 1 else 1)]
+        self._slot_counted = self.plan.layer_buffer_bytes
+        self.memory.add_stream(self._slot_counted)
+
+    def _slot_tensor(self, name: str, info: TensorInfo) -> torch.Tensor:
+        """A streamed tensor over its place in its slot (its bytes are there while its layer is present)."""
+        slot, pos = self._place[name]
+        if info.codec == "b12":
+            return B12Weight.wrap(torch.frombuffer(self._slots[slot], dtype=torch.uint8, count=info.nbytes,
+                                                   offset=pos), info.shape)
+        n = info.nbytes // info.torch_dtype.itemsize
+        return torch.frombuffer(self._slots[slot], dtype=info.torch_dtype, count=n, offset=pos).view(info.shape)
 
     # -- what the model's weights ask -------------------------------------------------------------------------
     def streams(self, name: str) -> bool:
@@ -549,7 +632,9 @@ class DenseStreamer:
         """The one placeholder for a streamed tensor (empty storage until its layer is entered)."""
         if name not in self.tensors:
             info = self.index[self.prefix + name]
-            if info.codec == "b12":  # a packed coded matrix: its stored bytes, read by the kernels as they are
+            if name in self._place:
+                t = self._slot_tensor(name, info)
+            elif info.codec == "b12":  # a packed coded matrix: its stored bytes, read by the kernels as they are
                 _CodedRows(info)  # (its exception table checked once, before any step reads the bytes)
                 t = B12Weight.wrap(_empty_placeholder((info.nbytes,), torch.uint8), info.shape)
             else:
@@ -568,11 +653,37 @@ class DenseStreamer:
                 return l
         return self.order[0] if self.order else None
 
+    def _start_in_slot(self, layer: int) -> None:
+        """Queue the reads of a layer's tensors into their places in its slot (_plan_slots): the aligned inside of
+        each tensor by O_DIRECT in pieces of READ_BYTES over the reader threads, its unaligned ends (and every
+        byte, where O_DIRECT is refused) by buffered reads."""
+        view = memoryview(self._slots[self._slot_of[layer]])
+        futures = []
+        for t, info in self.by_layer[layer]:
+            pos = self._place[info.name[len(self.prefix):]][1]
+            o, n = info.offset, info.nbytes
+            a0, a1 = -(-o // ALIGN) * ALIGN, (o + n) // ALIGN * ALIGN
+            if a1 <= a0:
+                futures.append(self.pool.submit(read_into, info.file, o, [view[pos:pos + n]]))
+                continue
+            if a0 > o:
+                futures.append(self.pool.submit(read_into, info.file, o, [view[pos:pos + a0 - o]]))
+            for at in range(a0, a1, READ_BYTES):
+                end = min(a1, at + READ_BYTES)
+                futures.append(self.pool.submit(_read_aligned, info.file, at, view[pos + at - o:pos + end - o]))
+            if o + n > a1:
+                futures.append(self.pool.submit(read_into, info.file, a1, [view[pos + a1 - o:pos + n]]))
+        self.pending[layer] = futures
+
     def _start(self, layer: int) -> None:
-        """Allocate a layer's tensors and queue their reads: one scatter read per run of nearby tensors in a shard,
+        """Allocate a layer's tensors and queue their reads: into a kept slot where the layers allow it
+        (_start_in_slot), else one scatter read per run of nearby tensors in a shard into storage of their own,
         cut into pieces of READ_BYTES spread over the reader threads (a read waits for latency before bandwidth;
         several in flight hide it)."""
         if layer in self.present or layer in self.pending or not self.by_layer.get(layer):
+            return
+        if self._slots:
+            self._start_in_slot(layer)
             return
         items = self.by_layer[layer]
         self.memory.add_stream(sum(info.nbytes for _, info in items))
@@ -610,16 +721,20 @@ class DenseStreamer:
         self.bytes_read += sum(info.nbytes for _, info in self.by_layer[layer])
 
     def _drop(self, layer: int) -> None:
+        self.present.discard(layer)
+        if self._slots:  # its slot stays mapped (and booked) for the next layer read into it
+            return
         nbytes = 0
         for t, info in self.by_layer[layer]:
             t.untyped_storage().resize_(0)
             nbytes += info.nbytes
-        self.present.discard(layer)
         self.memory.release_stream(nbytes)
 
     def enter(self, layer: int) -> None:
         """Before layer `layer` runs: its streamed weights present, the next streamed layer's read started."""
         nxt = self._next(layer)
+        if self._slots and layer in self.by_layer and nxt != layer and self._slot_of[nxt] == self._slot_of[layer]:
+            nxt = None  # an odd number of streamed layers: the next one shares this one's slot (read in leave)
         want = [l for l in dict.fromkeys([layer if layer in self.by_layer else None, nxt]) if l is not None]
         for other in list(self.present) + list(self.pending):  # after an interrupted step: back to two at most
             if other not in want:
@@ -634,8 +749,9 @@ class DenseStreamer:
     def leave(self, layer: int) -> None:
         if layer in self.present:
             self._drop(layer)
-            if self._next(layer) == layer:
-                self._start(layer)  # the only streamed layer: read it again for the next step
+            nxt = self._next(layer)
+            if nxt == layer or self._slots and self._slot_of[nxt] == self._slot_of[layer]:
+                self._start(nxt)  # the only streamed layer again, or the next one that shares its slot
 
     # -- embedding and head --------------------------------------------------------------------------------------
     def _table_info(self, name: str) -> TensorInfo:
@@ -762,6 +878,9 @@ class DenseStreamer:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        if self._slot_counted:
+            self.memory.release_stream(self._slot_counted)
+            self._slot_counted = 0
         if self._head_kept is not None:
             self._head_kept = None
             self.memory.release_stream(self._head_counted)

@@ -107,8 +107,8 @@ class Rates:
     # {kv_dtype: {"decode_s", "decode_row_s", "batch_s", "batch_row_s", "prefill_token_s"}} seconds per layer with
     # a cache (per sequence; "_row_s": per token of context); empty: not measured (priced as fp32's)
     kv: dict[str, dict[str, float]] = field(default_factory=dict)
-    # bytes/s of a streamed lm_head's slab reads (bench.probe_stream: 64 MiB O_DIRECT reads back to back into two
-    # kept huge-page buffers, DenseStreamer.head's pattern); 0: not measured, the disk rate is used
+    # bytes/s of streamed dense reads (bench.probe_stream: 64 MiB O_DIRECT reads back to back into two kept
+    # huge-page buffers, as DenseStreamer reads a head's slabs and its layers); 0: not measured, the disk rate is used
     disk_stream: float = 0.0
 
     def overhead_for(self, model_type: str, top_k: int, widths: dict[str, int] | None = None) -> Overhead | None:
@@ -656,8 +656,8 @@ def disk_rate(files: list[Path], seconds: float) -> float:
 
 
 def stream_rate(files: list[Path], seconds: float) -> float:
-    """bench's stream probe (a streamed lm_head's 64 MiB slabs back to back into two kept huge-page buffers) over
-    the model's largest shard; 0.0 where it cannot run (no shard of two slabs, O_DIRECT refused)."""
+    """bench's stream probe (64 MiB slabs back to back into two kept huge-page buffers, as streamed dense weights
+    are read) over the model's largest shard; 0.0 where it cannot run (no shard of two slabs, O_DIRECT refused)."""
     from moestream.bench import probe_stream
 
     return probe_stream(files, max(0.5, seconds), seed=random.randrange(1 << 30))
@@ -1134,7 +1134,7 @@ class Calibrator:
         return disks[key]["bytes_per_s"], disks[key]["source"]
 
     def disk_stream(self, files: list[Path], where: Path) -> tuple[float, str]:
-        """A streamed lm_head's read rate (stream_rate) on the filesystem holding `where`, cached beside `disk`'s;
+        """Streamed dense weights' read rate (stream_rate) on the filesystem holding `where`, cached beside `disk`'s;
         (0.0, why) where the model has no local shard to stream from (the disk rate is used)."""
         if not files:
             return 0.0, "no local shards: the disk probe's rate"

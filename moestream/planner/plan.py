@@ -100,7 +100,7 @@ class PlanOptions:
     skew_tokens: int = 0  # tokens a --skew-from model trace routes (0: routing.TRACE_TOKENS)
     save_skew: str | None = None  # --save-skew: write the --skew-from model trace's routing report here
     probe_seconds: float = 1.0
-    # a streamed lm_head's slab reads, bytes/s; None: probed (bench.probe_stream), or with disk_bandwidth given, that
+    # streamed dense reads (layers, head slabs), bytes/s; None: probed (bench.probe_stream), or disk_bandwidth if given
     stream_bandwidth: float | None = None
     log: Callable[[str], None] = field(default=lambda msg: None)
 
@@ -294,10 +294,10 @@ def assumptions(f: ModelFacts, opts: PlanOptions, out: dict) -> list[str]:
         f"routing: {opts.skew.describe()}; the cache also holds the previous token's experts when it has room",
         "expert cache: the budget's cache holds each MoE layer's most popular experts, shared evenly by the "
         f"{f.moe_layers} MoE layers (LFRU's steady state); sequence state grows into the same room",
-        f"disk: {r['disk'] / 1e9:.3g} GB/s for expert reads and streamed dense layers "
-        f"({src.get('disk', src.get('all', ''))})"
-        + (f"; a streamed lm_head's slabs at {r['disk_stream'] / 1e9:.3g} GB/s ({src.get('disk_stream', '')})"
-           if r.get("disk_stream") else ""),
+        f"disk: {r['disk'] / 1e9:.3g} GB/s for expert reads"
+        + (f"; streamed dense layers and lm_head slabs at {r['disk_stream'] / 1e9:.3g} GB/s "
+           f"({src.get('disk_stream', '')})" if r.get("disk_stream") else " and streamed dense weights")
+        + f" ({src.get('disk', src.get('all', ''))})",
         "compute: one-row weight kernels at " + ", ".join(f"{k} {v / 1e9:.3g} GB/s" for k, v in r["gemv"].items())
         + "; multi-row weights expanded to fp32 at " + ", ".join(f"{k} {v / 1e9:.3g} GB/s"
                                                                  for k, v in r["expand"].items())

@@ -396,21 +396,21 @@ class Scenario:
         s = self.facts.state
         return sequences * (s.bytes_per_token * context + 2 * s.fixed_bytes) / self.rates.memory
 
+    def _stream_rate(self) -> float:
+        """Bytes/s of streamed dense reads (layers into their kept slots, the head's slabs into their kept buffers:
+        engine/residency.py): the stream probe's (Rates.disk_stream) where measured, else the disk's."""
+        return self.rates.disk_stream or self.rates.disk
+
     def _streamed(self) -> float:
-        """Seconds a step reads its streamed dense weights: layers at the disk's rate, the head's slabs at theirs."""
-        if self.rates.disk <= 0:
-            return 0.0
-        r = self.residency
-        layers = r.streamed_bytes_per_step - (r.head_stream_bytes if r.head_streamed else 0)
-        return layers / self.rates.disk + self._head_read()
+        """Seconds a step reads its streamed dense weights (layers and the head's slabs)."""
+        return self.residency.streamed_bytes_per_step / self._stream_rate() if self.rates.disk > 0 else 0.0
 
     def _head_read(self) -> float:
-        """Seconds a step reads the streamed lm_head's slabs (the rows it does not keep resident), 0 when resident:
-        at the stream probe's rate (Rates.disk_stream) where measured, else the disk's."""
+        """Seconds a step reads the streamed lm_head's slabs (the rows it does not keep resident), 0 when resident."""
         r = self.residency
         if not r.head_streamed or self.rates.disk <= 0:
             return 0.0
-        return r.head_stream_bytes / (self.rates.disk_stream or self.rates.disk)
+        return r.head_stream_bytes / self._stream_rate()
 
     def _multi(self, used: float, missing: float, rows: float, fallback: float, parts: dict[str, float],
                head: float, overhead: float, window: float | None, step_rows: float = 0.0) -> Step:
