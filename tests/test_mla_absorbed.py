@@ -112,6 +112,16 @@ def test_block_fp8_kv_b_on_whole_blocks_stays_fp8(monkeypatch):
     unaligned = LatentHeads(BlockFp8Weight.wrap(*quantize_fp8_block(torch.randn(h * 96, r), block), block),
                             h, 48, 48, r, MemoryAccountant(None))
     assert unaligned.uk_t8 is None and unaligned.w32 is not None  # 48-row halves: dequantised once, as before
+    # streamed (nothing prepared, nothing counted): the same native calls, the key halves transposed per step, the
+    # very bits of the resident products
+    streamed = LatentHeads(BlockFp8Weight.wrap(q, s, block), h, dn, dv, r, None)
+    assert streamed.uk_t8 is None and streamed.w32 is None and streamed.fp8_streamed
+    calls.clear()
+    for n in (1, 5):
+        qn, ctx = torch.randn(h, n, dn), torch.randn(h, n, r)
+        assert torch.equal(streamed.fold_query(qn), heads.fold_query(qn))
+        assert torch.equal(streamed.unfold_context(ctx), heads.unfold_context(ctx))
+    assert calls == [1, 1, 1, 1, 5, 5, 5, 5]
 
 
 def test_bf16_weights_every_mode_matches_the_fp32_expansion():

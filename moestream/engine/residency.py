@@ -629,7 +629,8 @@ class DenseStreamer:
         return layer in self.by_layer and streamable(name, self.index[self.prefix + name])
 
     def tensor(self, name: str) -> torch.Tensor:
-        """The one placeholder for a streamed tensor (empty storage until its layer is entered)."""
+        """The one tensor the model gets for a streamed tensor: a view of its place in its slot (_plan_slots), else a
+        placeholder whose storage is empty until its layer is entered."""
         if name not in self.tensors:
             info = self.index[self.prefix + name]
             if name in self._place:

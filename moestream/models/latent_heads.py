@@ -8,8 +8,9 @@ block-FP8 kv_b whose heads fall on whole scale blocks (DeepSeek-V3's) stays FP8 
 scales transposed once (the key halves' bytes again, counted), each product of fewer than FP8_NATIVE_MAX_T rows
 one native FP8 call, larger steps a bounded chunk of heads upcast at a time. Other quantised ones (int4, unaligned
 FP8) are dequantised once to fp32 at load (exact, counted). A streamed kv_b (refilled each step) is used as it is:
-the same native products (the key halves transposed per step), and for larger steps a bounded chunk of heads
-upcast at a time.
+the same native products, bf16 or block-FP8 (the key halves transposed per step: for DeepSeek-V3's FP8 kv_b 8 MiB of
+codes a layer, where upcasting the heads cost ~0.15 s a layer a token), and for larger steps a bounded chunk of
+heads upcast at a time.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ class LatentHeads:
         self.w32: torch.Tensor | None = None  # [H, dn + dv, r] fp32, when resident in (or dequantised to) fp32
         self.uk_t: torch.Tensor | None = None  # [H, r, dn] bf16 contiguous: native per-head query fold
         self.uk_t8: tuple[torch.Tensor, torch.Tensor] | None = None  # FP8 W_UK^T codes [H * r, dn], scales
+        # a streamed block-FP8 kv_b the native kernel reads per head: its key halves transposed per step
+        self.fp8_streamed = memory is None and self._fp8_aligned()
         if memory is None:
             return
         if self._fp8_aligned():
@@ -76,7 +79,7 @@ class LatentHeads:
         return codes_t, scales_t
 
     def _fp8(self, tokens: int) -> bool:
-        return self.uk_t8 is not None and tokens < quant.FP8_NATIVE_MAX_T
+        return (self.uk_t8 is not None or self.fp8_streamed) and tokens < quant.FP8_NATIVE_MAX_T
 
     def _native(self, tokens: int) -> bool:
         """bf16 kv_b and few rows: per-head native products (a streamed kv_b too, so streaming changes no bit)."""
@@ -102,7 +105,8 @@ class LatentHeads:
         h, n, _ = q_nope.shape
         if self._fp8(n):  # every head in one native FP8 call on the transposed key halves' codes
             br, bc = self.kv_b.block
-            return cpu.linear_fp8_heads(q_nope, self.uk_t8[0], self.uk_t8[1], self.rank, 0, self.rank, (bc, br))
+            codes_t, scales_t = self.uk_t8 if self.uk_t8 is not None else self._fp8_key_halves_t()
+            return cpu.linear_fp8_heads(q_nope, codes_t, scales_t, self.rank, 0, self.rank, (bc, br))
         if self._native(n):  # every head in one threaded native call on the transposed key halves
             uk_t = self.uk_t if self.uk_t is not None else self._key_halves_t()
             return cpu.linear_bf16_heads(q_nope, uk_t, 0, self.rank * self.dn, self.rank)
