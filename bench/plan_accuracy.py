@@ -146,9 +146,10 @@ def predict_decode(run: dict, calibrate: bool = False) -> dict:
     run["plan_benchdisk"] = plan(run, meas["disk_bandwidth_bytes_per_s"],
                                  stream=meas.get("disk_stream_bandwidth_bytes_per_s") or run.get("stream_probe"))
     # a diagnostic, not a prediction: the disk rate the bench's own reads got (bytes over the time any was in
-    # flight, their buffers' page faults included), where the probes around the bench disagree
+    # flight, their buffers' page faults included), where the probes around the bench disagree; streamed dense
+    # weights stay at the stream probe's rate
     if meas.get("read_bandwidth_bytes_per_s"):
-        run["plan_readdisk"] = plan(run, meas["read_bandwidth_bytes_per_s"])
+        run["plan_readdisk"] = plan(run, meas["read_bandwidth_bytes_per_s"], stream=run.get("stream_probe"))
     return run
 
 
