@@ -1,7 +1,8 @@
-"""Anonymous buffers for weights. Resident dense matrices (loaded once, streamed by every step) and the two buffers a
-streamed lm_head's slabs are read into (made once, kept: engine/residency.py): each whole 2 MiB stretch of the bytes
-asked for on a transparent huge page where the kernel offers them (THP mode "madvise" or "always"), the rest on 4 KiB
-pages, so that resident memory is still the bytes asked for, which is what the budget counts. The reader's expert
+"""Anonymous buffers for weights. Resident dense matrices (loaded once, streamed by every step), and the buffers
+streamed dense weights are read into (a head's two slab buffers, the layers' two slots: made once, kept,
+engine/residency.py): each whole 2 MiB stretch of the bytes asked for on a transparent huge page where the kernel
+offers them (THP mode "madvise" or "always"), the rest on 4 KiB pages, so that resident memory is still the bytes
+asked for, which is what the budget counts. The reader's expert
 buffers (mapped while a cold step waits on them) stay plain 4 KiB mappings (experts/reader.py): fresh huge pages
 fault in slowly on this VM, and expert buffers come and go.
 
