@@ -75,7 +75,7 @@ def layer_buffers(request, monkeypatch):
     """Streamed layers read into the two kept slots (O_DIRECT for each tensor's aligned inside), and as before
     into storage of their own (where a shard is not a local file or O_DIRECT is missing)."""
     if request.param == "own storage":
-        monkeypatch.setattr(residency.DenseStreamer, "_plan_slots", lambda self: None)
+        monkeypatch.setattr(residency.DenseStreamer, "_plan_slots", lambda self, names: None)
     return request.param
 
 

@@ -264,7 +264,7 @@ class Engine:
         memory.scratch_bytes = p.scratch_bytes
         memory.stream_reserve = residency.stream_buffer_bytes
         if residency.streams:
-            memory.streamer = DenseStreamer(p.store.index, p.family.prefix, memory, residency)
+            memory.streamer = DenseStreamer(p.store.index, p.family.prefix, memory, residency, p.dense_names)
         return_freed_memory()  # freed temporaries leave the process, so RSS tracks what the budget counts
         runner = ExpertRunner(p.store, memory, opts.cache_policy, moe_layers=len(p.layout.moe_layers))
         weights = DenseWeights(p.store.index, p.family.prefix, memory)

@@ -536,7 +536,8 @@ class DenseStreamer:
     aside: the slots for as long as they are kept, placeholders' storage while it holds a layer.
     """
 
-    def __init__(self, index: CheckpointIndex, prefix: str, memory, plan: ResidencyPlan):
+    def __init__(self, index: CheckpointIndex, prefix: str, memory, plan: ResidencyPlan, dense_names: list[str]):
+        """dense_names: the checkpoint's dense tensors (ModelPlan.dense_names), where the streamed ones are found."""
         self.index, self.prefix, self.memory, self.plan = index, prefix, memory, plan
         self.order = plan.streamed_layers
         self.tensors: dict[str, torch.Tensor] = {}
@@ -549,12 +550,13 @@ class DenseStreamer:
         self._no_direct = False  # O_DIRECT refused here (the head's slabs are then read buffered)
         self._head_kept: list | None = None  # the two buffers streamed head slabs are read into (_head_buffers)
         self._head_counted = 0
-        # streamed layers' tensors in two kept slots on huge pages (_plan_slots): name -> (slot, place)
+        # streamed layers' tensors in two kept slots on huge pages (_plan_slots): the slot of each streamed layer,
+        # the place of each of their tensors (by checkpoint name) in it
         self._slots: list = []
-        self._place: dict[str, tuple[int, int]] = {}
+        self._place: dict[str, int] = {}
         self._slot_of: dict[int, int] = {}
         self._slot_counted = 0
-        self._plan_slots()
+        self._plan_slots(dense_names)
         self.head_part = None  # the head's resident leading rows (plan.head_resident_rows), read once here
         if plan.head_streamed and plan.head_resident_rows:
             info = self._table_info(HEAD if not plan.tied else EMBED)
@@ -567,7 +569,7 @@ class DenseStreamer:
             memory.add_dense(t.numel() * t.element_size())
             self.head_part = t
 
-    def _plan_slots(self) -> None:
+    def _plan_slots(self, dense_names: list[str]) -> None:
         """Places for the streamed layers' tensors in two slots kept for the engine's life, on huge pages where the
         kernel offers them (weights/pages.py): the streamed layers take the slots in turn (a layer is read into one
         while the one before it computes in the other), each layer's tensors in file order, each at the first place
@@ -580,26 +582,23 @@ class DenseStreamer:
         of its own."""
         if not self.order or not hasattr(os, "O_DIRECT"):
             return
-        streamed = set(self.order)
-        items: dict[int, list[tuple[str, TensorInfo]]] = {l: [] for l in self.order}
-        for full in self.index.names():
-            if not full.startswith(self.prefix):
-                continue
-            name = full[len(self.prefix):]
-            layer, info = layer_of(name), self.index[full]
-            if layer in streamed and streamable(name, info):
+        items: dict[int, list[TensorInfo]] = {l: [] for l in self.order}
+        for full in dense_names:
+            name, info = full[len(self.prefix):], self.index[full]
+            layer = layer_of(name)
+            if layer in items and streamable(name, info):
                 if not isinstance(info.file, Path):
                     return
-                items[layer].append((name, info))
+                items[layer].append(info)
         place, size = {}, 0
-        for i, layer in enumerate(self.order):
+        for infos in items.values():
             pos = 0
-            for name, info in sorted(items[layer], key=lambda ni: (str(ni[1].file), ni[1].offset)):
+            for info in sorted(infos, key=lambda i: (str(i.file), i.offset)):
                 pos += (info.offset - pos) % ALIGN
                 width = 1 if info.codec == "b12" else info.torch_dtype.itemsize
                 if pos % width:
                     return
-                place[name] = (i % 2, pos)
+                place[info.name] = pos
                 pos += info.nbytes
             size = max(size, pos)
         if size == 0:
@@ -610,9 +609,9 @@ class DenseStreamer:
         self._slot_counted = self.plan.layer_buffer_bytes
         self.memory.add_stream(self._slot_counted)
 
-    def _slot_tensor(self, name: str, info: TensorInfo) -> torch.Tensor:
-        """A streamed tensor over its place in its slot (its bytes are there while its layer is present)."""
-        slot, pos = self._place[name]
+    def _slot_tensor(self, info: TensorInfo, layer: int) -> torch.Tensor:
+        """A streamed tensor over its place in its layer's slot (its bytes are there while the layer is present)."""
+        slot, pos = self._slot_of[layer], self._place[info.name]
         if info.codec == "b12":
             return B12Weight.wrap(torch.frombuffer(self._slots[slot], dtype=torch.uint8, count=info.nbytes,
                                                    offset=pos), info.shape)
@@ -633,8 +632,8 @@ class DenseStreamer:
         placeholder whose storage is empty until its layer is entered."""
         if name not in self.tensors:
             info = self.index[self.prefix + name]
-            if name in self._place:
-                t = self._slot_tensor(name, info)
+            if info.name in self._place:
+                t = self._slot_tensor(info, layer_of(name))
             elif info.codec == "b12":  # a packed coded matrix: its stored bytes, read by the kernels as they are
                 _CodedRows(info)  # (its exception table checked once, before any step reads the bytes)
                 t = B12Weight.wrap(_empty_placeholder((info.nbytes,), torch.uint8), info.shape)
@@ -660,9 +659,8 @@ class DenseStreamer:
         byte, where O_DIRECT is refused) by buffered reads."""
         view = memoryview(self._slots[self._slot_of[layer]])
         futures = []
-        for t, info in self.by_layer[layer]:
-            pos = self._place[info.name[len(self.prefix):]][1]
-            o, n = info.offset, info.nbytes
+        for _, info in self.by_layer[layer]:
+            pos, o, n = self._place[info.name], info.offset, info.nbytes
             a0, a1 = -(-o // ALIGN) * ALIGN, (o + n) // ALIGN * ALIGN
             if a1 <= a0:
                 futures.append(self.pool.submit(read_into, info.file, o, [view[pos:pos + n]]))
@@ -815,35 +813,35 @@ class DenseStreamer:
             read_range(info.file, info.offset + start * row, n * row, out=_buffer(t.untyped_storage()))
             return t
 
-        inflight: list[tuple[Future, int]] = []  # (read, bytes counted for it) of the slab in flight
+        inflight: list[tuple[Future, int, int]] = []  # (read, its bytes, bytes counted for it) of the slab in flight
 
         def submit(i: int) -> None:
             nbytes = coded.nbytes(*slabs[i]) if coded is not None else slabs[i][1] * row
             counted = 0 if kept else nbytes  # the kept buffers are counted while they are held
             self.memory.add_stream(counted)
-            inflight.append((self.pool.submit(read, i, *slabs[i]), counted))
+            inflight.append((self.pool.submit(read, i, *slabs[i]), nbytes, counted))
 
         submit(0)
         try:
             for i, (start, n) in enumerate(slabs):
-                fut, nbytes = inflight[0]
+                fut, nbytes, counted = inflight[0]
                 slab = fut.result()
                 inflight.pop(0)
-                self.bytes_read += coded.nbytes(start, n) if coded is not None else n * row
+                self.bytes_read += nbytes
                 try:
                     if i + 1 < len(slabs):
                         submit(i + 1)
                     out[:, start:start + n] = linear(x, slab)
                 finally:
                     del slab
-                    self.memory.release_stream(nbytes)
+                    self.memory.release_stream(counted)
         finally:
-            for fut, nbytes in inflight:  # after an error: wait for the read in flight, give its bytes back
+            for fut, _, counted in inflight:  # after an error: wait for the read in flight, give its bytes back
                 try:
                     fut.result()
                 except BaseException:
                     pass
-                self.memory.release_stream(nbytes)
+                self.memory.release_stream(counted)
         return out
 
     def _head_buffers(self, info: TensorInfo, slabs: list[tuple[int, int]], coded, row: int) -> list | None:

@@ -1122,29 +1122,25 @@ class Calibrator:
 
     def disk(self, files: list[Path], where: Path) -> tuple[float, str]:
         """Disk bytes/s for the filesystem holding `where` (probing `files`, or a scratch file there if none)."""
-        disks = self.data.setdefault("disks", {})
-        key = f"{self.key}|{disk_key(where)}"
-        if key not in disks or (self.fresh and key not in self.disk_done):
-            self.disk_done.add(key)
-            self.log("calibrating: disk probe")
-            probe = (lambda: disk_rate(files, self.seconds)) if files else (lambda: disk_rate_at(where, self.seconds))
-            (bw,), spread = rounds(probe, self.rounds)
-            disks[key] = {"bytes_per_s": bw, "source": f"direct-I/O probe of {where}, {spread}, {self._stamp()}"}
-            _save(self.data)
-        return disks[key]["bytes_per_s"], disks[key]["source"]
+        probe = (lambda: disk_rate(files, self.seconds)) if files else (lambda: disk_rate_at(where, self.seconds))
+        return self._disk_rate(f"{self.key}|{disk_key(where)}", "disk probe", f"direct-I/O probe of {where}", probe)
 
     def disk_stream(self, files: list[Path], where: Path) -> tuple[float, str]:
         """Streamed dense weights' read rate (stream_rate) on the filesystem holding `where`, cached beside `disk`'s;
         (0.0, why) where the model has no local shard to stream from (the disk rate is used)."""
         if not files:
             return 0.0, "no local shards: the disk probe's rate"
+        return self._disk_rate(f"{self.key}|{disk_key(where)}|stream", "stream probe", f"stream probe of {where}",
+                               lambda: stream_rate(files, self.seconds))
+
+    def _disk_rate(self, key: str, what: str, source: str, probe: Callable[[], float]) -> tuple[float, str]:
+        """A disk rate cached under `key` (probed again once per run with `fresh`): (bytes/s, its source)."""
         disks = self.data.setdefault("disks", {})
-        key = f"{self.key}|{disk_key(where)}|stream"
         if key not in disks or (self.fresh and key not in self.disk_done):
             self.disk_done.add(key)
-            self.log("calibrating: stream probe")
-            (bw,), spread = rounds(lambda: stream_rate(files, self.seconds), self.rounds)
-            disks[key] = {"bytes_per_s": bw, "source": f"stream probe of {where}, {spread}, {self._stamp()}"}
+            self.log(f"calibrating: {what}")
+            (bw,), spread = rounds(probe, self.rounds)
+            disks[key] = {"bytes_per_s": bw, "source": f"{source}, {spread}, {self._stamp()}"}
             _save(self.data)
         return disks[key]["bytes_per_s"], disks[key]["source"]
 
