@@ -136,3 +136,67 @@ def test_warm_decode_short_path_adds_what_the_full_step_adds(tmp_path, monkeypat
     full = decode_logits(eng, ids)
     assert torch.equal(warm, full)
     assert float((warm - cold).abs().max() / cold.abs().max()) < 1e-6
+
+
+def test_one_token_situ_group_is_the_two_call_frame_bit_for_bit(monkeypatch):
+    """A decode step's one row through its routed MXFP4 SiTU experts in one native call (latent_moe._one_token_situ)
+    gives the bits of the two-call frame (routed_group + `native`): routed experts in any order of `experts`, some
+    routed experts outside the group (the runner's misses), an out that already holds a sum, an input with a
+    non-finite-free but wide range; and a 0xFF scale byte in any of w1, w3, w2 of any expert raises, out untouched."""
+    import pytest
+
+    from moestream.errors import CheckpointError
+    from moestream.experts.store import PartViews
+    from moestream.kernels import cpu
+    from moestream.kernels.quant import quantize_mxfp4
+    from moestream.models import latent_moe
+
+    if not cpu.available():
+        pytest.skip("no native kernels")
+    g = torch.Generator().manual_seed(11)
+    latent, inter, n_exp, k = 96, 160, 9, 6
+
+    def expert():
+        t = {}
+        for name, shape in (("w1", (inter, latent)), ("w3", (inter, latent)), ("w2", (latent, inter))):
+            t[f"{name}_packed"], t[f"{name}_scale"] = quantize_mxfp4(torch.randn(*shape, generator=g) * 0.1)
+        return PartViews(t)
+
+    experts = [expert() for _ in range(n_exp)]
+    act = latent_moe.make_act(4.0, 25.0)
+    calls = []
+    real = latent_moe._one_token_situ
+    monkeypatch.setattr(latent_moe, "_one_token_situ", lambda *a: calls.append(1) or real(*a))
+
+    def run(one: bool, z, ids, w, group, tensors, start):
+        if not one:
+            monkeypatch.setattr(latent_moe, "_one_token_situ", lambda *a: False)
+        out = start.clone()
+        assert latent_moe.mxfp4_group(act)(z, ids, w, group, tensors, out)
+        monkeypatch.setattr(latent_moe, "_one_token_situ", lambda *a: calls.append(1) or real(*a))
+        return out
+
+    for trial in range(6):
+        z = torch.randn(1, latent, generator=g) * (10.0 ** (trial - 2))
+        ids = torch.randperm(n_exp, generator=g)[:k].view(1, k)
+        w = torch.rand(1, k, generator=g)
+        group = ids[0, : k - trial % 3].tolist()  # the rest missed: computed elsewhere
+        group = [group[i] for i in torch.randperm(len(group), generator=g).tolist()]
+        tensors = [experts[e] for e in group]
+        start = torch.randn(1, latent, generator=g)
+        n = len(calls)
+        fused = run(True, z, ids, w, group, tensors, start)
+        assert len(calls) == n + 1
+        assert torch.equal(fused, run(False, z, ids, w, group, tensors, start))
+        assert not torch.equal(fused, start)
+    ids = torch.arange(4).view(1, 4)
+    w = torch.rand(1, 4, generator=g)
+    z = torch.randn(1, latent, generator=g)
+    for j in range(4):
+        for part in ("w1_scale", "w3_scale", "w2_scale"):
+            bad = [PartViews({name: v.clone() for name, v in experts[e].items()}) for e in range(4)]
+            bad[j][part][2, 1] = 255
+            out = torch.zeros(1, latent)
+            with pytest.raises(CheckpointError, match="255|0xFF|NaN"):
+                latent_moe.mxfp4_group(act)(z, ids, w, [0, 1, 2, 3], bad, out)
+            assert torch.equal(out, torch.zeros(1, latent))

@@ -673,6 +673,57 @@ int ms_linear_mxfp4(int64_t E, const int64_t *xs, const int64_t *Ts, const int64
     return 0;
 }
 
+/* out[d] += y[e][d] w[e] for e in order, each product rounded before its sum (as torch adds y * w rows with
+ * index_add_): never contracted into a fused multiply-add */
+__attribute__((noinline, optimize("fp-contract=off"))) static void add_weighted_rows(float *out, const float *y,
+                                                                                  const float *w, int64_t E,
+                                                                                  int64_t L) {
+    for (int64_t e = 0; e < E; e++) {
+        const float we = w[e], *ye = y + e * L;
+        for (int64_t d = 0; d < L; d++) {
+            const float t = ye[d] * we;
+            out[d] = out[d] + t;
+        }
+    }
+}
+
+/* A decode step's routed group of MXFP4 SiTU-GLU experts for one token (Kimi K3's latent MoE) in one call instead
+ * of two product calls, an activation call and torch's gather and weighted add between them: gate and up of every
+ * expert (p13 / s13: w1 and w3 of expert e at 2e and 2e + 1), SiTU-GLU, each expert's down product (p2 / s2), then
+ * out [L] += w[e] y_e in entry order. Products as ms_linear_mxfp4 computes them (x prepared once), the activation
+ * as ms_situ_glu, the sum as add_weighted_rows: the same bits as those calls. scratch holds 2 E I + E L floats.
+ * Returns 0; 1 + i for the first weight whose scales hold a 0xFF (i < 2E: p13's entry i, else p2's entry i - 2E),
+ * nothing computed; -1 when out of memory. */
+int ms_mxfp4_situ_group1(int64_t E, const float *x, const int64_t *p13, const int64_t *s13, const int64_t *p2,
+                         const int64_t *s2, const float *w, int64_t I, int64_t L, int layout, float beta, float lbeta,
+                         int64_t min_rows_per_thread, float *scratch, float *out) {
+    if (E <= 0) return 0;
+    int bad = mx_find255(2 * E, s13, I, L);
+    if (bad) return bad;
+    bad = mx_find255(E, s2, L, I);
+    if (bad) return (int)(2 * E) + bad;
+    int64_t *a = malloc(sizeof(int64_t) * (size_t)(8 * E));
+    if (!a) return -1;
+    int64_t *xs = a, *ts = a + 2 * E, *outs = a + 4 * E, *hs = a + 6 * E, *ys = a + 7 * E;
+    float *gate = scratch, *up = scratch + E * I, *y = scratch + 2 * E * I;
+    for (int64_t e = 0; e < E; e++) {
+        xs[2 * e] = xs[2 * e + 1] = (int64_t)(intptr_t)x;
+        ts[2 * e] = ts[2 * e + 1] = 1;
+        outs[2 * e] = (int64_t)(intptr_t)(gate + e * I);
+        outs[2 * e + 1] = (int64_t)(intptr_t)(up + e * I);
+        hs[e] = (int64_t)(intptr_t)(gate + e * I); /* the activation overwrites the gate rows */
+        ys[e] = (int64_t)(intptr_t)(y + e * L);
+    }
+    int code = ms_linear_mxfp4(2 * E, xs, ts, p13, s13, outs, I, L, layout, min_rows_per_thread, 0);
+    if (code == 0) {
+        ms_situ_glu(gate, up, E * I, beta, lbeta, gate);
+        code = ms_linear_mxfp4(E, hs, ts, p2, s2, ys, L, I, layout, min_rows_per_thread, 0);
+    }
+    if (code == 0) add_weighted_rows(out, y, w, E, L);
+    free(a);
+    return code;
+}
+
 /* ------------------------------------------------------------------------------------ softmax top-k router */
 /* softmax over one row of E router logits (in place, fp32), then the k largest (best first) into ids / wts,
  * divided by their sum when renorm; `taken` is E bytes of scratch */

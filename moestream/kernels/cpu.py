@@ -126,6 +126,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ms_linear_mxfp4.restype = ctypes.c_int
     lib.ms_linear_mxfp4_bf16.argtypes = lib.ms_linear_mxfp4.argtypes
     lib.ms_linear_mxfp4_bf16.restype = ctypes.c_int
+    lib.ms_mxfp4_situ_group1.argtypes = [i64, p, p, p, p, p, p, i64, i64, ctypes.c_int, ctypes.c_float,
+                                         ctypes.c_float, i64, p, p]
+    lib.ms_mxfp4_situ_group1.restype = ctypes.c_int
     lib.ms_set_threads.argtypes = [ctypes.c_int]
     lib.ms_get_threads.restype = ctypes.c_int
     lib.ms_set_spin_us.argtypes = [i64]
@@ -794,6 +797,24 @@ def linear_mxfp4_ptrs(xs: Sequence[int], tokens: Sequence[int], packed: Sequence
                                       min_rows_per_thread, 1)
     if code < 0:
         raise MemoryError("native MXFP4 kernel could not allocate its input scratch")
+    return code - 1
+
+
+def mxfp4_situ_group1(x: int, w13: Sequence[tuple[int, int]], w2: Sequence[tuple[int, int]], weights: int, inter: int,
+                      latent: int, beta: float, linear_beta: float, scratch: int, out: int,
+                      layout: str = "low_first", min_rows_per_thread: int = MIN_ROWS_PER_THREAD) -> int:
+    """One token x [latent] through E MXFP4 SiTU-GLU experts in one call (ms_mxfp4_situ_group1): out [latent] +=
+    weights[e] * W2_e SiTU-GLU(W1_e x, W3_e x), e in order, with the bits of linear_mxfp4_ptrs, situ_glu and torch's
+    `out += y * w` row by row. w13: (packed, scales) addresses of w1_0, w3_0, w1_1, ...; w2: those of w2_e; weights:
+    E float32; scratch: 2 E inter + E latent float32; every argument an address the caller keeps alive. Returns -1
+    when done, else the index of the first weight with a 0xFF scale byte (in w13, then w2 at 2E + e), nothing
+    computed."""
+    handle = required()
+    code = handle.ms_mxfp4_situ_group1(len(w2), x, _addresses([p for p, _ in w13]), _addresses([s for _, s in w13]),
+                                       _addresses([p for p, _ in w2]), _addresses([s for _, s in w2]), weights, inter,
+                                       latent, _LAYOUTS[layout], beta, linear_beta, min_rows_per_thread, scratch, out)
+    if code < 0:
+        raise MemoryError("native MXFP4 group kernel could not allocate its input scratch")
     return code - 1
 
 

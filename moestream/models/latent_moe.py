@@ -6,6 +6,7 @@ shared experts on the full width. Expert bytes come through the ExpertRunner; no
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
@@ -67,6 +68,9 @@ def _native_group(z, ids, weights, experts, tensors, act, out, bf16: bool = Fals
     every expert, then w2 of every expert) straight from the packed bytes, in blocks.routed_group's frame (rows
     gathered by expert, each expert's rows one contiguous slice). For steps of at most NATIVE_GROUP_MAX_ROWS rows."""
     inter, latent = _group_dims(z, tensors)
+    if z.shape[0] == 1 and not bf16 and isinstance(act, Situ) and _one_token_situ(z, ids, weights, experts, tensors,
+                                                                                 act, out, inter, latent):
+        return
 
     def native(zr: torch.Tensor, y: torch.Tensor, few: list[tuple[int, int, int]]) -> None:
         gate_up = torch.empty(2, zr.shape[0], inter, dtype=torch.float32)
@@ -102,6 +106,42 @@ def _native_group(z, ids, weights, experts, tensors, act, out, bf16: bool = Fals
 
 
 _PARTS = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")
+_SCRATCH = threading.local()  # a thread's float32 scratch for _one_token_situ, grown as needed, kept
+
+
+def _one_token_situ(z, ids, weights, experts, tensors, act: Situ, out, inter: int, latent: int) -> bool:
+    """A decode step's one row through its routed SiTU experts in one native call (cpu.mxfp4_situ_group1): the
+    bits routed_group and `native` above give (experts in ascending id, each term y * w added in that order), less
+    their gather, three calls and the torch ops between them. False (nothing done) where the frame differs: the
+    batch-invariant runner's per-slot out, or an out or weights that are not float32."""
+    if out.dim() != 2 or out.dtype != torch.float32 or not out.is_contiguous() or weights.dtype != torch.float32:
+        return False
+    slot = {e: j for j, e in enumerate(experts)}
+    picks = sorted((e, s) for s, e in enumerate(ids[0].tolist()) if e in slot)  # routed_spans' order
+    if not picks:
+        return True
+    keep: list = []
+    w13, w2, order = [], [], []
+    for e, _ in picks:
+        j = slot[e]
+        w1p, w1s, w3p, w3s, w2p, w2s = _pointers(tensors[j], keep)
+        w13 += ((w1p, w1s), (w3p, w3s))
+        w2.append((w2p, w2s))
+        order.append(j)
+    wts = weights[0, [s for _, s in picks]].contiguous()
+    x = z.float().contiguous()
+    need = len(picks) * (2 * inter + latent)
+    scratch = getattr(_SCRATCH, "t", None)
+    if scratch is None or scratch.numel() < need:
+        scratch = _SCRATCH.t = torch.empty(need, dtype=torch.float32)
+    bad = cpu.mxfp4_situ_group1(x.data_ptr(), w13, w2, wts.data_ptr(), inter, latent, act.beta, act.linear_beta,
+                                scratch.data_ptr(), out.data_ptr())
+    if bad >= 0:
+        n = len(picks)
+        j, name = (order[bad // 2], "w1_scale" if bad % 2 == 0 else "w3_scale") if bad < 2 * n \
+            else (order[bad - 2 * n], "w2_scale")
+        check_mxfp4_scales(tensors[j][name])  # raises the 0xFF scale error
+    return True
 
 
 def _group_dims(z: torch.Tensor, tensors) -> tuple[int, int]:
