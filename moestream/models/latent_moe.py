@@ -79,7 +79,7 @@ def _native_group(z, ids, weights, experts, tensors, act, out, bf16: bool = Fals
         ps2, ss2, outs2, who2 = [], [], [], []
         keep = []  # contiguous copies made here must outlive the calls
         for j, start, count in few:
-            w1p, w1s, w3p, w3s, w2p, w2s = _pointers(tensors[j], keep)
+            w1p, w1s, w3p, w3s, w2p, w2s = _pointers(tensors[j], keep, inter, latent)
             x = zp + start * latent * 4
             xs += (x, x)
             ts += (count, count)
@@ -124,7 +124,7 @@ def _one_token_situ(z, ids, weights, experts, tensors, act: Situ, out, inter: in
     w13, w2, order = [], [], []
     for e, _ in picks:
         j = slot[e]
-        w1p, w1s, w3p, w3s, w2p, w2s = _pointers(tensors[j], keep)
+        w1p, w1s, w3p, w3s, w2p, w2s = _pointers(tensors[j], keep, inter, latent)
         w13 += ((w1p, w1s), (w3p, w3s))
         w2.append((w2p, w2s))
         order.append(j)
@@ -147,24 +147,35 @@ def _one_token_situ(z, ids, weights, experts, tensors, act: Situ, out, inter: in
 def _group_dims(z: torch.Tensor, tensors) -> tuple[int, int]:
     """(inter, latent) of a group of MXFP4 experts, after checking that every expert's six parts have the shapes
     those imply and that z's rows are `latent` wide: the native call reads every expert with one shape, so a
-    malformed expert would otherwise be read out of bounds."""
+    malformed expert would otherwise be read out of bounds. A blob's check is cached with its addresses."""
     inter, latent = tensors[0]["w1_packed"].shape[0], z.shape[1]
-    want = {"w1_packed": (inter, latent // 2), "w3_packed": (inter, latent // 2), "w2_packed": (latent, inter // 2),
-            "w1_scale": (inter, latent // 32), "w3_scale": (inter, latent // 32), "w2_scale": (latent, inter // 32)}
     for t in tensors:
+        _checked(t, inter, latent)
+    return inter, latent
+
+
+def _checked(t, inter: int, latent: int) -> tuple[int, ...] | None:
+    """Addresses of an expert's six parts (None where one is not contiguous) once their shapes and dtype are those
+    of (inter, latent), else CheckpointError; cached on a blob's PartViews (experts.store.cached_addresses) for
+    that shape, so a cached expert is checked once, not every step."""
+    def make() -> tuple[int, ...] | None:
+        want = {"w1_packed": (inter, latent // 2), "w3_packed": (inter, latent // 2),
+                "w2_packed": (latent, inter // 2), "w1_scale": (inter, latent // 32),
+                "w3_scale": (inter, latent // 32), "w2_scale": (latent, inter // 32)}
         for name, shape in want.items():
             got = t[name]
             if tuple(got.shape) != shape or got.dtype != torch.uint8 or latent % 32 or inter % 32:
                 raise CheckpointError(f"MXFP4 expert part {name} has {got.dtype}{list(got.shape)}, expected "
                                       f"uint8{list(shape)} (latent width {latent}, expert width {inter})")
-    return inter, latent
+        return tuple(t[n].data_ptr() for n in _PARTS) if all(t[n].is_contiguous() for n in _PARTS) else None
+
+    return cached_addresses(t, ("mxfp4", inter, latent), make)
 
 
-def _pointers(t, keep: list) -> tuple[int, ...]:
-    """Addresses of an expert's six parts; cached on a blob's PartViews (experts.store.cached_addresses: its views
-    are contiguous); other mappings' non-contiguous parts are copied into `keep`."""
-    got = cached_addresses(t, "mxfp4", lambda: tuple(t[n].data_ptr() for n in _PARTS)
-                           if all(t[n].is_contiguous() for n in _PARTS) else None)
+def _pointers(t, keep: list, inter: int, latent: int) -> tuple[int, ...]:
+    """Addresses of an expert's six parts, checked (_checked); other mappings' non-contiguous parts are copied into
+    `keep`."""
+    got = _checked(t, inter, latent)
     if got is not None:
         return got
     parts = [t[n].contiguous() for n in _PARTS]
