@@ -66,7 +66,8 @@ def _all_rows(zp, ids, weights, experts, w13, w2, act, out, rnd) -> None:
 def _native_group(z, ids, weights, experts, tensors, act, out, bf16: bool = False) -> None:
     """Each row through its routed experts only, all of the group's experts in two native calls (w1 and w3 of
     every expert, then w2 of every expert) straight from the packed bytes, in blocks.routed_group's frame (rows
-    gathered by expert, each expert's rows one contiguous slice). For steps of at most NATIVE_GROUP_MAX_ROWS rows."""
+    gathered by expert, each expert's rows one contiguous slice). For steps of at most NATIVE_GROUP_MAX_ROWS rows; a
+    decode step's one row of SiTU experts in fp32 compute takes one call instead (_one_token_situ, the same bits)."""
     inter, latent = _group_dims(z, tensors)
     if z.shape[0] == 1 and not bf16 and isinstance(act, Situ) and _one_token_situ(z, ids, weights, experts, tensors,
                                                                                  act, out, inter, latent):
