@@ -32,7 +32,8 @@ test: venv
 # aborts the run with ASan's report.
 ASAN_CACHE ?= /tmp/moestream-asan
 ASAN_TESTS ?= tests/test_native_kernels.py tests/test_fuzz_checkpoints.py tests/test_checkpoint_experts.py \
-	tests/test_b12x.py tests/test_decode_block.py tests/test_rows_block.py tests/test_compute_dtype.py
+	tests/test_b12x.py tests/test_decode_block.py tests/test_rows_block.py tests/test_compute_dtype.py \
+	tests/test_grouped_experts.py
 asan: venv
 	rm -rf $(ASAN_CACHE)
 	XDG_CACHE_HOME=$(ASAN_CACHE) $(BIN)/python tools/asan_kernels.py

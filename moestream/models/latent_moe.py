@@ -6,7 +6,6 @@ shared experts on the full width. Expert bytes come through the ExpertRunner; no
 """
 from __future__ import annotations
 
-import threading
 from typing import Callable
 
 import torch
@@ -107,7 +106,6 @@ def _native_group(z, ids, weights, experts, tensors, act, out, bf16: bool = Fals
 
 
 _PARTS = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")
-_SCRATCH = threading.local()  # a thread's float32 scratch for _one_token_situ, grown as needed, kept
 
 
 def _one_token_situ(z, ids, weights, experts, tensors, act: Situ, out, inter: int, latent: int) -> bool:
@@ -131,10 +129,7 @@ def _one_token_situ(z, ids, weights, experts, tensors, act: Situ, out, inter: in
         order.append(j)
     wts = weights[0, [s for _, s in picks]].contiguous()
     x = z.float().contiguous()
-    need = len(picks) * (2 * inter + latent)
-    scratch = getattr(_SCRATCH, "t", None)
-    if scratch is None or scratch.numel() < need:
-        scratch = _SCRATCH.t = torch.empty(need, dtype=torch.float32)
+    scratch = torch.empty(len(picks) * (2 * inter + latent), dtype=torch.float32)  # gate, up and y, as before
     bad = cpu.mxfp4_situ_group1(x.data_ptr(), w13, w2, wts.data_ptr(), inter, latent, act.beta, act.linear_beta,
                                 scratch.data_ptr(), out.data_ptr())
     if bad >= 0:
