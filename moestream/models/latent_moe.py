@@ -18,7 +18,7 @@ from moestream.kernels.quant import (GROUP_DECODE_BYTES, bf16_rounded, check_mxf
                                      mxfp4_linear, mxfp4_permute_input)
 from moestream.models.base import routed, router
 from moestream.models.blocks import (SigmoidRouter, Situ, expert_glu, glu_group, glu_mlp, linear, mxfp4_bf16,
-                                     rms_norm, routed_group)
+                                     rms_norm, routed_group, routed_spans)
 
 Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -111,29 +111,30 @@ _PARTS = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_sca
 def _one_token_situ(z, ids, weights, experts, tensors, act: Situ, out, inter: int, latent: int) -> bool:
     """A decode step's one row through its routed SiTU experts in one native call (cpu.mxfp4_situ_group1): the
     bits routed_group and `native` above give (experts in ascending id, each term y * w added in that order), less
-    their gather, three calls and the torch ops between them. False (nothing done) where the frame differs: the
-    batch-invariant runner's per-slot out, or an out or weights that are not float32."""
+    their gather, three calls and the torch ops between them (its pairs in routed_spans' order). False (nothing
+    done) where the frame differs: the batch-invariant runner's per-slot out, an out or weights that are not
+    float32, an expert routed twice in the row."""
     if out.dim() != 2 or out.dtype != torch.float32 or not out.is_contiguous() or weights.dtype != torch.float32:
         return False
-    slot = {e: j for j, e in enumerate(experts)}
-    picks = sorted((e, s) for s, e in enumerate(ids[0].tolist()) if e in slot)  # routed_spans' order
-    if not picks:
+    sel, spans = routed_spans(ids, experts)  # the frame's order: ascending expert id
+    if any(count != 1 for _, _, count in spans):
+        return False
+    if not spans:
         return True
     keep: list = []
     w13, w2, order = [], [], []
-    for e, _ in picks:
-        j = slot[e]
+    for j, _, _ in spans:
         w1p, w1s, w3p, w3s, w2p, w2s = _pointers(tensors[j], keep, inter, latent)
         w13 += ((w1p, w1s), (w3p, w3s))
         w2.append((w2p, w2s))
         order.append(j)
-    wts = weights[0, [s for _, s in picks]].contiguous()
+    wts = weights.reshape(-1)[sel].contiguous()
     x = z.float().contiguous()
-    scratch = torch.empty(len(picks) * (2 * inter + latent), dtype=torch.float32)  # gate, up and y, as before
+    scratch = torch.empty(len(spans) * (2 * inter + latent), dtype=torch.float32)  # gate, up and y, as before
     bad = cpu.mxfp4_situ_group1(x.data_ptr(), w13, w2, wts.data_ptr(), inter, latent, act.beta, act.linear_beta,
                                 scratch.data_ptr(), out.data_ptr())
     if bad >= 0:
-        n = len(picks)
+        n = len(spans)
         j, name = (order[bad // 2], "w1_scale" if bad % 2 == 0 else "w3_scale") if bad < 2 * n \
             else (order[bad - 2 * n], "w2_scale")
         check_mxfp4_scales(tensors[j][name])  # raises the 0xFF scale error
